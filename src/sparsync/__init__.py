@@ -1,0 +1,39 @@
+"""sparsync: send only what matters, and pick how to send it.
+
+Layers: transport (torch.distributed) -> collectives (SparCML) -> compressors -> placement -> replicator API.
+See docs/architecture.md.
+"""
+
+from sparsync.calibrate import measure_link
+from sparsync.collectives import allreduce, sparse_allgather, sparse_allreduce
+from sparsync.collectives._comm import PeerError
+from sparsync.costmodel import ALGORITHMS, Decision, LinkModel, Problem, choose_fastest, lower_bound, predict
+from sparsync.handle import Work
+from sparsync.launch import LaunchError, launch
+from sparsync.record import CommLog, CommRecord
+from sparsync.stream import SparseStream, add, dense_threshold, sum_streams
+
+__all__ = [
+    "ALGORITHMS",
+    "CommLog",
+    "CommRecord",
+    "Decision",
+    "LaunchError",
+    "LinkModel",
+    "PeerError",
+    "Problem",
+    "SparseStream",
+    "Work",
+    "add",
+    "allreduce",
+    "choose_fastest",
+    "dense_threshold",
+    "launch",
+    "lower_bound",
+    "measure_link",
+    "predict",
+    "sparse_allgather",
+    "sparse_allreduce",
+    "sum_streams",
+]
+__version__ = "0.1.0"

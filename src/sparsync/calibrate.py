@@ -1,0 +1,82 @@
+"""Measure the α-β-γ link model of a group: a short ping-pong plus a local reduction micro-benchmark.
+
+All pairs (0,1), (2,3), ... ping-pong at the same time, so the measurement sees the contention the collectives
+will see (on a shared host, cores; behind a shaped link, the link). The per-rank estimates are then averaged
+with one allreduce so that every rank holds the same model: "auto" must choose the same algorithm everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from sparsync.group import resolve_group
+from sparsync.costmodel import LinkModel
+from sparsync.stream import SparseStream, add
+
+
+def _pingpong(group: dist.ProcessGroup, rank: int, peer: int, nbytes: int, reps: int) -> float:
+    """Median one-way time of an ``nbytes`` message between ``rank`` and ``peer``."""
+    buf = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
+    times = []
+    for _ in range(reps + 1):  # first round warms the connection up
+        t0 = time.perf_counter()
+        if rank < peer:
+            dist.send(buf, group=group, group_dst=peer)
+            dist.recv(buf, group=group, group_src=peer)
+        else:
+            dist.recv(buf, group=group, group_src=peer)
+            dist.send(buf, group=group, group_dst=peer)
+        times.append((time.perf_counter() - t0) / 2)
+    return sorted(times[1:])[reps // 2]
+
+
+def _reduction_costs(n: int = 200_000) -> tuple[float, float]:
+    """Seconds per sparse pair merged and per dense element added, on this rank."""
+    g = torch.Generator().manual_seed(0)
+    dim = 100 * n
+    a = SparseStream.coalesce(torch.randint(0, dim, (n,), generator=g), torch.rand(n, generator=g), dim)
+    b = SparseStream.coalesce(torch.randint(0, dim, (n,), generator=g), torch.rand(n, generator=g), dim)
+    t0 = time.perf_counter()
+    add(a, b)
+    gamma_sparse = (time.perf_counter() - t0) / (a.nnz + b.nnz)
+    x, y = torch.rand(10 * n), torch.rand(10 * n)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        x.add_(y)
+    gamma_dense = (time.perf_counter() - t0) / (30 * n)
+    return gamma_sparse, gamma_dense
+
+
+def measure_link(
+    group: dist.ProcessGroup | None = None, *, large_bytes: int = 1 << 20, reps: int = 5
+) -> LinkModel:
+    """Measure α (one-way small-message time), β (seconds per byte), γ; identical result on every rank.
+
+    Collective: every rank of ``group`` must call it. Takes well under a second on loopback, about
+    ``reps * large_bytes * 2 / bandwidth`` behind a slow link.
+    """
+    g = resolve_group(group)
+    rank, size = dist.get_rank(g), dist.get_world_size(g)
+    gs, gd = _reduction_costs()
+    est = torch.zeros(5, dtype=torch.float64)
+    est[2], est[3] = gs, gd
+    peer = rank ^ 1
+    if peer < size:
+        t_small = _pingpong(g, rank, peer, 8, reps)
+        t_large = _pingpong(g, rank, peer, large_bytes, reps)
+        est[0] = t_small
+        est[1] = max(t_large - t_small, 1e-12) / large_bytes
+        est[4] = 1.0
+    dist.all_reduce(est, group=g)
+    if size == 1:
+        return LinkModel(alpha=0.0, beta=0.0, gamma_sparse=gs, gamma_dense=gd)
+    pairs = float(est[4])
+    return LinkModel(
+        alpha=float(est[0]) / pairs,
+        beta=float(est[1]) / pairs,
+        gamma_sparse=float(est[2]) / size,
+        gamma_dense=float(est[3]) / size,
+    )

@@ -1,0 +1,173 @@
+"""Point-to-point plumbing shared by the collectives: byte exchange, traffic counters, group state.
+
+Everything goes through torch.distributed (gloo on CPU): ``isend``/``irecv`` for the exchanges we schedule
+ourselves, torch collectives where torch has the right one. Per-group state (the measured link model, the
+async queue, the call counter) lives on the ProcessGroup object itself, not in module globals.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sparsync.group import group_state, resolve_group
+from sparsync.stream import SparseStream, index_dtype_for
+
+HEADER_WORDS = 2  # [is_dense, nnz] as int64
+HEADER_BYTES = HEADER_WORDS * 8
+
+
+class PeerError(RuntimeError):
+    """A peer did not answer in time, or the transport failed; names the operation and the peer."""
+
+
+@dataclass
+class Traffic:
+    """What one rank put on and took off the wire during one collective."""
+
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    messages: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class Comm:
+    """One rank's view of a group for the duration of one collective: peers by group rank, counters."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout: float | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.traffic = Traffic()
+        self.timeout = timedelta(seconds=timeout) if timeout is not None else None
+        self.op = "collective"
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Named timing scope (STYLE 10), so a benchmark can print where the time went."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.traffic.phases[name] = self.traffic.phases.get(name, 0.0) + time.perf_counter() - t0
+
+    def _wait(self, works: list[Any], peers: list[int]) -> None:
+        for w, peer in zip(works, peers, strict=True):
+            try:
+                if self.timeout is None:
+                    w.wait()
+                else:
+                    w.wait(self.timeout)
+            except RuntimeError as e:  # gloo reports timeouts and closed peers as RuntimeError
+                raise PeerError(
+                    f"{self.op}: rank {self.rank} got no answer from peer rank {peer} of the group "
+                    f"(timed out or the peer died): {e}"
+                ) from e
+
+    def exchange(self, peer: int, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
+        """Send ``send`` to ``peer`` and receive into ``recv`` from it, concurrently. None or empty skips."""
+        works: list[Any] = []
+        peers: list[int] = []
+        if recv is not None and recv.numel():
+            works.append(dist.irecv(recv, group=self.group, group_src=peer))
+            peers.append(peer)
+        if send is not None and send.numel():
+            works.append(dist.isend(send.contiguous(), group=self.group, group_dst=peer))
+            peers.append(peer)
+            self.traffic.bytes_sent += send.numel() * send.element_size()
+            self.traffic.messages += 1
+        self._wait(works, peers)
+        if recv is not None:
+            self.traffic.bytes_recv += recv.numel() * recv.element_size()
+
+    def send(self, peer: int, tensor: torch.Tensor) -> None:
+        self.exchange(peer, tensor, None)
+
+    def recv(self, peer: int, tensor: torch.Tensor) -> None:
+        self.exchange(peer, None, tensor)
+
+    def count_collective(self, sent: int, received: int, messages: int) -> None:
+        """Account for a torch collective whose traffic we compute from its algorithm (gloo: ring)."""
+        self.traffic.bytes_sent += sent
+        self.traffic.bytes_recv += received
+        self.traffic.messages += messages
+
+    def run_collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
+        """Run a blocking torch collective, turning transport errors into a PeerError naming ``what``."""
+        try:
+            work = fn(*args, group=self.group, async_op=True, **kwargs)
+            if self.timeout is None:
+                work.wait()
+            else:
+                work.wait(self.timeout)
+        except RuntimeError as e:
+            raise PeerError(f"{self.op}: {what} failed on rank {self.rank} (timeout or dead peer): {e}") from e
+
+
+# --- wire format of a stream --------------------------------------------------------------------------------
+def header_of(stream: SparseStream) -> torch.Tensor:
+    return torch.tensor([1 if stream.is_dense else 0, stream.nnz], dtype=torch.int64)
+
+
+def payload_of(stream: SparseStream) -> torch.Tensor:
+    """The stream as one uint8 tensor: index bytes then value bytes (values only when dense)."""
+    vals = stream.values.contiguous().view(torch.uint8)
+    if stream.indices is None:
+        return vals
+    return torch.cat([stream.indices.contiguous().view(torch.uint8), vals])
+
+
+def payload_nbytes(is_dense: bool, nnz: int, dim: int, dtype: torch.dtype) -> int:
+    isize = torch.empty((), dtype=dtype).element_size()
+    if is_dense:
+        return dim * isize
+    return nnz * (isize + torch.empty((), dtype=index_dtype_for(dim)).element_size())
+
+
+def stream_from_payload(
+    payload: torch.Tensor, is_dense: bool, nnz: int, dim: int, dtype: torch.dtype
+) -> SparseStream:
+    if is_dense:
+        return SparseStream(None, _view(payload, dtype), dim, validate=False)
+    itype = index_dtype_for(dim)
+    ib = nnz * torch.empty((), dtype=itype).element_size()
+    return SparseStream(_view(payload[:ib], itype), _view(payload[ib:], dtype), dim, validate=False)
+
+
+def _view(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Reinterpret received bytes; blocks inside a gathered buffer may be misaligned, so copy those."""
+    if buf.storage_offset() % torch.empty((), dtype=dtype).element_size():
+        buf = buf.clone()
+    return buf.view(dtype)
+
+
+def exchange_stream(
+    comm: Comm,
+    peer: int,
+    stream: SparseStream | None,
+    expect: bool,
+    dim: int,
+    dtype: torch.dtype,
+) -> SparseStream | None:
+    """Send ``stream`` (if any) to ``peer`` and receive one of ``dim``/``dtype`` back (if ``expect``).
+
+    Two messages per direction: a 16-byte header with the format and nnz, then the payload, since the
+    receiver cannot know the size of a partial sum in advance (the union of index sets is data dependent).
+    """
+    hdr_in = torch.empty(HEADER_WORDS, dtype=torch.int64) if expect else None
+    comm.exchange(peer, header_of(stream) if stream is not None else None, hdr_in)
+    buf: torch.Tensor | None = None
+    if hdr_in is not None:
+        is_dense, nnz = bool(hdr_in[0]), int(hdr_in[1])
+        buf = torch.empty(payload_nbytes(is_dense, nnz, dim, dtype), dtype=torch.uint8)
+    comm.exchange(peer, payload_of(stream) if stream is not None else None, buf)
+    if hdr_in is None or buf is None:
+        return None
+    return stream_from_payload(buf, bool(hdr_in[0]), int(hdr_in[1]), dim, dtype)

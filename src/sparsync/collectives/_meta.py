@@ -1,0 +1,92 @@
+"""The metadata exchange every sparse collective starts with, and the cross-rank checks it makes possible.
+
+One tiny allgather (recursive doubling, log2(P) latency) of eight int64 per rank gives every rank every rank's
+nnz and format (the sizes "allgather" needs, the inputs "auto" needs) and lets all ranks raise the *same*
+ValueError for bad input on any rank, instead of the good ranks hanging on the bad one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sparsync.collectives._comm import Comm
+from sparsync.collectives._fold import allgather_fixed
+from sparsync.stream import FLOAT_DTYPES, SparseStream
+
+OPS = ("sparse_allreduce", "sparse_allgather")
+ALGORITHM_CODES = (
+    "auto",
+    "ssar_recursive_double",
+    "ssar_split_allgather",
+    "dsar_split_allgather",
+    "allgather",
+    "dense",
+    "-",
+)
+_F = ("seq", "op", "dim", "dtype", "nnz", "dense", "nan", "algorithm")
+
+
+@dataclass(frozen=True)
+class Meta:
+    nnz: tuple[int, ...]
+    dense: tuple[bool, ...]
+
+
+def exchange_meta(comm: Comm, op: str, stream: SparseStream, algorithm: str, seq: int, check_nan: bool) -> Meta:
+    nan_pos = -1
+    if check_nan:
+        bad = torch.isnan(stream.values)
+        if bool(bad.any()):
+            pos = int(torch.nonzero(bad, as_tuple=True)[0][0])
+            nan_pos = pos if stream.indices is None else int(stream.indices[pos])
+    row = torch.tensor(
+        [
+            seq,
+            OPS.index(op),
+            stream.dim,
+            FLOAT_DTYPES.index(stream.dtype),
+            stream.nnz,
+            int(stream.is_dense),
+            nan_pos,
+            ALGORITHM_CODES.index(algorithm),
+        ],
+        dtype=torch.int64,
+    )
+    with comm.phase("meta"):
+        table = allgather_fixed(comm, row)
+    _check(table, comm.rank)
+    return Meta(
+        nnz=tuple(int(x) for x in table[:, 4]),
+        dense=tuple(bool(x) for x in table[:, 5]),
+    )
+
+
+def _check(table: torch.Tensor, me: int) -> None:
+    def names(col: int, r: int) -> str:
+        v = int(table[r, col])
+        if _F[col] == "op":
+            return OPS[v]
+        if _F[col] == "dtype":
+            return str(FLOAT_DTYPES[v])
+        if _F[col] == "algorithm":
+            return ALGORITHM_CODES[v]
+        return str(v)
+
+    for col, what in ((1, "collective"), (0, "call number"), (7, "algorithm"), (2, "dim"), (3, "dtype")):
+        bad = torch.nonzero(table[:, col] != table[0, col], as_tuple=True)[0]
+        if bad.numel():
+            r = int(bad[0])
+            raise ValueError(
+                f"{what} mismatch across ranks: rank 0 has {_F[col]}={names(col, 0)}, "
+                f"rank {r} has {_F[col]}={names(col, r)} (seen on rank {me}); every rank must issue the same "
+                "collectives in the same order on streams of the same dimension and dtype"
+            )
+    nans = torch.nonzero(table[:, 6] >= 0, as_tuple=True)[0]
+    if nans.numel():
+        r = int(nans[0])
+        raise ValueError(
+            f"rank {r} contributed NaN (at vector index {int(table[r, 6])}); refusing to reduce it "
+            "(pass check_nan=False to skip this check)"
+        )

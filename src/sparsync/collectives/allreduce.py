@@ -1,0 +1,205 @@
+"""Public sparse collectives: ``sparse_allreduce``, ``sparse_allgather`` (SparCML §4) and ``allreduce``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Literal, TypeVar, overload
+
+import torch
+import torch.distributed as dist
+
+from sparsync.calibrate import measure_link
+from sparsync.collectives._comm import Comm, payload_nbytes, payload_of
+from sparsync.collectives._comm import stream_from_payload as _decode
+from sparsync.collectives._fold import allgather_blocks
+from sparsync.collectives._meta import Meta, exchange_meta
+from sparsync.collectives.recursive_double import ssar_recursive_double
+from sparsync.collectives.split_allgather import dsar_split_allgather, ssar_split_allgather
+from sparsync.group import group_state, resolve_group
+from sparsync.costmodel import ALGORITHMS, Decision, LinkModel, Policy, Problem, choose_fastest
+from sparsync.handle import Work
+from sparsync.record import CommLog, CommRecord
+from sparsync.stream import SparseStream, index_dtype_for, sum_streams
+
+T = TypeVar("T")
+
+
+def _gather_streams(comm: Comm, stream: SparseStream, meta: Meta) -> list[SparseStream]:
+    sizes = [payload_nbytes(meta.dense[r], meta.nnz[r], stream.dim, stream.dtype) for r in range(comm.size)]
+    with comm.phase("allgather_payload"):
+        blocks = allgather_blocks(comm, payload_of(stream), sizes)
+    return [_decode(b, meta.dense[r], meta.nnz[r], stream.dim, stream.dtype) for r, b in enumerate(blocks)]
+
+
+def _allgather_sum(comm: Comm, stream: SparseStream, meta: Meta) -> SparseStream:
+    """The Horovod/DDP way: gather every rank's stream, then sum locally."""
+    streams = _gather_streams(comm, stream, meta)
+    with comm.phase("sum"):
+        return sum_streams(streams)
+
+
+def _dense(comm: Comm, stream: SparseStream) -> SparseStream:
+    """Densify and run torch's allreduce (gloo: ring, 2(P-1)/P·N values per rank each way)."""
+    buf = stream.to_dense().clone() if stream.is_dense else stream.to_dense()
+    with comm.phase("dense_allreduce"):
+        comm.run_collective("dense all_reduce", dist.all_reduce, buf)
+    P = comm.size
+    nb = 2 * (P - 1) * buf.numel() * buf.element_size() // P
+    comm.count_collective(nb, nb, 2 * (P - 1))
+    return SparseStream(None, buf, stream.dim, validate=False)
+
+
+_RUNNERS: dict[str, Callable[[Comm, SparseStream, Meta], SparseStream]] = {
+    "ssar_recursive_double": lambda c, s, m: ssar_recursive_double(c, s),
+    "ssar_split_allgather": lambda c, s, m: ssar_split_allgather(c, s),
+    "dsar_split_allgather": lambda c, s, m: dsar_split_allgather(c, s),
+    "allgather": _allgather_sum,
+    "dense": lambda c, s, m: _dense(c, s),
+}
+
+
+def _submit(group: dist.ProcessGroup, fn: Callable[[], T], async_op: bool) -> T | Work[T]:
+    """Run ``fn`` now, or on the group's FIFO worker. Once a group has async work in flight, blocking calls
+    queue behind it too, so every rank issues the group's transfers in the same order."""
+    state = group_state(group)
+    with state.lock:
+        busy = state.pending > 0
+        if async_op or busy:
+            if state.executor is None:
+                state.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsync")
+            state.pending += 1
+            fut = state.executor.submit(fn)
+        else:
+            fut = None
+    if fut is None:
+        return fn()
+
+    def _done(_: object) -> None:
+        with state.lock:
+            state.pending -= 1
+
+    fut.add_done_callback(_done)
+    work = Work(fut)
+    return work if async_op else work.wait()
+
+
+@overload
+def sparse_allreduce(
+    stream: SparseStream, *, algorithm: str = ..., group: dist.ProcessGroup | None = ...,
+    async_op: Literal[False] = ..., log: CommLog | None = ..., link: LinkModel | None = ...,
+    policy: Policy = ..., timeout: float | None = ..., check_nan: bool = ...,
+) -> SparseStream: ...
+@overload
+def sparse_allreduce(
+    stream: SparseStream, *, algorithm: str = ..., group: dist.ProcessGroup | None = ...,
+    async_op: Literal[True], log: CommLog | None = ..., link: LinkModel | None = ...,
+    policy: Policy = ..., timeout: float | None = ..., check_nan: bool = ...,
+) -> Work[SparseStream]: ...
+def sparse_allreduce(  # noqa: PLR0913
+    stream: SparseStream,
+    *,
+    algorithm: str = "auto",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    log: CommLog | None = None,
+    link: LinkModel | None = None,
+    policy: Policy = choose_fastest,
+    timeout: float | None = None,
+    check_nan: bool = True,
+) -> SparseStream | Work[SparseStream]:
+    """Sum of every rank's ``stream``, on every rank (bitwise identical everywhere).
+
+    ``algorithm``: one of ``ssar_recursive_double``, ``ssar_split_allgather``, ``dsar_split_allgather``,
+    ``allgather``, ``dense`` or ``auto`` (chosen per call from the α-β model; α, β measured once per group at
+    first use unless ``link`` is given; ``policy`` may replace the choice). ``log`` collects a CommRecord
+    (bytes, time, phases, decision). Does not modify ``stream``. Collective: all ranks of ``group`` call it.
+
+    Example::
+
+        >>> s = SparseStream(torch.tensor([rank]), torch.tensor([1.0]), dim=8)
+        >>> sparse_allreduce(s).to_dense()      # on 4 ranks
+        tensor([1., 1., 1., 1., 0., 0., 0., 0.])
+    """
+    if algorithm != "auto" and algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; valid: auto, {', '.join(ALGORITHMS)}")
+    if not isinstance(stream, SparseStream):
+        raise TypeError(f"sparse_allreduce takes a SparseStream, got {type(stream).__name__} (see allreduce())")
+    g = resolve_group(group)
+    state = group_state(g)
+    seq = state.calls
+    state.calls += 1
+
+    def run() -> SparseStream:
+        t0 = time.perf_counter()
+        comm = Comm(g, timeout)
+        comm.op = f"sparse_allreduce(algorithm={algorithm!r})"
+        meta = exchange_meta(comm, "sparse_allreduce", stream, algorithm, seq, check_nan)
+        decision: Decision | None = None
+        alg = algorithm
+        if alg == "auto":
+            lm = link or state.link
+            if lm is None:
+                with comm.phase("calibrate"):
+                    lm = state.link = measure_link(g)
+            isz = stream.values.element_size()
+            c = torch.empty((), dtype=index_dtype_for(stream.dim)).element_size()
+            problem = Problem(comm.size, stream.dim, meta.nnz, isz, c)
+            decision = policy(problem, lm)
+            alg = decision.algorithm
+        result = _RUNNERS[alg](comm, stream, meta)
+        if log is not None:
+            tr = comm.traffic
+            log.append(
+                CommRecord("sparse_allreduce", alg, comm.rank, comm.size, stream.dim, stream.nnz, result.nnz,
+                           tr.bytes_sent, tr.bytes_recv, tr.messages, time.perf_counter() - t0,
+                           dict(tr.phases), decision)
+            )
+        return result
+
+    return _submit(g, run, async_op)
+
+
+def sparse_allgather(
+    stream: SparseStream,
+    *,
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    log: CommLog | None = None,
+    timeout: float | None = None,
+    check_nan: bool = True,
+) -> list[SparseStream] | Work[list[SparseStream]]:
+    """Every rank's ``stream`` (sizes may differ), in rank order, on every rank.
+
+    Sizes travel in the metadata exchange, then the payloads by recursive doubling (SparCML §4).
+
+    Example::
+
+        >>> parts = sparse_allgather(SparseStream(torch.tensor([rank]), torch.tensor([float(rank)]), dim=8))
+        >>> [p.nnz for p in parts]               # on 3 ranks
+        [1, 1, 1]
+    """
+    if not isinstance(stream, SparseStream):
+        raise TypeError(f"sparse_allgather takes a SparseStream, got {type(stream).__name__}")
+    g = resolve_group(group)
+    state = group_state(g)
+    seq = state.calls
+    state.calls += 1
+
+    def run() -> list[SparseStream]:
+        t0 = time.perf_counter()
+        comm = Comm(g, timeout)
+        comm.op = "sparse_allgather"
+        meta = exchange_meta(comm, "sparse_allgather", stream, "-", seq, check_nan)
+        out = _gather_streams(comm, stream, meta)
+        if log is not None:
+            tr = comm.traffic
+            log.append(
+                CommRecord("sparse_allgather", "recursive_double", comm.rank, comm.size, stream.dim,
+                           stream.nnz, sum(s.nnz for s in out), tr.bytes_sent, tr.bytes_recv, tr.messages,
+                           time.perf_counter() - t0, dict(tr.phases))
+            )
+        return out
+
+    return _submit(g, run, async_op)

@@ -1,0 +1,51 @@
+"""SSAR_Recursive_Double: SparCML §4.1, "The Latency Dominated Case".
+
+In round t every rank exchanges its partial sum with the rank 2^(t-1) away and adds the two sparse streams,
+switching to the dense format when the sum fills up (§3). log2(P) rounds: latency-optimal, and the bandwidth
+term ranges from log2(P)·k·βs (identical index sets) to (P-1)·k·βs (disjoint ones).
+
+Non-power-of-two P: MPICH fold (see ``_fold``). Every rank ends with a bitwise identical result: each round
+adds the same two operands on both partners, and float addition of two operands commutes.
+"""
+
+from __future__ import annotations
+
+from sparsync.collectives._comm import Comm, exchange_stream
+from sparsync.collectives._fold import Fold
+from sparsync.stream import SparseStream, add
+
+
+def ssar_recursive_double(comm: Comm, stream: SparseStream) -> SparseStream:
+    P, rank = comm.size, comm.rank
+    if P == 1:
+        return stream
+    dim, dtype = stream.dim, stream.dtype
+    fold = Fold(P)
+    if fold.is_folded_away(rank):
+        with comm.phase("fold"):
+            exchange_stream(comm, rank + 1, stream, expect=False, dim=dim, dtype=dtype)
+            result = exchange_stream(comm, rank + 1, None, expect=True, dim=dim, dtype=dtype)
+        assert result is not None
+        return result
+    acc = stream
+    if rank < 2 * fold.rem:
+        with comm.phase("fold"):
+            got = exchange_stream(comm, rank - 1, None, expect=True, dim=dim, dtype=dtype)
+            assert got is not None
+            acc = add(got, acc)
+    v = fold.virtual(rank)
+    mask = 1
+    with comm.phase("rounds"):
+        while mask < fold.pof2:
+            peer = fold.real(v ^ mask)
+            got = exchange_stream(comm, peer, acc, expect=True, dim=dim, dtype=dtype)
+            assert got is not None
+            # Each element receives at most one addition of two operands, which commutes, so both partners
+            # get the same bits. A dense accumulator we own is reused in place (SparCML §3).
+            acc = add(acc, got, inplace=acc is not stream)
+            mask <<= 1
+    if rank < 2 * fold.rem:
+        with comm.phase("fold"):
+            exchange_stream(comm, rank - 1, acc, expect=False, dim=dim, dtype=dtype)
+    return acc
+

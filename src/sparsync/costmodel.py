@@ -1,0 +1,157 @@
+"""The α-β(-γ) cost model of SparCML §4 and the policy that picks an allreduce algorithm from it.
+
+Data (``LinkModel``, ``Problem``) is kept apart from the selection policy (``choose_fastest``), so a user can
+set a measured or assumed link, or replace the policy (STYLE 8).
+
+Where the paper is vague we chose:
+- The paper gives each algorithm's time as a range between full overlap and no overlap of the index sets. To
+  pick one algorithm per call we need a point estimate, so we predict the size of partial sums by the expected
+  union of independent uniformly random index sets with the ranks' actual densities:
+  U(m) = N·(1 - q^m), q = geometric mean of (1 - nnz_i/N). Identical index sets make this pessimistic for
+  recursive doubling (it then over-predicts its bandwidth term), which only biases the choice toward the
+  split algorithms that are safe in that case.
+- Reduction work is not free on CPUs (§4 notes the lower bound ignores it), so the model adds γ terms: seconds
+  per sparse pair merged and per dense element added, measured with the link.
+- Latency terms follow the message pattern we actually run: two messages (header, payload) per recursive
+  doubling round, P-1 per all_to_all, and the MPICH fold adds 2 exchanges when P is not a power of two.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+ALGORITHMS = ("ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather", "allgather", "dense")
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    alpha: float  # seconds per message (one-way latency incl. software overhead)
+    beta: float  # seconds per byte on one link (1 / bandwidth)
+    gamma_sparse: float = 2e-8  # seconds per (index, value) pair merged in a sparse sum
+    gamma_dense: float = 5e-10  # seconds per element in a dense add
+
+    def __post_init__(self) -> None:
+        for name in ("alpha", "beta", "gamma_sparse", "gamma_dense"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise ValueError(f"LinkModel.{name} must be a finite number >= 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class Problem:
+    world_size: int  # P
+    dim: int  # N
+    nnz: tuple[int, ...]  # stored entries per rank (dim for a rank whose stream is dense)
+    value_bytes: int  # isize
+    index_bytes: int  # c
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1 or len(self.nnz) != self.world_size:
+            raise ValueError(f"Problem needs one nnz per rank: P={self.world_size}, nnz={self.nnz}")
+        if self.dim < 1:
+            raise ValueError(f"Problem.dim must be >= 1, got {self.dim}")
+
+    @property
+    def delta(self) -> int:
+        """SparCML §3: the nnz at which the dense format becomes smaller."""
+        return self.dim * self.value_bytes // (self.index_bytes + self.value_bytes)
+
+    @property
+    def k(self) -> int:
+        return max(self.nnz)
+
+    def union(self, m: float) -> float:
+        """Expected nnz of a sum of m ranks' streams (independent uniform index sets)."""
+        N = self.dim
+        logq = sum(math.log1p(-min(n, N - 1e-9) / N) if n < N else -1e9 for n in self.nnz) / self.world_size
+        return N * (1.0 - math.exp(logq * m))
+
+    def stream_bytes(self, entries: float) -> float:
+        """Wire bytes of a stream with ``entries`` pairs: sparse below delta, dense above (§3)."""
+        if entries >= self.delta:
+            return float(self.dim * self.value_bytes)
+        return entries * (self.index_bytes + self.value_bytes)
+
+    def input_bytes(self, rank: int) -> float:
+        return self.stream_bytes(self.nnz[rank])
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What "auto" chose, and why: inspectable for logs and the benchmark."""
+
+    algorithm: str
+    predictions: dict[str, float] = field(default_factory=dict)  # seconds, per candidate algorithm
+    lower_bound: float = 0.0
+    problem: Problem | None = None
+    link: LinkModel | None = None
+
+
+def _add_cost(p: Problem, link: LinkModel, entries: float) -> float:
+    if entries >= p.delta:
+        return link.gamma_dense * p.dim
+    return link.gamma_sparse * entries
+
+
+def predict(algorithm: str, p: Problem, link: LinkModel) -> float:
+    """Predicted seconds of one sparse allreduce with ``algorithm`` (SparCML §4 bounds, see module doc)."""
+    P, N, a, b = p.world_size, p.dim, link.alpha, link.beta
+    if P == 1:
+        return 0.0
+    pof2 = 1 << (P.bit_length() - 1)
+    rounds = int(math.log2(pof2))
+    fold = P != pof2
+    mean_bytes = sum(p.input_bytes(r) for r in range(P)) / P
+    if algorithm == "ssar_recursive_double":
+        t = 0.0
+        m = P / pof2
+        if fold:
+            t += 2 * (2 * a) + b * (p.stream_bytes(p.union(1)) + p.stream_bytes(p.union(P)))
+        for _ in range(rounds):
+            t += 2 * a + b * p.stream_bytes(p.union(m)) + _add_cost(p, link, 2 * p.union(m))
+            m *= 2
+        return t
+    if algorithm in ("ssar_split_allgather", "dsar_split_allgather"):
+        split = 2 * (P - 1) * a + b * mean_bytes * (P - 1) / P + _add_cost(p, link, p.union(P) / P) * 1.0
+        if algorithm == "dsar_split_allgather":
+            return split + (P - 1) * a + b * N * p.value_bytes * (P - 1) / P + link.gamma_dense * N
+        gather_latency = 2 * (rounds + (2 if fold else 0)) * a
+        result = p.stream_bytes(p.union(P))
+        return split + gather_latency + b * result * (P - 1) / P + _add_cost(p, link, p.union(P))
+    if algorithm == "allgather":
+        received = sum(p.input_bytes(r) for r in range(P)) - min(p.input_bytes(r) for r in range(P))
+        latency = (rounds + (2 if fold else 0)) * a
+        return latency + b * received + _add_cost(p, link, sum(p.nnz))
+    if algorithm == "dense":
+        return 2 * (P - 1) * a + b * 2 * (P - 1) / P * N * p.value_bytes + 2 * link.gamma_dense * N
+    raise KeyError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
+
+
+def lower_bound(p: Problem, link: LinkModel) -> float:
+    """α-β lower bound of any sparse allreduce (SparCML Lemma 4.1 and Theorem 4.2).
+
+    DSAR (expected result nnz K >= delta): log2(P)·α + N·βd (Thm 4.2). SSAR: log2(P)·α plus the larger of the
+    two valid bandwidth bounds 2(P-1)/P·k·βd (dense allreduce on the k-subspace) and (K-k)·βd (each rank must
+    receive the K-k result entries it lacks); at K = kP and K = k this is exactly Lemma 4.1's two cases.
+    """
+    P = p.world_size
+    if P == 1:
+        return 0.0
+    beta_d = link.beta * p.value_bytes
+    K = p.union(P)
+    lat = math.log2(P) * link.alpha
+    if K >= p.delta:
+        return lat + p.dim * beta_d
+    return lat + max(2 * (P - 1) / P * p.k * beta_d, (K - p.k) * beta_d)
+
+
+Policy = Callable[[Problem, LinkModel], Decision]
+
+
+def choose_fastest(p: Problem, link: LinkModel, candidates: tuple[str, ...] = ALGORITHMS) -> Decision:
+    """Default policy: the candidate with the smallest predicted time (ties: the earlier in ``candidates``)."""
+    preds = {alg: predict(alg, p, link) for alg in candidates}
+    best = min(candidates, key=lambda alg: preds[alg])
+    return Decision(best, preds, lower_bound(p, link), p, link)

@@ -1,0 +1,43 @@
+"""The one async handle type (STYLE 5): ``wait()`` returns the result, ``then()`` chains a function."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+U = TypeVar("U")
+
+
+class Work(Generic[T]):
+    """Result of a non-blocking collective. Collectives of one group run in issue order on one background
+    worker per group, so per-layer reductions overlap with computation on the caller's thread."""
+
+    def __init__(self, future: Future[T]) -> None:
+        self._future = future
+
+    @classmethod
+    def done(cls, value: T) -> Work[T]:
+        f: Future[T] = Future()
+        f.set_result(value)
+        return cls(f)
+
+    def wait(self, timeout: float | None = None) -> T:
+        """Block until the collective finished; re-raises its error on this thread."""
+        return self._future.result(timeout)
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def then(self, fn: Callable[[T], U]) -> Work[U]:
+        out: Future[U] = Future()
+
+        def _chain(f: Future[T]) -> None:
+            try:
+                out.set_result(fn(f.result()))
+            except BaseException as e:  # forwarded to whoever waits on the chained handle
+                out.set_exception(e)
+
+        self._future.add_done_callback(_chain)
+        return Work(out)

@@ -1,0 +1,62 @@
+"""What a collective reports about itself: bytes per rank, time, algorithm, and the auto decision."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparsync.costmodel import Decision
+
+
+@dataclass
+class CommRecord:
+    """One collective call, as seen by one rank."""
+
+    op: str  # "sparse_allreduce", "sparse_allgather", ...
+    algorithm: str  # the algorithm that ran (after "auto" resolved)
+    rank: int
+    world_size: int
+    dim: int
+    nnz_in: int  # stored entries of this rank's input
+    nnz_out: int  # stored entries of the result (dim when dense)
+    bytes_sent: int  # payload + headers this rank put on the wire
+    bytes_recv: int
+    messages: int
+    seconds: float  # wall time of the whole call on this rank, metadata exchange included
+    phases: dict[str, float] = field(default_factory=dict)  # named timing scopes, seconds
+    decision: Decision | None = None  # set when algorithm="auto"
+
+    def as_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items() if k != "decision"}
+        if self.decision is not None:
+            d["predictions"] = dict(self.decision.predictions)
+            d["lower_bound"] = self.decision.lower_bound
+        return d
+
+
+class CommLog:
+    """A list of CommRecords the caller passes to collectives (``log=``) to collect what they did."""
+
+    def __init__(self) -> None:
+        self.records: list[CommRecord] = []
+
+    def append(self, record: CommRecord) -> None:
+        self.records.append(record)
+
+    @property
+    def last(self) -> CommRecord:
+        if not self.records:
+            raise IndexError("no collective has been recorded in this CommLog")
+        return self.records[-1]
+
+    def total_bytes_sent(self) -> int:
+        return sum(r.bytes_sent for r in self.records)
+
+    def total_seconds(self) -> float:
+        return sum(r.seconds for r in self.records)
+
+    def clear(self) -> None:
+        self.records.clear()
+
+    def __len__(self) -> int:
+        return len(self.records)
