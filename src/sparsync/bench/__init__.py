@@ -1,0 +1,59 @@
+"""Benchmarks behind ``sparsync bench ...``; they reproduce the papers' figures on this machine."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from sparsync.bench.allreduce import BenchConfig, worker
+from sparsync.bench.report import check_targets, plot, print_table, print_targets, write_files
+from sparsync.launch import launch
+from sparsync.netem import NetNamespaces, NetSpec, require_root
+
+
+def run_allreduce_bench(
+    cfg: BenchConfig,
+    procs: tuple[int, ...],
+    *,
+    out: Path,
+    net: str | None = None,
+    latency: str | None = None,
+    console: Console | None = None,
+    progress: bool = True,
+    timeout: float = 600.0,
+) -> list[dict[str, Any]]:
+    """Run the allreduce benchmark for each world size in ``procs``; print, save, plot. Returns the rows."""
+    console = console or Console()
+    spec = NetSpec(net, latency) if net else None
+    if spec is not None:
+        require_root()
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    where = f"{net} links{f' + {latency}' if latency else ''} (tc tbf, one netns per rank)" if net else "loopback"
+    for P in procs:
+        console.print(f"[bold]P = {P}[/], N = {cfg.dim:,} float32, {where}, {cfg.repeats} repeats")
+        if spec is None:
+            res = launch(worker, nprocs=P, args=(cfg, progress), timeout=timeout)
+        else:
+            with NetNamespaces(P, spec) as ns:
+                res = launch(worker, nprocs=P, args=(cfg, progress), timeout=timeout, netns=ns)
+        rows.extend(res[0])
+        link = res[0][0]["link"] if res[0] else {}
+        console.print(f"  measured link: α = {link.get('alpha', 0) * 1e6:.0f} µs, "
+                      f"1/β = {1 / max(link.get('beta', 1e-12), 1e-12) / 1e6:.0f} MB/s")
+    title = f"sparse allreduce, N={cfg.dim:,}, {where}"
+    print_table(rows, console, title)
+    checks = check_targets(rows)
+    print_targets(checks, console)
+    meta = {"config": {**cfg.__dict__}, "procs": list(procs), "net": net, "latency": latency,
+            "seconds": time.perf_counter() - t0, "targets": [list(c) for c in checks]}
+    files = write_files(rows, meta, out)
+    files.append(plot(rows, out, title))
+    console.print("wrote " + ", ".join(str(f) for f in files))
+    return rows
+
+
+__all__ = ["BenchConfig", "run_allreduce_bench"]

@@ -1,0 +1,164 @@
+"""``sparsync bench allreduce``: SparCML Fig. 4 on this machine (time vs density, per P, per algorithm).
+
+Each point: every rank draws k = density·N uniformly random indices with random values (SparCML §6,
+"Micro-Benchmarks"), then each method runs ``repeats`` times after one warm-up. A repeat's time is the slowest
+rank's (a collective is done when its last rank is), taken with an allreduce(MAX) outside the timed region.
+Methods: torch gloo dense allreduce, torch gloo sparse COO allreduce, and every sparsync algorithm plus auto
+(sparsync's "allgather" is the Horovod/DDP way: gather everything, sum locally).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sparsync.calibrate import measure_link
+from sparsync.collectives.allreduce import sparse_allreduce
+from sparsync.costmodel import ALGORITHMS, LinkModel, Problem, lower_bound, predict
+from sparsync.record import CommLog
+from sparsync.stream import SparseStream, index_dtype_for
+
+METHODS = ("gloo_dense", "gloo_sparse_coo", *ALGORITHMS, "auto")
+BASELINES = ("gloo_dense", "gloo_sparse_coo", "allgather")
+# torch's gloo sparse allreduce gathers every rank's COO tensor (int64 indices + values) on every rank: skip
+# points where that alone would take more than this many bytes per rank.
+COO_MEMORY_CAP = 1 << 30
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    dim: int = 16 * 2**20  # N, float32 entries
+    densities: tuple[float, ...] = (1e-5, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 1.0)
+    repeats: int = 5  # timed runs per point, after one warm-up
+    methods: tuple[str, ...] = METHODS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dim < 1:
+            raise ValueError(f"dim must be >= 1, got {self.dim}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        bad = [d for d in self.densities if not 0.0 <= d <= 1.0]
+        if bad:
+            raise ValueError(f"densities must lie in [0, 1], got {bad}")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}; valid: {', '.join(METHODS)}")
+
+
+@dataclass
+class Row:
+    world_size: int
+    density: float
+    method: str
+    median_s: float
+    p25_s: float
+    p75_s: float
+    times_s: list[float]
+    bytes_sent_per_rank: float  # mean over ranks
+    predicted_s: float | None  # α-β(-γ) model; for auto: the prediction of the algorithm it chose
+    lower_bound_s: float  # SparCML Lemma 4.1 / Thm 4.2 with the measured α, β
+    chosen: str = ""  # for auto: the algorithm(s) it picked
+    note: str = ""
+    link: dict[str, float] = field(default_factory=dict)
+
+
+def _make_stream(rank: int, cfg: BenchConfig, density: float, point: int) -> SparseStream:
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + point * 101 + rank)
+    k = round(density * cfg.dim)
+    if k >= cfg.dim:
+        return SparseStream.from_dense(torch.rand(cfg.dim, generator=g) + 0.5)
+    idx = torch.randperm(cfg.dim, generator=g)[:k].sort().values.to(index_dtype_for(cfg.dim))
+    return SparseStream(idx, torch.rand(k, generator=g) + 0.5, cfg.dim, validate=False)
+
+
+def _runner(method: str, stream: SparseStream, log: CommLog) -> Callable[[], object]:
+    if method == "gloo_dense":
+        dense = stream.to_dense()
+        return lambda: dist.all_reduce(dense.clone())
+    if method == "gloo_sparse_coo":
+        idx = stream.indices if stream.indices is not None else torch.arange(stream.dim)
+        coo = torch.sparse_coo_tensor(idx.to(torch.int64)[None], stream.values, (stream.dim,)).coalesce()
+        return lambda: dist.all_reduce(coo)
+    return lambda: sparse_allreduce(stream, algorithm=method, log=log)
+
+
+def _bytes(method: str, stream: SparseStream, P: int, log: CommLog, nnz_all: list[int]) -> float:
+    if method == "gloo_dense":  # gloo ring allreduce
+        return 2 * (P - 1) / P * stream.dim * stream.values.element_size()
+    if method == "gloo_sparse_coo":  # gloo allgathers int64 indices + values of every rank (ring: forwards)
+        return float(sum(nnz_all) - stream.nnz) * (8 + stream.values.element_size())
+    return float(statistics.mean(r.bytes_sent for r in log.records)) if log.records else 0.0
+
+
+def worker(rank: int, cfg: BenchConfig, show_progress: bool) -> list[dict[str, Any]]:
+    """Runs on every rank; rank 0 returns the rows."""
+    P = dist.get_world_size()
+    link = measure_link()
+    rows: list[dict[str, Any]] = []
+    total = len(cfg.densities) * len(cfg.methods)
+    progress = None
+    if show_progress and rank == 0:
+        from rich.progress import Progress
+
+        progress = Progress(transient=True)
+        progress.start()
+        task = progress.add_task(f"P={P} N={cfg.dim}", total=total)
+    try:
+        for point, density in enumerate(cfg.densities):
+            stream = _make_stream(rank, cfg, density, point)
+            nnz_t = torch.zeros(P, dtype=torch.int64)
+            nnz_t[rank] = stream.nnz
+            dist.all_reduce(nnz_t)
+            nnz_all = [int(x) for x in nnz_t]
+            problem = Problem(P, cfg.dim, tuple(nnz_all), 4, index_dtype_for(cfg.dim).itemsize)
+            for method in cfg.methods:
+                rows.append(_measure(method, stream, cfg, P, nnz_all, problem, link, density))
+                if progress is not None:
+                    progress.advance(task)
+    finally:
+        if progress is not None:
+            progress.stop()
+    return rows if rank == 0 else []
+
+
+def _measure(
+    method: str, stream: SparseStream, cfg: BenchConfig, P: int, nnz_all: list[int], problem: Problem,
+    link: LinkModel, density: float,
+) -> dict[str, Any]:
+    lb = lower_bound(problem, link)
+    skip = method == "gloo_sparse_coo" and sum(nnz_all) * (8 + 4) > COO_MEMORY_CAP
+    skip_t = torch.tensor([1.0 if skip else 0.0])
+    dist.all_reduce(skip_t, op=dist.ReduceOp.MAX)
+    if float(skip_t) > 0:
+        return asdict(Row(P, density, method, float("nan"), float("nan"), float("nan"), [], 0.0, None, lb,
+                          note="skipped: gathered COO would exceed 1 GiB per rank"))
+    log = CommLog()
+    run = _runner(method, stream, log)
+    run()  # warm-up (and, for auto, the one-time link calibration of this group)
+    log.clear()
+    times = []
+    for _ in range(cfg.repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        run()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        times.append(float(t))
+    qs = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
+    chosen = ""
+    pred: float | None = None
+    if method in ALGORITHMS:
+        pred = predict(method, problem, link)
+    elif method == "auto":
+        picks = sorted({r.algorithm for r in log.records})
+        chosen = "/".join(picks)
+        pred = min(predict(a, problem, link) for a in ALGORITHMS)
+    return asdict(Row(P, density, method, statistics.median(times), qs[0], qs[2], times,
+                      _bytes(method, stream, P, log, nnz_all), pred, lb, chosen, link=asdict(link)))

@@ -1,0 +1,126 @@
+"""Benchmark output: a rich table on screen, CSV + JSON files, a log-log PNG like SparCML Fig. 4, and the
+side-by-side target checks of the foundation issue."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from sparsync.bench.allreduce import BASELINES
+
+
+def _fmt(t: float | None) -> str:
+    if t is None or (isinstance(t, float) and math.isnan(t)):
+        return "-"
+    return f"{t * 1e3:.2f}"
+
+
+def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> None:
+    table = Table(title=title)
+    for col in ("P", "density", "method", "median ms", "p25-p75 ms", "MB sent/rank", "model ms", "bound ms",
+                "auto chose"):
+        table.add_column(col, justify="right" if col not in ("method", "auto chose") else "left")
+    for r in rows:
+        spread = "-" if math.isnan(r["p25_s"]) else f"{_fmt(r['p25_s'])}-{_fmt(r['p75_s'])}"
+        table.add_row(str(r["world_size"]), f"{r['density']:g}", r["method"], _fmt(r["median_s"]), spread,
+                      f"{r['bytes_sent_per_rank'] / 1e6:.3f}", _fmt(r["predicted_s"]), _fmt(r["lower_bound_s"]),
+                      r["chosen"] or r["note"])
+    console.print(table)
+
+
+def write_files(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> list[Path]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    js = out.with_suffix(".json")
+    js.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    cs = out.with_suffix(".csv")
+    keys = [k for k in rows[0] if k not in ("times_s", "link")]
+    with cs.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    return [js, cs]
+
+
+def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_p: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_p[r["world_size"]].append(r)
+    fig, axes = plt.subplots(1, len(by_p), figsize=(6 * len(by_p), 4.6), squeeze=False)
+    for ax, (P, prow) in zip(axes[0], sorted(by_p.items()), strict=True):
+        methods = list(dict.fromkeys(r["method"] for r in prow))
+        for m in methods:
+            pts = [r for r in prow if r["method"] == m and not math.isnan(r["median_s"]) and r["density"] > 0]
+            if not pts:
+                continue
+            x = [r["density"] for r in pts]
+            y = [r["median_s"] for r in pts]
+            err = [[r["median_s"] - r["p25_s"] for r in pts], [r["p75_s"] - r["median_s"] for r in pts]]
+            style = {"lw": 2.6, "color": "black"} if m == "auto" else {"lw": 1.2}
+            ax.errorbar(x, y, yerr=err, marker="o", ms=3, capsize=2, label=m, **style)
+        bound = sorted({(r["density"], r["lower_bound_s"]) for r in prow if r["density"] > 0})
+        if bound:
+            ax.plot([b[0] for b in bound], [b[1] for b in bound], ":", color="gray", label="α-β lower bound")
+        model = sorted({(r["density"], r["predicted_s"]) for r in prow if r["method"] == "auto"
+                        and r["predicted_s"] and r["density"] > 0})
+        if model:
+            ax.plot([b[0] for b in model], [b[1] for b in model], "--", color="black", alpha=0.5,
+                    label="α-β model (auto)")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("density (nnz / N per rank)")
+        ax.set_ylabel("time per allreduce (s)")
+        ax.set_title(f"P = {P}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][-1].legend(fontsize=7, loc="upper left")
+    fig.suptitle(title)
+    fig.tight_layout()
+    png = out.with_suffix(".png")
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def check_targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
+    """The foundation issue's targets, evaluated on one run's side-by-side medians."""
+    pts: dict[tuple[int, float], dict[str, float]] = defaultdict(dict)
+    for r in rows:
+        if not math.isnan(r["median_s"]):
+            pts[(r["world_size"], r["density"])][r["method"]] = r["median_s"]
+    out: list[tuple[str, bool, str]] = []
+    for (P, d), m in sorted(pts.items()):
+        if "auto" not in m:
+            continue
+        base = {b: m[b] for b in BASELINES if b in m}
+        if base:
+            best = min(base, key=lambda b: base[b])
+            ratio = m["auto"] / base[best]
+            out.append((f"P={P} d={d:g}: auto <= 1.1x fastest baseline ({best})", ratio <= 1.1, f"{ratio:.2f}x"))
+        if d <= 1e-3 and "gloo_dense" in m:
+            sp = m["gloo_dense"] / m["auto"]
+            out.append((f"P={P} d={d:g}: auto >= 10x faster than gloo dense", sp >= 10, f"{sp:.1f}x faster"))
+        if P == 8 and abs(d - 0.1) < 1e-12 and "gloo_dense" in m:
+            ratio = m["auto"] / m["gloo_dense"]
+            out.append((f"P={P} d={d:g}: auto within 1.2x of gloo dense", ratio <= 1.2, f"{ratio:.2f}x"))
+    return out
+
+
+def print_targets(checks: list[tuple[str, bool, str]], console: Console) -> None:
+    table = Table(title="targets (side by side, this run)")
+    table.add_column("target")
+    table.add_column("measured", justify="right")
+    table.add_column("met")
+    for name, ok, val in checks:
+        table.add_row(name, val, "[green]yes[/]" if ok else "[red]no[/]")
+    console.print(table)

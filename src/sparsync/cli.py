@@ -1,0 +1,92 @@
+"""The ``sparsync`` command: ``demo``, ``bench allreduce``."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from sparsync.bench.allreduce import METHODS, BenchConfig
+
+_SIZE = re.compile(r"^(\d+)([kKmMgG]?)$")
+
+
+def parse_size(text: str) -> int:
+    """'16M' -> 16*2**20, '1000' -> 1000."""
+    m = _SIZE.match(text.strip())
+    if m is None:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: expected e.g. 16M, 1M, 500k, 1000")
+    return int(m.group(1)) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[m.group(2).lower()]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    out = tuple(text.split(","))
+    bad = [m for m in out if m not in METHODS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown methods {bad}; valid: {', '.join(METHODS)}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparsync", description="Sparse collectives for PyTorch training.")
+    sub = p.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="short allreduce benchmark on 4 local processes (< 2 min)")
+    demo.add_argument("--out", type=Path, default=Path("results/demo_allreduce"))
+    bench = sub.add_parser("bench", help="benchmarks")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    ar = bsub.add_parser("allreduce", help="SparCML Fig. 4: time vs density per algorithm")
+    ar.add_argument("--n", type=parse_size, default=16 * 2**20, help="vector length N (default 16M)")
+    ar.add_argument("--procs", type=_ints, default=(2, 4, 8), help="world sizes, e.g. 2,4,8")
+    ar.add_argument("--densities", type=_floats, default=BenchConfig().densities)
+    ar.add_argument("--repeats", type=int, default=5)
+    ar.add_argument("--methods", type=_methods, default=METHODS)
+    ar.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
+    ar.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
+    ar.add_argument("--out", type=Path, default=Path("results/allreduce"), help="path stem for .csv/.json/.png")
+    ar.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    from sparsync.bench import run_allreduce_bench
+
+    try:
+        if args.command == "demo":
+            console.print("[bold]sparsync demo[/]: sparse allreduce, 4 local processes, N = 1M float32")
+            cfg = BenchConfig(dim=2**20, densities=(1e-4, 1e-3, 1e-2, 0.1, 1.0), repeats=3)
+            run_allreduce_bench(cfg, (4,), out=args.out, console=console)
+            return 0
+        if args.command == "bench" and args.bench == "allreduce":
+            if args.latency and not args.net:
+                raise ValueError("--latency needs --net")
+            cfg = BenchConfig(dim=args.n, densities=args.densities, repeats=args.repeats, methods=args.methods)
+            run_allreduce_bench(cfg, args.procs, out=args.out, net=args.net, latency=args.latency,
+                                console=console, progress=not args.no_progress)
+            return 0
+    except (ValueError, PermissionError, RuntimeError) as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
