@@ -12,8 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from sparsync.group import resolve_group
 from sparsync.costmodel import LinkModel
+from sparsync.group import resolve_group
 from sparsync.stream import SparseStream, add
 
 
@@ -51,7 +51,7 @@ def _reduction_costs(n: int = 200_000) -> tuple[float, float]:
 
 
 def measure_link(
-    group: dist.ProcessGroup | None = None, *, large_bytes: int = 1 << 20, reps: int = 5
+    group: dist.ProcessGroup | None = None, *, large_bytes: int = 4 << 20, reps: int = 5
 ) -> LinkModel:
     """Measure α (one-way small-message time), β (seconds per byte), γ; identical result on every rank.
 

@@ -79,8 +79,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.latency and not args.net:
                 raise ValueError("--latency needs --net")
             cfg = BenchConfig(dim=args.n, densities=args.densities, repeats=args.repeats, methods=args.methods)
-            run_allreduce_bench(cfg, args.procs, out=args.out, net=args.net, latency=args.latency,
-                                console=console, progress=not args.no_progress)
+            run_allreduce_bench(
+                cfg,
+                args.procs,
+                out=args.out,
+                net=args.net,
+                latency=args.latency,
+                console=console,
+                progress=not args.no_progress,
+            )
             return 0
     except (ValueError, PermissionError, RuntimeError) as e:
         console.print(f"[red]error:[/] {e}")

@@ -102,7 +102,7 @@ def predict(algorithm: str, p: Problem, link: LinkModel) -> float:
         return 0.0
     pof2 = 1 << (P.bit_length() - 1)
     rounds = int(math.log2(pof2))
-    fold = P != pof2
+    fold = pof2 != P
     mean_bytes = sum(p.input_bytes(r) for r in range(P)) / P
     if algorithm == "ssar_recursive_double":
         t = 0.0
@@ -132,9 +132,11 @@ def predict(algorithm: str, p: Problem, link: LinkModel) -> float:
 def lower_bound(p: Problem, link: LinkModel) -> float:
     """α-β lower bound of any sparse allreduce (SparCML Lemma 4.1 and Theorem 4.2).
 
-    DSAR (expected result nnz K >= delta): log2(P)·α + N·βd (Thm 4.2). SSAR: log2(P)·α plus the larger of the
-    two valid bandwidth bounds 2(P-1)/P·k·βd (dense allreduce on the k-subspace) and (K-k)·βd (each rank must
-    receive the K-k result entries it lacks); at K = kP and K = k this is exactly Lemma 4.1's two cases.
+    log2(P)·α plus the larger of the two valid bandwidth bounds 2(P-1)/P·k·βd (dense allreduce on the
+    k-subspace) and (K-k)·βd (each rank must receive the K-k result entries it lacks); at K = kP and K = k this
+    is exactly Lemma 4.1's two cases, and for dense inputs (k = N) it is the dense allreduce bound.
+    A dense expected result (K >= delta) does not raise the bound to N·βd: with sparse inputs a rank only has
+    to learn the K-k entries it lacks (e.g. P=2, 30% density each: one exchange of 0.3·N pairs suffices).
     """
     P = p.world_size
     if P == 1:
@@ -142,8 +144,6 @@ def lower_bound(p: Problem, link: LinkModel) -> float:
     beta_d = link.beta * p.value_bytes
     K = p.union(P)
     lat = math.log2(P) * link.alpha
-    if K >= p.delta:
-        return lat + p.dim * beta_d
     return lat + max(2 * (P - 1) / P * p.k * beta_d, (K - p.k) * beta_d)
 
 

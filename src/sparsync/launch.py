@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from C++
 
 if TYPE_CHECKING:
     from sparsync.netem import NetNamespaces
@@ -62,10 +63,16 @@ def _child(
         os.environ.update(env)
         # P processes share the host's cores: one intra-op thread pool each, not P oversubscribed ones.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
-        store = dist.TCPStore(host, port, nprocs, is_master=(namespace is not None and rank == 0),
-                              timeout=timedelta(seconds=timeout))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=nprocs,
-                                timeout=timedelta(seconds=timeout))
+        store = TCPStore(
+            host,
+            port,
+            nprocs,
+            is_master=(namespace is not None and rank == 0),
+            timeout=timedelta(seconds=timeout),
+        )
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout)
+        )
         try:
             out = fn(rank, *args)
         finally:
@@ -106,13 +113,17 @@ def launch(
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
         return [fn(dist.get_rank(), *args)]
+    # Children inherit the environment at spawn: keep c10d's per-socket warnings (hostname lookups that fail
+    # inside network namespaces) out of the user's terminal unless asked for.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    store: dist.TCPStore | None = None
+    store: TCPStore | None = None
     if netns is None:
         host = "127.0.0.1"
-        store = dist.TCPStore(host, 0, nprocs + 1, is_master=True, timeout=timedelta(seconds=timeout),
-                              wait_for_workers=False)
+        store = TCPStore(
+            host, 0, nprocs + 1, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        )
         port = store.port
     else:
         host, port = netns.master_addr, _NETNS_PORT

@@ -255,7 +255,9 @@ def concat_disjoint(parts: list[SparseStream], offsets: list[int], dim: int) -> 
                 out[p.indices.to(torch.int64) + off] = p.values
         return SparseStream(None, out, dim)
     itype = index_dtype_for(dim)
-    idx = torch.cat([p.indices.to(itype) + off for p, off in zip(parts, offsets, strict=True) if p.indices is not None])
+    idx = torch.cat(
+        [p.indices.to(itype) + off for p, off in zip(parts, offsets, strict=True) if p.indices is not None]
+    )
     return SparseStream(idx, torch.cat([p.values for p in parts]), dim, validate=False)
 
 

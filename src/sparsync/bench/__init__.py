@@ -42,14 +42,22 @@ def run_allreduce_bench(
                 res = launch(worker, nprocs=P, args=(cfg, progress), timeout=timeout, netns=ns)
         rows.extend(res[0])
         link = res[0][0]["link"] if res[0] else {}
-        console.print(f"  measured link: α = {link.get('alpha', 0) * 1e6:.0f} µs, "
-                      f"1/β = {1 / max(link.get('beta', 1e-12), 1e-12) / 1e6:.0f} MB/s")
+        console.print(
+            f"  measured link: α = {link.get('alpha', 0) * 1e6:.0f} µs, "
+            f"1/β = {1 / max(link.get('beta', 1e-12), 1e-12) / 1e6:.0f} MB/s"
+        )
     title = f"sparse allreduce, N={cfg.dim:,}, {where}"
     print_table(rows, console, title)
     checks = check_targets(rows)
     print_targets(checks, console)
-    meta = {"config": {**cfg.__dict__}, "procs": list(procs), "net": net, "latency": latency,
-            "seconds": time.perf_counter() - t0, "targets": [list(c) for c in checks]}
+    meta = {
+        "config": {**cfg.__dict__},
+        "procs": list(procs),
+        "net": net,
+        "latency": latency,
+        "seconds": time.perf_counter() - t0,
+        "targets": [list(c) for c in checks],
+    }
     files = write_files(rows, meta, out)
     files.append(plot(rows, out, title))
     console.print("wrote " + ", ".join(str(f) for f in files))

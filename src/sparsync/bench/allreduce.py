@@ -84,7 +84,9 @@ def _runner(method: str, stream: SparseStream, log: CommLog) -> Callable[[], obj
         return lambda: dist.all_reduce(dense.clone())
     if method == "gloo_sparse_coo":
         idx = stream.indices if stream.indices is not None else torch.arange(stream.dim)
-        coo = torch.sparse_coo_tensor(idx.to(torch.int64)[None], stream.values, (stream.dim,)).coalesce()
+        coo = torch.sparse_coo_tensor(
+            idx.to(torch.int64)[None], stream.values, (stream.dim,), check_invariants=False
+        ).coalesce()
         return lambda: dist.all_reduce(coo)
     return lambda: sparse_allreduce(stream, algorithm=method, log=log)
 
@@ -129,16 +131,35 @@ def worker(rank: int, cfg: BenchConfig, show_progress: bool) -> list[dict[str, A
 
 
 def _measure(
-    method: str, stream: SparseStream, cfg: BenchConfig, P: int, nnz_all: list[int], problem: Problem,
-    link: LinkModel, density: float,
+    method: str,
+    stream: SparseStream,
+    cfg: BenchConfig,
+    P: int,
+    nnz_all: list[int],
+    problem: Problem,
+    link: LinkModel,
+    density: float,
 ) -> dict[str, Any]:
     lb = lower_bound(problem, link)
     skip = method == "gloo_sparse_coo" and sum(nnz_all) * (8 + 4) > COO_MEMORY_CAP
     skip_t = torch.tensor([1.0 if skip else 0.0])
     dist.all_reduce(skip_t, op=dist.ReduceOp.MAX)
     if float(skip_t) > 0:
-        return asdict(Row(P, density, method, float("nan"), float("nan"), float("nan"), [], 0.0, None, lb,
-                          note="skipped: gathered COO would exceed 1 GiB per rank"))
+        return asdict(
+            Row(
+                P,
+                density,
+                method,
+                float("nan"),
+                float("nan"),
+                float("nan"),
+                [],
+                0.0,
+                None,
+                lb,
+                note="skipped: gathered COO would exceed 1 GiB per rank",
+            )
+        )
     log = CommLog()
     run = _runner(method, stream, log)
     run()  # warm-up (and, for auto, the one-time link calibration of this group)
@@ -160,5 +181,19 @@ def _measure(
         picks = sorted({r.algorithm for r in log.records})
         chosen = "/".join(picks)
         pred = min(predict(a, problem, link) for a in ALGORITHMS)
-    return asdict(Row(P, density, method, statistics.median(times), qs[0], qs[2], times,
-                      _bytes(method, stream, P, log, nnz_all), pred, lb, chosen, link=asdict(link)))
+    return asdict(
+        Row(
+            P,
+            density,
+            method,
+            statistics.median(times),
+            qs[0],
+            qs[2],
+            times,
+            _bytes(method, stream, P, log, nnz_all),
+            pred,
+            lb,
+            chosen,
+            link=asdict(link),
+        )
+    )

@@ -24,14 +24,31 @@ def _fmt(t: float | None) -> str:
 
 def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> None:
     table = Table(title=title)
-    for col in ("P", "density", "method", "median ms", "p25-p75 ms", "MB sent/rank", "model ms", "bound ms",
-                "auto chose"):
+    for col in (
+        "P",
+        "density",
+        "method",
+        "median ms",
+        "p25-p75 ms",
+        "MB sent/rank",
+        "model ms",
+        "bound ms",
+        "auto chose",
+    ):
         table.add_column(col, justify="right" if col not in ("method", "auto chose") else "left")
     for r in rows:
         spread = "-" if math.isnan(r["p25_s"]) else f"{_fmt(r['p25_s'])}-{_fmt(r['p75_s'])}"
-        table.add_row(str(r["world_size"]), f"{r['density']:g}", r["method"], _fmt(r["median_s"]), spread,
-                      f"{r['bytes_sent_per_rank'] / 1e6:.3f}", _fmt(r["predicted_s"]), _fmt(r["lower_bound_s"]),
-                      r["chosen"] or r["note"])
+        table.add_row(
+            str(r["world_size"]),
+            f"{r['density']:g}",
+            r["method"],
+            _fmt(r["median_s"]),
+            spread,
+            f"{r['bytes_sent_per_rank'] / 1e6:.3f}",
+            _fmt(r["predicted_s"]),
+            _fmt(r["lower_bound_s"]),
+            r["chosen"] or r["note"],
+        )
     console.print(table)
 
 
@@ -72,11 +89,22 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
         bound = sorted({(r["density"], r["lower_bound_s"]) for r in prow if r["density"] > 0})
         if bound:
             ax.plot([b[0] for b in bound], [b[1] for b in bound], ":", color="gray", label="α-β lower bound")
-        model = sorted({(r["density"], r["predicted_s"]) for r in prow if r["method"] == "auto"
-                        and r["predicted_s"] and r["density"] > 0})
+        model = sorted(
+            {
+                (r["density"], r["predicted_s"])
+                for r in prow
+                if r["method"] == "auto" and r["predicted_s"] and r["density"] > 0
+            }
+        )
         if model:
-            ax.plot([b[0] for b in model], [b[1] for b in model], "--", color="black", alpha=0.5,
-                    label="α-β model (auto)")
+            ax.plot(
+                [b[0] for b in model],
+                [b[1] for b in model],
+                "--",
+                color="black",
+                alpha=0.5,
+                label="α-β model (auto)",
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("density (nnz / N per rank)")

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsync.group import group_state, resolve_group
 from sparsync.stream import SparseStream, index_dtype_for
 
 HEADER_WORDS = 2  # [is_dense, nnz] as int64
@@ -86,6 +85,33 @@ class Comm:
         self._wait(works, peers)
         if recv is not None:
             self.traffic.bytes_recv += recv.numel() * recv.element_size()
+
+    def alltoallv(
+        self, blocks: list[torch.Tensor], recv_sizes: list[int], dtype: torch.dtype
+    ) -> list[torch.Tensor]:
+        """Send ``blocks[j]`` to rank j and receive ``recv_sizes[j]`` elements from each rank j, all at once.
+
+        SparCML §4's direct sends with non-blocking calls: every receive is posted before any send, so no
+        schedule can deadlock. (gloo's own all_to_all stalled here behind tc-shaped links with multi-MB blocks.)
+        """
+        out = [torch.empty(n, dtype=dtype) for n in recv_sizes]
+        out[self.rank] = blocks[self.rank]
+        works: list[Any] = []
+        peers: list[int] = []
+        order = [(self.rank + i) % self.size for i in range(1, self.size)]
+        for j in order:
+            if recv_sizes[j]:
+                works.append(dist.irecv(out[j], group=self.group, group_src=j))
+                peers.append(j)
+        for j in order:
+            if blocks[j].numel():
+                works.append(dist.isend(blocks[j].contiguous(), group=self.group, group_dst=j))
+                peers.append(j)
+                self.traffic.bytes_sent += blocks[j].numel() * blocks[j].element_size()
+                self.traffic.messages += 1
+        self._wait(works, peers)
+        self.traffic.bytes_recv += sum(out[j].numel() * out[j].element_size() for j in order)
+        return out
 
     def send(self, peer: int, tensor: torch.Tensor) -> None:
         self.exchange(peer, tensor, None)

@@ -17,8 +17,8 @@ from sparsync.collectives._fold import allgather_blocks
 from sparsync.collectives._meta import Meta, exchange_meta
 from sparsync.collectives.recursive_double import ssar_recursive_double
 from sparsync.collectives.split_allgather import dsar_split_allgather, ssar_split_allgather
-from sparsync.group import group_state, resolve_group
 from sparsync.costmodel import ALGORITHMS, Decision, LinkModel, Policy, Problem, choose_fastest
+from sparsync.group import group_state, resolve_group
 from sparsync.handle import Work
 from sparsync.record import CommLog, CommRecord
 from sparsync.stream import SparseStream, index_dtype_for, sum_streams
@@ -87,17 +87,31 @@ def _submit(group: dist.ProcessGroup, fn: Callable[[], T], async_op: bool) -> T 
 
 @overload
 def sparse_allreduce(
-    stream: SparseStream, *, algorithm: str = ..., group: dist.ProcessGroup | None = ...,
-    async_op: Literal[False] = ..., log: CommLog | None = ..., link: LinkModel | None = ...,
-    policy: Policy = ..., timeout: float | None = ..., check_nan: bool = ...,
+    stream: SparseStream,
+    *,
+    algorithm: str = ...,
+    group: dist.ProcessGroup | None = ...,
+    async_op: Literal[False] = ...,
+    log: CommLog | None = ...,
+    link: LinkModel | None = ...,
+    policy: Policy = ...,
+    timeout: float | None = ...,
+    check_nan: bool = ...,
 ) -> SparseStream: ...
 @overload
 def sparse_allreduce(
-    stream: SparseStream, *, algorithm: str = ..., group: dist.ProcessGroup | None = ...,
-    async_op: Literal[True], log: CommLog | None = ..., link: LinkModel | None = ...,
-    policy: Policy = ..., timeout: float | None = ..., check_nan: bool = ...,
+    stream: SparseStream,
+    *,
+    algorithm: str = ...,
+    group: dist.ProcessGroup | None = ...,
+    async_op: Literal[True],
+    log: CommLog | None = ...,
+    link: LinkModel | None = ...,
+    policy: Policy = ...,
+    timeout: float | None = ...,
+    check_nan: bool = ...,
 ) -> Work[SparseStream]: ...
-def sparse_allreduce(  # noqa: PLR0913
+def sparse_allreduce(
     stream: SparseStream,
     *,
     algorithm: str = "auto",
@@ -152,9 +166,21 @@ def sparse_allreduce(  # noqa: PLR0913
         if log is not None:
             tr = comm.traffic
             log.append(
-                CommRecord("sparse_allreduce", alg, comm.rank, comm.size, stream.dim, stream.nnz, result.nnz,
-                           tr.bytes_sent, tr.bytes_recv, tr.messages, time.perf_counter() - t0,
-                           dict(tr.phases), decision)
+                CommRecord(
+                    "sparse_allreduce",
+                    alg,
+                    comm.rank,
+                    comm.size,
+                    stream.dim,
+                    stream.nnz,
+                    result.nnz,
+                    tr.bytes_sent,
+                    tr.bytes_recv,
+                    tr.messages,
+                    time.perf_counter() - t0,
+                    dict(tr.phases),
+                    decision,
+                )
             )
         return result
 
@@ -196,9 +222,20 @@ def sparse_allgather(
         if log is not None:
             tr = comm.traffic
             log.append(
-                CommRecord("sparse_allgather", "recursive_double", comm.rank, comm.size, stream.dim,
-                           stream.nnz, sum(s.nnz for s in out), tr.bytes_sent, tr.bytes_recv, tr.messages,
-                           time.perf_counter() - t0, dict(tr.phases))
+                CommRecord(
+                    "sparse_allgather",
+                    "recursive_double",
+                    comm.rank,
+                    comm.size,
+                    stream.dim,
+                    stream.nnz,
+                    sum(s.nnz for s in out),
+                    tr.bytes_sent,
+                    tr.bytes_recv,
+                    tr.messages,
+                    time.perf_counter() - t0,
+                    dict(tr.phases),
+                )
             )
         return out
 

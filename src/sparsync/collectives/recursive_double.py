@@ -48,4 +48,3 @@ def ssar_recursive_double(comm: Comm, stream: SparseStream) -> SparseStream:
         with comm.phase("fold"):
             exchange_stream(comm, rank - 1, acc, expect=False, dim=dim, dtype=dtype)
     return acc
-

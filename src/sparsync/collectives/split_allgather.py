@@ -3,8 +3,8 @@
 
 Split phase (shared): the dimension N is cut into P contiguous partitions of ceil(N/P) entries (the last ones
 shorter, or empty when N < P: the paper assumes P | N, we pad instead); every rank sends each partition of its
-stream directly to the partition's owner (one ``all_to_all_single`` of per-block headers, then one of the
-payloads; the paper's direct sparse sends), and the owner sums what it received.
+stream directly to the partition's owner (per-block headers, then payloads, each with all receives posted
+before the sends: the paper's direct sparse sends), and the owner sums what it received.
 
 - SSAR: the owners' partial results are gathered by a sparse allgather (recursive doubling) and concatenated,
   the partitions being disjoint (§3).
@@ -29,7 +29,6 @@ from sparsync.collectives._comm import (
 from sparsync.collectives._fold import allgather_blocks, allgather_fixed
 from sparsync.stream import SparseStream, concat_disjoint, sum_streams
 
-
 # torch 2.13 renamed all_gather_into_tensor; keep working on older releases.
 _ALLGATHER_SINGLE = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
@@ -44,47 +43,29 @@ def split_reduce(comm: Comm, stream: SparseStream) -> SparseStream | None:
     """The split phase: this rank's partition of the global sum (None when its partition is empty)."""
     P, rank, dim, dtype = comm.size, comm.rank, stream.dim, stream.dtype
     bounds = partition_bounds(dim, P)
-    blocks = [
-        stream.slice(bounds[j], bounds[j + 1]) if bounds[j] < bounds[j + 1] else None for j in range(P)
-    ]
+    blocks = [stream.slice(bounds[j], bounds[j + 1]) if bounds[j] < bounds[j + 1] else None for j in range(P)]
     headers = torch.zeros(P, HEADER_WORDS, dtype=torch.int64)
     for j, b in enumerate(blocks):
         if b is not None:
             headers[j, 0], headers[j, 1] = int(b.is_dense), b.nnz
-    headers_in = torch.empty_like(headers)
     with comm.phase("split_headers"):
-        comm.run_collective("split header all_to_all", dist.all_to_all_single, headers_in, headers)
-        hb = HEADER_WORDS * 8 * (P - 1)
-        comm.count_collective(hb, hb, P - 1)
+        got = comm.alltoallv(list(headers.unbind(0)), [HEADER_WORDS] * P, torch.int64)
+        headers_in = torch.stack(got)
     lo, hi = bounds[rank], bounds[rank + 1]
     in_sizes = [
         payload_nbytes(bool(headers_in[j, 0]), int(headers_in[j, 1]), hi - lo, dtype) if hi > lo else 0
         for j in range(P)
     ]
     out_payloads = [payload_of(b) if b is not None else torch.empty(0, dtype=torch.uint8) for b in blocks]
-    out_sizes = [p.numel() for p in out_payloads]
-    recv = torch.empty(sum(in_sizes), dtype=torch.uint8)
     with comm.phase("split_payload"):
-        comm.run_collective(
-            "split payload all_to_all",
-            dist.all_to_all_single,
-            recv,
-            torch.cat(out_payloads),
-            output_split_sizes=in_sizes,
-            input_split_sizes=out_sizes,
-        )
-        comm.count_collective(
-            sum(out_sizes) - out_sizes[rank], sum(in_sizes) - in_sizes[rank], P - 1
-        )
+        received = comm.alltoallv(out_payloads, in_sizes, torch.uint8)
     if hi == lo:
         return None
     with comm.phase("split_sum"):
-        parts: list[SparseStream] = []
-        off = 0
-        for j in range(P):
-            chunk = recv[off : off + in_sizes[j]]
-            off += in_sizes[j]
-            parts.append(stream_from_payload(chunk, bool(headers_in[j, 0]), int(headers_in[j, 1]), hi - lo, dtype))
+        parts = [
+            stream_from_payload(received[j], bool(headers_in[j, 0]), int(headers_in[j, 1]), hi - lo, dtype)
+            for j in range(P)
+        ]
         return sum_streams(parts)
 
 

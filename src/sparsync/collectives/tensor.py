@@ -39,8 +39,10 @@ def stream_to_coo(s: SparseStream, shape: torch.Size, sparse_dim: int) -> torch.
         rows, inverse = torch.unique(lin // row_stride, return_inverse=True)
         vals = torch.zeros(rows.numel(), row_stride, dtype=s.dtype)
         vals[inverse, lin % row_stride] = s.values
-    idx = torch.stack(torch.unravel_index(rows, tuple(shape[:sparse_dim]))) if rows.numel() else (
-        torch.empty(sparse_dim, 0, dtype=torch.int64)
+    idx = (
+        torch.stack(torch.unravel_index(rows, tuple(shape[:sparse_dim])))
+        if rows.numel()
+        else (torch.empty(sparse_dim, 0, dtype=torch.int64))
     )
     return torch.sparse_coo_tensor(idx, vals.reshape(-1, *dense_shape), shape, is_coalesced=True)
 
@@ -81,7 +83,7 @@ def allreduce(
             return s.to_dense().reshape(shape)
     else:
         raise ValueError(f"allreduce supports strided and sparse COO tensors, got layout {tensor.layout}")
-    res = sparse_allreduce(stream, algorithm=algorithm, group=group, async_op=async_op, log=log, **kwargs)
-    if isinstance(res, Work):
-        return res.then(back)
-    return back(res)
+    if async_op:
+        work = sparse_allreduce(stream, algorithm=algorithm, group=group, async_op=True, log=log, **kwargs)
+        return work.then(back)
+    return back(sparse_allreduce(stream, algorithm=algorithm, group=group, log=log, **kwargs))

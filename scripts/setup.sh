@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Make .venv with everything sparsync needs; idempotent, quick when already done.
+# torch: the CPU build 2.13.0 (a bare `torch` requirement would pull a multi-GB CUDA build), only when no torch
+# is importable in the venv already.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  echo "setup: installing torch==2.13.0 (CPU build)"
+  .venv/bin/pip install -q torch==2.13.0
+fi
+if ! .venv/bin/python -c "import sparsync, pytest, hypothesis, ruff, mypy" 2>/dev/null \
+   || [ pyproject.toml -nt .venv/.sparsync-installed ]; then
+  echo "setup: installing sparsync and its dev tools into .venv"
+  .venv/bin/pip install -q -e '.[dev]'
+  touch .venv/.sparsync-installed
+fi
