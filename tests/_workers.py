@@ -165,7 +165,7 @@ def _record_summary(log: CommLog) -> dict[str, Any]:
     }
 
 
-# --- the collectives worker -----------------------------------------------------------------------------------
+# --- the collectives worker ---------------------------------------------------------------------------------
 def grid_cases(full: bool) -> list[tuple[str, Case]]:
     """(algorithm, case) pairs. ``full``: the whole cartesian product of algorithm, density, pattern, dim and
     dtype. Otherwise the full algorithm x density x pattern grid at the large prime dim in float32, plus a thin
@@ -260,7 +260,7 @@ def _async_checks(rank: int, world: int) -> dict[str, Any]:
     ]
     ag_work = sparse_allgather(allgather_inputs(rank, world)[2], async_op=True, timeout=CALL_TIMEOUT)
     # A blocking call while async work is pending must queue behind it (same order on every rank).
-    queued = digest(sparse_allreduce(make_stream(plan[0][1], rank, world), algorithm="allgather"))
+    queued = digest(sparse_allreduce(make_stream(plan[0][1], rank, world), algorithm=plan[0][0]))
     is_work = [isinstance(w, sparsync.Work) for w in works]
     waited = [digest(w.wait(timeout=120)) for w in works]
     ag = [compact(s) for s in ag_work.wait(timeout=120)]
@@ -279,6 +279,40 @@ def _async_checks(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def odd_stride_stream(rank: int) -> SparseStream:
+    """Tensors torch calls contiguous but whose stride is not 1: an empty array from numpy (stride 0) on even
+    ranks, a one-element step slice (stride 5) on odd ranks."""
+    if rank % 2 == 0:
+        empty = np.random.default_rng(0).uniform(0.5, 1.5, 0)
+        return SparseStream(torch.from_numpy(empty.astype(np.int64)), torch.from_numpy(empty.astype("float32")), 4)
+    idx = torch.tensor([rank % 4, 0, 0])[::5]
+    vals = torch.full((3,), rank + 1.0)[::5]
+    return SparseStream(idx, vals, 4)
+
+
+def odd_stride_expected(world: int) -> np.ndarray:
+    out = np.zeros(4)
+    for r in range(1, world, 2):
+        out[r % 4] += r + 1.0
+    return out
+
+
+def _odd_stride_checks(rank: int, world: int) -> dict[str, Any]:
+    s = odd_stride_stream(rank)
+    out: dict[str, Any] = {}
+    for alg in ALGORITHMS:
+        out[alg] = _try_value(lambda a=alg: compact(sparse_allreduce(s, algorithm=a, timeout=CALL_TIMEOUT)))
+    out["allgather_op"] = _try_value(lambda: [compact(x) for x in sparse_allgather(s, timeout=CALL_TIMEOUT)])
+    return out
+
+
+def _try_value(fn: Any) -> Any:
+    try:
+        return fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
 def dense_tensor_input(rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(1000 + rank)
     t = torch.randn(3, 5, 7, generator=g, dtype=torch.float64)
@@ -292,7 +326,8 @@ def embedding_grad(rank: int, world: int) -> torch.Tensor:
     emb = torch.nn.Embedding(50, 4, sparse=True)
     g = torch.Generator().manual_seed(2000 + rank)
     if world >= 3 and rank == world - 1:
-        return torch.sparse_coo_tensor(torch.empty(1, 0, dtype=torch.int64), torch.empty(0, 4), (50, 4))
+        empty = torch.empty(1, 0, dtype=torch.int64)
+        return torch.sparse_coo_tensor(empty, torch.empty(0, 4), (50, 4), check_invariants=True)
     ids = torch.randint(0, 50, (6 + rank,), generator=g)
     ids[0] = ids[1] = 7  # a row every rank touches, twice
     w = torch.randn(6 + rank, 4, generator=g)
@@ -306,7 +341,7 @@ def coo2_input(rank: int) -> torch.Tensor:
     """A hybrid COO tensor with two sparse dims and one dense dim."""
     g = torch.Generator().manual_seed(3000 + rank)
     idx = torch.stack([torch.randint(0, 6, (5,), generator=g), torch.randint(0, 5, (5,), generator=g)])
-    return torch.sparse_coo_tensor(idx, torch.randn(5, 3, generator=g), (6, 5, 3))
+    return torch.sparse_coo_tensor(idx, torch.randn(5, 3, generator=g), (6, 5, 3), check_invariants=True)
 
 
 def _tensor_checks(rank: int, world: int) -> dict[str, Any]:
@@ -346,6 +381,7 @@ def collectives_worker(rank: int, full: bool) -> dict[str, Any]:
         log = CommLog()
         got = sparse_allgather(s, log=log, timeout=CALL_TIMEOUT)
         out["allgather"].append(([compact(x) for x in got], _record_summary(log)))
+    out["odd_strides"] = _odd_stride_checks(rank, world)
     out["async"] = _async_checks(rank, world)
     out["tensor"] = _tensor_checks(rank, world)
     lm = sparsync.measure_link()

@@ -75,8 +75,15 @@ def _child(
         )
         try:
             out = fn(rank, *args)
-        finally:
+        except BaseException as e:
+            # Report first, flushed into the pipe, then tear the group down: destroying it makes the peers fail
+            # at once, and their PeerErrors must not reach the parent ahead of this root cause.
+            results.put(("err", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            results.close()
+            results.join_thread()
             dist.destroy_process_group()
+            return
+        dist.destroy_process_group()
         # Plain pickle bytes: torch's queue pickler would share tensors by file descriptor, which dies with
         # this process.
         results.put(("ok", rank, pickle.dumps(out)))

@@ -70,15 +70,26 @@ class Comm:
                     f"(timed out or the peer died): {e}"
                 ) from e
 
+    def _post(self, fn: Any, tensor: torch.Tensor, **peer: int) -> Any:
+        """Post an isend/irecv; a pair already closed by a dead or timed-out peer raises here, not in wait()."""
+        try:
+            return fn(tensor, group=self.group, **peer)
+        except RuntimeError as e:
+            who = next(iter(peer.values()))
+            raise PeerError(
+                f"{self.op}: rank {self.rank} cannot reach peer rank {who} of the group "
+                f"(timed out or the peer died): {e}"
+            ) from e
+
     def exchange(self, peer: int, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
         """Send ``send`` to ``peer`` and receive into ``recv`` from it, concurrently. None or empty skips."""
         works: list[Any] = []
         peers: list[int] = []
         if recv is not None and recv.numel():
-            works.append(dist.irecv(recv, group=self.group, group_src=peer))
+            works.append(self._post(dist.irecv, recv, group_src=peer))
             peers.append(peer)
         if send is not None and send.numel():
-            works.append(dist.isend(send.contiguous(), group=self.group, group_dst=peer))
+            works.append(self._post(dist.isend, send.contiguous(), group_dst=peer))
             peers.append(peer)
             self.traffic.bytes_sent += send.numel() * send.element_size()
             self.traffic.messages += 1
@@ -101,11 +112,11 @@ class Comm:
         order = [(self.rank + i) % self.size for i in range(1, self.size)]
         for j in order:
             if recv_sizes[j]:
-                works.append(dist.irecv(out[j], group=self.group, group_src=j))
+                works.append(self._post(dist.irecv, out[j], group_src=j))
                 peers.append(j)
         for j in order:
             if blocks[j].numel():
-                works.append(dist.isend(blocks[j].contiguous(), group=self.group, group_dst=j))
+                works.append(self._post(dist.isend, blocks[j].contiguous(), group_dst=j))
                 peers.append(j)
                 self.traffic.bytes_sent += blocks[j].numel() * blocks[j].element_size()
                 self.traffic.messages += 1
@@ -144,10 +155,19 @@ def header_of(stream: SparseStream) -> torch.Tensor:
 
 def payload_of(stream: SparseStream) -> torch.Tensor:
     """The stream as one uint8 tensor: index bytes then value bytes (values only when dense)."""
-    vals = stream.values.contiguous().view(torch.uint8)
+    vals = _bytes_of(stream.values)
     if stream.indices is None:
         return vals
-    return torch.cat([stream.indices.contiguous().view(torch.uint8), vals])
+    return torch.cat([_bytes_of(stream.indices), vals])
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """uint8 view of a 1-D tensor. torch calls a tensor of 0 or 1 elements contiguous whatever its stride (an
+    empty array from numpy has stride 0, ``x[i::n]`` of one element stride n), but ``view`` needs stride 1."""
+    t = t.contiguous()
+    if t.stride(-1) != 1:
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t.view(torch.uint8)
 
 
 def payload_nbytes(is_dense: bool, nnz: int, dim: int, dtype: torch.dtype) -> int:

@@ -44,7 +44,9 @@ def stream_to_coo(s: SparseStream, shape: torch.Size, sparse_dim: int) -> torch.
         if rows.numel()
         else (torch.empty(sparse_dim, 0, dtype=torch.int64))
     )
-    return torch.sparse_coo_tensor(idx, vals.reshape(-1, *dense_shape), shape, is_coalesced=True)
+    return torch.sparse_coo_tensor(
+        idx, vals.reshape(-1, *dense_shape), shape, is_coalesced=True, check_invariants=False
+    )
 
 
 def allreduce(

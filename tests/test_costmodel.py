@@ -1,0 +1,221 @@
+"""The α-β-γ cost model: predictions, lower bound, the default policy, and input validation."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from sparsync import (
+    ALGORITHMS,
+    Decision,
+    LinkModel,
+    Problem,
+    choose_fastest,
+    dense_threshold,
+    lower_bound,
+    predict,
+)
+
+BANDWIDTH_BOUND = LinkModel(alpha=1e-5, beta=1e-8)
+LINKS = (
+    BANDWIDTH_BOUND,
+    LinkModel(alpha=1e-6, beta=1e-10),
+    LinkModel(alpha=5e-5, beta=1e-9, gamma_sparse=0.0, gamma_dense=0.0),
+    LinkModel(alpha=2e-4, beta=1e-11, gamma_sparse=1e-7, gamma_dense=1e-9),
+)
+WORLD_SIZES = (2, 3, 4, 5, 6, 7, 8, 16, 64)
+DIMS = (1, 3, 100, 1001, 10**5, 10**7)
+DENSITIES = (0.0, 1e-4, 1e-2, 0.1, 0.29, 0.3, 0.5, 0.7, 1.0)
+SIZES = ((4, 4), (8, 4), (2, 4), (4, 8))  # (value bytes, index bytes)
+
+
+def _problem(P: int, N: int, density: float, isize: int = 4, c: int = 4) -> Problem:
+    return Problem(P, N, (round(density * N),) * P, isize, c)
+
+
+def _grid() -> itertools.product[tuple[int, int, float, tuple[int, int], LinkModel]]:
+    return itertools.product(WORLD_SIZES, DIMS, DENSITIES, SIZES, LINKS)
+
+
+def test_predictions_are_positive_and_finite() -> None:
+    for P, N, d, (i, c), link in _grid():
+        p = _problem(P, N, d, i, c)
+        for alg in ALGORITHMS:
+            t = predict(alg, p, link)
+            assert math.isfinite(t) and t > 0, (alg, P, N, d, i, c, link, t)
+
+
+def test_single_rank_costs_nothing() -> None:
+    p = Problem(1, 1000, (10,), 4, 4)
+    assert all(predict(alg, p, BANDWIDTH_BOUND) == 0.0 for alg in ALGORITHMS)
+    assert lower_bound(p, BANDWIDTH_BOUND) == 0.0
+    assert choose_fastest(p, BANDWIDTH_BOUND).algorithm == ALGORITHMS[0]  # ties go to the first candidate
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 8, 16])
+@pytest.mark.parametrize("N", [10**4, 10**6])
+def test_tiny_density_prefers_latency_optimal_sparse_algorithms(P: int, N: int) -> None:
+    p = Problem(P, N, (max(1, N // 10**4),) * P, 4, 4)
+    for link in LINKS:
+        dense = predict("dense", p, link)
+        assert predict("allgather", p, link) < dense
+        assert choose_fastest(p, link).algorithm in ("ssar_recursive_double", "allgather")
+        # Recursive doubling too, unless folding a non-power-of-two P costs more latency (6α at P=3) than a
+        # small dense vector's bandwidth on a latency-bound link.
+        if link.alpha * 6 < N * 4 * link.beta or P & (P - 1) == 0:
+            assert predict("ssar_recursive_double", p, link) < dense
+
+
+@pytest.mark.parametrize("N", [10**4, 10**6])
+@pytest.mark.parametrize("isize", [4, 8])
+def test_full_density_prefers_dense_or_dsar_on_a_bandwidth_bound_link(N: int, isize: int) -> None:
+    p = Problem(8, N, (N,) * 8, isize, 4)
+    rd = predict("ssar_recursive_double", p, BANDWIDTH_BOUND)
+    assert predict("dense", p, BANDWIDTH_BOUND) < rd
+    assert predict("dsar_split_allgather", p, BANDWIDTH_BOUND) < rd
+    assert predict("allgather", p, BANDWIDTH_BOUND) > rd  # P-1 full streams received
+    assert choose_fastest(p, BANDWIDTH_BOUND).algorithm in (
+        "dense",
+        "dsar_split_allgather",
+        "ssar_split_allgather",
+    )
+
+
+def test_lower_bound_is_below_every_prediction() -> None:
+    """Over P, N, densities (every rank holding the same number of entries, Lemma 4.1's setting), value/index
+    sizes and links, no algorithm is predicted to beat the bound."""
+    checked = 0
+    for P, N, d, (i, c), link in _grid():
+        p = _problem(P, N, d, i, c)
+        lb = lower_bound(p, link)
+        assert lb >= math.log2(P) * link.alpha
+        for alg in ALGORITHMS:
+            assert lb <= predict(alg, p, link) * (1 + 1e-12), (alg, P, N, d, i, c, link)
+            checked += 1
+    assert checked > 10_000
+
+
+def test_lower_bound_with_sparse_inputs_and_a_dense_result() -> None:
+    """Regression: with P=2 and 30% density per rank the expected result is dense (K >= delta), yet one
+    exchange of 0.3·N pairs (2.4·N bytes) is all recursive doubling needs, less than N·βd = 4·N bytes. The
+    bound used to claim N·βd there, above both the prediction and what the algorithm really sends."""
+    N = 1000
+    p = Problem(2, N, (300, 300), 4, 4)
+    link = LinkModel(alpha=0.0, beta=1e-9, gamma_sparse=0.0, gamma_dense=0.0)
+    assert p.union(2) >= p.delta
+    rd = predict("ssar_recursive_double", p, link)
+    assert rd == pytest.approx(300 * 8 * 1e-9)
+    assert lower_bound(p, link) <= rd < N * 4 * link.beta
+    assert lower_bound(p, link) == pytest.approx(300 * 4 * 1e-9)  # max(2(P-1)/P·k, K-k)·βd with k = 300
+
+
+def test_lower_bound_for_dense_inputs_is_the_dense_allreduce_bound() -> None:
+    for P in (2, 4, 8):
+        p = Problem(P, 1000, (1000,) * P, 4, 4)
+        link = LinkModel(alpha=1e-6, beta=1e-9)
+        assert lower_bound(p, link) == pytest.approx(math.log2(P) * 1e-6 + 2 * (P - 1) / P * 1000 * 4e-9)
+        assert lower_bound(p, link) <= predict("dense", p, link)
+
+
+def test_choose_fastest_picks_the_argmin() -> None:
+    for P, N, d, (i, c), link in itertools.islice(_grid(), 0, None, 7):
+        p = _problem(P, N, d, i, c)
+        dec = choose_fastest(p, link)
+        assert isinstance(dec, Decision)
+        preds = {alg: predict(alg, p, link) for alg in ALGORITHMS}
+        assert dec.predictions == preds
+        assert dec.algorithm == min(ALGORITHMS, key=preds.__getitem__)
+        assert preds[dec.algorithm] == min(preds.values())
+        assert dec.lower_bound == lower_bound(p, link)
+        assert dec.problem == p and dec.link == link
+
+
+def test_choose_fastest_respects_candidates() -> None:
+    p = _problem(8, 10**6, 1e-4)
+    full = choose_fastest(p, BANDWIDTH_BOUND)
+    rest = tuple(a for a in ALGORITHMS if a != full.algorithm)
+    dec = choose_fastest(p, BANDWIDTH_BOUND, candidates=rest)
+    assert dec.algorithm in rest and set(dec.predictions) == set(rest)
+    assert dec.predictions[dec.algorithm] == min(dec.predictions.values())
+    assert choose_fastest(p, BANDWIDTH_BOUND, candidates=("dense",)).algorithm == "dense"
+
+
+def test_dense_prediction_ignores_sparsity_and_grows_with_the_link_costs() -> None:
+    link = BANDWIDTH_BOUND
+    slow = LinkModel(alpha=2e-5, beta=2e-8)
+    for P in (2, 5, 8):
+        preds = {predict("dense", _problem(P, 10**5, d), link) for d in DENSITIES}
+        assert len(preds) == 1
+        for d in DENSITIES:
+            p = _problem(P, 10**5, d)
+            for alg in ALGORITHMS:
+                assert predict(alg, p, slow) >= predict(alg, p, link)
+
+
+def test_unknown_algorithm() -> None:
+    with pytest.raises(KeyError, match="bogus"):
+        predict("bogus", _problem(4, 100, 0.1), BANDWIDTH_BOUND)
+
+
+# --- Problem ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("dtype", "isize"), [(torch.float32, 4), (torch.float64, 8), (torch.float16, 2)])
+@pytest.mark.parametrize("N", [1, 3, 1001, 20011])
+def test_problem_delta_matches_the_stream_threshold(dtype: torch.dtype, isize: int, N: int) -> None:
+    assert Problem(2, N, (0, 0), isize, 4).delta == dense_threshold(N, dtype)
+
+
+def test_problem_union_and_stream_bytes() -> None:
+    p = Problem(4, 1000, (100,) * 4, 4, 4)
+    assert p.union(1) == pytest.approx(100)
+    u = [p.union(m) for m in (1, 2, 3, 4)]
+    assert u == sorted(u) and u[-1] <= min(1000, 400)
+    assert p.union(4) == pytest.approx(1000 * (1 - 0.9**4))
+    assert Problem(2, 10, (10, 0), 4, 4).union(2) == pytest.approx(10)  # a full rank fills the result
+    assert Problem(2, 10, (0, 0), 4, 4).union(2) == 0
+    assert p.k == 100
+    assert p.stream_bytes(p.delta - 1) == (p.delta - 1) * 8
+    assert p.stream_bytes(p.delta) == 1000 * 4
+    assert p.input_bytes(0) == 800
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        ((2, 10, (1,), 4, 4), "one nnz per rank"),
+        ((0, 10, (), 4, 4), "P=0"),
+        ((3, 10, (1, 2), 4, 4), "P=3"),
+        ((2, 0, (0, 0), 4, 4), "dim must be >= 1, got 0"),
+    ],
+)
+def test_problem_validation(args: tuple[int, int, tuple[int, ...], int, int], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        Problem(*args)
+
+
+# --- LinkModel ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"alpha": -1e-6, "beta": 1e-9}, "alpha"),
+        ({"alpha": float("nan"), "beta": 1e-9}, "alpha"),
+        ({"alpha": 1e-6, "beta": float("inf")}, "beta"),
+        ({"alpha": 1e-6, "beta": -1.0}, "beta"),
+        ({"alpha": 1e-6, "beta": 1e-9, "gamma_sparse": -1.0}, "gamma_sparse"),
+        ({"alpha": 1e-6, "beta": 1e-9, "gamma_dense": float("nan")}, "gamma_dense"),
+        ({"alpha": "1e-6", "beta": 1e-9}, "alpha"),
+    ],
+)
+def test_link_model_validation(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(ValueError, match=f"LinkModel.{field} must be a finite number >= 0"):
+        LinkModel(**kwargs)  # type: ignore[arg-type]
+
+
+def test_link_model_accepts_zero_and_ints_and_is_hashable() -> None:
+    lm = LinkModel(alpha=0, beta=0, gamma_sparse=0, gamma_dense=0)
+    assert lm == LinkModel(0.0, 0.0, 0.0, 0.0)
+    assert hash(lm) == hash(LinkModel(0.0, 0.0, 0.0, 0.0))
+    with pytest.raises(AttributeError):
+        lm.alpha = 1.0  # type: ignore[misc]
