@@ -1,7 +1,8 @@
 """``sparsync bench allreduce``: SparCML Fig. 4 on this machine (time vs density, per P, per algorithm).
 
 Each point: every rank draws k = density·N uniformly random indices with random values (SparCML §6,
-"Micro-Benchmarks"), then each method runs ``repeats`` times after one warm-up. A repeat's time is the slowest
+"Micro-Benchmarks"), then each method runs ``repeats`` times after one warm-up (at least FAST_REPEATS times
+when a call takes under FAST_S), methods interleaved round by round. A repeat's time is the slowest
 rank's (a collective is done when its last rank is), taken with an allreduce(MAX) outside the timed region.
 Methods: torch gloo dense allreduce, torch gloo sparse COO allreduce, and every sparsync algorithm plus auto
 (sparsync's "allgather" is the Horovod/DDP way: gather everything, sum locally).
@@ -9,6 +10,7 @@ Methods: torch gloo dense allreduce, torch gloo sparse COO allreduce, and every 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -29,6 +31,8 @@ BASELINES = ("gloo_dense", "gloo_sparse_coo", "allgather")
 # torch's gloo sparse allreduce gathers every rank's COO tensor (int64 indices + values) on every rank: skip
 # points where that alone would take more than this many bytes per rank.
 COO_MEMORY_CAP = 1 << 30
+FAST_S = 0.05  # methods faster than this per call ...
+FAST_REPEATS = 21  # ... get at least this many timed runs
 
 
 @dataclass(frozen=True)
@@ -78,7 +82,7 @@ def _make_stream(rank: int, cfg: BenchConfig, density: float, point: int) -> Spa
     return SparseStream(idx, torch.rand(k, generator=g) + 0.5, cfg.dim, validate=False)
 
 
-def _runner(method: str, stream: SparseStream, log: CommLog) -> Callable[[], object]:
+def _runner(method: str, stream: SparseStream, log: CommLog, link: LinkModel) -> Callable[[], object]:
     if method == "gloo_dense":
         dense = stream.to_dense()
         return lambda: dist.all_reduce(dense.clone())
@@ -88,7 +92,8 @@ def _runner(method: str, stream: SparseStream, log: CommLog) -> Callable[[], obj
             idx.to(torch.int64)[None], stream.values, (stream.dim,), check_invariants=False
         ).coalesce()
         return lambda: dist.all_reduce(coo)
-    return lambda: sparse_allreduce(stream, algorithm=method, log=log)
+    # auto gets the link measured at the start of the run, so its choices and the table's predictions agree.
+    return lambda: sparse_allreduce(stream, algorithm=method, log=log, link=link)
 
 
 def _bytes(method: str, stream: SparseStream, P: int, log: CommLog, nnz_all: list[int]) -> float:
@@ -104,96 +109,106 @@ def worker(rank: int, cfg: BenchConfig, show_progress: bool) -> list[dict[str, A
     P = dist.get_world_size()
     link = measure_link()
     rows: list[dict[str, Any]] = []
-    total = len(cfg.densities) * len(cfg.methods)
     progress = None
     if show_progress and rank == 0:
         from rich.progress import Progress
 
         progress = Progress(transient=True)
         progress.start()
-        task = progress.add_task(f"P={P} N={cfg.dim}", total=total)
+        task = progress.add_task(f"P={P} N={cfg.dim}", total=len(cfg.densities))
     try:
         for point, density in enumerate(cfg.densities):
-            stream = _make_stream(rank, cfg, density, point)
-            nnz_t = torch.zeros(P, dtype=torch.int64)
-            nnz_t[rank] = stream.nnz
-            dist.all_reduce(nnz_t)
-            nnz_all = [int(x) for x in nnz_t]
-            problem = Problem(P, cfg.dim, tuple(nnz_all), 4, index_dtype_for(cfg.dim).itemsize)
-            for method in cfg.methods:
-                rows.append(_measure(method, stream, cfg, P, nnz_all, problem, link, density))
-                if progress is not None:
-                    progress.advance(task)
+            rows.extend(_measure_point(rank, P, cfg, density, point, link))
+            if progress is not None:
+                progress.advance(task)
     finally:
         if progress is not None:
             progress.stop()
     return rows if rank == 0 else []
 
 
-def _measure(
-    method: str,
-    stream: SparseStream,
-    cfg: BenchConfig,
-    P: int,
-    nnz_all: list[int],
-    problem: Problem,
-    link: LinkModel,
-    density: float,
-) -> dict[str, Any]:
+def _timed(run: Callable[[], object]) -> float:
+    """One run's time on the slowest rank (the reduction of the time is outside the timed region)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    run()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _measure_point(
+    rank: int, P: int, cfg: BenchConfig, density: float, point: int, link: LinkModel
+) -> list[dict[str, Any]]:
+    """All methods at one density, interleaved: round r runs every method once, so drift in the machine's
+    state hits all methods alike. Methods faster than FAST_S get more rounds: at a few ms per call, the noise
+    of thread wake-ups on this VM is of the same order as the differences being measured."""
+    stream = _make_stream(rank, cfg, density, point)
+    nnz_t = torch.zeros(P, dtype=torch.int64)
+    nnz_t[rank] = stream.nnz
+    dist.all_reduce(nnz_t)
+    nnz_all = [int(x) for x in nnz_t]
+    problem = Problem(P, cfg.dim, tuple(nnz_all), 4, index_dtype_for(cfg.dim).itemsize)
     lb = lower_bound(problem, link)
-    skip = method == "gloo_sparse_coo" and sum(nnz_all) * (8 + 4) > COO_MEMORY_CAP
-    skip_t = torch.tensor([1.0 if skip else 0.0])
-    dist.all_reduce(skip_t, op=dist.ReduceOp.MAX)
-    if float(skip_t) > 0:
-        return asdict(
-            Row(
-                P,
-                density,
-                method,
-                float("nan"),
-                float("nan"),
-                float("nan"),
-                [],
-                0.0,
-                None,
-                lb,
-                note="skipped: gathered COO would exceed 1 GiB per rank",
+    coo_too_big = sum(nnz_all) * (8 + 4) > COO_MEMORY_CAP  # same on every rank
+    methods = [m for m in cfg.methods if not (m == "gloo_sparse_coo" and coo_too_big)]
+    logs = {m: CommLog() for m in methods}
+    runs = {m: _runner(m, stream, logs[m], link) for m in methods}
+    rounds = {m: cfg.repeats if _timed(runs[m]) > FAST_S else max(cfg.repeats, FAST_REPEATS) for m in methods}
+    for log in logs.values():
+        log.clear()
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    for r in range(max(rounds.values())):
+        for m in methods:
+            if r < rounds[m]:
+                times[m].append(_timed(runs[m]))
+    rows = []
+    for m in cfg.methods:
+        if m not in methods:
+            rows.append(
+                asdict(
+                    Row(
+                        P,
+                        density,
+                        m,
+                        math.nan,
+                        math.nan,
+                        math.nan,
+                        [],
+                        0.0,
+                        None,
+                        lb,
+                        note="skipped: gathered COO would exceed 1 GiB per rank",
+                    )
+                )
+            )
+            continue
+        ts = times[m]
+        qs = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
+        chosen = ""
+        pred: float | None = None
+        if m in ALGORITHMS:
+            pred = predict(m, problem, link)
+        elif m == "auto":
+            picks = sorted({rec.algorithm for rec in logs[m].records})
+            chosen = "/".join(picks)
+            pred = statistics.mean(predict(a, problem, link) for a in picks)
+        rows.append(
+            asdict(
+                Row(
+                    P,
+                    density,
+                    m,
+                    statistics.median(ts),
+                    qs[0],
+                    qs[2],
+                    ts,
+                    _bytes(m, stream, P, logs[m], nnz_all),
+                    pred,
+                    lb,
+                    chosen,
+                    link=asdict(link),
+                )
             )
         )
-    log = CommLog()
-    run = _runner(method, stream, log)
-    run()  # warm-up (and, for auto, the one-time link calibration of this group)
-    log.clear()
-    times = []
-    for _ in range(cfg.repeats):
-        dist.barrier()
-        t0 = time.perf_counter()
-        run()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        times.append(float(t))
-    qs = statistics.quantiles(times, n=4) if len(times) > 1 else [times[0]] * 3
-    chosen = ""
-    pred: float | None = None
-    if method in ALGORITHMS:
-        pred = predict(method, problem, link)
-    elif method == "auto":
-        picks = sorted({r.algorithm for r in log.records})
-        chosen = "/".join(picks)
-        pred = min(predict(a, problem, link) for a in ALGORITHMS)
-    return asdict(
-        Row(
-            P,
-            density,
-            method,
-            statistics.median(times),
-            qs[0],
-            qs[2],
-            times,
-            _bytes(method, stream, P, log, nnz_all),
-            pred,
-            lb,
-            chosen,
-            link=asdict(link),
-        )
-    )
+    return rows
