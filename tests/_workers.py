@@ -384,9 +384,32 @@ def collectives_worker(rank: int, full: bool) -> dict[str, Any]:
     out["odd_strides"] = _odd_stride_checks(rank, world)
     out["async"] = _async_checks(rank, world)
     out["tensor"] = _tensor_checks(rank, world)
+    out["override"] = _override_checks(rank, world)
     lm = sparsync.measure_link()
     out["link"] = lm
     out["link_finite"] = all(math.isfinite(v) for v in (lm.alpha, lm.beta, lm.gamma_sparse, lm.gamma_dense))
+    return out
+
+
+def _override_checks(rank: int, world: int) -> dict[str, Any]:
+    """set_link / link= / policy= steer "auto" and show up in its recorded Decision."""
+    s = SparseStream(torch.tensor([rank]), torch.tensor([1.0]), dim=max(world, 2))
+    out: dict[str, Any] = {}
+    # Latency-free, bandwidth-starved link: the dense allreduce of N = 2^20 cannot win; neither can a
+    # 1-entry-per-rank sparse algorithm lose to it.
+    starved = sparsync.LinkModel(alpha=0.0, beta=1.0)
+    sparsync.set_link(starved)
+    log = CommLog()
+    sparse_allreduce(s, log=log, timeout=CALL_TIMEOUT)
+    out["set_link"] = (log.last.decision.link if log.last.decision else None, log.last.algorithm)
+    sparsync.set_link(None)
+
+    def always_dense(problem: sparsync.Problem, link: sparsync.LinkModel) -> sparsync.Decision:
+        return sparsync.Decision("dense", {"dense": 0.0}, 0.0, problem, link)
+
+    log = CommLog()
+    got = sparse_allreduce(s, log=log, policy=always_dense, link=starved, timeout=CALL_TIMEOUT)
+    out["policy"] = (log.last.algorithm, got.is_dense, got.to_dense().tolist())
     return out
 
 

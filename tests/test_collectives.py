@@ -309,6 +309,17 @@ def test_allreduce_sparse_coo_embedding_grad(run: tuple[int, list[dict[str, Any]
         np.testing.assert_allclose(got, h, rtol=1e-6, atol=1e-6)
 
 
+def test_link_and_policy_overrides(run: tuple[int, list[dict[str, Any]]]) -> None:
+    world, results = run
+    dim = max(world, 2)
+    want = [1.0 if i < world else 0.0 for i in range(dim)]
+    for res in results:
+        link, alg = res["override"]["set_link"]
+        assert link == LinkModel(alpha=0.0, beta=1.0)
+        assert alg != "dense" or world == 1
+        assert res["override"]["policy"] == ("dense", True, want)
+
+
 def test_measure_link_same_on_every_rank(run: tuple[int, list[dict[str, Any]]]) -> None:
     world, results = run
     links = [r["link"] for r in results]

@@ -104,7 +104,7 @@ def test_lower_bound_with_sparse_inputs_and_a_dense_result() -> None:
     bound used to claim N·βd there, above both the prediction and what the algorithm really sends."""
     N = 1000
     p = Problem(2, N, (300, 300), 4, 4)
-    link = LinkModel(alpha=0.0, beta=1e-9, gamma_sparse=0.0, gamma_dense=0.0)
+    link = LinkModel(alpha=0.0, beta=1e-9, gamma_sparse=0.0, gamma_dense=0.0, gamma_scatter=0.0)
     assert p.union(2) >= p.delta
     rd = predict("ssar_recursive_double", p, link)
     assert rd == pytest.approx(300 * 8 * 1e-9)

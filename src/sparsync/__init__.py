@@ -8,6 +8,7 @@ from sparsync.calibrate import measure_link
 from sparsync.collectives import allreduce, sparse_allgather, sparse_allreduce
 from sparsync.collectives._comm import PeerError
 from sparsync.costmodel import ALGORITHMS, Decision, LinkModel, Problem, choose_fastest, lower_bound, predict
+from sparsync.group import set_link
 from sparsync.handle import Work
 from sparsync.launch import LaunchError, launch
 from sparsync.record import CommLog, CommRecord
@@ -32,6 +33,7 @@ __all__ = [
     "lower_bound",
     "measure_link",
     "predict",
+    "set_link",
     "sparse_allgather",
     "sparse_allreduce",
     "sum_streams",

@@ -33,8 +33,8 @@ def _pingpong(group: dist.ProcessGroup, rank: int, peer: int, nbytes: int, reps:
     return sorted(times[1:])[reps // 2]
 
 
-def _reduction_costs(n: int = 200_000) -> tuple[float, float]:
-    """Seconds per sparse pair merged and per dense element added, on this rank."""
+def _reduction_costs(n: int = 200_000) -> tuple[float, float, float]:
+    """Seconds per sparse pair merged, per dense element added, per pair scatter-added, on this rank."""
     g = torch.Generator().manual_seed(0)
     dim = 100 * n
     a = SparseStream.coalesce(torch.randint(0, dim, (n,), generator=g), torch.rand(n, generator=g), dim)
@@ -47,7 +47,11 @@ def _reduction_costs(n: int = 200_000) -> tuple[float, float]:
     for _ in range(3):
         x.add_(y)
     gamma_dense = (time.perf_counter() - t0) / (30 * n)
-    return gamma_sparse, gamma_dense
+    idx = torch.randint(0, 10 * n, (n,), generator=g)
+    t0 = time.perf_counter()
+    x.index_add_(0, idx, y[:n])
+    gamma_scatter = (time.perf_counter() - t0) / n
+    return gamma_sparse, gamma_dense, gamma_scatter
 
 
 def measure_link(
@@ -60,23 +64,25 @@ def measure_link(
     """
     g = resolve_group(group)
     rank, size = dist.get_rank(g), dist.get_world_size(g)
-    gs, gd = _reduction_costs()
-    est = torch.zeros(5, dtype=torch.float64)
-    est[2], est[3] = gs, gd
+    gs, gd, gsc = _reduction_costs()
+    est = torch.zeros(6, dtype=torch.float64)
+    est[2], est[3], est[5] = gs, gd, gsc
     peer = rank ^ 1
     if peer < size:
-        t_small = _pingpong(g, rank, peer, 8, reps)
+        # Small messages get more rounds: their times are a few µs to ms and thread wake-ups add outliers.
+        t_small = _pingpong(g, rank, peer, 8, 4 * reps + 1)
         t_large = _pingpong(g, rank, peer, large_bytes, reps)
         est[0] = t_small
         est[1] = max(t_large - t_small, 1e-12) / large_bytes
         est[4] = 1.0
     dist.all_reduce(est, group=g)
     if size == 1:
-        return LinkModel(alpha=0.0, beta=0.0, gamma_sparse=gs, gamma_dense=gd)
+        return LinkModel(alpha=0.0, beta=0.0, gamma_sparse=gs, gamma_dense=gd, gamma_scatter=gsc)
     pairs = float(est[4])
     return LinkModel(
         alpha=float(est[0]) / pairs,
         beta=float(est[1]) / pairs,
         gamma_sparse=float(est[2]) / size,
         gamma_dense=float(est[3]) / size,
+        gamma_scatter=float(est[5]) / size,
     )

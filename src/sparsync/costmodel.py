@@ -31,9 +31,10 @@ class LinkModel:
     beta: float  # seconds per byte on one link (1 / bandwidth)
     gamma_sparse: float = 2e-8  # seconds per (index, value) pair merged in a sparse sum
     gamma_dense: float = 5e-10  # seconds per element in a dense add
+    gamma_scatter: float = 5e-9  # seconds per (index, value) pair scatter-added into a dense buffer
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "gamma_sparse", "gamma_dense"):
+        for name in ("alpha", "beta", "gamma_sparse", "gamma_dense", "gamma_scatter"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"LinkModel.{name} must be a finite number >= 0, got {v!r}")
@@ -89,9 +90,11 @@ class Decision:
     link: LinkModel | None = None
 
 
-def _add_cost(p: Problem, link: LinkModel, entries: float) -> float:
-    if entries >= p.delta:
-        return link.gamma_dense * p.dim
+def _sum_cost(p: Problem, link: LinkModel, entries: float, dim: float) -> float:
+    """Reduction work for ``entries`` incoming pairs on a vector of ``dim``: a sort-merge while the sum stays
+    below that vector's delta (§3), else a dense buffer plus one scatter-add per pair."""
+    if entries >= dim * p.value_bytes / (p.index_bytes + p.value_bytes):
+        return link.gamma_dense * dim + link.gamma_scatter * entries
     return link.gamma_sparse * entries
 
 
@@ -110,20 +113,22 @@ def predict(algorithm: str, p: Problem, link: LinkModel) -> float:
         if fold:
             t += 2 * (2 * a) + b * (p.stream_bytes(p.union(1)) + p.stream_bytes(p.union(P)))
         for _ in range(rounds):
-            t += 2 * a + b * p.stream_bytes(p.union(m)) + _add_cost(p, link, 2 * p.union(m))
+            t += 2 * a + b * p.stream_bytes(p.union(m)) + _sum_cost(p, link, 2 * p.union(m), N)
             m *= 2
         return t
     if algorithm in ("ssar_split_allgather", "dsar_split_allgather"):
-        split = 2 * (P - 1) * a + b * mean_bytes * (P - 1) / P + _add_cost(p, link, p.union(P) / P) * 1.0
+        # Each owner merges the P blocks of its partition: about sum(nnz)/P pairs on N/P entries.
+        split = 2 * (P - 1) * a + b * mean_bytes * (P - 1) / P + _sum_cost(p, link, sum(p.nnz) / P, N / P)
         if algorithm == "dsar_split_allgather":
             return split + (P - 1) * a + b * N * p.value_bytes * (P - 1) / P + link.gamma_dense * N
         gather_latency = 2 * (rounds + (2 if fold else 0)) * a
         result = p.stream_bytes(p.union(P))
-        return split + gather_latency + b * result * (P - 1) / P + _add_cost(p, link, p.union(P))
+        concat = link.gamma_dense * N if p.union(P) >= p.delta else link.gamma_scatter * p.union(P)
+        return split + gather_latency + b * result * (P - 1) / P + concat
     if algorithm == "allgather":
         received = sum(p.input_bytes(r) for r in range(P)) - min(p.input_bytes(r) for r in range(P))
         latency = (rounds + (2 if fold else 0)) * a
-        return latency + b * received + _add_cost(p, link, sum(p.nnz))
+        return latency + b * received + _sum_cost(p, link, sum(p.nnz), N)
     if algorithm == "dense":
         return 2 * (P - 1) * a + b * 2 * (P - 1) / P * N * p.value_bytes + 2 * link.gamma_dense * N
     raise KeyError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")

@@ -49,3 +49,11 @@ def group_state(group: dist.ProcessGroup) -> GroupState:
     if state is None:
         state = _STATES.setdefault(group, GroupState())
     return state
+
+
+def set_link(link: LinkModel | None, *, group: dist.ProcessGroup | None = None) -> None:
+    """Set (or, with None, forget) the link model "auto" uses for ``group`` instead of measuring it.
+
+    Call it with the same model on every rank: ranks that hold different models may choose differently.
+    """
+    group_state(resolve_group(group)).link = link

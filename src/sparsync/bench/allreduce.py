@@ -159,7 +159,10 @@ def _measure_point(
         log.clear()
     times: dict[str, list[float]] = {m: [] for m in methods}
     for r in range(max(rounds.values())):
-        for m in methods:
+        # Rotate the order each round: the call right after a heavy one runs slower (freed buffers, drained
+        # token buckets), and that penalty must not always land on the same method.
+        for i in range(len(methods)):
+            m = methods[(i + r) % len(methods)]
             if r < rounds[m]:
                 times[m].append(_timed(runs[m]))
     rows = []
