@@ -393,7 +393,7 @@ def collectives_worker(rank: int, full: bool) -> dict[str, Any]:
 
 def _override_checks(rank: int, world: int) -> dict[str, Any]:
     """set_link / link= / policy= steer "auto" and show up in its recorded Decision."""
-    s = SparseStream(torch.tensor([rank]), torch.tensor([1.0]), dim=max(world, 2))
+    s = SparseStream(torch.tensor([rank]), torch.tensor([1.0]), dim=2**20)
     out: dict[str, Any] = {}
     # Latency-free, bandwidth-starved link: the dense allreduce of N = 2^20 cannot win; neither can a
     # 1-entry-per-rank sparse algorithm lose to it.
@@ -409,7 +409,7 @@ def _override_checks(rank: int, world: int) -> dict[str, Any]:
 
     log = CommLog()
     got = sparse_allreduce(s, log=log, policy=always_dense, link=starved, timeout=CALL_TIMEOUT)
-    out["policy"] = (log.last.algorithm, got.is_dense, got.to_dense().tolist())
+    out["policy"] = (log.last.algorithm, got.is_dense, got.to_dense()[: world + 1].tolist())
     return out
 
 
