@@ -1,8 +1,10 @@
-"""Measure the α-β-γ link model of a group: a short ping-pong plus a local reduction micro-benchmark.
+"""Measure the α-β-γ link model of a group: tiny collectives for α, a ping-pong for β, local micro-benchmarks
+for γ.
 
-All pairs (0,1), (2,3), ... ping-pong at the same time, so the measurement sees the contention the collectives
-will see (on a shared host, cores; behind a shaped link, the link). The per-rank estimates are then averaged
-with one allreduce so that every rank holds the same model: "auto" must choose the same algorithm everywhere.
+All pairs (0,1), (2,3), ... ping-pong at the same time, so the β measurement sees the contention the
+collectives will see (on a shared host, cores; behind a shaped link, the link). α is timed on the message
+patterns the algorithms use (see ``_collective_latencies``). The per-rank estimates are then averaged with one
+allreduce so that every rank holds the same model: "auto" must choose the same algorithm everywhere.
 """
 
 from __future__ import annotations
@@ -54,10 +56,41 @@ def _reduction_costs(n: int = 200_000) -> tuple[float, float, float]:
     return gamma_sparse, gamma_dense, gamma_scatter
 
 
+def _collective_latencies(group: dist.ProcessGroup, reps: int) -> tuple[float, float]:
+    """α as the collectives see it: the median time of one exchange step of a tiny recursive-doubling allgather
+    with every rank active, and the median time of one tiny all-to-all round (P-1 messages posted at once).
+
+    A lone ping-pong under-reports α when P processes share few cores: a round is only over when every
+    rank has been scheduled, and on this VM thread wake-ups alone take up to milliseconds.
+    """
+    from sparsync.collectives._comm import Comm  # late: the collectives package imports this module
+    from sparsync.collectives._fold import Fold, allgather_fixed
+
+    comm = Comm(group)
+    fold = Fold(comm.size)
+    steps = fold.pof2.bit_length() - 1 + (2 if fold.rem else 0)
+    row = torch.zeros(1, dtype=torch.int64)
+    blocks = [torch.zeros(1, dtype=torch.int64) for _ in range(comm.size)]
+    t_step, t_a2a = [], []
+    for i in range(reps + 1):  # the first of each is a warm-up
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        allgather_fixed(comm, row)
+        t1 = time.perf_counter()
+        dist.barrier(group=group)
+        t2 = time.perf_counter()
+        comm.alltoallv(blocks, [1] * comm.size, torch.int64)
+        t3 = time.perf_counter()
+        if i:
+            t_step.append((t1 - t0) / steps)
+            t_a2a.append(t3 - t2)
+    return sorted(t_step)[reps // 2], sorted(t_a2a)[reps // 2]
+
+
 def measure_link(
     group: dist.ProcessGroup | None = None, *, large_bytes: int = 4 << 20, reps: int = 5
 ) -> LinkModel:
-    """Measure α (one-way small-message time), β (seconds per byte), γ; identical result on every rank.
+    """Measure α (per exchange step), α of an all-to-all round, β (seconds per byte), γ; the same on every rank.
 
     Collective: every rank of ``group`` must call it. Takes well under a second on loopback, about
     ``reps * large_bytes * 2 / bandwidth`` behind a slow link.
@@ -65,22 +98,23 @@ def measure_link(
     g = resolve_group(group)
     rank, size = dist.get_rank(g), dist.get_world_size(g)
     gs, gd, gsc = _reduction_costs()
-    est = torch.zeros(6, dtype=torch.float64)
+    est = torch.zeros(7, dtype=torch.float64)
     est[2], est[3], est[5] = gs, gd, gsc
     peer = rank ^ 1
     if peer < size:
-        # Small messages get more rounds: their times are a few µs to ms and thread wake-ups add outliers.
         t_small = _pingpong(g, rank, peer, 8, 4 * reps + 1)
         t_large = _pingpong(g, rank, peer, large_bytes, reps)
-        est[0] = t_small
         est[1] = max(t_large - t_small, 1e-12) / large_bytes
         est[4] = 1.0
+    if size > 1:
+        est[0], est[6] = _collective_latencies(g, 4 * reps + 1)
     dist.all_reduce(est, group=g)
     if size == 1:
         return LinkModel(alpha=0.0, beta=0.0, gamma_sparse=gs, gamma_dense=gd, gamma_scatter=gsc)
     pairs = float(est[4])
     return LinkModel(
-        alpha=float(est[0]) / pairs,
+        alpha=float(est[0]) / size,
+        alpha_a2a=float(est[6]) / size,
         beta=float(est[1]) / pairs,
         gamma_sparse=float(est[2]) / size,
         gamma_dense=float(est[3]) / size,

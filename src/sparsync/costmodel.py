@@ -32,10 +32,13 @@ class LinkModel:
     gamma_sparse: float = 2e-8  # seconds per (index, value) pair merged in a sparse sum
     gamma_dense: float = 5e-10  # seconds per element in a dense add
     gamma_scatter: float = 5e-9  # seconds per (index, value) pair scatter-added into a dense buffer
+    alpha_a2a: float | None = None  # seconds of one all-to-all round of tiny messages; None: (P-1)·alpha
 
     def __post_init__(self) -> None:
-        for name in ("alpha", "beta", "gamma_sparse", "gamma_dense", "gamma_scatter"):
+        for name in ("alpha", "beta", "gamma_sparse", "gamma_dense", "gamma_scatter", "alpha_a2a"):
             v = getattr(self, name)
+            if v is None and name == "alpha_a2a":
+                continue
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"LinkModel.{name} must be a finite number >= 0, got {v!r}")
 
@@ -118,7 +121,8 @@ def predict(algorithm: str, p: Problem, link: LinkModel) -> float:
         return t
     if algorithm in ("ssar_split_allgather", "dsar_split_allgather"):
         # Each owner merges the P blocks of its partition: about sum(nnz)/P pairs on N/P entries.
-        split = 2 * (P - 1) * a + b * mean_bytes * (P - 1) / P + _sum_cost(p, link, sum(p.nnz) / P, N / P)
+        a2a = link.alpha_a2a if link.alpha_a2a is not None else (P - 1) * a
+        split = 2 * a2a + b * mean_bytes * (P - 1) / P + _sum_cost(p, link, sum(p.nnz) / P, N / P)
         if algorithm == "dsar_split_allgather":
             return split + (P - 1) * a + b * N * p.value_bytes * (P - 1) / P + link.gamma_dense * N
         gather_latency = 2 * (rounds + (2 if fold else 0)) * a

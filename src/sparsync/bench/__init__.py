@@ -43,7 +43,8 @@ def run_allreduce_bench(
         rows.extend(res[0])
         link = res[0][0]["link"] if res[0] else {}
         console.print(
-            f"  measured link: α = {link.get('alpha', 0) * 1e6:.0f} µs, "
+            f"  measured link: α = {link.get('alpha', 0) * 1e6:.0f} µs per exchange step, "
+            f"all-to-all round {(link.get('alpha_a2a') or 0) * 1e6:.0f} µs, "
             f"1/β = {1 / max(link.get('beta', 1e-12), 1e-12) / 1e6:.0f} MB/s"
         )
     title = f"sparse allreduce, N={cfg.dim:,}, {where}"
