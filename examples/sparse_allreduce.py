@@ -29,4 +29,4 @@ def work(rank: int, dim: int) -> str:
 
 if __name__ == "__main__":
     for line in sparsync.launch(work, nprocs=4, args=(1_000_000,)):
-        print(line)
+        print(line, flush=True)
