@@ -117,9 +117,14 @@ def launch(
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     if under_torchrun():
-        if not dist.is_initialized():
+        owned = not dist.is_initialized()
+        if owned:
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-        return [fn(dist.get_rank(), *args)]
+        try:
+            return [fn(dist.get_rank(), *args)]
+        finally:
+            if owned:  # a group we made is ours to tear down; one the caller made stays theirs
+                dist.destroy_process_group()
     # Children inherit the environment at spawn: keep c10d's per-socket warnings (hostname lookups that fail
     # inside network namespaces) out of the user's terminal unless asked for.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
