@@ -9,7 +9,7 @@ from typing import Any
 from rich.console import Console
 
 from sparsync.bench.allreduce import BenchConfig, worker
-from sparsync.bench.report import check_targets, plot, print_table, print_targets, write_files
+from sparsync.bench.report import check_targets, markdown, plot, print_table, print_targets, write_files
 from sparsync.launch import launch
 from sparsync.netem import NetNamespaces, NetSpec, require_root
 
@@ -61,6 +61,9 @@ def run_allreduce_bench(
     }
     files = write_files(rows, meta, out)
     files.append(plot(rows, out, title))
+    md = out.with_suffix(".md")
+    md.write_text(markdown(rows, checks, title))
+    files.append(md)
     console.print("wrote " + ", ".join(str(f) for f in files))
     return rows
 

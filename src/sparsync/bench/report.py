@@ -65,6 +65,25 @@ def write_files(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> 
     return [js, cs]
 
 
+def markdown(rows: list[dict[str, Any]], checks: list[tuple[str, bool, str]], title: str) -> str:
+    """Medians (ms) as a P x density by method table, auto's choice, and the target checks."""
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    pts: dict[tuple[int, float], dict[str, dict[str, Any]]] = defaultdict(dict)
+    for r in rows:
+        pts[(r["world_size"], r["density"])][r["method"]] = r
+    lines = [f"### {title}", "", "Median ms per allreduce (slowest rank), auto's choice in the last column.", ""]
+    lines.append("| P | density | " + " | ".join(methods) + " | auto chose |")
+    lines.append("|---|---|" + "---|" * (len(methods) + 1))
+    for (P, d), by in sorted(pts.items()):
+        cells = [_fmt(by[m]["median_s"]) if m in by else "-" for m in methods]
+        chose = by["auto"]["chosen"] if "auto" in by else ""
+        lines.append(f"| {P} | {d:g} | " + " | ".join(cells) + f" | {chose} |")
+    met = sum(ok for _, ok, _ in checks)
+    lines += ["", f"Targets met: {met} of {len(checks)}.", "", "| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {name} | {val} | {'yes' if ok else '**no**'} |" for name, ok, val in checks]
+    return "\n".join(lines) + "\n"
+
+
 def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
     import matplotlib
 
