@@ -11,6 +11,7 @@ Methods: torch gloo dense allreduce, torch gloo sparse COO allreduce, and every 
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -158,11 +159,11 @@ def _measure_point(
     for log in logs.values():
         log.clear()
     times: dict[str, list[float]] = {m: [] for m in methods}
+    order = random.Random(cfg.seed * 7919 + point)  # same seed on every rank: same order everywhere
     for r in range(max(rounds.values())):
-        # Rotate the order each round: the call right after a heavy one runs slower (freed buffers, drained
+        # A fresh order each round: the call right after a heavy one runs slower (freed buffers, drained
         # token buckets), and that penalty must not always land on the same method.
-        for i in range(len(methods)):
-            m = methods[(i + r) % len(methods)]
+        for m in order.sample(methods, len(methods)):
             if r < rounds[m]:
                 times[m].append(_timed(runs[m]))
     rows = []
