@@ -87,6 +87,28 @@ def _collective_latencies(group: dist.ProcessGroup, reps: int) -> tuple[float, f
     return sorted(t_step)[reps // 2], sorted(t_a2a)[reps // 2]
 
 
+def _allreduce_beta(group: dist.ProcessGroup, nbytes: int, reps: int) -> float:
+    """Seconds per byte as a bandwidth-optimal dense allreduce sees it: (t(M) - t(tiny)) / (2(P-1)/P · M).
+
+    On a real link this matches the ping-pong; when P processes share a few cores (loopback), the ping-pong of
+    one pair overstates by up to 10x what every rank gets while all of them move data at once.
+    """
+    P = dist.get_world_size(group)
+    big, tiny = torch.zeros(nbytes // 4), torch.zeros(1)
+
+    def timed(t: torch.Tensor) -> float:
+        times = []
+        for i in range(reps + 1):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            dist.all_reduce(t, group=group)
+            if i:
+                times.append(time.perf_counter() - t0)
+        return sorted(times)[reps // 2]
+
+    return max(timed(big) - timed(tiny), 1e-12) / (2 * (P - 1) / P * nbytes)
+
+
 def measure_link(
     group: dist.ProcessGroup | None = None, *, large_bytes: int = 4 << 20, reps: int = 5
 ) -> LinkModel:
@@ -108,6 +130,7 @@ def measure_link(
         est[4] = 1.0
     if size > 1:
         est[0], est[6] = _collective_latencies(g, 4 * reps + 1)
+        est[1] = max(float(est[1]), _allreduce_beta(g, large_bytes, reps))
     dist.all_reduce(est, group=g)
     if size == 1:
         return LinkModel(alpha=0.0, beta=0.0, gamma_sparse=gs, gamma_dense=gd, gamma_scatter=gsc)
