@@ -159,6 +159,7 @@ def _record_summary(log: CommLog) -> dict[str, Any]:
         "bytes_sent": r.bytes_sent,
         "bytes_recv": r.bytes_recv,
         "messages": r.messages,
+        "phase_bytes": dict(r.phase_bytes),
         "seconds": r.seconds,
         "decision": None if d is None else d.algorithm,
         "predictions": None if d is None else dict(d.predictions),
@@ -385,6 +386,7 @@ def collectives_worker(rank: int, full: bool) -> dict[str, Any]:
     out["async"] = _async_checks(rank, world)
     out["tensor"] = _tensor_checks(rank, world)
     out["override"] = _override_checks(rank, world)
+    out["eager"] = _eager_checks(rank, world)
     lm = sparsync.measure_link()
     out["link"] = lm
     out["link_finite"] = all(math.isfinite(v) for v in (lm.alpha, lm.beta, lm.gamma_sparse, lm.gamma_dense))
@@ -411,6 +413,36 @@ def _override_checks(rank: int, world: int) -> dict[str, Any]:
     got = sparse_allreduce(s, log=log, policy=always_dense, link=starved, timeout=CALL_TIMEOUT)
     out["policy"] = (log.last.algorithm, got.is_dense, got.to_dense()[: world + 1].tolist())
     return out
+
+
+def _eager_checks(rank: int, world: int) -> dict[str, Any]:
+    """Payloads that fit in the metadata round finish in it; one rank's bigger payload sends everyone on."""
+    link = sparsync.LinkModel(alpha=1e-4, beta=1e-9)
+    out: dict[str, Any] = {}
+    for name in ("fits", "one_too_big"):
+        s = eager_inputs(name, rank)
+        log = CommLog()
+        got = sparse_allreduce(s, log=log, link=link, timeout=CALL_TIMEOUT)
+        agl = CommLog()
+        parts = sparse_allgather(s, log=agl, timeout=CALL_TIMEOUT)
+        r = log.last
+        out[name] = {
+            "sum": compact(got),
+            "gathered": [compact(x) for x in parts],
+            "algorithm": r.algorithm,
+            "phases": sorted(r.phases),
+            "allgather_phases": sorted(agl.last.phases),
+            "predictions": dict(r.decision.predictions) if r.decision else {},
+            "meta_bytes": r.phase_bytes.get("meta", 0),
+        }
+    return out
+
+
+def eager_inputs(name: str, rank: int) -> SparseStream:
+    nnz = 10 if name == "fits" or rank else 1000
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.randperm(20011, generator=g)[:nnz].sort().values
+    return SparseStream(idx, torch.rand(nnz, generator=g, dtype=torch.float64) + 0.5, dim=20011)
 
 
 # --- error workers ------------------------------------------------------------------------------------------

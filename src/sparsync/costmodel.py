@@ -12,6 +12,8 @@ Where the paper is vague we chose:
   split algorithms that are safe in that case.
 - Reduction work is not free on CPUs (§4 notes the lower bound ignores it), so the model adds γ terms: seconds
   per sparse pair merged and per dense element added, measured with the link.
+- All predictions leave out the metadata round every algorithm shares. When that round already carried every
+  payload (the eager protocol, ``collectives/_meta.py``), "allgather" costs only its local sum.
 - Latency terms follow the message pattern we actually run: two messages (header, payload) per recursive
   doubling round, P-1 per all_to_all, and the MPICH fold adds 2 exchanges when P is not a power of two.
 """
@@ -50,6 +52,7 @@ class Problem:
     nnz: tuple[int, ...]  # stored entries per rank (dim for a rank whose stream is dense)
     value_bytes: int  # isize
     index_bytes: int  # c
+    eager: bool = False  # every rank's payload already arrived with the metadata (collectives/_meta.py)
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or len(self.nnz) != self.world_size:
@@ -130,6 +133,8 @@ def predict(algorithm: str, p: Problem, link: LinkModel) -> float:
         concat = link.gamma_dense * N if p.union(P) >= p.delta else link.gamma_scatter * p.union(P)
         return split + gather_latency + b * result * (P - 1) / P + concat
     if algorithm == "allgather":
+        if p.eager:  # the gather already happened in the metadata round: only the local sum is left
+            return _sum_cost(p, link, sum(p.nnz), N)
         received = sum(p.input_bytes(r) for r in range(P)) - min(p.input_bytes(r) for r in range(P))
         latency = (rounds + (2 if fold else 0)) * a
         return latency + b * received + _sum_cost(p, link, sum(p.nnz), N)

@@ -25,6 +25,7 @@ class CommRecord:
     seconds: float  # wall time of the whole call on this rank, metadata exchange included
     phases: dict[str, float] = field(default_factory=dict)  # named timing scopes, seconds
     decision: Decision | None = None  # set when algorithm="auto"
+    phase_bytes: dict[str, int] = field(default_factory=dict)  # bytes sent per named phase ("meta", ...)
 
     def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "decision"}

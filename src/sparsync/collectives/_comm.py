@@ -35,6 +35,7 @@ class Traffic:
     bytes_recv: int = 0
     messages: int = 0
     phases: dict[str, float] = field(default_factory=dict)
+    phase_bytes: dict[str, int] = field(default_factory=dict)  # bytes sent inside each named phase
 
 
 class Comm:
@@ -47,15 +48,25 @@ class Comm:
         self.traffic = Traffic()
         self.timeout = timedelta(seconds=timeout) if timeout is not None else None
         self.op = "collective"
+        self._phase = ""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Named timing scope (STYLE 10), so a benchmark can print where the time went."""
-        t0 = time.perf_counter()
+        """Named timing scope (STYLE 10), so a benchmark can print where the time and the bytes went."""
+        t0, outer = time.perf_counter(), self._phase
+        self._phase = name
         try:
             yield
         finally:
+            self._phase = outer
             self.traffic.phases[name] = self.traffic.phases.get(name, 0.0) + time.perf_counter() - t0
+
+    def _sent(self, nbytes: int, messages: int = 1) -> None:
+        tr = self.traffic
+        tr.bytes_sent += nbytes
+        tr.messages += messages
+        key = self._phase or "other"
+        tr.phase_bytes[key] = tr.phase_bytes.get(key, 0) + nbytes
 
     def _wait(self, works: list[Any], peers: list[int]) -> None:
         for w, peer in zip(works, peers, strict=True):
@@ -91,8 +102,7 @@ class Comm:
         if send is not None and send.numel():
             works.append(self._post(dist.isend, send.contiguous(), group_dst=peer))
             peers.append(peer)
-            self.traffic.bytes_sent += send.numel() * send.element_size()
-            self.traffic.messages += 1
+            self._sent(send.numel() * send.element_size())
         self._wait(works, peers)
         if recv is not None:
             self.traffic.bytes_recv += recv.numel() * recv.element_size()
@@ -118,8 +128,7 @@ class Comm:
             if blocks[j].numel():
                 works.append(self._post(dist.isend, blocks[j].contiguous(), group_dst=j))
                 peers.append(j)
-                self.traffic.bytes_sent += blocks[j].numel() * blocks[j].element_size()
-                self.traffic.messages += 1
+                self._sent(blocks[j].numel() * blocks[j].element_size())
         self._wait(works, peers)
         self.traffic.bytes_recv += sum(out[j].numel() * out[j].element_size() for j in order)
         return out
@@ -132,9 +141,8 @@ class Comm:
 
     def count_collective(self, sent: int, received: int, messages: int) -> None:
         """Account for a torch collective whose traffic we compute from its algorithm (gloo: ring)."""
-        self.traffic.bytes_sent += sent
+        self._sent(sent, messages)
         self.traffic.bytes_recv += received
-        self.traffic.messages += messages
 
     def run_collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Run a blocking torch collective, turning transport errors into a PeerError naming ``what``."""

@@ -27,9 +27,12 @@ T = TypeVar("T")
 
 
 def _gather_streams(comm: Comm, stream: SparseStream, meta: Meta) -> list[SparseStream]:
-    sizes = [payload_nbytes(meta.dense[r], meta.nnz[r], stream.dim, stream.dtype) for r in range(comm.size)]
-    with comm.phase("allgather_payload"):
-        blocks = allgather_blocks(comm, payload_of(stream), sizes)
+    if meta.eager is not None:  # every payload already came with the metadata (see _meta's eager protocol)
+        blocks = list(meta.eager)
+    else:
+        sizes = [payload_nbytes(meta.dense[r], meta.nnz[r], stream.dim, stream.dtype) for r in range(comm.size)]
+        with comm.phase("allgather_payload"):
+            blocks = allgather_blocks(comm, payload_of(stream), sizes)
     return [_decode(b, meta.dense[r], meta.nnz[r], stream.dim, stream.dtype) for r, b in enumerate(blocks)]
 
 
@@ -159,7 +162,7 @@ def sparse_allreduce(
                     lm = state.link = measure_link(g)
             isz = stream.values.element_size()
             c = torch.empty((), dtype=index_dtype_for(stream.dim)).element_size()
-            problem = Problem(comm.size, stream.dim, meta.nnz, isz, c)
+            problem = Problem(comm.size, stream.dim, meta.nnz, isz, c, eager=meta.eager is not None)
             decision = policy(problem, lm)
             alg = decision.algorithm
         result = _RUNNERS[alg](comm, stream, meta)
@@ -180,6 +183,7 @@ def sparse_allreduce(
                     time.perf_counter() - t0,
                     dict(tr.phases),
                     decision,
+                    dict(tr.phase_bytes),
                 )
             )
         return result
@@ -235,6 +239,7 @@ def sparse_allgather(
                     tr.messages,
                     time.perf_counter() - t0,
                     dict(tr.phases),
+                    phase_bytes=dict(tr.phase_bytes),
                 )
             )
         return out
