@@ -20,6 +20,7 @@ Where the paper is vague we chose:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -69,11 +70,15 @@ class Problem:
     def k(self) -> int:
         return max(self.nnz)
 
+    @functools.cached_property
+    def _log_q(self) -> float:
+        """log of the geometric mean of (1 - nnz_i/N): computed once, union() is called per round."""
+        N = self.dim
+        return sum(math.log1p(-min(n, N - 1e-9) / N) if n < N else -1e9 for n in self.nnz) / self.world_size
+
     def union(self, m: float) -> float:
         """Expected nnz of a sum of m ranks' streams (independent uniform index sets)."""
-        N = self.dim
-        logq = sum(math.log1p(-min(n, N - 1e-9) / N) if n < N else -1e9 for n in self.nnz) / self.world_size
-        return N * (1.0 - math.exp(logq * m))
+        return self.dim * (1.0 - math.exp(self._log_q * m))
 
     def stream_bytes(self, entries: float) -> float:
         """Wire bytes of a stream with ``entries`` pairs: sparse below delta, dense above (§3)."""

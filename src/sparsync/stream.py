@@ -65,14 +65,7 @@ class SparseStream:
             self._indices: torch.Tensor | None = None
             self._dense = True
             return
-        if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
-            raise ValueError(f"indices must be a 1-D tensor, got {type(indices).__name__} {_shape(indices)}")
-        if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
-            raise ValueError(f"indices must have an integer dtype, got {indices.dtype}")
-        if indices.numel() != values.numel():
-            raise ValueError(
-                f"indices and values differ in length: {indices.numel()} indices, {values.numel()} values"
-            )
+        _check_pairs(indices, values)
         if validate:
             _check_indices(indices, dim, sorted_unique=True)
         self._indices = indices.to(index_dtype_for(dim))
@@ -82,14 +75,7 @@ class SparseStream:
     @classmethod
     def coalesce(cls, indices: torch.Tensor, values: torch.Tensor, dim: int) -> SparseStream:
         """Build a stream from unsorted indices, summing the values of duplicate indices."""
-        if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
-            raise ValueError(f"indices must be a 1-D tensor, got {type(indices).__name__} {_shape(indices)}")
-        if indices.numel() != values.numel():
-            raise ValueError(
-                f"indices and values differ in length: {indices.numel()} indices, {values.numel()} values"
-            )
-        if indices.dtype.is_floating_point or indices.dtype == torch.bool:
-            raise ValueError(f"indices must have an integer dtype, got {indices.dtype}")
+        _check_pairs(indices, values)
         _check_indices(indices, dim, sorted_unique=False)
         idx, vals = _merge(indices.to(torch.int64), values)
         return cls(idx, vals, dim, validate=False)
@@ -195,14 +181,11 @@ def add(a: SparseStream, b: SparseStream, *, inplace: bool = False) -> SparseStr
     if a.is_dense or b.is_dense:
         dense, other = (a, b) if a.is_dense else (b, a)
         out = dense.values if (inplace and dense is a) else dense.values.clone()
-        if other.indices is None:
-            out.add_(other.values)
-        else:
-            out.index_add_(0, other.indices.to(torch.int64), other.values)
+        _accumulate(out, other)
         return a if out is a.values else SparseStream(None, out, a.dim)
     if a.nnz + b.nnz >= a.delta:
         out = a.to_dense()  # a fresh buffer: a is sparse here
-        out.index_add_(0, _i64(b), b.values)
+        _accumulate(out, b)
         return SparseStream(None, out, a.dim)
     if a.nnz == 0:
         return b
@@ -224,10 +207,7 @@ def sum_streams(streams: list[SparseStream]) -> SparseStream:
     if any(s.is_dense for s in streams) or total >= dense_threshold(dim, dtype):
         out = torch.zeros(dim, dtype=dtype)
         for s in streams:
-            if s.indices is None:
-                out.add_(s.values)
-            else:
-                out.index_add_(0, s.indices.to(torch.int64), s.values)
+            _accumulate(out, s)
         return SparseStream(None, out, dim)
     nonempty = [s for s in streams if s.nnz]
     if not nonempty:
@@ -249,10 +229,7 @@ def concat_disjoint(parts: list[SparseStream], offsets: list[int], dim: int) -> 
     if any(p.is_dense for p in parts) or sum(p.nnz for p in parts) >= dense_threshold(dim, dtype):
         out = torch.zeros(dim, dtype=dtype)
         for p, off in zip(parts, offsets, strict=True):
-            if p.indices is None:
-                out[off : off + p.dim] = p.values
-            else:
-                out[p.indices.to(torch.int64) + off] = p.values
+            _accumulate(out[off : off + p.dim], p)  # disjoint ranges of a zero buffer: adding is placing
         return SparseStream(None, out, dim)
     itype = index_dtype_for(dim)
     idx = torch.cat(
@@ -262,6 +239,26 @@ def concat_disjoint(parts: list[SparseStream], offsets: list[int], dim: int) -> 
 
 
 # --- helpers --------------------------------------------------------------------------------------------------
+def _accumulate(out: torch.Tensor, s: SparseStream) -> None:
+    """``out += s`` in place, for a dense buffer ``out`` of ``s.dim`` elements (the one dense-sum loop body)."""
+    if s.indices is None:
+        out.add_(s.values)
+    else:
+        out.index_add_(0, s.indices.to(torch.int64), s.values)
+
+
+def _check_pairs(indices: object, values: torch.Tensor) -> None:
+    """Shape and dtype checks shared by the constructor and ``coalesce``."""
+    if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
+        raise ValueError(f"indices must be a 1-D tensor, got {type(indices).__name__} {_shape(indices)}")
+    if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
+        raise ValueError(f"indices must have an integer dtype, got {indices.dtype}")
+    if indices.numel() != values.numel():
+        raise ValueError(
+            f"indices and values differ in length: {indices.numel()} indices, {values.numel()} values"
+        )
+
+
 def _i64(s: SparseStream) -> torch.Tensor:
     assert s.indices is not None  # callers check is_dense first
     return s.indices.to(torch.int64)

@@ -92,45 +92,39 @@ class Comm:
                 f"(timed out or the peer died): {e}"
             ) from e
 
-    def exchange(self, peer: int, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
-        """Send ``send`` to ``peer`` and receive into ``recv`` from it, concurrently. None or empty skips."""
+    def _transfer(self, recvs: list[tuple[int, torch.Tensor]], sends: list[tuple[int, torch.Tensor]]) -> None:
+        """Post every receive, then every send (so no schedule can deadlock), then wait for all of them.
+        Empty tensors are skipped: gloo needs no message for them and the peer posts none."""
         works: list[Any] = []
         peers: list[int] = []
-        if recv is not None and recv.numel():
-            works.append(self._post(dist.irecv, recv, group_src=peer))
-            peers.append(peer)
-        if send is not None and send.numel():
-            works.append(self._post(dist.isend, send.contiguous(), group_dst=peer))
-            peers.append(peer)
-            self._sent(send.numel() * send.element_size())
+        for peer, t in recvs:
+            if t.numel():
+                works.append(self._post(dist.irecv, t, group_src=peer))
+                peers.append(peer)
+        for peer, t in sends:
+            if t.numel():
+                works.append(self._post(dist.isend, t.contiguous(), group_dst=peer))
+                peers.append(peer)
+                self._sent(t.numel() * t.element_size())
         self._wait(works, peers)
-        if recv is not None:
-            self.traffic.bytes_recv += recv.numel() * recv.element_size()
+        self.traffic.bytes_recv += sum(t.numel() * t.element_size() for _, t in recvs)
+
+    def exchange(self, peer: int, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
+        """Send ``send`` to ``peer`` and receive into ``recv`` from it, concurrently. None or empty skips."""
+        self._transfer([] if recv is None else [(peer, recv)], [] if send is None else [(peer, send)])
 
     def alltoallv(
         self, blocks: list[torch.Tensor], recv_sizes: list[int], dtype: torch.dtype
     ) -> list[torch.Tensor]:
         """Send ``blocks[j]`` to rank j and receive ``recv_sizes[j]`` elements from each rank j, all at once.
 
-        SparCML §4's direct sends with non-blocking calls: every receive is posted before any send, so no
-        schedule can deadlock. (gloo's own all_to_all stalled here behind tc-shaped links with multi-MB blocks.)
+        SparCML §4's direct sends with non-blocking calls. (gloo's own all_to_all stalled here behind
+        tc-shaped links with multi-MB blocks.)
         """
         out = [torch.empty(n, dtype=dtype) for n in recv_sizes]
         out[self.rank] = blocks[self.rank]
-        works: list[Any] = []
-        peers: list[int] = []
         order = [(self.rank + i) % self.size for i in range(1, self.size)]
-        for j in order:
-            if recv_sizes[j]:
-                works.append(self._post(dist.irecv, out[j], group_src=j))
-                peers.append(j)
-        for j in order:
-            if blocks[j].numel():
-                works.append(self._post(dist.isend, blocks[j].contiguous(), group_dst=j))
-                peers.append(j)
-                self._sent(blocks[j].numel() * blocks[j].element_size())
-        self._wait(works, peers)
-        self.traffic.bytes_recv += sum(out[j].numel() * out[j].element_size() for j in order)
+        self._transfer([(j, out[j]) for j in order], [(j, blocks[j]) for j in order])
         return out
 
     def send(self, peer: int, tensor: torch.Tensor) -> None:
