@@ -1,0 +1,79 @@
+"""``Threshold(ratio, lifespan=L)``: DCT-DP (DCT §2.1, Algorithm 1).
+
+Every L-th call for a given name, τ is recomputed as the ceil(ratio·n)-th largest |g| (``kthvalue``: a
+selection, O(n), instead of the paper's full sort); the calls in between reuse it, so they cost one comparison
+pass. Mask |g| ≥ τ. Applied layer-wise: τ is kept per name (per parameter). With error feedback (memory),
+g already includes the error, as in Alg. 1 line 2.
+
+Choices the paper leaves open: the call counter starts at 0, so the first call always computes τ (Alg. 1
+line 3, "L divides k"); τ = 0 (an all-zero tensor at a recompute) would select everything, so a zero τ selects
+the non-zero entries only. Any τ > 0 gives a contraction (DCT §2.1, citing Stich et al. Def. 2.1) with
+δ = (entries kept)/n.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from sparsync.compress.base import (
+    NO_CONTEXT,
+    Compressor,
+    Context,
+    SparsePayload,
+    TensorSpec,
+    check_positive_int,
+    check_ratio,
+    count_for,
+    flat_values,
+    selected,
+    sparse_to_tensor,
+)
+
+
+@dataclass(frozen=True, eq=False)
+class Threshold(Compressor):
+    """Hard threshold with a threshold recomputed every ``lifespan`` calls per name."""
+
+    name: ClassVar[str] = "threshold"
+    accepts_sparse: ClassVar[bool] = True
+
+    ratio: float  # the paper's sparsity factor η: target fraction of entries kept when τ is recomputed
+    lifespan: int = 1000  # L: calls between recomputations of τ (per name); 1 = every call
+    _state: dict[str, list[Any]] = field(default_factory=dict, init=False, repr=False)  # name -> [calls, τ]
+
+    def __post_init__(self) -> None:
+        check_ratio(self.ratio)
+        check_positive_int(self.lifespan, "lifespan")
+
+    def threshold(self, name: str = "") -> float | None:
+        """Current τ for ``name`` (None before its first call)."""
+        st = self._state.get(name)
+        return None if st is None else float(st[1])
+
+    def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> SparsePayload:
+        values, indices = flat_values(tensor)
+        mag = values.abs()
+        st = self._state.setdefault(ctx.name, [0, 0.0])
+        n = mag.numel()
+        if st[0] % self.lifespan == 0 and n:
+            k = count_for(self.ratio, n)
+            st[1] = float(torch.kthvalue(mag, n - k + 1).values)
+        st[0] += 1
+        tau = st[1]
+        mask = mag >= tau if tau > 0 else mag > 0
+        pos = torch.nonzero(mask, as_tuple=True)[0]
+        return selected(values, indices, pos, tensor.numel())
+
+    def decompress(self, payload: SparsePayload, spec: TensorSpec) -> torch.Tensor:
+        return sparse_to_tensor(payload, spec)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: {"calls": st[0], "tau": st[1]} for name, st in self._state.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._state.clear()
+        for name, st in state.items():
+            self._state[name] = [int(st["calls"]), float(st["tau"])]
