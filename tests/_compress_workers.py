@@ -1,0 +1,127 @@
+"""Module-level rank functions for the compressor tests (``launch`` unpickles workers by qualified name).
+
+Inputs are deterministic functions of (rank, step), so the parent rebuilds every rank's input and computes
+the exact reference itself. Each case's exception is caught and returned as text: one failing compressor does
+not abort the others, and every collective runs under the group timeout set by ``launch``.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import sparsync
+from sparsync.compress import ErrorFeedback, from_spec
+from sparsync.hooks import compression_hook
+
+SPECS = (
+    "identity",
+    "fp16",
+    "bf16",
+    "topk:ratio=0.05",
+    "topk:ratio=0.05,bucket=64",
+    "threshold:ratio=0.05,lifespan=2",
+    "randomk:ratio=0.05",
+    "qsgd:bits=4,bucket=64",
+    "sketch:rows=3,cols=300,block=8",
+    "blocktopk:ratio=0.1,block=16",
+)
+
+
+def rank_input(rank: int, step: int, n: int = 3001) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(n, generator=g)
+    return x * (torch.rand(n, generator=g) < 0.5)  # half zeros: the sketch's bitmap has work to do
+
+
+def rank_embedding_grad(rank: int) -> torch.Tensor:
+    emb = torch.nn.Embedding(60, 5, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.arange(300, dtype=torch.float32).reshape(60, 5) / 100)
+    idx = torch.tensor([rank, 2 * rank + 1, 17, 17])
+    (emb(idx) * torch.arange(1, 6)).sum().backward()
+    assert emb.weight.grad is not None
+    return emb.weight.grad
+
+
+def reduce_worker(rank: int, steps: int) -> dict[str, Any]:
+    """Every compressor for ``steps`` steps with error feedback, sync and async; plus sparse COO inputs."""
+    out: dict[str, Any] = {}
+    P = dist.get_world_size()
+    x = rank_input(rank, 0)
+    ref = x.clone()
+    dist.all_reduce(ref)
+    out["plain_allreduce"] = (ref / P).numpy()
+    for spec in SPECS:
+        try:
+            comp, mem = from_spec(spec), ErrorFeedback()
+            acomp, amem = from_spec(spec), ErrorFeedback()
+            res, ares = [], []
+            for step in range(steps):
+                xs = rank_input(rank, step)
+                res.append(sparsync.reduce(xs, comp, memory=mem, name="w").numpy())
+                ares.append(sparsync.reduce(xs, acomp, memory=amem, name="w", async_op=True).wait().numpy())
+            summed = sparsync.reduce(rank_input(rank, 0), from_spec(spec), name="w", average=False).numpy()
+            g = rank_embedding_grad(rank)
+            sp = sparsync.reduce(g, from_spec(spec), name="emb")
+            inplace = rank_input(rank, 0)
+            back = sparsync.reduce(inplace, from_spec(spec), name="w", inplace=True)
+            out[spec] = {
+                "steps": res,
+                "async": ares,
+                "summed": summed,
+                "sparse_is_sparse": sp.is_sparse,
+                "sparse": sp.to_dense().numpy(),
+                "inplace_same_object": back is inplace,
+                "inplace": inplace.numpy(),
+            }
+        except Exception:
+            out[spec] = {"error": traceback.format_exc()}
+    return out
+
+
+def _ddp_model(sparse: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(30, 4, sparse=sparse),
+        torch.nn.Flatten(),
+        torch.nn.Linear(12, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 3),
+    )
+
+
+def ddp_worker(rank: int, specs: tuple[str | None, ...], sparse: bool, steps: int) -> dict[str | None, Any]:
+    """For each spec (None: no hook), a few SGD steps of a fresh small DDP model with that spec's hook.
+    Returns the final parameters, or the error text, per spec."""
+    out: dict[str | None, Any] = {}
+    for spec in specs:
+        try:
+            out[spec] = _ddp_run(rank, spec, sparse, steps)
+        except Exception:
+            out[spec] = traceback.format_exc()
+    return out
+
+
+def _ddp_run(rank: int, spec: str | None, sparse: bool, steps: int) -> list[np.ndarray]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _ddp_model(sparse)
+    ddp = DistributedDataParallel(model)
+    if spec is not None:
+        comp = from_spec(spec)
+        mem = None if comp.name in ("identity", "fp16", "bf16") else ErrorFeedback()
+        ddp.register_comm_hook(None, compression_hook(comp, mem, module=ddp))
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        xb = torch.randint(0, 30, (8, 3), generator=gen)
+        loss = (ddp(xb) - 1).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]
