@@ -129,3 +129,15 @@ def test_ddp_sparse_embedding_every_compressor() -> None:
             for a, b in zip(res[0][spec], res[r][spec], strict=True):
                 assert np.array_equal(a, b), spec
         assert any(not np.array_equal(a, b) for a, b in zip(res[0][spec], init, strict=True)), spec
+
+
+def test_convergence_on_digits_within_one_point() -> None:
+    """Issue 3: an MLP on scikit-learn's digits, 4 ranks; TopK 1% + error feedback and QSGD 4-bit reach the
+    uncompressed test accuracy within 1 point."""
+    specs = ("identity", "topk:ratio=0.01", "qsgd:bits=4")
+    res = launch(cw.digits_worker, nprocs=4, args=(specs, 400, 0.3), timeout=300)
+    acc = res[0]
+    assert all(r == acc for r in res)  # every rank holds the same model
+    assert acc["identity"] > 90.0, acc
+    assert acc["topk:ratio=0.01"] >= acc["identity"] - 1.0, acc
+    assert acc["qsgd:bits=4"] >= acc["identity"] - 1.0, acc
