@@ -44,7 +44,10 @@ ALL = {
 SPARSIFIERS = ("topk", "topk_bucket", "threshold", "randomk", "blocktopk")
 
 
-def roundtrip(c: object, x: torch.Tensor, ctx: Context = Context("w")) -> torch.Tensor:
+W = Context("w")
+
+
+def roundtrip(c: object, x: torch.Tensor, ctx: Context = W) -> torch.Tensor:
     p = c.compress(x, ctx)  # type: ignore[attr-defined]
     return c.decompress(p, TensorSpec.of(x))  # type: ignore[attr-defined, no-any-return]
 
@@ -66,7 +69,7 @@ def test_registry_has_every_compressor_and_rejects_unknown_names() -> None:
         make("bogus")
     for name in COMPRESSORS:
         assert name in str(ei.value)
-    assert make("topk", ratio=0.1) .ratio == 0.1  # type: ignore[attr-defined]
+    assert make("topk", ratio=0.1).ratio == 0.1  # type: ignore[attr-defined]
     c = from_spec("threshold:ratio=0.01,lifespan=1000")
     assert isinstance(c, Threshold) and c.ratio == 0.01 and c.lifespan == 1000
     assert isinstance(from_spec("qsgd:bits=8,scale=l2"), QSGD)
@@ -310,7 +313,7 @@ def test_error_feedback_invariant(key: str) -> None:
         mem.update("p", x, sent)
         e_new = mem.error("p")
         assert e_new is not None
-        if key in SPARSIFIERS and key != "randomk" or key == "identity":
+        if (key in SPARSIFIERS and key != "randomk") or key == "identity":
             # they send exact copies of what they keep: the residual is zero there, x elsewhere
             assert torch.equal(g + e_old, sent + e_new)
             assert torch.equal(e_new[sent != 0], torch.zeros(int((sent != 0).sum())))

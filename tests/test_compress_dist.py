@@ -8,7 +8,6 @@ from typing import Any
 import _compress_workers as cw
 import numpy as np
 import pytest
-import torch
 
 from sparsync import launch
 from sparsync.compress import (
@@ -75,7 +74,9 @@ def test_every_compressor_matches_its_reference(run: tuple[int, list[dict[str, A
     tol = TOL.get(spec, 1e-6)
     for r, res in enumerate(results):
         for step in range(STEPS):
-            np.testing.assert_allclose(res[spec]["steps"][step], ref[step], rtol=tol, atol=tol, err_msg=f"rank {r}")
+            np.testing.assert_allclose(
+                res[spec]["steps"][step], ref[step], rtol=tol, atol=tol, err_msg=f"rank {r}"
+            )
             # async gives the same as sync, and every rank the same as rank 0, bitwise
             assert np.array_equal(res[spec]["async"][step], res[spec]["steps"][step])
             assert np.array_equal(res[spec]["steps"][step], results[0][spec]["steps"][step])

@@ -101,9 +101,11 @@ class SparseSketch(Compressor):
             h, sign = self._hash(idx, j, c)
             e = payload.table[j][h]
             est[j] = torch.where(sign, -e, e)
-        srt = est.sort(0).values
-        mid = self.rows // 2
-        vals = srt[mid] if self.rows % 2 else (srt[mid - 1] + srt[mid]) / 2
+        if self.rows % 2:
+            vals = est.median(0).values  # odd r: the middle estimate itself
+        else:
+            srt = est.sort(0).values
+            vals = (srt[self.rows // 2 - 1] + srt[self.rows // 2]) / 2
         if spec.sparse_dim is not None:
             from sparsync.collectives.tensor import stream_to_coo
 
