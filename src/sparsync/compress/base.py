@@ -187,10 +187,17 @@ def flat_values(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None
 
 
 def selected(
-    values: torch.Tensor, indices: torch.Tensor | None, positions: torch.Tensor, dim: int, scale: float = 1.0
+    values: torch.Tensor,
+    indices: torch.Tensor | None,
+    positions: torch.Tensor,
+    dim: int,
+    scale: float = 1.0,
+    *,
+    presorted: bool = False,
 ) -> SparsePayload:
-    """SparsePayload of ``values[positions]`` (positions into ``values``; any order, unique)."""
-    pos = positions.sort().values
+    """SparsePayload of ``values[positions]`` (positions into ``values``; unique; any order unless
+    ``presorted``)."""
+    pos = positions if presorted else positions.sort().values
     idx = pos if indices is None else indices.to(torch.int64)[pos]
     vals = values[pos] if scale == 1.0 else values[pos] * scale
     return SparsePayload(SparseStream(idx, vals.contiguous(), dim, validate=False))

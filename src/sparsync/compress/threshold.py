@@ -55,17 +55,14 @@ class Threshold(Compressor):
 
     def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> SparsePayload:
         values, indices = flat_values(tensor)
-        mag = values.abs()
         st = self._state.setdefault(ctx.name, [0, 0.0])
-        n = mag.numel()
+        n = values.numel()
         if st[0] % self.lifespan == 0 and n:
             k = count_for(self.ratio, n)
-            st[1] = float(torch.kthvalue(mag, n - k + 1).values)
+            st[1] = float(torch.kthvalue(values.abs(), n - k + 1).values)
         st[0] += 1
-        tau = st[1]
-        mask = mag >= tau if tau > 0 else mag > 0
-        pos = torch.nonzero(mask, as_tuple=True)[0]
-        return selected(values, indices, pos, tensor.numel())
+        pos = _mask_positions(values, st[1])
+        return selected(values, indices, pos, tensor.numel(), presorted=True)
 
     def decompress(self, payload: SparsePayload, spec: TensorSpec) -> torch.Tensor:
         return sparse_to_tensor(payload, spec)
@@ -77,3 +74,26 @@ class Threshold(Compressor):
         self._state.clear()
         for name, st in state.items():
             self._state[name] = [int(st["calls"]), float(st["tau"])]
+
+
+CHUNK = 1 << 20  # entries per pass of the mask: |g|, the mask and its positions stay in cache
+
+
+def _mask_positions(values: torch.Tensor, tau: float) -> torch.Tensor:
+    """Sorted positions of |v| >= τ (|v| > 0 when τ = 0), one cache-sized chunk at a time: the calls between
+    recomputations are this pass only, and on a large layer a whole-tensor |v| costs a 4-byte-per-entry
+    temporary plus a second trip through memory (DCT §2.1: the compression overhead must stay small)."""
+    n = values.numel()
+    buf = torch.empty(min(CHUNK, n), dtype=values.dtype)
+    mask = torch.empty(min(CHUNK, n), dtype=torch.bool)
+    parts = []
+    for start in range(0, n, CHUNK):
+        v = values[start : start + CHUNK]
+        m = v.numel()
+        torch.abs(v, out=buf[:m])
+        if tau > 0:
+            torch.ge(buf[:m], tau, out=mask[:m])
+        else:
+            torch.gt(buf[:m], 0, out=mask[:m])
+        parts.append(torch.nonzero(mask[:m], as_tuple=True)[0] + start)
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
