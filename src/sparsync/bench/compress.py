@@ -200,22 +200,21 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
     fig, axes = plt.subplots(2, len(sizes), figsize=(6.5 * len(sizes), 9), squeeze=False)
     for j, n in enumerate(sizes):
         pts = [r for r in rows if r["n"] == n]
-        for r in pts:
-            axes[0][j].scatter(r["payload_bytes"], max(r["rel_error"], 1e-6), s=18)
-            axes[0][j].annotate(
-                _short(r["compressor"]), (r["payload_bytes"], max(r["rel_error"], 1e-6)), fontsize=6
-            )
-            axes[1][j].scatter(r["payload_bytes"], r["cd_s"], s=18, marker="o")
-            axes[1][j].scatter(r["payload_bytes"], r["reduce_s"], s=18, marker="x", color="gray")
-            axes[1][j].annotate(_short(r["compressor"]), (r["payload_bytes"], r["cd_s"]), fontsize=6)
+        markers = "osD^v<>phX*P"
+        for i, r in enumerate(pts):
+            style = {"s": 30, "marker": markers[i % len(markers)], "label": _short(r["compressor"])}
+            axes[0][j].scatter(r["payload_bytes"], max(r["rel_error"], 1e-6), **style)
+            axes[1][j].scatter(r["payload_bytes"], r["cd_s"], **style)
+            axes[1][j].scatter(r["payload_bytes"], r["reduce_s"], s=14, marker="x", color="gray")
         dense = pts[0]["dense_allreduce_s"]
         axes[1][j].axhline(dense, color="black", lw=1, label="dense allreduce")
         axes[1][j].axhline(dense * TARGET_FRACTION, color="black", lw=1, ls=":", label="10% of dense allreduce")
         axes[0][j].set(xscale="log", yscale="log", xlabel="payload bytes per rank", ylabel="relative error")
         axes[1][j].set(xscale="log", yscale="log", xlabel="payload bytes per rank", ylabel="seconds")
         axes[0][j].set_title(f"N = {n:,}: error vs bytes")
-        axes[1][j].set_title(f"N = {n:,}: compress+decompress (o), reduce (x) vs bytes")
-        axes[1][j].legend(fontsize=7)
+        axes[1][j].set_title(f"N = {n:,}: compress+decompress (marker), reduce (gray x) vs bytes")
+        axes[0][j].legend(fontsize=6, ncol=2)
+        axes[1][j].legend(fontsize=6, ncol=2)
         for ax in axes[:, j]:
             ax.grid(True, which="both", alpha=0.3)
     fig.suptitle(title)
