@@ -113,9 +113,11 @@ def _ddp_run(rank: int, spec: str | None, sparse: bool, steps: int) -> list[np.n
     model = _ddp_model(sparse)
     ddp = DistributedDataParallel(model)
     if spec is not None:
-        comp = from_spec(spec)
+        name, _, mode = spec.partition("|")  # "identity|sync": the hook without async_op
+        comp = from_spec(name)
         mem = None if comp.name in ("identity", "fp16", "bf16") else ErrorFeedback()
-        ddp.register_comm_hook(None, compression_hook(comp, mem, module=ddp))
+        hook = compression_hook(comp, mem, module=ddp, async_op=mode != "sync")
+        ddp.register_comm_hook(None, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(steps):

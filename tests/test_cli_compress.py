@@ -38,8 +38,8 @@ def test_bench_compress_tiny(tmp_path: Path) -> None:
     by = {r["compressor"]: r for r in rows}
     assert by["identity"]["rel_error"] == 0.0 and by["identity"]["bytes_ratio"] == 1.0
     assert by["topk:ratio=0.01"]["payload_bytes"] == 200 * 8  # 200 (int32 index, float32 value) pairs
-    # 40 buckets of 512 (the last one padded), 4 bits each, and one float32 scale per bucket
-    assert by["qsgd:bits=4"]["bytes_ratio"] == pytest.approx((40 * 512 // 2 + 40 * 4) / 80_000)
+    # 4 bits per value and one float32 scale per bucket of 512 (40 buckets)
+    assert by["qsgd:bits=4"]["bytes_ratio"] == pytest.approx((10_000 + 40 * 4) / 80_000)
     assert all(r["dense_allreduce_s"] > 0 and r["reduce_s"] > 0 for r in rows)
     checks = check_targets(rows)
     assert len(checks) == 2 and "10%" in checks[0][0]

@@ -169,6 +169,8 @@ def test_qsgd_packs_bits(bits: int) -> None:
     p = QSGD(bits=bits, bucket=100).compress(x)
     assert p.codes.dtype == torch.uint8 and p.codes.numel() == math.ceil(1000 * bits / 8)
     assert p.nbytes == math.ceil(1000 * bits / 8) + 10 * 4
+    odd = QSGD(bits=bits, bucket=100).compress(torch.randn(1001))  # 11 buckets, the last one of 1 value
+    assert odd.nbytes == math.ceil(1001 * bits / 8) + 11 * 4
     y = roundtrip(QSGD(bits=bits, bucket=100), x)
     s = 2 ** (bits - 1) - 1
     levels = (y.reshape(10, 100) / p.scales[:, None] * s).round()

@@ -108,11 +108,13 @@ def test_sparse_embedding_gradients(run: tuple[int, list[dict[str, Any]]], spec:
 
 # --- DDP ------------------------------------------------------------------------------------------------
 def test_ddp_identity_hook_equals_no_hook() -> None:
-    res = launch(cw.ddp_worker, nprocs=3, args=((None, "identity"), False, 4), timeout=120)
+    res = launch(cw.ddp_worker, nprocs=3, args=((None, "identity", "identity|sync"), False, 4), timeout=120)
     base, hooked = res[0][None], res[0]["identity"]
-    for a, b in zip(base, hooked, strict=True):
+    assert not isinstance(hooked, str), hooked
+    for a, b, c in zip(base, hooked, res[0]["identity|sync"], strict=True):
         # DDP divides before its allreduce, sparsync after: the two differ by float rounding only
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        assert np.array_equal(b, c)  # the async hook computes what the blocking one does
     for r in range(3):
         for a, b in zip(hooked, res[r]["identity"], strict=True):
             assert np.array_equal(a, b)

@@ -76,12 +76,15 @@ class QSGD(Compressor):
         level = x * (s / safe).unsqueeze(1)
         level += torch.rand(level.shape, generator=self._generator(ctx))
         codes = level.floor_().add_(s).clamp_(0, 2 * s).to(torch.uint8).reshape(-1)
-        return QuantizedPayload(_pack(codes, self.bits), scales)
+        return QuantizedPayload(_pack(codes[:n], self.bits), scales)  # the last bucket's padding stays home
 
     def decompress(self, payload: QuantizedPayload, spec: TensorSpec) -> torch.Tensor:
         n = spec.numel
         nb = payload.scales.numel()
-        codes = _unpack(payload.codes, self.bits, nb * self.bucket).reshape(nb, self.bucket)
+        codes = _unpack(payload.codes, self.bits, n)
+        codes = torch.nn.functional.pad(codes, (0, nb * self.bucket - n), value=self.levels).reshape(
+            nb, self.bucket
+        )
         s = self.levels
         vals = (codes.to(torch.float32) - s) * (payload.scales / s).unsqueeze(1)
         out = vals.reshape(-1)[:n].to(spec.dtype).reshape(spec.shape)
