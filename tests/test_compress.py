@@ -356,3 +356,33 @@ def test_sparse_coo_inputs_keep_their_layout(c: object) -> None:
     if isinstance(c, Identity | FP16 | BF16):
         tol = {"identity": 0.0, "fp16": 1e-3, "bf16": 1e-2}[c.name]
         np.testing.assert_allclose(y.to_dense().numpy(), g.to_dense().numpy(), atol=tol)
+
+
+# --- argument errors of reduce and the DDP hook (raised before any communication) ---------------------------
+@pytest.mark.parametrize(
+    ("args", "kwargs", "exc", "match"),
+    [
+        ((torch.ones(3), TopK(0.5)), {"memory": ErrorFeedback()}, ValueError, "name"),
+        ((torch.ones(3).to_sparse(), Identity()), {"inplace": True}, ValueError, "inplace"),
+        ((torch.ones(0), Identity()), {}, ValueError, "empty"),
+        ((torch.ones(3, dtype=torch.int64), Identity()), {}, ValueError, "floating"),
+        ((torch.ones(3), "topk"), {}, TypeError, "Compressor"),
+        (([1.0, 2.0], Identity()), {}, TypeError, "Tensor"),
+    ],
+)
+def test_reduce_rejects_bad_arguments(
+    args: tuple[object, ...], kwargs: dict[str, object], exc: type, match: str
+) -> None:
+    import sparsync
+
+    with pytest.raises(exc, match=match):
+        sparsync.reduce(*args, **kwargs)  # type: ignore[call-overload]
+
+
+def test_hook_needs_a_module_for_memory() -> None:
+    from sparsync.hooks import compression_hook
+
+    with pytest.raises(ValueError, match="module"):
+        compression_hook(TopK(0.1), ErrorFeedback())
+    with pytest.raises(TypeError, match="Compressor"):
+        compression_hook("topk")  # type: ignore[arg-type]
