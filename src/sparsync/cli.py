@@ -1,4 +1,4 @@
-"""The ``sparsync`` command: ``demo``, ``bench allreduce``."""
+"""The ``sparsync`` command: ``demo``, ``bench allreduce``, ``bench compress``."""
 
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(parse_size(x) for x in text.split(","))
+
+
 def _methods(text: str) -> tuple[str, ...]:
     out = tuple(text.split(","))
     bad = [m for m in out if m not in METHODS]
@@ -61,6 +65,20 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
     ar.add_argument("--out", type=Path, default=Path("results/allreduce"), help="path stem for .csv/.json/.png")
     ar.add_argument("--no-progress", action="store_true")
+    cp = bsub.add_parser("compress", help="compressors: time, bytes, error vs a dense allreduce (issue 3)")
+    cp.add_argument("--sizes", type=_sizes, default=(1_000_000, 25_000_000), help="N per rank, e.g. 1000000,25M")
+    cp.add_argument("--procs", type=int, default=4, help="world size P (default 4)")
+    cp.add_argument("--repeats", type=int, default=3)
+    cp.add_argument(
+        "--compressor",
+        action="append",
+        dest="compressors",
+        help="a registry spec such as 'topk:ratio=0.01' (repeatable; default: the issue's list)",
+    )
+    cp.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
+    cp.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
+    cp.add_argument("--out", type=Path, default=Path("results/compress"), help="path stem for .csv/.json/.png")
+    cp.add_argument("--no-progress", action="store_true")
     return p
 
 
@@ -93,6 +111,29 @@ def main(argv: list[str] | None = None) -> int:
                 progress=not args.no_progress,
             )
             return 0
+        if args.command == "bench" and args.bench == "compress":
+            from sparsync.bench import CompressBenchConfig, run_compress_bench
+
+            if args.latency and not args.net:
+                raise ValueError("--latency needs --net")
+            ccfg = CompressBenchConfig(sizes=args.sizes, repeats=args.repeats)
+            if args.compressors:
+                ccfg = CompressBenchConfig(
+                    sizes=args.sizes, repeats=args.repeats, compressors=tuple(args.compressors)
+                )
+            run_compress_bench(
+                ccfg,
+                procs=args.procs,
+                out=args.out,
+                net=args.net,
+                latency=args.latency,
+                console=console,
+                progress=not args.no_progress,
+            )
+            return 0
+    except KeyError as e:
+        console.print(f"[red]error:[/] {e.args[0] if e.args else e}")
+        return 2
     except (ValueError, PermissionError, RuntimeError) as e:
         console.print(f"[red]error:[/] {e}")
         return 2
