@@ -112,10 +112,13 @@ class ReplicaContext:
     def per_replica_batch_size(self, global_batch: int) -> int:
         return per_replica_batch_size(global_batch, self.num_replicas)
 
-    def input(self, input_fn: Callable[[int], Any]) -> Iterator[Any]:
+    def input(self, input_fn: Callable[[int], Any], replication: InputReplication | None = None) -> Iterator[Any]:
         """This replica's batches. PER_REPLICA: ``input_fn(replica_id)``; PER_WORKER: ``input_fn(worker_id)``
-        run once per worker and split across the worker's replicas by ``input_split_fn``."""
-        if self.input_replication is PER_WORKER:
+        run once per worker and split across the worker's replicas by ``input_split_fn``. ``replication``
+        overrides the replicator's ``input_replication`` for this pipeline."""
+        if replication is not None and not isinstance(replication, InputReplication):
+            raise ValueError(f"replication must be PER_WORKER or PER_REPLICA, got {replication!r}")
+        if (replication or self.input_replication) is PER_WORKER:
             return per_worker(
                 input_fn,
                 self.input_split_fn,

@@ -83,16 +83,25 @@ def per_worker(
     it = iterate(input_fn(worker_id)) if me == 0 else None
     while True:
         send: list[Any] | None = None
+        error: Exception | None = None
         if it is not None:
             try:
                 pieces = split_fn(next(it), n)
+                if len(pieces) != n:
+                    raise ValueError(f"input_split_fn returned {len(pieces)} pieces for {n} replicas")
+                send = [("batch", pieces[slot[i]]) for i in range(len(slot))]
             except StopIteration:
-                pieces = None
-            if pieces is not None and len(pieces) != n:
-                raise ValueError(f"input_split_fn returned {len(pieces)} pieces for {n} replicas")
-            send = [None if pieces is None else pieces[slot[i]] for i in range(len(slot))]
+                send = [("end", None)] * len(slot)
+            except Exception as e:  # the other processes learn of it too, instead of waiting for a batch
+                error = e
+                send = [("error", f"{type(e).__name__}: {e}")] * len(slot)
         out: list[Any] = [None]
         dist.scatter_object_list(out, send, group=group, group_src=0)
-        if out[0] is None:
+        kind, payload = out[0]
+        if error is not None:
+            raise error
+        if kind == "error":
+            raise ValueError(f"the worker's input pipeline failed on its leader: {payload}")
+        if kind == "end":
             return
-        yield out[0]
+        yield payload
