@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
+import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import sparsync
@@ -143,7 +143,10 @@ def _dp_run(ctx: ReplicaContext, mode: str, plan_kind: str) -> dict[str, Any]:
 # --- primitives -------------------------------------------------------------------------------------------------
 def value_of(r: int) -> dict[str, Any]:
     g = torch.Generator().manual_seed(50 + r)
-    return {"a": torch.randn(3, 2, generator=g, dtype=torch.float64), "b": [torch.randint(-5, 5, (4,), generator=g)]}
+    return {
+        "a": torch.randn(3, 2, generator=g, dtype=torch.float64),
+        "b": [torch.randint(-5, 5, (4,), generator=g)],
+    }
 
 
 def bn_input(r: int) -> torch.Tensor:
@@ -202,9 +205,11 @@ def errors_program(ctx: ReplicaContext) -> dict[str, Any]:
     out["structure"] = _try(lambda: ctx.all_sum({"a": torch.zeros(2)} if r != 1 else [torch.zeros(2)]))
     out["order"] = _try(lambda: ctx.all_sum(torch.zeros(2)) if r != 1 else ctx.all_gather(torch.zeros(2)))
     out["vs_sparse"] = _try(
-        lambda: ctx.all_sum(torch.zeros(2))
-        if r != 1
-        else sparsync.allreduce(torch.zeros(2), group=ctx.dp_group, algorithm="dense")
+        lambda: (
+            ctx.all_sum(torch.zeros(2))
+            if r != 1
+            else sparsync.allreduce(torch.zeros(2), group=ctx.dp_group, algorithm="dense")
+        )
     )
     out["source"] = _try(lambda: ctx.broadcast(torch.zeros(2), R + 4))
     out["batch_size"] = _try(lambda: ctx.per_replica_batch_size(R * 4 + 1))
@@ -257,7 +262,7 @@ def _mp_run(ctx: ReplicaContext, eta: float | None, steps: int) -> dict[str, Any
         h: Any = x
         for i, st in enumerate(stages):
 
-            def run(t: torch.Tensor, st: nn.Module = st, i: int = i) -> torch.Tensor:
+            def run(t: torch.Tensor, st: nn.Module = st, i: int = i, s: int = s) -> torch.Tensor:
                 if s == 0:
                     first[f"in{i}"] = t.detach().clone()
                 out = st(t)

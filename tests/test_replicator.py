@@ -8,7 +8,7 @@ import _replicator_workers as rw
 import pytest
 import torch
 
-from sparsync.replicator import DCTMP, PER_REPLICA, PER_WORKER, Replicator, split_batch
+from sparsync.replicator import DCTMP, Replicator, split_batch
 from sparsync.replicator import dctmp as dct
 
 
@@ -259,7 +259,9 @@ def test_dctmp_mask_round_trips() -> None:
         kind = dct.mask_kind(rows, d, k)
         buf = dct.encode_mask(idx, d, kind)
         assert buf.numel() == dct.mask_nbytes(rows, d, k, kind)
-        assert torch.equal(dct.decode_mask(buf, rows, d, k, kind), idx if kind != "none" else torch.arange(d).expand(rows, d))
+        assert torch.equal(
+            dct.decode_mask(buf, rows, d, k, kind), idx if kind != "none" else torch.arange(d).expand(rows, d)
+        )
         top = x.abs().topk(k, dim=1).values.min(1).values
         kept = dct.scatter_rows(dct.gather_rows(x, idx), idx, d)
         assert torch.all((kept != 0).sum(1) == k)

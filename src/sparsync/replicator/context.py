@@ -14,7 +14,14 @@ import torch.utils._pytree as pytree
 from sparsync.record import CommLog
 from sparsync.replicator import primitives as prim
 from sparsync.replicator.dctmp import DCTMP
-from sparsync.replicator.inputs import PER_WORKER, InputReplication, SplitFn, iterate, per_replica_batch_size, per_worker
+from sparsync.replicator.inputs import (
+    PER_WORKER,
+    InputReplication,
+    SplitFn,
+    iterate,
+    per_replica_batch_size,
+    per_worker,
+)
 from sparsync.replicator.logical import LogicalDevices, Remote, SplitRecord
 from sparsync.replicator.optimizer import Placement, PlanSpec, ReduceEnv, ReplicatedOptimizer
 

@@ -76,7 +76,7 @@ class Remote:
 
     def backward(self, gradient: Any = None, retain_graph: bool | None = None) -> None:
         if self.token is not None and self.token.requires_grad:
-            self.token.backward(retain_graph=retain_graph)
+            self.token.backward(retain_graph=retain_graph)  # type: ignore[no-untyped-call]
 
     def detach(self) -> Remote:
         return Remote(self.device, None)
@@ -189,7 +189,7 @@ class LogicalDevices:
         if x.dim() > _MAX_NDIM:
             raise ValueError(f"tensors crossing a split have at most {_MAX_NDIM} dims, got shape {tuple(x.shape)}")
         if x.requires_grad and torch.is_grad_enabled():
-            out: torch.Tensor = _Send.apply(self, x, dst, seq, comp, name)
+            out: torch.Tensor = _Send.apply(self, x, dst, seq, comp, name)  # type: ignore[no-untyped-call]
             return out
         _send_forward(self, x.detach(), dst, seq, comp, name, req=False)
         return None
@@ -220,7 +220,7 @@ class LogicalDevices:
             return data
         if anchor is None or not anchor.requires_grad:
             anchor = torch.zeros((), requires_grad=True)
-        out: torch.Tensor = _Recv.apply(anchor, data, self, src, seq, idx, name)
+        out: torch.Tensor = _Recv.apply(anchor, data, self, src, seq, idx, name)  # type: ignore[no-untyped-call]
         return out
 
     def fetch_leaf(self, leaf: Any) -> Any:
@@ -253,7 +253,9 @@ def _rows(shape: tuple[int, ...]) -> tuple[int, int]:
     return rows, d
 
 
-def _header(seq: int, direction: int, kind: int, req: bool, dtype: torch.dtype, k: int, mk: int, shape: Any) -> Any:
+def _header(
+    seq: int, direction: int, kind: int, req: bool, dtype: torch.dtype, k: int, mk: int, shape: Any
+) -> Any:
     h = torch.zeros(_HDR, dtype=torch.int64)
     h[:9] = torch.tensor([_MAGIC, seq, direction, kind, int(req), DTYPES.index(dtype), k, mk, len(shape)])
     if len(shape):
@@ -301,7 +303,9 @@ def _send_forward(
         comm.send(dst, mbuf)
         vb, mb = vals.numel() * vals.element_size(), mbuf.numel()
     dev.records.append(
-        SplitRecord(name, dev.device, dst, "forward", tuple(x.shape), k, vb, mb, _HDR * 8, time.perf_counter() - t0)
+        SplitRecord(
+            name, dev.device, dst, "forward", tuple(x.shape), k, vb, mb, _HDR * 8, time.perf_counter() - t0
+        )
     )
     return idx
 
@@ -334,7 +338,14 @@ class _Send(torch.autograd.Function):
 class _Recv(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, anchor: torch.Tensor, data: torch.Tensor, dev: LogicalDevices, src: int, seq: int, idx: Any, name: str
+        ctx: Any,
+        anchor: torch.Tensor,
+        data: torch.Tensor,
+        dev: LogicalDevices,
+        src: int,
+        seq: int,
+        idx: Any,
+        name: str,
     ) -> Any:
         ctx.dev, ctx.src, ctx.seq, ctx.idx, ctx.name = dev, src, seq, idx, name
         ctx.anchor_shape = anchor.shape

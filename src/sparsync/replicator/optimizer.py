@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from sparsync.collectives.tensor import allreduce
 from sparsync.record import CommLog
@@ -66,9 +67,13 @@ class DenseAllreduce(Placement):
     kind = "dense_allreduce"
 
     def aggregate(self, params: list[NamedParam], env: ReduceEnv) -> None:
-        grads = [p.param.grad.to_dense() if p.param.grad.is_sparse else p.param.grad for p in params]  # type: ignore[union-attr]
+        grads: list[torch.Tensor] = []
+        for p in params:
+            g = p.param.grad
+            assert g is not None  # aggregate() passes only parameters with a gradient
+            grads.append(g.to_dense() if g.is_sparse else g)
         penv = prim.Env(env.group, env.timeout, env.log)
-        spec = prim.pytree.tree_flatten(grads)[1]
+        spec = pytree.tree_flatten(grads)[1]
         summed = prim.raw_all_reduce(penv, grads, spec, "sum", "all_reduce")
         for p, g in zip(params, summed, strict=True):
             p.param.grad = g.clone()
@@ -190,7 +195,7 @@ class ReplicatedOptimizer:
         if self.op == "mean" and self.env.num_replicas > 1:
             for p in self.params:
                 if p.param.grad is not None:
-                    p.param.grad = p.param.grad / self.env.num_replicas  # type: ignore[assignment]
+                    p.param.grad = p.param.grad / self.env.num_replicas
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         self.aggregate()

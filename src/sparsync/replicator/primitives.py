@@ -32,7 +32,12 @@ from sparsync.group import group_state
 from sparsync.record import CommLog, CommRecord
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
-_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
 _F = ("seq", "op", "numel", "dtypes", "leaves", "structure", "shapes", "arg")
 
 
@@ -279,13 +284,21 @@ def _needs_grad(tensors: list[torch.Tensor]) -> bool:
 
 def all_reduce(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, op: str) -> list[Any]:
     if op in ("sum", "mean") and _needs_grad(tensors):
-        return list(_AllReduce.apply(env, op, spec, *tensors))
+        return list(
+            _AllReduce.apply(  # type: ignore[no-untyped-call]
+                env, op, spec, *tensors
+            )
+        )
     return raw_all_reduce(env, tensors, spec, op, "all_reduce")
 
 
 def all_gather(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec) -> list[Any]:
     if _needs_grad(tensors):
-        return list(_AllGather.apply(env, spec, *tensors))
+        return list(
+            _AllGather.apply(  # type: ignore[no-untyped-call]
+                env, spec, *tensors
+            )
+        )
     return raw_all_gather(env, tensors, spec, "all_gather")
 
 
@@ -293,5 +306,9 @@ def broadcast(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, sour
     if not 0 <= source < env.size:
         raise ValueError(f"unknown replica id {source} as broadcast source; valid: 0..{env.size - 1}")
     if _needs_grad(tensors):
-        return list(_Broadcast.apply(env, spec, source, *tensors))
+        return list(
+            _Broadcast.apply(  # type: ignore[no-untyped-call]
+                env, spec, source, *tensors
+            )
+        )
     return raw_broadcast(env, tensors, spec, source, "broadcast")

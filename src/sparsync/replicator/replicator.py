@@ -16,6 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed import HashStore  # type: ignore[attr-defined]  # re-exported from C++
 
 from sparsync.launch import launch, under_torchrun
 from sparsync.replicator.context import ReplicaContext
@@ -37,7 +38,9 @@ class Replicator:
         [3.0, 3.0, 3.0]
     """
 
-    num_replicas: int | None = None  # None: $SPARSYNC_NUM_REPLICAS, or torchrun's WORLD_SIZE / devices_per_replica, else 1
+    num_replicas: int | None = (
+        None  # None: $SPARSYNC_NUM_REPLICAS, or torchrun's WORLD_SIZE / devices_per_replica, else 1
+    )
     devices_per_replica: int = 1  # logical devices (processes) per replica, for model parallelism
     input_replication: InputReplication = PER_WORKER  # one pipeline per worker, or one per replica
     input_split_fn: SplitFn = split_batch  # PER_WORKER: (batch, n) -> n pieces; module-level (it is pickled)
@@ -51,7 +54,9 @@ class Replicator:
         if not isinstance(self.devices_per_replica, int) or self.devices_per_replica < 1:
             raise ValueError(f"devices_per_replica must be a positive int, got {self.devices_per_replica!r}")
         if not isinstance(self.input_replication, InputReplication):
-            raise ValueError(f"input_replication must be PER_WORKER or PER_REPLICA, got {self.input_replication!r}")
+            raise ValueError(
+                f"input_replication must be PER_WORKER or PER_REPLICA, got {self.input_replication!r}"
+            )
         if self.timeout <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
 
@@ -70,7 +75,8 @@ class Replicator:
             world = int(os.environ["WORLD_SIZE"])
             if world % self.devices_per_replica:
                 raise ValueError(
-                    f"torchrun's WORLD_SIZE={world} is not a multiple of devices_per_replica={self.devices_per_replica}"
+                    f"torchrun's WORLD_SIZE={world} is not a multiple of "
+                    f"devices_per_replica={self.devices_per_replica}"
                 )
             return world // self.devices_per_replica
         return 1
@@ -102,7 +108,7 @@ def _inline(repl: Replicator, fn: Callable[..., Any], args: tuple[Any, ...]) -> 
     owned = not dist.is_initialized()
     if owned:
         dist.init_process_group(
-            repl.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=repl.timeout)
+            repl.backend, store=HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=repl.timeout)
         )
     try:
         if dist.get_world_size() != 1:
@@ -122,7 +128,7 @@ def build_context(rank: int, repl: Replicator, R: int) -> ReplicaContext:
     context."""
     k = repl.devices_per_replica
     W = dist.get_world_size()
-    if W != R * k:
+    if R * k != W:
         raise ValueError(f"world of {W} processes, but num_replicas x devices_per_replica = {R} x {k}")
     replica, device = divmod(rank, k)
     world = dist.group.WORLD
