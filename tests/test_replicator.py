@@ -266,3 +266,17 @@ def test_dctmp_mask_round_trips() -> None:
         kept = dct.scatter_rows(dct.gather_rows(x, idx), idx, d)
         assert torch.all((kept != 0).sum(1) == k)
         assert torch.all(kept.abs().masked_fill(kept == 0, float("inf")).min(1).values >= top)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_demo_trains_both_plans_to_the_same_model() -> None:
+    from sparsync.bench.train_demo import DemoConfig, run_demo
+
+    runs, diff = run_demo(DemoConfig(steps=12, warmup=2), show_progress=False)
+    dense, sparse = runs
+    assert diff < 1e-4  # the same SGD updates
+    assert dense["final_loss"] == pytest.approx(sparse["final_loss"], abs=1e-4)
+    assert sparse["final_loss"] < sparse["first_loss"]
+    assert dense["bytes_per_step"] > 10 * sparse["bytes_per_step"]  # the embedding gradient travels sparse
+    assert dense["algorithms"] == ["gloo"] and len(sparse["algorithms"]) == 2

@@ -13,7 +13,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.distributed import HashStore  # type: ignore[attr-defined]  # re-exported from C++
@@ -22,6 +22,9 @@ from sparsync.launch import launch, under_torchrun
 from sparsync.replicator.context import ReplicaContext
 from sparsync.replicator.dctmp import DCTMP
 from sparsync.replicator.inputs import PER_WORKER, InputReplication, SplitFn, per_replica_batch_size, split_batch
+
+if TYPE_CHECKING:
+    from sparsync.netem import NetNamespaces
 
 ENV_REPLICAS = "SPARSYNC_NUM_REPLICAS"
 
@@ -85,9 +88,10 @@ class Replicator:
         """``global_batch / num_replicas``; ValueError when it does not divide."""
         return per_replica_batch_size(global_batch, self.resolved_replicas())
 
-    def start(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    def start(self, fn: Callable[..., Any], *args: Any, netns: NetNamespaces | None = None) -> list[Any]:
         """Run ``fn(ctx, *args)`` on every process; return the results by global rank (this process's only,
-        under torchrun). ``fn`` must be a module-level function when processes are spawned."""
+        under torchrun). ``fn`` must be a module-level function when processes are spawned. ``netns`` puts
+        each local process in its bandwidth-shaped network namespace (``sparsync.netem``)."""
         R = self.resolved_replicas()
         W = R * self.devices_per_replica
         if under_torchrun():
@@ -98,9 +102,11 @@ class Replicator:
                     f"devices_per_replica = {R} x {self.devices_per_replica} = {W}"
                 )
             return launch(_entry, nprocs=W, backend=self.backend, args=(self, R, fn, args), timeout=self.timeout)
-        if W == 1:
+        if W == 1 and netns is None:
             return [_inline(self, fn, args)]
-        return launch(_entry, nprocs=W, backend=self.backend, args=(self, R, fn, args), timeout=self.timeout)
+        return launch(
+            _entry, nprocs=W, backend=self.backend, args=(self, R, fn, args), timeout=self.timeout, netns=netns
+        )
 
 
 def _inline(repl: Replicator, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
