@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from sparsync.replicator import PER_REPLICA, DenseAllreduce, Replicator, ReplicaContext
+from sparsync.replicator import PER_REPLICA, DenseAllreduce, ReplicaContext, Replicator
 
 PLANS = ("dense allreduce", "sparsync plan")
 
@@ -76,7 +76,8 @@ def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any) -> di
     torch.manual_seed(cfg.seed)
     model = BagClassifier(cfg)
     default = DenseAllreduce() if plan == PLANS[0] else None
-    opt = ctx.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=cfg.lr), op="mean", model=model, default=default)
+    sgd = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    opt = ctx.wrap_optimizer(sgd, op="mean", model=model, default=default)
     ctx.log.clear()
 
     def step_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
