@@ -78,13 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from sparsync.bench.train_demo import DemoConfig, print_demo, run_demo
 
-            cfg = DemoConfig(steps=args.steps)
+            demo_cfg = DemoConfig(steps=args.steps)
             console.print(
-                f"[bold]sparsync demo[/]: {cfg.replicas} local processes train a classifier with a sparse "
-                f"embedding (vocab {cfg.vocab:,}, Zipf tokens), {cfg.steps} steps, once per gradient plan"
+                f"[bold]sparsync demo[/]: {demo_cfg.replicas} local processes train a classifier with a sparse "
+                f"embedding (vocab {demo_cfg.vocab:,}, Zipf tokens), {demo_cfg.steps} steps, once per gradient plan"
             )
-            runs, diff = run_demo(cfg, show_progress=not args.no_progress, net=args.net)
-            print_demo(runs, diff, cfg, console, args.out, args.net)
+            runs, diff = run_demo(demo_cfg, show_progress=not args.no_progress, net=args.net)
+            print_demo(runs, diff, demo_cfg, console, args.out, args.net)
             return 0
         if args.command == "bench" and args.bench == "allreduce":
             if args.latency and not args.net:

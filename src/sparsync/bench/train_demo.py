@@ -50,7 +50,8 @@ class BagClassifier(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(cfg.dim, 64), nn.ReLU(), nn.Linear(64, cfg.classes))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.mlp(self.emb(tokens).mean(1))
+        out: torch.Tensor = self.mlp(self.emb(tokens).mean(1))
+        return out
 
 
 def _teacher(cfg: DemoConfig) -> torch.Tensor:
@@ -84,7 +85,7 @@ def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any) -> di
         tok, y = batch
         opt.zero_grad()
         loss = F.cross_entropy(model(tok), y)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         return loss
 
