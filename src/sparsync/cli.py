@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             demo_cfg = DemoConfig(steps=args.steps)
             console.print(
                 f"[bold]sparsync demo[/]: {demo_cfg.replicas} local processes train a classifier with a sparse "
-                f"embedding (vocab {demo_cfg.vocab:,}, Zipf tokens), {demo_cfg.steps} steps, once per gradient plan"
+                f"embedding (vocab {demo_cfg.vocab:,}, Zipf tokens), {demo_cfg.steps} steps, per gradient plan"
             )
             runs, diff = run_demo(demo_cfg, show_progress=not args.no_progress, net=args.net)
             print_demo(runs, diff, demo_cfg, console, args.out, args.net)
