@@ -22,7 +22,10 @@ BATCH, STEPS, TARGET_MEAN, TARGET_STD = 64, 400, 3.0, 0.5
 def input_fn(replica_id: int) -> object:
     """Each replica its own pipeline (PER_REPLICA): real samples and generator noise."""
     g = torch.Generator().manual_seed(100 + replica_id)
-    return lambda: (TARGET_MEAN + TARGET_STD * torch.randn(BATCH, 1, generator=g), torch.randn(BATCH, 4, generator=g))
+    return lambda: (
+        TARGET_MEAN + TARGET_STD * torch.randn(BATCH, 1, generator=g),
+        torch.randn(BATCH, 4, generator=g),
+    )
 
 
 def replica(ctx: ReplicaContext) -> str:
@@ -30,7 +33,9 @@ def replica(ctx: ReplicaContext) -> str:
     gen = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
     disc = nn.Sequential(nn.Linear(1, 16), nn.ReLU(), nn.Linear(16, 1))
     g_opt = ctx.wrap_optimizer(torch.optim.Adam(gen.parameters(), lr=2e-3, betas=(0.5, 0.9)), op="mean", model=gen)
-    d_opt = ctx.wrap_optimizer(torch.optim.Adam(disc.parameters(), lr=2e-3, betas=(0.5, 0.9)), op="mean", model=disc)
+    d_opt = ctx.wrap_optimizer(
+        torch.optim.Adam(disc.parameters(), lr=2e-3, betas=(0.5, 0.9)), op="mean", model=disc
+    )
     ones, zeros = torch.ones(BATCH, 1), torch.zeros(BATCH, 1)
 
     def step_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
