@@ -280,3 +280,28 @@ def test_demo_trains_both_plans_to_the_same_model() -> None:
     assert sparse["final_loss"] < sparse["first_loss"]
     assert dense["bytes_per_step"] > 10 * sparse["bytes_per_step"]  # the embedding gradient travels sparse
     assert dense["algorithms"] == ["gloo"] and len(sparse["algorithms"]) == 2
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_same_script_under_torchrun() -> None:
+    import os
+    import re
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun not found")
+    script = Path(__file__).with_name("_replicator_torchrun.py")
+    env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    proc = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "3", str(script)],
+        capture_output=True, text=True, timeout=170, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = re.findall(r"replica (\d)/(\d) sum=(\d+) w=(-?\d+\.\d{6})", proc.stdout)  # lines may interleave
+    assert sorted(g[:3] for g in got) == [("0", "3", "3"), ("1", "3", "3"), ("2", "3", "3")], proc.stdout
+    assert len({g[3] for g in got}) == 1  # the same parameters on every replica after the step

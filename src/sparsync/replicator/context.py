@@ -159,15 +159,25 @@ class ReplicaContext:
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
         plan: PlanSpec = None,
         default: Placement | None = None,
+        sync_parameters: bool = True,
     ) -> ReplicatedOptimizer:
         """``optimizer`` whose ``step()`` first replaces gradients by their ``op`` ("mean" or "sum") over
         replicas, each parameter by its plan entry (default: sparse gradients by SparCML sparse allreduce,
-        dense ones by one bucketed dense allreduce). Names come from ``model.named_parameters()``."""
+        dense ones by one bucketed dense allreduce). Names come from ``model.named_parameters()``.
+        ``sync_parameters``: first copy replica 0's parameter values to every replica (collective)."""
         if model is not None and named_parameters is not None:
             raise ValueError("pass model or named_parameters, not both")
         named = list(model.named_parameters()) if model is not None else named_parameters
         env = ReduceEnv(self.dp_group, self.num_replicas, self.timeout, self.log)
-        return ReplicatedOptimizer(optimizer, env, op=op, named_parameters=named, plan=plan, default=default)
+        return ReplicatedOptimizer(
+            optimizer,
+            env,
+            op=op,
+            named_parameters=named,
+            plan=plan,
+            default=default,
+            sync_parameters=sync_parameters,
+        )
 
     # --- logical devices (§3.3) -------------------------------------------------------------------------------
     def on_device(

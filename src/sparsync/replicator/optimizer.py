@@ -151,6 +151,7 @@ class ReplicatedOptimizer:
         named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
         plan: PlanSpec = None,
         default: Placement | None = None,
+        sync_parameters: bool = True,
     ) -> None:
         if op not in OPS:
             raise ValueError(f"wrap_optimizer op must be one of {OPS} (explicit mean or sum), got {op!r}")
@@ -179,6 +180,19 @@ class ReplicatedOptimizer:
         else:
             self.plan = {p.name: base for p in params}
         self.params = params
+        if sync_parameters and env.num_replicas > 1:
+            self.broadcast_parameters()
+
+    def broadcast_parameters(self, source: int = 0) -> None:
+        """Copy replica ``source``'s parameter values to every replica (as DDP does at construction), so
+        replicas that initialised their models differently start from the same point. Mutates the parameters."""
+        data = [p.param.detach() for p in self.params]
+        got = prim.raw_broadcast(
+            prim.Env(self.env.group, self.env.timeout), data, pytree.tree_flatten(data)[1], source, "broadcast"
+        )
+        with torch.no_grad():
+            for p, g in zip(self.params, got, strict=True):
+                p.param.copy_(g)
 
     # --- the template method ----------------------------------------------------------------------------------
     def aggregate(self) -> None:

@@ -125,13 +125,28 @@ def _inline(repl: Replicator, fn: Callable[..., Any], args: tuple[Any, ...]) -> 
             dist.destroy_process_group()
 
 
+def _new_group(made: list[dist.ProcessGroup], ranks: list[int]) -> Any:
+    """``dist.new_group`` (called by every rank); a rank outside ``ranks`` gets a non-member marker."""
+    g = dist.new_group(ranks)
+    if isinstance(g, dist.ProcessGroup):
+        made.append(g)
+    return g
+
+
 def _entry(rank: int, repl: Replicator, R: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    return fn(build_context(rank, repl, R), *args)
+    made: list[dist.ProcessGroup] = []
+    try:
+        return fn(build_context(rank, repl, R, made), *args)
+    finally:
+        # Subgroups go before the default group is torn down: left to interpreter exit, their gloo threads
+        # abort the process ("terminate called without an active exception"), which torchrun reports.
+        for g in made:
+            dist.destroy_process_group(g)
 
 
-def build_context(rank: int, repl: Replicator, R: int) -> ReplicaContext:
-    """Create the grid's process groups (every rank creates every group, in the same order) and this rank's
-    context."""
+def build_context(rank: int, repl: Replicator, R: int, made: list[dist.ProcessGroup]) -> ReplicaContext:
+    """Create the grid's process groups (every rank creates every group, in the same order; appended to
+    ``made``) and this rank's context."""
     k = repl.devices_per_replica
     W = dist.get_world_size()
     if R * k != W:
@@ -142,13 +157,13 @@ def build_context(rank: int, repl: Replicator, R: int) -> ReplicaContext:
     dp_group = world
     if k > 1:
         for d in range(k):
-            g = dist.new_group([r * k + d for r in range(R)])
+            g = _new_group(made, [r * k + d for r in range(R)])
             if d == device:
                 dp_group = g
     mp_group = None
     if k > 1:
         for r in range(R):
-            g = dist.new_group([r * k + d for d in range(k)])
+            g = _new_group(made, [r * k + d for d in range(k)])
             if r == replica:
                 mp_group = g
     # Workers (machines) from torchrun's GROUP_RANK; one worker when spawned locally.
@@ -162,7 +177,7 @@ def build_context(rank: int, repl: Replicator, R: int) -> ReplicaContext:
     members = [r for r in range(W) if nodes[r] == node]
     if len(set(nodes)) > 1:
         for n in sorted(set(nodes)):
-            g = dist.new_group([r for r in range(W) if nodes[r] == n])
+            g = _new_group(made, [r for r in range(W) if nodes[r] == n])
             if n == node:
                 worker_group = g
     local_replicas = sorted({m // k for m in members})
