@@ -244,8 +244,15 @@ def placement(k: int) -> list[int]:
 
 
 def mp_program(ctx: ReplicaContext, etas: list[float | None], steps: int) -> list[dict[str, Any]]:
-    """One training run per DCT-MP setting (None: uncompressed), in one process group."""
-    return [_mp_run(ctx, eta, steps) for eta in etas]
+    """One training run per DCT-MP setting (None: uncompressed), in one process group; then, last, a
+    transfer whose sequence number diverges (the receiver skipped a call), which the receiver must report."""
+    runs = [_mp_run(ctx, eta, steps) for eta in etas]
+    if ctx.devices_per_replica > 1:
+        x = ctx.on_device(0, lambda: torch.ones(2, 3))
+        if ctx.device_id == 1:
+            ctx.devices.seq += 1  # as if this device had made one more on_device transfer than device 0
+        runs[0]["diverged"] = _try(lambda: ctx.on_device(1, lambda t: t * 2, x))
+    return runs
 
 
 def _mp_run(ctx: ReplicaContext, eta: float | None, steps: int) -> dict[str, Any]:

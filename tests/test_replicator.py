@@ -190,6 +190,9 @@ def test_split_model_equals_unsplit(split: tuple[int, list[list[dict[str, Any]]]
     outs = _run(per_rank, eta)
     _close(_mp_params(outs), rw.mp_reference(1, 2))
     assert len({o["loss"] for o in outs}) == 1  # fetched to every device
+    if eta is None:  # devices whose step_fn diverged: the receiver names both transfer numbers
+        kind, msg = next(o for o in outs if o["device"] == 1)["diverged"]
+        assert kind == "ValueError" and "expected activation transfer #" in msg and "ran their step_fn" in msg
 
 
 @pytest.mark.multiprocess
