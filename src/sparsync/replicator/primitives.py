@@ -77,11 +77,18 @@ def _describe(tensors: list[torch.Tensor], spec: pytree.TreeSpec) -> str:
     return f"{spec}: " + ", ".join(f"{tuple(t.shape)}/{str(t.dtype).removeprefix('torch.')}" for t in tensors)
 
 
-def agree(env: Env, op: str, tensors: list[torch.Tensor], spec: pytree.TreeSpec, arg: int, comm: Comm) -> None:
-    """The metadata exchange: raise the same ValueError on every replica unless all issued the same call."""
+def next_seq(env: Env) -> int:
+    """This call's number on the group, taken at issue time as the sparse collectives take theirs."""
     state = group_state(env.group)
     seq = state.calls
     state.calls += 1
+    return seq
+
+
+def agree(
+    env: Env, op: str, tensors: list[torch.Tensor], spec: pytree.TreeSpec, arg: int, comm: Comm, seq: int
+) -> None:
+    """The metadata exchange: raise the same ValueError on every replica unless all issued the same call."""
     row = torch.tensor(
         [
             seq,
@@ -157,11 +164,13 @@ def raw_all_reduce(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec,
         if bad:
             raise ValueError(f"all_reduce(op='mean') needs floating tensors, got {bad[0]}")
 
+    seq = next_seq(env)
+
     def run() -> list[Any]:
         t0 = time.perf_counter()
         comm = Comm(env.group, env.timeout)
         comm.op = name
-        agree(env, name, tensors, spec, REDUCE_OPS.index(op), comm)
+        agree(env, name, tensors, spec, REDUCE_OPS.index(op), comm, seq)
         out: list[Any] = [None] * len(tensors)
         P = comm.size
         for _dtype, idx in _buckets(tensors).items():
@@ -182,11 +191,13 @@ def raw_all_reduce(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec,
 def raw_all_gather(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, name: str) -> list[Any]:
     """Every replica's leaves stacked along a new leading dimension of size ``num_replicas``; no autograd."""
 
+    seq = next_seq(env)
+
     def run() -> list[Any]:
         t0 = time.perf_counter()
         comm = Comm(env.group, env.timeout)
         comm.op = name
-        agree(env, name, tensors, spec, 0, comm)
+        agree(env, name, tensors, spec, 0, comm, seq)
         P = comm.size
         out: list[Any] = [None] * len(tensors)
         for _dtype, idx in _buckets(tensors).items():
@@ -215,11 +226,13 @@ def raw_broadcast(
     if not 0 <= source < env.size:
         raise ValueError(f"unknown replica id {source} as broadcast source; valid: 0..{env.size - 1}")
 
+    seq = next_seq(env)
+
     def run() -> list[Any]:
         t0 = time.perf_counter()
         comm = Comm(env.group, env.timeout)
         comm.op = name
-        agree(env, name, tensors, spec, source, comm)
+        agree(env, name, tensors, spec, source, comm, seq)
         out: list[Any] = [None] * len(tensors)
         for _dtype, idx in _buckets(tensors).items():
             buf = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
