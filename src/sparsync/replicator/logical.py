@@ -82,6 +82,7 @@ class Remote:
         return Remote(self.device, None)
 
     def __getitem__(self, key: Any) -> Remote:
+        # A part of a remote value lives on the same device, and depends on the same transfers.
         return self
 
     def __repr__(self) -> str:
@@ -157,7 +158,10 @@ class LogicalDevices:
                 if tok is not None:
                     tokens.append(tok)
             elif self.device == j:
-                assert isinstance(leaf, Remote)  # owned by o != j: j holds a Remote (same program everywhere)
+                if not isinstance(leaf, Remote):  # j holds a Remote for o's value when all run one program
+                    raise ValueError(
+                        f"argument {i} of on_device({j}) is a tensor of logical device {o} on device {j}"
+                    )
                 leaves[i] = self._recv(o, seq, leaf.token, split)
         if self.device != j:
             return Remote(j, _join(tokens))
@@ -203,7 +207,6 @@ class LogicalDevices:
         shape = tuple(int(v) for v in hdr[9 : 9 + nd])
         dtype = DTYPES[dt]
         rows, d = _rows(shape)
-        isz = torch.empty((), dtype=dtype).element_size()
         if kind == 0:
             buf = torch.empty(shape, dtype=dtype)
             comm.recv(src, buf)
@@ -215,7 +218,6 @@ class LogicalDevices:
             comm.recv(src, mbuf)
             idx = dctmp.decode_mask(mbuf, rows, d, k, dctmp.MASK_KINDS[mk])
             data = dctmp.scatter_rows(vals, idx, d).view(shape)
-        del isz
         if not (req and torch.is_grad_enabled()):
             return data
         if anchor is None or not anchor.requires_grad:
