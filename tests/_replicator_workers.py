@@ -21,6 +21,7 @@ from sparsync.replicator import (
     DenseAllreduce,
     ReplicaContext,
     SparseAllreduce,
+    split_batch,
 )
 from sparsync.replicator import dctmp as dct
 
@@ -193,8 +194,21 @@ def primitives_program(ctx: ReplicaContext) -> dict[str, Any]:
     return out
 
 
+def split_time_major(batch: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """An input_split_fn for [time, batch, features] sequences (TF-Replicator §3.2's example): split dim 1."""
+    return list(torch.chunk(batch, n, dim=1))
+
+
+def sequence_input(worker_id: int) -> Any:
+    return [torch.arange(5 * 6 * 2, dtype=torch.float32).view(5, 6, 2) + 1000 * s for s in range(2)]
+
+
 def prims_and_errors(ctx: ReplicaContext) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    return primitives_program(ctx), errors_program(ctx) if ctx.num_replicas == 3 else None
+    ctx.input_split_fn = split_time_major
+    prims = primitives_program(ctx)
+    prims["sequences"] = list(ctx.input(sequence_input, PER_WORKER))
+    ctx.input_split_fn = split_batch
+    return prims, errors_program(ctx) if ctx.num_replicas == 3 else None
 
 
 def errors_program(ctx: ReplicaContext) -> dict[str, Any]:

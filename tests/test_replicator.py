@@ -77,6 +77,9 @@ def test_primitives_match_their_single_process_meaning(prims: tuple[int, list[An
         assert torch.equal(o["broadcast"]["a"], a[R - 1]) and torch.equal(o["broadcast"]["b"][0], b[R - 1])
         torch.testing.assert_close(o["map_reduce"]["sq"], (a**2).sum(0))
         torch.testing.assert_close(o["map_gather"], a.sum(1))
+        # a custom input_split_fn (time-major: split dim 1), PER_WORKER
+        seq = rw.sequence_input(0)
+        assert [t.tolist() for t in o["sequences"]] == [torch.chunk(s, R, dim=1)[r].tolist() for s in seq]
         # gradients: the single-process autograd of the total objective Σ_q y_q w.r.t. replica r's input
         xs = [v["a"].clone().requires_grad_(True) for v in vals]
         total = sum(
