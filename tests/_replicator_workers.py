@@ -180,6 +180,8 @@ def primitives_program(ctx: ReplicaContext) -> dict[str, Any]:
     out["broadcast"] = ctx.broadcast(v, R - 1)
     out["map_reduce"] = ctx.map_reduce(lambda x: {"sq": x["a"] ** 2}, v)
     out["map_gather"] = ctx.map_gather(lambda x: x["a"].sum(0), v)
+    for mode in ("local", "sum", "mean", "gather"):
+        out[f"run_{mode}"] = ctx.run(lambda b: {"v": b * 2}, torch.tensor([float(r)]), outputs=mode)
     # Gradients through the primitives: objective Σ_r f_r, each replica's x_r gets ∂/∂x_r of the total.
     x = v["a"].clone().requires_grad_(True)
     w = torch.arange(6, dtype=torch.float64).view(3, 2) + r
@@ -230,6 +232,7 @@ def errors_program(ctx: ReplicaContext) -> dict[str, Any]:
     out["split"] = _try(lambda: next(ctx.input(lambda w: [{"x": torch.zeros(R * 2 + 1, 3)}])))
     out["device"] = _try(lambda: ctx.on_device(2, lambda: 0))
     out["op"] = _try(lambda: ctx.all_reduce(torch.zeros(2), "prod"))
+    out["outputs"] = _try(lambda: ctx.run(lambda b: b, torch.zeros(1), outputs="median"))
     out["after"] = _try(lambda: ctx.all_sum(torch.ones(1)).item())  # the group still works after the errors
     return out
 

@@ -77,6 +77,11 @@ def test_primitives_match_their_single_process_meaning(prims: tuple[int, list[An
         assert torch.equal(o["broadcast"]["a"], a[R - 1]) and torch.equal(o["broadcast"]["b"][0], b[R - 1])
         torch.testing.assert_close(o["map_reduce"]["sq"], (a**2).sum(0))
         torch.testing.assert_close(o["map_gather"], a.sum(1))
+        twice = torch.arange(R, dtype=torch.float32) * 2
+        assert o["run_local"]["v"].tolist() == [2.0 * r]
+        assert o["run_sum"]["v"].tolist() == [twice.sum().item()]
+        assert o["run_mean"]["v"].tolist() == [twice.mean().item()]
+        assert o["run_gather"]["v"].tolist() == twice.view(R, 1).tolist()
         # a custom input_split_fn (time-major: split dim 1), PER_WORKER
         seq = rw.sequence_input(0)
         assert [t.tolist() for t in o["sequences"]] == [torch.chunk(s, R, dim=1)[r].tolist() for s in seq]
@@ -128,6 +133,7 @@ def test_bad_input_is_reported_on_every_replica(prims: tuple[int, list[Any]]) ->
             ("split", ["7", "not divisible"]),
             ("device", ["unknown logical device 2"]),
             ("op", ["prod"]),
+            ("outputs", ["median"]),
         ):
             kind, msg = o[key]
             assert kind == "ValueError", (r, key, o[key])
