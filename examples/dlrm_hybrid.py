@@ -35,6 +35,9 @@ def dct_dp_reduce() -> Any:
     threshold = getattr(sparsync, "Threshold", None)
     if reduce is None or threshold is None:
         return None
+    # To wire after merging the compressor issue: Threshold's real arguments (η = 0.95, life span L) and one
+    # error-feedback memory per parameter name in ``memories`` (its type comes with that issue). Check too that
+    # sparsync.reduce returns the *sum* over the group, as CustomReduce expects (the plan divides by R for mean).
     compressor = threshold(0.95)  # DCT-DP: keep the top 5% (threshold recomputed every L steps)
     memories: dict[str, Any] = {}
 
