@@ -125,7 +125,7 @@ if __name__ == "__main__":
         print(
             "DCT-DP (sparsync.reduce + Threshold, compressor issue) is not in this build: dense allreduce for DP"
         )
-    out = Replicator(num_replicas=args.replicas, devices_per_replica=2).start(replica)
+    out = Replicator(num_replicas=args.replicas, devices_per_replica=2, record=True).start(replica)
     dev0, dev1 = out[0], out[1]  # replica 0: device 0 sends activations, device 1 sends their gradients
     for i, eta in enumerate((0.0, 0.9)):
         print(

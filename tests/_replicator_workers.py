@@ -109,6 +109,7 @@ def dp_program(ctx: ReplicaContext, runs: list[tuple[str, str]]) -> list[dict[st
 
 
 def _dp_run(ctx: ReplicaContext, mode: str, plan_kind: str) -> dict[str, Any]:
+    assert ctx.log is not None
     ctx.log.clear()
     model = make_model()
     plan: Any = None
@@ -314,6 +315,7 @@ def _mp_run(ctx: ReplicaContext, eta: float | None, steps: int) -> dict[str, Any
         "act0_grad": None if act is None or act.grad is None else act.grad.clone(),
         "loss": ctx.fetch(loss).item(),
         "records": [r.__dict__ for r in ctx.split_records[n_records:]],
+        "split_bytes": ctx.split_bytes(),  # cumulative over the runs so far
     }
 
 

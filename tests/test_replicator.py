@@ -26,7 +26,7 @@ DP_RUNS[3] += [("per_worker", "explicit"), ("per_worker", "dense_sum")]
 @pytest.fixture(scope="module", params=[1, 2, 3, 4])
 def dp(request: pytest.FixtureRequest) -> tuple[int, list[list[dict[str, Any]]]]:
     n = request.param
-    return n, Replicator(num_replicas=n).start(rw.dp_program, DP_RUNS[n])
+    return n, Replicator(num_replicas=n, record=True).start(rw.dp_program, DP_RUNS[n])
 
 
 @pytest.mark.multiprocess
@@ -184,7 +184,7 @@ ETAS: list[float | None] = [None, 0.0, 0.9]
 def split(request: pytest.FixtureRequest) -> tuple[int, list[list[dict[str, Any]]]]:
     """One replica over k logical devices; one training run per DCT-MP setting in ETAS."""
     k = request.param
-    return k, Replicator(num_replicas=1, devices_per_replica=k).start(rw.mp_program, ETAS, 2)
+    return k, Replicator(num_replicas=1, devices_per_replica=k, record=True).start(rw.mp_program, ETAS, 2)
 
 
 def _run(per_rank: list[list[dict[str, Any]]], eta: float | None) -> list[dict[str, Any]]:
@@ -220,6 +220,13 @@ def test_dctmp_cuts_split_bytes_about_tenfold(split: tuple[int, list[list[dict[s
         return tot
 
     dense, comp = per_split(_run(per_rank, None)), per_split(_run(per_rank, 0.9))
+    for runs in per_rank:  # the always-on totals agree with the detailed records
+        from_records: dict[str, dict[str, int]] = {}
+        for run in runs:
+            for rec in run["records"]:
+                d = from_records.setdefault(rec["name"], {"forward": 0, "backward": 0})
+                d[rec["direction"]] += rec["value_bytes"] + rec["mask_bytes"] + rec["header_bytes"]
+        assert runs[-1]["split_bytes"] == from_records
     assert sorted(dense) == sorted(comp) and len(dense) == 2 * (k - 1)  # forward + backward per split
     kept = DCTMP(0.9).kept(rw.MP_W)  # 26 of 256 per row
     for key in dense:

@@ -79,7 +79,9 @@ def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any) -> di
     default = DenseAllreduce() if plan == PLANS[0] else None
     sgd = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     opt = ctx.wrap_optimizer(sgd, op="mean", model=model, default=default)
-    ctx.log.clear()
+    log = ctx.log
+    assert log is not None  # the demo's replicator records
+    log.clear()
 
     def step_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tok, y = batch
@@ -92,18 +94,18 @@ def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any) -> di
     times, nbytes, losses = [], [], []
     task = progress.add_task(plan, total=cfg.steps) if progress is not None else None
     for batch in ctx.input(_input_fn(cfg), PER_REPLICA):
-        before = len(ctx.log)
+        before = len(log)
         t0 = time.perf_counter()
         step_fn_loss = ctx.run(step_fn, batch)
         times.append(time.perf_counter() - t0)
-        nbytes.append(sum(r.bytes_sent for r in ctx.log.records[before:]))
+        nbytes.append(sum(r.bytes_sent for r in log.records[before:]))
         losses.append(step_fn_loss)
         if progress is not None:
             progress.advance(task)
     # Losses reduced once at the end, outside the timed steps.
     mean_losses = ctx.all_mean(torch.stack(losses)).tolist()
     worst = ctx.all_reduce(torch.tensor(times), "max").tolist()  # a step ends when its slowest replica does
-    chosen = sorted({r.algorithm for r in ctx.log.records})
+    chosen = sorted({r.algorithm for r in log.records})
     return {
         "plan": plan,
         "step_ms": 1e3 * statistics.median(worst[cfg.warmup :]),
@@ -137,7 +139,7 @@ def run_demo(
     """Both runs on ``cfg.replicas`` local processes (each in a namespace with ``net``-shaped links when
     given, e.g. "1gbit"); returns their summaries and the largest parameter difference between the two runs'
     final models."""
-    repl = Replicator(num_replicas=cfg.replicas)
+    repl = Replicator(num_replicas=cfg.replicas, record=True)
     if net is None:
         runs = repl.start(demo_program, cfg, show_progress)[0]
     else:

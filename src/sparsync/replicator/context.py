@@ -49,6 +49,7 @@ class ReplicaContext:
         input_split_fn: SplitFn,
         split_compression: DCTMP | None,
         timeout: float | None,
+        record: bool = False,
     ) -> None:
         self.replica_id = replica_id
         self.num_replicas = num_replicas
@@ -62,8 +63,11 @@ class ReplicaContext:
         self.input_replication = input_replication
         self.input_split_fn = input_split_fn
         self.timeout = timeout
-        self.log = CommLog()  # every primitive and gradient reduction of this process, with its bytes
-        self.devices = LogicalDevices(mp_group, device_id, devices_per_replica, timeout, split_compression)
+        # With record=True: a CommRecord of every primitive and gradient reduction of this process (bytes,
+        # time, algorithm) and a SplitRecord of every transfer across a split. Off by default: both lists grow
+        # by a few entries per step. Per-split byte totals (``split_bytes``) are always kept.
+        self.log: CommLog | None = CommLog() if record else None
+        self.devices = LogicalDevices(mp_group, device_id, devices_per_replica, timeout, split_compression, record)
 
     @property
     def _env(self) -> prim.Env:
@@ -207,13 +211,10 @@ class ReplicaContext:
 
     @property
     def split_records(self) -> list[SplitRecord]:
-        """Every transfer this process sent across a model split (forward activations, backward gradients)."""
+        """Every transfer this process sent across a model split (forward activations, backward gradients);
+        empty unless the replicator was made with ``record=True``."""
         return self.devices.records
 
     def split_bytes(self) -> dict[str, dict[str, int]]:
-        """Bytes this process sent per split name and direction, headers included."""
-        out: dict[str, dict[str, int]] = {}
-        for r in self.devices.records:
-            d = out.setdefault(r.name, {"forward": 0, "backward": 0})
-            d[r.direction] += r.total_bytes
-        return out
+        """Bytes this process sent per split name and direction, headers included (always counted)."""
+        return {name: dict(d) for name, d in self.devices.totals.items()}

@@ -110,6 +110,7 @@ class LogicalDevices:
         count: int,
         timeout: float | None,
         compression: DCTMP | None = None,
+        keep_records: bool = False,
     ) -> None:
         self.group = group
         self.device = device
@@ -117,7 +118,15 @@ class LogicalDevices:
         self.timeout = timeout
         self.compression = compression
         self.seq = 0
+        self.keep_records = keep_records
         self.records: list[SplitRecord] = []
+        self.totals: dict[str, dict[str, int]] = {}  # split name -> direction -> bytes sent, always kept
+
+    def add(self, rec: SplitRecord) -> None:
+        d = self.totals.setdefault(rec.name, {"forward": 0, "backward": 0})
+        d[rec.direction] += rec.total_bytes
+        if self.keep_records:
+            self.records.append(rec)
 
     # --- placement ------------------------------------------------------------------------------------------
     def owner(self, leaf: Any) -> int | None:
@@ -304,7 +313,7 @@ def _send_forward(
         comm.send(dst, vals)
         comm.send(dst, mbuf)
         vb, mb = vals.numel() * vals.element_size(), mbuf.numel()
-    dev.records.append(
+    dev.add(
         SplitRecord(
             name, dev.device, dst, "forward", tuple(x.shape), k, vb, mb, _HDR * 8, time.perf_counter() - t0
         )
@@ -368,7 +377,7 @@ class _Recv(torch.autograd.Function):
             vals = dctmp.gather_rows(g.view(rows, d), ctx.idx).contiguous()  # Alg. 2 line 13: X_grad ⊙ M
             comm.send(ctx.src, vals)
             vb, k = vals.numel() * vals.element_size(), ctx.idx.shape[1]
-        dev.records.append(
+        dev.add(
             SplitRecord(
                 ctx.name, dev.device, ctx.src, "backward", tuple(g.shape), k, vb, 0, _HDR * 8,
                 time.perf_counter() - t0,

@@ -50,6 +50,7 @@ class Replicator:
     split_compression: DCTMP | None = None  # default compression of tensors crossing logical devices
     backend: str = "gloo"
     timeout: float = 120.0  # seconds any collective or transfer may wait for a peer
+    record: bool = False  # keep a record of every collective (ctx.log) and split transfer (ctx.split_records)
 
     def __post_init__(self) -> None:
         if self.num_replicas is not None and (not isinstance(self.num_replicas, int) or self.num_replicas < 1):
@@ -196,4 +197,5 @@ def build_context(rank: int, repl: Replicator, R: int, made: list[dist.ProcessGr
         input_split_fn=repl.input_split_fn,
         split_compression=repl.split_compression,
         timeout=repl.timeout,
+        record=repl.record,
     )
