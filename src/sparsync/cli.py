@@ -51,8 +51,13 @@ def _methods(text: str) -> tuple[str, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsync", description="Sparse collectives for PyTorch training.")
     sub = p.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="short allreduce benchmark on 4 local processes (< 2 min)")
-    demo.add_argument("--out", type=Path, default=Path("results/demo_allreduce"))
+    demo = sub.add_parser(
+        "demo", help="train a sparse-embedding model on 4 local processes: dense allreduce vs sparsync's plan"
+    )
+    demo.add_argument("--out", type=Path, default=Path("results/demo_train"), help="path stem for .json/.md")
+    demo.add_argument("--steps", type=int, default=150)
+    demo.add_argument("--no-progress", action="store_true")
+    demo.add_argument("--net", default=None, help="shape each process's link, e.g. 1gbit (needs root)")
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
     ar = bsub.add_parser("allreduce", help="SparCML Fig. 4: time vs density per algorithm")
@@ -89,13 +94,15 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "demo":
-            console.print("[bold]sparsync demo[/]: sparse allreduce of N = 8M float32 on 4 local processes")
-            cfg = BenchConfig(dim=8 * 2**20, densities=(1e-4, 1e-2, 1.0), repeats=3)
-            run_allreduce_bench(cfg, (4,), out=args.out, console=console, show_targets=False)
+            from sparsync.bench.train_demo import DemoConfig, print_demo, run_demo
+
+            demo_cfg = DemoConfig(steps=args.steps)
             console.print(
-                "Loopback on a shared host is compute-bound; `sparsync bench allreduce --net 1gbit` shows a "
-                "bandwidth-bound cluster and checks the targets (docs/results.md)."
+                f"[bold]sparsync demo[/]: {demo_cfg.replicas} local processes train a classifier with a sparse "
+                f"embedding (vocab {demo_cfg.vocab:,}, Zipf tokens), {demo_cfg.steps} steps, per gradient plan"
             )
+            runs, diff = run_demo(demo_cfg, show_progress=not args.no_progress, net=args.net)
+            print_demo(runs, diff, demo_cfg, console, args.out, args.net)
             return 0
         if args.command == "bench" and args.bench == "allreduce":
             if args.latency and not args.net:

@@ -22,7 +22,19 @@ from sparsync.collectives._comm import Comm, payload_nbytes, payload_of
 from sparsync.collectives._fold import allgather_blocks
 from sparsync.stream import FLOAT_DTYPES, SparseStream
 
-OPS = ("sparse_allreduce", "sparse_allgather")
+# The replicator's primitives (sparsync.replicator.primitives) share this table's first two columns (call
+# number, collective) and the group's call counter, so a sparse collective issued on one replica while another
+# issues a primitive is reported as a collective mismatch on every rank instead of misreading the other's row.
+OPS = (
+    "sparse_allreduce",
+    "sparse_allgather",
+    "all_reduce",
+    "all_gather",
+    "broadcast",
+    "all_reduce_grad",
+    "all_gather_grad",
+    "broadcast_grad",
+)
 ALGORITHM_CODES = (
     "auto",
     "ssar_recursive_double",
