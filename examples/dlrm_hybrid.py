@@ -3,9 +3,8 @@
 Logical device 0 holds the first two layers of the bottom MLP; a split with DCT-MP (DCT Alg. 2) sends their
 activations to device 1, which holds the rest of the bottom MLP, the sparse embedding tables, the feature
 interaction and the top MLP. Across replicas, each device's gradients are aggregated by wrap_optimizer's plan:
-the embeddings' COO gradients by SparCML sparse allreduce, the dense layers by DCT-DP (the compressor issue's
-``Threshold`` with error feedback, through the plan's ``CustomReduce`` plug point) when this build has it, else
-by dense allreduce. The run is done twice from the same seed: DCT-MP off (η = 0) and on (η = 0.9).
+the embeddings' COO gradients by SparCML sparse allreduce, the dense layers by DCT-DP (``Threshold`` with
+error feedback, through the plan's ``Compressed`` placement). The run is done twice from the same seed: DCT-MP off (η = 0) and on (η = 0.9).
 
     python examples/dlrm_hybrid.py               # 4 local processes
 """
@@ -19,33 +18,16 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-import sparsync
-from sparsync.replicator import DCTMP, PER_REPLICA, ByLayout, CustomReduce, ReplicaContext, Replicator
+from sparsync.compress import ErrorFeedback, Threshold
+from sparsync.replicator import DCTMP, PER_REPLICA, ByLayout, Compressed, ReplicaContext, Replicator
 
 TABLES, VOCAB, EMB, DENSE_IN, BATCH, STEPS = 3, 20000, 16, 13, 128, 100
 
 
-def dct_dp_reduce() -> Any:
-    """The DCT-DP half: a ``(grad, name, group) -> sum`` callable from the compressor issue, or None.
-
-    Written against the planned ``sparsync.reduce(tensor, compressor, *, memory=None, name=..., group=None)``;
-    error-feedback memory is kept per parameter name. Until that issue is merged, this returns None.
-    """
-    reduce = getattr(sparsync, "reduce", None)
-    threshold = getattr(sparsync, "Threshold", None)
-    if reduce is None or threshold is None:
-        return None
-    # To wire after merging the compressor issue: Threshold's real arguments (η = 0.95, life span L) and one
-    # error-feedback memory per parameter name in ``memories`` (its type comes with that issue). Check too that
-    # sparsync.reduce returns the *sum* over the group, as CustomReduce expects (the plan divides by R for mean).
-    compressor = threshold(0.95)  # DCT-DP: keep the top 5% (threshold recomputed every L steps)
-    memories: dict[str, Any] = {}
-
-    def fn(grad: torch.Tensor, name: str, group: Any) -> torch.Tensor:
-        out: torch.Tensor = reduce(grad, compressor, memory=memories.get(name), name=name, group=group)
-        return out
-
-    return fn
+def dct_dp_placement() -> Compressed:
+    """DCT-DP (DCT Alg. 1) for the data-parallel half: keep the top 5% of each gradient by magnitude with a
+    threshold recomputed every L = 50 steps, the rest carried in error-feedback memory per parameter name."""
+    return Compressed(Threshold(0.05, lifespan=50), ErrorFeedback())
 
 
 class Bottom0(nn.Sequential):
@@ -85,11 +67,11 @@ def input_fn(replica_id: int) -> Any:
         yield x, ids, (torch.rand(BATCH, generator=g) < torch.sigmoid(logit)).float()
 
 
-def train(ctx: ReplicaContext, eta: float, dp: Any) -> dict[str, Any]:
+def train(ctx: ReplicaContext, eta: float) -> dict[str, Any]:
     torch.manual_seed(0)
     b0, rest = Bottom0(), Rest()
     model = nn.ModuleDict({"b0": b0, "rest": rest})
-    plan = ByLayout(dense=CustomReduce(dp)) if dp is not None else None
+    plan = ByLayout(dense=dct_dp_placement())  # fresh residuals and thresholds for each run
     sgd = torch.optim.SGD(model.parameters(), lr=1.0)
     opt = ctx.wrap_optimizer(sgd, op="mean", model=model, default=plan)
     first = len(ctx.split_records)
@@ -113,18 +95,13 @@ def train(ctx: ReplicaContext, eta: float, dp: Any) -> dict[str, Any]:
 
 
 def replica(ctx: ReplicaContext) -> list[dict[str, Any]]:
-    dp = dct_dp_reduce()
-    return [train(ctx, eta, dp) for eta in (0.0, 0.9)]
+    return [train(ctx, eta) for eta in (0.0, 0.9)]
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--replicas", type=int, default=2)
     args = p.parse_args()
-    if dct_dp_reduce() is None:
-        print(
-            "DCT-DP (sparsync.reduce + Threshold, compressor issue) is not in this build: dense allreduce for DP"
-        )
     out = Replicator(num_replicas=args.replicas, devices_per_replica=2, record=True).start(replica)
     dev0, dev1 = out[0], out[1]  # replica 0: device 0 sends activations, device 1 sends their gradients
     for i, eta in enumerate((0.0, 0.9)):

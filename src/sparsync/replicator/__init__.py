@@ -8,6 +8,7 @@ from sparsync.replicator.inputs import PER_REPLICA, PER_WORKER, InputReplication
 from sparsync.replicator.logical import Remote, SplitRecord
 from sparsync.replicator.optimizer import (
     ByLayout,
+    Compressed,
     CustomReduce,
     DenseAllreduce,
     NamedParam,
@@ -23,6 +24,7 @@ __all__ = [
     "PER_REPLICA",
     "PER_WORKER",
     "ByLayout",
+    "Compressed",
     "CustomReduce",
     "DenseAllreduce",
     "InputReplication",

@@ -10,7 +10,8 @@ Placements here: ``DenseAllreduce`` (one bucketed allreduce per dtype), ``Sparse
 ``sparsync.allreduce`` per tensor, COO in, COO out), ``CustomReduce`` (any ``(grad, name, group) -> sum``
 callable: the plug point for the compressors, e.g. ``sparsync.reduce`` with a ``Threshold`` compressor and error
 feedback), and ``ByLayout`` (the default: sparse gradients to ``SparseAllreduce``, dense ones to
-``DenseAllreduce``). A parameter-server placement subclasses ``Placement`` the same way.
+``DenseAllreduce``), and ``Compressed`` (a compressor with error feedback through ``sparsync.reduce``). A
+parameter-server placement subclasses ``Placement`` the same way.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from sparsync.collectives.tensor import allreduce
+from sparsync.compress import Compressor, ErrorFeedback, reduce
 from sparsync.record import CommLog
 from sparsync.replicator import primitives as prim
 
@@ -115,6 +117,26 @@ class CustomReduce(Placement):
                     f"{tuple(getattr(out, 'shape', ()))}, expected a tensor of shape {tuple(g.shape)}"
                 )
             p.param.grad = out
+
+
+@dataclass(frozen=True)
+class Compressed(Placement):
+    """A compressor from ``sparsync.compress`` with optional error feedback, through ``sparsync.reduce``
+    (issue 3): e.g. ``Compressed(Threshold(0.01, lifespan=1000), ErrorFeedback())`` is DCT-DP (DCT Alg. 1).
+    Residuals and the compressor's per-name state are keyed by the parameter's name."""
+
+    compressor: Compressor
+    memory: ErrorFeedback | None = None
+    kind = "compressed"
+
+    def aggregate(self, params: list[NamedParam], env: ReduceEnv) -> None:
+        for p in params:
+            g = p.param.grad
+            assert g is not None
+            p.param.grad = reduce(
+                g, self.compressor, memory=self.memory, name=p.name, group=env.group, average=False,
+                log=env.log, timeout=env.timeout,
+            )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from sparsync.collectives._comm import Comm
-from sparsync.collectives._fold import allgather_fixed
-from sparsync.collectives._meta import OPS
+from sparsync.collectives._meta import OPS, allgather_rows
 from sparsync.collectives.allreduce import _submit
 from sparsync.group import group_state
 from sparsync.record import CommLog, CommRecord
@@ -102,8 +101,7 @@ def agree(
         ],
         dtype=torch.int64,
     )
-    with comm.phase("meta"):
-        table = allgather_fixed(comm, row)
+    table, _ = allgather_rows(comm, row)  # same message size as the sparse collectives' metadata round
     for col, what in ((1, "collective"), (0, "call number"), (7, "argument")):
         bad = torch.nonzero(table[:, col] != table[0, col], as_tuple=True)[0]
         if bad.numel():
