@@ -1,4 +1,4 @@
-"""The ``sparsync`` command: ``demo``, ``bench allreduce``."""
+"""The ``sparsync`` command: ``demo``, ``bench allreduce``, ``plan``."""
 
 from __future__ import annotations
 
@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
     ar.add_argument("--out", type=Path, default=Path("results/allreduce"), help="path stem for .csv/.json/.png")
     ar.add_argument("--no-progress", action="store_true")
+    from sparsync.placement import cli_plan
+
+    cli_plan.add_parser(sub)
     return p
 
 
@@ -79,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
                 "bandwidth-bound cluster and checks the targets (docs/results.md)."
             )
             return 0
+        if args.command == "plan":
+            from sparsync.placement import cli_plan
+
+            return cli_plan.run(args, console)
         if args.command == "bench" and args.bench == "allreduce":
             if args.latency and not args.net:
                 raise ValueError("--latency needs --net")
@@ -93,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
                 progress=not args.no_progress,
             )
             return 0
-    except (ValueError, PermissionError, RuntimeError) as e:
+    except (ValueError, KeyError, OSError, RuntimeError) as e:
         console.print(f"[red]error:[/] {e}")
         return 2
     return 1
