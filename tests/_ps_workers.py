@@ -55,7 +55,9 @@ def server_opt(name: str) -> OptimizerConfig:
     return OptimizerConfig(name, lr=0.01 if name == "adam" else 0.1)
 
 
-def reference(world: int, steps: int, opt: str, reduce: str, bag: bool = False) -> tuple[torch.Tensor, list[float]]:
+def reference(
+    world: int, steps: int, opt: str, reduce: str, bag: bool = False
+) -> tuple[torch.Tensor, list[float]]:
     """Single-process training on all workers' batches: loss = sum (or mean) of the per-worker losses."""
     model = TinyLM(bag)
     dense = [p for n, p in model.named_parameters() if not n.startswith("emb")]
@@ -89,12 +91,12 @@ def hybrid_worker(rank: int, addresses: list[str], cases: list[dict[str, Any]]) 
             partitions=c.get("partitions"),
             timeout=30.0,
         )
-        tr = HybridTrainer(model, c["addresses"] if "addresses" in c else addresses, cfg,
+        tr = HybridTrainer(model, c.get("addresses", addresses), cfg,
                            dense_optimizer=dense_opt(c["opt"], dense))  # fmt: skip
         losses = []
         for s in range(c["steps"]):
             x, y = batch(s, rank)
-            losses.append(tr.step(lambda x=x, y=y: nn.functional.cross_entropy(model(x), y)))
+            losses.append(tr.step(lambda x=x, y=y, m=model: nn.functional.cross_entropy(m(x), y)))
         dist.barrier()
         table = tr.tables["emb.weight"].read_all() if rank == 0 else None
         head = [p.detach().clone() for p in dense]

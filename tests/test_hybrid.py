@@ -73,7 +73,9 @@ def _ref_model(world: int, c: dict[str, object]) -> torch.nn.Module:
     for s in range(int(c["steps"])):  # type: ignore[call-overload]
         o_d.zero_grad()
         o_s.zero_grad()
-        parts = [torch.nn.functional.cross_entropy(model(pw.batch(s, r)[0]), pw.batch(s, r)[1]) for r in range(world)]
+        parts = [
+            torch.nn.functional.cross_entropy(model(pw.batch(s, r)[0]), pw.batch(s, r)[1]) for r in range(world)
+        ]
         loss = sum(parts) / (world if c["reduce"] == "mean" else 1)
         loss.backward()  # type: ignore[union-attr]
         o_d.step()

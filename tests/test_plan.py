@@ -101,7 +101,10 @@ def test_cluster_validation() -> None:
 
 def test_plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "plans.json"
-    assert main(["plan", "--machines", "8,4096", "--bandwidth", "1gbit", "--latency", "100us", "--json", str(out)]) == 0
+    assert (
+        main(["plan", "--machines", "8,4096", "--bandwidth", "1gbit", "--latency", "100us", "--json", str(out)])
+        == 0
+    )
     text = capsys.readouterr().out
     assert "4096" in text and "emb.weight" in text
     plans = json.loads(out.read_text())

@@ -23,8 +23,8 @@ from sparsync.placement import (
     WireError,
     save_servers,
     start_servers,
+    wire,
 )
-from sparsync.placement import wire
 from sparsync.placement.wire import Header, Op
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -101,7 +101,9 @@ def test_server_optimizers_match_torch_sparse_optimizers(two: list[ServerProcess
             gi, gv = grad._indices()[0], grad._values()  # uncoalesced: the table sums duplicates
             t.push(gi, gv, step=step).wait()
             t.apply(step).wait()
-        torch.testing.assert_close(t.pull(torch.arange(rows), step=6).wait(), emb.weight.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            t.pull(torch.arange(rows), step=6).wait(), emb.weight.detach(), rtol=1e-5, atol=1e-6
+        )
 
 
 # --- refusals on the wire, token, timeouts -------------------------------------------------------------------
@@ -146,7 +148,9 @@ def test_server_refuses_bad_messages_with_an_error_reply() -> None:
             with pytest.raises(PSError, match="outside partition"):  # row 7 sent to partition 0
                 c.request(0, t._head(Op.PULL, 0, n=1), *wire.rows_body(np.array([7]))).result(5)
             with pytest.raises(PSError, match="dim 3 does not match"):
-                c.request(0, Header(op=Op.PULL, table=t.id, n=1, dim=3, token=tok), *wire.rows_body(np.array([1]))).result(5)
+                c.request(
+                    0, Header(op=Op.PULL, table=t.id, n=1, dim=3, token=tok), *wire.rows_body(np.array([1]))
+                ).result(5)
             with pytest.raises(PSError, match="non-finite"):
                 t.push(torch.tensor([1]), torch.tensor([[float("nan"), 0.0]])).wait()
             with pytest.raises(ValueError, match="row 10 out of range"):

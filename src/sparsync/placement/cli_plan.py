@@ -28,7 +28,9 @@ def _ints(text: str) -> tuple[int, ...]:
 def _override(text: str) -> tuple[str, str]:
     name, sep, pl = text.partition("=")
     if not sep or pl not in PLACEMENTS:
-        raise argparse.ArgumentTypeError(f"expected NAME=PLACEMENT with PLACEMENT in {', '.join(PLACEMENTS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=PLACEMENT with PLACEMENT in {', '.join(PLACEMENTS)}, got {text!r}"
+        )
     return name, pl
 
 
@@ -71,8 +73,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
         plans.append(plan.as_dict())
         kinds = sorted({e.placement for e in plan.entries})
         base = plan.baseline_seconds()
-        summary.add_row(str(N), ", ".join(kinds), f"{plan.bytes_per_machine / 1e6:.2f}", f"{plan.seconds * 1e3:.2f}",
-                        f"{base * 1e3:.2f}", f"{base / plan.seconds:.1f}x" if plan.seconds else "-")  # fmt: skip
+        speedup = f"{base / plan.seconds:.1f}x" if plan.seconds else "-"
+        mb, ms = f"{plan.bytes_per_machine / 1e6:.2f}", f"{plan.seconds * 1e3:.2f}"
+        summary.add_row(str(N), ", ".join(kinds), mb, ms, f"{base * 1e3:.2f}", speedup)
     console.print(summary)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -161,7 +161,9 @@ class PSClient:
                 if p.deadline <= now or (not running and p.server in dead):
                     del pending[rid]
                     p.future.set_exception(
-                        PSTimeoutError(f"{p.what}: no reply within {self.timeout:g} s (server dead or unreachable?)")
+                        PSTimeoutError(
+                            f"{p.what}: no reply within {self.timeout:g} s (server dead or unreachable?)"
+                        )
                     )
             for i in dead:  # drop whatever is still queued for it; a restarted server must not see stale requests
                 poller.unregister(socks[i])

@@ -42,7 +42,8 @@ def rows_of_input(m: nn.Module, args: tuple[object, ...]) -> torch.Tensor:
     x = args[0]
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"embedding input must be a tensor, got {type(x).__name__}")
-    return torch.unique(x.reshape(-1))
+    out: torch.Tensor = torch.unique(x.reshape(-1))
+    return out
 
 
 @dataclass

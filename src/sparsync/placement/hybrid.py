@@ -75,7 +75,9 @@ class HybridTrainer:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
         if self.world % cfg.procs_per_machine:
-            raise ValueError(f"world size {self.world} is not a multiple of procs_per_machine={cfg.procs_per_machine}")
+            raise ValueError(
+                f"world size {self.world} is not a multiple of procs_per_machine={cfg.procs_per_machine}"
+            )
         self.machine = self.rank // cfg.procs_per_machine
         self.local_agg = cfg.mode == "sync" and cfg.local_aggregation and cfg.procs_per_machine > 1
         self.machine_group: dist.ProcessGroup | None = None
@@ -92,7 +94,9 @@ class HybridTrainer:
         params = dict(model.named_parameters())
         bad = [n for n in names if n not in emb]
         if bad:
-            raise KeyError(f"{bad} are not embedding weights; the PS serves nn.Embedding/EmbeddingBag: {list(emb)}")
+            raise KeyError(
+                f"{bad} are not embedding weights; the PS serves nn.Embedding/EmbeddingBag: {list(emb)}"
+            )
         on_ps = names if cfg.mode == "sync" else list(params)
         self.dense = [(n, p) for n, p in params.items() if n not in on_ps]
         pushers = self.world // cfg.procs_per_machine if self.local_agg else self.world
@@ -130,8 +134,10 @@ class HybridTrainer:
             self.rows[name] = rows
             step = self.step_no if self.cfg.mode == "sync" else 0
             vals = self.tables[name].pull(rows, step=step).wait()
+            weight = m.weight
+            assert isinstance(weight, torch.Tensor)
             with torch.no_grad():
-                m.weight[rows] = vals.to(m.weight.dtype)
+                weight[rows] = vals.to(weight.dtype)
 
         return hook
 
@@ -142,7 +148,7 @@ class HybridTrainer:
         if self.cfg.mode == "async":
             self._pull_async_dense()
         loss = closure()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         params = dict(self.model.named_parameters())
         works = []
         for n in self.sparse_names:
@@ -155,8 +161,8 @@ class HybridTrainer:
         if self.cfg.mode == "async":
             for n, p in self.dense:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
-                rows, dim = _table_shape(p)
-                works.append(self.tables[n].push(torch.arange(rows), g.reshape(rows, dim)))
+                nrows, dim = _table_shape(p)
+                works.append(self.tables[n].push(torch.arange(nrows), g.reshape(nrows, dim)))
         else:
             self._allreduce_dense()
         for w in works:
@@ -230,5 +236,5 @@ class HybridTrainer:
 
 def _table_shape(p: torch.Tensor) -> tuple[int, int]:
     if p.dim() >= 2:
-        return p.shape[0], p.numel() // p.shape[0]
-    return 1, p.numel()
+        return int(p.shape[0]), int(p.numel() // p.shape[0])
+    return 1, int(p.numel())

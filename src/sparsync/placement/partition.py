@@ -57,14 +57,15 @@ def search_partitions(
     Eq. 1, return the samples, θ and the chosen P."""
     if not 1 <= min_partitions <= machines <= max_partitions:
         raise ValueError(
-            f"need 1 <= min_partitions ({min_partitions}) <= machines ({machines}) <= max_partitions ({max_partitions})"
+            f"need 1 <= min_partitions ({min_partitions}) <= machines ({machines}) "
+            f"<= max_partitions ({max_partitions})"
         )
     samples = {machines: _time(measure, machines, warmup)}
     for step in (2.0, 0.5):
         P, prev = machines, samples[machines]
         while True:
             P = int(P * step)
-            if P > max_partitions or P < min_partitions:
+            if max_partitions < P or min_partitions > P:
                 break
             t = _time(measure, P, warmup)
             samples[P] = t

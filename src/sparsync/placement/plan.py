@@ -42,14 +42,18 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if self.machines < 1 or self.procs_per_machine < 1:
-            raise ValueError(f"machines and procs_per_machine must be >= 1, got {self.machines}, {self.procs_per_machine}")
+            raise ValueError(
+                f"machines and procs_per_machine must be >= 1, got {self.machines}, {self.procs_per_machine}"
+            )
         if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)) or not self.latency >= 0:
             raise ValueError(f"bandwidth must be > 0 and latency >= 0, got {self.bandwidth}, {self.latency}")
 
     @property
     def link(self) -> LinkModel:
         # γ terms off: the plan compares network costs (Table 3); computation is the same for every placement.
-        return LinkModel(alpha=self.latency, beta=1.0 / self.bandwidth, gamma_sparse=0, gamma_dense=0, gamma_scatter=0)
+        return LinkModel(
+            alpha=self.latency, beta=1.0 / self.bandwidth, gamma_sparse=0, gamma_dense=0, gamma_scatter=0
+        )
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,9 @@ class Plan:
             "cluster": self.cluster.__dict__,
             "bytes_per_machine": self.bytes_per_machine,
             "seconds": self.seconds,
-            "entries": [{**e.__dict__, "candidates": {k: list(v) for k, v in e.candidates.items()}} for e in self.entries],
+            "entries": [
+                {**e.__dict__, "candidates": {k: list(v) for k, v in e.candidates.items()}} for e in self.entries
+            ],
         }
 
     def print(self, console: Console | None = None, title: str | None = None) -> None:
@@ -103,7 +109,16 @@ class Plan:
             or f"plan: {c.machines} machines x {c.procs_per_machine} procs, {c.bandwidth * 8 / 1e9:g} Gbit/s, "
             f"{c.latency * 1e6:g} µs"
         )
-        for col in ("parameter", "shape", "α", "α machine", "placement", "MB/machine/step", "ms/step", "all-AR ms"):
+        for col in (
+            "parameter",
+            "shape",
+            "α",
+            "α machine",
+            "placement",
+            "MB/machine/step",
+            "ms/step",
+            "all-AR ms",
+        ):
             t.add_column(col, justify="left" if col in ("parameter", "placement") else "right")
         for e in self.entries:
             t.add_row(
@@ -148,7 +163,9 @@ def _sparse_ar_bytes(alg: str, p: Problem) -> float:
     return 4 * share * p.dim * p.value_bytes  # dense
 
 
-def candidates(s: ParamStats, c: Cluster, *, sketch_ratio: float = 0.05) -> tuple[dict[str, tuple[float, float]], str]:
+def candidates(
+    s: ParamStats, c: Cluster, *, sketch_ratio: float = 0.05
+) -> tuple[dict[str, tuple[float, float]], str]:
     """(bytes per machine, seconds) of every placement that fits the parameter, and the SparCML algorithm."""
     N, link, w = c.machines, c.link, float(s.nbytes)
     share = (N - 1) / N
@@ -216,7 +233,9 @@ def zipf_alpha(vocab: int, draws: int, s: float = 1.0) -> float:
     return float(np.sum(-np.expm1(draws * np.log1p(-p))) / vocab)
 
 
-def lm_stats(vocab: int, dim: int, hidden: int, tokens: int, procs_per_machine: int = 1, zipf: float = 1.0) -> list[ParamStats]:
+def lm_stats(
+    vocab: int, dim: int, hidden: int, tokens: int, procs_per_machine: int = 1, zipf: float = 1.0
+) -> list[ParamStats]:
     """The benchmark's language model: a sparse embedding (vocab x dim, also the tied output layer) read by
     ``tokens`` Zipf tokens per worker per step, an LSTM (dim -> hidden) and a projection hidden -> dim."""
     a = zipf_alpha(vocab, tokens, zipf)
@@ -240,6 +259,9 @@ def stats_from_json(obj: Any) -> list[ParamStats]:
     for i, d in enumerate(obj):
         if not isinstance(d, dict) or not {"name", "shape", "alpha", "sparse"} <= set(d):
             raise ValueError(f"stats record {i} needs name, shape, alpha, sparse; got {d!r}")
-        out.append(ParamStats(str(d["name"]), tuple(int(x) for x in d["shape"]), float(d["alpha"]), bool(d["sparse"]),
-                              d.get("alpha_machine"), int(d.get("itemsize", 4))))  # fmt: skip
+        shape = tuple(int(x) for x in d["shape"])
+        am = d.get("alpha_machine")
+        out.append(
+            ParamStats(str(d["name"]), shape, float(d["alpha"]), bool(d["sparse"]), am, int(d.get("itemsize", 4)))
+        )
     return out

@@ -80,7 +80,7 @@ class Server:
         for (t, p), s in self.shards.items():
             arrays.update(s.arrays(f"t{t}p{p}"))
         tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, **arrays)
+        np.savez(tmp, **arrays)  # type: ignore[arg-type]  # numpy stubs type **kwds as allow_pickle
         os.replace(tmp, path)  # atomic: a crash mid-save leaves the previous checkpoint
         return str(path)
 
@@ -95,7 +95,9 @@ class Server:
     def _shard(self, h: Header) -> Shard:
         s = self.shards.get((h.table, h.partition))
         if s is None:
-            raise KeyError(f"table {h.table} partition {h.partition} does not exist on server {self.cfg.server_id}")
+            raise KeyError(
+                f"table {h.table} partition {h.partition} does not exist on server {self.cfg.server_id}"
+            )
         return s
 
     def handle(self, h: Header, body: memoryview) -> tuple[Header, list[bytes | memoryview]] | None:
@@ -257,7 +259,9 @@ def _retry_parked(server: Server, sock: zmq.Socket[bytes], pull_rows: dict[int, 
             rows = pull_rows.pop(id(p), None)
             del rows
             if out is None:
-                msg = f"TimeoutError: {server.why_waiting(p)} after {server.cfg.wait_timeout:g} s; is a worker dead?"
+                msg = (
+                    f"TimeoutError: {server.why_waiting(p)} after {server.cfg.wait_timeout:g} s; is a worker dead?"
+                )
                 _send(server, sock, p.ident, _error(p.head, msg))
             else:
                 _send(server, sock, p.ident, wire.encode(out[0], *out[1]))
@@ -310,7 +314,9 @@ class ServerProcess:
         if not line.startswith("tcp://"):
             self.kill()
             err = self._proc.stderr.read() if self._proc.stderr else ""
-            raise RuntimeError(f"parameter server {self.cfg.server_id} did not start within {timeout} s: {err[-2000:]}")
+            raise RuntimeError(
+                f"parameter server {self.cfg.server_id} did not start within {timeout} s: {err[-2000:]}"
+            )
         self.address = line
         if self.cfg.port == 0:  # keep the port for restart()
             self.cfg = replace(self.cfg, port=int(line.rsplit(":", 1)[1]))

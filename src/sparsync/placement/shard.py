@@ -74,10 +74,12 @@ class Shard:
             raise ValueError(
                 f"row {int(bad)} is outside partition [{self.cfg.lo}, {self.cfg.hi}) of table {self.cfg.name!r}"
             )
-        return rows - self.cfg.lo
+        out: np.ndarray = rows - self.cfg.lo
+        return out
 
     def pull(self, rows: np.ndarray) -> np.ndarray:
-        return self.weights[self.local(rows)]
+        out: np.ndarray = self.weights[self.local(rows)]
+        return out
 
     def set(self, rows: np.ndarray, values: np.ndarray) -> None:
         self.weights[self.local(rows)] = values
@@ -113,7 +115,8 @@ class Shard:
     # --- checkpoint -------------------------------------------------------------------------------------
     def arrays(self, key: str) -> dict[str, np.ndarray]:
         meta = {"config": self.cfg.to_json(), "version": self.version, "opt_step": self.opt.step}
-        out = {f"{key}/weights": self.weights, f"{key}/meta": np.frombuffer(json.dumps(meta).encode(), np.uint8)}
+        out: dict[str, np.ndarray] = {f"{key}/weights": self.weights}
+        out[f"{key}/meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
         for k, v in self.opt.state.items():
             out[f"{key}/state/{k}"] = v
         return out

@@ -8,6 +8,7 @@ more partitions parallelise server work and cost more messages (the trade-off §
 
 from __future__ import annotations
 
+import functools
 import math
 import zlib
 from collections.abc import Callable, Sequence
@@ -27,7 +28,9 @@ from sparsync.placement.wire import Header, Op
 T = TypeVar("T")
 
 
-def _all(futures: Sequence[Future[tuple[Header, bytes]]], combine: Callable[[list[tuple[Header, bytes]]], T]) -> Work[T]:
+def _all(
+    futures: Sequence[Future[tuple[Header, bytes]]], combine: Callable[[list[tuple[Header, bytes]]], T]
+) -> Work[T]:
     """One Work that completes when every future did (the first error wins)."""
     out: Future[T] = Future()
     left = [len(futures)]
@@ -51,7 +54,7 @@ def _all(futures: Sequence[Future[tuple[Header, bytes]]], combine: Callable[[lis
     if not futures:
         out.set_result(combine([]))
     for i, f in enumerate(futures):
-        f.add_done_callback(lambda f, i=i: done(i, f))
+        f.add_done_callback(functools.partial(done, i))
     return Work(out)
 
 
@@ -132,7 +135,9 @@ class PSTable:
             if pos.size:
                 futs.append(
                     self.client.request(
-                        self.server_of(p), self._head(Op.PULL, p, n=pos.size, step=step), *wire.rows_body(uniq[pos])
+                        self.server_of(p),
+                        self._head(Op.PULL, p, n=pos.size, step=step),
+                        *wire.rows_body(uniq[pos]),
                     )
                 )
                 which.append(pos)
@@ -145,7 +150,9 @@ class PSTable:
 
         return _all(futs, combine)
 
-    def push(self, rows: torch.Tensor | np.ndarray, grads: torch.Tensor | np.ndarray, *, step: int = 0) -> Work[None]:
+    def push(
+        self, rows: torch.Tensor | np.ndarray, grads: torch.Tensor | np.ndarray, *, step: int = 0
+    ) -> Work[None]:
         """Send gradient rows (duplicates are summed here first). Sync mode sends to every partition, empty ones
         included, so each partition counts one push per pusher per step."""
         r = _as_rows(rows, self.rows)
@@ -160,7 +167,9 @@ class PSTable:
         v = values.detach().cpu().numpy() if isinstance(values, torch.Tensor) else np.asarray(values)
         return self._send_rows(Op.SET, r, v.reshape(r.size, self.dim).astype(np.float32, copy=False), step=0)
 
-    def _send_rows(self, op: Op, r: np.ndarray, g: np.ndarray, *, step: int, all_parts: bool = False) -> Work[None]:
+    def _send_rows(
+        self, op: Op, r: np.ndarray, g: np.ndarray, *, step: int, all_parts: bool = False
+    ) -> Work[None]:
         per_row = 8 + 4 * self.dim
         max_rows = max(1, (self.client.max_message_bytes - wire.HEADER.size) // per_row)
         futs = []
@@ -179,7 +188,10 @@ class PSTable:
 
     def apply(self, step: int) -> Work[None]:
         """Sync mode, chief only: apply ``step`` on every partition once all its pushes arrived (Parallax §5)."""
-        futs = [self.client.request(self.server_of(p), self._head(Op.APPLY, p, step=step)) for p in range(self.partitions)]
+        futs = [
+            self.client.request(self.server_of(p), self._head(Op.APPLY, p, step=step))
+            for p in range(self.partitions)
+        ]
         return _all(futs, lambda rs: None)
 
     def read_all(self) -> torch.Tensor:

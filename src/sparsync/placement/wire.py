@@ -82,7 +82,9 @@ def encode(h: Header, *body: bytes | memoryview) -> bytes:
     return b"".join([head, *body])
 
 
-def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE, token: bytes | None = None) -> tuple[Header, memoryview]:
+def decode(
+    frame: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE, token: bytes | None = None
+) -> tuple[Header, memoryview]:
     """Parse and check one frame; raise ``WireError`` saying what is wrong. ``token`` None skips the check."""
     if len(frame) > max_bytes:
         raise WireError(f"message of {len(frame)} bytes exceeds the limit of {max_bytes} bytes")
