@@ -89,6 +89,7 @@ def hybrid_worker(rank: int, addresses: list[str], cases: list[dict[str, Any]]) 
             procs_per_machine=c.get("ppm", 1),
             local_aggregation=c.get("local_agg", True),
             partitions=c.get("partitions"),
+            ps_dense=c.get("ps_dense", False),
             timeout=30.0,
         )
         tr = HybridTrainer(model, c.get("addresses", addresses), cfg,

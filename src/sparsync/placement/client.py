@@ -62,6 +62,7 @@ class PSClient:
         self.digest = wire.token_digest(token)
         self.bytes_sent = 0
         self.bytes_recv = 0
+        self.bytes_per_server = [0] * len(self.addresses)  # sent + received, per server
         self._rid = itertools.count(1)
         self._queue: queue.SimpleQueue[tuple[int, bytes, int, _Pending] | None] = queue.SimpleQueue()
         self._ctx = zmq.Context()
@@ -151,6 +152,7 @@ class PSClient:
                     pending[rid] = p
                     socks[server].send(frame, copy=False)
                     self.bytes_sent += len(frame)
+                    self.bytes_per_server[server] += len(frame)
             for i, s in enumerate(socks):
                 if s in events:
                     while s.poll(0):
@@ -180,6 +182,7 @@ class PSClient:
 
     def _deliver(self, frame: bytes, pending: dict[int, _Pending], server: int) -> None:
         self.bytes_recv += len(frame)
+        self.bytes_per_server[server] += len(frame)
         try:
             h, body = wire.decode(frame, max_bytes=2**62)
         except wire.WireError:

@@ -28,6 +28,7 @@ from sparsync.placement.client import PSClient
 from sparsync.placement.detect import embedding_modules, rows_of_input
 from sparsync.placement.optim import OptimizerConfig
 from sparsync.placement.table import PSTable, save_servers
+from sparsync.record import CommLog
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class HybridConfig:
     partitions: int | None = None  # per sparse table; None: one per server
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # server-side (all tables)
     timeout: float = 60.0  # seconds per PS request
+    ps_dense: bool = False  # sync: dense parameters on the servers too (the PS-only architecture)
+    table_prefix: str = ""  # prepended to table names, to run several trainers against the same servers
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -66,6 +69,7 @@ class HybridTrainer:
         cfg: HybridConfig | None = None,
         *,
         dense_optimizer: torch.optim.Optimizer | None = None,
+        log: CommLog | None = None,
         sparse_params: Sequence[str] | None = None,
         token: str | None = None,
         group: dist.ProcessGroup | None = None,
@@ -89,6 +93,7 @@ class HybridTrainer:
                     self.machine_group = g
         self.client = PSClient(addresses, token=token, timeout=cfg.timeout, sender=self.rank)
         self.dense_optimizer = dense_optimizer
+        self.log = log
         emb = dict(embedding_modules(model))
         names = list(sparse_params) if sparse_params is not None else list(emb)
         params = dict(model.named_parameters())
@@ -97,15 +102,16 @@ class HybridTrainer:
             raise KeyError(
                 f"{bad} are not embedding weights; the PS serves nn.Embedding/EmbeddingBag: {list(emb)}"
             )
-        on_ps = names if cfg.mode == "sync" else list(params)
+        on_ps = names if cfg.mode == "sync" and not cfg.ps_dense else list(params)
         self.dense = [(n, p) for n, p in params.items() if n not in on_ps]
         pushers = self.world // cfg.procs_per_machine if self.local_agg else self.world
         self.tables: dict[str, PSTable] = {}
         for n in on_ps:
             rows, dim = _table_shape(params[n])
             mean = cfg.sparse_reduce if n in names else cfg.dense_reduce
+            parts = min(cfg.partitions or len(addresses), rows)
             self.tables[n] = PSTable(
-                self.client, n, rows, dim, partitions=min(cfg.partitions or len(addresses), rows),
+                self.client, cfg.table_prefix + n, rows, dim, partitions=parts,
                 optimizer=cfg.optimizer, mode=cfg.mode, pushers=pushers,
                 divisor=float(self.world) if mean == "mean" else 1.0,
             )  # fmt: skip
@@ -113,7 +119,6 @@ class HybridTrainer:
         self._hooks = [emb[n].register_forward_pre_hook(self._pull_hook(n)) for n in names]
         self.sparse_names = names
         self.step_no = self._init_tables(params)
-        self.bytes_dense = 0
 
     def _init_tables(self, params: dict[str, nn.Parameter]) -> int:
         if self.rank == 0:
@@ -145,8 +150,7 @@ class HybridTrainer:
         """One training step; returns this worker's loss."""
         for p in self.model.parameters():
             p.grad = None
-        if self.cfg.mode == "async":
-            self._pull_async_dense()
+        self._pull_dense_on_ps()
         loss = closure()
         loss.backward()  # type: ignore[no-untyped-call]
         params = dict(self.model.named_parameters())
@@ -157,12 +161,15 @@ class HybridTrainer:
                 rows, vals = self._machine_gather(rows, vals)
                 if self.rank % self.cfg.procs_per_machine:
                     continue  # only the machine's local chief pushes
-            works.append(self.tables[n].push(rows, vals, step=self.step_no))
-        if self.cfg.mode == "async":
-            for n, p in self.dense:
+            agg = self.cfg.local_aggregation
+            works.append(self.tables[n].push(rows, vals, step=self.step_no, coalesce=agg))
+        if self.cfg.mode == "async" or self.cfg.ps_dense:
+            for n, p in params.items():
+                if n not in self.tables or n in self.sparse_names:
+                    continue
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
                 nrows, dim = _table_shape(p)
-                works.append(self.tables[n].push(torch.arange(nrows), g.reshape(nrows, dim)))
+                works.append(self.tables[n].push(torch.arange(nrows), g.reshape(nrows, dim), step=self.step_no))
         else:
             self._allreduce_dense()
         for w in works:
@@ -173,14 +180,21 @@ class HybridTrainer:
         self.step_no += 1
         return float(loss.detach())
 
-    def _pull_async_dense(self) -> None:
-        for n, p in self.model.named_parameters():
-            if n in self.tables and n not in self.sparse_names:
-                with torch.no_grad():
-                    p.copy_(self.tables[n].read_all().reshape(p.shape))
+    def _pull_dense_on_ps(self) -> None:
+        step = self.step_no if self.cfg.mode == "sync" else 0
+        pulls = [
+            (p, self.tables[n].pull(torch.arange(self.tables[n].rows), step=step))
+            for n, p in self.model.named_parameters()
+            if n in self.tables and n not in self.sparse_names
+        ]
+        for p, w in pulls:
+            with torch.no_grad():
+                p.copy_(w.wait().reshape(p.shape))
 
     def _sparse_grad(self, name: str, p: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
         g = p.grad
+        if g is not None and g.is_sparse and not self.cfg.local_aggregation:
+            return g._indices()[0], g._values()  # one row per lookup: the server sums duplicates
         if g is None:
             return torch.zeros(0, dtype=torch.int64), torch.zeros(0, p.shape[1])
         if g.is_sparse:
@@ -212,11 +226,10 @@ class HybridTrainer:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.dense]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        out = allreduce(flat, algorithm="dense", group=self.group)
+        out = allreduce(flat, algorithm="dense", group=self.group, log=self.log)
         assert isinstance(out, torch.Tensor)
         if self.cfg.dense_reduce == "mean":
             out /= self.world
-        self.bytes_dense += 4 * flat.numel() * 2 * (self.world - 1) // max(self.world, 1)
         off = 0
         for _, p in self.dense:
             p.grad = out[off : off + p.numel()].reshape(p.shape).clone()

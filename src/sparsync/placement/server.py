@@ -289,8 +289,9 @@ class ServerProcess:
     """A server in its own OS process. ``start()`` returns its address; ``kill()`` simulates a crash (SIGKILL);
     ``restart()`` starts a fresh process on the same port, which resumes from its checkpoint."""
 
-    def __init__(self, cfg: ServerConfig) -> None:
+    def __init__(self, cfg: ServerConfig, *, netns: str | None = None) -> None:
         self.cfg = cfg
+        self.netns = netns  # run inside this network namespace (sparsync.netem), e.g. colocated with a rank
         self.address: str | None = None
         self._proc: subprocess.Popen[str] | None = None
 
@@ -301,8 +302,9 @@ class ServerProcess:
         env = {**os.environ, "SPARSYNC_PS_TOKEN": self.cfg.token or ""}
         src = str(Path(__file__).resolve().parents[2])  # run the same sparsync as this process
         env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "sparsync.placement.server", json.dumps(fields)],
+            [*prefix, sys.executable, "-m", "sparsync.placement.server", json.dumps(fields)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -21,7 +21,8 @@ import torch
 from sparsync.handle import Work
 from sparsync.placement import wire
 from sparsync.placement.client import PSClient
-from sparsync.placement.optim import OptimizerConfig, coalesce
+from sparsync.placement.optim import OptimizerConfig
+from sparsync.placement.optim import coalesce as coalesce_rows
 from sparsync.placement.shard import MODES, ShardConfig
 from sparsync.placement.wire import Header, Op
 
@@ -151,14 +152,21 @@ class PSTable:
         return _all(futs, combine)
 
     def push(
-        self, rows: torch.Tensor | np.ndarray, grads: torch.Tensor | np.ndarray, *, step: int = 0
+        self,
+        rows: torch.Tensor | np.ndarray,
+        grads: torch.Tensor | np.ndarray,
+        *,
+        step: int = 0,
+        coalesce: bool = True,
     ) -> Work[None]:
-        """Send gradient rows (duplicates are summed here first). Sync mode sends to every partition, empty ones
-        included, so each partition counts one push per pusher per step."""
+        """Send gradient rows; duplicates are summed here first unless ``coalesce=False`` (the "no local
+        aggregation" baseline: the server sums them). Sync mode sends to every partition, empty ones included,
+        so each partition counts one push per pusher per step."""
         r = _as_rows(rows, self.rows)
         g = grads.detach().cpu().numpy() if isinstance(grads, torch.Tensor) else np.asarray(grads)
         g = g.reshape(r.size, self.dim).astype(np.float32, copy=False)
-        r, g = coalesce(r, g)
+        if coalesce:
+            r, g = coalesce_rows(r, g)
         return self._send_rows(Op.PUSH, r, g, step=step, all_parts=self.mode == "sync")
 
     def set(self, rows: torch.Tensor | np.ndarray, values: torch.Tensor | np.ndarray) -> Work[None]:
