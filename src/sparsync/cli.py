@@ -61,6 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
     ar.add_argument("--out", type=Path, default=Path("results/allreduce"), help="path stem for .csv/.json/.png")
     ar.add_argument("--no-progress", action="store_true")
+    hy = bsub.add_parser("hybrid", help="Parallax Table 4: allreduce vs allgather vs PS vs hybrid training")
+    hy.add_argument("--procs", type=_ints, default=(4,), help="world sizes (one server per rank)")
+    hy.add_argument("--seq", type=_ints, default=(20,), help="sequence lengths: the α sweep, e.g. 5,20,80")
+    hy.add_argument("--vocab", type=parse_size, default=100_000)
+    hy.add_argument("--dim", type=int, default=128)
+    hy.add_argument("--hidden", type=int, default=256)
+    hy.add_argument("--batch", type=int, default=32)
+    hy.add_argument("--steps", type=int, default=10)
+    hy.add_argument("--warmup", type=int, default=3)
+    hy.add_argument("--partitions", type=int, default=None)
+    hy.add_argument("--methods", default=None, help="comma-separated subset of the methods")
+    hy.add_argument("--text", type=Path, nargs="*", default=(), help="train on the words of these text files")
+    hy.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
+    hy.add_argument("--latency", default=None)
+    hy.add_argument("--out", type=Path, default=Path("results/hybrid"), help="path stem for .csv/.json/.png")
+    hy.add_argument("--no-progress", action="store_true")
     from sparsync.placement import cli_plan
 
     cli_plan.add_parser(sub)
@@ -81,6 +97,19 @@ def main(argv: list[str] | None = None) -> int:
                 "Loopback on a shared host is compute-bound; `sparsync bench allreduce --net 1gbit` shows a "
                 "bandwidth-bound cluster and checks the targets (docs/results.md)."
             )
+            return 0
+        if args.command == "bench" and args.bench == "hybrid":
+            from sparsync.bench.hybrid import METHODS as HYBRID_METHODS
+            from sparsync.bench.hybrid import HybridBenchConfig
+            from sparsync.bench.hybrid_run import run_hybrid_bench
+
+            hcfg = HybridBenchConfig(
+                vocab=args.vocab, dim=args.dim, hidden=args.hidden, batch=args.batch, steps=args.steps,
+                warmup=args.warmup, partitions=args.partitions, files=tuple(map(str, args.text)),
+                methods=tuple(args.methods.split(",")) if args.methods else HYBRID_METHODS,
+            )  # fmt: skip
+            run_hybrid_bench(hcfg, args.procs, args.seq, out=args.out, net=args.net, latency=args.latency,
+                             console=console, progress=not args.no_progress)  # fmt: skip
             return 0
         if args.command == "plan":
             from sparsync.placement import cli_plan
