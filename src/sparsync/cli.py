@@ -77,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     hy.add_argument("--latency", default=None)
     hy.add_argument("--out", type=Path, default=Path("results/hybrid"), help="path stem for .csv/.json/.png")
     hy.add_argument("--no-progress", action="store_true")
+    hy.add_argument("--search-partitions", action="store_true", help="run Parallax's partition search first")
     from sparsync.placement import cli_plan
 
     cli_plan.add_parser(sub)
@@ -108,6 +109,11 @@ def main(argv: list[str] | None = None) -> int:
                 warmup=args.warmup, partitions=args.partitions, files=tuple(map(str, args.text)),
                 methods=tuple(args.methods.split(",")) if args.methods else HYBRID_METHODS,
             )  # fmt: skip
+            if args.search_partitions:
+                from sparsync.bench.hybrid_run import search_hybrid_partitions
+
+                found = search_hybrid_partitions(hcfg, args.procs[0], console=console)
+                hcfg = HybridBenchConfig(**{**hcfg.__dict__, "partitions": found.best})
             run_hybrid_bench(hcfg, args.procs, args.seq, out=args.out, net=args.net, latency=args.latency,
                              console=console, progress=not args.no_progress)  # fmt: skip
             return 0

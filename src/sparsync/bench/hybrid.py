@@ -118,7 +118,7 @@ def _run_method(
         trainer = HybridTrainer(model, addresses, hc, dense_optimizer=torch.optim.SGD(dense, lr=cfg.lr), log=log)
     else:
         trainer = _Collective(model, method, cfg.lr, log)
-    losses, alphas = [], []
+    losses, alphas, step_times = [], [], []
     t0 = 0.0
     bytes_ps0 = 0
     for s in range(cfg.warmup + cfg.steps):
@@ -127,10 +127,13 @@ def _run_method(
             bytes_ps0 = _ps_remote_bytes(trainer, rank)
             dist.barrier()
             t0 = time.perf_counter()
+        ts = time.perf_counter()
         tokens, neg = corpus.batch(cfg.batch, cfg.seq), corpus.negatives(cfg.negatives)
         ids = torch.unique(torch.cat([tokens.reshape(-1), neg]))
         alphas.append(ids.numel() / cfg.vocab)
         losses.append(trainer.step(lambda tokens=tokens, neg=neg: model(tokens, neg)))
+        if s >= cfg.warmup:
+            step_times.append(time.perf_counter() - ts)
         if progress is not None:
             progress[0].advance(progress[1])
     dist.barrier()
@@ -154,6 +157,8 @@ def _run_method(
         "step_s": float(seconds) / cfg.steps,
         "bytes_per_step_per_machine": float(stats[0]),
         "loss": float(stats[1]),
+        "partitions": cfg.partitions or P,
+        "times_s": step_times,
     }
 
 

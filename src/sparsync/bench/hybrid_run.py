@@ -18,6 +18,7 @@ from sparsync.bench.report import write_files
 from sparsync.launch import launch
 from sparsync.netem import NetNamespaces, NetSpec, require_root
 from sparsync.placement.detect import ParamStats
+from sparsync.placement.partition import PartitionSearch, search_partitions
 from sparsync.placement.plan import Cluster, make_plan
 from sparsync.placement.server import ServerConfig, ServerProcess
 
@@ -116,6 +117,31 @@ def run_hybrid_bench(
     files.append(plot(rows, out, title))
     console.print("wrote " + ", ".join(str(f) for f in files))
     return rows
+
+
+def search_hybrid_partitions(
+    cfg: HybridBenchConfig, P: int, *, console: Console, max_partitions: int = 256, timeout: float = 900.0
+) -> PartitionSearch:
+    """Parallax §3.2 for real: iteration times of the hybrid method on loopback for sampled partition counts,
+    the fit, and the chosen count."""
+
+    def measure(parts: int) -> list[float]:
+        c = replace(cfg, partitions=parts, methods=("hybrid",))
+        sv = _servers(P, None)
+        try:
+            res = launch(worker, nprocs=P, args=(c, [s.address for s in sv], False), timeout=timeout)
+        finally:
+            for s in sv:
+                s.kill()
+        times: list[float] = res[0][0]["times_s"]
+        console.print(f"  partitions = {parts}: {1e3 * sum(times) / len(times):.1f} ms/step")
+        return times
+
+    console.print(f"[bold]partition search[/] (Parallax §3.2), hybrid, P = {P}, loopback")
+    res = search_partitions(measure, P, max_partitions=max_partitions)
+    t0, t1, t2 = res.theta
+    console.print(f"  fit t(P) = {t0 * 1e3:.2f} + {t1 * 1e3:.2f}/P + {t2 * 1e3:.4f}·P ms; chosen P = {res.best}")
+    return res
 
 
 def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> None:
