@@ -140,6 +140,11 @@ def test_server_refuses_bad_messages_with_an_error_reply() -> None:
         assert h.status == 1 and "unknown op 77" in msg
         h, msg = _raw(addr, wire.encode(Header(op=Op.CREATE, rid=11, token=tok), b"{not json"))
         assert h.status == 1 and "JSON" in msg
+        huge = {"name": "h", "rows": 10**12, "lo": 0, "hi": 10**12, "dim": 1000}
+        h, msg = _raw(addr, wire.encode(Header(op=Op.CREATE, rid=13, token=tok), wire.json_body(huge)))
+        assert h.status == 1 and "max_shard_bytes" in msg
+        h, msg = _raw(addr, wire.encode(Header(op=Op.CREATE, rid=14, token=tok), wire.json_body({"rows": "x"})))
+        assert h.status == 1 and h.rid == 14
         h, msg = _raw(addr, wire.encode(Header(op=Op.PULL, rid=12, token=tok, n=1, dim=2), bytes(8)))
         assert h.status == 1 and "does not exist" in msg
         with PSClient([addr], token="s3cret", timeout=5) as c:

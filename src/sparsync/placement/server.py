@@ -35,6 +35,7 @@ class ServerConfig:
     checkpoint_dir: str | None = None  # where SAVE writes and where a (re)started server resumes from
     max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE
     wait_timeout: float = 60.0  # seconds a parked APPLY/PULL waits before an error reply
+    max_shard_bytes: int = 16 * 2**30  # a CREATE asking for more (weights + optimizer state) is refused
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -107,6 +108,11 @@ class Server:
             return h.reply(), []
         if op == Op.CREATE:
             cfg = ShardConfig.from_json(wire.parse_json(body))
+            need = (cfg.hi - cfg.lo) * cfg.dim * 4 * {"sgd": 1, "adagrad": 2, "adam": 3}[cfg.optimizer.name]
+            if need > self.cfg.max_shard_bytes:
+                raise ValueError(
+                    f"partition of {need} bytes exceeds this server's max_shard_bytes={self.cfg.max_shard_bytes}"
+                )
             old = self.shards.get((h.table, h.partition))
             if old is None:
                 old = self.shards[(h.table, h.partition)] = Shard(cfg)
@@ -234,7 +240,7 @@ def _one(server: Server, sock: zmq.Socket[bytes], ident: bytes, frame: bytes, pu
     try:
         h, body = wire.decode(frame, max_bytes=server.cfg.max_message_bytes, token=server.digest)
         out = server.handle(h, body)
-    except (WireError, ValueError, KeyError, TypeError) as e:
+    except (WireError, ValueError, KeyError, TypeError, MemoryError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
         _send(server, sock, ident, _error(_salvage_header(frame), f"{type(e).__name__}: {msg}"))
         return
