@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     hy.add_argument("--batch", type=int, default=32)
     hy.add_argument("--steps", type=int, default=10)
     hy.add_argument("--warmup", type=int, default=3)
+    hy.add_argument("--rounds", type=int, default=2, help="methods interleave in this many rounds")
     hy.add_argument("--partitions", type=int, default=None)
     hy.add_argument("--methods", default=None, help="comma-separated subset of the methods")
     hy.add_argument("--text", type=Path, nargs="*", default=(), help="train on the words of these text files")
@@ -106,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
 
             hcfg = HybridBenchConfig(
                 vocab=args.vocab, dim=args.dim, hidden=args.hidden, batch=args.batch, steps=args.steps,
-                warmup=args.warmup, partitions=args.partitions, files=tuple(map(str, args.text)),
+                warmup=args.warmup, rounds=args.rounds, partitions=args.partitions,
+                files=tuple(map(str, args.text)),
                 methods=tuple(args.methods.split(",")) if args.methods else HYBRID_METHODS,
             )  # fmt: skip
             if args.search_partitions:

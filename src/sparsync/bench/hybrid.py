@@ -13,8 +13,10 @@ All methods run plain SGD with mean reduction on the same data and initial weigh
 
 from __future__ import annotations
 
+import random
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,7 +39,8 @@ class HybridBenchConfig:
     batch: int = 32  # sequences per worker per step
     seq: int = 20  # words per sequence (controls α, as Parallax Table 6)
     negatives: int = 256  # shared negative samples of the sampled softmax
-    steps: int = 10  # measured steps per method
+    steps: int = 10  # measured steps per method, split into ``rounds``
+    rounds: int = 2  # methods interleave: each round runs steps/rounds steps of every method
     warmup: int = 3  # unmeasured steps first
     lr: float = 0.5  # SGD, every method
     zipf: float = 1.0
@@ -51,8 +54,10 @@ class HybridBenchConfig:
         bad = [m for m in self.methods if m not in METHODS]
         if bad:
             raise KeyError(f"unknown methods {bad}; valid: {', '.join(METHODS)}")
-        if min(self.vocab, self.dim, self.hidden, self.batch, self.seq, self.steps) < 1 or self.warmup < 0:
-            raise ValueError("vocab, dim, hidden, batch, seq, steps must be >= 1 and warmup >= 0")
+        if min(self.vocab, self.dim, self.hidden, self.batch, self.seq, self.steps, self.rounds) < 1:
+            raise ValueError("vocab, dim, hidden, batch, seq, steps, rounds must be >= 1")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
 
 
 class _Collective:
@@ -93,73 +98,94 @@ class _Collective:
         return float(loss.detach())
 
 
-def _run_method(
-    rank: int, cfg: HybridBenchConfig, method: str, addresses: list[str], progress: Any
-) -> dict[str, Any]:
-    P = dist.get_world_size()
-    model = SampledLM(cfg.vocab, cfg.dim, cfg.hidden, seed=cfg.seed)
-    corpus = Corpus(cfg.vocab, files=[*map(__import__("pathlib").Path, cfg.files)], zipf=cfg.zipf,
-                    seed=cfg.seed * 1009 + rank)  # fmt: skip
-    log = CommLog()
-    trainer: Any
-    if method in ("ps", "hybrid", "hybrid_noagg"):
-        dense = [p for n, p in model.named_parameters() if n != "emb.weight"]
-        hc = HybridConfig(
-            mode="sync",
-            sparse_reduce="mean",
-            dense_reduce="mean",
-            optimizer=OptimizerConfig("sgd", lr=cfg.lr),
-            local_aggregation=method != "hybrid_noagg",
-            ps_dense=method == "ps",
-            partitions=cfg.partitions,
-            table_prefix=f"{method}/",
-            timeout=300.0,
+class _MethodRun:
+    """One method's model, data and trainer on this rank; ``run(n)`` trains n steps and accumulates the
+    measured time, bytes, losses and α."""
+
+    def __init__(self, rank: int, cfg: HybridBenchConfig, method: str, addresses: list[str]) -> None:
+        self.rank, self.cfg, self.method = rank, cfg, method
+        self.model = SampledLM(cfg.vocab, cfg.dim, cfg.hidden, seed=cfg.seed)
+        self.corpus = Corpus(
+            cfg.vocab, files=[Path(f) for f in cfg.files], zipf=cfg.zipf, seed=cfg.seed * 1009 + rank
         )
-        trainer = HybridTrainer(model, addresses, hc, dense_optimizer=torch.optim.SGD(dense, lr=cfg.lr), log=log)
-    else:
-        trainer = _Collective(model, method, cfg.lr, log)
-    losses, alphas, step_times = [], [], []
-    t0 = 0.0
-    bytes_ps0 = 0
-    for s in range(cfg.warmup + cfg.steps):
-        if s == cfg.warmup:
-            log.clear()
-            bytes_ps0 = _ps_remote_bytes(trainer, rank)
-            dist.barrier()
-            t0 = time.perf_counter()
-        ts = time.perf_counter()
-        tokens, neg = corpus.batch(cfg.batch, cfg.seq), corpus.negatives(cfg.negatives)
-        ids = torch.unique(torch.cat([tokens.reshape(-1), neg]))
-        alphas.append(ids.numel() / cfg.vocab)
-        losses.append(trainer.step(lambda tokens=tokens, neg=neg: model(tokens, neg)))
-        if s >= cfg.warmup:
-            step_times.append(time.perf_counter() - ts)
-        if progress is not None:
-            progress[0].advance(progress[1])
-    dist.barrier()
-    seconds = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-    # Per machine, sent + received: collectives log both; a PS byte is counted at the client and at the remote
-    # server, so a machine's share is twice its client's remote traffic on average (Table 3 counts both ends).
-    b = sum(r.bytes_sent + r.bytes_recv for r in log.records) + 2 * (_ps_remote_bytes(trainer, rank) - bytes_ps0)
-    stats = torch.tensor([b / cfg.steps, sum(losses[-3:]) / len(losses[-3:]), sum(alphas) / len(alphas)])
-    dist.all_reduce(stats)
-    stats /= P
-    if isinstance(trainer, HybridTrainer):
-        trainer.close()
-    words = P * cfg.batch * cfg.seq * cfg.steps
-    return {
-        "method": method,
-        "P": P,
-        "seq": cfg.seq,
-        "alpha": float(stats[2]),
-        "words_per_s": words / float(seconds),
-        "step_s": float(seconds) / cfg.steps,
-        "bytes_per_step_per_machine": float(stats[0]),
-        "loss": float(stats[1]),
-        "partitions": cfg.partitions or P,
-        "times_s": step_times,
-    }
+        self.log = CommLog()
+        self.trainer: Any
+        if method in ("ps", "hybrid", "hybrid_noagg"):
+            dense = [p for n, p in self.model.named_parameters() if n != "emb.weight"]
+            hc = HybridConfig(
+                mode="sync",
+                sparse_reduce="mean",
+                dense_reduce="mean",
+                optimizer=OptimizerConfig("sgd", lr=cfg.lr),
+                local_aggregation=method != "hybrid_noagg",
+                ps_dense=method == "ps",
+                partitions=cfg.partitions,
+                table_prefix=f"{method}/",
+                timeout=300.0,
+            )
+            opt = torch.optim.SGD(dense, lr=cfg.lr)
+            self.trainer = HybridTrainer(self.model, addresses, hc, dense_optimizer=opt, log=self.log)
+        else:
+            self.trainer = _Collective(self.model, method, cfg.lr, self.log)
+        self.losses: list[float] = []
+        self.alphas: list[float] = []
+        self.step_times: list[float] = []
+        self.seconds = 0.0
+        self.bytes = 0.0
+        self.steps = 0
+
+    def run(self, n: int, *, measured: bool, progress: Any) -> None:
+        self.log.clear()
+        ps0 = _ps_remote_bytes(self.trainer, self.rank)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            ts = time.perf_counter()
+            tokens, neg = (
+                self.corpus.batch(self.cfg.batch, self.cfg.seq),
+                self.corpus.negatives(self.cfg.negatives),
+            )
+            ids = torch.unique(torch.cat([tokens.reshape(-1), neg]))
+            self.alphas.append(ids.numel() / self.cfg.vocab)
+            self.losses.append(self.trainer.step(lambda tokens=tokens, neg=neg: self.model(tokens, neg)))
+            if measured:
+                self.step_times.append(time.perf_counter() - ts)
+            if progress is not None:
+                progress[0].advance(progress[1])
+        dist.barrier()
+        if measured:
+            sec = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(sec, op=dist.ReduceOp.MAX)
+            self.seconds += float(sec)
+            self.steps += n
+            # Per machine, sent + received: collectives log both ends; a PS byte is counted at the client and at
+            # the remote server, so a machine's share is twice its client's remote traffic on average (Table 3
+            # counts both ends too).
+            self.bytes += sum(r.bytes_sent + r.bytes_recv for r in self.log.records)
+            self.bytes += 2 * (_ps_remote_bytes(self.trainer, self.rank) - ps0)
+
+    def result(self) -> dict[str, Any]:
+        P, cfg = dist.get_world_size(), self.cfg
+        last = self.losses[-3:]
+        stats = torch.tensor([self.bytes / self.steps, sum(last) / len(last), sum(self.alphas) / len(self.alphas)])
+        dist.all_reduce(stats)
+        stats /= P
+        if isinstance(self.trainer, HybridTrainer):
+            self.trainer.close()
+        words = P * cfg.batch * cfg.seq * self.steps
+        return {
+            "method": self.method,
+            "P": P,
+            "seq": cfg.seq,
+            "alpha": float(stats[2]),
+            "words_per_s": words / self.seconds,
+            "step_s": self.seconds / self.steps,
+            "bytes_per_step_per_machine": float(stats[0]),
+            "loss": float(stats[1]),
+            "steps": len(self.losses),
+            "partitions": cfg.partitions or P,
+            "times_s": self.step_times,
+        }
 
 
 def _ps_remote_bytes(trainer: Any, rank: int) -> int:
@@ -176,10 +202,20 @@ def worker(rank: int, cfg: HybridBenchConfig, addresses: list[str], show_progres
 
         bar = Progress(transient=True)
         bar.start()
-        total = len(cfg.methods) * (cfg.warmup + cfg.steps)
+        total = len(cfg.methods) * (cfg.warmup + max(1, cfg.steps // cfg.rounds) * cfg.rounds)
         progress = (bar, bar.add_task(f"P={dist.get_world_size()} seq={cfg.seq}", total=total))
     try:
-        rows = [_run_method(rank, cfg, m, addresses, progress) for m in cfg.methods]
+        runs = {m: _MethodRun(rank, cfg, m, addresses) for m in cfg.methods}
+        for r in runs.values():
+            r.run(cfg.warmup, measured=False, progress=progress)
+        # Rounds of every method in a fresh order (same seed on every rank): drift in the shared machine's load
+        # hits all methods alike.
+        order = random.Random(cfg.seed)
+        per_round = max(1, cfg.steps // cfg.rounds)
+        for _ in range(cfg.rounds):
+            for m in order.sample(list(runs), len(runs)):
+                runs[m].run(per_round, measured=True, progress=progress)
+        rows = [runs[m].result() for m in cfg.methods]
     finally:
         if progress is not None:
             progress[0].stop()
