@@ -239,3 +239,26 @@ def test_checkpoint_and_restart_resume_tables_and_optimizer_state(tmp_path: obje
     finally:
         for s in sv:
             s.kill()
+
+
+def test_config_validation_names_the_bad_value() -> None:
+    from sparsync.placement.hybrid import HybridConfig
+    from sparsync.placement.server import ServerConfig
+    from sparsync.placement.shard import ShardConfig
+
+    with pytest.raises(KeyError, match="unknown server optimizer 'rmsprop'"):
+        OptimizerConfig("rmsprop")
+    with pytest.raises(ValueError, match="lr must be"):
+        OptimizerConfig("sgd", lr=-1.0)
+    with pytest.raises(KeyError, match="unknown mode 'semi'"):
+        HybridConfig(mode="semi")
+    with pytest.raises(ValueError, match="sparse_reduce must be"):
+        HybridConfig(sparse_reduce="max")
+    with pytest.raises(ValueError, match="bad shard"):
+        ShardConfig("t", rows=10, lo=5, hi=20, dim=2)
+    with pytest.raises(ValueError, match="unknown table config keys"):
+        ShardConfig.from_json({"name": "t", "rows": 1, "lo": 0, "hi": 1, "dim": 1, "evil": 1})
+    with pytest.raises(ValueError, match="port"):
+        ServerConfig(port=70000)
+    with pytest.raises(ValueError, match="at least one server address"):
+        PSClient([])
