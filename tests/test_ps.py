@@ -262,3 +262,25 @@ def test_config_validation_names_the_bad_value() -> None:
         ServerConfig(port=70000)
     with pytest.raises(ValueError, match="at least one server address"):
         PSClient([])
+
+
+def test_server_exits_when_its_starter_dies() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os\nfrom sparsync.placement import start_servers\n"
+        "sv = start_servers(1)\nprint(sv[0]._proc.pid, flush=True)\nos._exit(0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ)
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return  # gone: no orphaned server
+        time.sleep(0.2)
+    os.kill(pid, 9)
+    pytest.fail(f"server {pid} outlived the process that started it")

@@ -36,6 +36,7 @@ class ServerConfig:
     max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE
     wait_timeout: float = 60.0  # seconds a parked APPLY/PULL waits before an error reply
     max_shard_bytes: int = 16 * 2**30  # a CREATE asking for more (weights + optimizer state) is refused
+    parent_pid: int | None = None  # exit when this process is no longer our parent (no orphaned servers)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -216,6 +217,8 @@ def serve(cfg: ServerConfig, ready: Any = None) -> None:
     pull_rows: dict[int, np.ndarray] = {}  # id(parked) -> rows of a parked pull
     try:
         while server.running:
+            if cfg.parent_pid is not None and os.getppid() != cfg.parent_pid:
+                break  # whoever started us died without stopping us
             timeout_ms = 200 if server.parked else 1000
             if sock.poll(timeout_ms):
                 ident, frame = _recv(sock)
@@ -305,6 +308,8 @@ class ServerProcess:
         import json
 
         fields = {k: v for k, v in asdict(self.cfg).items() if k != "token"}
+        if self.netns is None:  # under `ip netns exec` our parent is that command, not this process
+            fields["parent_pid"] = os.getpid()
         env = {**os.environ, "SPARSYNC_PS_TOKEN": self.cfg.token or ""}
         src = str(Path(__file__).resolve().parents[2])  # run the same sparsync as this process
         env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
