@@ -1,4 +1,4 @@
-"""The ``sparsync`` command: ``demo``, ``bench allreduce``, ``bench compress``."""
+"""The ``sparsync`` command: ``demo``, ``bench allreduce``, ``bench compress``, ``bench hybrid``, ``plan``."""
 
 from __future__ import annotations
 
@@ -84,6 +84,27 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
     cp.add_argument("--out", type=Path, default=Path("results/compress"), help="path stem for .csv/.json/.png")
     cp.add_argument("--no-progress", action="store_true")
+    hy = bsub.add_parser("hybrid", help="Parallax Table 4: allreduce vs allgather vs PS vs hybrid training")
+    hy.add_argument("--procs", type=_ints, default=(4,), help="world sizes (one server per rank)")
+    hy.add_argument("--seq", type=_ints, default=(20,), help="sequence lengths: the α sweep, e.g. 5,20,80")
+    hy.add_argument("--vocab", type=parse_size, default=100_000)
+    hy.add_argument("--dim", type=int, default=128)
+    hy.add_argument("--hidden", type=int, default=256)
+    hy.add_argument("--batch", type=int, default=32)
+    hy.add_argument("--steps", type=int, default=10)
+    hy.add_argument("--warmup", type=int, default=3)
+    hy.add_argument("--rounds", type=int, default=2, help="methods interleave in this many rounds")
+    hy.add_argument("--partitions", type=int, default=None)
+    hy.add_argument("--methods", default=None, help="comma-separated subset of the methods")
+    hy.add_argument("--text", type=Path, nargs="*", default=(), help="train on the words of these text files")
+    hy.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
+    hy.add_argument("--latency", default=None)
+    hy.add_argument("--out", type=Path, default=Path("results/hybrid"), help="path stem for .csv/.json/.png")
+    hy.add_argument("--no-progress", action="store_true")
+    hy.add_argument("--search-partitions", action="store_true", help="run Parallax's partition search first")
+    from sparsync.placement import cli_plan
+
+    cli_plan.add_parser(sub)
     return p
 
 
@@ -104,6 +125,29 @@ def main(argv: list[str] | None = None) -> int:
             runs, diff = run_demo(demo_cfg, show_progress=not args.no_progress, net=args.net)
             print_demo(runs, diff, demo_cfg, console, args.out, args.net)
             return 0
+        if args.command == "bench" and args.bench == "hybrid":
+            from sparsync.bench.hybrid import METHODS as HYBRID_METHODS
+            from sparsync.bench.hybrid import HybridBenchConfig
+            from sparsync.bench.hybrid_run import run_hybrid_bench
+
+            hcfg = HybridBenchConfig(
+                vocab=args.vocab, dim=args.dim, hidden=args.hidden, batch=args.batch, steps=args.steps,
+                warmup=args.warmup, rounds=args.rounds, partitions=args.partitions,
+                files=tuple(map(str, args.text)),
+                methods=tuple(args.methods.split(",")) if args.methods else HYBRID_METHODS,
+            )  # fmt: skip
+            if args.search_partitions:
+                from sparsync.bench.hybrid_run import search_hybrid_partitions
+
+                found = search_hybrid_partitions(hcfg, args.procs[0], console=console)
+                hcfg = HybridBenchConfig(**{**hcfg.__dict__, "partitions": found.best})
+            run_hybrid_bench(hcfg, args.procs, args.seq, out=args.out, net=args.net, latency=args.latency,
+                             console=console, progress=not args.no_progress)  # fmt: skip
+            return 0
+        if args.command == "plan":
+            from sparsync.placement import cli_plan
+
+            return cli_plan.run(args, console)
         if args.command == "bench" and args.bench == "allreduce":
             if args.latency and not args.net:
                 raise ValueError("--latency needs --net")
@@ -141,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyError as e:
         console.print(f"[red]error:[/] {e.args[0] if e.args else e}")
         return 2
-    except (ValueError, PermissionError, RuntimeError) as e:
+    except (ValueError, OSError, RuntimeError) as e:
         console.print(f"[red]error:[/] {e}")
         return 2
     return 1
