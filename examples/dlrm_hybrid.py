@@ -4,7 +4,8 @@ Logical device 0 holds the first two layers of the bottom MLP; a split with DCT-
 activations to device 1, which holds the rest of the bottom MLP, the sparse embedding tables, the feature
 interaction and the top MLP. Across replicas, each device's gradients are aggregated by wrap_optimizer's plan:
 the embeddings' COO gradients by SparCML sparse allreduce, the dense layers by DCT-DP (``Threshold`` with
-error feedback, through the plan's ``Compressed`` placement). The run is done twice from the same seed: DCT-MP off (η = 0) and on (η = 0.9).
+error feedback, through the plan's ``Compressed`` placement). The run is done twice from the same seed:
+DCT-MP off (η = 0) and on (η = 0.9).
 
     python examples/dlrm_hybrid.py               # 4 local processes
 """
