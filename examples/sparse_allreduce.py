@@ -1,7 +1,7 @@
 """Sum a sparse vector over ranks with sparsync; the same script runs locally or under torchrun.
 
-    python examples/sparse_allreduce.py              # 4 local processes
-    torchrun --nproc-per-node 3 examples/sparse_allreduce.py
+python examples/sparse_allreduce.py              # 4 local processes
+torchrun --nproc-per-node 3 examples/sparse_allreduce.py
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ See docs/architecture.md.
 from sparsync.calibrate import measure_link
 from sparsync.collectives import allreduce, sparse_allgather, sparse_allreduce
 from sparsync.collectives._comm import PeerError
+from sparsync.compress import Compressor, ErrorFeedback, reduce
 from sparsync.costmodel import ALGORITHMS, Decision, LinkModel, Problem, choose_fastest, lower_bound, predict
 from sparsync.group import set_link
 from sparsync.handle import Work
@@ -18,7 +19,9 @@ __all__ = [
     "ALGORITHMS",
     "CommLog",
     "CommRecord",
+    "Compressor",
     "Decision",
+    "ErrorFeedback",
     "LaunchError",
     "LinkModel",
     "PeerError",
@@ -33,6 +36,7 @@ __all__ = [
     "lower_bound",
     "measure_link",
     "predict",
+    "reduce",
     "set_link",
     "sparse_allgather",
     "sparse_allreduce",

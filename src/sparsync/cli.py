@@ -1,4 +1,4 @@
-"""The ``sparsync`` command: ``demo``, ``bench allreduce``."""
+"""The ``sparsync`` command: ``demo``, ``bench allreduce``, ``bench compress``, ``bench hybrid``, ``plan``."""
 
 from __future__ import annotations
 
@@ -36,6 +36,10 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(parse_size(x) for x in text.split(","))
+
+
 def _methods(text: str) -> tuple[str, ...]:
     out = tuple(text.split(","))
     bad = [m for m in out if m not in METHODS]
@@ -47,8 +51,13 @@ def _methods(text: str) -> tuple[str, ...]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsync", description="Sparse collectives for PyTorch training.")
     sub = p.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="short allreduce benchmark on 4 local processes (< 2 min)")
-    demo.add_argument("--out", type=Path, default=Path("results/demo_allreduce"))
+    demo = sub.add_parser(
+        "demo", help="train a sparse-embedding model on 4 local processes: dense allreduce vs sparsync's plan"
+    )
+    demo.add_argument("--out", type=Path, default=Path("results/demo_train"), help="path stem for .json/.md")
+    demo.add_argument("--steps", type=int, default=150)
+    demo.add_argument("--no-progress", action="store_true")
+    demo.add_argument("--net", default=None, help="shape each process's link, e.g. 1gbit (needs root)")
     bench = sub.add_parser("bench", help="benchmarks")
     bsub = bench.add_subparsers(dest="bench", required=True)
     ar = bsub.add_parser("allreduce", help="SparCML Fig. 4: time vs density per algorithm")
@@ -61,6 +70,41 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
     ar.add_argument("--out", type=Path, default=Path("results/allreduce"), help="path stem for .csv/.json/.png")
     ar.add_argument("--no-progress", action="store_true")
+    cp = bsub.add_parser("compress", help="compressors: time, bytes, error vs a dense allreduce (issue 3)")
+    cp.add_argument("--sizes", type=_sizes, default=(1_000_000, 25_000_000), help="N per rank, e.g. 1000000,25M")
+    cp.add_argument("--procs", type=int, default=4, help="world size P (default 4)")
+    cp.add_argument("--repeats", type=int, default=3)
+    cp.add_argument(
+        "--compressor",
+        action="append",
+        dest="compressors",
+        help="a registry spec such as 'topk:ratio=0.01' (repeatable; default: the issue's list)",
+    )
+    cp.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
+    cp.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
+    cp.add_argument("--out", type=Path, default=Path("results/compress"), help="path stem for .csv/.json/.png")
+    cp.add_argument("--no-progress", action="store_true")
+    hy = bsub.add_parser("hybrid", help="Parallax Table 4: allreduce vs allgather vs PS vs hybrid training")
+    hy.add_argument("--procs", type=_ints, default=(4,), help="world sizes (one server per rank)")
+    hy.add_argument("--seq", type=_ints, default=(20,), help="sequence lengths: the α sweep, e.g. 5,20,80")
+    hy.add_argument("--vocab", type=parse_size, default=100_000)
+    hy.add_argument("--dim", type=int, default=128)
+    hy.add_argument("--hidden", type=int, default=256)
+    hy.add_argument("--batch", type=int, default=32)
+    hy.add_argument("--steps", type=int, default=10)
+    hy.add_argument("--warmup", type=int, default=3)
+    hy.add_argument("--rounds", type=int, default=2, help="methods interleave in this many rounds")
+    hy.add_argument("--partitions", type=int, default=None)
+    hy.add_argument("--methods", default=None, help="comma-separated subset of the methods")
+    hy.add_argument("--text", type=Path, nargs="*", default=(), help="train on the words of these text files")
+    hy.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
+    hy.add_argument("--latency", default=None)
+    hy.add_argument("--out", type=Path, default=Path("results/hybrid"), help="path stem for .csv/.json/.png")
+    hy.add_argument("--no-progress", action="store_true")
+    hy.add_argument("--search-partitions", action="store_true", help="run Parallax's partition search first")
+    from sparsync.placement import cli_plan
+
+    cli_plan.add_parser(sub)
     return p
 
 
@@ -71,14 +115,39 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         if args.command == "demo":
-            console.print("[bold]sparsync demo[/]: sparse allreduce of N = 8M float32 on 4 local processes")
-            cfg = BenchConfig(dim=8 * 2**20, densities=(1e-4, 1e-2, 1.0), repeats=3)
-            run_allreduce_bench(cfg, (4,), out=args.out, console=console, show_targets=False)
+            from sparsync.bench.train_demo import DemoConfig, print_demo, run_demo
+
+            demo_cfg = DemoConfig(steps=args.steps)
             console.print(
-                "Loopback on a shared host is compute-bound; `sparsync bench allreduce --net 1gbit` shows a "
-                "bandwidth-bound cluster and checks the targets (docs/results.md)."
+                f"[bold]sparsync demo[/]: {demo_cfg.replicas} local processes train a classifier with a sparse "
+                f"embedding (vocab {demo_cfg.vocab:,}, Zipf tokens), {demo_cfg.steps} steps, per gradient plan"
             )
+            runs, diff = run_demo(demo_cfg, show_progress=not args.no_progress, net=args.net)
+            print_demo(runs, diff, demo_cfg, console, args.out, args.net)
             return 0
+        if args.command == "bench" and args.bench == "hybrid":
+            from sparsync.bench.hybrid import METHODS as HYBRID_METHODS
+            from sparsync.bench.hybrid import HybridBenchConfig
+            from sparsync.bench.hybrid_run import run_hybrid_bench
+
+            hcfg = HybridBenchConfig(
+                vocab=args.vocab, dim=args.dim, hidden=args.hidden, batch=args.batch, steps=args.steps,
+                warmup=args.warmup, rounds=args.rounds, partitions=args.partitions,
+                files=tuple(map(str, args.text)),
+                methods=tuple(args.methods.split(",")) if args.methods else HYBRID_METHODS,
+            )  # fmt: skip
+            if args.search_partitions:
+                from sparsync.bench.hybrid_run import search_hybrid_partitions
+
+                found = search_hybrid_partitions(hcfg, args.procs[0], console=console)
+                hcfg = HybridBenchConfig(**{**hcfg.__dict__, "partitions": found.best})
+            run_hybrid_bench(hcfg, args.procs, args.seq, out=args.out, net=args.net, latency=args.latency,
+                             console=console, progress=not args.no_progress)  # fmt: skip
+            return 0
+        if args.command == "plan":
+            from sparsync.placement import cli_plan
+
+            return cli_plan.run(args, console)
         if args.command == "bench" and args.bench == "allreduce":
             if args.latency and not args.net:
                 raise ValueError("--latency needs --net")
@@ -93,7 +162,30 @@ def main(argv: list[str] | None = None) -> int:
                 progress=not args.no_progress,
             )
             return 0
-    except (ValueError, PermissionError, RuntimeError) as e:
+        if args.command == "bench" and args.bench == "compress":
+            from sparsync.bench import CompressBenchConfig, run_compress_bench
+
+            if args.latency and not args.net:
+                raise ValueError("--latency needs --net")
+            ccfg = CompressBenchConfig(sizes=args.sizes, repeats=args.repeats)
+            if args.compressors:
+                ccfg = CompressBenchConfig(
+                    sizes=args.sizes, repeats=args.repeats, compressors=tuple(args.compressors)
+                )
+            run_compress_bench(
+                ccfg,
+                procs=args.procs,
+                out=args.out,
+                net=args.net,
+                latency=args.latency,
+                console=console,
+                progress=not args.no_progress,
+            )
+            return 0
+    except KeyError as e:
+        console.print(f"[red]error:[/] {e.args[0] if e.args else e}")
+        return 2
+    except (ValueError, OSError, RuntimeError) as e:
         console.print(f"[red]error:[/] {e}")
         return 2
     return 1

@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 
 from sparsync.bench.allreduce import BenchConfig, worker
+from sparsync.bench.compress import CompressBenchConfig
 from sparsync.bench.report import check_targets, markdown, plot, print_table, print_targets, write_files
 from sparsync.launch import launch
 from sparsync.netem import NetNamespaces, NetSpec, require_root
@@ -70,4 +71,54 @@ def run_allreduce_bench(
     return rows
 
 
-__all__ = ["BenchConfig", "run_allreduce_bench"]
+def run_compress_bench(
+    cfg: CompressBenchConfig,
+    *,
+    procs: int = 4,
+    out: Path,
+    net: str | None = None,
+    latency: str | None = None,
+    console: Console | None = None,
+    progress: bool = True,
+    timeout: float = 1800.0,
+) -> list[dict[str, Any]]:
+    """Run ``sparsync bench compress`` on ``procs`` ranks (in shaped namespaces with ``net``); print, save,
+    plot. Returns the rows."""
+    from sparsync.bench import compress as cb
+
+    console = console or Console()
+    spec = NetSpec(net, latency) if net else None
+    if spec is not None:
+        require_root()
+    where = f"{net} links{f' + {latency}' if latency else ''} (tc tbf, one netns per rank)" if net else "loopback"
+    console.print(f"[bold]P = {procs}[/], N = {', '.join(f'{n:,}' for n in cfg.sizes)} float32, {where}")
+    t0 = time.perf_counter()
+    if spec is None:
+        res = launch(cb.worker, nprocs=procs, args=(cfg, progress), timeout=timeout)
+    else:
+        with NetNamespaces(procs, spec) as ns:
+            res = launch(cb.worker, nprocs=procs, args=(cfg, progress), timeout=timeout, netns=ns)
+    rows: list[dict[str, Any]] = res[0]
+    title = f"compressors, P={procs}, {where}"
+    # nine numeric columns: never squeeze them into a pipe's default 80 columns
+    cb.print_table(rows, Console(width=max(console.width, 150), file=console.file), title)
+    checks = cb.check_targets(rows)
+    print_targets(checks, console)
+    meta = {
+        "config": {**cfg.__dict__},
+        "procs": procs,
+        "net": net,
+        "latency": latency,
+        "seconds": time.perf_counter() - t0,
+        "targets": [list(c) for c in checks],
+    }
+    files = write_files(rows, meta, out)
+    files.append(cb.plot(rows, out, title))
+    md = out.with_suffix(".md")
+    md.write_text(cb.markdown(rows, checks, title))
+    files.append(md)
+    console.print("wrote " + ", ".join(str(f) for f in files))
+    return rows
+
+
+__all__ = ["BenchConfig", "CompressBenchConfig", "run_allreduce_bench", "run_compress_bench"]

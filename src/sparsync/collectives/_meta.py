@@ -22,7 +22,19 @@ from sparsync.collectives._comm import Comm, payload_nbytes, payload_of
 from sparsync.collectives._fold import allgather_blocks
 from sparsync.stream import FLOAT_DTYPES, SparseStream
 
-OPS = ("sparse_allreduce", "sparse_allgather")
+# The replicator's primitives (sparsync.replicator.primitives) share this table's first two columns (call
+# number, collective) and the group's call counter, so a sparse collective issued on one replica while another
+# issues a primitive is reported as a collective mismatch on every rank instead of misreading the other's row.
+OPS = (
+    "sparse_allreduce",
+    "sparse_allgather",
+    "all_reduce",
+    "all_gather",
+    "broadcast",
+    "all_reduce_grad",
+    "all_gather_grad",
+    "broadcast_grad",
+)
 ALGORITHM_CODES = (
     "auto",
     "ssar_recursive_double",
@@ -43,6 +55,31 @@ class Meta:
     dense: tuple[bool, ...]
     # Every rank's payload (the wire bytes of its stream), when all of them fitted in the metadata round.
     eager: tuple[torch.Tensor, ...] | None = None
+
+
+def allgather_rows(
+    comm: Comm, row: torch.Tensor, eager: torch.Tensor | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Allgather every rank's 8-int64 ``row`` plus up to EAGER_BYTES of ``eager`` payload bytes.
+
+    Every metadata round on a group goes through here, whatever the operation, so the message always has the
+    same size: gloo aborts the whole process when a message is longer than the posted receive, and a size
+    mismatch would turn a reportable call mismatch into a crash. Returns the [P, 8] table and each rank's
+    eager region (uint8, EAGER_BYTES).
+    """
+    if row.dtype != torch.int64 or row.numel() != len(_F):
+        raise ValueError(f"a metadata row is {len(_F)} int64, got {row.numel()} {row.dtype}")
+    buf = torch.zeros(ROW_BYTES + EAGER_BYTES, dtype=torch.uint8)
+    buf[:ROW_BYTES] = row.view(torch.uint8)
+    if eager is not None:
+        if eager.numel() > EAGER_BYTES:
+            raise ValueError(f"eager payload of {eager.numel()} bytes exceeds EAGER_BYTES={EAGER_BYTES}")
+        buf[ROW_BYTES : ROW_BYTES + eager.numel()] = eager
+    with comm.phase("meta"):
+        blocks = allgather_blocks(comm, buf, [buf.numel()] * comm.size)
+    # Each block is a slice at a multiple of ROW_BYTES + EAGER_BYTES (a multiple of 8): int64-aligned.
+    table = torch.stack([b[:ROW_BYTES].view(torch.int64) for b in blocks])
+    return table, [b[ROW_BYTES:] for b in blocks]
 
 
 def exchange_meta(comm: Comm, op: str, stream: SparseStream, algorithm: str, seq: int, check_nan: bool) -> Meta:
@@ -67,22 +104,15 @@ def exchange_meta(comm: Comm, op: str, stream: SparseStream, algorithm: str, seq
         ],
         dtype=torch.int64,
     )
-    buf = torch.zeros(ROW_BYTES + EAGER_BYTES, dtype=torch.uint8)
-    buf[:ROW_BYTES] = row.view(torch.uint8)
     mine = payload_nbytes(stream.is_dense, stream.nnz, stream.dim, stream.dtype)
-    if mine <= EAGER_BYTES:
-        buf[ROW_BYTES : ROW_BYTES + mine] = payload_of(stream)
-    with comm.phase("meta"):
-        blocks = allgather_blocks(comm, buf, [buf.numel()] * comm.size)
-    # Each block is a slice at a multiple of ROW_BYTES + EAGER_BYTES (a multiple of 8): int64-aligned.
-    table = torch.stack([b[:ROW_BYTES].view(torch.int64) for b in blocks])
+    table, blocks = allgather_rows(comm, row, payload_of(stream) if mine <= EAGER_BYTES else None)
     _check(table, comm.rank)
     nnz = tuple(int(x) for x in table[:, 4])
     dense = tuple(bool(x) for x in table[:, 5])
     sizes = [payload_nbytes(dense[r], nnz[r], stream.dim, stream.dtype) for r in range(comm.size)]
     eager = None
     if max(sizes) <= EAGER_BYTES:
-        eager = tuple(b[ROW_BYTES : ROW_BYTES + n] for b, n in zip(blocks, sizes, strict=True))
+        eager = tuple(b[:n] for b, n in zip(blocks, sizes, strict=True))
     return Meta(nnz=nnz, dense=dense, eager=eager)
 
 

@@ -1,0 +1,257 @@
+"""``sparsync bench compress``: what each compressor costs next to the dense allreduce it replaces.
+
+For every tensor size N and compressor, on P ranks at once (every rank compresses its own Gaussian tensor, as
+in training, so the compressors compete for the cores as the allreduce does): compress and decompress time
+(slowest rank, median of ``repeats`` after one warm-up), payload bytes, relative error
+‖x - D(C(x))‖ / ‖x‖, the end-to-end ``sparsync.reduce`` time, and a dense gloo allreduce of the same tensor in
+the same run. Threshold runs with lifespan 1 and 1000 (DCT Fig. 7a: recomputing τ every step costs more than
+it saves); the warm-up call computes τ, so the timed L=1000 calls reuse it, as 999 of 1000 training steps do.
+Target (issue 3): Threshold(L=1000) compress + decompress ≤ 10% of the dense allreduce.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from sparsync.bench.allreduce import _timed
+from sparsync.compress import Context, TensorSpec, from_spec, reduce
+
+DEFAULT_COMPRESSORS = (
+    "identity",
+    "fp16",
+    "bf16",
+    "topk:ratio=0.01",
+    "topk:ratio=0.01,bucket=512",
+    "threshold:ratio=0.01,lifespan=1",
+    "threshold:ratio=0.01,lifespan=1000",
+    "randomk:ratio=0.01",
+    "qsgd:bits=4,bucket=512",
+    "qsgd:bits=8,bucket=512",
+    "blocktopk:ratio=0.01,block=64",
+    "sketch:rows=3,ratio=0.01",
+)
+TARGET = "threshold:ratio=0.01,lifespan=1000"
+TARGET_FRACTION = 0.10
+
+
+@dataclass(frozen=True)
+class CompressBenchConfig:
+    sizes: tuple[int, ...] = (1_000_000, 25_000_000)  # N, float32 entries per rank
+    compressors: tuple[str, ...] = DEFAULT_COMPRESSORS  # registry specs, see sparsync.compress.from_spec
+    repeats: int = 3  # timed runs per measurement, after one warm-up
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.sizes or any(n < 1 for n in self.sizes):
+            raise ValueError(f"sizes must be positive, got {self.sizes}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        for spec in self.compressors:
+            from_spec(spec)  # KeyError/ValueError naming a bad spec, before any process starts
+
+
+def _median(run: Any, repeats: int) -> float:
+    run()  # warm-up (for Threshold L=1000: computes τ)
+    return statistics.median(_timed(run) for _ in range(repeats))
+
+
+def _measure(rank: int, P: int, n: int, spec: str, x: torch.Tensor, repeats: int) -> dict[str, Any]:
+    comp = from_spec(spec)
+    ctx = Context("x", rank, P)
+    xs = TensorSpec.of(x)
+    payload = comp.compress(x, ctx)
+    t_c = _median(lambda: comp.compress(x, ctx), repeats)
+    t_d = _median(lambda: comp.decompress(payload, xs), repeats)
+    y = comp.decompress(payload, xs)
+    err = torch.tensor([float((x - y).norm() / x.norm()), float(payload.nbytes)], dtype=torch.float64)
+    dist.all_reduce(err)
+    rcomp = from_spec(spec)
+    t_r = _median(lambda: reduce(x, rcomp, name="x"), repeats)
+    return {
+        "n": n,
+        "world_size": P,
+        "compressor": spec,
+        "aggregation": type(payload).aggregation,
+        "compress_s": t_c,
+        "decompress_s": t_d,
+        "cd_s": t_c + t_d,
+        "payload_bytes": float(err[1]) / P,
+        "bytes_ratio": float(err[1]) / P / (n * 4),
+        "rel_error": float(err[0]) / P,
+        "reduce_s": t_r,
+    }
+
+
+def worker(rank: int, cfg: CompressBenchConfig, show_progress: bool) -> list[dict[str, Any]]:
+    """Runs on every rank; rank 0 returns the rows."""
+    P = dist.get_world_size()
+    rows: list[dict[str, Any]] = []
+    progress = None
+    if show_progress and rank == 0:
+        from rich.progress import Progress
+
+        progress = Progress(transient=True)
+        progress.start()
+        task = progress.add_task(f"P={P}", total=len(cfg.sizes) * (len(cfg.compressors) + 1))
+    try:
+        for n in cfg.sizes:
+            x = torch.randn(n, generator=torch.Generator().manual_seed(cfg.seed * 1009 + rank))
+            dense = _median(lambda x=x: dist.all_reduce(x.clone()), cfg.repeats)
+            if progress is not None:
+                progress.advance(task)
+            for spec in cfg.compressors:
+                row = _measure(rank, P, n, spec, x, cfg.repeats)
+                row["dense_allreduce_s"] = dense
+                row["cd_over_dense"] = row["cd_s"] / dense
+                row["reduce_over_dense"] = row["reduce_s"] / dense
+                rows.append(row)
+                if progress is not None:
+                    progress.advance(task)
+    finally:
+        if progress is not None:
+            progress.stop()
+    return rows if rank == 0 else []
+
+
+# --- output -------------------------------------------------------------------------------------------------
+def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> None:
+    table = Table(title=title)
+    cols = ("N", "compressor", "agg", "comp ms", "dec ms", "c+d/ar", "bytes", "rel err", "reduce ms")
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("compressor", "agg") else "right")
+    last_n = None
+    for r in rows:
+        if r["n"] != last_n:
+            table.add_row(
+                f"{r['n']:,}",
+                "[b]dense allreduce (gloo)[/]",
+                "",
+                "",
+                "",
+                "",
+                "",
+                "",
+                f"{r['dense_allreduce_s'] * 1e3:.1f}",
+            )
+            last_n = r["n"]
+        table.add_row(
+            "",
+            _short(r["compressor"]),
+            {"allreduce": "ar", "sparse_allreduce": "sparse", "allgather": "ag"}[r["aggregation"]],
+            f"{r['compress_s'] * 1e3:.2f}",
+            f"{r['decompress_s'] * 1e3:.2f}",
+            f"{r['cd_over_dense']:.3f}",
+            f"{r['bytes_ratio']:.3f}",
+            f"{r['rel_error']:.3f}",
+            f"{r['reduce_s'] * 1e3:.1f}",
+        )
+    console.print(table)
+    console.print(
+        "c+d/ar: (compress + decompress) / dense allreduce; bytes: payload per rank / dense float32 bytes; "
+        "rel err: ‖x - D(C(x))‖/‖x‖ (mean over ranks); agg: ar = dense allreduce, ag = allgather"
+    )
+
+
+def check_targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
+    """Threshold(L=1000) compress + decompress ≤ 10% of the dense allreduce; and L=1000 cheaper than L=1."""
+    out: list[tuple[str, bool, str]] = []
+    by_n: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
+    for r in rows:
+        by_n[r["n"]][r["compressor"]] = r
+    for n, by in sorted(by_n.items()):
+        t = by.get(TARGET)
+        if t is None:
+            continue
+        out.append(
+            (
+                f"N={n:,}: Threshold(L=1000) compress+decompress <= {TARGET_FRACTION:.0%} of dense allreduce",
+                t["cd_over_dense"] <= TARGET_FRACTION,
+                f"{t['cd_over_dense']:.1%} ({t['cd_s'] * 1e3:.1f} ms vs {t['dense_allreduce_s'] * 1e3:.1f} ms)",
+            )
+        )
+        l1 = by.get(TARGET.replace("lifespan=1000", "lifespan=1"))
+        if l1 is not None:
+            out.append(
+                (
+                    f"N={n:,}: Threshold L=1000 cheaper than L=1 (DCT Fig. 7a)",
+                    t["cd_s"] < l1["cd_s"],
+                    f"{l1['cd_s'] / t['cd_s']:.1f}x",
+                )
+            )
+    return out
+
+
+def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({r["n"] for r in rows})
+    fig, axes = plt.subplots(2, len(sizes), figsize=(6.5 * len(sizes), 9), squeeze=False)
+    for j, n in enumerate(sizes):
+        pts = [r for r in rows if r["n"] == n]
+        markers = "osD^v<>phX*P"
+        for i, r in enumerate(pts):
+            style = {"s": 30, "marker": markers[i % len(markers)], "label": _short(r["compressor"])}
+            axes[0][j].scatter(r["payload_bytes"], max(r["rel_error"], 1e-6), **style)
+            axes[1][j].scatter(r["payload_bytes"], r["cd_s"], **style)
+            axes[1][j].scatter(r["payload_bytes"], r["reduce_s"], s=14, marker="x", color="gray")
+        dense = pts[0]["dense_allreduce_s"]
+        axes[1][j].axhline(dense, color="black", lw=1, label="dense allreduce")
+        axes[1][j].axhline(dense * TARGET_FRACTION, color="black", lw=1, ls=":", label="10% of dense allreduce")
+        axes[0][j].set(xscale="log", yscale="log", xlabel="payload bytes per rank", ylabel="relative error")
+        axes[1][j].set(xscale="log", yscale="log", xlabel="payload bytes per rank", ylabel="seconds")
+        axes[0][j].set_title(f"N = {n:,}: error vs bytes")
+        axes[1][j].set_title(f"N = {n:,}: compress+decompress (marker), reduce (gray x) vs bytes")
+        axes[0][j].legend(fontsize=6, ncol=2)
+        axes[1][j].legend(fontsize=6, ncol=2)
+        for ax in axes[:, j]:
+            ax.grid(True, which="both", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    png = out.with_suffix(".png")
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def _short(spec: str) -> str:
+    return (
+        spec.replace("ratio=", "")
+        .replace("lifespan=", "L=")
+        .replace("bucket=", "b=")
+        .replace("bits=", "")
+        .replace("rows=", "r=")
+        .replace("block=", "blk=")
+        .replace(",", " ")
+        .replace(":", " ")
+    )
+
+
+def markdown(rows: list[dict[str, Any]], checks: list[tuple[str, bool, str]], title: str) -> str:
+    lines = [f"### {title}", ""]
+    lines.append(
+        "| N | compressor | aggregation | compress ms | decompress ms | (c+d)/dense | bytes ratio | rel. error "
+        "| reduce ms | dense allreduce ms |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        lines.append(
+            f"| {r['n']:,} | {r['compressor']} | {r['aggregation']} | {r['compress_s'] * 1e3:.2f} | "
+            f"{r['decompress_s'] * 1e3:.2f} | {r['cd_over_dense']:.3f} | {r['bytes_ratio']:.4f} | "
+            f"{r['rel_error']:.3f} | {r['reduce_s'] * 1e3:.1f} | {r['dense_allreduce_s'] * 1e3:.1f} |"
+        )
+    met = sum(ok for _, ok, _ in checks)
+    lines += ["", f"Targets met: {met} of {len(checks)}.", "", "| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {name} | {val} | {'yes' if ok else '**no**'} |" for name, ok, val in checks]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,226 @@
+"""``sparsync bench hybrid``: Parallax Table 4 on one machine. A language model with a large sparse embedding
+and a dense LSTM, trained with P ranks by six methods side by side:
+
+- ``allreduce``: every gradient dense, one dense allreduce (the embedding gradient densified);
+- ``allgather``: dense allreduce for the LSTM, the embedding's sparse gradients allgathered (Horovod/DDP way);
+- ``sparse_ar``: the embedding by sparsync's sparse allreduce (SparCML, ``auto``);
+- ``ps``: every parameter on the parameter servers (one per rank, colocated), sync;
+- ``hybrid``: LSTM by dense allreduce, embedding on the servers (Parallax);
+- ``hybrid_noagg``: hybrid without local aggregation (one gradient row per token occurrence on the wire).
+
+All methods run plain SGD with mean reduction on the same data and initial weights, so their losses agree.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sparsync.bench.lm import Corpus, SampledLM
+from sparsync.collectives.tensor import allreduce
+from sparsync.placement.hybrid import HybridConfig, HybridTrainer
+from sparsync.placement.optim import OptimizerConfig
+from sparsync.record import CommLog
+
+METHODS = ("allreduce", "allgather", "sparse_ar", "ps", "hybrid", "hybrid_noagg")
+
+
+@dataclass(frozen=True)
+class HybridBenchConfig:
+    vocab: int = 100_000  # embedding rows
+    dim: int = 128  # embedding width
+    hidden: int = 256  # LSTM width
+    batch: int = 32  # sequences per worker per step
+    seq: int = 20  # words per sequence (controls α, as Parallax Table 6)
+    negatives: int = 256  # shared negative samples of the sampled softmax
+    steps: int = 10  # measured steps per method, split into ``rounds``
+    rounds: int = 2  # methods interleave: each round runs steps/rounds steps of every method
+    warmup: int = 3  # unmeasured steps first
+    lr: float = 0.5  # SGD, every method
+    zipf: float = 1.0
+    files: tuple[str, ...] = ()  # text files instead of Zipf tokens
+    methods: tuple[str, ...] = METHODS
+    seed: int = 0
+    partitions: int | None = None  # PS partitions per table (None: one per server)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad:
+            raise KeyError(f"unknown methods {bad}; valid: {', '.join(METHODS)}")
+        if min(self.vocab, self.dim, self.hidden, self.batch, self.seq, self.steps, self.rounds) < 1:
+            raise ValueError("vocab, dim, hidden, batch, seq, steps, rounds must be >= 1")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+
+
+class _Collective:
+    """The allreduce/allgather/sparse_ar methods: gradients through sparsync collectives, a local SGD."""
+
+    def __init__(self, model: SampledLM, method: str, lr: float, log: CommLog) -> None:
+        self.model, self.method, self.log = model, method, log
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr)
+        self.P = dist.get_world_size()
+        self.dense = [p for n, p in model.named_parameters() if n != "emb.weight"]
+
+    def step(self, closure: Any) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        loss = closure()
+        loss.backward()
+        emb = self.model.emb.weight
+        assert emb.grad is not None
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense]
+        if self.method == "allreduce":
+            flat = torch.cat([emb.grad.to_dense().reshape(-1)] + [g.reshape(-1) for g in grads])
+        else:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            alg = "allgather" if self.method == "allgather" else "auto"
+            g = allreduce(emb.grad.coalesce(), algorithm=alg, log=self.log)
+            assert isinstance(g, torch.Tensor)
+            emb.grad = g / self.P
+        out = allreduce(flat, algorithm="dense", log=self.log)
+        assert isinstance(out, torch.Tensor)
+        out /= self.P
+        off = 0
+        if self.method == "allreduce":
+            emb.grad = out[: emb.numel()].reshape(emb.shape).clone()
+            off = emb.numel()
+        for p in self.dense:
+            p.grad = out[off : off + p.numel()].reshape(p.shape).clone()
+            off += p.numel()
+        self.opt.step()
+        return float(loss.detach())
+
+
+class _MethodRun:
+    """One method's model, data and trainer on this rank; ``run(n)`` trains n steps and accumulates the
+    measured time, bytes, losses and α."""
+
+    def __init__(self, rank: int, cfg: HybridBenchConfig, method: str, addresses: list[str]) -> None:
+        self.rank, self.cfg, self.method = rank, cfg, method
+        self.model = SampledLM(cfg.vocab, cfg.dim, cfg.hidden, seed=cfg.seed)
+        self.corpus = Corpus(
+            cfg.vocab, files=[Path(f) for f in cfg.files], zipf=cfg.zipf, seed=cfg.seed * 1009 + rank
+        )
+        self.log = CommLog()
+        self.trainer: Any
+        if method in ("ps", "hybrid", "hybrid_noagg"):
+            dense = [p for n, p in self.model.named_parameters() if n != "emb.weight"]
+            hc = HybridConfig(
+                mode="sync",
+                sparse_reduce="mean",
+                dense_reduce="mean",
+                optimizer=OptimizerConfig("sgd", lr=cfg.lr),
+                local_aggregation=method != "hybrid_noagg",
+                ps_dense=method == "ps",
+                partitions=cfg.partitions,
+                table_prefix=f"{method}/",
+                timeout=300.0,
+            )
+            opt = torch.optim.SGD(dense, lr=cfg.lr)
+            self.trainer = HybridTrainer(self.model, addresses, hc, dense_optimizer=opt, log=self.log)
+        else:
+            self.trainer = _Collective(self.model, method, cfg.lr, self.log)
+        self.losses: list[float] = []
+        self.alphas: list[float] = []
+        self.step_times: list[float] = []
+        self.seconds = 0.0
+        self.bytes = 0.0
+        self.steps = 0
+
+    def run(self, n: int, *, measured: bool, progress: Any) -> None:
+        self.log.clear()
+        ps0 = _ps_remote_bytes(self.trainer, self.rank)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            ts = time.perf_counter()
+            tokens, neg = (
+                self.corpus.batch(self.cfg.batch, self.cfg.seq),
+                self.corpus.negatives(self.cfg.negatives),
+            )
+            ids = torch.unique(torch.cat([tokens.reshape(-1), neg]))
+            self.alphas.append(ids.numel() / self.cfg.vocab)
+            self.losses.append(self.trainer.step(lambda tokens=tokens, neg=neg: self.model(tokens, neg)))
+            if measured:
+                self.step_times.append(time.perf_counter() - ts)
+            if progress is not None:
+                progress[0].advance(progress[1])
+        dist.barrier()
+        if measured:
+            sec = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(sec, op=dist.ReduceOp.MAX)
+            self.seconds += float(sec)
+            self.steps += n
+            # Per machine, sent + received: collectives log both ends; a PS byte is counted at the client and at
+            # the remote server, so a machine's share is twice its client's remote traffic on average (Table 3
+            # counts both ends too).
+            self.bytes += sum(r.bytes_sent + r.bytes_recv for r in self.log.records)
+            self.bytes += 2 * (_ps_remote_bytes(self.trainer, self.rank) - ps0)
+
+    def result(self) -> dict[str, Any]:
+        P, cfg = dist.get_world_size(), self.cfg
+        last = self.losses[-3:]
+        stats = torch.tensor([self.bytes / self.steps, sum(last) / len(last), sum(self.alphas) / len(self.alphas)])
+        dist.all_reduce(stats)
+        stats /= P
+        if isinstance(self.trainer, HybridTrainer):
+            self.trainer.close()
+        words = P * cfg.batch * cfg.seq * self.steps
+        return {
+            "method": self.method,
+            "P": P,
+            "seq": cfg.seq,
+            "alpha": float(stats[2]),
+            "words_per_s": words / self.seconds,
+            "step_s": self.seconds / self.steps,
+            "bytes_per_step_per_machine": float(stats[0]),
+            "loss": float(stats[1]),
+            "steps": len(self.losses),
+            "partitions": cfg.partitions or P,
+            "times_s": self.step_times,
+        }
+
+
+def _ps_remote_bytes(trainer: Any, rank: int) -> int:
+    if not isinstance(trainer, HybridTrainer):
+        return 0
+    per = trainer.client.bytes_per_server
+    return sum(per) - per[rank % len(per)]  # server i is colocated with rank i
+
+
+def worker(rank: int, cfg: HybridBenchConfig, addresses: list[str], show_progress: bool) -> list[dict[str, Any]]:
+    progress = None
+    if show_progress and rank == 0:
+        from rich.progress import Progress
+
+        bar = Progress(transient=True)
+        bar.start()
+        total = len(cfg.methods) * (cfg.warmup + max(1, cfg.steps // cfg.rounds) * cfg.rounds)
+        progress = (bar, bar.add_task(f"P={dist.get_world_size()} seq={cfg.seq}", total=total))
+    try:
+        runs = {m: _MethodRun(rank, cfg, m, addresses) for m in cfg.methods}
+        for r in runs.values():
+            r.run(cfg.warmup, measured=False, progress=progress)
+        # Rounds of every method in a fresh order (same seed on every rank): drift in the shared machine's load
+        # hits all methods alike.
+        order = random.Random(cfg.seed)
+        per_round = max(1, cfg.steps // cfg.rounds)
+        for _ in range(cfg.rounds):
+            for m in order.sample(list(runs), len(runs)):
+                runs[m].run(per_round, measured=True, progress=progress)
+        rows = [runs[m].result() for m in cfg.methods]
+    finally:
+        if progress is not None:
+            progress[0].stop()
+    return rows if rank == 0 else []
+
+
+def config_dict(cfg: HybridBenchConfig) -> dict[str, Any]:
+    return asdict(cfg)

@@ -1,0 +1,56 @@
+"""Gradient compressors with error feedback (issue 3): S2 sparse sketch, DCT threshold, top-k, QSGD, ...
+
+Three axes (STYLE 1): a ``Compressor`` turns a tensor into a typed ``Payload`` (which names the collective
+that aggregates it), ``ErrorFeedback`` keeps residuals per name, and ``reduce`` joins them. See README,
+"Compressed reduction", and docs/architecture.md.
+"""
+
+from sparsync.compress.base import (
+    Aggregation,
+    Compressor,
+    Context,
+    DensePayload,
+    Payload,
+    QuantizedPayload,
+    SketchPayload,
+    SparsePayload,
+    TensorSpec,
+)
+from sparsync.compress.blocktopk import BlockTopK
+from sparsync.compress.cast import BF16, FP16
+from sparsync.compress.identity import Identity
+from sparsync.compress.memory import ErrorFeedback
+from sparsync.compress.qsgd import QSGD
+from sparsync.compress.randomk import RandomK
+from sparsync.compress.reduce import reduce
+from sparsync.compress.registry import COMPRESSORS, compressor_class, from_spec, make
+from sparsync.compress.sketch import SparseSketch
+from sparsync.compress.threshold import Threshold
+from sparsync.compress.topk import TopK
+
+__all__ = [
+    "BF16",
+    "COMPRESSORS",
+    "FP16",
+    "QSGD",
+    "Aggregation",
+    "BlockTopK",
+    "Compressor",
+    "Context",
+    "DensePayload",
+    "ErrorFeedback",
+    "Identity",
+    "Payload",
+    "QuantizedPayload",
+    "RandomK",
+    "SketchPayload",
+    "SparsePayload",
+    "SparseSketch",
+    "TensorSpec",
+    "Threshold",
+    "TopK",
+    "compressor_class",
+    "from_spec",
+    "make",
+    "reduce",
+]

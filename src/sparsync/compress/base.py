@@ -1,0 +1,226 @@
+"""The compressor axis (STYLE 1): a compressor turns a tensor into a typed payload and back.
+
+A payload says how many bytes it puts on the wire (``nbytes``) and which collective aggregates it
+(``aggregation``): payloads that add up linearly (dense casts, sketch tables + bitmaps) go through one dense
+allreduce; sparse payloads (top-k, threshold) through ``sparse_allreduce``; quantized ones, which do not add
+up, through an allgather followed by a local decode-and-sum (SparCML §5, "Low-Precision Support").
+Error feedback is a separate axis (``memory.py``); ``reduce.py`` joins the axes in one template method.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from sparsync.collectives.tensor import coo_to_stream, stream_to_coo
+from sparsync.stream import SparseStream
+
+Aggregation = Literal["allreduce", "sparse_allreduce", "allgather"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What a decompressed tensor must look like: shape, dtype, and layout (``sparse_dim`` is None for a
+    strided tensor, else the number of sparse dims of a COO tensor)."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    sparse_dim: int | None = None
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> TensorSpec:
+        return cls(t.shape, t.dtype, t.sparse_dim() if t.is_sparse else None)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_sparse(self) -> bool:
+        return self.sparse_dim is not None
+
+
+@dataclass(frozen=True)
+class Context:
+    """Where a compress call runs: the memory/state key (parameter name) and this rank's place in the group.
+    Randomised compressors draw per-rank streams from it (independent rounding on every rank)."""
+
+    name: str = ""
+    rank: int = 0
+    world_size: int = 1
+
+
+NO_CONTEXT = Context()  # frozen: a safe default argument
+
+
+# --- payloads ---------------------------------------------------------------------------------------------
+class Payload(ABC):
+    aggregation: ClassVar[Aggregation]
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes this payload puts on the wire (what one rank contributes)."""
+
+
+@dataclass(frozen=True)
+class DensePayload(Payload):
+    """A dense tensor (identity, fp16/bf16 casts): summed by one dense allreduce."""
+
+    aggregation: ClassVar[Aggregation] = "allreduce"
+    values: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.values.numel() * self.values.element_size()
+
+    def to_buffer(self) -> torch.Tensor:
+        return self.values.reshape(-1).clone()
+
+    def from_buffer(self, buf: torch.Tensor) -> DensePayload:
+        return DensePayload(buf.reshape(self.values.shape))
+
+
+@dataclass(frozen=True)
+class SparsePayload(Payload):
+    """Selected (index, value) pairs of the flattened tensor: summed by ``sparse_allreduce``."""
+
+    aggregation: ClassVar[Aggregation] = "sparse_allreduce"
+    stream: SparseStream
+
+    @property
+    def nbytes(self) -> int:
+        return self.stream.nbytes
+
+
+@dataclass(frozen=True)
+class SketchPayload(Payload):
+    """S2 Reducer §3.1: a bitmap of non-zero blocks (counts, so that sums stay meaningful) and an r x c count
+    sketch of the non-zero values. Both are linear, so one dense allreduce of their concatenation sums them."""
+
+    aggregation: ClassVar[Aggregation] = "allreduce"
+    bitmap: torch.Tensor  # (n_blocks,), same dtype as the table: a block's count of ranks where it is non-zero
+    table: torch.Tensor  # (rows, cols)
+
+    @property
+    def nbytes(self) -> int:
+        return (self.bitmap.numel() + self.table.numel()) * self.table.element_size()
+
+    def to_buffer(self) -> torch.Tensor:
+        return torch.cat([self.bitmap.reshape(-1), self.table.reshape(-1)])
+
+    def from_buffer(self, buf: torch.Tensor) -> SketchPayload:
+        nb = self.bitmap.numel()
+        return SketchPayload(buf[:nb], buf[nb:].reshape(self.table.shape))
+
+
+@dataclass(frozen=True)
+class QuantizedPayload(Payload):
+    """QSGD codes packed ``8 // bits`` to a byte plus one full-precision scale per bucket. Does not add up
+    linearly: aggregated by an allgather of the bytes and a local decode-and-sum."""
+
+    aggregation: ClassVar[Aggregation] = "allgather"
+    codes: torch.Tensor  # uint8, packed
+    scales: torch.Tensor  # float32, one per bucket
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel() * 4
+
+    def to_bytes(self) -> torch.Tensor:
+        return torch.cat([self.codes, self.scales.to(torch.float32).view(torch.uint8)])
+
+    def from_bytes(self, buf: torch.Tensor) -> QuantizedPayload:
+        n = self.codes.numel()
+        return QuantizedPayload(buf[:n], buf[n:].clone().view(torch.float32))
+
+
+# --- compressors ------------------------------------------------------------------------------------------
+class Compressor(ABC):
+    """Turns a tensor into a payload and back.
+
+    ``accepts_sparse``: ``compress`` takes a sparse COO tensor as it is; for the others ``reduce`` densifies a
+    COO input first (O(numel)) and hands back the layout it was given. ``unbiased``: E[decompress(compress(x))]
+    = x. Mutable per-name state (DCT's threshold, call counters) is checkpointed by ``state_dict``.
+    """
+
+    name: ClassVar[str]
+    accepts_sparse: ClassVar[bool] = False
+    unbiased: ClassVar[bool] = False
+
+    @abstractmethod
+    def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> Payload:
+        """Payload of ``tensor``; does not modify ``tensor`` (may update this compressor's state for ctx.name)."""
+
+    @abstractmethod
+    def decompress(self, payload: Any, spec: TensorSpec) -> torch.Tensor:
+        """Tensor described by ``spec`` from a payload (a local one, or the sum produced by its aggregation)."""
+
+    def decompress_gathered(self, payloads: list[Any], spec: TensorSpec) -> torch.Tensor:
+        """Sum of every rank's payload, for ``allgather`` payloads (decoded one by one, then added)."""
+        out = self.decompress(payloads[0], spec)
+        for p in payloads[1:]:
+            out = out + self.decompress(p, spec)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
+
+
+# --- helpers shared by the sparsifiers ---------------------------------------------------------------------
+def flat_values(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(values, indices) of the entries a sparsifier chooses from: all of a dense tensor (indices None: the
+    position is the index), or the stored entries of a COO tensor with their linear indices."""
+    if tensor.is_sparse:
+        s = coo_to_stream(tensor)
+        assert s.indices is not None  # coo_to_stream always builds the sparse format
+        return s.values, s.indices
+    return tensor.reshape(-1), None
+
+
+def selected(
+    values: torch.Tensor,
+    indices: torch.Tensor | None,
+    positions: torch.Tensor,
+    dim: int,
+    scale: float = 1.0,
+    *,
+    presorted: bool = False,
+) -> SparsePayload:
+    """SparsePayload of ``values[positions]`` (positions into ``values``; unique; any order unless
+    ``presorted``)."""
+    pos = positions if presorted else positions.sort().values
+    idx = pos if indices is None else indices.to(torch.int64)[pos]
+    vals = values[pos] if scale == 1.0 else values[pos] * scale
+    return SparsePayload(SparseStream(idx, vals.contiguous(), dim, validate=False))
+
+
+def sparse_to_tensor(payload: SparsePayload, spec: TensorSpec) -> torch.Tensor:
+    """Decompress a SparsePayload into the layout of ``spec`` (scatter, or COO rows)."""
+    s = payload.stream
+    if spec.sparse_dim is not None:
+        return stream_to_coo(s, spec.shape, spec.sparse_dim).to(spec.dtype)
+    return s.to_dense().to(spec.dtype).reshape(spec.shape)
+
+
+def count_for(ratio: float, n: int) -> int:
+    """k = ceil(ratio * n), at least 1 (when n > 0): a compressor never sends nothing for a non-empty input."""
+    return min(n, max(1, math.ceil(ratio * n))) if n else 0
+
+
+def check_ratio(ratio: float, what: str = "ratio") -> None:
+    if isinstance(ratio, bool) or not isinstance(ratio, int | float) or not 0.0 < ratio <= 1.0:
+        raise ValueError(f"{what} must lie in (0, 1], got {ratio!r}")
+
+
+def check_positive_int(value: int, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")

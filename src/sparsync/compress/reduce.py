@@ -1,0 +1,211 @@
+"""``reduce``: the template method joining the three axes (STYLE 1; GRACE's compensate -> compress ->
+memory.update -> send_receive): compensate -> compress -> update memory -> aggregate -> decompress."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, overload
+
+import torch
+import torch.distributed as dist
+
+from sparsync.collectives.allreduce import _submit, sparse_allreduce
+from sparsync.compress.base import (
+    Compressor,
+    Context,
+    DensePayload,
+    Payload,
+    QuantizedPayload,
+    SketchPayload,
+    SparsePayload,
+    TensorSpec,
+)
+from sparsync.compress.memory import ErrorFeedback
+from sparsync.group import resolve_group
+from sparsync.handle import Work
+from sparsync.record import CommLog, CommRecord
+
+
+@overload
+def reduce(
+    tensor: torch.Tensor,
+    compressor: Compressor,
+    *,
+    memory: ErrorFeedback | None = ...,
+    name: str = ...,
+    group: dist.ProcessGroup | None = ...,
+    async_op: Literal[False] = ...,
+    average: bool = ...,
+    inplace: bool = ...,
+    algorithm: str = ...,
+    log: CommLog | None = ...,
+    timeout: float | None = ...,
+) -> torch.Tensor: ...
+@overload
+def reduce(
+    tensor: torch.Tensor,
+    compressor: Compressor,
+    *,
+    memory: ErrorFeedback | None = ...,
+    name: str = ...,
+    group: dist.ProcessGroup | None = ...,
+    async_op: Literal[True],
+    average: bool = ...,
+    inplace: bool = ...,
+    algorithm: str = ...,
+    log: CommLog | None = ...,
+    timeout: float | None = ...,
+) -> Work[torch.Tensor]: ...
+def reduce(
+    tensor: torch.Tensor,
+    compressor: Compressor,
+    *,
+    memory: ErrorFeedback | None = None,
+    name: str = "",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    average: bool = True,
+    inplace: bool = False,
+    algorithm: str = "auto",
+    log: CommLog | None = None,
+    timeout: float | None = None,
+) -> torch.Tensor | Work[torch.Tensor]:
+    """Average (``average=True``) or sum over ``group`` of ``tensor`` sent through ``compressor``.
+
+    Steps: ``x = memory.compensate(name, tensor)``; ``payload = compressor.compress(x)``;
+    ``memory.update(name, x, decompress(payload))``; aggregate the payloads with the collective the payload
+    names (dense allreduce, ``sparse_allreduce`` with ``algorithm``, or allgather); decompress the aggregate.
+    Returns a tensor of ``tensor``'s shape, dtype and layout (dense or sparse COO), the same on every rank.
+
+    Mutates: ``memory`` (the residual of ``name``) and the compressor's per-name state, on the caller's thread
+    before this returns, also with ``async_op=True``; ``tensor`` only with ``inplace=True`` (dense only: the
+    result is written into it, e.g. back into a gradient). Collective: every rank of ``group`` calls it with
+    the same compressor settings and shape, in the same order. ``log`` collects a CommRecord per call.
+
+    Example::
+
+        >>> memory = ErrorFeedback()
+        >>> for name, p in model.named_parameters():
+        ...     p.grad = sparsync.reduce(p.grad, TopK(0.01), memory=memory, name=name)
+    """
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"reduce takes a torch.Tensor, got {type(tensor).__name__}")
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"compressor must be a sparsync Compressor, got {type(compressor).__name__}")
+    if tensor.layout not in (torch.strided, torch.sparse_coo):
+        raise ValueError(f"reduce supports strided and sparse COO tensors, got layout {tensor.layout}")
+    if not tensor.dtype.is_floating_point:
+        raise ValueError(f"reduce needs a floating tensor, got {tensor.dtype}")
+    if tensor.numel() == 0:
+        raise ValueError(f"reduce of an empty tensor (shape {tuple(tensor.shape)})")
+    if memory is not None and not name:
+        raise ValueError("memory= needs name=: error-feedback residuals are kept per name")
+    if inplace and tensor.is_sparse:
+        raise ValueError("inplace=True needs a dense tensor (a sparse COO result has its own storage)")
+    g = resolve_group(group)
+    P = dist.get_world_size(g)
+    t0 = time.perf_counter()
+    spec = TensorSpec.of(tensor)
+    x = memory.compensate(name, tensor) if memory is not None else tensor
+    if x.is_sparse and not compressor.accepts_sparse:
+        x = x.to_dense()  # documented O(numel) fallback; the result gets the input's layout back
+    xspec = TensorSpec.of(x)
+    payload = compressor.compress(x.detach(), Context(name, dist.get_rank(g), P))
+    if memory is not None:
+        memory.update(name, x, compressor.decompress(payload, xspec))
+
+    def finish(total: torch.Tensor) -> torch.Tensor:
+        out = total / P if average else total
+        if spec.sparse_dim is not None and not out.is_sparse:
+            out = out.to_sparse(spec.sparse_dim)
+        out = out.to(spec.dtype)
+        if inplace:
+            tensor.copy_(out)
+            return tensor
+        return out
+
+    if isinstance(payload, SparsePayload):
+        kw: dict[str, Any] = {"algorithm": algorithm, "group": g, "log": log, "timeout": timeout}
+        if async_op:
+            work = sparse_allreduce(payload.stream, async_op=True, **kw)
+            return work.then(lambda s: finish(compressor.decompress(SparsePayload(s), xspec)))
+        s = sparse_allreduce(payload.stream, **kw)
+        return finish(compressor.decompress(SparsePayload(s), xspec))
+    if isinstance(payload, DensePayload | SketchPayload):
+        return _then(
+            _submit(g, lambda: _allreduce(payload, g, log, xspec, t0), async_op), compressor, xspec, finish
+        )
+    if isinstance(payload, QuantizedPayload):
+        return _then(
+            _submit(g, lambda: _allgather(payload, g, log, xspec, t0), async_op), compressor, xspec, finish
+        )
+    raise TypeError(f"{type(compressor).__name__}.compress returned {type(payload).__name__}, not a Payload")
+
+
+def _then(
+    res: Any,
+    compressor: Compressor,
+    spec: TensorSpec,
+    finish: Any,
+) -> torch.Tensor | Work[torch.Tensor]:
+    def decode(p: Payload | list[Payload]) -> torch.Tensor:
+        total = compressor.decompress_gathered(p, spec) if isinstance(p, list) else compressor.decompress(p, spec)
+        out: torch.Tensor = finish(total)
+        return out
+
+    if isinstance(res, Work):
+        return res.then(decode)
+    return decode(res)
+
+
+def _allreduce(
+    payload: DensePayload | SketchPayload, g: dist.ProcessGroup, log: CommLog | None, spec: TensorSpec, t0: float
+) -> Payload:
+    """Linear payloads: one dense allreduce of the payload's flat buffer (S2 Alg. 1 line 8: S and C at once)."""
+    buf = payload.to_buffer()
+    dist.all_reduce(buf, group=g)
+    P = dist.get_world_size(g)
+    nb = 2 * (P - 1) * buf.numel() * buf.element_size() // P  # ring allreduce, per rank
+    _record(log, "allreduce", g, spec, buf.numel(), nb, 2 * (P - 1), t0)
+    return payload.from_buffer(buf)
+
+
+def _allgather(
+    payload: QuantizedPayload, g: dist.ProcessGroup, log: CommLog | None, spec: TensorSpec, t0: float
+) -> list[Payload]:
+    """Non-linear payloads: everyone's bytes to everyone (equal sizes: same shape and settings everywhere)."""
+    buf = payload.to_bytes()
+    P = dist.get_world_size(g)
+    parts = [torch.empty_like(buf) for _ in range(P)]
+    dist.all_gather(parts, buf, group=g)
+    _record(log, "allgather", g, spec, buf.numel(), (P - 1) * buf.numel(), P - 1, t0)
+    return [payload.from_bytes(b) for b in parts]
+
+
+def _record(
+    log: CommLog | None,
+    alg: str,
+    g: dist.ProcessGroup,
+    spec: TensorSpec,
+    n: int,
+    nbytes: int,
+    msgs: int,
+    t0: float,
+) -> None:
+    if log is None:
+        return
+    log.append(
+        CommRecord(
+            "reduce",
+            alg,
+            dist.get_rank(g),
+            dist.get_world_size(g),
+            spec.numel,
+            n,
+            n,
+            nbytes,
+            nbytes,
+            msgs,
+            time.perf_counter() - t0,
+        )
+    )

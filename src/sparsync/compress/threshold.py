@@ -1,0 +1,99 @@
+"""``Threshold(ratio, lifespan=L)``: DCT-DP (DCT §2.1, Algorithm 1).
+
+Every L-th call for a given name, τ is recomputed as the ceil(ratio·n)-th largest |g| (``kthvalue``: a
+selection, O(n), instead of the paper's full sort); the calls in between reuse it, so they cost one comparison
+pass. Mask |g| ≥ τ. Applied layer-wise: τ is kept per name (per parameter). With error feedback (memory),
+g already includes the error, as in Alg. 1 line 2.
+
+Choices the paper leaves open: the call counter starts at 0, so the first call always computes τ (Alg. 1
+line 3, "L divides k"); τ = 0 (an all-zero tensor at a recompute) would select everything, so a zero τ selects
+the non-zero entries only. Any τ > 0 gives a contraction (DCT §2.1, citing Stich et al. Def. 2.1) with
+δ = (entries kept)/n.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from sparsync.compress.base import (
+    NO_CONTEXT,
+    Compressor,
+    Context,
+    SparsePayload,
+    TensorSpec,
+    check_positive_int,
+    check_ratio,
+    count_for,
+    flat_values,
+    selected,
+    sparse_to_tensor,
+)
+
+
+@dataclass(frozen=True, eq=False)
+class Threshold(Compressor):
+    """Hard threshold with a threshold recomputed every ``lifespan`` calls per name."""
+
+    name: ClassVar[str] = "threshold"
+    accepts_sparse: ClassVar[bool] = True
+
+    ratio: float  # the paper's sparsity factor η: target fraction of entries kept when τ is recomputed
+    lifespan: int = 1000  # L: calls between recomputations of τ (per name); 1 = every call
+    _state: dict[str, list[Any]] = field(default_factory=dict, init=False, repr=False)  # name -> [calls, τ]
+
+    def __post_init__(self) -> None:
+        check_ratio(self.ratio)
+        check_positive_int(self.lifespan, "lifespan")
+
+    def threshold(self, name: str = "") -> float | None:
+        """Current τ for ``name`` (None before its first call)."""
+        st = self._state.get(name)
+        return None if st is None else float(st[1])
+
+    def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> SparsePayload:
+        values, indices = flat_values(tensor)
+        st = self._state.setdefault(ctx.name, [0, 0.0])
+        n = values.numel()
+        if st[0] % self.lifespan == 0 and n:
+            k = count_for(self.ratio, n)
+            st[1] = float(torch.kthvalue(values.abs(), n - k + 1).values)
+        st[0] += 1
+        pos = _mask_positions(values, st[1])
+        return selected(values, indices, pos, tensor.numel(), presorted=True)
+
+    def decompress(self, payload: SparsePayload, spec: TensorSpec) -> torch.Tensor:
+        return sparse_to_tensor(payload, spec)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: {"calls": st[0], "tau": st[1]} for name, st in self._state.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._state.clear()
+        for name, st in state.items():
+            self._state[name] = [int(st["calls"]), float(st["tau"])]
+
+
+CHUNK = 1 << 20  # entries per pass of the mask: |g|, the mask and its positions stay in cache
+
+
+def _mask_positions(values: torch.Tensor, tau: float) -> torch.Tensor:
+    """Sorted positions of |v| >= τ (|v| > 0 when τ = 0), one cache-sized chunk at a time: the calls between
+    recomputations are this pass only, and on a large layer a whole-tensor |v| costs a 4-byte-per-entry
+    temporary plus a second trip through memory (DCT §2.1: the compression overhead must stay small)."""
+    n = values.numel()
+    buf = torch.empty(min(CHUNK, n), dtype=values.dtype)
+    mask = torch.empty(min(CHUNK, n), dtype=torch.bool)
+    parts = []
+    for start in range(0, n, CHUNK):
+        v = values[start : start + CHUNK]
+        m = v.numel()
+        torch.abs(v, out=buf[:m])
+        if tau > 0:
+            torch.ge(buf[:m], tau, out=mask[:m])
+        else:
+            torch.gt(buf[:m], 0, out=mask[:m])
+        parts.append(torch.nonzero(mask[:m], as_tuple=True)[0] + start)
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)

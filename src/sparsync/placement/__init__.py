@@ -1,0 +1,23 @@
+"""Placement: where each parameter is synchronised (Parallax): dense allreduce, sparse allreduce, sketch, or
+a parameter server; the parameter server itself (``PSTable`` over ``PSClient``, server processes); the plan;
+the partition search; and a hybrid training loop."""
+
+from sparsync.placement.client import PSClient, PSError, PSTimeoutError
+from sparsync.placement.optim import OptimizerConfig
+from sparsync.placement.server import ServerConfig, ServerProcess, start_servers
+from sparsync.placement.table import PSTable, save_servers, server_stats
+from sparsync.placement.wire import WireError
+
+__all__ = [
+    "OptimizerConfig",
+    "PSClient",
+    "PSError",
+    "PSTable",
+    "PSTimeoutError",
+    "ServerConfig",
+    "ServerProcess",
+    "WireError",
+    "save_servers",
+    "server_stats",
+    "start_servers",
+]

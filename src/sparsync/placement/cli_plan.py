@@ -1,0 +1,84 @@
+"""``sparsync plan``: the placement plan for a described model or recorded statistics on a cluster of any
+size (8 to 4096 machines and beyond): the simulation we use to reason past one machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from sparsync.netem import parse_latency, parse_rate
+from sparsync.placement.plan import PLACEMENTS, Cluster, lm_stats, make_plan, stats_from_json
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(x < 1 for x in out):
+        raise argparse.ArgumentTypeError(f"machine counts must be >= 1, got {text!r}")
+    return out
+
+
+def _override(text: str) -> tuple[str, str]:
+    name, sep, pl = text.partition("=")
+    if not sep or pl not in PLACEMENTS:
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=PLACEMENT with PLACEMENT in {', '.join(PLACEMENTS)}, got {text!r}"
+        )
+    return name, pl
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="placement plan + predicted step communication time for a cluster")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--stats", type=Path, help="recorded statistics: JSON list of {name, shape, alpha, sparse}")
+    src.add_argument("--model", default="lm", choices=["lm"], help="built-in model description (default lm)")
+    p.add_argument("--vocab", type=int, default=100_000)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=64 * 20, help="tokens per worker per step (batch x sequence)")
+    p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the token distribution")
+    p.add_argument("--machines", type=_ints, default=(8, 64, 512, 4096))
+    p.add_argument("--procs-per-machine", type=int, default=1)
+    p.add_argument("--bandwidth", default="10gbit", help="per machine link, e.g. 1gbit, 100gbit")
+    p.add_argument("--latency", default="50us", help="per message, e.g. 50us, 1ms")
+    p.add_argument("--override", type=_override, action="append", default=[], help="NAME=PLACEMENT")
+    p.add_argument("--allow-lossy", action="store_true", help="let the plan pick the sketch placement")
+    p.add_argument("--json", type=Path, default=None, help="also write the plans to this file")
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    if console.width < 140:  # the plan table has eight columns; don't squeeze names into ellipses
+        console = Console(width=140, file=console.file)
+    bw = parse_rate(args.bandwidth) / 8.0
+    lat = parse_latency(args.latency) or 0.0
+    summary = Table(title=f"predicted communication per step ({args.bandwidth}, {args.latency} per message)")
+    for col in ("machines", "placements", "MB/machine", "plan ms", "all dense AR ms", "speedup"):
+        summary.add_column(col, justify="right" if col != "placements" else "left")
+    plans = []
+    for N in args.machines:
+        if args.stats is not None:
+            stats = stats_from_json(json.loads(args.stats.read_text()))
+        else:
+            stats = lm_stats(args.vocab, args.dim, args.hidden, args.tokens, args.procs_per_machine, args.zipf)
+        plan = make_plan(stats, Cluster(N, args.procs_per_machine, bw, lat), overrides=dict(args.override),
+                         allow_lossy=args.allow_lossy)  # fmt: skip
+        plan.print(console)
+        plans.append(plan.as_dict())
+        kinds = sorted({e.placement for e in plan.entries})
+        base = plan.baseline_seconds()
+        speedup = f"{base / plan.seconds:.1f}x" if plan.seconds else "-"
+        mb, ms = f"{plan.bytes_per_machine / 1e6:.2f}", f"{plan.seconds * 1e3:.2f}"
+        summary.add_row(str(N), ", ".join(kinds), mb, ms, f"{base * 1e3:.2f}", speedup)
+    console.print(summary)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(plans, indent=1))
+        console.print(f"wrote {args.json}")
+    return 0

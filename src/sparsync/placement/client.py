@@ -1,0 +1,196 @@
+"""The worker side of the parameter server: one background I/O thread per client owns the ZeroMQ DEALER
+sockets (one per server; ZeroMQ sockets must stay on one thread). Callers get a ``sparsync.Work`` per request;
+a request that gets no reply within ``timeout`` fails with ``PSTimeoutError`` naming the server, and that
+server's socket is rebuilt so requests queued for a dead server are dropped, not delivered to its successor.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import zmq
+
+from sparsync.placement import wire
+from sparsync.placement.wire import Header, Op
+
+
+class PSError(RuntimeError):
+    """The server answered with an error (its message is attached)."""
+
+
+class PSTimeoutError(TimeoutError):
+    """No reply in time: the server is dead, unreachable, or waiting on a dead worker."""
+
+
+@dataclass
+class _Pending:
+    server: int
+    future: Future[tuple[Header, bytes]]
+    deadline: float
+    what: str
+
+
+class PSClient:
+    """Connection to the servers ``addresses`` (e.g. ``tcp://127.0.0.1:5555``), used by one worker.
+
+    ``request`` is thread-safe. Byte counters (``bytes_sent``, ``bytes_recv``) count whole frames.
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        token: str | None = None,
+        timeout: float = 30.0,
+        sender: int = 0,
+        max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE,
+    ) -> None:
+        if not addresses:
+            raise ValueError("PSClient needs at least one server address")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        self.addresses = list(addresses)
+        self.timeout = timeout
+        self.sender = sender
+        self.max_message_bytes = max_message_bytes
+        self.digest = wire.token_digest(token)
+        self.bytes_sent = 0
+        self.bytes_recv = 0
+        self.bytes_per_server = [0] * len(self.addresses)  # sent + received, per server
+        self._rid = itertools.count(1)
+        self._queue: queue.SimpleQueue[tuple[int, bytes, int, _Pending] | None] = queue.SimpleQueue()
+        self._ctx = zmq.Context()
+        self._wake_addr = f"inproc://sparsync-ps-{id(self)}"
+        self._wake_rx = self._ctx.socket(zmq.PULL)
+        self._wake_rx.bind(self._wake_addr)
+        self._wake_tx = self._ctx.socket(zmq.PUSH)
+        self._wake_tx.connect(self._wake_addr)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="sparsync-ps-client", daemon=True)
+        self._thread.start()
+
+    @property
+    def num_servers(self) -> int:
+        return len(self.addresses)
+
+    def header(self, op: Op, **kw: int) -> Header:
+        return Header(op=op, token=self.digest, sender=self.sender, **kw)
+
+    def request(self, server: int, head: Header, *body: bytes | memoryview) -> Future[tuple[Header, bytes]]:
+        """Send one request to ``server``; the future gives (reply header, reply body) or raises PSError /
+        PSTimeoutError."""
+        if not 0 <= server < len(self.addresses):
+            raise ValueError(f"server {server} out of range [0, {len(self.addresses)})")
+        rid = next(self._rid)
+        frame = wire.encode(Header(**{**head.__dict__, "rid": rid}), *body)
+        if len(frame) > self.max_message_bytes:
+            raise ValueError(
+                f"{Op(head.op).name} message of {len(frame)} bytes exceeds max_message_bytes="
+                f"{self.max_message_bytes}; split it (PSTable does)"
+            )
+        fut: Future[tuple[Header, bytes]] = Future()
+        what = f"{Op(head.op).name} to server {server} ({self.addresses[server]})"
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("PSClient is closed")
+            self._queue.put((server, frame, rid, _Pending(server, fut, time.monotonic() + self.timeout, what)))
+            self._wake_tx.send(b"")
+        return fut
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._queue.put(None)
+            self._wake_tx.send(b"")
+        self._thread.join(10.0)
+        self._wake_tx.close(0)
+        self._ctx.term()
+
+    def __enter__(self) -> PSClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- I/O thread -------------------------------------------------------------------------------------
+    def _dealer(self, server: int) -> zmq.Socket[bytes]:
+        s = self._ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(self.addresses[server])
+        return s
+
+    def _loop(self) -> None:
+        socks = [self._dealer(i) for i in range(len(self.addresses))]
+        poller = zmq.Poller()
+        poller.register(self._wake_rx, zmq.POLLIN)
+        for s in socks:
+            poller.register(s, zmq.POLLIN)
+        pending: dict[int, _Pending] = {}
+        running = True
+        while running or pending:
+            now = time.monotonic()
+            wait = min((p.deadline for p in pending.values()), default=now + 1.0) - now
+            events = dict(poller.poll(max(1, min(1000, int(wait * 1000) + 1))))
+            if self._wake_rx in events:
+                while self._wake_rx.poll(0):
+                    self._wake_rx.recv()
+                while not self._queue.empty():
+                    item = self._queue.get()
+                    if item is None:
+                        running = False
+                        continue
+                    server, frame, rid, p = item
+                    pending[rid] = p
+                    socks[server].send(frame, copy=False)
+                    self.bytes_sent += len(frame)
+                    self.bytes_per_server[server] += len(frame)
+            for i, s in enumerate(socks):
+                if s in events:
+                    while s.poll(0):
+                        self._deliver(s.recv(copy=True), pending, i)
+            now = time.monotonic()
+            dead = {p.server for p in pending.values() if p.deadline <= now}
+            for rid, p in list(pending.items()):
+                if p.deadline <= now or (not running and p.server in dead):
+                    del pending[rid]
+                    p.future.set_exception(
+                        PSTimeoutError(
+                            f"{p.what}: no reply within {self.timeout:g} s (server dead or unreachable?)"
+                        )
+                    )
+            for i in dead:  # drop whatever is still queued for it; a restarted server must not see stale requests
+                poller.unregister(socks[i])
+                socks[i].close(0)
+                socks[i] = self._dealer(i)
+                poller.register(socks[i], zmq.POLLIN)
+            if not running:
+                for rid, p in list(pending.items()):
+                    del pending[rid]
+                    p.future.set_exception(RuntimeError(f"{p.what}: client closed"))
+        for s in socks:
+            s.close(0)
+        self._wake_rx.close(0)
+
+    def _deliver(self, frame: bytes, pending: dict[int, _Pending], server: int) -> None:
+        self.bytes_recv += len(frame)
+        self.bytes_per_server[server] += len(frame)
+        try:
+            h, body = wire.decode(frame, max_bytes=2**62)
+        except wire.WireError:
+            return  # not from a sparsync server: ignore rather than kill the I/O thread
+        p = pending.pop(h.rid, None)
+        if p is None:
+            return  # a reply after its request timed out
+        if h.status:
+            p.future.set_exception(PSError(f"server {server} refused {p.what.split()[0]}: {bytes(body).decode()}"))
+        else:
+            p.future.set_result((h, bytes(body)))

@@ -1,0 +1,122 @@
+"""Which parameters are sparse, and how sparse (Parallax §2.2, §5).
+
+Parallax tells sparse from dense variables by the type of their gradient (TensorFlow's IndexedSlices); the
+PyTorch equivalent is a sparse COO gradient, which ``nn.Embedding(sparse=True)`` and
+``nn.EmbeddingBag(sparse=True)`` produce. An ``nn.EmbeddingBag`` without ``sparse=True`` has a dense gradient
+but touches only the rows of its input, so it counts as sparse as well (its rows are known from the input).
+
+α of a variable (§2.2) is the average, over steps, of the fraction of its elements one worker uses in a step;
+for an embedding that is (unique rows in the step's input) / rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+SPARSE_MODULES = (nn.Embedding, nn.EmbeddingBag)
+
+
+def embedding_modules(model: nn.Module) -> Iterator[tuple[str, nn.Embedding | nn.EmbeddingBag]]:
+    """(parameter name of the weight, module) for every embedding whose rows are read sparsely."""
+    for mname, m in model.named_modules():
+        if isinstance(m, nn.EmbeddingBag) or (isinstance(m, nn.Embedding) and m.sparse):
+            yield (f"{mname}.weight" if mname else "weight"), m
+
+
+def sparse_param_names(model: nn.Module) -> list[str]:
+    """Names of parameters with sparse gradients: sparse embeddings and embedding bags, plus any parameter
+    whose current ``.grad`` is a sparse tensor (run a backward first to catch custom sparse ops)."""
+    names = [n for n, _ in embedding_modules(model)]
+    for n, p in model.named_parameters():
+        if p.grad is not None and p.grad.is_sparse and n not in names:
+            names.append(n)
+    return names
+
+
+def rows_of_input(m: nn.Module, args: tuple[object, ...]) -> torch.Tensor:
+    """Unique rows an embedding's forward reads, from its positional input."""
+    x = args[0]
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"embedding input must be a tensor, got {type(x).__name__}")
+    out: torch.Tensor = torch.unique(x.reshape(-1))
+    return out
+
+
+@dataclass
+class ParamStats:
+    """What the plan needs about one parameter (recorded, or described for ``sparsync plan``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    alpha: float  # fraction of elements one worker touches per step (1 for dense)
+    sparse: bool
+    alpha_machine: float | None = None  # fraction touched by the union of one machine's workers
+    itemsize: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.alpha <= 1.0:
+            raise ValueError(f"alpha of {self.name!r} must lie in [0, 1], got {self.alpha}")
+        if not self.shape or any(d < 1 for d in self.shape):
+            raise ValueError(f"shape of {self.name!r} must be non-empty positive, got {self.shape}")
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+class AlphaMeter:
+    """Measures α of each sparse parameter over warm-up steps: attach, run forward passes, read ``stats()``.
+
+    Forward pre-hooks record the unique rows each embedding reads; call ``end_step()`` after each step.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._seen: dict[str, set[int]] = {}
+        self._fractions: dict[str, list[float]] = {}
+        self._handles = []
+        for name, m in embedding_modules(model):
+            self._seen[name] = set()
+            self._fractions[name] = []
+            self._handles.append(m.register_forward_pre_hook(self._hook(name)))
+
+    def _hook(self, name: str):  # type: ignore[no-untyped-def]
+        def hook(m: nn.Module, args: tuple[object, ...]) -> None:
+            self._seen[name].update(rows_of_input(m, args).tolist())
+
+        return hook
+
+    def end_step(self) -> None:
+        params = dict(self.model.named_parameters())
+        for name, seen in self._seen.items():
+            self._fractions[name].append(len(seen) / params[name].shape[0])
+            seen.clear()
+
+    def stats(self) -> list[ParamStats]:
+        """One ParamStats per parameter: sparse ones with their mean α, dense ones with α = 1."""
+        out = []
+        for n, p in self.model.named_parameters():
+            fr = self._fractions.get(n)
+            if fr is not None:
+                if not fr:
+                    raise ValueError("AlphaMeter saw no step: run forward passes and call end_step() first")
+                out.append(ParamStats(n, tuple(p.shape), sum(fr) / len(fr), True))
+            else:
+                out.append(ParamStats(n, tuple(p.shape), 1.0, False))
+        return out
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

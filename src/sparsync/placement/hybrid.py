@@ -1,0 +1,253 @@
+"""A hybrid training loop without the Replicator: dense parameters by allreduce, sparse ones by the parameter
+server (Parallax §3.1), in sync or async mode.
+
+Sync (Parallax §4-5): every step, each worker pulls the rows its batch reads (forward pre-hooks on the
+embeddings), waiting until the servers applied the previous step; after backward it sends those rows'
+gradients (duplicates summed inside the worker, and, with local aggregation, across the workers of a machine
+by the machine's local chief); dense gradients are allreduced with sparsync over the torch process group and
+applied by a local torch optimizer; then the chief triggers the servers' update, once per step.
+
+Async (TF-Replicator's asynchronous PS replicator, Hogwild-style as DCT-DP §3.3 trains its sparse part):
+every parameter lives on the servers (dense ones as one-row-per-leading-index tables); each worker pulls,
+computes, pushes and goes on, and the server applies each push when it arrives; no collective runs, so a slow
+or dead worker stops no one. Local aggregation needs the machine's workers to meet, so async mode does not use
+it (duplicates inside a worker are still summed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sparsync.collectives.tensor import allreduce
+from sparsync.placement.client import PSClient
+from sparsync.placement.detect import embedding_modules, rows_of_input
+from sparsync.placement.optim import OptimizerConfig
+from sparsync.placement.table import PSTable, save_servers
+from sparsync.record import CommLog
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    mode: str = "sync"  # "sync" (chief-triggered update) or "async" (apply each push as it arrives)
+    sparse_reduce: str = "sum"  # "sum" (Parallax's default for sparse) or "mean" over all workers
+    dense_reduce: str = "mean"  # "mean" (Parallax's default for dense) or "sum"
+    local_aggregation: bool = True  # sum a machine's sparse gradients before one push (sync only)
+    procs_per_machine: int = 1  # ranks [k·m, (k+1)·m) form machine k
+    partitions: int | None = None  # per sparse table; None: one per server
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # server-side (all tables)
+    timeout: float = 60.0  # seconds per PS request
+    ps_dense: bool = False  # sync: dense parameters on the servers too (the PS-only architecture)
+    table_prefix: str = ""  # prepended to table names, to run several trainers against the same servers
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise KeyError(f"unknown mode {self.mode!r}; valid: sync, async")
+        for name in ("sparse_reduce", "dense_reduce"):
+            if getattr(self, name) not in ("sum", "mean"):
+                raise ValueError(f"{name} must be 'sum' or 'mean', got {getattr(self, name)!r}")
+        if self.procs_per_machine < 1:
+            raise ValueError(f"procs_per_machine must be >= 1, got {self.procs_per_machine}")
+
+
+class HybridTrainer:
+    """``trainer.step(closure)``: the closure runs the forward pass and returns the loss.
+
+    ``dense_optimizer`` (sync mode) updates the dense parameters after their allreduce; async mode updates
+    everything on the servers with ``cfg.optimizer``. Every rank builds the same model; rank 0's initial
+    weights win (dense ones broadcast, sparse ones written to the servers).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        addresses: Sequence[str],
+        cfg: HybridConfig | None = None,
+        *,
+        dense_optimizer: torch.optim.Optimizer | None = None,
+        log: CommLog | None = None,
+        sparse_params: Sequence[str] | None = None,
+        token: str | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.cfg = cfg = cfg or HybridConfig()
+        self.model = model
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        if self.world % cfg.procs_per_machine:
+            raise ValueError(
+                f"world size {self.world} is not a multiple of procs_per_machine={cfg.procs_per_machine}"
+            )
+        self.machine = self.rank // cfg.procs_per_machine
+        self.local_agg = cfg.mode == "sync" and cfg.local_aggregation and cfg.procs_per_machine > 1
+        self.machine_group: dist.ProcessGroup | None = None
+        if self.local_agg:
+            m = cfg.procs_per_machine
+            for k in range(self.world // m):  # every rank must create every group, in the same order
+                g = dist.new_group(list(range(k * m, (k + 1) * m)))
+                if k == self.machine:
+                    self.machine_group = g
+        self.client = PSClient(addresses, token=token, timeout=cfg.timeout, sender=self.rank)
+        self.dense_optimizer = dense_optimizer
+        self.log = log
+        emb = dict(embedding_modules(model))
+        names = list(sparse_params) if sparse_params is not None else list(emb)
+        params = dict(model.named_parameters())
+        bad = [n for n in names if n not in emb]
+        if bad:
+            raise KeyError(
+                f"{bad} are not embedding weights; the PS serves nn.Embedding/EmbeddingBag: {list(emb)}"
+            )
+        on_ps = names if cfg.mode == "sync" and not cfg.ps_dense else list(params)
+        self.dense = [(n, p) for n, p in params.items() if n not in on_ps]
+        pushers = self.world // cfg.procs_per_machine if self.local_agg else self.world
+        self.tables: dict[str, PSTable] = {}
+        for n in on_ps:
+            rows, dim = _table_shape(params[n])
+            mean = cfg.sparse_reduce if n in names else cfg.dense_reduce
+            parts = min(cfg.partitions or len(addresses), rows)
+            self.tables[n] = PSTable(
+                self.client, cfg.table_prefix + n, rows, dim, partitions=parts,
+                optimizer=cfg.optimizer, mode=cfg.mode, pushers=pushers,
+                divisor=float(self.world) if mean == "mean" else 1.0,
+            )  # fmt: skip
+        self.rows: dict[str, torch.Tensor] = {}
+        self._hooks = [emb[n].register_forward_pre_hook(self._pull_hook(n)) for n in names]
+        self.sparse_names = names
+        self.step_no = self._init_tables(params)
+
+    def _init_tables(self, params: dict[str, nn.Parameter]) -> int:
+        if self.rank == 0:
+            resume = min(t.create().wait() for t in self.tables.values()) if self.tables else 0
+            if resume == 0:
+                for n, t in self.tables.items():
+                    rows, dim = _table_shape(params[n])
+                    t.set(torch.arange(rows), params[n].detach().reshape(rows, dim)).wait()
+        dist.barrier(group=self.group)
+        step = min(t.create().wait() for t in self.tables.values()) if self.tables else 0
+        for _, p in self.dense:
+            dist.broadcast(p.data, src=0, group=self.group)
+        return step
+
+    def _pull_hook(self, name: str) -> Callable[[nn.Module, tuple[object, ...]], None]:
+        def hook(m: nn.Module, args: tuple[object, ...]) -> None:
+            rows = rows_of_input(m, args)
+            self.rows[name] = rows
+            step = self.step_no if self.cfg.mode == "sync" else 0
+            vals = self.tables[name].pull(rows, step=step).wait()
+            weight = m.weight
+            assert isinstance(weight, torch.Tensor)
+            with torch.no_grad():
+                weight[rows] = vals.to(weight.dtype)
+
+        return hook
+
+    def step(self, closure: Callable[[], torch.Tensor]) -> float:
+        """One training step; returns this worker's loss."""
+        for p in self.model.parameters():
+            p.grad = None
+        self._pull_dense_on_ps()
+        loss = closure()
+        loss.backward()  # type: ignore[no-untyped-call]
+        params = dict(self.model.named_parameters())
+        works = []
+        for n in self.sparse_names:
+            rows, vals = self._sparse_grad(n, params[n])
+            if self.local_agg:
+                rows, vals = self._machine_gather(rows, vals)
+                if self.rank % self.cfg.procs_per_machine:
+                    continue  # only the machine's local chief pushes
+            agg = self.cfg.local_aggregation
+            works.append(self.tables[n].push(rows, vals, step=self.step_no, coalesce=agg))
+        if self.cfg.mode == "async" or self.cfg.ps_dense:
+            for n, p in params.items():
+                if n not in self.tables or n in self.sparse_names:
+                    continue
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                nrows, dim = _table_shape(p)
+                works.append(self.tables[n].push(torch.arange(nrows), g.reshape(nrows, dim), step=self.step_no))
+        else:
+            self._allreduce_dense()
+        for w in works:
+            w.wait()
+        if self.cfg.mode == "sync" and self.rank == 0:
+            for t in self.tables.values():
+                t.apply(self.step_no).wait()  # Parallax §5: the chief triggers the update, once
+        self.step_no += 1
+        return float(loss.detach())
+
+    def _pull_dense_on_ps(self) -> None:
+        step = self.step_no if self.cfg.mode == "sync" else 0
+        pulls = [
+            (p, self.tables[n].pull(torch.arange(self.tables[n].rows), step=step))
+            for n, p in self.model.named_parameters()
+            if n in self.tables and n not in self.sparse_names
+        ]
+        for p, w in pulls:
+            with torch.no_grad():
+                p.copy_(w.wait().reshape(p.shape))
+
+    def _sparse_grad(self, name: str, p: nn.Parameter) -> tuple[torch.Tensor, torch.Tensor]:
+        g = p.grad
+        if g is not None and g.is_sparse and not self.cfg.local_aggregation:
+            return g._indices()[0], g._values()  # one row per lookup: the server sums duplicates
+        if g is None:
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, p.shape[1])
+        if g.is_sparse:
+            g = g.coalesce()  # duplicates inside the worker summed
+            return g.indices()[0], g.values()
+        rows = self.rows[name]  # dense grad of an EmbeddingBag: only its input rows can be nonzero
+        return rows, g[rows]
+
+    def _machine_gather(self, rows: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """All of the machine's (rows, grads), concatenated (the table coalesces them before sending)."""
+        g, m = self.machine_group, self.cfg.procs_per_machine
+        n = torch.tensor([rows.numel()])
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(m)]
+        dist.all_gather(counts, n, group=g)
+        top = int(max(c.item() for c in counts))
+        pr = torch.zeros(top, dtype=torch.int64)
+        pv = torch.zeros(top, vals.shape[1])
+        pr[: rows.numel()], pv[: rows.numel()] = rows, vals
+        ar, av = [torch.empty_like(pr) for _ in range(m)], [torch.empty_like(pv) for _ in range(m)]
+        dist.all_gather(ar, pr, group=g)
+        dist.all_gather(av, pv, group=g)
+        k = [int(c.item()) for c in counts]
+        return torch.cat([a[:c] for a, c in zip(ar, k, strict=True)]), torch.cat(
+            [a[:c] for a, c in zip(av, k, strict=True)]
+        )
+
+    def _allreduce_dense(self) -> None:
+        if not self.dense:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.dense]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        out = allreduce(flat, algorithm="dense", group=self.group, log=self.log)
+        assert isinstance(out, torch.Tensor)
+        if self.cfg.dense_reduce == "mean":
+            out /= self.world
+        off = 0
+        for _, p in self.dense:
+            p.grad = out[off : off + p.numel()].reshape(p.shape).clone()
+            off += p.numel()
+        if self.dense_optimizer is not None:
+            self.dense_optimizer.step()
+
+    def save(self) -> list[str]:
+        """Checkpoint the servers (call on the chief between steps)."""
+        return save_servers(self.client).wait()
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self.client.close()
+
+
+def _table_shape(p: torch.Tensor) -> tuple[int, int]:
+    if p.dim() >= 2:
+        return int(p.shape[0]), int(p.numel() // p.shape[0])
+    return 1, int(p.numel())

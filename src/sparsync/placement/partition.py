@@ -1,0 +1,82 @@
+"""Partition search (Parallax §3.2): how many partitions P to split the sparse variables into.
+
+Iteration time is modelled as t(P) = θ0 + θ1/P + θ2·P (Eq. 1: a fixed cost, work that partitions share, and
+a per-partition overhead). Samples: start at P = number of machines, double while the time falls (the first
+slower sample included), then halve from the start the same way; the first ``warmup`` iterations of every
+sample are dropped (Parallax drops 50 of 100). θ is fitted by least squares with θ1, θ2 >= 0 (so the fit is
+convex, as the paper assumes) and the best integer P inside the sampled range is chosen: no extrapolation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from scipy.optimize import lsq_linear
+
+
+@dataclass(frozen=True)
+class PartitionSearch:
+    samples: dict[int, float] = field(default_factory=dict)  # P -> mean iteration time (s) after warm-up
+    theta: tuple[float, float, float] = (0.0, 0.0, 0.0)  # θ0, θ1, θ2 of Eq. 1
+    best: int = 1  # argmin of the fit over the integers of the sampled range
+
+    def predict(self, P: float) -> float:
+        t0, t1, t2 = self.theta
+        return t0 + t1 / P + t2 * P
+
+
+def fit_iteration_time(ps: Sequence[float], times: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares θ of t(P) = θ0 + θ1/P + θ2·P with θ1, θ2 >= 0 (scipy ``lsq_linear``)."""
+    if len(ps) != len(times) or len(ps) < 3:
+        raise ValueError(f"need >= 3 (P, time) samples of equal count, got {len(ps)} and {len(times)}")
+    p = np.asarray(ps, dtype=float)
+    A = np.stack([np.ones_like(p), 1.0 / p, p], axis=1)
+    res = lsq_linear(A, np.asarray(times, dtype=float), bounds=([-np.inf, 0.0, 0.0], [np.inf, np.inf, np.inf]))
+    t0, t1, t2 = (float(x) for x in res.x)
+    return t0, t1, t2
+
+
+def _time(measure: Callable[[int], Sequence[float]], P: int, warmup: int) -> float:
+    ts = list(measure(P))
+    if len(ts) <= warmup:
+        raise ValueError(f"measure({P}) returned {len(ts)} iteration times; need more than warmup={warmup}")
+    return float(np.mean(ts[warmup:]))
+
+
+def search_partitions(
+    measure: Callable[[int], Sequence[float]],
+    machines: int,
+    *,
+    max_partitions: int,
+    min_partitions: int = 1,
+    warmup: int = 0,
+) -> PartitionSearch:
+    """Sample ``measure(P)`` (iteration times of a short run with P partitions) as Parallax §3.2 does, fit
+    Eq. 1, return the samples, θ and the chosen P."""
+    if not 1 <= min_partitions <= machines <= max_partitions:
+        raise ValueError(
+            f"need 1 <= min_partitions ({min_partitions}) <= machines ({machines}) "
+            f"<= max_partitions ({max_partitions})"
+        )
+    samples = {machines: _time(measure, machines, warmup)}
+    for step in (2.0, 0.5):
+        P, prev = machines, samples[machines]
+        while True:
+            P = int(P * step)
+            if max_partitions < P or min_partitions > P:
+                break
+            t = _time(measure, P, warmup)
+            samples[P] = t
+            if t > prev:
+                break
+            prev = t
+    ps = sorted(samples)
+    if len(ps) < 3:  # too few points for three parameters: take the best sample
+        best = min(ps, key=lambda q: samples[q])
+        return PartitionSearch(samples, (samples[best], 0.0, 0.0), best)
+    theta = fit_iteration_time(ps, [samples[q] for q in ps])
+    fit = PartitionSearch(samples, theta, 1)
+    best = min(range(ps[0], ps[-1] + 1), key=fit.predict)
+    return PartitionSearch(samples, theta, best)

@@ -1,0 +1,267 @@
+"""The placement plan: per parameter one of dense allreduce, sparse allreduce (SparCML), sketch (S2), or
+parameter server, chosen by predicted communication time (Parallax §3.1, Table 3, with the α-β model of
+``sparsync.costmodel``).
+
+Bytes per machine per step (w: the parameter's bytes, N: machines, α_m: fraction of rows the machine's
+workers touch together, i.e. after local aggregation):
+
+- dense allreduce: 4w(N-1)/N (Table 3, ring);
+- parameter server: 4·α_m·w(N-1)/N (Table 3, partitions spread evenly over the N colocated servers): a machine
+  pulls and pushes α_m·w(N-1)/N to remote servers, and its server serves the same to the others;
+- sparse allreduce: the SparCML algorithm ``auto`` would pick for N ranks each holding α_m of the rows (rows
+  are the stream's entries, one 8-byte index each); allgather gives Table 3's 2·α_m·w(N-1);
+- sketch: a dense allreduce of the sketch, ``sketch_ratio``·w bytes (lossy, so only on request).
+
+Time: the α-β model with the cluster's latency and bandwidth, one direction of a full-duplex link. A
+parameter-server step costs four latencies (pull and push, request and reply) plus two for the chief's
+update. The step's communication time is the sum over parameters (no overlap between them: an upper bound).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from sparsync.costmodel import LinkModel, Problem, choose_fastest, predict
+from sparsync.placement.detect import ParamStats
+
+PLACEMENTS = ("dense_allreduce", "sparse_allreduce", "sketch", "ps")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    machines: int  # N
+    procs_per_machine: int = 1  # workers per machine (they share one NIC and one server)
+    bandwidth: float = 1.25e9  # bytes/s per machine link (10 Gbit/s)
+    latency: float = 50e-6  # seconds per message
+
+    def __post_init__(self) -> None:
+        if self.machines < 1 or self.procs_per_machine < 1:
+            raise ValueError(
+                f"machines and procs_per_machine must be >= 1, got {self.machines}, {self.procs_per_machine}"
+            )
+        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)) or not self.latency >= 0:
+            raise ValueError(f"bandwidth must be > 0 and latency >= 0, got {self.bandwidth}, {self.latency}")
+
+    @property
+    def link(self) -> LinkModel:
+        # γ terms off: the plan compares network costs (Table 3); computation is the same for every placement.
+        return LinkModel(
+            alpha=self.latency, beta=1.0 / self.bandwidth, gamma_sparse=0, gamma_dense=0, gamma_scatter=0
+        )
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    shape: tuple[int, ...]
+    alpha: float  # per worker
+    alpha_machine: float  # per machine, after local aggregation
+    placement: str
+    bytes_per_machine: float  # per step, sent + received
+    seconds: float  # predicted communication time per step
+    candidates: dict[str, tuple[float, float]] = field(default_factory=dict)  # placement -> (bytes, seconds)
+    overridden: bool = False
+    detail: str = ""  # e.g. the SparCML algorithm behind sparse_allreduce
+
+
+@dataclass(frozen=True)
+class Plan:
+    cluster: Cluster
+    entries: tuple[Entry, ...]
+
+    @property
+    def bytes_per_machine(self) -> float:
+        return sum(e.bytes_per_machine for e in self.entries)
+
+    @property
+    def seconds(self) -> float:
+        return sum(e.seconds for e in self.entries)
+
+    def placement(self, name: str) -> str:
+        for e in self.entries:
+            if e.name == name:
+                return e.placement
+        raise KeyError(f"no parameter {name!r} in the plan; have {[e.name for e in self.entries]}")
+
+    def baseline_seconds(self, placement: str = "dense_allreduce") -> float:
+        return sum(e.candidates[placement][1] for e in self.entries if placement in e.candidates)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "cluster": self.cluster.__dict__,
+            "bytes_per_machine": self.bytes_per_machine,
+            "seconds": self.seconds,
+            "entries": [
+                {**e.__dict__, "candidates": {k: list(v) for k, v in e.candidates.items()}} for e in self.entries
+            ],
+        }
+
+    def print(self, console: Console | None = None, title: str | None = None) -> None:
+        c = self.cluster
+        t = Table(
+            title=title
+            or f"plan: {c.machines} machines x {c.procs_per_machine} procs, {c.bandwidth * 8 / 1e9:g} Gbit/s, "
+            f"{c.latency * 1e6:g} µs"
+        )
+        for col in (
+            "parameter",
+            "shape",
+            "α",
+            "α machine",
+            "placement",
+            "MB/machine/step",
+            "ms/step",
+            "all-AR ms",
+        ):
+            t.add_column(col, justify="left" if col in ("parameter", "placement") else "right")
+        for e in self.entries:
+            t.add_row(
+                e.name,
+                "x".join(map(str, e.shape)),
+                f"{e.alpha:.4g}",
+                f"{e.alpha_machine:.4g}",
+                e.placement + (" (override)" if e.overridden else "") + (f" via {e.detail}" if e.detail else ""),
+                f"{e.bytes_per_machine / 1e6:.3f}",
+                f"{e.seconds * 1e3:.3f}",
+                f"{e.candidates['dense_allreduce'][1] * 1e3:.3f}",
+            )
+        t.add_row("total", "", "", "", "", f"{self.bytes_per_machine / 1e6:.3f}", f"{self.seconds * 1e3:.3f}",
+                  f"{self.baseline_seconds() * 1e3:.3f}")  # fmt: skip
+        (console or Console()).print(t)
+
+
+def machine_alpha(s: ParamStats, procs: int) -> float:
+    """α of a machine's workers together: recorded, else independent uniform rows 1-(1-α)^procs (an upper
+    bound for skewed inputs such as Zipf tokens, whose workers overlap more)."""
+    if s.alpha_machine is not None:
+        return s.alpha_machine
+    return 1.0 - (1.0 - s.alpha) ** procs
+
+
+def _sparse_ar_bytes(alg: str, p: Problem) -> float:
+    """Sent + received bytes per rank of SparCML ``alg`` (expected sizes, as ``costmodel.predict``)."""
+    P, share = p.world_size, (p.world_size - 1) / p.world_size
+    mean = sum(p.input_bytes(r) for r in range(P)) / P
+    if alg == "ssar_recursive_double":
+        rounds, m, total = int(math.log2(P)) if P > 1 else 0, 1.0, 0.0
+        for _ in range(rounds):
+            total += 2 * p.stream_bytes(p.union(m))
+            m *= 2
+        return total
+    if alg == "ssar_split_allgather":
+        return 2 * share * (mean + p.stream_bytes(p.union(P)))
+    if alg == "dsar_split_allgather":
+        return 2 * share * (mean + p.dim * p.value_bytes)
+    if alg == "allgather":
+        return 2 * mean * (P - 1)
+    return 4 * share * p.dim * p.value_bytes  # dense
+
+
+def candidates(
+    s: ParamStats, c: Cluster, *, sketch_ratio: float = 0.05
+) -> tuple[dict[str, tuple[float, float]], str]:
+    """(bytes per machine, seconds) of every placement that fits the parameter, and the SparCML algorithm."""
+    N, link, w = c.machines, c.link, float(s.nbytes)
+    share = (N - 1) / N
+    dense_p = Problem(N, s.numel, (s.numel,) * N, s.itemsize, 4)
+    out = {"dense_allreduce": (4 * w * share, predict("dense", dense_p, link))}
+    sk = max(1, int(s.numel * sketch_ratio))
+    out["sketch"] = (4 * sk * s.itemsize * share, predict("dense", Problem(N, sk, (sk,) * N, s.itemsize, 4), link))
+    if not s.sparse or N == 1:
+        return out, ""
+    am = machine_alpha(s, c.procs_per_machine)
+    rows, row_bytes = s.shape[0], s.nbytes // s.shape[0]
+    k = max(1, round(am * rows))
+    p = Problem(N, rows, (k,) * N, row_bytes, 8)
+    d = choose_fastest(p, link)
+    out["sparse_allreduce"] = (_sparse_ar_bytes(d.algorithm, p), d.predictions[d.algorithm])
+    ps_bytes = 4 * am * w * share
+    ps_time = 6 * c.latency + link.beta * ps_bytes / 2
+    out["ps"] = (ps_bytes, ps_time)
+    return out, d.algorithm
+
+
+def make_plan(
+    stats: Sequence[ParamStats],
+    cluster: Cluster,
+    *,
+    overrides: Mapping[str, str] | None = None,
+    allow_lossy: bool = False,
+    sketch_ratio: float = 0.05,
+) -> Plan:
+    """Choose each parameter's placement by predicted time (lossless placements unless ``allow_lossy``);
+    ``overrides`` maps parameter names to a placement and wins over the model."""
+    overrides = dict(overrides or {})
+    names = {s.name for s in stats}
+    for n, pl in overrides.items():
+        if n not in names:
+            raise KeyError(f"override for unknown parameter {n!r}; parameters: {sorted(names)}")
+        if pl not in PLACEMENTS:
+            raise KeyError(f"unknown placement {pl!r} for {n!r}; valid: {', '.join(PLACEMENTS)}")
+    entries = []
+    for s in stats:
+        cand, alg = candidates(s, cluster, sketch_ratio=sketch_ratio)
+        if s.name in overrides:
+            pl = overrides[s.name]
+            if pl not in cand:
+                raise ValueError(f"{s.name!r} is dense: placement {pl!r} needs a sparse parameter")
+        else:
+            allowed = [k for k in cand if allow_lossy or k != "sketch"]
+            pl = min(allowed, key=lambda k: (cand[k][1], cand[k][0]))
+        entries.append(
+            Entry(s.name, s.shape, s.alpha, machine_alpha(s, cluster.procs_per_machine) if s.sparse else 1.0, pl,
+                  cand[pl][0], cand[pl][1], cand, s.name in overrides, alg if pl == "sparse_allreduce" else "")
+        )  # fmt: skip
+    return Plan(cluster, tuple(entries))
+
+
+# --- model descriptions -------------------------------------------------------------------------------------
+def zipf_alpha(vocab: int, draws: int, s: float = 1.0) -> float:
+    """Expected fraction of a vocabulary touched by ``draws`` Zipf(s) tokens: Σ 1-(1-p_i)^draws / V."""
+    if vocab < 1 or draws < 0:
+        raise ValueError(f"vocab must be >= 1 and draws >= 0, got {vocab}, {draws}")
+    import numpy as np
+
+    p = 1.0 / np.arange(1, vocab + 1, dtype=float) ** s
+    p /= p.sum()
+    return float(np.sum(-np.expm1(draws * np.log1p(-p))) / vocab)
+
+
+def lm_stats(
+    vocab: int, dim: int, hidden: int, tokens: int, procs_per_machine: int = 1, zipf: float = 1.0
+) -> list[ParamStats]:
+    """The benchmark's language model: a sparse embedding (vocab x dim, also the tied output layer) read by
+    ``tokens`` Zipf tokens per worker per step, an LSTM (dim -> hidden) and a projection hidden -> dim."""
+    a = zipf_alpha(vocab, tokens, zipf)
+    am = zipf_alpha(vocab, tokens * procs_per_machine, zipf)
+    return [
+        ParamStats("emb.weight", (vocab, dim), a, True, am),
+        ParamStats("lstm.weight_ih_l0", (4 * hidden, dim), 1.0, False),
+        ParamStats("lstm.weight_hh_l0", (4 * hidden, hidden), 1.0, False),
+        ParamStats("lstm.bias_ih_l0", (4 * hidden,), 1.0, False),
+        ParamStats("lstm.bias_hh_l0", (4 * hidden,), 1.0, False),
+        ParamStats("proj.weight", (dim, hidden), 1.0, False),
+        ParamStats("proj.bias", (dim,), 1.0, False),
+    ]
+
+
+def stats_from_json(obj: Any) -> list[ParamStats]:
+    """Recorded statistics: a JSON list of {name, shape, alpha, sparse[, alpha_machine, itemsize]}."""
+    if not isinstance(obj, list):
+        raise ValueError("stats must be a JSON list of parameter records")
+    out = []
+    for i, d in enumerate(obj):
+        if not isinstance(d, dict) or not {"name", "shape", "alpha", "sparse"} <= set(d):
+            raise ValueError(f"stats record {i} needs name, shape, alpha, sparse; got {d!r}")
+        shape = tuple(int(x) for x in d["shape"])
+        am = d.get("alpha_machine")
+        out.append(
+            ParamStats(str(d["name"]), shape, float(d["alpha"]), bool(d["sparse"]), am, int(d.get("itemsize", 4)))
+        )
+    return out

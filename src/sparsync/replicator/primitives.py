@@ -1,0 +1,325 @@
+"""Cross-replica primitives on nested structures of tensors (TF-Replicator §3.4): all_reduce, all_gather,
+broadcast, and their gradients.
+
+Every call starts with the foundation's metadata exchange (``collectives/_meta.py``'s row layout: call number,
+collective, then our own fields) over the data-parallel group, sharing the group's call counter with the sparse
+collectives. Every replica checks the whole table, so a call issued in a different order, or with a different
+structure, shape or dtype, raises the same ``ValueError`` on every replica instead of hanging. Leaves of one dtype
+travel in one flat buffer (one torch collective per dtype, like DDP's buckets).
+
+``all_reduce(op="sum"|"mean")``, ``all_gather`` and ``broadcast`` are differentiable: with y_r = Σ_q x_q on
+every replica r and a training objective Σ_r L_r, ∂/∂x_r = Σ_q ∂L_q/∂y_q, so the backward of a sum is again an
+all-sum (of the gradients). That is what makes cross-replica batch norm written with ``all_sum`` (§3.4) train
+exactly like batch norm on the full batch.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from sparsync.collectives._comm import Comm
+from sparsync.collectives._meta import OPS, allgather_rows
+from sparsync.collectives.allreduce import _submit
+from sparsync.group import group_state
+from sparsync.record import CommLog, CommRecord
+
+REDUCE_OPS = ("sum", "mean", "max", "min")
+_TORCH_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+_F = ("seq", "op", "numel", "dtypes", "leaves", "structure", "shapes", "arg")
+
+
+@dataclass(frozen=True)
+class Env:
+    """Where a primitive runs: the data-parallel group of this process, and what to do with its records."""
+
+    group: dist.ProcessGroup
+    timeout: float | None = None
+    log: CommLog | None = None
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    @property
+    def index(self) -> int:
+        return dist.get_rank(self.group)
+
+
+def _crc(text: str) -> int:
+    return zlib.crc32(text.encode())
+
+
+def flatten(value: Any, *, skip: type | tuple[type, ...] = ()) -> tuple[list[Any], pytree.TreeSpec]:
+    """Leaves of a nested structure; each must be a tensor (or an instance of ``skip``, passed through)."""
+    leaves, spec = pytree.tree_flatten(value)
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.Tensor) and not (skip and isinstance(leaf, skip)):
+            raise TypeError(f"leaf {i} of the structure is a {type(leaf).__name__}, not a torch.Tensor")
+        if isinstance(leaf, torch.Tensor) and leaf.layout != torch.strided:
+            raise ValueError(f"leaf {i} has layout {leaf.layout}; primitives take dense tensors")
+    return leaves, spec
+
+
+def _describe(tensors: list[torch.Tensor], spec: pytree.TreeSpec) -> str:
+    return f"{spec}: " + ", ".join(f"{tuple(t.shape)}/{str(t.dtype).removeprefix('torch.')}" for t in tensors)
+
+
+def next_seq(env: Env) -> int:
+    """This call's number on the group, taken at issue time as the sparse collectives take theirs."""
+    state = group_state(env.group)
+    seq = state.calls
+    state.calls += 1
+    return seq
+
+
+def agree(
+    env: Env, op: str, tensors: list[torch.Tensor], spec: pytree.TreeSpec, arg: int, comm: Comm, seq: int
+) -> None:
+    """The metadata exchange: raise the same ValueError on every replica unless all issued the same call."""
+    row = torch.tensor(
+        [
+            seq,
+            OPS.index(op),
+            sum(t.numel() for t in tensors),
+            _crc(",".join(f"{t.dtype}/{t.requires_grad}" for t in tensors)),
+            len(tensors),
+            _crc(str(spec)),
+            _crc(";".join(str(tuple(t.shape)) for t in tensors)),
+            arg,
+        ],
+        dtype=torch.int64,
+    )
+    table, _ = allgather_rows(comm, row)  # same message size as the sparse collectives' metadata round
+    for col, what in ((1, "collective"), (0, "call number"), (7, "argument")):
+        bad = torch.nonzero(table[:, col] != table[0, col], as_tuple=True)[0]
+        if bad.numel():
+            r = int(bad[0])
+            a, b = int(table[0, col]), int(table[r, col])
+            if col == 1:
+                a_s, b_s = OPS[a], OPS[b]
+            else:
+                a_s, b_s = str(a), str(b)
+            raise ValueError(
+                f"{what} mismatch across replicas: replica 0 called {a_s}, replica {r} called {b_s} "
+                f"(seen on replica {comm.rank}, in {op}); every replica must issue the same primitives in the "
+                "same order with the same arguments"
+            )
+    if bool((table[:, 2:7] != table[0, 2:7]).any()):
+        # Everyone saw the same table, so everyone takes this branch: a second exchange names the difference.
+        descr: list[Any] = [None] * comm.size
+        dist.all_gather_object(descr, _describe(tensors, spec), group=env.group)
+        r = next(i for i in range(comm.size) if descr[i] != descr[0])
+        raise ValueError(
+            f"{op}: mismatched structure/shape/dtype across replicas: replica 0 has [{descr[0]}], "
+            f"replica {r} has [{descr[r]}]"
+        )
+
+
+def _record(env: Env, op: str, comm: Comm, numel: int, t0: float) -> None:
+    if env.log is not None:
+        tr = comm.traffic
+        env.log.append(
+            CommRecord(
+                op, "gloo", comm.rank, comm.size, numel, numel, numel, tr.bytes_sent, tr.bytes_recv,
+                tr.messages, time.perf_counter() - t0, dict(tr.phases),
+            )
+        )  # fmt: skip
+
+
+def _buckets(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    out: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        out.setdefault(t.dtype, []).append(i)
+    return out
+
+
+def _unflat(buf: torch.Tensor, tensors: list[torch.Tensor], idx: list[int], out: list[Any]) -> None:
+    off = 0
+    for i in idx:
+        n = tensors[i].numel()
+        out[i] = buf[off : off + n].view(tensors[i].shape)
+        off += n
+
+
+def raw_all_reduce(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, op: str, name: str) -> list[Any]:
+    """Reduce (sum/max/min; mean = sum / size) of every leaf over the group; no autograd."""
+    if op not in REDUCE_OPS:
+        raise ValueError(f"unknown reduction {op!r}; valid: {', '.join(REDUCE_OPS)}")
+    if op == "mean":
+        bad = [t.dtype for t in tensors if not t.is_floating_point()]
+        if bad:
+            raise ValueError(f"all_reduce(op='mean') needs floating tensors, got {bad[0]}")
+
+    seq = next_seq(env)
+
+    def run() -> list[Any]:
+        t0 = time.perf_counter()
+        comm = Comm(env.group, env.timeout)
+        comm.op = name
+        agree(env, name, tensors, spec, REDUCE_OPS.index(op), comm, seq)
+        out: list[Any] = [None] * len(tensors)
+        P = comm.size
+        for _dtype, idx in _buckets(tensors).items():
+            buf = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
+            with comm.phase("all_reduce"):
+                comm.run_collective("all_reduce", dist.all_reduce, buf, op=_TORCH_OPS[op])
+            nb = 2 * (P - 1) * buf.numel() * buf.element_size() // P
+            comm.count_collective(nb, nb, 2 * (P - 1))
+            if op == "mean":
+                buf /= P
+            _unflat(buf, tensors, idx, out)
+        _record(env, name, comm, sum(t.numel() for t in tensors), t0)
+        return out
+
+    return _submit(env.group, run, False)  # type: ignore[return-value]
+
+
+def raw_all_gather(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, name: str) -> list[Any]:
+    """Every replica's leaves stacked along a new leading dimension of size ``num_replicas``; no autograd."""
+
+    seq = next_seq(env)
+
+    def run() -> list[Any]:
+        t0 = time.perf_counter()
+        comm = Comm(env.group, env.timeout)
+        comm.op = name
+        agree(env, name, tensors, spec, 0, comm, seq)
+        P = comm.size
+        out: list[Any] = [None] * len(tensors)
+        for _dtype, idx in _buckets(tensors).items():
+            buf = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
+            parts = [torch.empty_like(buf) for _ in range(P)]
+            with comm.phase("all_gather"):
+                comm.run_collective("all_gather", dist.all_gather, parts, buf)
+            nb = (P - 1) * buf.numel() * buf.element_size()
+            comm.count_collective(nb, nb, P - 1)
+            stacked = torch.stack(parts)
+            off = 0
+            for i in idx:
+                n = tensors[i].numel()
+                out[i] = stacked[:, off : off + n].reshape(P, *tensors[i].shape)
+                off += n
+        _record(env, name, comm, sum(t.numel() for t in tensors), t0)
+        return out
+
+    return _submit(env.group, run, False)  # type: ignore[return-value]
+
+
+def raw_broadcast(
+    env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, source: int, name: str
+) -> list[Any]:
+    """Replica ``source``'s leaves on every replica; no autograd."""
+    if not 0 <= source < env.size:
+        raise ValueError(f"unknown replica id {source} as broadcast source; valid: 0..{env.size - 1}")
+
+    seq = next_seq(env)
+
+    def run() -> list[Any]:
+        t0 = time.perf_counter()
+        comm = Comm(env.group, env.timeout)
+        comm.op = name
+        agree(env, name, tensors, spec, source, comm, seq)
+        out: list[Any] = [None] * len(tensors)
+        for _dtype, idx in _buckets(tensors).items():
+            buf = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
+            with comm.phase("broadcast"):
+                comm.run_collective("broadcast", dist.broadcast, buf, group_src=source)
+            nb = buf.numel() * buf.element_size()
+            if comm.rank == source:
+                comm.count_collective(nb * (comm.size - 1), 0, comm.size - 1)
+            else:
+                comm.count_collective(0, nb, 1)
+            _unflat(buf, tensors, idx, out)
+        _record(env, name, comm, sum(t.numel() for t in tensors), t0)
+        return out
+
+    return _submit(env.group, run, False)  # type: ignore[return-value]
+
+
+# --- autograd ----------------------------------------------------------------------------------------------
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, env: Env, op: str, spec: pytree.TreeSpec, *tensors: torch.Tensor) -> Any:
+        ctx.env, ctx.op, ctx.spec = env, op, spec
+        return tuple(raw_all_reduce(env, list(tensors), spec, op, "all_reduce"))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        g = raw_all_reduce(ctx.env, [x.contiguous() for x in grads], ctx.spec, ctx.op, "all_reduce_grad")
+        return (None, None, None, *g)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, env: Env, spec: pytree.TreeSpec, *tensors: torch.Tensor) -> Any:
+        ctx.env, ctx.spec = env, spec
+        return tuple(raw_all_gather(env, list(tensors), spec, "all_gather"))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        # y_q = stack_r x_r on every replica q: ∂/∂x_r = Σ_q g_q[r].
+        g = raw_all_reduce(ctx.env, [x.contiguous() for x in grads], ctx.spec, "sum", "all_gather_grad")
+        me = ctx.env.index
+        return (None, None, *(x[me] for x in g))
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, env: Env, spec: pytree.TreeSpec, source: int, *tensors: torch.Tensor) -> Any:
+        ctx.env, ctx.spec, ctx.source = env, spec, source
+        return tuple(raw_broadcast(env, list(tensors), spec, source, "broadcast"))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        g = raw_all_reduce(ctx.env, [x.contiguous() for x in grads], ctx.spec, "sum", "broadcast_grad")
+        if ctx.env.index != ctx.source:
+            g = [torch.zeros_like(x) for x in g]
+        return (None, None, None, *g)
+
+
+def _needs_grad(tensors: list[torch.Tensor]) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def all_reduce(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, op: str) -> list[Any]:
+    if op in ("sum", "mean") and _needs_grad(tensors):
+        return list(
+            _AllReduce.apply(  # type: ignore[no-untyped-call]
+                env, op, spec, *tensors
+            )
+        )
+    return raw_all_reduce(env, tensors, spec, op, "all_reduce")
+
+
+def all_gather(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec) -> list[Any]:
+    if _needs_grad(tensors):
+        return list(
+            _AllGather.apply(  # type: ignore[no-untyped-call]
+                env, spec, *tensors
+            )
+        )
+    return raw_all_gather(env, tensors, spec, "all_gather")
+
+
+def broadcast(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, source: int) -> list[Any]:
+    if not 0 <= source < env.size:
+        raise ValueError(f"unknown replica id {source} as broadcast source; valid: 0..{env.size - 1}")
+    if _needs_grad(tensors):
+        return list(
+            _Broadcast.apply(  # type: ignore[no-untyped-call]
+                env, spec, source, *tensors
+            )
+        )
+    return raw_broadcast(env, tensors, spec, source, "broadcast")

@@ -1,0 +1,166 @@
+"""Module-level rank functions for the compressor tests (``launch`` unpickles workers by qualified name).
+
+Inputs are deterministic functions of (rank, step), so the parent rebuilds every rank's input and computes
+the exact reference itself. Each case's exception is caught and returned as text: one failing compressor does
+not abort the others, and every collective runs under the group timeout set by ``launch``.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import sparsync
+from sparsync.compress import ErrorFeedback, from_spec
+from sparsync.hooks import compression_hook
+
+SPECS = (
+    "identity",
+    "fp16",
+    "bf16",
+    "topk:ratio=0.05",
+    "topk:ratio=0.05,bucket=64",
+    "threshold:ratio=0.05,lifespan=2",
+    "randomk:ratio=0.05",
+    "qsgd:bits=4,bucket=64",
+    "sketch:rows=3,cols=300,block=8",
+    "blocktopk:ratio=0.1,block=16",
+)
+
+
+def rank_input(rank: int, step: int, n: int = 3001) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(n, generator=g)
+    return x * (torch.rand(n, generator=g) < 0.5)  # half zeros: the sketch's bitmap has work to do
+
+
+def rank_embedding_grad(rank: int) -> torch.Tensor:
+    emb = torch.nn.Embedding(60, 5, sparse=True)
+    with torch.no_grad():
+        emb.weight.copy_(torch.arange(300, dtype=torch.float32).reshape(60, 5) / 100)
+    idx = torch.tensor([rank, 2 * rank + 1, 17, 17])
+    (emb(idx) * torch.arange(1, 6)).sum().backward()
+    assert emb.weight.grad is not None
+    return emb.weight.grad
+
+
+def reduce_worker(rank: int, steps: int) -> dict[str, Any]:
+    """Every compressor for ``steps`` steps with error feedback, sync and async; plus sparse COO inputs."""
+    out: dict[str, Any] = {}
+    P = dist.get_world_size()
+    x = rank_input(rank, 0)
+    ref = x.clone()
+    dist.all_reduce(ref)
+    out["plain_allreduce"] = (ref / P).numpy()
+    for spec in SPECS:
+        try:
+            comp, mem = from_spec(spec), ErrorFeedback()
+            acomp, amem = from_spec(spec), ErrorFeedback()
+            res, ares = [], []
+            for step in range(steps):
+                xs = rank_input(rank, step)
+                res.append(sparsync.reduce(xs, comp, memory=mem, name="w").numpy())
+                ares.append(sparsync.reduce(xs, acomp, memory=amem, name="w", async_op=True).wait().numpy())
+            summed = sparsync.reduce(rank_input(rank, 0), from_spec(spec), name="w", average=False).numpy()
+            g = rank_embedding_grad(rank)
+            sp = sparsync.reduce(g, from_spec(spec), name="emb")
+            inplace = rank_input(rank, 0)
+            back = sparsync.reduce(inplace, from_spec(spec), name="w", inplace=True)
+            out[spec] = {
+                "steps": res,
+                "async": ares,
+                "summed": summed,
+                "sparse_is_sparse": sp.is_sparse,
+                "sparse": sp.to_dense().numpy(),
+                "inplace_same_object": back is inplace,
+                "inplace": inplace.numpy(),
+            }
+        except Exception:
+            out[spec] = {"error": traceback.format_exc()}
+    return out
+
+
+def _ddp_model(sparse: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Embedding(30, 4, sparse=sparse),
+        torch.nn.Flatten(),
+        torch.nn.Linear(12, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 3),
+    )
+
+
+def ddp_worker(rank: int, specs: tuple[str | None, ...], sparse: bool, steps: int) -> dict[str | None, Any]:
+    """For each spec (None: no hook), a few SGD steps of a fresh small DDP model with that spec's hook.
+    Returns the final parameters, or the error text, per spec."""
+    out: dict[str | None, Any] = {}
+    for spec in specs:
+        try:
+            out[spec] = _ddp_run(rank, spec, sparse, steps)
+        except Exception:
+            out[spec] = traceback.format_exc()
+    return out
+
+
+def _ddp_run(rank: int, spec: str | None, sparse: bool, steps: int) -> list[np.ndarray]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = _ddp_model(sparse)
+    ddp = DistributedDataParallel(model)
+    if spec is not None:
+        name, _, mode = spec.partition("|")  # "identity|sync": the hook without async_op
+        comp = from_spec(name)
+        mem = None if comp.name in ("identity", "fp16", "bf16") else ErrorFeedback()
+        hook = compression_hook(comp, mem, module=ddp, async_op=mode != "sync")
+        ddp.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        xb = torch.randint(0, 30, (8, 3), generator=gen)
+        loss = (ddp(xb) - 1).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def digits_worker(rank: int, specs: tuple[str, ...], steps: int, lr: float) -> dict[str, float]:
+    """Data-parallel training of a small MLP on scikit-learn's bundled digits data: each rank holds a shard of
+    the training set, the flattened gradient is reduced through ``spec`` (error feedback on). Returns the
+    test accuracy (%) per spec; every run starts from the same initialisation."""
+    from sklearn.datasets import load_digits
+
+    P = dist.get_world_size()
+    X, y = load_digits(return_X_y=True)
+    perm = np.random.default_rng(0).permutation(len(y))
+    X, y = torch.tensor(X[perm] / 16.0, dtype=torch.float32), torch.tensor(y[perm])
+    n_train = 1400
+    Xtr, ytr, Xte, yte = X[:n_train], y[:n_train], X[n_train:], y[n_train:]
+    Xs, ys = Xtr[rank::P], ytr[rank::P]
+    out: dict[str, float] = {}
+    for spec in specs:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+        comp, mem = from_spec(spec), ErrorFeedback()
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(steps):
+            idx = torch.randint(0, len(ys), (32,), generator=gen)
+            loss = torch.nn.functional.cross_entropy(model(Xs[idx]), ys[idx])
+            model.zero_grad()
+            loss.backward()
+            # one flat gradient per step (one reduce, not one per layer: keeps the test fast)
+            flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+            avg = sparsync.reduce(flat, comp, memory=mem, name="mlp")
+            with torch.no_grad():
+                offset = 0
+                for p in model.parameters():
+                    p -= lr * avg[offset : offset + p.numel()].reshape(p.shape)
+                    offset += p.numel()
+        with torch.no_grad():
+            out[spec] = float((model(Xte).argmax(1) == yte).float().mean()) * 100
+    return out

@@ -1,0 +1,132 @@
+"""Module-level workers and the reference model for the parameter-server / hybrid tests (see _workers.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sparsync.placement import OptimizerConfig
+from sparsync.placement.hybrid import HybridConfig, HybridTrainer
+
+VOCAB, DIM, CLASSES, SEQ, BATCH = 50, 8, 5, 6, 4
+
+
+class TinyLM(nn.Module):
+    """Sparse embedding + dense MLP head: the smallest model with both kinds of parameters."""
+
+    def __init__(self, bag: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb: nn.Module = (
+            nn.EmbeddingBag(VOCAB, DIM, mode="sum", sparse=True) if bag else nn.Embedding(VOCAB, DIM, sparse=True)
+        )
+        self.bag = bag
+        self.head = nn.Sequential(nn.Linear(DIM, 16), nn.Tanh(), nn.Linear(16, CLASSES))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x) if self.bag else self.emb(x).mean(1)
+        return self.head(h)
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randint(0, VOCAB // 2, (BATCH, SEQ), generator=g) * 2 // 2  # duplicates within a batch
+    y = torch.randint(0, CLASSES, (BATCH,), generator=g)
+    return x, y
+
+
+def dense_opt(name: str, params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.01) if name == "adam" else torch.optim.SGD(params, lr=0.1)
+
+
+def sparse_opt(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.SparseAdam(params, lr=0.01)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=0.1)
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def server_opt(name: str) -> OptimizerConfig:
+    return OptimizerConfig(name, lr=0.01 if name == "adam" else 0.1)
+
+
+def reference(
+    world: int, steps: int, opt: str, reduce: str, bag: bool = False
+) -> tuple[torch.Tensor, list[float]]:
+    """Single-process training on all workers' batches: loss = sum (or mean) of the per-worker losses."""
+    model = TinyLM(bag)
+    dense = [p for n, p in model.named_parameters() if not n.startswith("emb")]
+    o_d, o_s = dense_opt(opt, dense), sparse_opt(opt, [model.emb.weight])
+    losses = []
+    for s in range(steps):
+        o_d.zero_grad()
+        o_s.zero_grad()
+        parts = [nn.functional.cross_entropy(model(batch(s, r)[0]), batch(s, r)[1]) for r in range(world)]
+        loss = sum(parts) / (world if reduce == "mean" else 1)
+        loss.backward()  # type: ignore[union-attr]
+        o_d.step()
+        o_s.step()
+        losses.append(float(loss.detach()))  # type: ignore[union-attr]
+    return model.emb.weight.detach().clone(), losses
+
+
+def hybrid_worker(rank: int, addresses: list[str], cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Run each case (sync hybrid training) and return the final weights and dense parameters."""
+    out = []
+    for c in cases:
+        model = TinyLM(c.get("bag", False))
+        dense = [p for n, p in model.named_parameters() if not n.startswith("emb")]
+        cfg = HybridConfig(
+            mode="sync",
+            sparse_reduce=c["reduce"],
+            dense_reduce=c["reduce"],
+            optimizer=server_opt(c["opt"]),
+            procs_per_machine=c.get("ppm", 1),
+            local_aggregation=c.get("local_agg", True),
+            partitions=c.get("partitions"),
+            ps_dense=c.get("ps_dense", False),
+            timeout=30.0,
+        )
+        tr = HybridTrainer(model, c.get("addresses", addresses), cfg,
+                           dense_optimizer=dense_opt(c["opt"], dense))  # fmt: skip
+        losses = []
+        for s in range(c["steps"]):
+            x, y = batch(s, rank)
+            losses.append(tr.step(lambda x=x, y=y, m=model: nn.functional.cross_entropy(m(x), y)))
+        dist.barrier()
+        table = tr.tables["emb.weight"].read_all() if rank == 0 else None
+        head = [p.detach().clone() for p in dense]
+        tr.close()
+        out.append({"table": table, "head": head, "losses": losses})
+        dist.barrier()
+    return out
+
+
+def async_worker(rank: int, addresses: list[str], steps: int, fault: str) -> dict[str, Any]:
+    """Async training; the last rank is slow (sleeps each step) or dies after one step."""
+    model = TinyLM()
+    cfg = HybridConfig(mode="async", optimizer=OptimizerConfig("sgd", lr=0.2), timeout=20.0)
+    tr = HybridTrainer(model, addresses, cfg)
+    world = dist.get_world_size()
+    faulty = rank == world - 1
+    t0 = time.monotonic()
+    done, losses = 0, []
+    for s in range(steps):
+        if faulty and fault == "dead" and s == 1:
+            tr.client.close()
+            return {"steps": done, "dead": True, "seconds": time.monotonic() - t0, "losses": losses}
+        if faulty and fault == "slow":
+            time.sleep(2.0)
+        x, y = batch(s % 3, rank)  # a few repeated batches: the loss must fall
+        losses.append(tr.step(lambda x=x, y=y: nn.functional.cross_entropy(model(x), y)))
+        done += 1
+        if faulty and fault == "slow" and time.monotonic() - t0 > 4:
+            break
+    seconds = time.monotonic() - t0
+    tr.close()
+    return {"steps": done, "dead": False, "seconds": seconds, "losses": losses}

@@ -1,0 +1,50 @@
+"""``sparsync bench hybrid`` end to end (tiny sizes), and its corpus."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sparsync.bench.lm import Corpus
+from sparsync.cli import main
+
+
+def test_corpus_zipf_and_text(tmp_path: Path) -> None:
+    c = Corpus(1000, seed=0)
+    x = c.sample(20000)
+    assert x.min() >= 0 and x.max() < 1000
+    counts = np.bincount(x, minlength=1000)
+    assert counts[0] > 5 * counts[10] > 0  # Zipf: rank 1 about 11x rank 11
+    f = tmp_path / "t.txt"
+    f.write_text("the cat sat on the mat the end " * 10)
+    t = Corpus(4, files=[f], seed=0)
+    assert set(t.sample(50).tolist()) <= {0, 1, 2, 3}
+    assert t.batch(2, 3).shape == (2, 4)
+    with pytest.raises(ValueError, match="vocab"):
+        Corpus(1)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_bench_hybrid_runs_every_method_with_equal_losses(tmp_path: Path) -> None:
+    text = tmp_path / "corpus.txt"
+    rng = np.random.default_rng(0)
+    text.write_text(" ".join(f"w{int(z)}" for z in rng.zipf(1.3, 5000)))
+    out = tmp_path / "hyb"
+    argv = ["bench", "hybrid", "--procs", "2", "--vocab", "3000", "--dim", "16", "--hidden", "16", "--batch", "4",
+            "--steps", "2", "--warmup", "1", "--text", str(text), "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    data = json.loads(out.with_suffix(".json").read_text())
+    rows = data["rows"]
+    assert [r["method"] for r in rows] == ["allreduce", "allgather", "sparse_ar", "ps", "hybrid", "hybrid_noagg"]
+    # Same data, same initial weights, same SGD and mean reduction: every method trains the same model.
+    losses = [r["loss"] for r in rows]
+    assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses
+    by = {r["method"]: r for r in rows}
+    assert by["hybrid"]["bytes_per_step_per_machine"] < by["allreduce"]["bytes_per_step_per_machine"]
+    assert by["hybrid_noagg"]["bytes_per_step_per_machine"] > by["hybrid"]["bytes_per_step_per_machine"]
+    assert abs(by["hybrid"]["bytes_error"]) < 0.5  # the plan's prediction is in the right range
+    assert out.with_suffix(".png").exists() and out.with_suffix(".csv").exists()

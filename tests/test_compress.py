@@ -1,0 +1,388 @@
+"""Compressors on one process: the properties the papers state, checked exactly or within a stated bound."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparsync.compress import (
+    BF16,
+    COMPRESSORS,
+    FP16,
+    QSGD,
+    BlockTopK,
+    Context,
+    ErrorFeedback,
+    Identity,
+    RandomK,
+    SparsePayload,
+    SparseSketch,
+    TensorSpec,
+    Threshold,
+    TopK,
+    from_spec,
+    make,
+)
+
+ALL = {
+    "identity": Identity(),
+    "fp16": FP16(),
+    "bf16": BF16(),
+    "topk": TopK(0.05),
+    "topk_bucket": TopK(0.05, bucket=64),
+    "threshold": Threshold(0.05, lifespan=3),
+    "randomk": RandomK(0.05),
+    "qsgd": QSGD(bits=4, bucket=64),
+    "sketch": SparseSketch(rows=3, cols=200),
+    "blocktopk": BlockTopK(0.1, block=16),
+}
+SPARSIFIERS = ("topk", "topk_bucket", "threshold", "randomk", "blocktopk")
+
+
+W = Context("w")
+
+
+def roundtrip(c: object, x: torch.Tensor, ctx: Context = W) -> torch.Tensor:
+    p = c.compress(x, ctx)  # type: ignore[attr-defined]
+    return c.decompress(p, TensorSpec.of(x))  # type: ignore[attr-defined, no-any-return]
+
+
+# --- registry and validation --------------------------------------------------------------------------------
+def test_registry_has_every_compressor_and_rejects_unknown_names() -> None:
+    assert set(COMPRESSORS) == {
+        "identity",
+        "fp16",
+        "bf16",
+        "topk",
+        "threshold",
+        "randomk",
+        "qsgd",
+        "sketch",
+        "blocktopk",
+    }
+    with pytest.raises(KeyError, match="bogus") as ei:
+        make("bogus")
+    for name in COMPRESSORS:
+        assert name in str(ei.value)
+    assert make("topk", ratio=0.1).ratio == 0.1  # type: ignore[attr-defined]
+    c = from_spec("threshold:ratio=0.01,lifespan=1000")
+    assert isinstance(c, Threshold) and c.ratio == 0.01 and c.lifespan == 1000
+    assert isinstance(from_spec("qsgd:bits=8,scale=l2"), QSGD)
+    with pytest.raises(TypeError, match="topk"):
+        make("topk", ratio=0.1, bogus=3)
+
+
+@pytest.mark.parametrize(
+    ("factory", "match"),
+    [
+        (lambda: TopK(0.0), "ratio"),
+        (lambda: TopK(1.5), "ratio"),
+        (lambda: TopK(0.1, bucket=0), "bucket"),
+        (lambda: Threshold(0.1, lifespan=0), "lifespan"),
+        (lambda: RandomK(-1), "ratio"),
+        (lambda: QSGD(bits=3), "bits"),
+        (lambda: QSGD(scale="l1"), "scale"),  # type: ignore[arg-type]
+        (lambda: SparseSketch(), "cols"),
+        (lambda: SparseSketch(cols=10, ratio=0.1), "cols"),
+        (lambda: SparseSketch(rows=0, cols=10), "rows"),
+        (lambda: BlockTopK(0.1, block=0), "block"),
+        (lambda: ErrorFeedback(decay=2.0), "decay"),
+    ],
+)
+def test_bad_settings_raise_value_errors_naming_them(factory: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        factory()  # type: ignore[operator]
+
+
+# --- S2 sketch ----------------------------------------------------------------------------------------------
+def _int_grad(seed: int, n: int = 4000, density: float = 0.05) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-50, 51, (n,), generator=g).to(torch.float32)
+    return x * (torch.rand(n, generator=g) < density)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_sketch_is_linear_exactly(dtype: torch.dtype) -> None:
+    """S2 §3.1: sketch(g1) + sketch(g2) == sketch(g1 + g2) (integer values: every sum is exact)."""
+    c = SparseSketch(rows=3, cols=97, block=8, seed=5)
+    gs = [_int_grad(s).to(dtype) for s in range(4)]
+    parts = [c.compress(g) for g in gs]
+    whole = c.compress(sum(gs))  # type: ignore[arg-type]
+    assert torch.equal(sum(p.table for p in parts), whole.table)  # type: ignore[misc]
+    # The bitmap adds as counts: its support is the union of the supports.
+    support = sum(p.bitmap for p in parts) > 0  # type: ignore[operator]
+    union = torch.stack([(g.reshape(-1, 8) != 0).any(1) for g in gs]).any(0)
+    assert torch.equal(support, union)
+
+
+def test_sketch_of_coo_rows_equals_sketch_of_dense() -> None:
+    emb = torch.zeros(50, 6)
+    emb[[3, 7, 9]] = torch.arange(18, dtype=torch.float32).reshape(3, 6) - 8
+    c = SparseSketch(rows=3, cols=40)
+    a, b = c.compress(emb), c.compress(emb.to_sparse(1))
+    assert torch.equal(a.table, b.table) and torch.equal(a.bitmap, b.bitmap)
+    out = c.decompress(b, TensorSpec.of(emb.to_sparse(1)))
+    assert out.is_sparse and set(out.coalesce().indices()[0].tolist()) == {3, 7, 9}
+
+
+def test_sketch_without_collisions_is_exact() -> None:
+    g = torch.zeros(1000)
+    g[[5, 400, 999]] = torch.tensor([1.5, -2.0, 3.25])
+    out = roundtrip(SparseSketch(rows=3, cols=100_000, block=1), g)
+    assert torch.equal(out, g)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_sketch_query_is_unbiased(rows: int) -> None:
+    """S2 Thm. 1: E[ĝ] = g over the random hashes. Mean of the error over 400 seeds, per coordinate, within 5
+    standard errors (with the per-coordinate spread measured from the same runs)."""
+    g = torch.zeros(256)
+    gen = torch.Generator().manual_seed(1)
+    nz = torch.randperm(256, generator=gen)[:64]
+    g[nz] = torch.randn(64, generator=gen) * 3
+    runs = torch.stack(
+        [roundtrip(SparseSketch(rows=rows, cols=24, block=1, seed=s), g)[nz] for s in range(400)]
+    ).double()
+    err = runs - g[nz].double()
+    se = err.std(0) / math.sqrt(runs.shape[0])
+    z = err.mean(0) / se.clamp_min(1e-12)
+    assert float(err.abs().max()) > 0.1  # there are collisions: the check below is not trivial
+    assert float(z.abs().max()) < 5.0, f"max |z| = {float(z.abs().max()):.2f}"
+    # and the whole error averages to zero (a single z-test on the mean over coordinates)
+    assert abs(float(z.mean())) * math.sqrt(z.numel()) < 5.0
+
+
+def test_sketch_ratio_sets_width() -> None:
+    assert SparseSketch(rows=2, ratio=0.01).width(10_000) == 50
+    assert SparseSketch(rows=3, cols=7).width(10**9) == 7
+
+
+# --- QSGD ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_qsgd_packs_bits(bits: int) -> None:
+    x = torch.randn(1000)
+    p = QSGD(bits=bits, bucket=100).compress(x)
+    assert p.codes.dtype == torch.uint8 and p.codes.numel() == math.ceil(1000 * bits / 8)
+    assert p.nbytes == math.ceil(1000 * bits / 8) + 10 * 4
+    odd = QSGD(bits=bits, bucket=100).compress(torch.randn(1001))  # 11 buckets, the last one of 1 value
+    assert odd.nbytes == math.ceil(1001 * bits / 8) + 11 * 4
+    y = roundtrip(QSGD(bits=bits, bucket=100), x)
+    s = 2 ** (bits - 1) - 1
+    levels = (y.reshape(10, 100) / p.scales[:, None] * s).round()
+    assert torch.allclose(y.reshape(10, 100), levels * p.scales[:, None] / s, atol=1e-6)
+
+
+@pytest.mark.parametrize("scale", ["max", "l2"])
+def test_qsgd_is_unbiased_and_within_its_variance_bound(scale: str) -> None:
+    torch.manual_seed(0)
+    n, B, T = 512, 128, 2000
+    x = torch.randn(n) * torch.linspace(0.1, 3, n)
+    c = QSGD(bits=4, bucket=B, scale=scale)  # type: ignore[arg-type]
+    ys = torch.stack([roundtrip(c, x) for _ in range(T)]).double()
+    err = ys - x.double()
+    # variance: exact expectation sum (S/s)^2 p(1-p) per bucket, and the closed-form bounds
+    s = 7
+    xb = x.double().reshape(-1, B)
+    S = xb.abs().amax(1) if scale == "max" else xb.norm(dim=1)
+    lev = xb.abs() * s / S[:, None]
+    p = lev - lev.floor()
+    var = ((S[:, None] / s) ** 2 * p * (1 - p)).reshape(-1)
+    exact = float(var.sum())
+    # unbiased: every coordinate's mean error within 5 standard errors of the exact variance (plus float
+    # rounding for coordinates on a grid point, such as the bucket maximum with scale="max")
+    z = err.mean(0) / ((var / T).sqrt() + 1e-6)
+    assert float(z.abs().max()) < 5.0
+    measured = float((err**2).sum(1).mean())
+    assert abs(measured - exact) < 0.1 * exact
+    if scale == "l2":  # QSGD Lemma 3.1, per bucket
+        bound = float((min(B / s**2, math.sqrt(B) / s) * xb.norm(dim=1) ** 2).sum())
+    else:
+        bound = float((B * S**2 / (4 * s**2)).sum())
+    assert measured <= bound
+
+
+def test_qsgd_rounding_differs_between_ranks() -> None:
+    x = torch.randn(4096)
+    c = QSGD()
+    a = c.decompress(c.compress(x, Context("w", 0, 2)), TensorSpec.of(x))
+    b = c.decompress(c.compress(x, Context("w", 1, 2)), TensorSpec.of(x))
+    assert not torch.equal(a, b)
+
+
+# --- sparsifiers --------------------------------------------------------------------------------------------
+def test_topk_keeps_the_largest() -> None:
+    x = torch.tensor([0.1, -5.0, 2.0, 0.0, 3.0, -0.5])
+    p = TopK(0.5).compress(x)
+    assert isinstance(p, SparsePayload) and p.stream.indices is not None
+    assert p.stream.indices.tolist() == [1, 2, 4]
+    assert p.nbytes == 3 * (4 + 4)
+
+
+def test_bucketed_topk_takes_k_per_bucket() -> None:
+    x = torch.randn(1000)
+    p = TopK(0.02, bucket=100).compress(x)  # 2 of each of 10 buckets
+    assert p.stream.indices is not None
+    idx = p.stream.indices.long()
+    assert torch.equal(torch.bincount(idx // 100, minlength=10), torch.full((10,), 2))
+    for b in range(10):
+        seg = x[b * 100 : (b + 1) * 100].abs()
+        assert set((idx[idx // 100 == b] - b * 100).tolist()) == set(seg.topk(2).indices.tolist())
+
+
+def test_randomk_is_unbiased() -> None:
+    x = torch.randn(200)
+    c = RandomK(0.1, seed=3)
+    ys = torch.stack([roundtrip(c, x) for _ in range(3000)]).double()  # fresh coordinates every call
+    se = ys.std(0) / math.sqrt(ys.shape[0])
+    assert float(((ys.mean(0) - x.double()) / se).abs().max()) < 5.0
+
+
+def test_randomk_picks_the_same_coordinates_on_every_rank_when_shared() -> None:
+    x = torch.randn(500)
+    a = RandomK(0.1).compress(x, Context("w", 0, 3))
+    b = RandomK(0.1).compress(x, Context("w", 2, 3))
+    assert a.stream.indices is not None and b.stream.indices is not None
+    assert torch.equal(a.stream.indices, b.stream.indices)
+    c = RandomK(0.1, shared=False).compress(x, Context("w", 2, 3))
+    assert c.stream.indices is not None and not torch.equal(a.stream.indices, c.stream.indices)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 600), st.floats(0.001, 1.0), st.integers(0, 2**31 - 1))
+def test_sparsifiers_are_contractions(n: int, ratio: float, seed: int) -> None:
+    """Stich et al. 2018 Def. 2.1 (used by DCT §2.1): ‖x - C(x)‖² ≤ (1 - δ)‖x‖²."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    nx = float(x.norm() ** 2)
+    k = max(1, math.ceil(ratio * n))
+    assert float((x - roundtrip(TopK(ratio), x)).norm() ** 2) <= (1 - k / n) * nx + 1e-9
+    kb = max(1, math.ceil(ratio * 32))
+    y = roundtrip(TopK(ratio, bucket=32), x)
+    assert float((x - y).norm() ** 2) <= (1 - min(kb, 32) / 32) * nx + 1e-9 or n <= 32
+    th = Threshold(ratio, lifespan=1)
+    y = roundtrip(th, x)
+    kept = int((y != 0).sum())
+    assert kept >= k and float((x - y).norm() ** 2) <= (1 - kept / n) * nx + 1e-9
+    nb = -(-n // 16)
+    y = roundtrip(BlockTopK(ratio, block=16), x)
+    assert float((x - y).norm() ** 2) <= (1 - max(1, math.ceil(ratio * nb)) / nb) * nx + 1e-9
+
+
+def test_threshold_is_recomputed_every_lifespan_calls() -> None:
+    """DCT Alg. 1 lines 3-8: τ from |g| when L divides the call number, reused in between."""
+    th = Threshold(0.1, lifespan=3)
+    taus = []
+    for i in range(7):
+        x = torch.randn(1000) * (i + 1)  # a growing scale: a recomputed τ differs
+        th.compress(x, Context("layer"))
+        taus.append(th.threshold("layer"))
+    assert taus[0] == taus[1] == taus[2] != taus[3]
+    assert taus[3] == taus[4] == taus[5] != taus[6]
+    assert th.threshold("other") is None
+    fresh = Threshold(0.1, lifespan=3)
+    fresh.load_state_dict(th.state_dict())
+    assert fresh.state_dict() == th.state_dict()
+    # with a reused τ, everything at least τ is sent
+    x = torch.randn(1000) * 7
+    y = roundtrip(th, x, Context("layer"))
+    tau = th.threshold("layer")
+    assert tau is not None and torch.equal(y != 0, x.abs() >= tau)
+
+
+def test_threshold_of_zeros_sends_nothing() -> None:
+    y = roundtrip(Threshold(0.1), torch.zeros(100))
+    assert torch.equal(y, torch.zeros(100))
+
+
+# --- error feedback -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("key", list(ALL))
+def test_error_feedback_invariant(key: str) -> None:
+    """g + e_old == decompress(compress(g + e_old)) + e_new, over several steps (exact for the sparsifiers and
+    the identity; within one rounding step of the sum for the lossy encodings)."""
+    c = ALL[key]
+    mem = ErrorFeedback()
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(5):
+        g = torch.randn(3000, generator=gen)
+        e_old = mem.error("p")
+        e_old = torch.zeros_like(g) if e_old is None else e_old.clone()
+        x = mem.compensate("p", g)
+        sent = roundtrip(c, x, Context("p"))
+        mem.update("p", x, sent)
+        e_new = mem.error("p")
+        assert e_new is not None
+        if (key in SPARSIFIERS and key != "randomk") or key == "identity":
+            # they send exact copies of what they keep: the residual is zero there, x elsewhere
+            assert torch.equal(g + e_old, sent + e_new)
+            assert torch.equal(e_new[sent != 0], torch.zeros(int((sent != 0).sum())))
+        else:  # scaled or re-encoded values: x - sent and the check's own sum each round once
+            ulp = torch.finfo(torch.float32).eps
+            slack = 2 * ulp * (sent.abs() + x.abs() + e_new.abs())
+            assert bool(((g + e_old) - (sent + e_new)).abs().le(slack).all())
+
+
+def test_error_feedback_state_dict_round_trip() -> None:
+    mem = ErrorFeedback()
+    mem.update("a", torch.ones(3), torch.zeros(3))
+    mem.update("b", torch.ones(2), torch.ones(2))
+    state = mem.state_dict()
+    other = ErrorFeedback()
+    other.load_state_dict(state)
+    assert other.names() == ["a", "b"]
+    assert torch.equal(other.error("a"), torch.ones(3))  # type: ignore[arg-type]
+    mem.update("a", torch.zeros(3), torch.zeros(3))  # the copy does not alias
+    assert torch.equal(other.error("a"), torch.ones(3))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="shape"):
+        other.compensate("a", torch.ones(4))
+    with pytest.raises(ValueError, match="errors"):
+        other.load_state_dict({"decay": 1.0})
+
+
+# --- sparse COO inputs --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("c", [Identity(), FP16(), BF16(), TopK(0.5), Threshold(0.5), SparseSketch(cols=64)])
+def test_sparse_coo_inputs_keep_their_layout(c: object) -> None:
+    emb = torch.nn.Embedding(40, 5, sparse=True)
+    emb(torch.tensor([[1, 4, 4, 30]])).sum().backward()
+    g = emb.weight.grad
+    assert g is not None and g.is_sparse
+    y = roundtrip(c, g)
+    assert y.is_sparse and y.shape == g.shape and y.dtype == g.dtype
+    rows = set(y.coalesce().indices()[0].tolist())
+    assert rows <= {1, 4, 30}
+    if isinstance(c, Identity | FP16 | BF16):
+        tol = {"identity": 0.0, "fp16": 1e-3, "bf16": 1e-2}[c.name]
+        np.testing.assert_allclose(y.to_dense().numpy(), g.to_dense().numpy(), atol=tol)
+
+
+# --- argument errors of reduce and the DDP hook (raised before any communication) ---------------------------
+@pytest.mark.parametrize(
+    ("args", "kwargs", "exc", "match"),
+    [
+        ((torch.ones(3), TopK(0.5)), {"memory": ErrorFeedback()}, ValueError, "name"),
+        ((torch.ones(3).to_sparse(), Identity()), {"inplace": True}, ValueError, "inplace"),
+        ((torch.ones(0), Identity()), {}, ValueError, "empty"),
+        ((torch.ones(3, dtype=torch.int64), Identity()), {}, ValueError, "floating"),
+        ((torch.ones(3), "topk"), {}, TypeError, "Compressor"),
+        (([1.0, 2.0], Identity()), {}, TypeError, "Tensor"),
+    ],
+)
+def test_reduce_rejects_bad_arguments(
+    args: tuple[object, ...], kwargs: dict[str, object], exc: type, match: str
+) -> None:
+    import sparsync
+
+    with pytest.raises(exc, match=match):
+        sparsync.reduce(*args, **kwargs)  # type: ignore[call-overload]
+
+
+def test_hook_needs_a_module_for_memory() -> None:
+    from sparsync.hooks import compression_hook
+
+    with pytest.raises(ValueError, match="module"):
+        compression_hook(TopK(0.1), ErrorFeedback())
+    with pytest.raises(TypeError, match="Compressor"):
+        compression_hook("topk")  # type: ignore[arg-type]

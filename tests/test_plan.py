@@ -1,0 +1,121 @@
+"""Sparse-variable detection, α measurement, the placement plan (Parallax Table 3) and ``sparsync plan``."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from sparsync.cli import main
+from sparsync.placement.detect import AlphaMeter, ParamStats, sparse_param_names
+from sparsync.placement.plan import Cluster, candidates, lm_stats, make_plan, zipf_alpha
+
+
+class Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(100, 4, sparse=True)
+        self.dense_emb = nn.Embedding(10, 4)  # dense gradient: not sparse
+        self.bag = nn.EmbeddingBag(50, 4, mode="sum")
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.emb(x).sum(1) + self.bag(x % 50) + self.dense_emb(x % 10).sum(1))
+
+
+def test_detects_sparse_parameters_and_measures_alpha() -> None:
+    m = Model()
+    assert sparse_param_names(m) == ["emb.weight", "bag.weight"]
+    meter = AlphaMeter(m)
+    xs = [torch.tensor([[0, 1, 1, 2]]), torch.tensor([[3, 3, 3, 3]])]
+    for x in xs:
+        m(x).sum().backward()
+        meter.end_step()
+    meter.close()
+    st = {s.name: s for s in meter.stats()}
+    assert st["emb.weight"].sparse and st["emb.weight"].alpha == pytest.approx((3 / 100 + 1 / 100) / 2)
+    assert st["bag.weight"].alpha == pytest.approx((3 / 50 + 1 / 50) / 2)
+    assert not st["fc.weight"].sparse and st["fc.weight"].alpha == 1.0
+    assert not st["dense_emb.weight"].sparse
+
+
+def test_table3_transfer_formulas() -> None:
+    w_rows, dim, a, N = 10_000, 64, 0.01, 8
+    s = ParamStats("e", (w_rows, dim), a, True, alpha_machine=a)
+    c, alg = candidates(s, Cluster(N, 1, 1e9, 1e-5))
+    w = w_rows * dim * 4
+    assert c["dense_allreduce"][0] == pytest.approx(4 * w * (N - 1) / N)
+    assert c["ps"][0] == pytest.approx(4 * a * w * (N - 1) / N)
+    assert alg in ("ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather", "allgather", "dense")
+    # Table 3 sparse AR (allgatherv): 2αw(N-1) -- the PS moves (N-1)/N·2/(N-1)... = 2/N of it.
+    ag = candidates(s, Cluster(N, 1, 1e9, 1e-5))[0]
+    assert ag["ps"][0] < ag["dense_allreduce"][0]
+
+
+def test_plan_picks_ps_for_sparse_and_allreduce_for_dense_and_honours_overrides() -> None:
+    stats = lm_stats(100_000, 128, 256, 1280)
+    plan = make_plan(stats, Cluster(16, 1, 1.25e8, 1e-4))
+    assert plan.placement("emb.weight") == "ps"
+    assert all(e.placement == "dense_allreduce" for e in plan.entries if e.name != "emb.weight")
+    assert plan.seconds < plan.baseline_seconds()
+    o = make_plan(stats, Cluster(16, 1, 1.25e8, 1e-4), overrides={"emb.weight": "dense_allreduce"})
+    assert o.placement("emb.weight") == "dense_allreduce" and o.entries[0].overridden
+    assert o.seconds == pytest.approx(o.baseline_seconds())
+    # alpha = 1: PS and allreduce move the same bytes (Table 3, "m variables" column)
+    full = make_plan([ParamStats("e", (1000, 64), 1.0, True)], Cluster(8, 1, 1.25e8, 1e-4))
+    cand = full.entries[0].candidates
+    assert cand["ps"][0] == pytest.approx(cand["dense_allreduce"][0])
+    with pytest.raises(KeyError, match="unknown placement 'nope'"):
+        make_plan(stats, Cluster(4), overrides={"emb.weight": "nope"})
+    with pytest.raises(KeyError, match="unknown parameter 'x'"):
+        make_plan(stats, Cluster(4), overrides={"x": "ps"})
+    with pytest.raises(ValueError, match="is dense"):
+        make_plan(stats, Cluster(4), overrides={"proj.weight": "ps"})
+    lossy = make_plan(stats, Cluster(64, 1, 1.25e8, 1e-4), allow_lossy=True)
+    assert {e.placement for e in lossy.entries} <= {"sketch", "ps", "dense_allreduce", "sparse_allreduce"}
+
+
+def test_zipf_alpha_matches_sampling() -> None:
+    V, draws = 5000, 400
+    g = np.random.default_rng(0)
+    p = 1 / np.arange(1, V + 1)
+    p /= p.sum()
+    sampled = np.mean([np.unique(g.choice(V, draws, p=p)).size / V for _ in range(50)])
+    assert zipf_alpha(V, draws) == pytest.approx(sampled, rel=0.03)
+    assert zipf_alpha(V, 0) == 0.0
+
+
+def test_cluster_validation() -> None:
+    with pytest.raises(ValueError, match="machines"):
+        Cluster(0)
+    with pytest.raises(ValueError, match="bandwidth"):
+        Cluster(4, bandwidth=0)
+    with pytest.raises(ValueError, match="alpha"):
+        ParamStats("x", (3,), 1.5, True)
+
+
+def test_plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plans.json"
+    assert (
+        main(["plan", "--machines", "8,4096", "--bandwidth", "1gbit", "--latency", "100us", "--json", str(out)])
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "4096" in text and "emb.weight" in text
+    plans = json.loads(out.read_text())
+    assert [p["cluster"]["machines"] for p in plans] == [8, 4096]
+    assert all(math.isfinite(p["seconds"]) for p in plans)
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps([{"name": "t", "shape": [50000, 32], "alpha": 0.001, "sparse": True}]))
+    assert main(["plan", "--stats", str(stats), "--machines", "16", "--override", "t=sparse_allreduce"]) == 0
+    assert "override" in capsys.readouterr().out
+    stats.write_text("[{}]")
+    assert main(["plan", "--stats", str(stats)]) == 2
+    assert "needs name" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["plan", "--override", "t=bogus"])

@@ -1,0 +1,286 @@
+"""The parameter server on real server processes over loopback: optimizers against torch, the wire format's
+refusals, timeouts, sync/async semantics, checkpoint and restart."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparsync.placement import (
+    OptimizerConfig,
+    PSClient,
+    PSError,
+    PSTable,
+    PSTimeoutError,
+    ServerProcess,
+    WireError,
+    save_servers,
+    start_servers,
+    wire,
+)
+from sparsync.placement.wire import Header, Op
+
+pytestmark = [pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+def two() -> Iterator[list[ServerProcess]]:
+    sv = start_servers(2, wait_timeout=3.0)
+    yield sv
+    for s in sv:
+        s.kill()
+
+
+# --- wire format (single process) ----------------------------------------------------------------------------
+@settings(max_examples=50, deadline=None)
+@given(n=st.integers(0, 20), dim=st.integers(1, 5), rid=st.integers(0, 2**63), step=st.integers(0, 2**40))
+def test_wire_round_trip(n: int, dim: int, rid: int, step: int) -> None:
+    rows = np.arange(n, dtype=np.int64) * 3
+    vals = np.random.default_rng(n).standard_normal((n, dim)).astype(np.float32)
+    h = Header(op=Op.PUSH, rid=rid, step=step, n=n, dim=dim, token=wire.token_digest("t"))
+    got, body = wire.decode(wire.encode(h, *wire.rows_body(rows, vals)), token=wire.token_digest("t"))
+    assert (got.op, got.rid, got.step, got.n, got.dim) == (Op.PUSH, rid, step, n, dim)
+    r2, v2 = wire.parse_rows(got, body, with_values=True)
+    assert np.array_equal(r2, rows) and v2 is not None and np.array_equal(v2, vals)
+
+
+def test_wire_refusals() -> None:
+    h = Header(op=Op.PULL, n=2, dim=1)
+    frame = wire.encode(h, *wire.rows_body(np.array([1, 2])))
+    with pytest.raises(WireError, match="exceeds the limit"):
+        wire.decode(frame, max_bytes=50)
+    with pytest.raises(WireError, match="shorter than"):
+        wire.decode(frame[:10])
+    with pytest.raises(WireError, match="bad magic"):
+        wire.decode(b"XXXX" + frame[4:])
+    with pytest.raises(WireError, match="body_len"):
+        wire.decode(frame[:-1])
+    with pytest.raises(WireError, match="token"):
+        wire.decode(frame, token=wire.token_digest("secret"))
+    bad_version = frame[:4] + bytes([9]) + frame[5:]
+    with pytest.raises(WireError, match="version 9"):
+        wire.decode(bad_version)
+    got, body = wire.decode(wire.encode(Header(op=Op.PULL, n=3, dim=1), *wire.rows_body(np.array([1, 2]))))
+    with pytest.raises(WireError, match="expected 24"):
+        wire.parse_rows(got, body, with_values=False)
+
+
+# --- optimizers against torch ------------------------------------------------------------------------------
+def _torch_opt(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer:
+    if name == "adam":
+        return torch.optim.SparseAdam([p], lr=0.05)
+    if name == "adagrad":
+        return torch.optim.Adagrad([p], lr=0.05)
+    return torch.optim.SGD([p], lr=0.05)
+
+
+@pytest.mark.parametrize("name", ["sgd", "adagrad", "adam"])
+def test_server_optimizers_match_torch_sparse_optimizers(two: list[ServerProcess], name: str) -> None:
+    rows, dim = 40, 3
+    emb = torch.nn.Embedding(rows, dim, sparse=True)
+    opt = _torch_opt(name, emb.weight)
+    with PSClient([s.address for s in two], timeout=10) as c:
+        t = PSTable(c, f"t_{name}", rows, dim, partitions=3, optimizer=OptimizerConfig(name, lr=0.05))
+        assert t.create().wait() == 0
+        t.set(torch.arange(rows), emb.weight.detach()).wait()
+        g = torch.Generator().manual_seed(0)
+        for step in range(6):
+            idx = torch.randint(0, rows // 2, (12,), generator=g)  # duplicates, untouched rows
+            opt.zero_grad()
+            (emb(idx) * torch.randn(12, dim, generator=g)).sum().backward()
+            grad = emb.weight.grad
+            assert grad is not None and grad.is_sparse
+            opt.step()
+            gi, gv = grad._indices()[0], grad._values()  # uncoalesced: the table sums duplicates
+            t.push(gi, gv, step=step).wait()
+            t.apply(step).wait()
+        torch.testing.assert_close(
+            t.pull(torch.arange(rows), step=6).wait(), emb.weight.detach(), rtol=1e-5, atol=1e-6
+        )
+
+
+# --- refusals on the wire, token, timeouts -------------------------------------------------------------------
+def _raw(address: str, frame: bytes, timeout_ms: int = 5000) -> tuple[Header, str]:
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.connect(address)
+    s.send(frame)
+    assert s.poll(timeout_ms), "no reply from the server"
+    h, body = wire.decode(s.recv())
+    s.close()
+    ctx.term()
+    return h, bytes(body).decode(errors="replace")
+
+
+def test_server_refuses_bad_messages_with_an_error_reply() -> None:
+    sp = ServerProcess(wire_cfg := __import__("sparsync.placement.server", fromlist=["x"]).ServerConfig(
+        token="s3cret", max_message_bytes=4096, wait_timeout=2.0))  # fmt: skip
+    addr = sp.start()
+    try:
+        tok = wire.token_digest("s3cret")
+        assert wire_cfg.host == "127.0.0.1" and addr.startswith("tcp://127.0.0.1:")
+        h, msg = _raw(addr, wire.encode(Header(op=Op.PING, rid=7)))
+        assert h.status == 1 and h.rid == 7 and "token" in msg
+        h, msg = _raw(addr, wire.encode(Header(op=Op.PING, rid=8, token=tok)))
+        assert h.status == 0 and h.rid == 8
+        big = wire.encode(Header(op=Op.PUSH, rid=9, token=tok), bytes(5000))
+        h, msg = _raw(addr, big)
+        assert h.status == 1 and h.rid == 9 and "exceeds the limit of 4096" in msg
+        h, msg = _raw(addr, b"garbage that is not a message" * 3)
+        assert h.status == 1 and "magic" in msg
+        h, msg = _raw(addr, wire.encode(Header(op=77, rid=10, token=tok)))
+        assert h.status == 1 and "unknown op 77" in msg
+        h, msg = _raw(addr, wire.encode(Header(op=Op.CREATE, rid=11, token=tok), b"{not json"))
+        assert h.status == 1 and "JSON" in msg
+        huge = {"name": "h", "rows": 10**12, "lo": 0, "hi": 10**12, "dim": 1000}
+        h, msg = _raw(addr, wire.encode(Header(op=Op.CREATE, rid=13, token=tok), wire.json_body(huge)))
+        assert h.status == 1 and "max_shard_bytes" in msg
+        h, msg = _raw(addr, wire.encode(Header(op=Op.CREATE, rid=14, token=tok), wire.json_body({"rows": "x"})))
+        assert h.status == 1 and h.rid == 14
+        h, msg = _raw(addr, wire.encode(Header(op=Op.PULL, rid=12, token=tok, n=1, dim=2), bytes(8)))
+        assert h.status == 1 and "does not exist" in msg
+        with PSClient([addr], token="s3cret", timeout=5) as c:
+            t = PSTable(c, "e", 10, 2, partitions=2)
+            t.create().wait()
+            with pytest.raises(PSError, match="outside partition"):  # row 7 sent to partition 0
+                c.request(0, t._head(Op.PULL, 0, n=1), *wire.rows_body(np.array([7]))).result(5)
+            with pytest.raises(PSError, match="dim 3 does not match"):
+                c.request(
+                    0, Header(op=Op.PULL, table=t.id, n=1, dim=3, token=tok), *wire.rows_body(np.array([1]))
+                ).result(5)
+            with pytest.raises(PSError, match="non-finite"):
+                t.push(torch.tensor([1]), torch.tensor([[float("nan"), 0.0]])).wait()
+            with pytest.raises(ValueError, match="row 10 out of range"):
+                t.pull(torch.tensor([10]))
+            with pytest.raises(PSError, match="another config"):
+                PSTable(c, "e", 10, 2, partitions=1).create().wait()
+        with PSClient([addr], token="wrong", timeout=5) as c, pytest.raises(PSError, match="token"):
+            PSTable(c, "e", 10, 2, partitions=2).create().wait()
+    finally:
+        sp.kill()
+
+
+def test_dead_server_gives_a_timeout_error_not_a_hang(two: list[ServerProcess]) -> None:
+    with PSClient([s.address for s in two], timeout=1.5) as c:
+        t = PSTable(c, "e", 20, 2)
+        t.create().wait()
+        two[1].kill()
+        t0 = time.monotonic()
+        with pytest.raises(PSTimeoutError, match=r"server 1 .*no reply within 1.5 s"):
+            t.pull(torch.arange(20)).wait()
+        assert time.monotonic() - t0 < 5
+        assert t.pull(torch.arange(10)).wait().shape == (10, 2)  # rows on the live server still work
+
+
+def test_sync_step_waits_for_every_pusher_then_applies_once(two: list[ServerProcess]) -> None:
+    with PSClient([s.address for s in two], timeout=10) as c:
+        t = PSTable(c, "e", 8, 1, pushers=2, optimizer=OptimizerConfig("sgd", lr=1.0))
+        t.create().wait()
+        t.push(torch.tensor([0, 5]), torch.tensor([[1.0], [2.0]]), step=0).wait()
+        apply = t.apply(0)
+        pull = t.pull(torch.tensor([0, 5]), step=1)  # waits for the chief's update
+        time.sleep(0.3)
+        assert not apply.is_completed() and not pull.is_completed()
+        t.push(torch.tensor([0]), torch.tensor([[10.0]]), step=0).wait()
+        apply.wait()
+        assert pull.wait().flatten().tolist() == [-11.0, -2.0]  # summed over pushers, applied once
+        # A pusher that never comes: the chief's APPLY fails after the server's wait_timeout (3 s), with why.
+        t.push(torch.tensor([1]), torch.tensor([[1.0]]), step=1).wait()
+        with pytest.raises(PSError, match="1 of 2 pushes arrived"):
+            t.apply(1).wait()
+
+
+def test_async_applies_each_push_at_once(two: list[ServerProcess]) -> None:
+    with PSClient([s.address for s in two], timeout=10) as c:
+        t = PSTable(c, "e", 8, 2, mode="async", pushers=3, optimizer=OptimizerConfig("sgd", lr=1.0))
+        t.create().wait()
+        t.push(torch.tensor([3, 3]), torch.ones(2, 2)).wait()  # one worker, no one else: applied anyway
+        assert t.pull(torch.tensor([3])).wait().tolist() == [[-2.0, -2.0]]
+
+
+def test_checkpoint_and_restart_resume_tables_and_optimizer_state(tmp_path: object) -> None:
+    sv = start_servers(2, checkpoint_dir=str(tmp_path), wait_timeout=5.0)
+    rows, dim = 30, 4
+    emb = torch.nn.Embedding(rows, dim, sparse=True)
+    opt = torch.optim.SparseAdam([emb.weight], lr=0.05)
+    g = torch.Generator().manual_seed(1)
+    try:
+        with PSClient([s.address for s in sv], timeout=5) as c:
+            t = PSTable(c, "ck", rows, dim, partitions=4, optimizer=OptimizerConfig("adam", lr=0.05))
+            t.create().wait()
+            t.set(torch.arange(rows), emb.weight.detach()).wait()
+            for step in range(6):
+                if step == 3:
+                    files = save_servers(c).wait()
+                    assert len(files) == 2
+                    for s in sv:
+                        s.kill()  # both crash
+                    for s in sv:
+                        s.restart()  # same ports, resume from the checkpoint
+                    assert t.create().wait() == 3
+                idx = torch.randint(0, rows, (10,), generator=g)
+                opt.zero_grad()
+                (emb(idx) * torch.randn(10, dim, generator=g)).sum().backward()
+                opt.step()
+                grad = emb.weight.grad
+                assert grad is not None
+                t.push(grad._indices()[0], grad._values(), step=step).wait()
+                t.apply(step).wait()
+            # Adam's moments and step counter survived: the run equals an uninterrupted torch run.
+            torch.testing.assert_close(t.read_all(), emb.weight.detach(), rtol=1e-5, atol=1e-6)
+    finally:
+        for s in sv:
+            s.kill()
+
+
+def test_config_validation_names_the_bad_value() -> None:
+    from sparsync.placement.hybrid import HybridConfig
+    from sparsync.placement.server import ServerConfig
+    from sparsync.placement.shard import ShardConfig
+
+    with pytest.raises(KeyError, match="unknown server optimizer 'rmsprop'"):
+        OptimizerConfig("rmsprop")
+    with pytest.raises(ValueError, match="lr must be"):
+        OptimizerConfig("sgd", lr=-1.0)
+    with pytest.raises(KeyError, match="unknown mode 'semi'"):
+        HybridConfig(mode="semi")
+    with pytest.raises(ValueError, match="sparse_reduce must be"):
+        HybridConfig(sparse_reduce="max")
+    with pytest.raises(ValueError, match="bad shard"):
+        ShardConfig("t", rows=10, lo=5, hi=20, dim=2)
+    with pytest.raises(ValueError, match="unknown table config keys"):
+        ShardConfig.from_json({"name": "t", "rows": 1, "lo": 0, "hi": 1, "dim": 1, "evil": 1})
+    with pytest.raises(ValueError, match="port"):
+        ServerConfig(port=70000)
+    with pytest.raises(ValueError, match="at least one server address"):
+        PSClient([])
+
+
+def test_server_exits_when_its_starter_dies() -> None:
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import os\nfrom sparsync.placement import start_servers\n"
+        "sv = start_servers(1)\nprint(sv[0]._proc.pid, flush=True)\nos._exit(0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ)
+    pid = int(out.stdout.strip())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return  # gone: no orphaned server
+        time.sleep(0.2)
+    os.kill(pid, 9)
+    pytest.fail(f"server {pid} outlived the process that started it")
