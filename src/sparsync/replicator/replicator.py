@@ -136,17 +136,11 @@ def _new_group(made: list[dist.ProcessGroup], ranks: list[int]) -> Any:
 
 def _entry(rank: int, repl: Replicator, R: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     made: list[dist.ProcessGroup] = []
-    ok = False
     try:
-        out = fn(build_context(rank, repl, R, made), *args)
-        ok = True
-        return out
+        return fn(build_context(rank, repl, R, made), *args)
     finally:
         # Subgroups go before the default group is torn down: left to interpreter exit, their gloo threads
-        # abort the process ("terminate called without an active exception"), which torchrun reports. After a
-        # clean run every rank first waits for the others, so none closes a pair a peer is still reading.
-        if ok and made:
-            dist.barrier()
+        # abort the process ("terminate called without an active exception"), which torchrun reports.
         for g in made:
             dist.destroy_process_group(g)
 
