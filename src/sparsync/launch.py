@@ -123,10 +123,7 @@ def launch(
         if owned:
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
         try:
-            out = [fn(dist.get_rank(), *args)]
-            if owned:  # every rank done before any tears the pairs down
-                dist.barrier()
-            return out
+            return [fn(dist.get_rank(), *args)]
         finally:
             if owned:  # a group we made is ours to tear down; one the caller made stays theirs
                 # Objects of fn's left in reference cycles (autograd graphs holding gloo work) go before
