@@ -26,9 +26,13 @@ TABLES, VOCAB, EMB, DENSE_IN, BATCH, STEPS = 3, 20000, 16, 13, 128, 100
 
 
 def dct_dp_placement() -> Compressed:
-    """DCT-DP (DCT Alg. 1) for the data-parallel half: keep the top 5% of each gradient by magnitude with a
-    threshold recomputed every L = 50 steps, the rest carried in error-feedback memory per parameter name."""
-    return Compressed(Threshold(0.05, lifespan=50), ErrorFeedback())
+    """DCT-DP (DCT Alg. 1) for the data-parallel half: keep the top 10% of each gradient by magnitude with a
+    threshold recomputed every L = 10 steps, the rest carried in error-feedback memory per parameter name.
+
+    Tried here for this 100-step run: 5% with L = 50 barely moved the loss (0.694 -> 0.700: the threshold taken
+    from the first, large gradients stays too high for 50 steps); 10% with L = 10 reached 0.598 against 0.656 for
+    dense allreduce. DCT's own runs are far longer, where a longer L pays off."""
+    return Compressed(Threshold(0.1, lifespan=10), ErrorFeedback())
 
 
 class Bottom0(nn.Sequential):

@@ -39,3 +39,6 @@ def test_examples() -> None:
     out = _run("dlrm_hybrid.py")
     ratio = float(re.search(r"sends (\d+\.\d+)x fewer bytes", out).group(1))  # type: ignore[union-attr]
     assert ratio > 7.0, out
+    # DCT-DP (Threshold + error feedback) on the dense layers still trains: the loss falls in both runs.
+    losses = [(float(a), float(b)) for a, b in re.findall(r"loss (\d\.\d+) -> (\d\.\d+)", out)]
+    assert len(losses) == 2 and all(b < a for a, b in losses), out
