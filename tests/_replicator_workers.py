@@ -13,10 +13,12 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import sparsync
+from sparsync.compress import ErrorFeedback, Identity, TopK
 from sparsync.replicator import (
     DCTMP,
     PER_REPLICA,
     PER_WORKER,
+    Compressed,
     CustomReduce,
     DenseAllreduce,
     ReplicaContext,
@@ -117,6 +119,12 @@ def _dp_run(ctx: ReplicaContext, mode: str, plan_kind: str) -> dict[str, Any]:
     lr = LR
     if plan_kind == "explicit":
         plan = {"emb.weight": SparseAllreduce("ssar_split_allgather"), "fc1.weight": CustomReduce(_dense_sum)}
+    elif plan_kind == "compressed":  # lossless compressors through sparsync.reduce, with error feedback
+        memory = ErrorFeedback()
+        plan = {
+            "emb.weight": Compressed(TopK(1.0), memory),  # COO in: keeps every stored row entry
+            "fc1.weight": Compressed(Identity(), memory),
+        }
     elif plan_kind == "dense_sum":
         plan = {n: DenseAllreduce() for n, _ in model.named_parameters()}
         op, lr = "sum", LR / ctx.num_replicas  # a sum with lr / R is the same update as the mean with lr

@@ -7,10 +7,10 @@ replicas, then divide by the number of replicas when ``op="mean"`` (TF-Replicato
 averages, §3.4; the sum is explicit, never implied).
 
 Placements here: ``DenseAllreduce`` (one bucketed allreduce per dtype), ``SparseAllreduce`` (SparCML's
-``sparsync.allreduce`` per tensor, COO in, COO out), ``CustomReduce`` (any ``(grad, name, group) -> sum``
-callable: the plug point for the compressors, e.g. ``sparsync.reduce`` with a ``Threshold`` compressor and error
-feedback), and ``ByLayout`` (the default: sparse gradients to ``SparseAllreduce``, dense ones to
-``DenseAllreduce``), and ``Compressed`` (a compressor with error feedback through ``sparsync.reduce``). A
+``sparsync.allreduce`` per tensor, COO in, COO out), ``Compressed`` (a ``sparsync.compress`` compressor with error
+feedback through ``sparsync.reduce``: ``Threshold`` + ``ErrorFeedback`` is DCT-DP), ``CustomReduce`` (any
+``(grad, name, group) -> sum`` callable), and ``ByLayout`` (the default: sparse gradients to ``SparseAllreduce``,
+dense ones to ``DenseAllreduce``). A
 parameter-server placement subclasses ``Placement`` the same way.
 """
 
