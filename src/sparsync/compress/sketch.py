@@ -102,8 +102,8 @@ class SparseSketch(Compressor):
             e = payload.table[j][h]
             est[j] = torch.where(sign, -e, e)
         if self.rows == 3:  # the default r: the middle of three by min/max, ~8x faster than median(0)
-            a, b, c3 = est[0], est[1], est[2]
-            vals = torch.maximum(torch.minimum(a, b), torch.minimum(torch.maximum(a, b), c3))
+            e0, e1, e2 = est[0], est[1], est[2]
+            vals = torch.maximum(torch.minimum(e0, e1), torch.minimum(torch.maximum(e0, e1), e2))
         elif self.rows % 2:
             vals = est.median(0).values  # odd r: the middle estimate itself
         else:
