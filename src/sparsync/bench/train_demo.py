@@ -167,11 +167,11 @@ def run_demo(
     local processes, with one parameter server per process (each process and its server in a namespace
     with ``net``-shaped links when given, e.g. "1gbit"); returns their summaries, the largest parameter
     difference between any run's final model and the dense run's, and the automatic plan."""
-    from sparsync.bench.hybrid_run import start_servers
+    from sparsync.bench.hybrid_run import bench_servers
 
     repl = Replicator(num_replicas=cfg.replicas, record=True)
     if net is None:
-        sv = start_servers(cfg.replicas, None)
+        sv = bench_servers(cfg.replicas, None)
         try:
             runs, plan = repl.start(demo_program, cfg, show_progress, [s.address for s in sv])[0]
         finally:
@@ -182,7 +182,7 @@ def run_demo(
 
         require_root()
         with NetNamespaces(cfg.replicas, NetSpec(net)) as ns:
-            sv = start_servers(cfg.replicas, ns)
+            sv = bench_servers(cfg.replicas, ns)
             try:
                 addrs = [s.address for s in sv]
                 runs, plan = repl.start(demo_program, cfg, show_progress, addrs, netns=ns)[0]
