@@ -52,7 +52,10 @@ def test_table3_transfer_formulas() -> None:
     assert c["dense_allreduce"][0] == pytest.approx(4 * w * (N - 1) / N)
     assert c["ps"][0] == pytest.approx(4 * a * w * (N - 1) / N)
     assert alg in ("ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather", "allgather", "dense")
-    # Table 3 sparse AR (allgatherv): 2αw(N-1) -- the PS moves (N-1)/N·2/(N-1)... = 2/N of it.
+    # Table 3 sparse AR (allgatherv): 2αw(N-1), times (1 + c/isize) for the one int32 index per element that
+    # sparsync.allreduce(coo) sends (coo_to_stream), which the model picks here (few rows, 8 ranks).
+    assert alg == "allgather"
+    assert c["sparse_allreduce"][0] == pytest.approx(2 * a * w * (N - 1) * (1 + 4 / 4))
     ag = candidates(s, Cluster(N, 1, 1e9, 1e-5))[0]
     assert ag["ps"][0] < ag["dense_allreduce"][0]
 
@@ -119,3 +122,21 @@ def test_plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "needs name" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["plan", "--override", "t=bogus"])
+
+
+def test_sparse_allreduce_cost_counts_the_stream_allreduce_coo_sends() -> None:
+    """The plan's per-rank input of a sparse allreduce is the COO gradient's stream: an index per element."""
+    from sparsync.collectives.tensor import coo_to_stream
+
+    rows, dim, k = 5000, 16, 50
+    emb = torch.nn.Embedding(rows, dim, sparse=True)
+    emb(torch.arange(k) * 7).sum().backward()
+    grad = emb.weight.grad
+    assert grad is not None
+    stream = coo_to_stream(grad)
+    assert stream.indices is not None
+    sent = stream.nnz * (stream.indices.element_size() + stream.values.element_size())
+    s = ParamStats("e", (rows, dim), k / rows, True, alpha_machine=k / rows)
+    c, alg = candidates(s, Cluster(2, 1, 1e9, 1e-5))
+    assert alg == "allgather"  # 2 ranks, 1% of the rows: each sends its stream once and receives the other's
+    assert c["sparse_allreduce"][0] == pytest.approx(2 * sent)

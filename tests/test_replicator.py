@@ -290,15 +290,35 @@ def test_dctmp_mask_round_trips() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_demo_trains_both_plans_to_the_same_model() -> None:
-    from sparsync.bench.train_demo import DemoConfig, run_demo
+    import tempfile
+    from pathlib import Path
 
-    runs, diff = run_demo(DemoConfig(steps=12, warmup=2), show_progress=False)
-    dense, sparse = runs
-    assert diff < 1e-4  # the same SGD updates
-    assert dense["final_loss"] == pytest.approx(sparse["final_loss"], abs=1e-4)
+    from rich.console import Console
+
+    from sparsync.bench.train_demo import DemoConfig, plan_summary, print_demo, run_demo
+
+    cfg = DemoConfig(steps=12, warmup=2)
+    runs, diff, plan = run_demo(cfg, show_progress=False)
+    dense, sparse, auto = runs
+    assert diff < 1e-4  # the same SGD updates, all three runs
+    for r in (sparse, auto):
+        assert dense["final_loss"] == pytest.approx(r["final_loss"], abs=1e-4)
     assert sparse["final_loss"] < sparse["first_loss"]
     assert dense["bytes_per_step"] > 10 * sparse["bytes_per_step"]  # the embedding gradient travels sparse
     assert dense["algorithms"] == ["gloo"] and len(sparse["algorithms"]) == 2
+    # The automatic plan: the embedding (measured α < 1%) on the parameter server, the MLP by dense allreduce.
+    emb = next(e for e in plan.entries if e.name == "emb.weight")
+    assert 0 < emb.alpha < 0.05 and emb.placement == "ps"
+    assert all(e.placement == "dense_allreduce" for e in plan.entries if e.name != "emb.weight")
+    assert plan_summary(plan).startswith("plan chose: parameter server for emb.weight;")
+    assert plan_summary(plan).endswith("(hybrid)")
+    assert auto["plan"].startswith("auto plan: hybrid") and "ps" in auto["algorithms"]
+    assert 0 < auto["bytes_per_step"] < sparse["bytes_per_step"]
+    console = Console(record=True, width=200)
+    with tempfile.TemporaryDirectory() as d:
+        print_demo(runs, diff, cfg, console, Path(d) / "demo", None, plan)
+        assert "plan chose: parameter server for emb.weight" in (Path(d) / "demo.md").read_text()
+    assert "plan chose: parameter server for emb.weight" in console.export_text()
 
 
 @pytest.mark.multiprocess

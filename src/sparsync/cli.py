@@ -52,7 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsync", description="Sparse collectives for PyTorch training.")
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
-        "demo", help="train a sparse-embedding model on 4 local processes: dense allreduce vs sparsync's plan"
+        "demo",
+        help="train a sparse-embedding model on 4 local processes: dense allreduce vs sparsync's plans",
     )
     demo.add_argument("--out", type=Path, default=Path("results/demo_train"), help="path stem for .json/.md")
     demo.add_argument("--steps", type=int, default=150)
@@ -122,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"[bold]sparsync demo[/]: {demo_cfg.replicas} local processes train a classifier with a sparse "
                 f"embedding (vocab {demo_cfg.vocab:,}, Zipf tokens), {demo_cfg.steps} steps, per gradient plan"
             )
-            runs, diff = run_demo(demo_cfg, show_progress=not args.no_progress, net=args.net)
-            print_demo(runs, diff, demo_cfg, console, args.out, args.net)
+            runs, diff, plan = run_demo(demo_cfg, show_progress=not args.no_progress, net=args.net)
+            print_demo(runs, diff, demo_cfg, console, args.out, args.net, plan)
             return 0
         if args.command == "bench" and args.bench == "hybrid":
             from sparsync.bench.hybrid import METHODS as HYBRID_METHODS

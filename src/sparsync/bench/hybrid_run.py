@@ -26,7 +26,8 @@ from sparsync.placement.server import ServerConfig, ServerProcess
 PLAN_OF = {"allreduce": "dense_allreduce", "sparse_ar": "sparse_allreduce", "hybrid": "ps"}
 
 
-def _servers(P: int, ns: NetNamespaces | None) -> list[ServerProcess]:
+def bench_servers(P: int, ns: NetNamespaces | None) -> list[ServerProcess]:
+    """One server per rank (in rank i's namespace with ``ns``), as the benchmarks and the demo colocate them."""
     out: list[ServerProcess] = []
     try:
         for i in range(P):
@@ -81,7 +82,7 @@ def run_hybrid_bench(
             c = replace(cfg, seq=seq)
             console.print(f"[bold]P = {P}[/], seq = {seq}, vocab {c.vocab:,} x {c.dim}, LSTM {c.hidden}, {where}")
             if spec is None:
-                sv = _servers(P, None)
+                sv = bench_servers(P, None)
                 try:
                     res = launch(worker, nprocs=P, args=(c, [s.address for s in sv], progress), timeout=timeout)
                 finally:
@@ -89,7 +90,7 @@ def run_hybrid_bench(
                         s.kill()
             else:
                 with NetNamespaces(P, spec) as ns:
-                    sv = _servers(P, ns)
+                    sv = bench_servers(P, ns)
                     try:
                         addrs = [s.address for s in sv]
                         res = launch(worker, nprocs=P, args=(c, addrs, progress), timeout=timeout, netns=ns)
@@ -127,7 +128,7 @@ def search_hybrid_partitions(
 
     def measure(parts: int) -> list[float]:
         c = replace(cfg, partitions=parts, methods=("hybrid",))
-        sv = _servers(P, None)
+        sv = bench_servers(P, None)
         try:
             res = launch(worker, nprocs=P, args=(c, [s.address for s in sv], False), timeout=timeout)
         finally:

@@ -1,4 +1,4 @@
-"""``sparsync demo``: real training with the Replicator API, plain dense allreduce vs sparsync's plan.
+"""``sparsync demo``: real training with the Replicator API, plain dense allreduce vs sparsync's plans.
 
 A bag-of-tokens classifier with a sparse embedding (``nn.Embedding(sparse=True)``, vocab 65,536) on synthetic
 Zipf-distributed tokens, trained on 4 local processes twice from the same seed and data: once with every
@@ -6,6 +6,11 @@ gradient averaged by a dense allreduce (the embedding's gradient densified, as H
 ``wrap_optimizer``'s default plan (the embedding's COO gradient by SparCML's sparse allreduce, chosen by the
 α-β model; the dense layers in one bucketed allreduce). Both runs use plain SGD, so they compute the same
 updates and end at the same loss; what differs is the bytes on the wire and the step time.
+
+A third run follows the automatic plan (issue 5, ``demo_plan``): α of the embedding measured over the warm-up
+steps' inputs, Parallax's placement plan for the demo's cluster (an assumed 1 Gbit/s link), and training with
+that plan: for the demo model the parameter server for the embedding and dense allreduce for the rest (the
+hybrid), on one colocated server per process.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+from sparsync.bench.demo_plan import AUTO, measure_plan, train_hybrid
+from sparsync.placement.plan import Plan
 from sparsync.replicator import PER_REPLICA, DenseAllreduce, ReplicaContext, Replicator
 
 PLANS = ("dense allreduce", "sparsync plan")
@@ -117,7 +124,26 @@ def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any) -> di
     }
 
 
-def demo_program(ctx: ReplicaContext, cfg: DemoConfig, show_progress: bool) -> list[dict[str, Any]] | None:
+def _train_auto(
+    ctx: ReplicaContext, cfg: DemoConfig, addresses: list[str], progress: Any, runs: list[dict[str, Any]]
+) -> tuple[dict[str, Any], Plan]:
+    """The automatic plan: measured α, ``make_plan``, then training with the plan's placements."""
+    torch.manual_seed(cfg.seed)
+    model = BagClassifier(cfg)
+    batches = list(_input_fn(cfg)(ctx.replica_id))
+    plan = measure_plan(ctx, cfg, model, batches[: cfg.warmup])
+    if any(e.placement == "ps" for e in plan.entries):
+        return train_hybrid(ctx, cfg, model, plan, addresses, batches, progress), plan
+    # No parameter on the server: the plan is one of the allreduce runs above (dense layers always go dense).
+    sparse_ar = any(e.placement == "sparse_allreduce" for e in plan.entries)
+    same = dict(runs[1 if sparse_ar else 0])
+    same["plan"] = f"{AUTO}: same as {same['plan']}"
+    return same, plan
+
+
+def demo_program(
+    ctx: ReplicaContext, cfg: DemoConfig, show_progress: bool, addresses: list[str]
+) -> tuple[list[dict[str, Any]], Plan] | None:
     torch.set_num_threads(1)
     progress = None
     if show_progress and ctx.replica_id == 0:
@@ -127,44 +153,92 @@ def demo_program(ctx: ReplicaContext, cfg: DemoConfig, show_progress: bool) -> l
         progress.start()
     try:
         runs = [_train(ctx, cfg, plan, progress) for plan in PLANS]
+        auto, chosen = _train_auto(ctx, cfg, addresses, progress, runs)
     finally:
         if progress is not None:
             progress.stop()
-    return runs if ctx.replica_id == 0 else None
+    return ([*runs, auto], chosen) if ctx.replica_id == 0 else None
 
 
 def run_demo(
     cfg: DemoConfig, *, show_progress: bool = True, net: str | None = None
-) -> tuple[list[dict[str, Any]], float]:
-    """Both runs on ``cfg.replicas`` local processes (each in a namespace with ``net``-shaped links when
-    given, e.g. "1gbit"); returns their summaries and the largest parameter difference between the two runs'
-    final models."""
+) -> tuple[list[dict[str, Any]], float, Plan]:
+    """The three runs (dense allreduce, sparsync's default plan, the automatic plan) on ``cfg.replicas``
+    local processes, with one parameter server per process (each process and its server in a namespace
+    with ``net``-shaped links when given, e.g. "1gbit"); returns their summaries, the largest parameter
+    difference between any run's final model and the dense run's, and the automatic plan."""
+    from sparsync.bench.hybrid_run import bench_servers
+
     repl = Replicator(num_replicas=cfg.replicas, record=True)
     if net is None:
-        runs = repl.start(demo_program, cfg, show_progress)[0]
+        sv = bench_servers(cfg.replicas, None)
+        try:
+            runs, plan = repl.start(demo_program, cfg, show_progress, [s.address for s in sv])[0]
+        finally:
+            for s in sv:
+                s.kill()
     else:
         from sparsync.netem import NetNamespaces, NetSpec, require_root
 
         require_root()
         with NetNamespaces(cfg.replicas, NetSpec(net)) as ns:
-            runs = repl.start(demo_program, cfg, show_progress, netns=ns)[0]
-    a, b = runs[0].pop("params"), runs[1].pop("params")
-    diff = max(float((a[k] - b[k]).abs().max()) for k in a)
-    return runs, diff
+            sv = bench_servers(cfg.replicas, ns)
+            try:
+                addrs = [s.address for s in sv]
+                runs, plan = repl.start(demo_program, cfg, show_progress, addrs, netns=ns)[0]
+            finally:
+                for s in sv:
+                    s.kill()
+    ref = runs[0]["params"]
+    for r in runs:
+        p = r.pop("params")
+        r["max_param_diff"] = max(float((ref[k] - p[k]).abs().max()) for k in ref)
+    return runs, max(r["max_param_diff"] for r in runs), plan
 
 
 def config_dict(cfg: DemoConfig) -> dict[str, Any]:
     return asdict(cfg)
 
 
+def plan_summary(plan: Plan) -> str:
+    """One line naming each parameter's placement, e.g. 'plan chose: parameter server for emb.weight (hybrid);
+    dense allreduce for mlp.0.weight, ...'."""
+    words = {"ps": "parameter server", "dense_allreduce": "dense allreduce",
+             "sparse_allreduce": "sparse allreduce", "sketch": "sketch"}  # fmt: skip
+    by: dict[str, list[str]] = {}
+    for e in plan.entries:
+        by.setdefault(e.placement, []).append(e.name)
+    kind = "hybrid" if "ps" in by and len(by) > 1 else ("parameter server" if "ps" in by else "allreduce")
+    parts = [f"{words[pl]} for {', '.join(names)}" for pl, names in by.items()]
+    return f"plan chose: {'; '.join(parts)} ({kind})"
+
+
 def print_demo(
-    runs: list[dict[str, Any]], diff: float, cfg: DemoConfig, console: Any, out: Any, net: str | None = None
+    runs: list[dict[str, Any]],
+    diff: float,
+    cfg: DemoConfig,
+    console: Any,
+    out: Any,
+    net: str | None = None,
+    plan: Plan | None = None,
 ) -> None:
-    """The side-by-side table on screen, and ``out``.json / ``out``.md."""
+    """The plan, the side-by-side table on screen, and ``out``.json / ``out``.md."""
     import json
 
     from rich.table import Table
 
+    from sparsync.bench.demo_plan import DEMO_LINK
+
+    lines: list[str] = []
+    if plan is not None:
+        c = plan.cluster
+        link = f"an assumed {c.bandwidth * 8 / 1e9:g} Gbit/s link, {c.latency * 1e6:g} µs"
+        plan.print(
+            console,
+            title=f"automatic plan: α measured over {cfg.warmup} warm-up steps; {c.machines} machines on {link}",
+        )
+        lines.append(plan_summary(plan))
+        console.print(lines[-1])
     where = f"{net} links" if net else "loopback"
     table = Table(title=f"{cfg.replicas} processes, {cfg.steps} steps, batch {cfg.batch}/replica ({where})")
     for col in ("gradient plan", "step time ms (median)", "MB sent/step/rank", "final loss", "algorithms"):
@@ -178,19 +252,23 @@ def print_demo(
             ", ".join(r["algorithms"]),
         )
     console.print(table)
-    d, s = runs
-    lines = [
-        f"bytes per step: {d['bytes_per_step'] / s['bytes_per_step']:.1f}x fewer with sparsync's plan; "
-        f"step time dense / sparsync: {d['step_ms'] / s['step_ms']:.2f}",
-        f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f} (mean of the last 10 steps); the two runs' final "
-        f"parameters differ by at most {diff:.2e} (same SGD updates, different summation order)",
+    d, s = runs[0], runs[-1]
+    lines += [
+        f"{r['plan']}: {d['bytes_per_step'] / r['bytes_per_step']:.1f}x fewer bytes per step than dense "
+        f"allreduce; step time dense / this: {d['step_ms'] / r['step_ms']:.2f}"
+        for r in runs[1:]
     ]
-    for line in lines:
+    lines.append(
+        f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f} (mean of the last 10 steps); every run's final "
+        f"parameters differ from the dense run's by at most {diff:.2e} (same SGD updates, different summation "
+        "order)"
+    )
+    for line in lines[1 if plan is not None else 0 :]:
         console.print(line)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(
-        json.dumps({"config": config_dict(cfg), "net": net, "runs": runs, "max_param_diff": diff}, indent=1)
-    )
+    meta = {"config": config_dict(cfg), "net": net, "plan_link": DEMO_LINK, "runs": runs, "max_param_diff": diff,
+            "plan": plan.as_dict() if plan is not None else None}  # fmt: skip
+    out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
     md = ["| gradient plan | step ms | MB/step/rank | final loss |", "| --- | --- | --- | --- |"]
     md += [
         f"| {r['plan']} | {r['step_ms']:.1f} | {r['bytes_per_step'] / 1e6:.3f} | {r['final_loss']:.4f} |"

@@ -1,0 +1,104 @@
+"""``sparsync demo``'s automatic plan (issue 5): α of the embedding measured over warm-up steps, the Parallax
+placement plan (``sparsync.placement.make_plan``) for the demo's cluster, and training with that plan; if the
+plan puts the embedding on the parameter server, the hybrid (Parallax §3.1: dense parameters by dense
+allreduce, the embedding on one colocated server per process, sync mode) through ``HybridTrainer``.
+
+The demo's processes share one machine's loopback, so there is no link to measure; the plan assumes a
+1 Gbit/s link with 50 µs latency per message (``DEMO_LINK``), a small cluster's Ethernet, and says so.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from sparsync.placement.detect import AlphaMeter
+from sparsync.placement.hybrid import HybridConfig, HybridTrainer
+from sparsync.placement.optim import OptimizerConfig
+from sparsync.placement.plan import Cluster, Plan, make_plan
+from sparsync.record import CommLog
+
+DEMO_BANDWIDTH = 1.25e8  # bytes/s: 1 Gbit/s, an assumption (stated in the plan's title)
+DEMO_LATENCY = 50e-6  # seconds per message
+DEMO_LINK = {"bandwidth": DEMO_BANDWIDTH, "latency": DEMO_LATENCY}
+AUTO = "auto plan"
+
+
+def measure_plan(ctx: Any, cfg: Any, model: torch.nn.Module, batches: list[Any]) -> Plan:
+    """α of each sparse parameter over ``batches`` (forward passes only: α depends on the input alone),
+    averaged over the replicas, and the plan for ``cfg.replicas`` machines on ``DEMO_LINK``."""
+    meter = AlphaMeter(model)
+    with torch.no_grad():
+        for tok, _ in batches:
+            model(tok)
+            meter.end_step()
+    meter.close()
+    stats = meter.stats()
+    for s in stats:
+        if s.sparse:
+            s.alpha = float(ctx.all_mean(torch.tensor([s.alpha], dtype=torch.float64))[0])
+            s.alpha_machine = s.alpha  # one process per machine
+    return make_plan(stats, Cluster(cfg.replicas, bandwidth=DEMO_BANDWIDTH, latency=DEMO_LATENCY))
+
+
+def train_hybrid(
+    ctx: Any, cfg: Any, model: torch.nn.Module, plan: Plan, addresses: list[str], batches: Any, progress: Any
+) -> dict[str, Any]:
+    """Train with ``plan``'s parameter-server parameters on the servers at ``addresses`` (plain SGD, mean
+    over the replicas: the same updates as the allreduce runs); the same summary as ``train_demo._train``."""
+    import statistics
+
+    sparse = [e.name for e in plan.entries if e.placement == "ps"]
+    dense = [p for n, p in model.named_parameters() if n not in sparse]
+    hc = HybridConfig(mode="sync", sparse_reduce="mean", dense_reduce="mean", local_aggregation=True,
+                      optimizer=OptimizerConfig("sgd", lr=cfg.lr), timeout=120.0)  # fmt: skip
+    log = CommLog()
+    trainer = HybridTrainer(model, addresses, hc, dense_optimizer=torch.optim.SGD(dense, lr=cfg.lr), log=log,
+                            sparse_params=sparse)  # fmt: skip
+    me = ctx.replica_id
+    times, nbytes, losses = [], [], []
+    task = progress.add_task(f"{AUTO} (hybrid)", total=cfg.steps) if progress is not None else None
+    try:
+        for tok, y in batches:
+            before, ps0 = len(log), _remote_bytes(trainer, me)
+            t0 = time.perf_counter()
+            loss = trainer.step(partial(_loss, model, tok, y))
+            times.append(time.perf_counter() - t0)
+            # bytes this process's machine sends: its allreduce bytes, plus its client's traffic with the
+            # remote servers (requests out; the replies it gets equal, by symmetry, those its server sends)
+            nbytes.append(sum(r.bytes_sent for r in log.records[before:]) + _remote_bytes(trainer, me) - ps0)
+            losses.append(loss)
+            if progress is not None:
+                progress.advance(task)
+        params = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        for n in sparse:  # the sparse parameters live on the servers
+            t = trainer.tables[n]
+            params[n] = t.pull(torch.arange(t.rows), step=trainer.step_no).wait().reshape(params[n].shape)
+    finally:
+        trainer.close()
+    mean_losses = ctx.all_mean(torch.tensor(losses)).tolist()
+    worst = ctx.all_reduce(torch.tensor(times), "max").tolist()
+    # Averaged over the processes: the PS traffic is not symmetric (a server holding hot rows sends more).
+    nbytes = ctx.all_mean(torch.tensor(nbytes, dtype=torch.float64)).tolist()
+    return {
+        "plan": f"{AUTO}: hybrid (PS for {', '.join(sparse)})",
+        "step_ms": 1e3 * statistics.median(worst[cfg.warmup :]),
+        "bytes_per_step": statistics.mean(nbytes[cfg.warmup :]),
+        "first_loss": mean_losses[0],
+        "final_loss": statistics.mean(mean_losses[-10:]),
+        "algorithms": ["gloo" if not log.records else sorted({r.algorithm for r in log.records})[0], "ps"],
+        "params": params if me == 0 else None,
+    }
+
+
+def _loss(model: torch.nn.Module, tok: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(tok), y)
+
+
+def _remote_bytes(trainer: HybridTrainer, rank: int) -> int:
+    per = trainer.client.bytes_per_server
+    return sum(per) - per[rank % len(per)]  # server i is colocated with process i
