@@ -150,8 +150,6 @@ def main(argv: list[str] | None = None) -> int:
 
             return cli_plan.run(args, console)
         if args.command == "bench" and args.bench == "allreduce":
-            if args.latency and not args.net:
-                raise ValueError("--latency needs --net")
             cfg = BenchConfig(dim=args.n, densities=args.densities, repeats=args.repeats, methods=args.methods)
             run_allreduce_bench(
                 cfg,
@@ -166,8 +164,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench" and args.bench == "compress":
             from sparsync.bench import CompressBenchConfig, run_compress_bench
 
-            if args.latency and not args.net:
-                raise ValueError("--latency needs --net")
             ccfg = CompressBenchConfig(sizes=args.sizes, repeats=args.repeats)
             if args.compressors:
                 ccfg = CompressBenchConfig(

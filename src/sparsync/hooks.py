@@ -62,30 +62,11 @@ def compression_hook(
         works: list[Work[torch.Tensor]] = []
         for j, (p, grad) in enumerate(zip(params, grads, strict=True)):
             name = names.get(id(p)) or f"bucket{bucket.index()}.{j}"
-            works.append(
-                reduce(
-                    grad,
-                    compressor,
-                    memory=memory,
-                    name=name,
-                    group=group,
-                    average=average,
-                    async_op=True,
-                    algorithm=algorithm,
-                )
-                if async_op
-                else Work.done(
-                    reduce(
-                        grad,
-                        compressor,
-                        memory=memory,
-                        name=name,
-                        group=group,
-                        average=average,
-                        algorithm=algorithm,
-                    )
-                )
-            )
+            out = reduce(
+                grad, compressor, memory=memory, name=name, group=group, average=average, async_op=async_op,
+                algorithm=algorithm,
+            )  # fmt: skip
+            works.append(out if isinstance(out, Work) else Work.done(out))
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
 
         def assemble(_: object) -> None:

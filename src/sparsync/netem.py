@@ -25,7 +25,7 @@ import signal
 import subprocess
 import threading
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
@@ -91,6 +91,37 @@ class NetSpec:
     def __post_init__(self) -> None:
         parse_rate(self.rate)
         parse_latency(self.latency)
+
+    def describe(self) -> str:
+        """How a benchmark titles a run on these links."""
+        return f"{self.rate} links{f' + {self.latency}' if self.latency else ''} (tc tbf, one netns per rank)"
+
+
+def net_spec(net: str | None, latency: str | None = None) -> NetSpec | None:
+    """The ``--net`` / ``--latency`` options of a command as a NetSpec (None: loopback), checked up front:
+    a bad rate, ``--latency`` without ``--net``, or a missing root/iproute2 fails before any work starts."""
+    if not net:
+        if latency:
+            raise ValueError("--latency needs --net")
+        return None
+    spec = NetSpec(net, latency)
+    require_root()
+    return spec
+
+
+def describe(spec: NetSpec | None) -> str:
+    return spec.describe() if spec is not None else "loopback"
+
+
+@contextlib.contextmanager
+def shaped(nprocs: int, spec: NetSpec | None) -> Iterator[NetNamespaces | None]:
+    """``NetNamespaces(nprocs, spec)`` for a shaped run, nothing (None) for loopback: pass the result on as
+    ``launch(..., netns=...)``."""
+    if spec is None:
+        yield None
+        return
+    with NetNamespaces(nprocs, spec) as ns:
+        yield ns
 
 
 def require_root() -> None:

@@ -12,7 +12,7 @@ from sparsync.bench.allreduce import BenchConfig, worker
 from sparsync.bench.compress import CompressBenchConfig
 from sparsync.bench.report import check_targets, markdown, plot, print_table, print_targets, write_files
 from sparsync.launch import launch
-from sparsync.netem import NetNamespaces, NetSpec, require_root
+from sparsync.netem import describe, net_spec, shaped
 
 
 def run_allreduce_bench(
@@ -29,19 +29,14 @@ def run_allreduce_bench(
 ) -> list[dict[str, Any]]:
     """Run the allreduce benchmark for each world size in ``procs``; print, save, plot. Returns the rows."""
     console = console or Console()
-    spec = NetSpec(net, latency) if net else None
-    if spec is not None:
-        require_root()
+    spec = net_spec(net, latency)
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
-    where = f"{net} links{f' + {latency}' if latency else ''} (tc tbf, one netns per rank)" if net else "loopback"
+    where = describe(spec)
     for P in procs:
         console.print(f"[bold]P = {P}[/], N = {cfg.dim:,} float32, {where}, {cfg.repeats} repeats")
-        if spec is None:
-            res = launch(worker, nprocs=P, args=(cfg, progress), timeout=timeout)
-        else:
-            with NetNamespaces(P, spec) as ns:
-                res = launch(worker, nprocs=P, args=(cfg, progress), timeout=timeout, netns=ns)
+        with shaped(P, spec) as ns:
+            res = launch(worker, nprocs=P, args=(cfg, progress), timeout=timeout, netns=ns)
         rows.extend(res[0])
         link = res[0][0]["link"] if res[0] else {}
         console.print(
@@ -87,17 +82,12 @@ def run_compress_bench(
     from sparsync.bench import compress as cb
 
     console = console or Console()
-    spec = NetSpec(net, latency) if net else None
-    if spec is not None:
-        require_root()
-    where = f"{net} links{f' + {latency}' if latency else ''} (tc tbf, one netns per rank)" if net else "loopback"
+    spec = net_spec(net, latency)
+    where = describe(spec)
     console.print(f"[bold]P = {procs}[/], N = {', '.join(f'{n:,}' for n in cfg.sizes)} float32, {where}")
     t0 = time.perf_counter()
-    if spec is None:
-        res = launch(cb.worker, nprocs=procs, args=(cfg, progress), timeout=timeout)
-    else:
-        with NetNamespaces(procs, spec) as ns:
-            res = launch(cb.worker, nprocs=procs, args=(cfg, progress), timeout=timeout, netns=ns)
+    with shaped(procs, spec) as ns:
+        res = launch(cb.worker, nprocs=procs, args=(cfg, progress), timeout=timeout, netns=ns)
     rows: list[dict[str, Any]] = res[0]
     title = f"compressors, P={procs}, {where}"
     # nine numeric columns: never squeeze them into a pipe's default 80 columns

@@ -5,6 +5,8 @@ measured ones (``sparsync plan`` validation)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,7 +18,7 @@ from sparsync.bench.hybrid import HybridBenchConfig, config_dict, worker
 from sparsync.bench.lm import SampledLM
 from sparsync.bench.report import write_files
 from sparsync.launch import launch
-from sparsync.netem import NetNamespaces, NetSpec, require_root
+from sparsync.netem import NetNamespaces, describe, net_spec, shaped
 from sparsync.placement.detect import ParamStats
 from sparsync.placement.partition import PartitionSearch, search_partitions
 from sparsync.placement.plan import Cluster, make_plan
@@ -26,21 +28,23 @@ from sparsync.placement.server import ServerConfig, ServerProcess
 PLAN_OF = {"allreduce": "dense_allreduce", "sparse_ar": "sparse_allreduce", "hybrid": "ps"}
 
 
-def bench_servers(P: int, ns: NetNamespaces | None) -> list[ServerProcess]:
-    """One server per rank (in rank i's namespace with ``ns``), as the benchmarks and the demo colocate them."""
+@contextmanager
+def bench_servers(P: int, ns: NetNamespaces | None) -> Iterator[list[str]]:
+    """One server per rank (in rank i's namespace with ``ns``), as the benchmarks and the demo colocate them;
+    yields their addresses and kills them on exit."""
     out: list[ServerProcess] = []
+    addrs: list[str] = []
     try:
         for i in range(P):
             host = ns.address(i) if ns is not None else "127.0.0.1"
             sp = ServerProcess(ServerConfig(server_id=i, host=host, wait_timeout=300.0),
                                netns=ns.namespace(i) if ns is not None else None)  # fmt: skip
-            sp.start()
             out.append(sp)
-    except BaseException:
+            addrs.append(sp.start())
+        yield addrs
+    finally:
         for sp in out:
             sp.kill()
-        raise
-    return out
 
 
 def predicted_bytes(cfg: HybridBenchConfig, P: int, alpha: float, method: str) -> float | None:
@@ -71,32 +75,16 @@ def run_hybrid_bench(
     console = console or Console()
     if console.width < 130:  # ten columns
         console = Console(width=130, file=console.file)
-    spec = NetSpec(net, latency) if net else None
-    if spec is not None:
-        require_root()
-    where = f"{net} links (tc tbf, one netns per rank)" if net else "loopback"
+    spec = net_spec(net, latency)
+    where = describe(spec)
     rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     for P in procs:
         for seq in seqs:
             c = replace(cfg, seq=seq)
             console.print(f"[bold]P = {P}[/], seq = {seq}, vocab {c.vocab:,} x {c.dim}, LSTM {c.hidden}, {where}")
-            if spec is None:
-                sv = bench_servers(P, None)
-                try:
-                    res = launch(worker, nprocs=P, args=(c, [s.address for s in sv], progress), timeout=timeout)
-                finally:
-                    for s in sv:
-                        s.kill()
-            else:
-                with NetNamespaces(P, spec) as ns:
-                    sv = bench_servers(P, ns)
-                    try:
-                        addrs = [s.address for s in sv]
-                        res = launch(worker, nprocs=P, args=(c, addrs, progress), timeout=timeout, netns=ns)
-                    finally:
-                        for s in sv:
-                            s.kill()
+            with shaped(P, spec) as ns, bench_servers(P, ns) as addrs:
+                res = launch(worker, nprocs=P, args=(c, addrs, progress), timeout=timeout, netns=ns)
             for r in res[0]:
                 pred = predicted_bytes(c, P, r["alpha"], r["method"])
                 r["net"] = net or "loopback"
@@ -128,12 +116,8 @@ def search_hybrid_partitions(
 
     def measure(parts: int) -> list[float]:
         c = replace(cfg, partitions=parts, methods=("hybrid",))
-        sv = bench_servers(P, None)
-        try:
-            res = launch(worker, nprocs=P, args=(c, [s.address for s in sv], False), timeout=timeout)
-        finally:
-            for s in sv:
-                s.kill()
+        with bench_servers(P, None) as addrs:
+            res = launch(worker, nprocs=P, args=(c, addrs, False), timeout=timeout)
         times: list[float] = res[0][0]["times_s"]
         console.print(f"  partitions = {parts}: {1e3 * sum(times) / len(times):.1f} ms/step")
         return times

@@ -168,27 +168,12 @@ def run_demo(
     with ``net``-shaped links when given, e.g. "1gbit"); returns their summaries, the largest parameter
     difference between any run's final model and the dense run's, and the automatic plan."""
     from sparsync.bench.hybrid_run import bench_servers
+    from sparsync.netem import net_spec, shaped
 
+    spec = net_spec(net)
     repl = Replicator(num_replicas=cfg.replicas, record=True)
-    if net is None:
-        sv = bench_servers(cfg.replicas, None)
-        try:
-            runs, plan = repl.start(demo_program, cfg, show_progress, [s.address for s in sv])[0]
-        finally:
-            for s in sv:
-                s.kill()
-    else:
-        from sparsync.netem import NetNamespaces, NetSpec, require_root
-
-        require_root()
-        with NetNamespaces(cfg.replicas, NetSpec(net)) as ns:
-            sv = bench_servers(cfg.replicas, ns)
-            try:
-                addrs = [s.address for s in sv]
-                runs, plan = repl.start(demo_program, cfg, show_progress, addrs, netns=ns)[0]
-            finally:
-                for s in sv:
-                    s.kill()
+    with shaped(cfg.replicas, spec) as ns, bench_servers(cfg.replicas, ns) as addrs:
+        runs, plan = repl.start(demo_program, cfg, show_progress, addrs, netns=ns)[0]
     ref = runs[0]["params"]
     for r in runs:
         p = r.pop("params")

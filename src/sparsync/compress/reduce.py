@@ -56,6 +56,21 @@ def reduce(
     log: CommLog | None = ...,
     timeout: float | None = ...,
 ) -> Work[torch.Tensor]: ...
+@overload
+def reduce(
+    tensor: torch.Tensor,
+    compressor: Compressor,
+    *,
+    memory: ErrorFeedback | None = ...,
+    name: str = ...,
+    group: dist.ProcessGroup | None = ...,
+    async_op: bool = ...,
+    average: bool = ...,
+    inplace: bool = ...,
+    algorithm: str = ...,
+    log: CommLog | None = ...,
+    timeout: float | None = ...,
+) -> torch.Tensor | Work[torch.Tensor]: ...
 def reduce(
     tensor: torch.Tensor,
     compressor: Compressor,
