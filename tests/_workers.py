@@ -387,6 +387,7 @@ def collectives_worker(rank: int, full: bool) -> dict[str, Any]:
     out["tensor"] = _tensor_checks(rank, world)
     out["override"] = _override_checks(rank, world)
     out["eager"] = _eager_checks(rank, world)
+    out["adaptive_eager"] = _adaptive_eager_checks(rank)
     lm = sparsync.measure_link()
     out["link"] = lm
     out["link_finite"] = all(math.isfinite(v) for v in (lm.alpha, lm.beta, lm.gamma_sparse, lm.gamma_dense))
@@ -422,9 +423,10 @@ def _eager_checks(rank: int, world: int) -> dict[str, Any]:
     for name in ("fits", "one_too_big"):
         s = eager_inputs(name, rank)
         log = CommLog()
-        got = sparse_allreduce(s, log=log, link=link, timeout=CALL_TIMEOUT)
+        # Fresh groups: a group's eager region adapts to its previous calls (see _adaptive_eager_checks).
+        got = sparse_allreduce(s, log=log, link=link, timeout=CALL_TIMEOUT, group=dist.new_group())
         agl = CommLog()
-        parts = sparse_allgather(s, log=agl, timeout=CALL_TIMEOUT)
+        parts = sparse_allgather(s, log=agl, timeout=CALL_TIMEOUT, group=dist.new_group())
         r = log.last
         out[name] = {
             "sum": compact(got),
@@ -436,6 +438,21 @@ def _eager_checks(rank: int, world: int) -> dict[str, Any]:
             "meta_bytes": r.phase_bytes.get("meta", 0),
         }
     return out
+
+
+def _adaptive_eager_checks(rank: int) -> dict[str, Any]:
+    """A group's eager region grows to fit the payloads of an allgather-run call, so the next call of that
+    size finishes in the metadata round; another algorithm shrinks it back (collectives._meta)."""
+    group = dist.new_group()
+    link = sparsync.LinkModel(alpha=1e-4, beta=1e-9)  # latency-bound: auto picks allgather for 12 kB
+    s = eager_inputs("one_too_big", rank)
+    steps: list[tuple[str, str, list[str], int, Any]] = []
+    for alg in ("auto", "auto", "auto", "dense", "auto", "ssar_recursive_double", "allgather", "auto"):
+        log = CommLog()
+        got = sparse_allreduce(s, algorithm=alg, log=log, link=link, timeout=CALL_TIMEOUT, group=group)
+        r = log.last
+        steps.append((alg, r.algorithm, sorted(r.phases), r.phase_bytes.get("meta", 0), compact(got)))
+    return {"steps": steps}
 
 
 def eager_inputs(name: str, rank: int) -> SparseStream:

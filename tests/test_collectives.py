@@ -351,6 +351,29 @@ def test_eager_payloads_finish_in_the_metadata_round(run: tuple[int, list[dict[s
                 assert len(e["phases"]) > 1 and e["phases"] != ["meta", "sum"]
 
 
+def test_eager_region_adapts_to_the_groups_allgather_calls(run: tuple[int, list[dict[str, Any]]]) -> None:
+    world, results = run
+    expect = sum(w.eager_inputs("one_too_big", r).to_dense() for r in range(world)).numpy()
+    first = results[0]["adaptive_eager"]["steps"]
+    for res in results:
+        steps = res["adaptive_eager"]["steps"]
+        for (asked, *_, got), (*_, got0) in zip(steps, first, strict=True):
+            np.testing.assert_allclose(w.compact_to_dense(got), expect, rtol=1e-12, err_msg=asked)
+            assert w.compact_to_dense(got).tobytes() == w.compact_to_dense(got0).tobytes()
+        if world == 1:
+            continue
+        ran = [st[1] for st in steps]
+        one_round = [st[2] == ["meta", "sum"] for st in steps]
+        meta = [st[3] for st in steps]
+        # auto, auto, auto, dense, auto, ssar_recursive_double, allgather, auto
+        assert ran == ["allgather"] * 3 + ["dense", "allgather", "ssar_recursive_double", "allgather", "allgather"]
+        # The first call pays two rounds (12 kB does not fit 2 KiB), then the region has grown: one round.
+        # dense and recursive doubling shrink it back, so the call after each pays two rounds again.
+        assert one_round == [False, True, True, False, False, False, False, True]
+        assert meta[0] == meta[4] == meta[6] and meta[0] < meta[1] == meta[2]
+        assert meta[1] >= 12_000  # every region holds rank 0's 12 kB payload
+
+
 def test_measure_link_same_on_every_rank(run: tuple[int, list[dict[str, Any]]]) -> None:
     world, results = run
     links = [r["link"] for r in results]

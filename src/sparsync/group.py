@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from sparsync.costmodel import LinkModel
 
+EAGER_BYTES = 2048  # default payload bytes a metadata row carries inline (see sparsync.collectives._meta)
+
 
 @dataclass
 class GroupState:
@@ -23,6 +25,7 @@ class GroupState:
 
     link: LinkModel | None = None  # α-β model measured at first use of "auto" (or set by the user)
     calls: int = 0  # collectives issued on this group, to detect ranks that diverge
+    eager_bytes: int = EAGER_BYTES  # the metadata round's eager region for the next call (collectives._meta)
     executor: ThreadPoolExecutor | None = None  # FIFO queue for async_op=True calls
     pending: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)

@@ -4,6 +4,9 @@ Each point: every rank draws k = density·N uniformly random indices with random
 "Micro-Benchmarks"), then each method runs ``repeats`` times after one warm-up (at least FAST_REPEATS times
 when a call takes under FAST_S), methods interleaved round by round. A repeat's time is the slowest
 rank's (a collective is done when its last rank is), taken with an allreduce(MAX) outside the timed region.
+A repeat of a call that takes under FAST_S is a batch of back-to-back calls, timed together and divided by
+their number, as the OSU micro-benchmarks time a loop of iterations: on this VM a single sub-millisecond call
+is dominated by when each rank's threads get woken (the barrier before it included), see ``_batch``.
 Methods: torch gloo dense allreduce, torch gloo sparse COO allreduce, and every sparsync algorithm plus auto
 (sparsync's "allgather" is the Horovod/DDP way: gather everything, sum locally).
 """
@@ -34,6 +37,8 @@ BASELINES = ("gloo_dense", "gloo_sparse_coo", "allgather")
 COO_MEMORY_CAP = 1 << 30
 FAST_S = 0.05  # methods faster than this per call ...
 FAST_REPEATS = 21  # ... get at least this many timed runs
+BATCH_S = 0.02  # ... each a batch of back-to-back calls lasting about this long
+MAX_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,7 @@ class Row:
     chosen: str = ""  # for auto: the algorithm(s) it picked
     note: str = ""
     link: dict[str, float] = field(default_factory=dict)
+    calls_per_repeat: int = 1  # each of times_s is the mean of this many back-to-back calls (see _batch)
 
 
 def _make_stream(rank: int, cfg: BenchConfig, density: float, point: int) -> SparseStream:
@@ -83,18 +89,20 @@ def _make_stream(rank: int, cfg: BenchConfig, density: float, point: int) -> Spa
     return SparseStream(idx, torch.rand(k, generator=g) + 0.5, cfg.dim, validate=False)
 
 
-def _runner(method: str, stream: SparseStream, log: CommLog, link: LinkModel) -> Callable[[], object]:
+def _runner(
+    method: str, stream: SparseStream, log: CommLog, link: LinkModel, group: dist.ProcessGroup
+) -> Callable[[], object]:
     if method == "gloo_dense":
         dense = stream.to_dense()
-        return lambda: dist.all_reduce(dense.clone())
+        return lambda: dist.all_reduce(dense.clone(), group=group)
     if method == "gloo_sparse_coo":
         idx = stream.indices if stream.indices is not None else torch.arange(stream.dim)
         coo = torch.sparse_coo_tensor(
             idx.to(torch.int64)[None], stream.values, (stream.dim,), check_invariants=False
         ).coalesce()
-        return lambda: dist.all_reduce(coo)
+        return lambda: dist.all_reduce(coo, group=group)
     # auto gets the link measured at the start of the run, so its choices and the table's predictions agree.
-    return lambda: sparse_allreduce(stream, algorithm=method, log=log, link=link)
+    return lambda: sparse_allreduce(stream, algorithm=method, log=log, link=link, group=group)
 
 
 def _bytes(method: str, stream: SparseStream, P: int, log: CommLog, nnz_all: list[int]) -> float:
@@ -109,6 +117,9 @@ def worker(rank: int, cfg: BenchConfig, show_progress: bool) -> list[dict[str, A
     """Runs on every rank; rank 0 returns the rows."""
     P = dist.get_world_size()
     link = measure_link()
+    # One group per method, as each would be in its own training job: a group carries state from call to
+    # call (the metadata round's eager region, sparsync.collectives._meta), which must not leak between methods.
+    groups = {m: dist.new_group(backend="gloo") for m in cfg.methods}
     rows: list[dict[str, Any]] = []
     progress = None
     if show_progress and rank == 0:
@@ -119,7 +130,7 @@ def worker(rank: int, cfg: BenchConfig, show_progress: bool) -> list[dict[str, A
         task = progress.add_task(f"P={P} N={cfg.dim}", total=len(cfg.densities))
     try:
         for point, density in enumerate(cfg.densities):
-            rows.extend(_measure_point(rank, P, cfg, density, point, link))
+            rows.extend(_measure_point(rank, P, cfg, density, point, link, groups))
             if progress is not None:
                 progress.advance(task)
     finally:
@@ -128,18 +139,40 @@ def worker(rank: int, cfg: BenchConfig, show_progress: bool) -> list[dict[str, A
     return rows if rank == 0 else []
 
 
-def _timed(run: Callable[[], object]) -> float:
-    """One run's time on the slowest rank (the reduction of the time is outside the timed region)."""
+def _timed(run: Callable[[], object], batch: int = 1) -> float:
+    """Time per call of ``batch`` back-to-back runs, on the slowest rank (the reduction of the time is
+    outside the timed region)."""
     dist.barrier()
     t0 = time.perf_counter()
-    run()
-    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    for _ in range(batch):
+        run()
+    t = torch.tensor([(time.perf_counter() - t0) / batch], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
+def _batch(first_s: float) -> int:
+    """Calls per timed repeat, from the warm-up call's time (the same on every rank: it is max-reduced).
+
+    Why batch: a sub-millisecond collective here costs anything from 0.05 to 4 ms depending on whether the
+    peer's threads were awake (measured: 60 gloo allreduces of 8 floats, 20-50% of them 4 ms; system time,
+    not user time, makes the difference). One call after a barrier also pays the ranks' skew in leaving the
+    barrier. A batch's mean counts those costs at the rate they really occur instead of letting one draw
+    decide a sample, and amortises the barrier's skew over the batch.
+    """
+    if first_s > FAST_S:
+        return 1
+    return max(1, min(MAX_BATCH, round(BATCH_S / max(first_s, 1e-6))))
+
+
 def _measure_point(
-    rank: int, P: int, cfg: BenchConfig, density: float, point: int, link: LinkModel
+    rank: int,
+    P: int,
+    cfg: BenchConfig,
+    density: float,
+    point: int,
+    link: LinkModel,
+    groups: dict[str, dist.ProcessGroup],
 ) -> list[dict[str, Any]]:
     """All methods at one density, interleaved: round r runs every method once, so drift in the machine's
     state hits all methods alike. Methods faster than FAST_S get more rounds: at a few ms per call, the noise
@@ -154,8 +187,10 @@ def _measure_point(
     coo_too_big = sum(nnz_all) * (8 + 4) > COO_MEMORY_CAP  # same on every rank
     methods = [m for m in cfg.methods if not (m == "gloo_sparse_coo" and coo_too_big)]
     logs = {m: CommLog() for m in methods}
-    runs = {m: _runner(m, stream, logs[m], link) for m in methods}
-    rounds = {m: cfg.repeats if _timed(runs[m]) > FAST_S else max(cfg.repeats, FAST_REPEATS) for m in methods}
+    runs = {m: _runner(m, stream, logs[m], link, groups[m]) for m in methods}
+    first = {m: _timed(runs[m]) for m in methods}
+    rounds = {m: cfg.repeats if first[m] > FAST_S else max(cfg.repeats, FAST_REPEATS) for m in methods}
+    batch = {m: _batch(first[m]) for m in methods}
     for log in logs.values():
         log.clear()
     times: dict[str, list[float]] = {m: [] for m in methods}
@@ -165,7 +200,7 @@ def _measure_point(
         # token buckets), and that penalty must not always land on the same method.
         for m in order.sample(methods, len(methods)):
             if r < rounds[m]:
-                times[m].append(_timed(runs[m]))
+                times[m].append(_timed(runs[m], batch[m]))
     rows = []
     for m in cfg.methods:
         if m not in methods:
@@ -212,6 +247,7 @@ def _measure_point(
                     lb,
                     chosen,
                     link=asdict(link),
+                    calls_per_repeat=batch[m],
                 )
             )
         )

@@ -10,6 +10,14 @@ its whole payload when that fits in ``EAGER_BYTES``. When every rank's payload f
 very sparse case. The region has the same fixed size on every rank and in every call (a per-call size would
 need agreeing on first), so every call pays ``EAGER_BYTES·(P-1)`` extra bytes: 2 KiB is 16 µs per peer at
 1 Gbit/s, below one message latency, and holds 256 float32 entries with int32 indices.
+
+Adaptive region: a group's next region size is agreed without a message, from the table every rank already
+holds. After a call that ran ``allgather`` (chosen by auto, forced, or ``sparse_allgather``), the group's next
+region is that call's largest payload plus 25%, rounded up to 1 KiB, between EAGER_BYTES and EAGER_MAX; after
+any other algorithm it falls back to EAGER_BYTES. Training issues calls of similar nnz step after step, so
+from the second call on, a reduction that the model sends through allgather needs one round instead of two.
+The cost: while the region is large, every metadata round on the group carries it (the replicator's
+primitives included), and a call whose payload outgrows it pays the region and then a real algorithm.
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import torch
 
 from sparsync.collectives._comm import Comm, payload_nbytes, payload_of
 from sparsync.collectives._fold import allgather_blocks
+from sparsync.group import EAGER_BYTES, group_state
 from sparsync.stream import FLOAT_DTYPES, SparseStream
 
 # The replicator's primitives (sparsync.replicator.primitives) share this table's first two columns (call
@@ -46,7 +55,7 @@ ALGORITHM_CODES = (
 )
 _F = ("seq", "op", "dim", "dtype", "nnz", "dense", "nan", "algorithm")
 ROW_BYTES = 8 * len(_F)
-EAGER_BYTES = 2048  # payload bytes a rank's metadata row carries inline (see module doc)
+EAGER_MAX = 256 * 1024  # the most payload bytes a row carries inline (EAGER_BYTES: the default; module doc)
 
 
 @dataclass(frozen=True)
@@ -55,29 +64,44 @@ class Meta:
     dense: tuple[bool, ...]
     # Every rank's payload (the wire bytes of its stream), when all of them fitted in the metadata round.
     eager: tuple[torch.Tensor, ...] | None = None
+    sizes: tuple[int, ...] = ()  # every rank's payload bytes
+
+
+def next_eager_bytes(sizes: tuple[int, ...], algorithm: str) -> int:
+    """The group's metadata region for its next call, from this call's payload sizes and algorithm (module
+    doc). Every rank holds the same sizes and algorithm, so every rank computes the same value."""
+    want = -(-(max(sizes, default=0) * 5 // 4) // 1024) * 1024
+    if algorithm != "allgather" or want > EAGER_MAX:
+        return EAGER_BYTES
+    return max(EAGER_BYTES, want)
+
+
+def update_eager(comm: Comm, meta: Meta, algorithm: str) -> None:
+    group_state(comm.group).eager_bytes = next_eager_bytes(meta.sizes, algorithm)
 
 
 def allgather_rows(
     comm: Comm, row: torch.Tensor, eager: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Allgather every rank's 8-int64 ``row`` plus up to EAGER_BYTES of ``eager`` payload bytes.
+    """Allgather every rank's 8-int64 ``row`` plus the group's eager region holding ``eager``'s bytes.
 
-    Every metadata round on a group goes through here, whatever the operation, so the message always has the
-    same size: gloo aborts the whole process when a message is longer than the posted receive, and a size
-    mismatch would turn a reportable call mismatch into a crash. Returns the [P, 8] table and each rank's
-    eager region (uint8, EAGER_BYTES).
+    Every metadata round on a group goes through here, whatever the operation, so on every rank the message
+    has the group's current size (``GroupState.eager_bytes``, which evolves identically everywhere): gloo
+    aborts the whole process when a message is longer than the posted receive, and a size mismatch would
+    turn a reportable call mismatch into a crash. Returns the [P, 8] table and each rank's eager region.
     """
     if row.dtype != torch.int64 or row.numel() != len(_F):
         raise ValueError(f"a metadata row is {len(_F)} int64, got {row.numel()} {row.dtype}")
-    buf = torch.zeros(ROW_BYTES + EAGER_BYTES, dtype=torch.uint8)
+    capacity = group_state(comm.group).eager_bytes
+    buf = torch.zeros(ROW_BYTES + capacity, dtype=torch.uint8)
     buf[:ROW_BYTES] = row.view(torch.uint8)
     if eager is not None:
-        if eager.numel() > EAGER_BYTES:
-            raise ValueError(f"eager payload of {eager.numel()} bytes exceeds EAGER_BYTES={EAGER_BYTES}")
+        if eager.numel() > capacity:
+            raise ValueError(f"eager payload of {eager.numel()} bytes exceeds the group's region of {capacity}")
         buf[ROW_BYTES : ROW_BYTES + eager.numel()] = eager
     with comm.phase("meta"):
         blocks = allgather_blocks(comm, buf, [buf.numel()] * comm.size)
-    # Each block is a slice at a multiple of ROW_BYTES + EAGER_BYTES (a multiple of 8): int64-aligned.
+    # Each block is a slice at a multiple of ROW_BYTES + capacity (a multiple of 8): int64-aligned.
     table = torch.stack([b[:ROW_BYTES].view(torch.int64) for b in blocks])
     return table, [b[ROW_BYTES:] for b in blocks]
 
@@ -105,15 +129,16 @@ def exchange_meta(comm: Comm, op: str, stream: SparseStream, algorithm: str, seq
         dtype=torch.int64,
     )
     mine = payload_nbytes(stream.is_dense, stream.nnz, stream.dim, stream.dtype)
-    table, blocks = allgather_rows(comm, row, payload_of(stream) if mine <= EAGER_BYTES else None)
+    capacity = group_state(comm.group).eager_bytes
+    table, blocks = allgather_rows(comm, row, payload_of(stream) if mine <= capacity else None)
     _check(table, comm.rank)
     nnz = tuple(int(x) for x in table[:, 4])
     dense = tuple(bool(x) for x in table[:, 5])
     sizes = [payload_nbytes(dense[r], nnz[r], stream.dim, stream.dtype) for r in range(comm.size)]
     eager = None
-    if max(sizes) <= EAGER_BYTES:
+    if max(sizes) <= capacity:
         eager = tuple(b[:n] for b, n in zip(blocks, sizes, strict=True))
-    return Meta(nnz=nnz, dense=dense, eager=eager)
+    return Meta(nnz=nnz, dense=dense, eager=eager, sizes=tuple(sizes))
 
 
 def _check(table: torch.Tensor, me: int) -> None:

@@ -14,7 +14,7 @@ from sparsync.calibrate import measure_link
 from sparsync.collectives._comm import Comm, payload_nbytes, payload_of
 from sparsync.collectives._comm import stream_from_payload as _decode
 from sparsync.collectives._fold import allgather_blocks
-from sparsync.collectives._meta import Meta, exchange_meta
+from sparsync.collectives._meta import Meta, exchange_meta, update_eager
 from sparsync.collectives.recursive_double import ssar_recursive_double
 from sparsync.collectives.split_allgather import dsar_split_allgather, ssar_split_allgather
 from sparsync.costmodel import ALGORITHMS, Decision, LinkModel, Policy, Problem, choose_fastest
@@ -165,6 +165,7 @@ def sparse_allreduce(
             problem = Problem(comm.size, stream.dim, meta.nnz, isz, c, eager=meta.eager is not None)
             decision = policy(problem, lm)
             alg = decision.algorithm
+        update_eager(comm, meta, alg)
         result = _RUNNERS[alg](comm, stream, meta)
         if log is not None:
             tr = comm.traffic
@@ -222,6 +223,7 @@ def sparse_allgather(
         comm = Comm(g, timeout)
         comm.op = "sparse_allgather"
         meta = exchange_meta(comm, "sparse_allgather", stream, "-", seq, check_nan)
+        update_eager(comm, meta, "allgather")
         out = _gather_streams(comm, stream, meta)
         if log is not None:
             tr = comm.traffic
