@@ -219,3 +219,15 @@ def test_link_model_accepts_zero_and_ints_and_is_hashable() -> None:
     assert hash(lm) == hash(LinkModel(0.0, 0.0, 0.0, 0.0))
     with pytest.raises(AttributeError):
         lm.alpha = 1.0  # type: ignore[misc]
+
+
+def test_allgather_priced_in_steady_state_when_its_payloads_fit_the_eager_region() -> None:
+    link = LinkModel(alpha=1e-4, beta=1e-9)
+    fits = Problem(4, 1 << 24, (10_000,) * 4, 4, 4, eager_limit=80_000 + 1)
+    too_big = Problem(4, 1 << 24, (10_000,) * 4, 4, 4, eager_limit=80_000 - 1)
+    plain = Problem(4, 1 << 24, (10_000,) * 4, 4, 4)
+    # 10k pairs of 8 bytes: 80 kB per rank. Recursive doubling on 4 ranks: 2 rounds of latency saved.
+    assert predict("allgather", plain, link) == predict("allgather", too_big, link)
+    assert predict("allgather", plain, link) - predict("allgather", fits, link) == pytest.approx(2 * link.alpha)
+    for alg in ("ssar_recursive_double", "ssar_split_allgather", "dense"):  # the others are unaffected
+        assert predict(alg, plain, link) == predict(alg, fits, link)

@@ -54,6 +54,9 @@ class Problem:
     value_bytes: int  # isize
     index_bytes: int  # c
     eager: bool = False  # every rank's payload already arrived with the metadata (collectives/_meta.py)
+    # Payloads up to this many bytes ride in the metadata round from the next call on, once this call has run
+    # allgather (the adaptive eager region, collectives/_meta.py); 0: no such region.
+    eager_limit: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or len(self.nnz) != self.world_size:
@@ -142,6 +145,10 @@ def predict(algorithm: str, p: Problem, link: LinkModel) -> float:
             return _sum_cost(p, link, sum(p.nnz), N)
         received = sum(p.input_bytes(r) for r in range(P)) - min(p.input_bytes(r) for r in range(P))
         latency = (rounds + (2 if fold else 0)) * a
+        if p.eager_limit and max(p.input_bytes(r) for r in range(P)) <= p.eager_limit:
+            # Priced in steady state: in a run of calls like this one, choosing allgather makes the next
+            # call's payloads ride in the metadata round every algorithm pays for, so its own rounds vanish.
+            latency = 0.0
         return latency + b * received + _sum_cost(p, link, sum(p.nnz), N)
     if algorithm == "dense":
         return 2 * (P - 1) * a + b * 2 * (P - 1) / P * N * p.value_bytes + 2 * link.gamma_dense * N

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from sparsync.calibrate import measure_link
+from sparsync.collectives._meta import EAGER_LIMIT
 from sparsync.collectives.allreduce import sparse_allreduce
 from sparsync.costmodel import ALGORITHMS, LinkModel, Problem, lower_bound, predict
 from sparsync.record import CommLog
@@ -182,7 +183,7 @@ def _measure_point(
     nnz_t[rank] = stream.nnz
     dist.all_reduce(nnz_t)
     nnz_all = [int(x) for x in nnz_t]
-    problem = Problem(P, cfg.dim, tuple(nnz_all), 4, index_dtype_for(cfg.dim).itemsize)
+    problem = Problem(P, cfg.dim, tuple(nnz_all), 4, index_dtype_for(cfg.dim).itemsize, eager_limit=EAGER_LIMIT)
     lb = lower_bound(problem, link)
     coo_too_big = sum(nnz_all) * (8 + 4) > COO_MEMORY_CAP  # same on every rank
     methods = [m for m in cfg.methods if not (m == "gloo_sparse_coo" and coo_too_big)]

@@ -67,6 +67,10 @@ class Meta:
     sizes: tuple[int, ...] = ()  # every rank's payload bytes
 
 
+# The largest payload next_eager_bytes can still make room for (for the cost model's Problem.eager_limit).
+EAGER_LIMIT = EAGER_MAX * 4 // 5
+
+
 def next_eager_bytes(sizes: tuple[int, ...], algorithm: str) -> int:
     """The group's metadata region for its next call, from this call's payload sizes and algorithm (module
     doc). Every rank holds the same sizes and algorithm, so every rank computes the same value."""

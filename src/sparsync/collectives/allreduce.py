@@ -14,7 +14,7 @@ from sparsync.calibrate import measure_link
 from sparsync.collectives._comm import Comm, payload_nbytes, payload_of
 from sparsync.collectives._comm import stream_from_payload as _decode
 from sparsync.collectives._fold import allgather_blocks
-from sparsync.collectives._meta import Meta, exchange_meta, update_eager
+from sparsync.collectives._meta import EAGER_LIMIT, Meta, exchange_meta, update_eager
 from sparsync.collectives.recursive_double import ssar_recursive_double
 from sparsync.collectives.split_allgather import dsar_split_allgather, ssar_split_allgather
 from sparsync.costmodel import ALGORITHMS, Decision, LinkModel, Policy, Problem, choose_fastest
@@ -162,7 +162,9 @@ def sparse_allreduce(
                     lm = state.link = measure_link(g)
             isz = stream.values.element_size()
             c = torch.empty((), dtype=index_dtype_for(stream.dim)).element_size()
-            problem = Problem(comm.size, stream.dim, meta.nnz, isz, c, eager=meta.eager is not None)
+            problem = Problem(
+                comm.size, stream.dim, meta.nnz, isz, c, eager=meta.eager is not None, eager_limit=EAGER_LIMIT
+            )
             decision = policy(problem, lm)
             alg = decision.algorithm
         update_eager(comm, meta, alg)
