@@ -32,6 +32,8 @@ def test_bench_config_rejects_bad_values() -> None:
         BenchConfig(methods=("nope",))
     with pytest.raises(ValueError, match="repeats"):
         BenchConfig(repeats=0)
+    with pytest.raises(ValueError, match="fast_repeats"):
+        BenchConfig(fast_repeats=0)
 
 
 def test_net_without_root_exits_with_message(
@@ -52,7 +54,7 @@ def test_latency_needs_net(capsys: pytest.CaptureFixture[str]) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_bench_runs_and_writes_outputs(tmp_path: Path) -> None:
-    cfg = BenchConfig(dim=4099, densities=(0.0, 1e-2, 1.0), repeats=2)
+    cfg = BenchConfig(dim=4099, densities=(0.0, 1e-2, 1.0), repeats=2, fast_repeats=3, batch_s=0.002)
     out = tmp_path / "ar"
     with (tmp_path / "log.txt").open("w") as log:
         rows = run_allreduce_bench(cfg, (3,), out=out, console=Console(file=log), progress=False)
@@ -62,6 +64,7 @@ def test_bench_runs_and_writes_outputs(tmp_path: Path) -> None:
         assert r["world_size"] == 3
         assert math.isnan(r["median_s"]) or r["median_s"] > 0
         assert r["lower_bound_s"] >= 0
+        assert r["calls_per_repeat"] >= 1  # batches only for fast calls, never empty
         if r["method"] == "auto":
             assert r["chosen"], "auto must report which algorithm it ran"
             assert r["predicted_s"] is not None

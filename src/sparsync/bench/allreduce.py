@@ -1,7 +1,7 @@
 """``sparsync bench allreduce``: SparCML Fig. 4 on this machine (time vs density, per P, per algorithm).
 
 Each point: every rank draws k = density·N uniformly random indices with random values (SparCML §6,
-"Micro-Benchmarks"), then each method runs ``repeats`` times after one warm-up (at least FAST_REPEATS times
+"Micro-Benchmarks"), then each method runs ``repeats`` times after one warm-up (at least ``fast_repeats`` times
 when a call takes under FAST_S), methods interleaved round by round. A repeat's time is the slowest
 rank's (a collective is done when its last rank is), taken with an allreduce(MAX) outside the timed region.
 A repeat of a call that takes under FAST_S is a batch of back-to-back calls, timed together and divided by
@@ -37,9 +37,7 @@ BASELINES = ("gloo_dense", "gloo_sparse_coo", "allgather")
 # points where that alone would take more than this many bytes per rank.
 COO_MEMORY_CAP = 1 << 30
 FAST_S = 0.05  # methods faster than this per call ...
-FAST_REPEATS = 21  # ... get at least this many timed runs
-BATCH_S = 0.02  # ... each a batch of back-to-back calls lasting about this long
-MAX_BATCH = 64
+MAX_BATCH = 64  # ... get BenchConfig.fast_repeats timed runs, each a batch of at most this many calls
 
 
 @dataclass(frozen=True)
@@ -47,6 +45,10 @@ class BenchConfig:
     dim: int = 16 * 2**20  # N, float32 entries
     densities: tuple[float, ...] = (1e-5, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 1.0)
     repeats: int = 5  # timed runs per point, after one warm-up
+    # Timed runs of a method faster than FAST_S per call, each a batch lasting about batch_s (see _batch).
+    # 101: with 21, the medians of two methods running the same code differed by up to 1.26x on 1 Gbit links.
+    fast_repeats: int = 101
+    batch_s: float = 0.02
     methods: tuple[str, ...] = METHODS
     seed: int = 0
 
@@ -55,6 +57,11 @@ class BenchConfig:
             raise ValueError(f"dim must be >= 1, got {self.dim}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if self.fast_repeats < 1 or not self.batch_s >= 0:
+            raise ValueError(
+                f"fast_repeats must be >= 1 and batch_s >= 0, got fast_repeats={self.fast_repeats}, "
+                f"batch_s={self.batch_s}"
+            )
         bad = [d for d in self.densities if not 0.0 <= d <= 1.0]
         if bad:
             raise ValueError(f"densities must lie in [0, 1], got {bad}")
@@ -152,7 +159,7 @@ def _timed(run: Callable[[], object], batch: int = 1) -> float:
     return float(t)
 
 
-def _batch(first_s: float) -> int:
+def _batch(first_s: float, batch_s: float) -> int:
     """Calls per timed repeat, from the warm-up call's time (the same on every rank: it is max-reduced).
 
     Why batch: a sub-millisecond collective here costs anything from 0.05 to 4 ms depending on whether the
@@ -163,7 +170,7 @@ def _batch(first_s: float) -> int:
     """
     if first_s > FAST_S:
         return 1
-    return max(1, min(MAX_BATCH, round(BATCH_S / max(first_s, 1e-6))))
+    return max(1, min(MAX_BATCH, round(batch_s / max(first_s, 1e-6))))
 
 
 def _measure_point(
@@ -190,8 +197,8 @@ def _measure_point(
     logs = {m: CommLog() for m in methods}
     runs = {m: _runner(m, stream, logs[m], link, groups[m]) for m in methods}
     first = {m: _timed(runs[m]) for m in methods}
-    rounds = {m: cfg.repeats if first[m] > FAST_S else max(cfg.repeats, FAST_REPEATS) for m in methods}
-    batch = {m: _batch(first[m]) for m in methods}
+    rounds = {m: cfg.repeats if first[m] > FAST_S else max(cfg.repeats, cfg.fast_repeats) for m in methods}
+    batch = {m: _batch(first[m], cfg.batch_s) for m in methods}
     for log in logs.values():
         log.clear()
     times: dict[str, list[float]] = {m: [] for m in methods}
