@@ -31,6 +31,27 @@ def test_search_finds_the_optimum_within_one_step(seed: int) -> None:
     assert min(res.samples) <= res.best <= max(res.samples)  # no extrapolation
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_search_with_servers_samples_only_multiples_or_divisors(seed: int) -> None:
+    g = np.random.default_rng(100 + seed)
+    t0, t1, t2 = g.uniform(0.5, 2), g.uniform(2, 50), g.uniform(0.005, 0.2)
+    servers = int(g.choice([3, 4, 6]))
+    calls: list[int] = []
+
+    def measure(P: int) -> list[float]:
+        calls.append(P)
+        base = t0 + t1 / P + t2 * P
+        return [10 * base] * 5 + list(base * (1 + 0.01 * g.standard_normal(20)))
+
+    res = search_partitions(measure, servers, max_partitions=4096, warmup=5, servers=servers)
+    ok = sorted({d for d in range(1, servers + 1) if servers % d == 0} | set(range(servers, 4097, servers)))
+    assert all(P in ok for P in calls) and res.best in ok, (calls, res.best)
+    assert len(calls) == len(set(calls)) <= 12
+    best_ok = min(ok, key=lambda P: t1 / P + t2 * P)  # the true optimum among balanced counts
+    assert abs(ok.index(res.best) - ok.index(best_ok)) <= 1, (res, best_ok)
+    assert min(res.samples) <= res.best <= max(res.samples)
+
+
 def test_sampling_order_doubles_then_halves() -> None:
     seen: list[int] = []
 
@@ -54,5 +75,7 @@ def test_bad_input() -> None:
         search_partitions(lambda P: [1.0], 8, max_partitions=4)
     with pytest.raises(ValueError, match="warmup"):
         search_partitions(lambda P: [1.0], 2, max_partitions=4, warmup=1)
+    with pytest.raises(ValueError, match="servers must be"):
+        search_partitions(lambda P: [1.0], 2, max_partitions=4, servers=0)
     with pytest.raises(ValueError, match=">= 3"):
         fit_iteration_time([1, 2], [1.0, 2.0])

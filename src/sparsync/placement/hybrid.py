@@ -27,7 +27,7 @@ from sparsync.collectives.tensor import allreduce
 from sparsync.placement.client import PSClient
 from sparsync.placement.detect import embedding_modules, rows_of_input
 from sparsync.placement.optim import OptimizerConfig
-from sparsync.placement.table import PSTable, save_servers
+from sparsync.placement.table import SPLITS, PSTable, save_servers
 from sparsync.record import CommLog
 
 
@@ -39,6 +39,7 @@ class HybridConfig:
     local_aggregation: bool = True  # sum a machine's sparse gradients before one push (sync only)
     procs_per_machine: int = 1  # ranks [k·m, (k+1)·m) form machine k
     partitions: int | None = None  # per sparse table; None: one per server
+    split: str = "strided"  # rows to partitions: "strided" (row % P, spreads Zipf-hot rows) or "range"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # server-side (all tables)
     timeout: float = 60.0  # seconds per PS request
     ps_dense: bool = False  # sync: dense parameters on the servers too (the PS-only architecture)
@@ -50,6 +51,8 @@ class HybridConfig:
         for name in ("sparse_reduce", "dense_reduce"):
             if getattr(self, name) not in ("sum", "mean"):
                 raise ValueError(f"{name} must be 'sum' or 'mean', got {getattr(self, name)!r}")
+        if self.split not in SPLITS:
+            raise KeyError(f"unknown split {self.split!r}; valid: {', '.join(SPLITS)}")
         if self.procs_per_machine < 1:
             raise ValueError(f"procs_per_machine must be >= 1, got {self.procs_per_machine}")
 
@@ -113,7 +116,7 @@ class HybridTrainer:
             self.tables[n] = PSTable(
                 self.client, cfg.table_prefix + n, rows, dim, partitions=parts,
                 optimizer=cfg.optimizer, mode=cfg.mode, pushers=pushers,
-                divisor=float(self.world) if mean == "mean" else 1.0,
+                divisor=float(self.world) if mean == "mean" else 1.0, split=cfg.split,
             )  # fmt: skip
         self.rows: dict[str, torch.Tensor] = {}
         self._hooks = [emb[n].register_forward_pre_hook(self._pull_hook(n)) for n in names]

@@ -5,6 +5,10 @@ a per-partition overhead). Samples: start at P = number of machines, double whil
 slower sample included), then halve from the start the same way; the first ``warmup`` iterations of every
 sample are dropped (Parallax drops 50 of 100). θ is fitted by least squares with θ1, θ2 >= 0 (so the fit is
 convex, as the paper assumes) and the best integer P inside the sampled range is chosen: no extrapolation.
+
+With ``servers=S`` only partition counts that are multiples or divisors of S are sampled and chosen, so every
+server holds the same number of partitions (doubling rounds to the nearest multiple, halving to the largest
+divisor not above it).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ def search_partitions(
     max_partitions: int,
     min_partitions: int = 1,
     warmup: int = 0,
+    servers: int | None = None,
 ) -> PartitionSearch:
     """Sample ``measure(P)`` (iteration times of a short run with P partitions) as Parallax §3.2 does, fit
     Eq. 1, return the samples, θ and the chosen P."""
@@ -60,11 +65,18 @@ def search_partitions(
             f"need 1 <= min_partitions ({min_partitions}) <= machines ({machines}) "
             f"<= max_partitions ({max_partitions})"
         )
-    samples = {machines: _time(measure, machines, warmup)}
+    if servers is not None and servers < 1:
+        raise ValueError(f"servers must be >= 1, got {servers}")
+    snap = (lambda q: q) if servers is None else (lambda q: _balanced(q, servers))
+    start = snap(machines)
+    samples = {start: _time(measure, start, warmup)}
     for step in (2.0, 0.5):
-        P, prev = machines, samples[machines]
+        P, prev = start, samples[start]
         while True:
-            P = int(P * step)
+            nxt = snap(max(1, int(P * step)))
+            if nxt == P:
+                break
+            P = nxt
             if max_partitions < P or min_partitions > P:
                 break
             t = _time(measure, P, warmup)
@@ -78,5 +90,13 @@ def search_partitions(
         return PartitionSearch(samples, (samples[best], 0.0, 0.0), best)
     theta = fit_iteration_time(ps, [samples[q] for q in ps])
     fit = PartitionSearch(samples, theta, 1)
-    best = min(range(ps[0], ps[-1] + 1), key=fit.predict)
+    cands = [q for q in range(ps[0], ps[-1] + 1) if servers is None or _balanced(q, servers) == q]
+    best = min(cands, key=fit.predict)
     return PartitionSearch(samples, theta, best)
+
+
+def _balanced(P: int, servers: int) -> int:
+    """The partition count nearest P that is a multiple (P >= servers) or a divisor (P < servers) of servers."""
+    if servers <= P:
+        return max(1, round(P / servers)) * servers
+    return max(d for d in range(1, P + 1) if servers % d == 0)

@@ -109,7 +109,7 @@ class Server:
             return h.reply(), []
         if op == Op.CREATE:
             cfg = ShardConfig.from_json(wire.parse_json(body))
-            need = (cfg.hi - cfg.lo) * cfg.dim * 4 * {"sgd": 1, "adagrad": 2, "adam": 3}[cfg.optimizer.name]
+            need = cfg.size * cfg.dim * 4 * {"sgd": 1, "adagrad": 2, "adam": 3}[cfg.optimizer.name]
             if need > self.cfg.max_shard_bytes:
                 raise ValueError(
                     f"partition of {need} bytes exceeds this server's max_shard_bytes={self.cfg.max_shard_bytes}"
@@ -140,8 +140,8 @@ class Server:
         s = self._shard(h)
         if h.dim != s.cfg.dim:
             raise ValueError(f"dim {h.dim} does not match table {s.cfg.name!r} (dim {s.cfg.dim})")
-        if h.n > s.cfg.hi - s.cfg.lo and op != Op.PUSH:
-            raise ValueError(f"n={h.n} rows exceeds partition size {s.cfg.hi - s.cfg.lo}")
+        if h.n > s.cfg.size and op != Op.PUSH:
+            raise ValueError(f"n={h.n} rows exceeds partition size {s.cfg.size}")
         if op == Op.PULL:
             rows, _ = wire.parse_rows(h, body, with_values=False)
             s.local(rows)  # validate now: a parked pull must not fail later for a bad row

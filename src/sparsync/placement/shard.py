@@ -1,4 +1,5 @@
-"""One partition of one sparse table on a server: rows [lo, hi), its optimizer state, and the sync accumulator.
+"""One partition of one sparse table on a server: rows lo, lo + stride, ... below hi (a contiguous range when
+stride is 1, every stride-th row of a strided split), its optimizer state, and the sync accumulator.
 
 Sync mode is Parallax §5's chief-triggered update: every pusher's gradient for step s is accumulated, and
 the update is applied once, when the chief's APPLY(s) finds all ``pushers`` pushes of step s (the pushers are
@@ -25,16 +26,19 @@ class ShardConfig:
     name: str  # table name
     rows: int  # rows of the whole table
     lo: int  # first row of this partition
-    hi: int  # one past the last row
+    hi: int  # rows of this partition are below it
     dim: int  # row width
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     mode: str = "sync"  # "sync" (chief-triggered apply) or "async" (apply each push at once)
     pushers: int = 1  # sync: pushes that make one step
     divisor: float = 1.0  # the summed gradient is divided by it: 1 = sum, number of workers = mean
+    stride: int = 1  # rows lo, lo + stride, ... below hi: 1 for a range split, the partition count if strided
 
     def __post_init__(self) -> None:
-        if not (0 <= self.lo <= self.hi <= self.rows) or self.dim < 1:
-            raise ValueError(f"bad shard: rows [{self.lo}, {self.hi}) of {self.rows}, dim {self.dim}")
+        if not (0 <= self.lo <= self.hi <= self.rows) or self.dim < 1 or self.stride < 1:
+            raise ValueError(
+                f"bad shard: rows [{self.lo}, {self.hi}) stride {self.stride} of {self.rows}, dim {self.dim}"
+            )
         if self.mode not in MODES:
             raise KeyError(f"unknown mode {self.mode!r}; valid: {', '.join(MODES)}")
         if self.pushers < 1 or not self.divisor > 0:
@@ -58,23 +62,29 @@ class ShardConfig:
             raise ValueError("optimizer must be a JSON object")
         return cls(**d, optimizer=OptimizerConfig(**opt))
 
+    @property
+    def size(self) -> int:
+        """Rows this partition holds."""
+        return -(-(self.hi - self.lo) // self.stride)
+
 
 class Shard:
     def __init__(self, cfg: ShardConfig) -> None:
         self.cfg = cfg
-        self.weights = np.zeros((cfg.hi - cfg.lo, cfg.dim), dtype=np.float32)
-        self.opt = SparseOptimizer(cfg.optimizer, cfg.hi - cfg.lo, cfg.dim)
+        self.weights = np.zeros((cfg.size, cfg.dim), dtype=np.float32)
+        self.opt = SparseOptimizer(cfg.optimizer, cfg.size, cfg.dim)
         self.version = 0  # applied steps (sync) or applied pushes (async)
         self.pending: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # sync: step -> pushes
 
     def local(self, rows: np.ndarray) -> np.ndarray:
         """Global row ids -> local offsets; ValueError naming the first row outside this partition."""
-        if rows.size and (rows.min() < self.cfg.lo or rows.max() >= self.cfg.hi):
-            bad = rows[(rows < self.cfg.lo) | (rows >= self.cfg.hi)][0]
-            raise ValueError(
-                f"row {int(bad)} is outside partition [{self.cfg.lo}, {self.cfg.hi}) of table {self.cfg.name!r}"
-            )
-        out: np.ndarray = rows - self.cfg.lo
+        c = self.cfg
+        off = rows - c.lo
+        wrong = (off < 0) | (rows >= c.hi) | (off % c.stride != 0) if c.stride > 1 else (off < 0) | (rows >= c.hi)
+        if rows.size and wrong.any():
+            where = f"[{c.lo}, {c.hi})" + (f" stride {c.stride}" if c.stride > 1 else "")
+            raise ValueError(f"row {int(rows[wrong][0])} is outside partition {where} of table {c.name!r}")
+        out: np.ndarray = off // c.stride if c.stride > 1 else off
         return out
 
     def pull(self, rows: np.ndarray) -> np.ndarray:

@@ -1,7 +1,14 @@
 """A sparse table partitioned by rows across parameter servers (Parallax §3.2, §4.3).
 
-Partition p holds rows [p·⌈R/P⌉, (p+1)·⌈R/P⌉) and lives on server p mod S, so partitions spread evenly over
-the servers (one per machine). Workers pull only the rows their batch needs and push only those rows'
+Two splits of R rows into P partitions; partition p lives on server p mod S, so partitions spread evenly over
+the servers (one per machine):
+
+- ``strided`` (default): partition p holds rows p, p + P, p + 2P, ...; with P a multiple of S, row r lives on
+  server r mod S. Zipf-distributed ids make the low rows the hot ones; striding spreads them over every server
+  instead of piling them on server 0, which a range split does (Parallax §3.2 partitions to balance load).
+- ``range``: partition p holds rows [p·⌈R/P⌉, (p+1)·⌈R/P⌉).
+
+ Workers pull only the rows their batch needs and push only those rows'
 gradients, duplicates summed first (local aggregation inside a worker); each partition is its own message, so
 more partitions parallelise server work and cost more messages (the trade-off §3.2's search fits).
 """
@@ -25,6 +32,8 @@ from sparsync.placement.optim import OptimizerConfig
 from sparsync.placement.optim import coalesce as coalesce_rows
 from sparsync.placement.shard import MODES, ShardConfig
 from sparsync.placement.wire import Header, Op
+
+SPLITS = ("strided", "range")
 
 T = TypeVar("T")
 
@@ -83,24 +92,32 @@ class PSTable:
         mode: str = "sync",
         pushers: int = 1,
         divisor: float = 1.0,
+        split: str = "strided",
     ) -> None:
         if rows < 1 or dim < 1:
             raise ValueError(f"table {name!r} needs rows >= 1 and dim >= 1, got {rows} x {dim}")
         if mode not in MODES:
             raise KeyError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
+        if split not in SPLITS:
+            raise KeyError(f"unknown split {split!r}; valid: {', '.join(SPLITS)}")
         P = partitions if partitions is not None else client.num_servers
         if not 1 <= P <= rows:
             raise ValueError(f"partitions must be in [1, rows={rows}], got {P}")
         self.client, self.name, self.rows, self.dim, self.mode = client, name, rows, dim, mode
         self.id = zlib.crc32(name.encode())
-        self.partitions = P
+        self.partitions, self.split = P, split
         self.chunk = math.ceil(rows / P)
         opt = optimizer or OptimizerConfig()
-        self.configs = [
-            ShardConfig(name, rows, min(p * self.chunk, rows), min((p + 1) * self.chunk, rows), dim, opt, mode,
-                        pushers, divisor)
-            for p in range(P)
-        ]  # fmt: skip
+
+        def bounds(p: int) -> tuple[int, int, int]:  # lo, hi, stride
+            if split == "strided":
+                return p, rows, P
+            return min(p * self.chunk, rows), min((p + 1) * self.chunk, rows), 1
+
+        self.configs = []
+        for p in range(P):
+            lo, hi, stride = bounds(p)
+            self.configs.append(ShardConfig(name, rows, lo, hi, dim, opt, mode, pushers, divisor, stride))
 
     def server_of(self, p: int) -> int:
         return p % self.client.num_servers
@@ -110,7 +127,7 @@ class PSTable:
 
     def _split(self, rows: np.ndarray) -> list[np.ndarray]:
         """Positions into ``rows`` per partition."""
-        part = rows // self.chunk
+        part = rows % self.partitions if self.split == "strided" else rows // self.chunk
         order = np.argsort(part, kind="stable")
         bounds = np.searchsorted(part[order], np.arange(self.partitions + 1))
         return [order[bounds[p] : bounds[p + 1]] for p in range(self.partitions)]
