@@ -90,6 +90,8 @@ def hybrid_worker(rank: int, addresses: list[str], cases: list[dict[str, Any]]) 
             local_aggregation=c.get("local_agg", True),
             partitions=c.get("partitions"),
             ps_dense=c.get("ps_dense", False),
+            dense_whole=c.get("dense_whole", False),
+            split=c.get("split", "strided"),
             timeout=30.0,
         )
         tr = HybridTrainer(model, c.get("addresses", addresses), cfg,
@@ -97,12 +99,14 @@ def hybrid_worker(rank: int, addresses: list[str], cases: list[dict[str, Any]]) 
         losses = []
         for s in range(c["steps"]):
             x, y = batch(s, rank)
-            losses.append(tr.step(lambda x=x, y=y, m=model: nn.functional.cross_entropy(m(x), y)))
+            nxt = batch(s + 1, rank)[0] if c.get("prefetch") else None
+            losses.append(tr.step(lambda x=x, y=y, m=model: nn.functional.cross_entropy(m(x), y), prefetch=nxt))
         dist.barrier()
         table = tr.tables["emb.weight"].read_all() if rank == 0 else None
         head = [p.detach().clone() for p in dense]
         tr.close()
-        out.append({"table": table, "head": head, "losses": losses})
+        servers = {n: sorted({t.server_of(p) for p in range(t.partitions)}) for n, t in tr.tables.items()}
+        out.append({"table": table, "head": head, "losses": losses, "servers": servers, "phases": dict(tr.phases)})
         dist.barrier()
     return out
 

@@ -10,6 +10,7 @@ import torch
 
 from sparsync import launch
 from sparsync.placement import ServerProcess, start_servers
+from sparsync.placement.hybrid import PHASES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -26,13 +27,15 @@ CASES = {
     1: [dict(opt="sgd", reduce="sum", steps=4), dict(opt="adam", reduce="mean", steps=4)],
     3: [
         dict(opt="sgd", reduce="sum", steps=4),
-        dict(opt="adam", reduce="mean", steps=4, partitions=5),
+        dict(opt="adam", reduce="mean", steps=4, partitions=5, split="range"),
         dict(opt="adagrad", reduce="sum", steps=3, bag=True),
         dict(opt="sgd", reduce="mean", steps=3, ps_dense=True, local_agg=False),  # PS only, no aggregation
+        dict(opt="adam", reduce="mean", steps=3, ps_dense=True, dense_whole=True),  # Parallax's PS placement
+        dict(opt="adam", reduce="sum", steps=4, prefetch=True),  # next step's rows pulled during this one
     ],
     4: [
         dict(opt="adam", reduce="sum", steps=3, ppm=2),  # 2 machines x 2 workers, local aggregation
-        dict(opt="sgd", reduce="mean", steps=3, ppm=2, local_agg=False),
+        dict(opt="sgd", reduce="mean", steps=3, ppm=2, local_agg=False, prefetch=True),
     ],
 }
 
@@ -60,6 +63,13 @@ def test_sync_hybrid_equals_single_process(world: int) -> None:
         for r in range(world if not c.get("ps_dense") else 0):  # ps_dense: the head lives on the servers
             for a, b in zip(res[r][i]["head"], ref_head, strict=True):
                 torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+        if c.get("dense_whole"):  # each dense variable whole on one server, round-robin over the two
+            dense = [v for n, v in res[0][i]["servers"].items() if not n.startswith("emb")]
+            assert dense == [[k % 2] for k in range(len(dense))], dense
+        assert res[0][i]["servers"]["emb.weight"] == [0, 1]  # the sparse table spans both servers
+        for r in range(world):
+            ph = res[r][i]["phases"]
+            assert set(ph) == set(PHASES) and min(ph.values()) >= 0 and ph["forward_backward"] > 0, ph
         # Worker losses of one step sum (or average) to the reference loss of that step.
         for s in range(c["steps"]):
             tot = sum(res[r][i]["losses"][s] for r in range(world)) / (world if c["reduce"] == "mean" else 1)

@@ -12,23 +12,37 @@ every parameter lives on the servers (dense ones as one-row-per-leading-index ta
 computes, pushes and goes on, and the server applies each push when it arrives; no collective runs, so a slow
 or dead worker stops no one. Local aggregation needs the machine's workers to meet, so async mode does not use
 it (duplicates inside a worker are still summed).
+
+Overlap (Parallax §5): the chief's APPLY goes out right behind its pushes (each server parks it until all
+pushes of the step arrived), not after a round trip of its own; ``step(prefetch=next_input)`` then requests the
+next step's rows at once (the servers answer them after the update) while the dense allreduce still runs.
+``phases`` accumulates milliseconds per phase of the step (``PHASES``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from sparsync.collectives.tensor import allreduce
+from sparsync.handle import Work
 from sparsync.placement.client import PSClient
 from sparsync.placement.detect import embedding_modules, rows_of_input
 from sparsync.placement.optim import OptimizerConfig
 from sparsync.placement.table import SPLITS, PSTable, save_servers
 from sparsync.record import CommLog
+
+# timing scopes of HybridTrainer.phases: compute (pull waits excluded), pull waits, issuing the pushes (with the
+# machine gather) and the chief's APPLY, the dense allreduce with its optimizer step, waiting for push/apply
+# replies
+PHASES = ("forward_backward", "pull", "push", "dense_allreduce", "apply_wait")
 
 
 @dataclass(frozen=True)
@@ -43,6 +57,7 @@ class HybridConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # server-side (all tables)
     timeout: float = 60.0  # seconds per PS request
     ps_dense: bool = False  # sync: dense parameters on the servers too (the PS-only architecture)
+    dense_whole: bool = False  # dense tables whole on one server each, round-robin (Parallax), not split
     table_prefix: str = ""  # prepended to table names, to run several trainers against the same servers
 
     def __post_init__(self) -> None:
@@ -109,15 +124,21 @@ class HybridTrainer:
         self.dense = [(n, p) for n, p in params.items() if n not in on_ps]
         pushers = self.world // cfg.procs_per_machine if self.local_agg else self.world
         self.tables: dict[str, PSTable] = {}
+        whole = 0  # dense variables placed whole so far: the next goes to server whole mod S
         for n in on_ps:
             rows, dim = _table_shape(params[n])
             mean = cfg.sparse_reduce if n in names else cfg.dense_reduce
-            parts = min(cfg.partitions or len(addresses), rows)
+            is_whole = cfg.dense_whole and n not in names
+            parts = 1 if is_whole else min(cfg.partitions or len(addresses), rows)
             self.tables[n] = PSTable(
                 self.client, cfg.table_prefix + n, rows, dim, partitions=parts,
                 optimizer=cfg.optimizer, mode=cfg.mode, pushers=pushers,
                 divisor=float(self.world) if mean == "mean" else 1.0, split=cfg.split,
+                first_server=whole % len(addresses) if is_whole else 0,
             )  # fmt: skip
+            whole += is_whole
+        self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)  # accumulated ms per phase
+        self._prefetch: dict[str, tuple[int, np.ndarray, Work[torch.Tensor]]] = {}  # name -> step, rows, pull
         self.rows: dict[str, torch.Tensor] = {}
         self._hooks = [emb[n].register_forward_pre_hook(self._pull_hook(n)) for n in names]
         self.sparse_names = names
@@ -136,28 +157,74 @@ class HybridTrainer:
             dist.broadcast(p.data, src=0, group=self.group)
         return step
 
+    @contextmanager
+    def _timed(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phases[phase] += 1e3 * (time.perf_counter() - t0)
+
     def _pull_hook(self, name: str) -> Callable[[nn.Module, tuple[object, ...]], None]:
         def hook(m: nn.Module, args: tuple[object, ...]) -> None:
-            rows = rows_of_input(m, args)
-            self.rows[name] = rows
-            step = self.step_no if self.cfg.mode == "sync" else 0
-            vals = self.tables[name].pull(rows, step=step).wait()
-            weight = m.weight
-            assert isinstance(weight, torch.Tensor)
-            with torch.no_grad():
-                weight[rows] = vals.to(weight.dtype)
+            with self._timed("pull"):
+                rows = rows_of_input(m, args)
+                self.rows[name] = rows
+                vals = self._prefetched(name, rows)
+                if vals is None:
+                    step = self.step_no if self.cfg.mode == "sync" else 0
+                    vals = self.tables[name].pull(rows, step=step).wait()
+                weight = m.weight
+                assert isinstance(weight, torch.Tensor)
+                with torch.no_grad():
+                    weight[rows] = vals.to(weight.dtype)
 
         return hook
 
-    def step(self, closure: Callable[[], torch.Tensor]) -> float:
-        """One training step; returns this worker's loss."""
+    def _prefetched(self, name: str, rows: torch.Tensor) -> torch.Tensor | None:
+        """The rows' values from this step's prefetch, or None when none was made or it lacks a row."""
+        got = self._prefetch.get(name)
+        if got is None or got[0] != self.step_no:
+            return None
+        have, work = got[1], got[2]
+        want = rows.detach().cpu().numpy().astype(np.int64, copy=False)
+        pos = np.minimum(np.searchsorted(have, want), max(have.size - 1, 0))
+        if have.size == 0 or not np.array_equal(have[pos], want):
+            return None
+        return work.wait()[torch.from_numpy(pos)]
+
+    def _start_prefetch(self, prefetch: torch.Tensor | Mapping[str, torch.Tensor]) -> None:
+        """Request the next step's rows now; sync servers answer once this step's update is applied."""
+        given = prefetch if isinstance(prefetch, Mapping) else dict.fromkeys(self.sparse_names, prefetch)
+        bad = [n for n in given if n not in self.sparse_names]
+        if bad:
+            raise KeyError(f"prefetch names {bad} are not sparse tables: {self.sparse_names}")
+        step = self.step_no + 1 if self.cfg.mode == "sync" else 0
+        for n, x in given.items():
+            rows = np.unique(x.detach().cpu().numpy().reshape(-1).astype(np.int64))
+            self._prefetch[n] = (self.step_no + 1, rows, self.tables[n].pull(rows, step=step))
+
+    def step(
+        self,
+        closure: Callable[[], torch.Tensor],
+        *,
+        prefetch: torch.Tensor | Mapping[str, torch.Tensor] | None = None,
+    ) -> float:
+        """One training step; returns this worker's loss. ``prefetch``: the next step's embedding input (one
+        tensor for every sparse table, or a mapping table name -> input) whose rows are pulled during this
+        step's dense allreduce; the next step pulls only rows it lacks."""
         for p in self.model.parameters():
             p.grad = None
-        self._pull_dense_on_ps()
+        self._prefetch = {n: v for n, v in self._prefetch.items() if v[0] == self.step_no}
+        with self._timed("pull"):
+            self._pull_dense_on_ps()
+        t0, pulled = time.perf_counter(), self.phases["pull"]
         loss = closure()
         loss.backward()  # type: ignore[no-untyped-call]
+        self.phases["forward_backward"] += 1e3 * (time.perf_counter() - t0) - (self.phases["pull"] - pulled)
+        t_push = time.perf_counter()
         params = dict(self.model.named_parameters())
-        works = []
+        works: list[Work[None]] = []
         for n in self.sparse_names:
             rows, vals = self._sparse_grad(n, params[n])
             if self.local_agg:
@@ -173,13 +240,19 @@ class HybridTrainer:
                 g = p.grad if p.grad is not None else torch.zeros_like(p)
                 nrows, dim = _table_shape(p)
                 works.append(self.tables[n].push(torch.arange(nrows), g.reshape(nrows, dim), step=self.step_no))
-        else:
-            self._allreduce_dense()
-        for w in works:
-            w.wait()
         if self.cfg.mode == "sync" and self.rank == 0:
-            for t in self.tables.values():
-                t.apply(self.step_no).wait()  # Parallax §5: the chief triggers the update, once
+            # Parallax §5: the chief triggers the update, once, right behind its pushes (servers park it until
+            # every pusher's gradient of the step is in)
+            works += [t.apply(self.step_no) for t in self.tables.values()]
+        if prefetch is not None:
+            self._start_prefetch(prefetch)
+        self.phases["push"] += 1e3 * (time.perf_counter() - t_push)
+        if self.cfg.mode == "sync" and not self.cfg.ps_dense:
+            with self._timed("dense_allreduce"):
+                self._allreduce_dense()
+        with self._timed("apply_wait"):
+            for w in works:
+                w.wait()
         self.step_no += 1
         return float(loss.detach())
 

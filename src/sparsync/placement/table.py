@@ -1,7 +1,7 @@
 """A sparse table partitioned by rows across parameter servers (Parallax §3.2, §4.3).
 
-Two splits of R rows into P partitions; partition p lives on server p mod S, so partitions spread evenly over
-the servers (one per machine):
+Two splits of R rows into P partitions; partition p lives on server (first_server + p) mod S, so partitions
+spread evenly over the servers (one per machine):
 
 - ``strided`` (default): partition p holds rows p, p + P, p + 2P, ...; with P a multiple of S, row r lives on
   server r mod S. Zipf-distributed ids make the low rows the hot ones; striding spreads them over every server
@@ -93,6 +93,7 @@ class PSTable:
         pushers: int = 1,
         divisor: float = 1.0,
         split: str = "strided",
+        first_server: int = 0,
     ) -> None:
         if rows < 1 or dim < 1:
             raise ValueError(f"table {name!r} needs rows >= 1 and dim >= 1, got {rows} x {dim}")
@@ -105,7 +106,9 @@ class PSTable:
             raise ValueError(f"partitions must be in [1, rows={rows}], got {P}")
         self.client, self.name, self.rows, self.dim, self.mode = client, name, rows, dim, mode
         self.id = zlib.crc32(name.encode())
-        self.partitions, self.split = P, split
+        if not 0 <= first_server < client.num_servers:
+            raise ValueError(f"first_server must be in [0, {client.num_servers}), got {first_server}")
+        self.partitions, self.split, self.first_server = P, split, first_server
         self.chunk = math.ceil(rows / P)
         opt = optimizer or OptimizerConfig()
 
@@ -120,7 +123,7 @@ class PSTable:
             self.configs.append(ShardConfig(name, rows, lo, hi, dim, opt, mode, pushers, divisor, stride))
 
     def server_of(self, p: int) -> int:
-        return p % self.client.num_servers
+        return (self.first_server + p) % self.client.num_servers
 
     def _head(self, op: Op, p: int, **kw: int) -> Header:
         return self.client.header(op, table=self.id, partition=p, dim=self.dim, **kw)
