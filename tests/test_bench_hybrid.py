@@ -10,6 +10,7 @@ import pytest
 
 from sparsync.bench.lm import Corpus
 from sparsync.cli import main
+from sparsync.placement.hybrid import PHASES
 
 
 def test_corpus_zipf_and_text(tmp_path: Path) -> None:
@@ -39,7 +40,9 @@ def test_bench_hybrid_runs_every_method_with_equal_losses(tmp_path: Path) -> Non
     assert main(argv) == 0
     data = json.loads(out.with_suffix(".json").read_text())
     rows = data["rows"]
-    assert [r["method"] for r in rows] == ["allreduce", "allgather", "sparse_ar", "ps", "hybrid", "hybrid_noagg"]
+    assert [r["method"] for r in rows] == [
+        "allreduce", "allgather", "sparse_ar", "ps", "ps_split", "hybrid", "hybrid_noagg"
+    ]  # fmt: skip
     # Same data, same initial weights, same SGD and mean reduction: every method trains the same model.
     losses = [r["loss"] for r in rows]
     assert max(losses) - min(losses) < 1e-4 * abs(losses[0]), losses
@@ -48,3 +51,11 @@ def test_bench_hybrid_runs_every_method_with_equal_losses(tmp_path: Path) -> Non
     assert by["hybrid_noagg"]["bytes_per_step_per_machine"] > by["hybrid"]["bytes_per_step_per_machine"]
     assert abs(by["hybrid"]["bytes_error"]) < 0.5  # the plan's prediction is in the right range
     assert out.with_suffix(".png").exists() and out.with_suffix(".csv").exists()
+    # Timing scopes of the PS methods (mean ms per step, all ranks): within the measured step time.
+    for m in ("ps", "ps_split", "hybrid", "hybrid_noagg"):
+        ms = [by[m][f"{k}_ms"] for k in PHASES]
+        assert min(ms) >= 0 and by[m]["forward_backward_ms"] > 0 and by[m]["prefetch"] is True, by[m]
+        assert sum(ms) <= 1e3 * by[m]["step_s"] * 1.05, (m, ms, by[m]["step_s"])
+    assert by["hybrid"]["dense_allreduce_ms"] > 0 and by["ps"]["dense_allreduce_ms"] == 0
+    assert by["allreduce"]["pull_ms"] is None
+    assert "apply_wait_ms" in out.with_suffix(".csv").read_text().splitlines()[0].split(",")

@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     hy.add_argument("--out", type=Path, default=Path("results/hybrid"), help="path stem for .csv/.json/.png")
     hy.add_argument("--no-progress", action="store_true")
     hy.add_argument("--search-partitions", action="store_true", help="run Parallax's partition search first")
+    hy.add_argument("--no-prefetch", action="store_true", help="PS methods: pull each step's rows in that step")
     from sparsync.placement import cli_plan
 
     cli_plan.add_parser(sub)
@@ -133,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
             hcfg = HybridBenchConfig(
                 vocab=args.vocab, dim=args.dim, hidden=args.hidden, batch=args.batch, steps=args.steps,
-                warmup=args.warmup, rounds=args.rounds, partitions=args.partitions,
+                warmup=args.warmup, rounds=args.rounds, partitions=args.partitions, prefetch=not args.no_prefetch,
                 files=tuple(map(str, args.text)),
                 methods=tuple(args.methods.split(",")) if args.methods else HYBRID_METHODS,
             )  # fmt: skip

@@ -4,10 +4,14 @@ and a dense LSTM, trained with P ranks by six methods side by side:
 - ``allreduce``: every gradient dense, one dense allreduce (the embedding gradient densified);
 - ``allgather``: dense allreduce for the LSTM, the embedding's sparse gradients allgathered (Horovod/DDP way);
 - ``sparse_ar``: the embedding by sparsync's sparse allreduce (SparCML, ``auto``);
-- ``ps``: every parameter on the parameter servers (one per rank, colocated), sync;
+- ``ps``: every parameter on the parameter servers (one per rank, colocated), sync; each dense variable whole
+  on one server, round-robin, as Parallax places them;
+- ``ps_split``: ``ps`` with every dense variable split by rows across all servers;
 - ``hybrid``: LSTM by dense allreduce, embedding on the servers (Parallax);
 - ``hybrid_noagg``: hybrid without local aggregation (one gradient row per token occurrence on the wire).
 
+The PS methods prefetch the next step's rows during the dense allreduce unless ``prefetch`` is off, and report
+the trainer's timing scopes as ``<phase>_ms`` (mean ms per measured step; None for the collective methods).
 All methods run plain SGD with mean reduction on the same data and initial weights, so their losses agree.
 """
 
@@ -24,11 +28,12 @@ import torch.distributed as dist
 
 from sparsync.bench.lm import Corpus, SampledLM
 from sparsync.collectives.tensor import allreduce
-from sparsync.placement.hybrid import HybridConfig, HybridTrainer
+from sparsync.placement.hybrid import PHASES, HybridConfig, HybridTrainer
 from sparsync.placement.optim import OptimizerConfig
 from sparsync.record import CommLog
 
-METHODS = ("allreduce", "allgather", "sparse_ar", "ps", "hybrid", "hybrid_noagg")
+METHODS = ("allreduce", "allgather", "sparse_ar", "ps", "ps_split", "hybrid", "hybrid_noagg")
+PS_METHODS = ("ps", "ps_split", "hybrid", "hybrid_noagg")
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,7 @@ class HybridBenchConfig:
     methods: tuple[str, ...] = METHODS
     seed: int = 0
     partitions: int | None = None  # PS partitions per table (None: one per server)
+    prefetch: bool = True  # PS methods: pull the next step's rows during this step's dense allreduce
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -110,7 +116,7 @@ class _MethodRun:
         )
         self.log = CommLog()
         self.trainer: Any
-        if method in ("ps", "hybrid", "hybrid_noagg"):
+        if method in PS_METHODS:
             dense = [p for n, p in self.model.named_parameters() if n != "emb.weight"]
             hc = HybridConfig(
                 mode="sync",
@@ -118,7 +124,8 @@ class _MethodRun:
                 dense_reduce="mean",
                 optimizer=OptimizerConfig("sgd", lr=cfg.lr),
                 local_aggregation=method != "hybrid_noagg",
-                ps_dense=method == "ps",
+                ps_dense=method in ("ps", "ps_split"),
+                dense_whole=method == "ps",
                 partitions=cfg.partitions,
                 table_prefix=f"{method}/",
                 timeout=300.0,
@@ -133,21 +140,31 @@ class _MethodRun:
         self.seconds = 0.0
         self.bytes = 0.0
         self.steps = 0
+        self.phases = dict.fromkeys(PHASES, 0.0)
+        self.next_batch = self._batch()
+
+    def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.corpus.batch(self.cfg.batch, self.cfg.seq), self.corpus.negatives(self.cfg.negatives)
 
     def run(self, n: int, *, measured: bool, progress: Any) -> None:
         self.log.clear()
         ps0 = _ps_remote_bytes(self.trainer, self.rank)
+        hybrid = isinstance(self.trainer, HybridTrainer)
+        ph0 = dict(self.trainer.phases) if hybrid else {}
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(n):
             ts = time.perf_counter()
-            tokens, neg = (
-                self.corpus.batch(self.cfg.batch, self.cfg.seq),
-                self.corpus.negatives(self.cfg.negatives),
-            )
+            tokens, neg = self.next_batch
+            self.next_batch = self._batch()
             ids = torch.unique(torch.cat([tokens.reshape(-1), neg]))
             self.alphas.append(ids.numel() / self.cfg.vocab)
-            self.losses.append(self.trainer.step(lambda tokens=tokens, neg=neg: self.model(tokens, neg)))
+            closure = lambda tokens=tokens, neg=neg: self.model(tokens, neg)  # noqa: E731
+            if hybrid and self.cfg.prefetch:
+                nxt = torch.cat([self.next_batch[0].reshape(-1), self.next_batch[1]])
+                self.losses.append(self.trainer.step(closure, prefetch=nxt))
+            else:
+                self.losses.append(self.trainer.step(closure))
             if measured:
                 self.step_times.append(time.perf_counter() - ts)
             if progress is not None:
@@ -163,14 +180,20 @@ class _MethodRun:
             # counts both ends too).
             self.bytes += sum(r.bytes_sent + r.bytes_recv for r in self.log.records)
             self.bytes += 2 * (_ps_remote_bytes(self.trainer, self.rank) - ps0)
+            for k in ph0:
+                self.phases[k] += self.trainer.phases[k] - ph0[k]
 
     def result(self) -> dict[str, Any]:
         P, cfg = dist.get_world_size(), self.cfg
         last = self.losses[-3:]
-        stats = torch.tensor([self.bytes / self.steps, sum(last) / len(last), sum(self.alphas) / len(self.alphas)])
+        hybrid = isinstance(self.trainer, HybridTrainer)
+        per_step = [self.phases[k] / self.steps for k in PHASES]
+        stats = torch.tensor(
+            [self.bytes / self.steps, sum(last) / len(last), sum(self.alphas) / len(self.alphas), *per_step]
+        )
         dist.all_reduce(stats)
         stats /= P
-        if isinstance(self.trainer, HybridTrainer):
+        if hybrid:
             self.trainer.close()
         words = P * cfg.batch * cfg.seq * self.steps
         return {
@@ -184,6 +207,8 @@ class _MethodRun:
             "loss": float(stats[1]),
             "steps": len(self.losses),
             "partitions": cfg.partitions or P,
+            "prefetch": cfg.prefetch if hybrid else None,
+            **{f"{k}_ms": float(stats[3 + i]) if hybrid else None for i, k in enumerate(PHASES)},
             "times_s": self.step_times,
         }
 

@@ -123,7 +123,7 @@ def search_hybrid_partitions(
         return times
 
     console.print(f"[bold]partition search[/] (Parallax §3.2), hybrid, P = {P}, loopback")
-    res = search_partitions(measure, P, max_partitions=max_partitions)
+    res = search_partitions(measure, P, max_partitions=max_partitions, servers=P)  # one server per rank
     t0, t1, t2 = res.theta
     console.print(f"  fit t(P) = {t0 * 1e3:.2f} + {t1 * 1e3:.2f}/P + {t2 * 1e3:.4f}·P ms; chosen P = {res.best}")
     return res
