@@ -140,3 +140,23 @@ def test_sparse_allreduce_cost_counts_the_stream_allreduce_coo_sends() -> None:
     c, alg = candidates(s, Cluster(2, 1, 1e9, 1e-5))
     assert alg == "allgather"  # 2 ranks, 1% of the rows: each sends its stream once and receives the other's
     assert c["sparse_allreduce"][0] == pytest.approx(2 * sent)
+
+
+def test_measured_link_and_fused_dense_allreduce_pricing() -> None:
+    from sparsync.costmodel import LinkModel, Problem, predict
+
+    stats = lm_stats(100_000, 128, 256, 640)
+    nominal = make_plan(stats, Cluster(4, 1, 1.25e8, 1e-4))
+    same = make_plan(stats, Cluster(4, measured=LinkModel(alpha=1e-4, beta=1 / 1.25e8)))
+    assert same.seconds == pytest.approx(nominal.seconds)  # a measured link equal to the nominal one
+    slow = LinkModel(alpha=2e-3, beta=2 / 1.25e8, gamma_dense=1.0)  # γ ignored: network cost only
+    sp = make_plan(stats, Cluster(4, 1, 1.25e8, 1e-4, measured=slow), overrides={"emb.weight": "ps"})
+    emb = sp.entries[0]
+    assert emb.seconds == pytest.approx(6 * 2e-3 + slow.beta * emb.bytes_per_machine / 2)
+    # Fused: the six dense parameters as one allreduce of their total size, plus the PS entry.
+    n = sum(math.prod(e.shape) for e in sp.entries[1:])
+    link = LinkModel(alpha=2e-3, beta=slow.beta, gamma_sparse=0, gamma_dense=0, gamma_scatter=0)
+    want = emb.seconds + predict("dense", Problem(4, n, (n,) * 4, 4, 4), link)
+    assert sp.fused_seconds == pytest.approx(want)
+    assert sp.fused_seconds < sp.seconds  # one set of latencies instead of six
+    assert json.dumps(sp.as_dict())  # the measured link serialises

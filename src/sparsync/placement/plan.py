@@ -16,14 +16,16 @@ workers touch together, i.e. after local aggregation):
 
 Time: the α-β model with the cluster's latency and bandwidth, one direction of a full-duplex link. A
 parameter-server step costs four latencies (pull and push, request and reply) plus two for the chief's
-update. The step's communication time is the sum over parameters (no overlap between them: an upper bound).
+update. The step's communication time is the sum over parameters (no overlap between them: an upper bound);
+``Plan.fused_seconds`` prices the dense-allreduce parameters as one fused call, as ``HybridTrainer`` sends them.
+``Cluster(measured=LinkModel)`` prices with a measured α/β link instead of the nominal bandwidth and latency.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from rich.console import Console
@@ -42,6 +44,7 @@ class Cluster:
     procs_per_machine: int = 1  # workers per machine (they share one NIC and one server)
     bandwidth: float = 1.25e9  # bytes/s per machine link (10 Gbit/s)
     latency: float = 50e-6  # seconds per message
+    measured: LinkModel | None = None  # a measured link (α, β); overrides bandwidth and latency when given
 
     def __post_init__(self) -> None:
         if self.machines < 1 or self.procs_per_machine < 1:
@@ -54,6 +57,8 @@ class Cluster:
     @property
     def link(self) -> LinkModel:
         # γ terms off: the plan compares network costs (Table 3); computation is the same for every placement.
+        if self.measured is not None:
+            return replace(self.measured, gamma_sparse=0, gamma_dense=0, gamma_scatter=0)
         return LinkModel(
             alpha=self.latency, beta=1.0 / self.bandwidth, gamma_sparse=0, gamma_dense=0, gamma_scatter=0
         )
@@ -86,6 +91,18 @@ class Plan:
     def seconds(self) -> float:
         return sum(e.seconds for e in self.entries)
 
+    @property
+    def fused_seconds(self) -> float:
+        """Step communication time with every dense-allreduce parameter in one fused allreduce (one flat
+        buffer, as ``HybridTrainer`` reduces them); the other placements as in ``seconds``."""
+        dense = [e for e in self.entries if e.placement == "dense_allreduce"]
+        rest = sum(e.seconds for e in self.entries if e.placement != "dense_allreduce")
+        n = sum(math.prod(e.shape) for e in dense)
+        if not n:
+            return rest
+        N = self.cluster.machines
+        return rest + predict("dense", Problem(N, n, (n,) * N, 4, 4), self.cluster.link)
+
     def placement(self, name: str) -> str:
         for e in self.entries:
             if e.name == name:
@@ -96,8 +113,9 @@ class Plan:
         return sum(e.candidates[placement][1] for e in self.entries if placement in e.candidates)
 
     def as_dict(self) -> dict[str, Any]:
+        m = self.cluster.measured
         return {
-            "cluster": self.cluster.__dict__,
+            "cluster": {**self.cluster.__dict__, "measured": m and asdict(m)},
             "bytes_per_machine": self.bytes_per_machine,
             "seconds": self.seconds,
             "entries": [
@@ -185,7 +203,7 @@ def candidates(
     d = choose_fastest(p, link)
     out["sparse_allreduce"] = (_sparse_ar_bytes(d.algorithm, p), d.predictions[d.algorithm])
     ps_bytes = 4 * am * w * share
-    ps_time = 6 * c.latency + link.beta * ps_bytes / 2
+    ps_time = 6 * link.alpha + link.beta * ps_bytes / 2
     out["ps"] = (ps_bytes, ps_time)
     return out, d.algorithm
 
