@@ -12,11 +12,16 @@ every parameter lives on the servers (dense ones as one-row-per-leading-index ta
 computes, pushes and goes on, and the server applies each push when it arrives; no collective runs, so a slow
 or dead worker stops no one. Local aggregation needs the machine's workers to meet, so async mode does not use
 it (duplicates inside a worker are still summed).
+
+Placements (sync mode): ``placements=`` (a ``Plan`` from ``make_plan``, or a dict name -> placement) overrides
+the default (the ``sparse_params`` embeddings on the servers, everything else dense allreduce) for any
+parameter: ``dense_allreduce`` (one flat dense allreduce), ``ps`` (an embedding by rows, any other parameter as
+a whole table), ``sparse_allreduce`` and ``sketch`` (``reduced.py``), each followed by the local optimizers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -24,9 +29,12 @@ import torch.distributed as dist
 from torch import nn
 
 from sparsync.collectives.tensor import allreduce
+from sparsync.compress.sketch import SparseSketch
 from sparsync.placement.client import PSClient
 from sparsync.placement.detect import embedding_modules, rows_of_input
 from sparsync.placement.optim import OptimizerConfig
+from sparsync.placement.plan import Plan
+from sparsync.placement.reduced import REDUCED, Reduced, resolve_placements
 from sparsync.placement.table import PSTable, save_servers
 from sparsync.record import CommLog
 
@@ -43,6 +51,8 @@ class HybridConfig:
     timeout: float = 60.0  # seconds per PS request
     ps_dense: bool = False  # sync: dense parameters on the servers too (the PS-only architecture)
     table_prefix: str = ""  # prepended to table names, to run several trainers against the same servers
+    sketch: SparseSketch = field(default_factory=lambda: SparseSketch(ratio=0.05))  # "sketch" placements
+    sketch_error_feedback: bool = False  # "sketch": keep each worker's residual and add it to the next step
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -57,9 +67,11 @@ class HybridConfig:
 class HybridTrainer:
     """``trainer.step(closure)``: the closure runs the forward pass and returns the loss.
 
-    ``dense_optimizer`` (sync mode) updates the dense parameters after their allreduce; async mode updates
+    ``dense_optimizer`` (sync mode) updates the dense parameters after their allreduce; ``sparse_optimizer``
+    too, for the ``sparse_allreduce`` and ``sketch`` placements whose gradients stay sparse COO (``SGD``,
+    ``SparseAdam``, ``Adagrad``); parameters on the servers get no local gradient. Async mode updates
     everything on the servers with ``cfg.optimizer``. Every rank builds the same model; rank 0's initial
-    weights win (dense ones broadcast, sparse ones written to the servers).
+    weights win (local ones broadcast, the servers' written by rank 0).
     """
 
     def __init__(
@@ -69,6 +81,8 @@ class HybridTrainer:
         cfg: HybridConfig | None = None,
         *,
         dense_optimizer: torch.optim.Optimizer | None = None,
+        sparse_optimizer: torch.optim.Optimizer | None = None,
+        placements: Plan | Mapping[str, str] | None = None,
         log: CommLog | None = None,
         sparse_params: Sequence[str] | None = None,
         token: str | None = None,
@@ -92,7 +106,7 @@ class HybridTrainer:
                 if k == self.machine:
                     self.machine_group = g
         self.client = PSClient(addresses, token=token, timeout=cfg.timeout, sender=self.rank)
-        self.dense_optimizer = dense_optimizer
+        self.dense_optimizer, self.sparse_optimizer = dense_optimizer, sparse_optimizer
         self.log = log
         emb = dict(embedding_modules(model))
         names = list(sparse_params) if sparse_params is not None else list(emb)
@@ -102,8 +116,22 @@ class HybridTrainer:
             raise KeyError(
                 f"{bad} are not embedding weights; the PS serves nn.Embedding/EmbeddingBag: {list(emb)}"
             )
-        on_ps = names if cfg.mode == "sync" and not cfg.ps_dense else list(params)
-        self.dense = [(n, p) for n, p in params.items() if n not in on_ps]
+        default_ps = names if cfg.mode == "sync" and not cfg.ps_dense else list(params)
+        default = {n: "ps" if n in default_ps else "dense_allreduce" for n in params}
+        placed = resolve_placements(list(params), default, placements)
+        if cfg.mode == "async" and any(pl != "ps" for pl in placed.values()):
+            raise ValueError(f"async mode keeps every parameter on the servers, got placements {placed}")
+        on_ps = [n for n, pl in placed.items() if pl == "ps"]
+        # By rows: the sparse_params embeddings, and embeddings placed "ps" explicitly; others as whole tables.
+        names = [n for n in on_ps if n in names or (n in emb and default[n] != "ps")]
+        self.placements = placed
+        self.dense = [(n, p) for n, p in params.items() if placed[n] == "dense_allreduce"]
+        self.reduced = Reduced(
+            {n: pl for n, pl in placed.items() if pl in REDUCED},
+            {n: (cfg.sparse_reduce if n in emb else cfg.dense_reduce) == "mean" for n in params},
+            sparse_grads=[n for n, m in emb.items() if getattr(m, "sparse", False)],
+            sketch=cfg.sketch, error_feedback=cfg.sketch_error_feedback, group=group, log=log,
+        )  # fmt: skip
         pushers = self.world // cfg.procs_per_machine if self.local_agg else self.world
         self.tables: dict[str, PSTable] = {}
         for n in on_ps:
@@ -129,7 +157,7 @@ class HybridTrainer:
                     t.set(torch.arange(rows), params[n].detach().reshape(rows, dim)).wait()
         dist.barrier(group=self.group)
         step = min(t.create().wait() for t in self.tables.values()) if self.tables else 0
-        for _, p in self.dense:
+        for p in [p for _, p in self.dense] + self.reduced.params(dict(self.model.named_parameters())):
             dist.broadcast(p.data, src=0, group=self.group)
         return step
 
@@ -163,15 +191,14 @@ class HybridTrainer:
                     continue  # only the machine's local chief pushes
             agg = self.cfg.local_aggregation
             works.append(self.tables[n].push(rows, vals, step=self.step_no, coalesce=agg))
-        if self.cfg.mode == "async" or self.cfg.ps_dense:
-            for n, p in params.items():
-                if n not in self.tables or n in self.sparse_names:
-                    continue
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                nrows, dim = _table_shape(p)
-                works.append(self.tables[n].push(torch.arange(nrows), g.reshape(nrows, dim), step=self.step_no))
-        else:
-            self._allreduce_dense()
+        for n, p in params.items():  # dense parameters on the servers: async, PS-only, or placed "ps"
+            if n not in self.tables or n in self.sparse_names:
+                continue
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            nrows, dim = _table_shape(p)
+            works.append(self.tables[n].push(torch.arange(nrows), g.reshape(nrows, dim), step=self.step_no))
+        if self.cfg.mode == "sync":
+            self._reduce_local(params)
         for w in works:
             w.wait()
         if self.cfg.mode == "sync" and self.rank == 0:
@@ -221,10 +248,22 @@ class HybridTrainer:
             [a[:c] for a, c in zip(av, k, strict=True)]
         )
 
+    def _reduce_local(self, params: dict[str, nn.Parameter]) -> None:
+        """Every placement but "ps", then the local optimizers (which skip the servers' parameters)."""
+        if not self.dense and not self.reduced.names:
+            return
+        self._allreduce_dense()
+        self.reduced.reduce(params)
+        for n in self.tables:
+            params[n].grad = None
+        for opt in (self.dense_optimizer, self.sparse_optimizer):
+            if opt is not None:
+                opt.step()
+
     def _allreduce_dense(self) -> None:
         if not self.dense:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.dense]
+        grads = [_dense_grad(p) for _, p in self.dense]
         flat = torch.cat([g.reshape(-1) for g in grads])
         out = allreduce(flat, algorithm="dense", group=self.group, log=self.log)
         assert isinstance(out, torch.Tensor)
@@ -234,8 +273,6 @@ class HybridTrainer:
         for _, p in self.dense:
             p.grad = out[off : off + p.numel()].reshape(p.shape).clone()
             off += p.numel()
-        if self.dense_optimizer is not None:
-            self.dense_optimizer.step()
 
     def save(self) -> list[str]:
         """Checkpoint the servers (call on the chief between steps)."""
@@ -245,6 +282,12 @@ class HybridTrainer:
         for h in self._hooks:
             h.remove()
         self.client.close()
+
+
+def _dense_grad(p: torch.Tensor) -> torch.Tensor:
+    if p.grad is None:
+        return torch.zeros_like(p)
+    return p.grad.to_dense() if p.grad.is_sparse else p.grad  # an embedding placed on dense allreduce
 
 
 def _table_shape(p: torch.Tensor) -> tuple[int, int]:

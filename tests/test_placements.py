@@ -1,0 +1,105 @@
+"""``HybridTrainer(placements=...)``: every placement executable, checked against single-process training and
+against the sketch compressor's own reference."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import _placement_workers as plw
+import pytest
+import torch
+
+from sparsync import launch
+from sparsync.compress import SparseSketch, TensorSpec
+from sparsync.placement import ServerProcess, start_servers
+from sparsync.placement.plan import Cluster, make_plan
+from sparsync.placement.reduced import resolve_placements
+
+MIXED = {"words.weight": "ps", "tags.weight": "sparse_allreduce", "hidden.weight": "dense_allreduce",
+         "hidden.bias": "dense_allreduce", "out.weight": "ps", "out.bias": "dense_allreduce"}  # fmt: skip
+SGD_MEAN = {"opt": "sgd", "reduce": "mean", "steps": 3}
+CASES = [
+    dict(placements=MIXED, opt="sgd", reduce="sum", steps=3),
+    dict(placements={**MIXED, "out.weight": "dense_allreduce"}, opt="adam", reduce="mean", steps=3),
+    dict(placements={**MIXED, "tags.weight": "sketch", "words.weight": "sketch"}, ef=True, **SGD_MEAN),
+]
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[list[ServerProcess]]:
+    sv = start_servers(2, wait_timeout=20.0)
+    yield sv
+    for s in sv:
+        s.kill()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world", [1, 3])
+def test_mixed_placements_equal_single_process(servers: list[ServerProcess], world: int) -> None:
+    cases = [{**c, "world": world} for c in CASES]  # each world size trains its own tables on the servers
+    res = launch(plw.trainer_worker, nprocs=world, args=([s.address for s in servers], cases), timeout=120)
+    init = dict(plw.TwoEmbLM().named_parameters())
+    for i, c in enumerate(CASES):
+        ref = plw.reference(world, int(c["steps"]), str(c["opt"]), str(c["reduce"]))  # type: ignore[call-overload]
+        placements: dict[str, str] = c["placements"]  # type: ignore[assignment]
+        for n, want in ref.items():
+            assert (want - init[n]).abs().max() > 1e-4, n  # training moved every parameter
+            ranks = [0] if placements[n] == "ps" else range(world)  # the servers' copy, or every replica
+            for r in ranks:
+                got = res[r][i]["params"][n]
+                torch.testing.assert_close(
+                    got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=n, c=c: f"{n} {c}: {m}"
+                )
+        if world > 1 and "sparse_allreduce" in placements.values():
+            assert any(a.startswith(("ssar", "dsar", "allgather")) for a in res[0][i]["algorithms"]), res[0][i]
+
+
+def test_placements_resolve_plan_or_dict_and_name_bad_entries() -> None:
+    params = ["a", "b", "c"]
+    default = {"a": "ps", "b": "dense_allreduce", "c": "dense_allreduce"}
+    assert resolve_placements(params, default, {"c": "sketch"}) == {**default, "c": "sketch"}
+    from sparsync.placement.detect import ParamStats
+
+    plan = make_plan(
+        [ParamStats("a", (1000, 8), 0.01, True), ParamStats("b", (8,), 1.0, False)],
+        Cluster(4),
+        overrides={"a": "sparse_allreduce"},
+    )
+    got = resolve_placements(params, default, plan)
+    assert got == {"a": "sparse_allreduce", "b": "dense_allreduce", "c": "dense_allreduce"}
+    with pytest.raises(KeyError, match="'zz'"):
+        resolve_placements(params, default, {"zz": "ps"})
+    with pytest.raises(KeyError, match="'allgather'"):
+        resolve_placements(params, default, {"a": "allgather"})
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world", [1, 3])
+def test_sketch_placement_matches_compressor_reference_and_feedback(world: int) -> None:
+    steps = 8
+    sketch = SparseSketch(ratio=1.0)  # 200 x 16 gradient, ~30 rows per worker: collisions at every step
+    res = launch(plw.sketch_worker, nprocs=world, args=(sketch, steps), timeout=60)
+    grads = [plw.sketch_grad(r) for r in range(world)]
+    spec = TensorSpec.of(grads[0])
+    exact = sum(g.to_dense() for g in grads) / world
+    # First step: the sketch of the sum, decoded once, i.e. decompress(Σ compress(g_r)) / P (S2 Alg. 1).
+    payloads = [sketch.compress(g) for g in grads]
+    summed = payloads[0].from_buffer(sum(p.to_buffer() for p in payloads))
+    want = sketch.decompress(summed, spec).to_dense() / world
+    for r in range(world):
+        for key in ("ef=False", "ef=True"):
+            torch.testing.assert_close(res[r][key]["outs"][0], want, rtol=1e-5, atol=1e-6)
+            for s in range(steps):  # every rank applies the same reduced gradient
+                torch.testing.assert_close(res[r][key]["outs"][s], res[0][key]["outs"][s], rtol=0, atol=0)
+        # The residual a worker keeps is exactly what its own sketch lost.
+        mine = grads[r].to_dense() - sketch.decompress(payloads[r], spec).to_dense()
+        torch.testing.assert_close(res[r]["ef=True"]["residual"], mine, rtol=0, atol=1e-6)
+    assert (want - exact).abs().max() > 1e-2  # the sketch is lossy at this size
+    assert not torch.equal(res[0]["ef=False"]["outs"][0], res[0]["ef=False"]["outs"][1])  # fresh hashes per step
+    if world == 1:
+        # Error feedback: what was applied over the steps sums to the gradients up to the last residual; without
+        # it every step's collision error stays in the sum.
+        err = {k: (sum(res[0][k]["outs"]) - steps * exact).norm() for k in ("ef=False", "ef=True")}
+        assert err["ef=True"] < 0.5 * err["ef=False"], err
