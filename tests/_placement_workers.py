@@ -100,7 +100,8 @@ def trainer_worker(rank: int, addresses: list[str], cases: list[dict[str, Any]])
             params.update({n: t.read_all().reshape(params[n].shape) for n, t in tr.tables.items()})
         algs = sorted({r.algorithm for r in log.records})
         tr.close()
-        out.append({"params": params, "algorithms": algs, "bytes": [r.bytes_sent for r in log.records]})
+        records = [(r.op, r.dim, r.bytes_sent + r.bytes_recv) for r in log.records]
+        out.append({"params": params, "algorithms": algs, "records": records})
         dist.barrier()
     return out
 

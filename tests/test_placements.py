@@ -12,6 +12,7 @@ import torch
 from sparsync import launch
 from sparsync.compress import SparseSketch, TensorSpec
 from sparsync.placement import ServerProcess, start_servers
+from sparsync.placement.detect import ParamStats
 from sparsync.placement.plan import Cluster, make_plan
 from sparsync.placement.reduced import resolve_placements
 
@@ -51,22 +52,48 @@ def test_mixed_placements_equal_single_process(servers: list[ServerProcess], wor
                 torch.testing.assert_close(
                     got, want, rtol=1e-5, atol=1e-6, msg=lambda m, n=n, c=c: f"{n} {c}: {m}"
                 )
+        if world > 1 and "sketch" in placements.values():
+            _check_sketch_bytes(res[0][i]["records"], placements, world, int(c["steps"]))  # type: ignore[call-overload]
         if world > 1 and "sparse_allreduce" in placements.values():
             assert any(a.startswith(("ssar", "dsar", "allgather")) for a in res[0][i]["algorithms"]), res[0][i]
+
+
+def _check_sketch_bytes(
+    records: list[tuple[str, int, int]], placements: dict[str, str], world: int, steps: int
+) -> None:
+    """The plan's predicted bytes per machine per step of every sketch parameter = the measured ones."""
+    params = dict(plw.TwoEmbLM().named_parameters())
+    sk = [n for n, pl in placements.items() if pl == "sketch"]
+    stats = [ParamStats(n, tuple(params[n].shape), 0.1, True) for n in sk]
+    plan = make_plan(stats, Cluster(world), overrides={n: "sketch" for n in sk}, sketch=plw.BIG_SKETCH)
+    measured = sum(b for op, _, b in records if op == "reduce") / steps
+    assert len([r for r in records if r[0] == "reduce"]) == steps * len(sk)
+    assert abs(measured - plan.bytes_per_machine) <= 0.01 * plan.bytes_per_machine, (
+        measured,
+        plan.bytes_per_machine,
+    )
+
+
+def test_sketch_payload_numel_is_what_compress_sends() -> None:
+    for shape, sketch in [((200, 16), SparseSketch(ratio=0.05)), ((1000,), SparseSketch(rows=4, ratio=0.3)),
+                          ((50, 3), SparseSketch(cols=17, block=7))]:  # fmt: skip
+        g = torch.zeros(shape)
+        g.view(-1)[::5] = 1.0
+        assert sketch.compress(g).to_buffer().numel() == sketch.payload_numel(shape)
+        plan = make_plan([ParamStats("w", shape, 0.2, True)], Cluster(4), overrides={"w": "sketch"}, sketch=sketch)
+        assert plan.bytes_per_machine == pytest.approx(4 * 4 * sketch.payload_numel(shape) * 3 / 4)
 
 
 def test_placements_resolve_plan_or_dict_and_name_bad_entries() -> None:
     params = ["a", "b", "c"]
     default = {"a": "ps", "b": "dense_allreduce", "c": "dense_allreduce"}
     assert resolve_placements(params, default, {"c": "sketch"}) == {**default, "c": "sketch"}
-    from sparsync.placement.detect import ParamStats
-
     plan = make_plan(
         [ParamStats("a", (1000, 8), 0.01, True), ParamStats("b", (8,), 1.0, False)],
         Cluster(4),
         overrides={"a": "sparse_allreduce"},
     )
-    got = resolve_placements(params, default, plan)
+    got = resolve_placements(params, default, plan)  # a Plan names a subset: the rest keep the default
     assert got == {"a": "sparse_allreduce", "b": "dense_allreduce", "c": "dense_allreduce"}
     with pytest.raises(KeyError, match="'zz'"):
         resolve_placements(params, default, {"zz": "ps"})
