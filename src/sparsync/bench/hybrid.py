@@ -6,7 +6,9 @@ and a dense LSTM, trained with P ranks by six methods side by side:
 - ``sparse_ar``: the embedding by sparsync's sparse allreduce (SparCML, ``auto``);
 - ``ps``: every parameter on the parameter servers (one per rank, colocated), sync;
 - ``hybrid``: LSTM by dense allreduce, embedding on the servers (Parallax);
-- ``hybrid_noagg``: hybrid without local aggregation (one gradient row per token occurrence on the wire).
+- ``hybrid_noagg``: hybrid without local aggregation (one gradient row per token occurrence on the wire);
+- ``hybrid_sketch`` (on request, ``--methods``): LSTM by dense allreduce, embedding by the S2 sketch placement
+  (``HybridConfig.sketch``, ratio ``sketch_ratio``): lossy, so its loss differs from the others'.
 
 All methods run plain SGD with mean reduction on the same data and initial weights, so their losses agree.
 """
@@ -24,11 +26,13 @@ import torch.distributed as dist
 
 from sparsync.bench.lm import Corpus, SampledLM
 from sparsync.collectives.tensor import allreduce
+from sparsync.compress.sketch import SparseSketch
 from sparsync.placement.hybrid import HybridConfig, HybridTrainer
 from sparsync.placement.optim import OptimizerConfig
 from sparsync.record import CommLog
 
 METHODS = ("allreduce", "allgather", "sparse_ar", "ps", "hybrid", "hybrid_noagg")
+OPTIONAL_METHODS = ("hybrid_sketch",)  # run only when named: lossy, so not in the equal-loss comparison
 
 
 @dataclass(frozen=True)
@@ -48,12 +52,13 @@ class HybridBenchConfig:
     methods: tuple[str, ...] = METHODS
     seed: int = 0
     partitions: int | None = None  # PS partitions per table (None: one per server)
+    sketch_ratio: float = 0.05  # hybrid_sketch: sketch cells / embedding entries (SparseSketch ratio)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        bad = [m for m in self.methods if m not in METHODS]
+        bad = [m for m in self.methods if m not in METHODS + OPTIONAL_METHODS]
         if bad:
-            raise KeyError(f"unknown methods {bad}; valid: {', '.join(METHODS)}")
+            raise KeyError(f"unknown methods {bad}; valid: {', '.join(METHODS + OPTIONAL_METHODS)}")
         if min(self.vocab, self.dim, self.hidden, self.batch, self.seq, self.steps, self.rounds) < 1:
             raise ValueError("vocab, dim, hidden, batch, seq, steps, rounds must be >= 1")
         if self.warmup < 0:
@@ -110,7 +115,7 @@ class _MethodRun:
         )
         self.log = CommLog()
         self.trainer: Any
-        if method in ("ps", "hybrid", "hybrid_noagg"):
+        if method in ("ps", "hybrid", "hybrid_noagg", "hybrid_sketch"):
             dense = [p for n, p in self.model.named_parameters() if n != "emb.weight"]
             hc = HybridConfig(
                 mode="sync",
@@ -122,9 +127,15 @@ class _MethodRun:
                 partitions=cfg.partitions,
                 table_prefix=f"{method}/",
                 timeout=300.0,
+                sketch=SparseSketch(ratio=cfg.sketch_ratio),
             )
             opt = torch.optim.SGD(dense, lr=cfg.lr)
-            self.trainer = HybridTrainer(self.model, addresses, hc, dense_optimizer=opt, log=self.log)
+            sketched = method == "hybrid_sketch"
+            self.trainer = HybridTrainer(
+                self.model, addresses, hc, dense_optimizer=opt, log=self.log,
+                sparse_optimizer=torch.optim.SGD([self.model.emb.weight], lr=cfg.lr) if sketched else None,
+                placements={"emb.weight": "sketch"} if sketched else None,
+            )  # fmt: skip
         else:
             self.trainer = _Collective(self.model, method, cfg.lr, self.log)
         self.losses: list[float] = []
