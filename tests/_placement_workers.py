@@ -131,3 +131,35 @@ def sketch_worker(rank: int, sketch: SparseSketch, steps: int) -> dict[str, Any]
                 residual = red.memory.error("w")
         out[f"ef={ef}"] = {"outs": outs, "residual": residual}
     return out
+
+
+# --- compressed pushes (async) --------------------------------------------------------------------------------
+def async_worker(rank: int, addresses: list[str], steps: int) -> dict[str, Any]:
+    """Async training (world 1 is deterministic) uncompressed, with the identity compressor, and with a
+    threshold + error feedback; final tables, and the last trainer's checkpoint round trip."""
+    from sparsync.compress import Identity, Threshold
+
+    out: dict[str, Any] = {}
+    for key, comp in (("none", None), ("identity", Identity()), ("threshold", Threshold(0.2, lifespan=1))):
+        model = TwoEmbLM()
+        cfg = HybridConfig(mode="async", optimizer=OptimizerConfig("sgd", lr=0.1), timeout=30.0,
+                           table_prefix=f"async/{key}/", push_compressor=comp)  # fmt: skip
+        tr = HybridTrainer(model, addresses, cfg)
+        for s in range(steps):
+            tr.step(lambda s=s, m=model: loss_of(m, s, rank))
+        out[key] = {n: t.read_all() for n, t in tr.tables.items()}
+        if comp is not None:
+            state = tr.state_dict()
+            tr.close()
+            again = HybridTrainer(TwoEmbLM(), addresses, cfg)  # a restarted worker, same servers
+            again.load_state_dict(state)
+            assert tr.push is not None and again.push is not None and tr.push.memory is not None
+            out[key + "/restored"] = [
+                torch.equal(tr.push.memory.error(n), again.push.memory.error(n))  # type: ignore[arg-type]
+                and float(tr.push.memory.error(n).abs().sum()) > 0  # type: ignore[union-attr]
+                for n in tr.push.memory.names()
+            ] or [key == "identity"]
+            again.close()
+        else:
+            tr.close()
+    return out

@@ -6,13 +6,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import _placement_workers as plw
+import numpy as np
 import pytest
 import torch
 
 from sparsync import launch
-from sparsync.compress import SparseSketch, TensorSpec
+from sparsync.compress import SparseSketch, TensorSpec, Threshold
 from sparsync.placement import ServerProcess, start_servers
 from sparsync.placement.detect import ParamStats
+from sparsync.placement.feedback import PushFeedback
 from sparsync.placement.plan import Cluster, make_plan
 from sparsync.placement.reduced import resolve_placements
 
@@ -130,3 +132,51 @@ def test_sketch_placement_matches_compressor_reference_and_feedback(world: int) 
         # it every step's collision error stays in the sum.
         err = {k: (sum(res[0][k]["outs"]) - steps * exact).norm() for k in ("ef=False", "ef=True")}
         assert err["ef=True"] < 0.5 * err["ef=False"], err
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_async_push_compression_identity_equals_uncompressed(servers: list[ServerProcess]) -> None:
+    steps = 4
+    res = launch(plw.async_worker, nprocs=1, args=([s.address for s in servers], steps), timeout=60)[0]
+    ref = plw.reference(1, steps, "sgd", "sum")  # one async worker applies every push at once: plain SGD
+    for n, want in ref.items():
+        for key in ("none", "identity"):
+            torch.testing.assert_close(res[key][n].reshape(want.shape), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(res["identity"][n], res["none"][n], rtol=0, atol=0)
+    assert any((res["threshold"][n] - res["none"][n]).abs().max() > 1e-4 for n in ref)  # compression is lossy
+    assert res["threshold/restored"] and all(res["threshold/restored"])  # residuals survive the checkpoint
+
+
+@pytest.mark.parametrize("error_feedback", [True, False])
+def test_push_feedback_residual_plus_sent_is_the_gradient(error_feedback: bool) -> None:
+    pf = PushFeedback(Threshold(0.1, lifespan=2), error_feedback=error_feedback)
+    rng = np.random.default_rng(0)
+    total_g, total_sent = np.zeros((30, 8), np.float32), np.zeros((30, 8), np.float32)
+    for step in range(6):
+        g = rng.standard_normal((30, 8)).astype(np.float32)
+        g[step] = 0  # a zero row stays out of the push unless its residual carries it
+        e_old = pf.memory.error("w") if pf.memory is not None else None
+        rows, vals = pf.rows("w", torch.from_numpy(g))
+        sent = np.zeros_like(g)
+        sent[rows.numpy()] = vals.numpy()
+        assert (np.abs(vals.numpy()).sum(1) > 0).all()  # only rows with something to send
+        x = g + (e_old.numpy() if e_old is not None else 0)
+        if error_feedback:
+            assert pf.memory is not None
+            e_new = pf.memory.error("w").numpy()  # type: ignore[union-attr]
+            np.testing.assert_array_equal(e_new + sent, x)  # exact: each entry is sent or kept, never split
+        else:
+            np.testing.assert_array_equal(np.where(sent != 0, sent, x), x)  # sent entries are the gradient's
+        total_g += g
+        total_sent += sent
+    if error_feedback:
+        e = pf.memory.error("w")
+        assert e is not None
+        np.testing.assert_allclose(total_sent + e.numpy(), total_g, rtol=1e-5, atol=1e-5)
+    # The compressor's state (DCT's τ) and the residuals come back from a checkpoint.
+    again = PushFeedback(Threshold(0.1, lifespan=2), error_feedback=error_feedback)
+    again.load_state_dict(pf.state_dict())
+    g = torch.from_numpy(rng.standard_normal((30, 8)).astype(np.float32))
+    for a, b in zip(pf.rows("w", g), again.rows("w", g), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

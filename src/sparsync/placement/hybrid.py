@@ -23,15 +23,18 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from sparsync.collectives.tensor import allreduce
+from sparsync.compress.base import Compressor
 from sparsync.compress.sketch import SparseSketch
 from sparsync.placement.client import PSClient
 from sparsync.placement.detect import embedding_modules, rows_of_input
+from sparsync.placement.feedback import PushFeedback
 from sparsync.placement.optim import OptimizerConfig
 from sparsync.placement.plan import Plan
 from sparsync.placement.reduced import REDUCED, Reduced, resolve_placements
@@ -53,6 +56,8 @@ class HybridConfig:
     table_prefix: str = ""  # prepended to table names, to run several trainers against the same servers
     sketch: SparseSketch = field(default_factory=lambda: SparseSketch(ratio=0.05))  # "sketch" placements
     sketch_error_feedback: bool = False  # "sketch": keep each worker's residual and add it to the next step
+    push_compressor: Compressor | None = None  # compress pushes of dense parameters to the servers (DCT §3.3)
+    push_error_feedback: bool = True  # with push_compressor: per-worker residuals fed back into the next push
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -143,6 +148,12 @@ class HybridTrainer:
                 optimizer=cfg.optimizer, mode=cfg.mode, pushers=pushers,
                 divisor=float(self.world) if mean == "mean" else 1.0,
             )  # fmt: skip
+        self.push = (
+            None
+            if cfg.push_compressor is None
+            else PushFeedback(cfg.push_compressor, error_feedback=cfg.push_error_feedback, rank=self.rank,
+                              world=self.world)
+        )  # fmt: skip
         self.rows: dict[str, torch.Tensor] = {}
         self._hooks = [emb[n].register_forward_pre_hook(self._pull_hook(n)) for n in names]
         self.sparse_names = names
@@ -196,7 +207,9 @@ class HybridTrainer:
                 continue
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             nrows, dim = _table_shape(p)
-            works.append(self.tables[n].push(torch.arange(nrows), g.reshape(nrows, dim), step=self.step_no))
+            g = g.reshape(nrows, dim)
+            rows, vals = (torch.arange(nrows), g) if self.push is None else self.push.rows(n, g)
+            works.append(self.tables[n].push(rows, vals, step=self.step_no))
         if self.cfg.mode == "sync":
             self._reduce_local(params)
         for w in works:
@@ -275,8 +288,28 @@ class HybridTrainer:
             off += p.numel()
 
     def save(self) -> list[str]:
-        """Checkpoint the servers (call on the chief between steps)."""
+        """Checkpoint the servers (call on the chief between steps); each worker's own part of the checkpoint
+        is ``state_dict()``."""
         return save_servers(self.client).wait()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's state besides the servers': the error-feedback residuals (sketch placements and
+        compressed pushes) and the push compressor's state. Save one per rank, next to ``save()``."""
+        return {
+            "reduced": self.reduced.state_dict(),
+            "push": None if self.push is None else self.push.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.reduced.load_state_dict(state["reduced"])
+        push = state.get("push")
+        if (push is None) != (self.push is None):
+            raise ValueError(
+                f"the checkpoint {'has no' if push is None else 'has'} compressed-push state, this trainer "
+                f"{'compresses' if self.push is not None else 'does not compress'} pushes (push_compressor)"
+            )
+        if self.push is not None and push is not None:
+            self.push.load_state_dict(push)
 
     def close(self) -> None:
         for h in self._hooks:
