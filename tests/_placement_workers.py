@@ -163,3 +163,19 @@ def async_worker(rank: int, addresses: list[str], steps: int) -> dict[str, Any]:
         else:
             tr.close()
     return out
+
+
+def bad_placements_worker(rank: int, addresses: list[str]) -> list[str]:
+    """The errors a trainer raises for bad placements (before it connects to any server)."""
+    out = []
+    for mode, placements in (
+        ("sync", {"nope.weight": "ps"}),
+        ("sync", {"hidden.weight": "allgather"}),
+        ("async", {"hidden.weight": "dense_allreduce"}),
+    ):
+        try:
+            HybridTrainer(TwoEmbLM(), addresses, HybridConfig(mode=mode), placements=placements)
+            out.append("no error")
+        except (KeyError, ValueError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out

@@ -180,3 +180,12 @@ def test_push_feedback_residual_plus_sent_is_the_gradient(error_feedback: bool) 
     g = torch.from_numpy(rng.standard_normal((30, 8)).astype(np.float32))
     for a, b in zip(pf.rows("w", g), again.rows("w", g), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(60)
+def test_trainer_names_bad_placements() -> None:
+    errs = launch(plw.bad_placements_worker, nprocs=1, args=(["tcp://127.0.0.1:1"],), timeout=30)[0]
+    assert errs[0].startswith("KeyError") and "nope.weight" in errs[0], errs
+    assert errs[1].startswith("KeyError") and "allgather" in errs[1], errs
+    assert errs[2].startswith("ValueError") and "async" in errs[2] and "hidden.weight" in errs[2], errs

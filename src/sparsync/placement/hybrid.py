@@ -110,7 +110,6 @@ class HybridTrainer:
                 g = dist.new_group(list(range(k * m, (k + 1) * m)))
                 if k == self.machine:
                     self.machine_group = g
-        self.client = PSClient(addresses, token=token, timeout=cfg.timeout, sender=self.rank)
         self.dense_optimizer, self.sparse_optimizer = dense_optimizer, sparse_optimizer
         self.log = log
         emb = dict(embedding_modules(model))
@@ -137,6 +136,7 @@ class HybridTrainer:
             sparse_grads=[n for n, m in emb.items() if getattr(m, "sparse", False)],
             sketch=cfg.sketch, error_feedback=cfg.sketch_error_feedback, group=group, log=log,
         )  # fmt: skip
+        self.client = PSClient(addresses, token=token, timeout=cfg.timeout, sender=self.rank)
         pushers = self.world // cfg.procs_per_machine if self.local_agg else self.world
         self.tables: dict[str, PSTable] = {}
         for n in on_ps:
