@@ -84,7 +84,7 @@ def trainer_worker(rank: int, addresses: list[str], cases: list[dict[str, Any]])
         o_d, o_s = optimizers(model, c["opt"], local)
         cfg = HybridConfig(
             sparse_reduce=c["reduce"], dense_reduce=c["reduce"], timeout=30.0,
-            table_prefix=f"w{c['world']}/case{i}/",
+            table_prefix=f"w{c['world']}/case{i}/", procs_per_machine=c["world"] if c.get("one_machine") else 1,
             optimizer=OptimizerConfig(c["opt"], lr=0.01 if c["opt"] == "adam" else 0.1),
             sketch=c.get("sketch", BIG_SKETCH), sketch_error_feedback=c.get("ef", False),
         )  # fmt: skip

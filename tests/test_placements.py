@@ -23,6 +23,7 @@ MIXED = {"words.weight": "ps", "tags.weight": "sparse_allreduce", "hidden.weight
 SGD_MEAN = {"opt": "sgd", "reduce": "mean", "steps": 3}
 CASES = [
     dict(placements=MIXED, opt="sgd", reduce="sum", steps=3),
+    dict(placements=MIXED, one_machine=True, **SGD_MEAN),  # local aggregation of words, whole-table out.weight
     dict(placements={**MIXED, "out.weight": "dense_allreduce"}, opt="adam", reduce="mean", steps=3),
     dict(placements={**MIXED, "tags.weight": "sketch", "words.weight": "sketch"}, ef=True, **SGD_MEAN),
 ]

@@ -137,6 +137,7 @@ class HybridTrainer:
             sketch=cfg.sketch, error_feedback=cfg.sketch_error_feedback, group=group, log=log,
         )  # fmt: skip
         self.client = PSClient(addresses, token=token, timeout=cfg.timeout, sender=self.rank)
+        # Local aggregation gathers the row-wise tables only: every worker pushes its whole-table gradients.
         pushers = self.world // cfg.procs_per_machine if self.local_agg else self.world
         self.tables: dict[str, PSTable] = {}
         for n in on_ps:
@@ -145,7 +146,7 @@ class HybridTrainer:
             parts = min(cfg.partitions or len(addresses), rows)
             self.tables[n] = PSTable(
                 self.client, cfg.table_prefix + n, rows, dim, partitions=parts,
-                optimizer=cfg.optimizer, mode=cfg.mode, pushers=pushers,
+                optimizer=cfg.optimizer, mode=cfg.mode, pushers=pushers if n in names else self.world,
                 divisor=float(self.world) if mean == "mean" else 1.0,
             )  # fmt: skip
         self.push = (
