@@ -3,7 +3,12 @@ against the sketch compressor's own reference."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import _placement_workers as plw
 import numpy as np
@@ -190,3 +195,19 @@ def test_trainer_names_bad_placements() -> None:
     assert errs[0].startswith("KeyError") and "nope.weight" in errs[0], errs
     assert errs[1].startswith("KeyError") and "allgather" in errs[1], errs
     assert errs[2].startswith("ValueError") and "async" in errs[2] and "hidden.weight" in errs[2], errs
+
+
+@pytest.mark.large
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_async_error_feedback_example() -> None:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, str(root / "examples" / "async_error_feedback.py")],
+                          capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loss = {m: float(v) for m, v in re.findall(r"^  (\S.*?)\s+loss (\d+\.\d+)", proc.stdout, re.M)}
+    assert len(loss) == 3, proc.stdout
+    # Error feedback keeps the 1% threshold close to uncompressed training; without it the loss stays higher.
+    assert loss["threshold 1% + EF"] < loss["uncompressed"] + 0.1, loss
+    assert loss["threshold 1%, no EF"] > loss["threshold 1% + EF"] + 0.2, loss
