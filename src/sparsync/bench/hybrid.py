@@ -8,7 +8,9 @@ and a dense LSTM, trained with P ranks by six methods side by side:
   on one server, round-robin, as Parallax places them;
 - ``ps_split``: ``ps`` with every dense variable split by rows across all servers;
 - ``hybrid``: LSTM by dense allreduce, embedding on the servers (Parallax);
-- ``hybrid_noagg``: hybrid without local aggregation (one gradient row per token occurrence on the wire).
+- ``hybrid_noagg``: hybrid without local aggregation (one gradient row per token occurrence on the wire);
+- ``hybrid_sketch`` (on request, ``--methods``): LSTM by dense allreduce, embedding by the S2 sketch placement
+  (``HybridConfig.sketch``, ratio ``sketch_ratio``): lossy, so its loss differs from the others'.
 
 The PS methods prefetch the next step's rows during the dense allreduce unless ``prefetch`` is off, and report
 the trainer's timing scopes as ``<phase>_ms`` (mean ms per measured step; None for the collective methods).
@@ -28,11 +30,13 @@ import torch.distributed as dist
 
 from sparsync.bench.lm import Corpus, SampledLM
 from sparsync.collectives.tensor import allreduce
+from sparsync.compress.sketch import SparseSketch
 from sparsync.placement.hybrid import PHASES, HybridConfig, HybridTrainer
 from sparsync.placement.optim import OptimizerConfig
 from sparsync.record import CommLog
 
 METHODS = ("allreduce", "allgather", "sparse_ar", "ps", "ps_split", "hybrid", "hybrid_noagg")
+OPTIONAL_METHODS = ("hybrid_sketch",)  # run only when named: lossy, so not in the equal-loss comparison
 PS_METHODS = ("ps", "ps_split", "hybrid", "hybrid_noagg")
 
 
@@ -54,12 +58,13 @@ class HybridBenchConfig:
     seed: int = 0
     partitions: int | None = None  # PS partitions per table (None: one per server)
     prefetch: bool = True  # PS methods: pull the next step's rows during this step's dense allreduce
+    sketch_ratio: float = 0.05  # hybrid_sketch: sketch cells / embedding entries (SparseSketch ratio)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        bad = [m for m in self.methods if m not in METHODS]
+        bad = [m for m in self.methods if m not in METHODS + OPTIONAL_METHODS]
         if bad:
-            raise KeyError(f"unknown methods {bad}; valid: {', '.join(METHODS)}")
+            raise KeyError(f"unknown methods {bad}; valid: {', '.join(METHODS + OPTIONAL_METHODS)}")
         if min(self.vocab, self.dim, self.hidden, self.batch, self.seq, self.steps, self.rounds) < 1:
             raise ValueError("vocab, dim, hidden, batch, seq, steps, rounds must be >= 1")
         if self.warmup < 0:
@@ -116,7 +121,7 @@ class _MethodRun:
         )
         self.log = CommLog()
         self.trainer: Any
-        if method in PS_METHODS:
+        if method in PS_METHODS + OPTIONAL_METHODS:
             dense = [p for n, p in self.model.named_parameters() if n != "emb.weight"]
             hc = HybridConfig(
                 mode="sync",
@@ -129,9 +134,15 @@ class _MethodRun:
                 partitions=cfg.partitions,
                 table_prefix=f"{method}/",
                 timeout=300.0,
+                sketch=SparseSketch(ratio=cfg.sketch_ratio),
             )
             opt = torch.optim.SGD(dense, lr=cfg.lr)
-            self.trainer = HybridTrainer(self.model, addresses, hc, dense_optimizer=opt, log=self.log)
+            sketched = method == "hybrid_sketch"
+            self.trainer = HybridTrainer(
+                self.model, addresses, hc, dense_optimizer=opt, log=self.log,
+                sparse_optimizer=torch.optim.SGD([self.model.emb.weight], lr=cfg.lr) if sketched else None,
+                placements={"emb.weight": "sketch"} if sketched else None,
+            )  # fmt: skip
         else:
             self.trainer = _Collective(self.model, method, cfg.lr, self.log)
         self.losses: list[float] = []

@@ -25,7 +25,12 @@ from sparsync.placement.plan import Cluster, make_plan
 from sparsync.placement.server import ServerConfig, ServerProcess
 
 # method -> the plan placement of the embedding that describes it (dense parameters: dense allreduce)
-PLAN_OF = {"allreduce": "dense_allreduce", "sparse_ar": "sparse_allreduce", "hybrid": "ps"}
+PLAN_OF = {
+    "allreduce": "dense_allreduce",
+    "sparse_ar": "sparse_allreduce",
+    "hybrid": "ps",
+    "hybrid_sketch": "sketch",
+}
 
 
 @contextmanager
@@ -56,7 +61,7 @@ def predicted_bytes(cfg: HybridBenchConfig, P: int, alpha: float, method: str) -
         ParamStats(n, tuple(p.shape), alpha if n == "emb.weight" else 1.0, n == "emb.weight", alpha)
         for n, p in model.named_parameters()
     ]
-    plan = make_plan(stats, Cluster(P), overrides={"emb.weight": PLAN_OF[method]})
+    plan = make_plan(stats, Cluster(P), overrides={"emb.weight": PLAN_OF[method]}, sketch_ratio=cfg.sketch_ratio)
     return plan.bytes_per_machine
 
 

@@ -21,6 +21,7 @@ for the same seed, computed only for the indices that are queried or inserted (n
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -65,6 +66,12 @@ class SparseSketch(Compressor):
             return self.cols
         assert self.ratio is not None
         return max(1, math.ceil(self.ratio * numel / self.rows))
+
+    def payload_numel(self, shape: Sequence[int]) -> int:
+        """Entries of the payload (bitmap + r x c table) for a tensor of ``shape``: what every rank puts into the
+        one dense allreduce (S2 Alg. 1 line 8), whatever the gradient's density."""
+        spec = TensorSpec(torch.Size(shape), torch.float32)
+        return -(-spec.numel // self.block_size(spec)) + self.rows * self.width(spec.numel)
 
     def block_size(self, spec: TensorSpec) -> int:
         if self.block is not None:

@@ -17,6 +17,11 @@ Overlap (Parallax §5): the chief's APPLY goes out right behind its pushes (each
 pushes of the step arrived), not after a round trip of its own; ``step(prefetch=next_input)`` then requests the
 next step's rows at once (the servers answer them after the update) while the dense allreduce still runs.
 ``phases`` accumulates milliseconds per phase of the step (``PHASES``).
+
+Placements (sync mode): ``placements=`` (a ``Plan`` from ``make_plan``, or a dict name -> placement) overrides
+the default (the ``sparse_params`` embeddings on the servers, everything else dense allreduce) for any
+parameter: ``dense_allreduce`` (one flat dense allreduce), ``ps`` (an embedding by rows, any other parameter as
+a whole table), ``sparse_allreduce`` and ``sketch`` (``reduced.py``), each followed by the local optimizers.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,10 +38,15 @@ import torch.distributed as dist
 from torch import nn
 
 from sparsync.collectives.tensor import allreduce
+from sparsync.compress.base import Compressor
+from sparsync.compress.sketch import SparseSketch
 from sparsync.handle import Work
 from sparsync.placement.client import PSClient
 from sparsync.placement.detect import embedding_modules, rows_of_input
+from sparsync.placement.feedback import PushFeedback
 from sparsync.placement.optim import OptimizerConfig
+from sparsync.placement.plan import Plan
+from sparsync.placement.reduced import REDUCED, Reduced, resolve_placements
 from sparsync.placement.table import SPLITS, PSTable, save_servers
 from sparsync.record import CommLog
 
@@ -59,6 +70,10 @@ class HybridConfig:
     ps_dense: bool = False  # sync: dense parameters on the servers too (the PS-only architecture)
     dense_whole: bool = False  # dense tables whole on one server each, round-robin (Parallax), not split
     table_prefix: str = ""  # prepended to table names, to run several trainers against the same servers
+    sketch: SparseSketch = field(default_factory=lambda: SparseSketch(ratio=0.05))  # "sketch" placements
+    sketch_error_feedback: bool = False  # "sketch": keep each worker's residual and add it to the next step
+    push_compressor: Compressor | None = None  # compress pushes of dense parameters to the servers (DCT §3.3)
+    push_error_feedback: bool = True  # with push_compressor: per-worker residuals fed back into the next push
 
     def __post_init__(self) -> None:
         if self.mode not in ("sync", "async"):
@@ -75,9 +90,11 @@ class HybridConfig:
 class HybridTrainer:
     """``trainer.step(closure)``: the closure runs the forward pass and returns the loss.
 
-    ``dense_optimizer`` (sync mode) updates the dense parameters after their allreduce; async mode updates
+    ``dense_optimizer`` (sync mode) updates the dense parameters after their allreduce; ``sparse_optimizer``
+    too, for the ``sparse_allreduce`` and ``sketch`` placements whose gradients stay sparse COO (``SGD``,
+    ``SparseAdam``, ``Adagrad``); parameters on the servers get no local gradient. Async mode updates
     everything on the servers with ``cfg.optimizer``. Every rank builds the same model; rank 0's initial
-    weights win (dense ones broadcast, sparse ones written to the servers).
+    weights win (local ones broadcast, the servers' written by rank 0).
     """
 
     def __init__(
@@ -87,6 +104,8 @@ class HybridTrainer:
         cfg: HybridConfig | None = None,
         *,
         dense_optimizer: torch.optim.Optimizer | None = None,
+        sparse_optimizer: torch.optim.Optimizer | None = None,
+        placements: Plan | Mapping[str, str] | None = None,
         log: CommLog | None = None,
         sparse_params: Sequence[str] | None = None,
         token: str | None = None,
@@ -109,8 +128,7 @@ class HybridTrainer:
                 g = dist.new_group(list(range(k * m, (k + 1) * m)))
                 if k == self.machine:
                     self.machine_group = g
-        self.client = PSClient(addresses, token=token, timeout=cfg.timeout, sender=self.rank)
-        self.dense_optimizer = dense_optimizer
+        self.dense_optimizer, self.sparse_optimizer = dense_optimizer, sparse_optimizer
         self.log = log
         emb = dict(embedding_modules(model))
         names = list(sparse_params) if sparse_params is not None else list(emb)
@@ -120,8 +138,24 @@ class HybridTrainer:
             raise KeyError(
                 f"{bad} are not embedding weights; the PS serves nn.Embedding/EmbeddingBag: {list(emb)}"
             )
-        on_ps = names if cfg.mode == "sync" and not cfg.ps_dense else list(params)
-        self.dense = [(n, p) for n, p in params.items() if n not in on_ps]
+        default_ps = names if cfg.mode == "sync" and not cfg.ps_dense else list(params)
+        default = {n: "ps" if n in default_ps else "dense_allreduce" for n in params}
+        placed = resolve_placements(list(params), default, placements)
+        if cfg.mode == "async" and any(pl != "ps" for pl in placed.values()):
+            raise ValueError(f"async mode keeps every parameter on the servers, got placements {placed}")
+        on_ps = [n for n, pl in placed.items() if pl == "ps"]
+        # By rows: the sparse_params embeddings, and embeddings placed "ps" explicitly; others as whole tables.
+        names = [n for n in on_ps if n in names or (n in emb and default[n] != "ps")]
+        self.placements = placed
+        self.dense = [(n, p) for n, p in params.items() if placed[n] == "dense_allreduce"]
+        self.reduced = Reduced(
+            {n: pl for n, pl in placed.items() if pl in REDUCED},
+            {n: (cfg.sparse_reduce if n in emb else cfg.dense_reduce) == "mean" for n in params},
+            sparse_grads=[n for n, m in emb.items() if getattr(m, "sparse", False)],
+            sketch=cfg.sketch, error_feedback=cfg.sketch_error_feedback, group=group, log=log,
+        )  # fmt: skip
+        self.client = PSClient(addresses, token=token, timeout=cfg.timeout, sender=self.rank)
+        # Local aggregation gathers the row-wise tables only: every worker pushes its whole-table gradients.
         pushers = self.world // cfg.procs_per_machine if self.local_agg else self.world
         self.tables: dict[str, PSTable] = {}
         whole = 0  # dense variables placed whole so far: the next goes to server whole mod S
@@ -132,13 +166,19 @@ class HybridTrainer:
             parts = 1 if is_whole else min(cfg.partitions or len(addresses), rows)
             self.tables[n] = PSTable(
                 self.client, cfg.table_prefix + n, rows, dim, partitions=parts,
-                optimizer=cfg.optimizer, mode=cfg.mode, pushers=pushers,
+                optimizer=cfg.optimizer, mode=cfg.mode, pushers=pushers if n in names else self.world,
                 divisor=float(self.world) if mean == "mean" else 1.0, split=cfg.split,
                 first_server=whole % len(addresses) if is_whole else 0,
             )  # fmt: skip
             whole += is_whole
         self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)  # accumulated ms per phase
         self._prefetch: dict[str, tuple[int, np.ndarray, Work[torch.Tensor]]] = {}  # name -> step, rows, pull
+        self.push = (
+            None
+            if cfg.push_compressor is None
+            else PushFeedback(cfg.push_compressor, error_feedback=cfg.push_error_feedback, rank=self.rank,
+                              world=self.world)
+        )  # fmt: skip
         self.rows: dict[str, torch.Tensor] = {}
         self._hooks = [emb[n].register_forward_pre_hook(self._pull_hook(n)) for n in names]
         self.sparse_names = names
@@ -153,7 +193,7 @@ class HybridTrainer:
                     t.set(torch.arange(rows), params[n].detach().reshape(rows, dim)).wait()
         dist.barrier(group=self.group)
         step = min(t.create().wait() for t in self.tables.values()) if self.tables else 0
-        for _, p in self.dense:
+        for p in [p for _, p in self.dense] + self.reduced.params(dict(self.model.named_parameters())):
             dist.broadcast(p.data, src=0, group=self.group)
         return step
 
@@ -233,13 +273,14 @@ class HybridTrainer:
                     continue  # only the machine's local chief pushes
             agg = self.cfg.local_aggregation
             works.append(self.tables[n].push(rows, vals, step=self.step_no, coalesce=agg))
-        if self.cfg.mode == "async" or self.cfg.ps_dense:
-            for n, p in params.items():
-                if n not in self.tables or n in self.sparse_names:
-                    continue
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
-                nrows, dim = _table_shape(p)
-                works.append(self.tables[n].push(torch.arange(nrows), g.reshape(nrows, dim), step=self.step_no))
+        for n, p in params.items():  # dense parameters on the servers: async, PS-only, or placed "ps"
+            if n not in self.tables or n in self.sparse_names:
+                continue
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            nrows, dim = _table_shape(p)
+            g = g.reshape(nrows, dim)
+            rows, vals = (torch.arange(nrows), g) if self.push is None else self.push.rows(n, g)
+            works.append(self.tables[n].push(rows, vals, step=self.step_no))
         if self.cfg.mode == "sync" and self.rank == 0:
             # Parallax §5: the chief triggers the update, once, right behind its pushes (servers park it until
             # every pusher's gradient of the step is in)
@@ -247,9 +288,9 @@ class HybridTrainer:
         if prefetch is not None:
             self._start_prefetch(prefetch)
         self.phases["push"] += 1e3 * (time.perf_counter() - t_push)
-        if self.cfg.mode == "sync" and not self.cfg.ps_dense:
+        if self.cfg.mode == "sync" and (self.dense or self.reduced.names):
             with self._timed("dense_allreduce"):
-                self._allreduce_dense()
+                self._reduce_local(params)
         with self._timed("apply_wait"):
             for w in works:
                 w.wait()
@@ -297,10 +338,22 @@ class HybridTrainer:
             [a[:c] for a, c in zip(av, k, strict=True)]
         )
 
+    def _reduce_local(self, params: dict[str, nn.Parameter]) -> None:
+        """Every placement but "ps", then the local optimizers (which skip the servers' parameters)."""
+        if not self.dense and not self.reduced.names:
+            return
+        self._allreduce_dense()
+        self.reduced.reduce(params)
+        for n in self.tables:
+            params[n].grad = None
+        for opt in (self.dense_optimizer, self.sparse_optimizer):
+            if opt is not None:
+                opt.step()
+
     def _allreduce_dense(self) -> None:
         if not self.dense:
             return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for _, p in self.dense]
+        grads = [_dense_grad(p) for _, p in self.dense]
         flat = torch.cat([g.reshape(-1) for g in grads])
         out = allreduce(flat, algorithm="dense", group=self.group, log=self.log)
         assert isinstance(out, torch.Tensor)
@@ -310,17 +363,41 @@ class HybridTrainer:
         for _, p in self.dense:
             p.grad = out[off : off + p.numel()].reshape(p.shape).clone()
             off += p.numel()
-        if self.dense_optimizer is not None:
-            self.dense_optimizer.step()
 
     def save(self) -> list[str]:
-        """Checkpoint the servers (call on the chief between steps)."""
+        """Checkpoint the servers (call on the chief between steps); each worker's own part of the checkpoint
+        is ``state_dict()``."""
         return save_servers(self.client).wait()
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's state besides the servers': the error-feedback residuals (sketch placements and
+        compressed pushes) and the push compressor's state. Save one per rank, next to ``save()``."""
+        return {
+            "reduced": self.reduced.state_dict(),
+            "push": None if self.push is None else self.push.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.reduced.load_state_dict(state["reduced"])
+        push = state.get("push")
+        if (push is None) != (self.push is None):
+            raise ValueError(
+                f"the checkpoint {'has no' if push is None else 'has'} compressed-push state, this trainer "
+                f"{'compresses' if self.push is not None else 'does not compress'} pushes (push_compressor)"
+            )
+        if self.push is not None and push is not None:
+            self.push.load_state_dict(push)
 
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
         self.client.close()
+
+
+def _dense_grad(p: torch.Tensor) -> torch.Tensor:
+    if p.grad is None:
+        return torch.zeros_like(p)
+    return p.grad.to_dense() if p.grad.is_sparse else p.grad  # an embedding placed on dense allreduce
 
 
 def _table_shape(p: torch.Tensor) -> tuple[int, int]:

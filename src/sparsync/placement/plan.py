@@ -12,7 +12,9 @@ workers touch together, i.e. after local aggregation):
   stream ``sparsync.allreduce(coo)`` sends: one entry per element of a touched row, each with its own index
   (4 bytes below 2^31 elements, ``index_dtype_for``); allgather gives Table 3's 2·α_m·w(N-1) times
   (1 + index/value bytes). (Counting one index per row instead under-predicted measured bytes by 14-28%.)
-- sketch: a dense allreduce of the sketch, ``sketch_ratio``·w bytes (lossy, so only on request).
+- sketch: a ring dense allreduce of the S2 payload, 4·(itemsize·``SparseSketch.payload_numel``)(N-1)/N: the
+  bitmap (one entry per row or block) plus the r x c table, c = ceil(``sketch_ratio``·numel / r) (lossy, so
+  only on request). (Counting only ``sketch_ratio``·w left out the bitmap.)
 
 Time: the α-β model with the cluster's latency and bandwidth, one direction of a full-duplex link. A
 parameter-server step costs four latencies (pull and push, request and reply) plus two for the chief's
@@ -31,6 +33,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from sparsync.compress.sketch import SparseSketch
 from sparsync.costmodel import LinkModel, Problem, choose_fastest, predict
 from sparsync.placement.detect import ParamStats
 from sparsync.stream import index_dtype_for
@@ -185,14 +188,16 @@ def _sparse_ar_bytes(alg: str, p: Problem) -> float:
 
 
 def candidates(
-    s: ParamStats, c: Cluster, *, sketch_ratio: float = 0.05
+    s: ParamStats, c: Cluster, *, sketch_ratio: float = 0.05, sketch: SparseSketch | None = None
 ) -> tuple[dict[str, tuple[float, float]], str]:
-    """(bytes per machine, seconds) of every placement that fits the parameter, and the SparCML algorithm."""
+    """(bytes per machine, seconds) of every placement that fits the parameter, and the SparCML algorithm.
+    ``sketch``: the compressor of the sketch placement (``HybridConfig.sketch``); default
+    ``SparseSketch(ratio=sketch_ratio)``."""
     N, link, w = c.machines, c.link, float(s.nbytes)
     share = (N - 1) / N
     dense_p = Problem(N, s.numel, (s.numel,) * N, s.itemsize, 4)
     out = {"dense_allreduce": (4 * w * share, predict("dense", dense_p, link))}
-    sk = max(1, int(s.numel * sketch_ratio))
+    sk = (sketch or SparseSketch(ratio=sketch_ratio)).payload_numel(s.shape)
     out["sketch"] = (4 * sk * s.itemsize * share, predict("dense", Problem(N, sk, (sk,) * N, s.itemsize, 4), link))
     if not s.sparse or N == 1:
         return out, ""
@@ -215,6 +220,7 @@ def make_plan(
     overrides: Mapping[str, str] | None = None,
     allow_lossy: bool = False,
     sketch_ratio: float = 0.05,
+    sketch: SparseSketch | None = None,
 ) -> Plan:
     """Choose each parameter's placement by predicted time (lossless placements unless ``allow_lossy``);
     ``overrides`` maps parameter names to a placement and wins over the model."""
@@ -227,7 +233,7 @@ def make_plan(
             raise KeyError(f"unknown placement {pl!r} for {n!r}; valid: {', '.join(PLACEMENTS)}")
     entries = []
     for s in stats:
-        cand, alg = candidates(s, cluster, sketch_ratio=sketch_ratio)
+        cand, alg = candidates(s, cluster, sketch_ratio=sketch_ratio, sketch=sketch)
         if s.name in overrides:
             pl = overrides[s.name]
             if pl not in cand:
