@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -10,18 +11,27 @@ import pytest
 from sparsync.placement.partition import fit_iteration_time, search_partitions
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_search_finds_the_optimum_within_one_step(seed: int) -> None:
-    g = np.random.default_rng(seed)
+def _noisy_iteration_time(
+    g: np.random.Generator, calls: list[int]
+) -> tuple[float, float, Callable[[int], list[float]]]:
+    """t(P) = θ0 + θ1/P + θ2·P with random θ, 5 slow startup iterations (dropped) and 1% noise; returns θ1, θ2
+    and the sampler, which records each sampled P in ``calls``."""
     t0, t1, t2 = g.uniform(0.5, 2), g.uniform(2, 50), g.uniform(0.005, 0.2)
-    machines = int(g.choice([2, 4, 8]))
-    calls: list[int] = []
 
     def measure(P: int) -> list[float]:
         calls.append(P)
         base = t0 + t1 / P + t2 * P
-        warm = [10 * base] * 5  # startup iterations, dropped
-        return warm + list(base * (1 + 0.01 * g.standard_normal(20)))
+        return [10 * base] * 5 + list(base * (1 + 0.01 * g.standard_normal(20)))
+
+    return t1, t2, measure
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_search_finds_the_optimum_within_one_step(seed: int) -> None:
+    g = np.random.default_rng(seed)
+    calls: list[int] = []  # the sampled P
+    t1, t2, measure = _noisy_iteration_time(g, calls)
+    machines = int(g.choice([2, 4, 8]))
 
     res = search_partitions(measure, machines, max_partitions=4096, warmup=5)
     true = math.sqrt(t1 / t2)
@@ -34,14 +44,9 @@ def test_search_finds_the_optimum_within_one_step(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(8))
 def test_search_with_servers_samples_only_multiples_or_divisors(seed: int) -> None:
     g = np.random.default_rng(100 + seed)
-    t0, t1, t2 = g.uniform(0.5, 2), g.uniform(2, 50), g.uniform(0.005, 0.2)
+    calls: list[int] = []  # the sampled P
+    t1, t2, measure = _noisy_iteration_time(g, calls)
     servers = int(g.choice([3, 4, 6]))
-    calls: list[int] = []
-
-    def measure(P: int) -> list[float]:
-        calls.append(P)
-        base = t0 + t1 / P + t2 * P
-        return [10 * base] * 5 + list(base * (1 + 0.01 * g.standard_normal(20)))
 
     res = search_partitions(measure, servers, max_partitions=4096, warmup=5, servers=servers)
     ok = sorted({d for d in range(1, servers + 1) if servers % d == 0} | set(range(servers, 4097, servers)))
