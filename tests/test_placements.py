@@ -211,3 +211,24 @@ def test_async_error_feedback_example() -> None:
     # Error feedback keeps the 1% threshold close to uncompressed training; without it the loss stays higher.
     assert loss["threshold 1% + EF"] < loss["uncompressed"] + 0.1, loss
     assert loss["threshold 1%, no EF"] > loss["threshold 1% + EF"] + 0.2, loss
+
+
+def test_load_optional_state_refuses_a_checkpoint_that_does_not_match() -> None:
+    from sparsync.placement.feedback import load_optional_state
+
+    class Keeper:
+        loaded: object = None
+
+        def load_state_dict(self, state: object) -> None:
+            self.loaded = state
+
+    k = Keeper()
+    load_optional_state(k, {"errors": {}}, "residuals", "push_error_feedback")
+    assert k.loaded == {"errors": {}}
+    load_optional_state(None, None, "residuals", "push_error_feedback")  # neither side keeps any: nothing to do
+    with pytest.raises(
+        ValueError, match=r"checkpoint has no residuals, this trainer keeps it \(push_error_feedback\)"
+    ):
+        load_optional_state(Keeper(), None, "residuals", "push_error_feedback")
+    with pytest.raises(ValueError, match=r"checkpoint has residuals, this trainer does not keep it"):
+        load_optional_state(None, {"errors": {}}, "residuals", "push_error_feedback")

@@ -43,7 +43,7 @@ from sparsync.compress.sketch import SparseSketch
 from sparsync.handle import Work
 from sparsync.placement.client import PSClient
 from sparsync.placement.detect import embedding_modules, rows_of_input
-from sparsync.placement.feedback import PushFeedback
+from sparsync.placement.feedback import PushFeedback, load_optional_state
 from sparsync.placement.optim import OptimizerConfig
 from sparsync.placement.plan import Plan
 from sparsync.placement.reduced import REDUCED, Reduced, resolve_placements
@@ -379,14 +379,7 @@ class HybridTrainer:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.reduced.load_state_dict(state["reduced"])
-        push = state.get("push")
-        if (push is None) != (self.push is None):
-            raise ValueError(
-                f"the checkpoint {'has no' if push is None else 'has'} compressed-push state, this trainer "
-                f"{'compresses' if self.push is not None else 'does not compress'} pushes (push_compressor)"
-            )
-        if self.push is not None and push is not None:
-            self.push.load_state_dict(push)
+        load_optional_state(self.push, state.get("push"), "compressed-push state", "push_compressor")
 
     def close(self) -> None:
         for h in self._hooks:

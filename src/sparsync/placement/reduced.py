@@ -30,6 +30,7 @@ from sparsync.collectives.tensor import allreduce
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.compress.reduce import reduce as compressed_reduce
 from sparsync.compress.sketch import SparseSketch
+from sparsync.placement.feedback import load_optional_state
 from sparsync.placement.plan import PLACEMENTS, Plan
 from sparsync.record import CommLog
 
@@ -121,14 +122,9 @@ class Reduced:
         return {"calls": self.calls, "memory": None if self.memory is None else self.memory.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        mem = state.get("memory")
-        if (mem is None) != (self.memory is None):
-            raise ValueError(
-                f"checkpoint {'has no' if mem is None else 'has'} sketch error-feedback residuals, this trainer "
-                f"{'keeps' if self.memory is not None else 'does not keep'} them (sketch_error_feedback)"
-            )
-        if self.memory is not None and mem is not None:
-            self.memory.load_state_dict(mem)
+        load_optional_state(
+            self.memory, state.get("memory"), "sketch error-feedback residuals", "sketch_error_feedback"
+        )
         self.calls = int(state.get("calls", 0))
 
 
