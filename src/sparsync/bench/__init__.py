@@ -44,6 +44,8 @@ def run_allreduce_bench(
             f"all-to-all round {(link.get('alpha_a2a') or 0) * 1e6:.0f} µs, "
             f"1/β = {1 / max(link.get('beta', 1e-12), 1e-12) / 1e6:.0f} MB/s"
         )
+        # Rows so far, so a failure at a later world size keeps the earlier ones (overwritten at the end).
+        write_files(rows, {"config": {**cfg.__dict__}, "procs_done": sorted({r["world_size"] for r in rows})}, out)
     title = f"sparse allreduce, N={cfg.dim:,}, {where}"
     print_table(rows, console, title)
     checks = check_targets(rows)
