@@ -59,6 +59,15 @@ def test_bench_hybrid_runs_every_method_with_equal_losses(tmp_path: Path) -> Non
     assert by["hybrid"]["dense_allreduce_ms"] > 0 and by["ps"]["dense_allreduce_ms"] == 0
     assert by["allreduce"]["pull_ms"] is None
     assert "apply_wait_ms" in out.with_suffix(".csv").read_text().splitlines()[0].split(",")
+    # Measured communication time (every method) within the step; the plan's time where a placement matches.
+    for m, r in by.items():
+        assert 0 < r["comm_ms"] <= 1e3 * r["step_s"] * 1.05, (m, r["comm_ms"], r["step_s"])
+    for m in ("allreduce", "sparse_ar", "hybrid"):
+        assert by[m]["predicted_comm_ms"] > 0 and by[m]["link"]["beta"] > 0, by[m]
+        assert by[m]["comm_error"] == pytest.approx(by[m]["predicted_comm_ms"] / by[m]["comm_ms"] - 1)
+    assert by["ps"]["predicted_comm_ms"] is None
+    assert set(data["meta"]["plan_time_mean_abs_error"]) == {"allreduce", "sparse_ar", "hybrid"}
+    assert out.with_name(out.name + "_plan_time.png").exists()
 
 
 @pytest.mark.multiprocess

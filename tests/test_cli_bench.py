@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 from sparsync.bench import BenchConfig, run_allreduce_bench
-from sparsync.bench.allreduce import METHODS
+from sparsync.bench.allreduce import METHODS, coo_too_big
 from sparsync.bench.report import check_targets
 from sparsync.cli import main, parse_size
 from sparsync.collectives._meta import EAGER_BYTES, ROW_BYTES
@@ -23,6 +23,17 @@ def test_parse_size() -> None:
     assert parse_size("1000") == 1000
     with pytest.raises(Exception, match="bad size '16 MB'"):
         parse_size("16 MB")
+
+
+def test_gloo_coo_skipped_where_all_ranks_would_exhaust_memory() -> None:
+    gb = 1 << 30
+    n = 16 * 2**20
+    # 8 ranks at density 0.3 of 16M (killed by the OOM killer on 24 GB): 0.48 GB gathered per rank, x4 x8 ranks.
+    assert coo_too_big([int(0.3 * n)] * 8, 23 * gb)
+    assert not coo_too_big([int(0.1 * n)] * 8, 23 * gb)
+    assert not coo_too_big([n] * 2, 23 * gb)
+    assert coo_too_big([n] * 8, 1024 * gb)  # over the per-rank cap whatever the machine
+    assert not coo_too_big([0] * 5, 1)
 
 
 def test_bench_config_rejects_bad_values() -> None:

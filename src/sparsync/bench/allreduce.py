@@ -14,6 +14,7 @@ Methods: torch gloo dense allreduce, torch gloo sparse COO allreduce, and every 
 from __future__ import annotations
 
 import math
+import os
 import random
 import statistics
 import time
@@ -33,9 +34,22 @@ from sparsync.stream import SparseStream, index_dtype_for
 
 METHODS = ("gloo_dense", "gloo_sparse_coo", *ALGORITHMS, "auto")
 BASELINES = ("gloo_dense", "gloo_sparse_coo", "allgather")
-# torch's gloo sparse allreduce gathers every rank's COO tensor (int64 indices + values) on every rank: skip
-# points where that alone would take more than this many bytes per rank.
+# torch's gloo sparse allreduce gathers every rank's COO tensor (int64 indices + values) on every rank and then
+# sorts and coalesces it: skip points where that gathered tensor would take more than COO_MEMORY_CAP bytes per
+# rank, or where COO_PEAK_FACTOR times it on all P local ranks would exceed COO_MACHINE_SHARE of this machine's
+# memory (P = 8 at density 0.3 was killed by the kernel's OOM killer on a 24 GB machine: 8 x 0.48 GB gathered).
 COO_MEMORY_CAP = 1 << 30
+COO_PEAK_FACTOR = 4
+COO_MACHINE_SHARE = 0.5
+
+
+def coo_too_big(nnz_all: list[int], memory_bytes: int) -> bool:
+    """Whether gloo's sparse COO allreduce of these per-rank nnz is skipped (see COO_MEMORY_CAP)."""
+    gathered = sum(nnz_all) * (8 + 4)
+    machine_peak = len(nnz_all) * COO_PEAK_FACTOR * gathered
+    return gathered > COO_MEMORY_CAP or machine_peak > COO_MACHINE_SHARE * memory_bytes
+
+
 FAST_S = 0.05  # methods faster than this per call ...
 MAX_BATCH = 64  # ... get BenchConfig.fast_repeats timed runs, each a batch of at most this many calls
 
@@ -192,8 +206,10 @@ def _measure_point(
     nnz_all = [int(x) for x in nnz_t]
     problem = Problem(P, cfg.dim, tuple(nnz_all), 4, index_dtype_for(cfg.dim).itemsize, eager_limit=EAGER_LIMIT)
     lb = lower_bound(problem, link)
-    coo_too_big = sum(nnz_all) * (8 + 4) > COO_MEMORY_CAP  # same on every rank
-    methods = [m for m in cfg.methods if not (m == "gloo_sparse_coo" and coo_too_big)]
+    memory = torch.tensor([os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")], dtype=torch.float64)
+    dist.all_reduce(memory, op=dist.ReduceOp.MIN)  # the same decision on every rank
+    skip_coo = coo_too_big(nnz_all, int(memory))
+    methods = [m for m in cfg.methods if not (m == "gloo_sparse_coo" and skip_coo)]
     logs = {m: CommLog() for m in methods}
     runs = {m: _runner(m, stream, logs[m], link, groups[m]) for m in methods}
     first = {m: _timed(runs[m]) for m in methods}
@@ -225,7 +241,7 @@ def _measure_point(
                         0.0,
                         None,
                         lb,
-                        note="skipped: gathered COO would exceed 1 GiB per rank",
+                        note="skipped: gathered COO would exceed the memory cap (COO_MEMORY_CAP)",
                     )
                 )
             )

@@ -14,6 +14,9 @@ and a dense LSTM, trained with P ranks by six methods side by side:
 
 The PS methods prefetch the next step's rows during the dense allreduce unless ``prefetch`` is off, and report
 the trainer's timing scopes as ``<phase>_ms`` (mean ms per measured step; None for the collective methods).
+Every method reports ``comm_ms``, its measured communication time per step (the collectives' logged call times;
+for the PS methods every phase but forward_backward), and rank 0's rows carry the group's measured ``link``
+(α, β) so ``sparsync plan``'s predicted time can be set beside it.
 All methods run plain SGD with mean reduction on the same data and initial weights, so their losses agree.
 """
 
@@ -29,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from sparsync.bench.lm import Corpus, SampledLM
+from sparsync.calibrate import measure_link
 from sparsync.collectives.tensor import allreduce
 from sparsync.compress.sketch import SparseSketch
 from sparsync.placement.hybrid import PHASES, HybridConfig, HybridTrainer
@@ -149,6 +153,7 @@ class _MethodRun:
         self.alphas: list[float] = []
         self.step_times: list[float] = []
         self.seconds = 0.0
+        self.comm_seconds = 0.0
         self.bytes = 0.0
         self.steps = 0
         self.phases = dict.fromkeys(PHASES, 0.0)
@@ -191,8 +196,12 @@ class _MethodRun:
             # counts both ends too).
             self.bytes += sum(r.bytes_sent + r.bytes_recv for r in self.log.records)
             self.bytes += 2 * (_ps_remote_bytes(self.trainer, self.rank) - ps0)
+            comm_ms = 0.0
             for k in ph0:
                 self.phases[k] += self.trainer.phases[k] - ph0[k]
+                comm_ms += (self.trainer.phases[k] - ph0[k]) if k != "forward_backward" else 0.0
+            # PS methods: the phases (the log also holds their dense allreduce, inside a phase already).
+            self.comm_seconds += comm_ms / 1e3 if hybrid else self.log.total_seconds()
 
     def result(self) -> dict[str, Any]:
         P, cfg = dist.get_world_size(), self.cfg
@@ -200,7 +209,13 @@ class _MethodRun:
         hybrid = isinstance(self.trainer, HybridTrainer)
         per_step = [self.phases[k] / self.steps for k in PHASES]
         stats = torch.tensor(
-            [self.bytes / self.steps, sum(last) / len(last), sum(self.alphas) / len(self.alphas), *per_step]
+            [
+                self.bytes / self.steps,
+                sum(last) / len(last),
+                sum(self.alphas) / len(self.alphas),
+                1e3 * self.comm_seconds / self.steps,
+                *per_step,
+            ]
         )
         dist.all_reduce(stats)
         stats /= P
@@ -219,7 +234,8 @@ class _MethodRun:
             "steps": len(self.losses),
             "partitions": cfg.partitions or P,
             "prefetch": cfg.prefetch if hybrid else None,
-            **{f"{k}_ms": float(stats[3 + i]) if hybrid else None for i, k in enumerate(PHASES)},
+            "comm_ms": float(stats[3]),
+            **{f"{k}_ms": float(stats[4 + i]) if hybrid else None for i, k in enumerate(PHASES)},
             "times_s": self.step_times,
         }
 
@@ -241,6 +257,7 @@ def worker(rank: int, cfg: HybridBenchConfig, addresses: list[str], show_progres
         total = len(cfg.methods) * (cfg.warmup + max(1, cfg.steps // cfg.rounds) * cfg.rounds)
         progress = (bar, bar.add_task(f"P={dist.get_world_size()} seq={cfg.seq}", total=total))
     try:
+        link = asdict(measure_link())  # the group's α, β: the plan's predicted time uses them (hybrid_run)
         runs = {m: _MethodRun(rank, cfg, m, addresses) for m in cfg.methods}
         for r in runs.values():
             r.run(cfg.warmup, measured=False, progress=progress)
@@ -251,7 +268,7 @@ def worker(rank: int, cfg: HybridBenchConfig, addresses: list[str], show_progres
         for _ in range(cfg.rounds):
             for m in order.sample(list(runs), len(runs)):
                 runs[m].run(per_round, measured=True, progress=progress)
-        rows = [runs[m].result() for m in cfg.methods]
+        rows = [{**runs[m].result(), "link": link} for m in cfg.methods]
     finally:
         if progress is not None:
             progress[0].stop()

@@ -1,6 +1,7 @@
 """Running ``sparsync bench hybrid``: servers (one per rank, inside its namespace with ``--net``), the ranks,
-then the table, CSV/JSON/PNG, the targets of the hybrid issue and the plan's predicted bytes next to the
-measured ones (``sparsync plan`` validation)."""
+then the table, CSV/JSON/PNG, the targets of the hybrid issue and the plan's predictions next to the
+measurements (``sparsync plan`` validation): bytes per machine per step, and communication time per step priced
+with the link each run measured (``Cluster(measured=...)``, the dense allreduce fused as the trainers send it)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ from rich.table import Table
 from sparsync.bench.hybrid import HybridBenchConfig, config_dict, worker
 from sparsync.bench.lm import SampledLM
 from sparsync.bench.report import write_files
+from sparsync.costmodel import LinkModel
 from sparsync.launch import launch
 from sparsync.netem import NetNamespaces, describe, net_spec, shaped
 from sparsync.placement.detect import ParamStats
 from sparsync.placement.partition import PartitionSearch, search_partitions
-from sparsync.placement.plan import Cluster, make_plan
+from sparsync.placement.plan import Cluster, Plan, make_plan
 from sparsync.placement.server import ServerConfig, ServerProcess
 
 # method -> the plan placement of the embedding that describes it (dense parameters: dense allreduce)
@@ -52,8 +54,11 @@ def bench_servers(P: int, ns: NetNamespaces | None) -> Iterator[list[str]]:
             sp.kill()
 
 
-def predicted_bytes(cfg: HybridBenchConfig, P: int, alpha: float, method: str) -> float | None:
-    """Bytes per machine per step the plan predicts for ``method`` (None where no plan placement matches)."""
+def method_plan(
+    cfg: HybridBenchConfig, P: int, alpha: float, method: str, link: LinkModel | None = None
+) -> Plan | None:
+    """The plan describing ``method`` at P machines with the measured α (and the measured ``link`` when given);
+    None where no plan placement matches."""
     if method not in PLAN_OF or P < 2:
         return None
     model = SampledLM(cfg.vocab, cfg.dim, cfg.hidden)
@@ -61,8 +66,18 @@ def predicted_bytes(cfg: HybridBenchConfig, P: int, alpha: float, method: str) -
         ParamStats(n, tuple(p.shape), alpha if n == "emb.weight" else 1.0, n == "emb.weight", alpha)
         for n, p in model.named_parameters()
     ]
-    plan = make_plan(stats, Cluster(P), overrides={"emb.weight": PLAN_OF[method]}, sketch_ratio=cfg.sketch_ratio)
-    return plan.bytes_per_machine
+    return make_plan(stats, Cluster(P, measured=link), overrides={"emb.weight": PLAN_OF[method]},
+                     sketch_ratio=cfg.sketch_ratio)  # fmt: skip
+
+
+def predicted_bytes(cfg: HybridBenchConfig, P: int, alpha: float, method: str) -> float | None:
+    """Bytes per machine per step the plan predicts for ``method`` (None where no plan placement matches)."""
+    plan = method_plan(cfg, P, alpha, method)
+    return None if plan is None else plan.bytes_per_machine
+
+
+def _error(pred: float | None, measured: float) -> float | None:
+    return None if pred is None or measured <= 0 else (pred - measured) / measured
 
 
 def run_hybrid_bench(
@@ -91,14 +106,12 @@ def run_hybrid_bench(
             with shaped(P, spec) as ns, bench_servers(P, ns) as addrs:
                 res = launch(worker, nprocs=P, args=(c, addrs, progress), timeout=timeout, netns=ns)
             for r in res[0]:
-                pred = predicted_bytes(c, P, r["alpha"], r["method"])
+                plan = method_plan(c, P, r["alpha"], r["method"], LinkModel(**r["link"]))
                 r["net"] = net or "loopback"
-                r["predicted_bytes"] = pred
-                r["bytes_error"] = (
-                    None
-                    if pred is None
-                    else (pred - r["bytes_per_step_per_machine"]) / r["bytes_per_step_per_machine"]
-                )
+                r["predicted_bytes"] = None if plan is None else plan.bytes_per_machine
+                r["bytes_error"] = _error(r["predicted_bytes"], r["bytes_per_step_per_machine"])
+                r["predicted_comm_ms"] = None if plan is None else 1e3 * plan.fused_seconds
+                r["comm_error"] = _error(r["predicted_comm_ms"], r["comm_ms"])
                 rows.append(r)
     title = f"hybrid training, vocab {cfg.vocab:,} x {cfg.dim}, batch {cfg.batch}, {where}"
     print_table(rows, console, title)
@@ -107,8 +120,14 @@ def run_hybrid_bench(
         console.print(f"{'[green]PASS' if ok else '[red]MISS'}[/] {name}: {detail}")
     meta = {"config": config_dict(cfg), "procs": list(procs), "seqs": list(seqs), "net": net,
             "seconds": time.perf_counter() - t0, "targets": [list(x) for x in checks]}  # fmt: skip
+    errors = plan_time_errors(rows)
+    for m, e in errors.items():
+        console.print(f"plan's communication time vs measured, {m}: mean |error| {100 * e:.1f}%")
+    meta["plan_time_mean_abs_error"] = errors
     files = write_files(rows, meta, out)
     files.append(plot(rows, out, title))
+    if errors:
+        files.append(plot_plan_time(rows, out, title))
     console.print("wrote " + ", ".join(str(f) for f in files))
     return rows
 
@@ -136,7 +155,9 @@ def search_hybrid_partitions(
 
 def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> None:
     t = Table(title=title)
-    for col in ("P", "seq", "α", "method", "words/s", "ms/step", "MB/step/machine", "plan MB", "plan err", "loss"):
+    cols = ("P", "seq", "α", "method", "words/s", "ms/step", "MB/step/machine", "plan MB", "plan err", "comm ms",
+            "plan ms", "loss")  # fmt: skip
+    for col in cols:
         t.add_column(col, justify="left" if col == "method" else "right")
     for r in rows:
         pred, err = r["predicted_bytes"], r["bytes_error"]
@@ -144,6 +165,7 @@ def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> Non
             str(r["P"]), str(r["seq"]), f"{r['alpha']:.4f}", r["method"], f"{r['words_per_s']:,.0f}",
             f"{r['step_s'] * 1e3:.1f}", f"{r['bytes_per_step_per_machine'] / 1e6:.3f}",
             "-" if pred is None else f"{pred / 1e6:.3f}", "-" if err is None else f"{err * 100:+.1f}%",
+            f"{r['comm_ms']:.1f}", "-" if r.get("predicted_comm_ms") is None else f"{r['predicted_comm_ms']:.1f}",
             f"{r['loss']:.4f}",
         )  # fmt: skip
     console.print(t)
@@ -169,6 +191,43 @@ def check_targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
             out.append((f"P={P} seq={seq}: AR < PS < hybrid (Parallax Table 4)", ok,
                         f"{w['allreduce']:,.0f} / {w['ps']:,.0f} / {w['hybrid']:,.0f} words/s"))  # fmt: skip
     return out
+
+
+def plan_time_errors(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """Mean |predicted - measured| / measured communication time per step, per method with a plan."""
+    errs: dict[str, list[float]] = {}
+    for r in rows:
+        if r.get("comm_error") is not None:
+            errs.setdefault(r["method"], []).append(abs(r["comm_error"]))
+    return {m: sum(e) / len(e) for m, e in errs.items()}
+
+
+def plot_plan_time(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
+    """Predicted (dashed) and measured (solid) communication ms per step against P, one colour per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    planned = [r for r in rows if r.get("predicted_comm_ms") is not None]
+    for k, m in enumerate(dict.fromkeys(r["method"] for r in planned)):
+        for seq in dict.fromkeys(r["seq"] for r in planned):
+            rs = sorted((r for r in planned if r["method"] == m and r["seq"] == seq), key=lambda r: r["P"])
+            label = m if len(rs) == len([r for r in planned if r["method"] == m]) else f"{m} seq={seq}"
+            ps = [r["P"] for r in rs]
+            ax.plot(ps, [r["comm_ms"] for r in rs], "o-", color=f"C{k}", label=f"{label} measured")
+            ax.plot(ps, [r["predicted_comm_ms"] for r in rs], "x--", color=f"C{k}", label=f"{label} plan")
+    ax.set_xlabel("P (machines)")
+    ax.set_ylabel("communication ms per step")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax.set_title("sparsync plan vs measured: " + title, fontsize=8)
+    fig.tight_layout()
+    png = out.with_name(out.name + "_plan_time.png")
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
 
 
 def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
