@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -143,12 +144,18 @@ def test_choose_fastest_respects_candidates() -> None:
     assert choose_fastest(p, BANDWIDTH_BOUND, candidates=("dense",)).algorithm == "dense"
 
 
-def test_dense_prediction_ignores_sparsity_and_grows_with_the_link_costs() -> None:
+def test_dense_prediction_prices_only_densifying_sparse_inputs_and_grows_with_the_link_costs() -> None:
     link = BANDWIDTH_BOUND
     slow = LinkModel(alpha=2e-5, beta=2e-8)
+    no_scatter = replace(link, gamma_scatter=0.0)
     for P in (2, 5, 8):
-        preds = {predict("dense", _problem(P, 10**5, d), link) for d in DENSITIES}
-        assert len(preds) == 1
+        assert len({predict("dense", _problem(P, 10**5, d), no_scatter) for d in DENSITIES}) == 1
+        # With a scatter cost: the most pairs of any rank stored sparse (below delta), times gamma_scatter.
+        for d in DENSITIES:
+            p = _problem(P, 10**5, d)
+            sparse = [n for n in p.nnz if n < p.delta]
+            extra = predict("dense", p, link) - predict("dense", p, no_scatter)
+            assert extra == pytest.approx(link.gamma_scatter * max(sparse, default=0))
         for d in DENSITIES:
             p = _problem(P, 10**5, d)
             for alg in ALGORITHMS:
