@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -147,16 +148,20 @@ def test_measured_link_and_fused_dense_allreduce_pricing() -> None:
 
     stats = lm_stats(100_000, 128, 256, 640)
     nominal = make_plan(stats, Cluster(4, 1, 1.25e8, 1e-4))
-    same = make_plan(stats, Cluster(4, measured=LinkModel(alpha=1e-4, beta=1 / 1.25e8)))
+    no_gamma = LinkModel(alpha=1e-4, beta=1 / 1.25e8, gamma_sparse=0, gamma_dense=0, gamma_scatter=0)
+    same = make_plan(stats, Cluster(4, measured=no_gamma))
     assert same.seconds == pytest.approx(nominal.seconds)  # a measured link equal to the nominal one
-    slow = LinkModel(alpha=2e-3, beta=2 / 1.25e8, gamma_dense=1.0)  # γ ignored: network cost only
+    # A measured link keeps its γ terms: the dense allreduce's reduction work is priced.
+    dense_n = math.prod(nominal.entries[1].shape)
+    worked = make_plan(stats, Cluster(4, measured=replace(no_gamma, gamma_dense=1e-9)))
+    assert worked.entries[1].seconds - same.entries[1].seconds == pytest.approx(2 * 1e-9 * dense_n)
+    slow = LinkModel(alpha=2e-3, beta=2 / 1.25e8, gamma_dense=1e-9)
     sp = make_plan(stats, Cluster(4, 1, 1.25e8, 1e-4, measured=slow), overrides={"emb.weight": "ps"})
     emb = sp.entries[0]
-    assert emb.seconds == pytest.approx(6 * 2e-3 + slow.beta * emb.bytes_per_machine / 2)
+    assert emb.seconds == pytest.approx(6 * 2e-3 + slow.beta * emb.bytes_per_machine / 2)  # no server γ
     # Fused: the six dense parameters as one allreduce of their total size, plus the PS entry.
     n = sum(math.prod(e.shape) for e in sp.entries[1:])
-    link = LinkModel(alpha=2e-3, beta=slow.beta, gamma_sparse=0, gamma_dense=0, gamma_scatter=0)
-    want = emb.seconds + predict("dense", Problem(4, n, (n,) * 4, 4, 4), link)
+    want = emb.seconds + predict("dense", Problem(4, n, (n,) * 4, 4, 4), slow)
     assert sp.fused_seconds == pytest.approx(want)
     assert sp.fused_seconds < sp.seconds  # one set of latencies instead of six
     assert json.dumps(sp.as_dict())  # the measured link serialises
