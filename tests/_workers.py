@@ -388,9 +388,55 @@ def collectives_worker(rank: int, full: bool) -> dict[str, Any]:
     out["override"] = _override_checks(rank, world)
     out["eager"] = _eager_checks(rank, world)
     out["adaptive_eager"] = _adaptive_eager_checks(rank)
+    out["pipelined_dense"] = _pipelined_dense_checks(rank, world)
     lm = sparsync.measure_link()
     out["link"] = lm
     out["link_finite"] = all(math.isfinite(v) for v in (lm.alpha, lm.beta, lm.gamma_sparse, lm.gamma_dense))
+    return out
+
+
+PIPELINE_DIM = 2**20 + 7  # above DENSE_PIPELINE_MIN, not a multiple of the chunk count
+
+
+def pipelined_dense_input(rank: int, world: int, density: float, dtype: torch.dtype) -> SparseStream:
+    """Sparse-stored input of the chunked ``dense`` algorithm: random rows plus the entries on each side of
+    every chunk boundary; the last rank empty when world > 1; small integer values, so every sum is exact."""
+    from sparsync.collectives.allreduce import DENSE_CHUNKS
+
+    if world > 1 and rank == world - 1:
+        return SparseStream(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=dtype), PIPELINE_DIM)
+    g = torch.Generator().manual_seed(1000 * rank + int(density * 1e6))
+    n = PIPELINE_DIM
+    cuts = [n * c // DENSE_CHUNKS for c in range(DENSE_CHUNKS + 1)]
+    edges = torch.tensor([i for c in cuts for i in (c - 1, c) if 0 <= i < n])
+    rows = torch.randperm(n, generator=g)[: int(density * n)]
+    idx = torch.unique(torch.cat([rows, edges]))
+    vals = torch.randint(-8, 9, (idx.numel(),), generator=g).to(dtype)
+    return SparseStream(idx, vals, n)
+
+
+def _pipelined_dense_checks(rank: int, world: int) -> dict[str, Any]:
+    """``dense`` on sparse-stored inputs of 1M+ entries (densified chunk by chunk, each chunk's allreduce started
+    before the next is filled) against the exact sum of every rank's input, recomputed here; and which
+    ranks' results are bitwise equal (by digest)."""
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.float64):
+        for density in (0.0, 1e-3, 0.3):
+            s = pipelined_dense_input(rank, world, density, dtype)
+            assert not s.is_dense
+            log = CommLog()
+            got = sparse_allreduce(s, algorithm="dense", log=log, timeout=CALL_TIMEOUT).to_dense()
+            want = torch.zeros(PIPELINE_DIM, dtype=torch.float64)
+            for r in range(world):
+                x = pipelined_dense_input(r, world, density, dtype)
+                assert x.indices is not None
+                want[x.indices.to(torch.int64)] += x.values.to(torch.float64)
+            out[f"{dtype}/{density}"] = (
+                float((got.to(torch.float64) - want).abs().max()),
+                got.dtype == dtype,
+                hashlib.sha256(got.numpy().tobytes()).hexdigest(),
+                log.last.messages,
+            )
     return out
 
 

@@ -284,6 +284,21 @@ def test_async_ops_in_flight(run: tuple[int, list[dict[str, Any]]]) -> None:
         np.testing.assert_array_equal(a["tensor"], expect)
 
 
+def test_dense_of_large_sparse_inputs_is_chunked_and_exact(run: tuple[int, list[dict[str, Any]]]) -> None:
+    from sparsync.collectives.allreduce import DENSE_CHUNKS
+
+    world, results = run
+    checks = results[0]["pipelined_dense"]
+    assert len(checks) == 6
+    for key in checks:
+        got = [res["pipelined_dense"][key] for res in results]
+        for rank, (err, same_dtype, _, messages) in enumerate(got):
+            assert err == 0.0 and same_dtype, (key, rank, err)
+            # DENSE_CHUNKS ring allreduces of 2(P-1) messages each, plus the metadata round's few.
+            assert messages >= 2 * (world - 1) * DENSE_CHUNKS, (key, rank, messages)
+        assert len({g[2] for g in got}) == 1, f"{key}: ranks disagree"
+
+
 def test_allreduce_dense_tensor(run: tuple[int, list[dict[str, Any]]]) -> None:
     world, results = run
     expect = sum(w.dense_tensor_input(r) for r in range(world)).numpy()

@@ -19,6 +19,7 @@ from sparsync import (
     lower_bound,
     predict,
 )
+from sparsync.costmodel import DENSE_CHUNKS, DENSE_PIPELINE_MIN
 
 BANDWIDTH_BOUND = LinkModel(alpha=1e-5, beta=1e-8)
 LINKS = (
@@ -156,6 +157,10 @@ def test_dense_prediction_prices_only_densifying_sparse_inputs_and_grows_with_th
             sparse = [n for n in p.nnz if n < p.delta]
             extra = predict("dense", p, link) - predict("dense", p, no_scatter)
             assert extra == pytest.approx(link.gamma_scatter * max(sparse, default=0))
+        # From DENSE_PIPELINE_MIN elements the densify is chunked under the transfers: one chunk's cost shows.
+        big = Problem(P, 2 * DENSE_PIPELINE_MIN, (DENSE_PIPELINE_MIN // 2,) * P, 4, 4)
+        extra = predict("dense", big, link) - predict("dense", big, no_scatter)
+        assert extra == pytest.approx(link.gamma_scatter * DENSE_PIPELINE_MIN / 2 / DENSE_CHUNKS)
         for d in DENSITIES:
             p = _problem(P, 10**5, d)
             for alg in ALGORITHMS:

@@ -26,6 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ALGORITHMS = ("ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather", "allgather", "dense")
+# The ``dense`` algorithm on a sparse-stored input of at least DENSE_PIPELINE_MIN elements densifies and reduces
+# it in DENSE_CHUNKS pieces, each piece's allreduce started as soon as it is filled (collectives/allreduce.py).
+DENSE_PIPELINE_MIN = 1 << 20
+DENSE_CHUNKS = 4
 
 
 @dataclass(frozen=True)
@@ -151,10 +155,12 @@ def predict(algorithm: str, p: Problem, link: LinkModel) -> float:
             latency = 0.0
         return latency + b * received + _sum_cost(p, link, sum(p.nnz), N)
     if algorithm == "dense":
-        # A rank whose input is stored sparse (nnz below delta) densifies it first: one scatter per pair. The
-        # slowest rank sets the pace. (Measured at 1 Gbit/s, P = 2, density 0.3 of 16M: 666 ms against 608 ms for
-        # gloo's allreduce of an already dense buffer; the scatter term predicts the difference.)
-        densify = max((link.gamma_scatter * n for n in p.nnz if n < p.delta), default=0.0)
+        # A rank whose input is stored sparse (nnz below delta) densifies it first: one scatter per pair, the
+        # slowest rank setting the pace. (Measured at 1 Gbit/s, P = 2, density 0.3 of 16M: 666 ms against 608 ms
+        # for gloo's allreduce of an already dense buffer; the scatter term predicts the difference.) From
+        # DENSE_PIPELINE_MIN elements the densify runs chunk by chunk under the transfers: the first chunk's shows.
+        exposed = 1 / DENSE_CHUNKS if N >= DENSE_PIPELINE_MIN else 1.0
+        densify = exposed * max((link.gamma_scatter * n for n in p.nnz if n < p.delta), default=0.0)
         return 2 * (P - 1) * a + b * 2 * (P - 1) / P * N * p.value_bytes + 2 * link.gamma_dense * N + densify
     raise KeyError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
 

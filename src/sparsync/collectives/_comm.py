@@ -140,12 +140,23 @@ class Comm:
 
     def run_collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Run a blocking torch collective, turning transport errors into a PeerError naming ``what``."""
+        self.wait_collectives(what, [self.start_collective(what, fn, *args, **kwargs)])
+
+    def start_collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Start a torch collective without waiting (finish with ``wait_collectives``)."""
         try:
-            work = fn(*args, group=self.group, async_op=True, **kwargs)
-            if self.timeout is None:
-                work.wait()
-            else:
-                work.wait(self.timeout)
+            return fn(*args, group=self.group, async_op=True, **kwargs)
+        except RuntimeError as e:
+            raise PeerError(f"{self.op}: {what} failed on rank {self.rank} (timeout or dead peer): {e}") from e
+
+    def wait_collectives(self, what: str, works: list[Any]) -> None:
+        """Wait for started collectives, in order; a transport error becomes a PeerError naming ``what``."""
+        try:
+            for work in works:
+                if self.timeout is None:
+                    work.wait()
+                else:
+                    work.wait(self.timeout)
         except RuntimeError as e:
             raise PeerError(f"{self.op}: {what} failed on rank {self.rank} (timeout or dead peer): {e}") from e
 
