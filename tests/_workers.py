@@ -395,13 +395,15 @@ def collectives_worker(rank: int, full: bool) -> dict[str, Any]:
     return out
 
 
-PIPELINE_DIM = 2**20 + 7  # above DENSE_PIPELINE_MIN, not a multiple of the chunk count
+PIPELINE_DIM = 2**22 + 7  # above DENSE_PIPELINE_MIN, not a multiple of the chunk count
 
 
 def pipelined_dense_input(rank: int, world: int, density: float, dtype: torch.dtype) -> SparseStream:
     """Sparse-stored input of the chunked ``dense`` algorithm: random rows plus the entries on each side of
     every chunk boundary; the last rank empty when world > 1; small integer values, so every sum is exact."""
-    from sparsync.collectives.allreduce import DENSE_CHUNKS
+    from sparsync.collectives.allreduce import DENSE_CHUNKS, DENSE_PIPELINE_MIN
+
+    assert PIPELINE_DIM >= DENSE_PIPELINE_MIN
 
     if world > 1 and rank == world - 1:
         return SparseStream(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=dtype), PIPELINE_DIM)
@@ -409,7 +411,7 @@ def pipelined_dense_input(rank: int, world: int, density: float, dtype: torch.dt
     n = PIPELINE_DIM
     cuts = [n * c // DENSE_CHUNKS for c in range(DENSE_CHUNKS + 1)]
     edges = torch.tensor([i for c in cuts for i in (c - 1, c) if 0 <= i < n])
-    rows = torch.randperm(n, generator=g)[: int(density * n)]
+    rows = torch.randint(0, n, (int(density * n),), generator=g)
     idx = torch.unique(torch.cat([rows, edges]))
     vals = torch.randint(-8, 9, (idx.numel(),), generator=g).to(dtype)
     return SparseStream(idx, vals, n)

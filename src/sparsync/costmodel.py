@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 ALGORITHMS = ("ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather", "allgather", "dense")
 # The ``dense`` algorithm on a sparse-stored input of at least DENSE_PIPELINE_MIN elements densifies and reduces
 # it in DENSE_CHUNKS pieces, each piece's allreduce started as soon as it is filled (collectives/allreduce.py).
-DENSE_PIPELINE_MIN = 1 << 20
+# (Chosen, not tuned: 4M elements. Measured to help at 16M, where the chunks' extra ring latencies hid under the
+# transfer; at small N those latencies could outweigh the densify they hide.)
+DENSE_PIPELINE_MIN = 1 << 22
 DENSE_CHUNKS = 4
 
 
