@@ -196,11 +196,11 @@ class _MethodRun:
             # counts both ends too).
             self.bytes += sum(r.bytes_sent + r.bytes_recv for r in self.log.records)
             self.bytes += 2 * (_ps_remote_bytes(self.trainer, self.rank) - ps0)
-            comm_ms = 0.0
-            for k in ph0:
-                self.phases[k] += self.trainer.phases[k] - ph0[k]
-                comm_ms += (self.trainer.phases[k] - ph0[k]) if k != "forward_backward" else 0.0
+            delta = {k: self.trainer.phases[k] - ph0[k] for k in ph0}
+            for k, ms in delta.items():
+                self.phases[k] += ms
             # PS methods: the phases (the log also holds their dense allreduce, inside a phase already).
+            comm_ms = sum(ms for k, ms in delta.items() if k != "forward_backward")
             self.comm_seconds += comm_ms / 1e3 if hybrid else self.log.total_seconds()
 
     def result(self) -> dict[str, Any]:

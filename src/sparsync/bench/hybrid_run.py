@@ -70,12 +70,6 @@ def method_plan(
                      sketch_ratio=cfg.sketch_ratio)  # fmt: skip
 
 
-def predicted_bytes(cfg: HybridBenchConfig, P: int, alpha: float, method: str) -> float | None:
-    """Bytes per machine per step the plan predicts for ``method`` (None where no plan placement matches)."""
-    plan = method_plan(cfg, P, alpha, method)
-    return None if plan is None else plan.bytes_per_machine
-
-
 def _error(pred: float | None, measured: float) -> float | None:
     return None if pred is None or measured <= 0 else (pred - measured) / measured
 
