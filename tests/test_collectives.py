@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sparsync import ALGORITHMS, LinkModel, launch
-from sparsync.collectives._meta import EAGER_BYTES
+from sparsync.collectives._meta import ROW_BYTES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
@@ -210,8 +210,8 @@ def test_sparse_sends_fewer_bytes_than_dense(run: tuple[int, list[dict[str, Any]
     sent: dict[str, int] = {}
     for i, (alg, case) in enumerate(GRID):
         if (case.dim, case.density, case.pattern, case.dtype) == (20011, 1e-4, "random", "float32"):
-            # The metadata round is the same fixed-size allgather for every algorithm (it carries the eager
-            # payload region, _meta.EAGER_BYTES): compare what each algorithm sends after it.
+            # Every algorithm starts with the same metadata round (which may carry small payloads,
+            # collectives._meta): compare what each algorithm sends after it.
             logs = [r["grid"][i]["log"] for r in results]
             sent[alg] = max(lg["bytes_sent"] - lg["phase_bytes"].get("meta", 0) for lg in logs)
             assert all(lg["phase_bytes"].get("meta", 0) > 0 for lg in logs) or world == 1
@@ -353,7 +353,7 @@ def test_eager_payloads_finish_in_the_metadata_round(run: tuple[int, list[dict[s
                 np.testing.assert_array_equal(w.compact_to_dense(got), want.to_dense().numpy())
             if world == 1:
                 continue
-            assert e["meta_bytes"] >= EAGER_BYTES
+            assert e["meta_bytes"] >= ROW_BYTES
             if name == "fits":  # 10 pairs of 12 bytes: the metadata round carried them, nothing followed
                 assert (e["algorithm"], e["phases"], e["allgather_phases"]) == (
                     "allgather",
@@ -385,8 +385,10 @@ def test_eager_region_adapts_to_the_groups_allgather_calls(run: tuple[int, list[
         # The first call pays two rounds (12 kB does not fit 2 KiB), then the region has grown: one round.
         # dense and recursive doubling shrink it back, so the call after each pays two rounds again.
         assert one_round == [False, True, True, False, False, False, False, True]
-        assert meta[0] == meta[4] == meta[6] and meta[0] < meta[1] == meta[2]
-        assert meta[1] >= 12_000  # every region holds rank 0's 12 kB payload
+        assert meta[1] == meta[2]
+        if res is results[0]:  # rank 0 inlines its 12 kB once the limit has grown, and only then
+            assert meta[0] == meta[4] == meta[6] and meta[0] < meta[1]
+            assert meta[1] >= 12_000
 
 
 def test_measure_link_same_on_every_rank(run: tuple[int, list[dict[str, Any]]]) -> None:

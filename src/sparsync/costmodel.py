@@ -63,6 +63,9 @@ class Problem:
     # Payloads up to this many bytes ride in the metadata round from the next call on, once this call has run
     # allgather (the adaptive eager region, collectives/_meta.py); 0: no such region.
     eager_limit: int = 0
+    # Values per entry (issue 13): a row-sparse stream is priced as R entries of ``value_bytes`` = b·isize each;
+    # the γ terms charge a row as one index plus b - 1 more values moved (``per_row``).
+    row: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or len(self.nnz) != self.world_size:
@@ -74,6 +77,10 @@ class Problem:
     def delta(self) -> int:
         """SparCML §3: the nnz at which the dense format becomes smaller."""
         return self.dim * self.value_bytes // (self.index_bytes + self.value_bytes)
+
+    def per_row(self, gamma: float, link: LinkModel) -> float:
+        """γ cost of one entry: ``gamma`` for its index, plus one dense add for each further value of a row."""
+        return gamma + (self.row - 1) * link.gamma_dense
 
     @property
     def k(self) -> int:
@@ -114,8 +121,8 @@ def _sum_cost(p: Problem, link: LinkModel, entries: float, dim: float) -> float:
     """Reduction work for ``entries`` incoming pairs on a vector of ``dim``: a sort-merge while the sum stays
     below that vector's delta (§3), else a dense buffer plus one scatter-add per pair."""
     if entries >= dim * p.value_bytes / (p.index_bytes + p.value_bytes):
-        return link.gamma_dense * dim + link.gamma_scatter * entries
-    return link.gamma_sparse * entries
+        return link.gamma_dense * dim * p.row + p.per_row(link.gamma_scatter, link) * entries
+    return p.per_row(link.gamma_sparse, link) * entries
 
 
 def predict(algorithm: str, p: Problem, link: LinkModel) -> float:
@@ -141,10 +148,13 @@ def predict(algorithm: str, p: Problem, link: LinkModel) -> float:
         a2a = link.alpha_a2a if link.alpha_a2a is not None else (P - 1) * a
         split = 2 * a2a + b * mean_bytes * (P - 1) / P + _sum_cost(p, link, sum(p.nnz) / P, N / P)
         if algorithm == "dsar_split_allgather":
-            return split + (P - 1) * a + b * N * p.value_bytes * (P - 1) / P + link.gamma_dense * N
+            return split + (P - 1) * a + b * N * p.value_bytes * (P - 1) / P + link.gamma_dense * N * p.row
         gather_latency = 2 * (rounds + (2 if fold else 0)) * a
         result = p.stream_bytes(p.union(P))
-        concat = link.gamma_dense * N if p.union(P) >= p.delta else link.gamma_scatter * p.union(P)
+        if p.union(P) >= p.delta:
+            concat = link.gamma_dense * N * p.row
+        else:
+            concat = p.per_row(link.gamma_scatter, link) * p.union(P)
         return split + gather_latency + b * result * (P - 1) / P + concat
     if algorithm == "allgather":
         if p.eager:  # the gather already happened in the metadata round: only the local sum is left
@@ -162,8 +172,12 @@ def predict(algorithm: str, p: Problem, link: LinkModel) -> float:
         # for gloo's allreduce of an already dense buffer; the scatter term predicts the difference.) From
         # DENSE_PIPELINE_MIN elements the densify runs chunk by chunk under the transfers: the first chunk's shows.
         exposed = 1 / DENSE_CHUNKS if N >= DENSE_PIPELINE_MIN else 1.0
-        densify = exposed * max((link.gamma_scatter * n for n in p.nnz if n < p.delta), default=0.0)
-        return 2 * (P - 1) * a + b * 2 * (P - 1) / P * N * p.value_bytes + 2 * link.gamma_dense * N + densify
+        densify = exposed * max(
+            (p.per_row(link.gamma_scatter, link) * n for n in p.nnz if n < p.delta), default=0.0
+        )
+        return (
+            2 * (P - 1) * a + b * 2 * (P - 1) / P * N * p.value_bytes + 2 * link.gamma_dense * N * p.row + densify
+        )
     raise KeyError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
 
 

@@ -25,7 +25,9 @@ class GroupState:
 
     link: LinkModel | None = None  # α-β model measured at first use of "auto" (or set by the user)
     calls: int = 0  # collectives issued on this group, to detect ranks that diverge
-    eager_bytes: int = EAGER_BYTES  # the metadata round's eager region for the next call (collectives._meta)
+    # Inline payload limits per call signature (dim, row, dtype code) grown by allgather calls
+    # (collectives._meta); a signature not in it inlines up to EAGER_BYTES.
+    eager_limits: dict[tuple[int, int, int], int] = field(default_factory=dict)
     executor: ThreadPoolExecutor | None = None  # FIFO queue for async_op=True calls
     pending: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)

@@ -26,6 +26,10 @@ class CommRecord:
     phases: dict[str, float] = field(default_factory=dict)  # named timing scopes, seconds
     decision: Decision | None = None  # set when algorithm="auto"
     phase_bytes: dict[str, int] = field(default_factory=dict)  # bytes sent per named phase ("meta", ...)
+    row: int = 1  # values per index of the stream (1: element stream; b: embedding rows of b values)
+    partition: str = ""  # split algorithms: "stride" or "range" (collectives/partition.py)
+    # Split algorithms: bytes this rank sent to each partition's owner (sum over ranks: each owner's load).
+    partition_bytes: tuple[int, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "decision"}

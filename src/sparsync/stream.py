@@ -1,8 +1,17 @@
 """Sparse streams: a vector of dimension N held as sorted (index, value) pairs or as a dense array.
 
-SparCML §3. A stream starts sparse and switches to the dense format once its number of stored pairs reaches
+SparCML §3. A stream starts sparse and switches to the dense format once its stored pairs reach
 ``delta = N * isize / (c + isize)`` (c = index bytes, isize = value bytes): beyond that point the sparse
 encoding would put more bytes on the wire than the dense one.
+
+Row-sparse streams (issue 13; SparCML is element-granular, this is our extension): with ``row=b`` the vector
+is R = N / b rows of b contiguous values, and each index addresses a whole row (an embedding row, the
+gradient of ``nn.Embedding(sparse=True)``). A row costs one index for b values, so the switch to dense comes
+at ``delta = R * b * isize / (c + b * isize)`` stored rows, and merges sum whole rows at once. ``row=1`` is
+SparCML's element stream.
+
+Half-precision values are summed in float32 and rounded once per sum (a sum of P fp16 streams rounds once,
+not P - 1 times).
 
 Example::
 
@@ -10,6 +19,9 @@ Example::
     >>> t = SparseStream.from_dense(torch.tensor([0, 3.0, 0, 0, 0, 1.0, 0, 0]))
     >>> add(s, t).to_dense()
     tensor([0., 4., 0., 0., 0., 3., 0., 0.])
+    >>> r = SparseStream(torch.tensor([2]), torch.tensor([1.0, 2.0]), dim=8, row=2)   # row 2 = entries 4, 5
+    >>> r.to_dense()
+    tensor([0., 0., 0., 0., 1., 2., 0., 0.])
 """
 
 from __future__ import annotations
@@ -19,29 +31,42 @@ import torch
 _INT32_LIMIT = 2**31
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def index_dtype_for(dim: int) -> torch.dtype:
-    """int32 indices when every index fits (dim < 2^31), else int64: c = 4 or 8 bytes."""
+    """int32 indices when every index fits (dim < 2^31), else int64: c = 4 or 8 bytes. ``dim`` counts what
+    an index addresses: elements, or rows of a row-sparse stream."""
     return torch.int32 if dim < _INT32_LIMIT else torch.int64
 
 
-def dense_threshold(dim: int, value_dtype: torch.dtype) -> int:
-    """SparCML §3: delta = N * isize / (c + isize); a stream with nnz >= delta is cheaper dense."""
+def dense_threshold(dim: int, value_dtype: torch.dtype, row: int = 1) -> int:
+    """SparCML §3: delta = N * isize / (c + isize); a stream with nnz >= delta is cheaper dense. For a
+    row-sparse stream (``row`` = b values per index) delta counts rows: R * b * isize / (c + b * isize)."""
     isize = torch.empty((), dtype=value_dtype).element_size()
-    c = torch.empty((), dtype=index_dtype_for(dim)).element_size()
-    return (dim * isize) // (c + isize)
+    rows = dim // row
+    c = torch.empty((), dtype=index_dtype_for(rows)).element_size()
+    return (rows * row * isize) // (c + row * isize)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Sums of fp16/bf16 are accumulated in float32 and rounded once (issue 13)."""
+    return torch.float32 if dtype in _HALF else dtype
 
 
 class SparseStream:
     """A vector of dimension ``dim``: sorted unique ``indices`` with ``values``, or dense ``values`` only.
 
+    ``row`` (default 1) is the number of contiguous values each index addresses; ``dim`` must be a multiple
+    of it, indices lie in ``[0, dim // row)`` and a sparse stream holds ``row`` values per index (``values``
+    is always 1-D, row after row; :attr:`rows2d` views it as ``[nrows, row]``).
+
     The constructor promises sorted, unique, in-range indices and checks it (``ValueError`` naming the first
     offending position); use :meth:`coalesce` for unsorted input or input with duplicates. ``values`` may be any
-    floating dtype. Indices are stored as int32 when ``dim < 2**31``, else int64.
+    floating dtype. Indices are stored as int32 when ``dim // row < 2**31``, else int64.
     """
 
-    __slots__ = ("_dense", "_dim", "_indices", "_values")
+    __slots__ = ("_dense", "_dim", "_indices", "_row", "_values")
 
     def __init__(
         self,
@@ -49,15 +74,19 @@ class SparseStream:
         values: torch.Tensor,
         dim: int,
         *,
+        row: int = 1,
         validate: bool = True,
     ) -> None:
         if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
             raise ValueError(f"dim must be a positive int, got {dim!r}")
+        if isinstance(row, bool) or not isinstance(row, int) or row < 1 or dim % row:
+            raise ValueError(f"row must be a positive int dividing dim={dim}, got {row!r}")
         if not isinstance(values, torch.Tensor) or values.dim() != 1:
             raise ValueError(f"values must be a 1-D tensor, got {type(values).__name__} {_shape(values)}")
         if values.dtype not in FLOAT_DTYPES:
             raise ValueError(f"values must have a floating dtype {FLOAT_DTYPES}, got {values.dtype}")
         self._dim = dim
+        self._row = row
         self._values = values
         if indices is None:
             if values.numel() != dim:
@@ -65,20 +94,22 @@ class SparseStream:
             self._indices: torch.Tensor | None = None
             self._dense = True
             return
-        _check_pairs(indices, values)
+        _check_pairs(indices, values, row)
         if validate:
-            _check_indices(indices, dim, sorted_unique=True)
-        self._indices = indices.to(index_dtype_for(dim))
+            _check_indices(indices, dim // row, sorted_unique=True)
+        self._indices = indices.to(index_dtype_for(dim // row))
         self._dense = False
 
     # --- constructors -------------------------------------------------------------------------------------
     @classmethod
-    def coalesce(cls, indices: torch.Tensor, values: torch.Tensor, dim: int) -> SparseStream:
-        """Build a stream from unsorted indices, summing the values of duplicate indices."""
-        _check_pairs(indices, values)
-        _check_indices(indices, dim, sorted_unique=False)
-        idx, vals = _merge(indices.to(torch.int64), values)
-        return cls(idx, vals, dim, validate=False)
+    def coalesce(cls, indices: torch.Tensor, values: torch.Tensor, dim: int, *, row: int = 1) -> SparseStream:
+        """Build a stream from unsorted indices, summing the values of duplicate indices (rows)."""
+        if isinstance(row, bool) or not isinstance(row, int) or row < 1 or dim % row:
+            raise ValueError(f"row must be a positive int dividing dim={dim}, got {row!r}")
+        _check_pairs(indices, values, row)
+        _check_indices(indices, dim // row, sorted_unique=False)
+        idx, vals = _merge(indices.to(torch.int64), values.reshape(-1, row))
+        return cls(idx, vals.reshape(-1), dim, row=row, validate=False)
 
     @classmethod
     def from_dense(cls, tensor: torch.Tensor, *, auto_dense: bool = True) -> SparseStream:
@@ -95,8 +126,8 @@ class SparseStream:
         return cls(nz.to(index_dtype_for(dim)), flat[nz], dim, validate=False)
 
     @classmethod
-    def empty(cls, dim: int, dtype: torch.dtype = torch.float32) -> SparseStream:
-        return cls(torch.empty(0, dtype=index_dtype_for(dim)), torch.empty(0, dtype=dtype), dim)
+    def empty(cls, dim: int, dtype: torch.dtype = torch.float32, *, row: int = 1) -> SparseStream:
+        return cls(torch.empty(0, dtype=index_dtype_for(dim // row)), torch.empty(0, dtype=dtype), dim, row=row)
 
     # --- properties -----------------------------------------------------------------------------------------
     @property
@@ -104,13 +135,28 @@ class SparseStream:
         return self._dim
 
     @property
+    def row(self) -> int:
+        """Values per index (1: an element stream)."""
+        return self._row
+
+    @property
+    def num_rows(self) -> int:
+        """R = dim / row: the index space."""
+        return self._dim // self._row
+
+    @property
     def indices(self) -> torch.Tensor | None:
-        """Sorted unique indices, or None for a dense stream."""
+        """Sorted unique indices (row ids when ``row > 1``), or None for a dense stream."""
         return self._indices
 
     @property
     def values(self) -> torch.Tensor:
         return self._values
+
+    @property
+    def rows2d(self) -> torch.Tensor:
+        """``values`` as ``[nrows, row]`` (a view)."""
+        return self._values.view(-1, self._row)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -122,140 +168,179 @@ class SparseStream:
 
     @property
     def nnz(self) -> int:
-        """Stored entries: the number of pairs when sparse, ``dim`` when dense."""
+        """Stored values: ``nrows * row`` when sparse, ``dim`` when dense."""
         return int(self._values.numel())
 
     @property
+    def nrows(self) -> int:
+        """Stored indices (rows): what the sparse-to-dense switch counts; ``num_rows`` when dense."""
+        return self.num_rows if self._indices is None else int(self._indices.numel())
+
+    @property
     def delta(self) -> int:
-        return dense_threshold(self._dim, self.dtype)
+        """The stored rows (``nrows``) at which this stream is cheaper dense (SparCML §3)."""
+        return dense_threshold(self._dim, self.dtype, self._row)
 
     @property
     def nbytes(self) -> int:
         """Bytes this stream puts on the wire (payload; the 16-byte format header is counted by the sender)."""
         if self._indices is None:
             return self._values.numel() * self._values.element_size()
-        return self._values.numel() * (self._values.element_size() + self._indices.element_size())
+        return (
+            self._values.numel() * self._values.element_size()
+            + self._indices.numel() * self._indices.element_size()
+        )
 
     # --- conversions ----------------------------------------------------------------------------------------
     def to_dense(self) -> torch.Tensor:
         if self._indices is None:
             return self._values
         out = torch.zeros(self._dim, dtype=self.dtype)
-        out[self._indices.to(torch.int64)] = self._values
+        out.view(-1, self._row)[self._indices.to(torch.int64)] = self.rows2d
         return out
 
     def densified(self) -> SparseStream:
         """The same vector in the dense format (self when already dense)."""
-        return self if self._dense else SparseStream(None, self.to_dense(), self._dim)
+        return self if self._dense else SparseStream(None, self.to_dense(), self._dim, row=self._row)
+
+    def elements(self) -> SparseStream:
+        """The same vector as an element stream (row 1): one index per stored value."""
+        if self._row == 1:
+            return self
+        if self._indices is None:
+            return SparseStream(None, self._values, self._dim)
+        lin = (self._indices.to(torch.int64)[:, None] * self._row + torch.arange(self._row)).reshape(-1)
+        return SparseStream(lin.to(index_dtype_for(self._dim)), self._values, self._dim, validate=False)
 
     def slice(self, start: int, stop: int) -> SparseStream:
-        """The sub-vector [start, stop) as a stream of dimension stop - start (indices rebased)."""
-        if not 0 <= start < stop <= self._dim:
-            raise ValueError(f"bad slice [{start}, {stop}) of a stream of dimension {self._dim}")
+        """Rows [start, stop) as a stream of ``(stop - start) * row`` values (indices rebased)."""
+        if not 0 <= start < stop <= self.num_rows:
+            raise ValueError(f"bad slice [{start}, {stop}) of a stream of {self.num_rows} rows")
+        b = self._row
         if self._indices is None:
-            return SparseStream(None, self._values[start:stop], stop - start)
-        lo, hi = torch.searchsorted(self._indices, torch.tensor([start, stop], dtype=self._indices.dtype))
-        idx = self._indices[int(lo) : int(hi)] - start
-        return SparseStream(idx, self._values[int(lo) : int(hi)], stop - start, validate=False)
+            return SparseStream(None, self._values[start * b : stop * b], (stop - start) * b, row=b)
+        lo, hi = torch.searchsorted(self._indices, torch.tensor([start, stop], dtype=self._indices.dtype)).tolist()
+        idx = self._indices[lo:hi] - start
+        return SparseStream(idx, self._values[lo * b : hi * b], (stop - start) * b, row=b, validate=False)
 
     def __repr__(self) -> str:
         fmt = "dense" if self._dense else f"nnz={self.nnz}"
-        return f"SparseStream(dim={self._dim}, {fmt}, dtype={self.dtype})"
+        rows = f", row={self._row}" if self._row != 1 else ""
+        return f"SparseStream(dim={self._dim}{rows}, {fmt}, dtype={self.dtype})"
+
+
+def _same_kind(a: SparseStream, b: SparseStream, what: str) -> None:
+    if a.dim != b.dim:
+        raise ValueError(f"cannot {what} streams of dimensions {a.dim} and {b.dim}")
+    if a.row != b.row:
+        raise ValueError(f"cannot {what} streams of row widths {a.row} and {b.row}")
+    if a.dtype != b.dtype:
+        raise ValueError(f"cannot {what} streams of dtypes {a.dtype} and {b.dtype}")
 
 
 def add(a: SparseStream, b: SparseStream, *, inplace: bool = False) -> SparseStream:
-    """Sum of two streams of the same dimension and dtype (SparCML §3, "Efficient Summation").
+    """Sum of two streams of the same dimension, row width and dtype (SparCML §3, "Efficient Summation").
 
-    - sparse + sparse: if ``a.nnz + b.nnz >= delta`` the result is built dense, else the sorted pair lists are
-      merged and duplicate indices summed. |H1 ∪ H2| is bounded by ``n1 + n2`` as in the paper: computing the
+    - sparse + sparse: if ``a.nrows + b.nrows >= delta`` the result is built dense, else the sorted index lists
+      are merged and duplicate rows summed. |H1 ∪ H2| is bounded by ``n1 + n2`` as in the paper: computing the
       exact union costs as much as the merge itself, and the bound is only loose when the sets overlap.
     - sparse + dense, dense + dense: scatter/vector add into a dense buffer.
 
     With ``inplace=True`` and a dense ``a``, ``a.values`` is updated in place and ``a`` returned (the paper's
     "do not allocate a new stream"); otherwise neither input is modified.
     """
-    if a.dim != b.dim:
-        raise ValueError(f"cannot add streams of dimensions {a.dim} and {b.dim}")
-    if a.dtype != b.dtype:
-        raise ValueError(f"cannot add streams of dtypes {a.dtype} and {b.dtype}")
-    if a.is_dense or b.is_dense:
-        dense, other = (a, b) if a.is_dense else (b, a)
-        out = dense.values if (inplace and dense is a) else dense.values.clone()
-        _accumulate(out, other)
-        return a if out is a.values else SparseStream(None, out, a.dim)
-    if a.nnz + b.nnz >= a.delta:
-        out = a.to_dense()  # a fresh buffer: a is sparse here
-        _accumulate(out, b)
-        return SparseStream(None, out, a.dim)
-    if a.nnz == 0:
-        return b
-    if b.nnz == 0:
+    _same_kind(a, b, "add")
+    if inplace and a.is_dense:
+        sum_streams([a, b], out=a.values)
         return a
-    idx, vals = _merge(torch.cat([_i64(a), _i64(b)]), torch.cat([a.values, b.values]))
-    return SparseStream(idx.to(index_dtype_for(a.dim)), vals, a.dim, validate=False)
+    if a.is_dense or b.is_dense or a.nrows + b.nrows >= a.delta:
+        return sum_streams([a, b])
+    if a.nrows == 0:
+        return b
+    if b.nrows == 0:
+        return a
+    return sum_streams([a, b])
 
 
-def sum_streams(streams: list[SparseStream]) -> SparseStream:
-    """Sum of many streams at once: one merge instead of a chain of pairwise merges."""
+def sum_streams(streams: list[SparseStream], *, out: torch.Tensor | None = None) -> SparseStream:
+    """Sum of many streams at once: one merge instead of a chain of pairwise merges.
+
+    Dense when any input is dense or the stored rows reach delta, else a sorted merge of whole rows (one
+    ``unique`` over the concatenated indices and one ``index_add_`` of the rows: no loop over rows).
+    ``out``: a dense buffer of the result to accumulate into (it must hold the first stream's values).
+    """
     if not streams:
         raise ValueError("sum_streams needs at least one stream")
-    dim, dtype = streams[0].dim, streams[0].dtype
-    for s in streams:
-        if s.dim != dim or s.dtype != dtype:
-            raise ValueError(f"cannot sum streams of dimension/dtype {s.dim}/{s.dtype} and {dim}/{dtype}")
-    total = sum(s.nnz for s in streams)
-    if any(s.is_dense for s in streams) or total >= dense_threshold(dim, dtype):
-        out = torch.zeros(dim, dtype=dtype)
+    first = streams[0]
+    for s in streams[1:]:
+        _same_kind(first, s, "sum")
+    dim, dtype, row = first.dim, first.dtype, first.row
+    acc = accumulation_dtype(dtype)
+    total = sum(s.nrows for s in streams)
+    if any(s.is_dense for s in streams) or total >= dense_threshold(dim, dtype, row):
+        if out is not None and acc == dtype:
+            for s in streams[1:]:
+                accumulate(out, s)
+            return SparseStream(None, out, dim, row=row)
+        buf = torch.zeros(dim, dtype=acc)
         for s in streams:
-            _accumulate(out, s)
-        return SparseStream(None, out, dim)
-    nonempty = [s for s in streams if s.nnz]
+            accumulate(buf, s)
+        if out is not None:
+            out.copy_(buf)
+            return SparseStream(None, out, dim, row=row)
+        return SparseStream(None, buf.to(dtype), dim, row=row)
+    nonempty = [s for s in streams if s.nrows]
     if not nonempty:
-        return SparseStream.empty(dim, dtype)
+        return SparseStream.empty(dim, dtype, row=row)
     if len(nonempty) == 1:
         return nonempty[0]
-    idx, vals = _merge(torch.cat([_i64(s) for s in nonempty]), torch.cat([s.values for s in nonempty]))
-    return SparseStream(idx.to(index_dtype_for(dim)), vals, dim, validate=False)
+    idx = torch.cat([_i64(s) for s in nonempty])
+    vals = torch.cat([s.rows2d for s in nonempty])
+    uidx, uvals = _merge(idx, vals)
+    return SparseStream(uidx.to(index_dtype_for(dim // row)), uvals.reshape(-1), dim, row=row, validate=False)
 
 
 def concat_disjoint(parts: list[SparseStream], offsets: list[int], dim: int) -> SparseStream:
-    """Vector of dimension ``dim`` from streams covering disjoint ranges starting at ``offsets``.
+    """Vector of dimension ``dim`` from streams covering disjoint row ranges starting at row ``offsets``.
 
     SparCML §3: when the index sets are disjoint (a problem partitioned by dimension) summation is concatenation.
     """
     if len(parts) != len(offsets):
         raise ValueError(f"{len(parts)} parts but {len(offsets)} offsets")
-    dtype = parts[0].dtype
-    if any(p.is_dense for p in parts) or sum(p.nnz for p in parts) >= dense_threshold(dim, dtype):
+    dtype, row = parts[0].dtype, parts[0].row
+    if any(p.is_dense for p in parts) or sum(p.nrows for p in parts) >= dense_threshold(dim, dtype, row):
         out = torch.zeros(dim, dtype=dtype)
         for p, off in zip(parts, offsets, strict=True):
-            _accumulate(out[off : off + p.dim], p)  # disjoint ranges of a zero buffer: adding is placing
-        return SparseStream(None, out, dim)
-    itype = index_dtype_for(dim)
+            accumulate(
+                out[off * row : off * row + p.dim], p
+            )  # disjoint ranges of a zero buffer: adding is placing
+        return SparseStream(None, out, dim, row=row)
+    itype = index_dtype_for(dim // row)
     idx = torch.cat(
         [p.indices.to(itype) + off for p, off in zip(parts, offsets, strict=True) if p.indices is not None]
     )
-    return SparseStream(idx, torch.cat([p.values for p in parts]), dim, validate=False)
+    return SparseStream(idx, torch.cat([p.values for p in parts]), dim, row=row, validate=False)
 
 
 # --- helpers --------------------------------------------------------------------------------------------------
-def _accumulate(out: torch.Tensor, s: SparseStream) -> None:
-    """``out += s`` in place, for a dense buffer ``out`` of ``s.dim`` elements (the one dense-sum loop body)."""
+def accumulate(out: torch.Tensor, s: SparseStream) -> None:
+    """``out += s`` in place, for a dense buffer ``out`` of ``s.dim`` elements (any float dtype)."""
     if s.indices is None:
-        out.add_(s.values)
+        out.add_(s.values.to(out.dtype))
     else:
-        out.index_add_(0, s.indices.to(torch.int64), s.values)
+        out.view(-1, s.row).index_add_(0, s.indices.to(torch.int64), s.rows2d.to(out.dtype))
 
 
-def _check_pairs(indices: object, values: torch.Tensor) -> None:
+def _check_pairs(indices: object, values: torch.Tensor, row: int = 1) -> None:
     """Shape and dtype checks shared by the constructor and ``coalesce``."""
     if not isinstance(indices, torch.Tensor) or indices.dim() != 1:
         raise ValueError(f"indices must be a 1-D tensor, got {type(indices).__name__} {_shape(indices)}")
     if indices.dtype.is_floating_point or indices.dtype.is_complex or indices.dtype == torch.bool:
         raise ValueError(f"indices must have an integer dtype, got {indices.dtype}")
-    if indices.numel() != values.numel():
+    if indices.numel() * row != values.numel():
+        per = "" if row == 1 else f" of {row} values each"
         raise ValueError(
-            f"indices and values differ in length: {indices.numel()} indices, {values.numel()} values"
+            f"indices and values differ in length: {indices.numel()} indices{per}, {values.numel()} values"
         )
 
 
@@ -264,30 +349,44 @@ def _i64(s: SparseStream) -> torch.Tensor:
     return s.indices.to(torch.int64)
 
 
-def _merge(indices: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sort (index, value) pairs and sum duplicates."""
+def _merge(indices: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort (index, row) pairs and sum the rows of duplicate indices (in float32 for half types).
+    ``rows`` is ``[n, b]``; returns ``(unique indices, [u, b] sums)``."""
     uniq, inverse = torch.unique(indices, sorted=True, return_inverse=True)
-    out = torch.zeros(uniq.numel(), dtype=values.dtype)
-    out.index_add_(0, inverse, values)
-    return uniq, out
+    if uniq.numel() == indices.numel():  # no duplicates: a permutation suffices (no rounding either)
+        order = torch.empty_like(inverse)
+        order[inverse] = torch.arange(inverse.numel())
+        return uniq, rows[order]
+    acc = accumulation_dtype(rows.dtype)
+    out = torch.zeros(uniq.numel(), rows.shape[1], dtype=acc)
+    out.index_add_(0, inverse, rows.to(acc))
+    return uniq, out.to(rows.dtype)
 
 
 def _check_indices(indices: torch.Tensor, dim: int, *, sorted_unique: bool) -> None:
+    bad = first_bad_index(indices, dim, sorted_unique=sorted_unique)
+    if bad is not None:
+        raise ValueError(bad)
+
+
+def first_bad_index(indices: torch.Tensor, dim: int, *, sorted_unique: bool) -> str | None:
+    """The message for the first out-of-range (or, with ``sorted_unique``, unsorted) index, else None."""
     if indices.numel() == 0:
-        return
+        return None
     idx = indices.to(torch.int64)
     bad = torch.nonzero((idx < 0) | (idx >= dim), as_tuple=True)[0]
     if bad.numel():
         pos = int(bad[0])
-        raise ValueError(f"index {int(idx[pos])} at position {pos} is out of range [0, {dim})")
+        return f"index {int(idx[pos])} at position {pos} is out of range [0, {dim})"
     if sorted_unique and idx.numel() > 1:
         bad = torch.nonzero(idx[1:] <= idx[:-1], as_tuple=True)[0]
         if bad.numel():
             pos = int(bad[0]) + 1
-            raise ValueError(
+            return (
                 f"indices must be sorted and unique: index {int(idx[pos])} at position {pos} follows "
                 f"{int(idx[pos - 1])} (use SparseStream.coalesce for unsorted input)"
             )
+    return None
 
 
 def _shape(x: object) -> str:

@@ -36,6 +36,7 @@ class Traffic:
     messages: int = 0
     phases: dict[str, float] = field(default_factory=dict)
     phase_bytes: dict[str, int] = field(default_factory=dict)  # bytes sent inside each named phase
+    partition_bytes: list[int] = field(default_factory=list)  # split algorithms: bytes sent to each owner
 
 
 class Comm:
@@ -163,7 +164,8 @@ class Comm:
 
 # --- wire format of a stream --------------------------------------------------------------------------------
 def header_of(stream: SparseStream) -> torch.Tensor:
-    return torch.tensor([1 if stream.is_dense else 0, stream.nnz], dtype=torch.int64)
+    """[is_dense, stored rows]: what a receiver needs to size the payload (the row width is agreed beforehand)."""
+    return torch.tensor([1 if stream.is_dense else 0, stream.nrows], dtype=torch.int64)
 
 
 def payload_of(stream: SparseStream) -> torch.Tensor:
@@ -183,21 +185,24 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
-def payload_nbytes(is_dense: bool, nnz: int, dim: int, dtype: torch.dtype) -> int:
+def payload_nbytes(is_dense: bool, nrows: int, dim: int, dtype: torch.dtype, row: int = 1) -> int:
+    """Wire bytes of a stream of ``dim`` values in rows of ``row``: ``nrows`` indices of c bytes and
+    ``nrows * row`` values when sparse, ``dim`` values when dense."""
     isize = torch.empty((), dtype=dtype).element_size()
     if is_dense:
         return dim * isize
-    return nnz * (isize + torch.empty((), dtype=index_dtype_for(dim)).element_size())
+    c = torch.empty((), dtype=index_dtype_for(dim // row)).element_size()
+    return nrows * (c + row * isize)
 
 
 def stream_from_payload(
-    payload: torch.Tensor, is_dense: bool, nnz: int, dim: int, dtype: torch.dtype
+    payload: torch.Tensor, is_dense: bool, nrows: int, dim: int, dtype: torch.dtype, row: int = 1
 ) -> SparseStream:
     if is_dense:
-        return SparseStream(None, _view(payload, dtype), dim, validate=False)
-    itype = index_dtype_for(dim)
-    ib = nnz * torch.empty((), dtype=itype).element_size()
-    return SparseStream(_view(payload[:ib], itype), _view(payload[ib:], dtype), dim, validate=False)
+        return SparseStream(None, _view(payload, dtype), dim, row=row, validate=False)
+    itype = index_dtype_for(dim // row)
+    ib = nrows * torch.empty((), dtype=itype).element_size()
+    return SparseStream(_view(payload[:ib], itype), _view(payload[ib:], dtype), dim, row=row, validate=False)
 
 
 def _view(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -214,6 +219,7 @@ def exchange_stream(
     expect: bool,
     dim: int,
     dtype: torch.dtype,
+    row: int = 1,
 ) -> SparseStream | None:
     """Send ``stream`` (if any) to ``peer`` and receive one of ``dim``/``dtype`` back (if ``expect``).
 
@@ -224,9 +230,9 @@ def exchange_stream(
     comm.exchange(peer, header_of(stream) if stream is not None else None, hdr_in)
     buf: torch.Tensor | None = None
     if hdr_in is not None:
-        is_dense, nnz = bool(hdr_in[0]), int(hdr_in[1])
-        buf = torch.empty(payload_nbytes(is_dense, nnz, dim, dtype), dtype=torch.uint8)
+        is_dense, nrows = bool(hdr_in[0]), int(hdr_in[1])
+        buf = torch.empty(payload_nbytes(is_dense, nrows, dim, dtype, row), dtype=torch.uint8)
     comm.exchange(peer, payload_of(stream) if stream is not None else None, buf)
     if hdr_in is None or buf is None:
         return None
-    return stream_from_payload(buf, bool(hdr_in[0]), int(hdr_in[1]), dim, dtype)
+    return stream_from_payload(buf, bool(hdr_in[0]), int(hdr_in[1]), dim, dtype, row)

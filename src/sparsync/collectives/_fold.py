@@ -8,6 +8,7 @@ hands the result back to its even neighbour. The extra step costs 2α and one ex
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,55 @@ def allgather_blocks(comm: Comm, block: torch.Tensor, sizes: list[int]) -> list[
     if rank < 2 * fold.rem:
         rest = [r for r in range(P) if r != rank - 1]
         comm.send(rank - 1, torch.cat([held[r] for r in rest]))
+    return [held[r] for r in range(P)]
+
+
+def allgather_var(
+    comm: Comm, block: torch.Tensor, max_block: int, length_of: Callable[[torch.Tensor], int]
+) -> list[torch.Tensor]:
+    """Like ``allgather_blocks``, for blocks whose sizes nobody knows in advance: each block starts with its own
+    length (read by ``length_of`` from the block's first bytes) and is at most ``max_block`` bytes.
+
+    Receives are posted for the most a peer may send (gloo accepts a shorter message into a longer posted
+    receive, never a longer one), and each rank sends only what it holds, so ranks that disagree about a call
+    exchange well-formed messages and can report the disagreement instead of aborting inside gloo.
+    """
+    if block.numel() > max_block:
+        raise ValueError(f"block of {block.numel()} bytes exceeds the {max_block}-byte limit")
+    P, rank = comm.size, comm.rank
+    if P == 1:
+        return [block]
+
+    def receive(peer: int, ranks: list[int], send: torch.Tensor | None) -> None:
+        buf = torch.empty(len(ranks) * max_block, dtype=torch.uint8)
+        comm.exchange(peer, send, buf)
+        off = 0
+        for r in ranks:
+            n = length_of(buf[off:]) if off < buf.numel() else -1
+            if not 0 < n <= max_block or off + n > buf.numel():
+                raise ValueError(f"{comm.op}: malformed metadata block from peer rank {peer} (length {n})")
+            held[r] = buf[off : off + n]
+            off += n
+        comm.traffic.bytes_recv -= buf.numel() - off  # counted as posted; only ``off`` bytes arrived
+
+    held: dict[int, torch.Tensor] = {rank: block}
+    fold = Fold(P)
+    if fold.is_folded_away(rank):
+        comm.send(rank + 1, block)
+        receive(rank + 1, [r for r in range(P) if r != rank], None)
+        return [held[r] for r in range(P)]
+    if rank < 2 * fold.rem:
+        receive(rank - 1, [rank - 1], None)
+    v = fold.virtual(rank)
+    mask = 1
+    while mask < fold.pof2:
+        pv = v ^ mask
+        theirs = fold.covered_range(pv & ~(mask - 1), mask)
+        mine = torch.cat([held[r] for r in sorted(held)])
+        receive(fold.real(pv), theirs, mine)
+        mask <<= 1
+    if rank < 2 * fold.rem:
+        comm.send(rank - 1, torch.cat([held[r] for r in range(P) if r != rank - 1]))
     return [held[r] for r in range(P)]
 
 

@@ -4,20 +4,23 @@ One tiny allgather (recursive doubling, log2(P) latency) of eight int64 per rank
 nnz and format (the sizes "allgather" needs, the inputs "auto" needs) and lets all ranks raise the *same*
 ValueError for bad input on any rank, instead of the good ranks hanging on the bad one.
 
-Eager protocol (our addition; SparCML has no metadata round to piggyback on): each rank's row also carries
-its whole payload when that fits in ``EAGER_BYTES``. When every rank's payload fits, the metadata allgather
-*is* the data allgather and the call needs no second round, which is what decides the latency-bound,
-very sparse case. The region has the same fixed size on every rank and in every call (a per-call size would
-need agreeing on first), so every call pays ``EAGER_BYTES·(P-1)`` extra bytes: 2 KiB is 16 µs per peer at
-1 Gbit/s, below one message latency, and holds 256 float32 entries with int32 indices.
+Eager protocol (our addition; SparCML has no metadata round to piggyback on): each rank's row may also carry
+its whole payload. When every rank's payload came along, the metadata allgather *is* the data allgather and
+the call needs no second round, which is what decides the latency-bound, very sparse case.
 
-Adaptive region: a group's next region size is agreed without a message, from the table every rank already
-holds. After a call that ran ``allgather`` (chosen by auto, forced, or ``sparse_allgather``), the group's next
-region is that call's largest payload plus 25%, rounded up to 1 KiB, between EAGER_BYTES and EAGER_MAX; after
-any other algorithm it falls back to EAGER_BYTES. Training issues calls of similar nnz step after step, so
-from the second call on, a reduction that the model sends through allgather needs one round instead of two.
-The cost: while the region is large, every metadata round on the group carries it (the replicator's
-primitives included), and a call whose payload outgrows it pays the region and then a real algorithm.
+Blocks are self-delimiting (the row says how many payload bytes follow), and every receive is posted for the
+largest block a rank may send (``ROW_BYTES + EAGER_MAX``; gloo takes a shorter message into a longer posted
+receive). So each rank sends only its own row and payload: a small call never pays for an earlier large one
+(issue 13: a 19-element reduction after an embedding-sized allgather sent 102,464 bytes, now 2,112 at most),
+and ranks that disagree about a call still exchange well-formed messages and raise the same ValueError.
+
+How much payload a rank inlines: up to EAGER_BYTES by default. After a call that ran ``allgather`` (chosen by
+auto, forced, or ``sparse_allgather``), calls of the same signature (dimension, row width, dtype) may inline up
+to that call's largest payload plus 25%, rounded up to 1 KiB, at most EAGER_MAX; after any other algorithm the
+signature falls back to EAGER_BYTES. Training issues calls of similar nnz step after step, so from the second
+call on, a reduction that the model sends through allgather needs one round instead of two. Every rank keeps
+the same table (same calls), but correctness does not depend on it: the data round runs unless every rank
+inlined its payload.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsync.collectives._comm import Comm, payload_nbytes, payload_of
-from sparsync.collectives._fold import allgather_blocks
+from sparsync.collectives._fold import allgather_var
 from sparsync.group import EAGER_BYTES, group_state
 from sparsync.stream import FLOAT_DTYPES, SparseStream
 
@@ -53,26 +56,33 @@ ALGORITHM_CODES = (
     "dense",
     "-",
 )
-_F = ("seq", "op", "dim", "dtype", "nnz", "dense", "nan", "algorithm")
+# nnz: stored rows (indices); bad/bad_value: position and value of an out-of-range index (-1: none);
+# inline: payload bytes that follow the row (-1: not inlined). Callers may pass fewer columns (zero-padded).
+_F = ("seq", "op", "dim", "dtype", "nnz", "dense", "nan", "algorithm", "row", "bad", "bad_value", "inline")
+_INLINE = _F.index("inline")
 ROW_BYTES = 8 * len(_F)
 EAGER_MAX = 256 * 1024  # the most payload bytes a row carries inline (EAGER_BYTES: the default; module doc)
+_MAX_SIGNATURES = 64  # eager limits remembered per group (the oldest forgotten first)
 
 
 @dataclass(frozen=True)
 class Meta:
-    nnz: tuple[int, ...]
+    nnz: tuple[int, ...]  # stored rows (indices) per rank; num_rows for a dense stream
     dense: tuple[bool, ...]
     # Every rank's payload (the wire bytes of its stream), when all of them fitted in the metadata round.
     eager: tuple[torch.Tensor, ...] | None = None
     sizes: tuple[int, ...] = ()  # every rank's payload bytes
+    signature: tuple[int, int, int] = (0, 1, 0)  # (dim, row, dtype code) of the call
 
 
 # The largest payload next_eager_bytes can still make room for (for the cost model's Problem.eager_limit).
 EAGER_LIMIT = EAGER_MAX * 4 // 5
 
+Signature = tuple[int, int, int]  # (dim, row, dtype code): calls that share an eager limit
+
 
 def next_eager_bytes(sizes: tuple[int, ...], algorithm: str) -> int:
-    """The group's metadata region for its next call, from this call's payload sizes and algorithm (module
+    """A signature's inline limit for its next call, from this call's payload sizes and algorithm (module
     doc). Every rank holds the same sizes and algorithm, so every rank computes the same value."""
     want = -(-(max(sizes, default=0) * 5 // 4) // 1024) * 1024
     if algorithm != "allgather" or want > EAGER_MAX:
@@ -80,69 +90,109 @@ def next_eager_bytes(sizes: tuple[int, ...], algorithm: str) -> int:
     return max(EAGER_BYTES, want)
 
 
+def signature(stream: SparseStream) -> Signature:
+    return (stream.dim, stream.row, FLOAT_DTYPES.index(stream.dtype))
+
+
 def update_eager(comm: Comm, meta: Meta, algorithm: str) -> None:
-    group_state(comm.group).eager_bytes = next_eager_bytes(meta.sizes, algorithm)
+    limits = group_state(comm.group).eager_limits
+    n = next_eager_bytes(meta.sizes, algorithm)
+    limits.pop(meta.signature, None)
+    if n != EAGER_BYTES:
+        limits[meta.signature] = n
+        while len(limits) > _MAX_SIGNATURES:
+            limits.pop(next(iter(limits)))
+
+
+def _block_length(buf: torch.Tensor) -> int:
+    if buf.numel() < ROW_BYTES or buf.storage_offset() % 8:
+        return -1
+    inline = int(buf[:ROW_BYTES].view(torch.int64)[_INLINE])
+    return ROW_BYTES + _pad8(max(inline, 0)) if inline <= EAGER_MAX else -1
+
+
+def _pad8(n: int) -> int:
+    return -(-n // 8) * 8
 
 
 def allgather_rows(
     comm: Comm, row: torch.Tensor, eager: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Allgather every rank's 8-int64 ``row`` plus the group's eager region holding ``eager``'s bytes.
+    """Allgather every rank's int64 ``row`` (at most ``len(_F)`` columns, zero-padded) plus ``eager``'s bytes.
 
-    Every metadata round on a group goes through here, whatever the operation, so on every rank the message
-    has the group's current size (``GroupState.eager_bytes``, which evolves identically everywhere): gloo
-    aborts the whole process when a message is longer than the posted receive, and a size mismatch would
-    turn a reportable call mismatch into a crash. Returns the [P, 8] table and each rank's eager region.
+    Every metadata round on a group goes through here, whatever the operation (the replicator's primitives
+    included). Returns the [P, len(_F)] table and each rank's inline payload (empty when it sent none).
     """
-    if row.dtype != torch.int64 or row.numel() != len(_F):
-        raise ValueError(f"a metadata row is {len(_F)} int64, got {row.numel()} {row.dtype}")
-    capacity = group_state(comm.group).eager_bytes
-    buf = torch.zeros(ROW_BYTES + capacity, dtype=torch.uint8)
-    buf[:ROW_BYTES] = row.view(torch.uint8)
+    if row.dtype != torch.int64 or row.dim() != 1 or row.numel() > _INLINE:
+        raise ValueError(f"a metadata row is at most {_INLINE} int64, got {row.numel()} {row.dtype}")
+    n = -1 if eager is None else eager.numel()
+    if n > EAGER_MAX:
+        raise ValueError(f"eager payload of {n} bytes exceeds EAGER_MAX = {EAGER_MAX}")
+    buf = torch.zeros(ROW_BYTES + _pad8(max(n, 0)), dtype=torch.uint8)
+    words = buf[:ROW_BYTES].view(torch.int64)
+    words[: row.numel()] = row
+    words[_INLINE] = n
     if eager is not None:
-        if eager.numel() > capacity:
-            raise ValueError(f"eager payload of {eager.numel()} bytes exceeds the group's region of {capacity}")
-        buf[ROW_BYTES : ROW_BYTES + eager.numel()] = eager
+        buf[ROW_BYTES : ROW_BYTES + n] = eager
     with comm.phase("meta"):
-        blocks = allgather_blocks(comm, buf, [buf.numel()] * comm.size)
-    # Each block is a slice at a multiple of ROW_BYTES + capacity (a multiple of 8): int64-aligned.
+        blocks = allgather_var(comm, buf, ROW_BYTES + EAGER_MAX, _block_length)
+    # Each block is a slice at a multiple of 8 bytes (blocks are padded to 8): int64-aligned.
     table = torch.stack([b[:ROW_BYTES].view(torch.int64) for b in blocks])
-    return table, [b[ROW_BYTES:] for b in blocks]
+    payloads = [b[ROW_BYTES : ROW_BYTES + max(int(t[_INLINE]), 0)] for b, t in zip(blocks, table, strict=True)]
+    return table, payloads
 
 
-def exchange_meta(comm: Comm, op: str, stream: SparseStream, algorithm: str, seq: int, check_nan: bool) -> Meta:
+def exchange_meta(
+    comm: Comm,
+    op: str,
+    stream: SparseStream,
+    algorithm: str,
+    seq: int,
+    check_nan: bool,
+    bad: tuple[int, int] | None = None,
+) -> Meta:
+    """``bad``: (position, value) of an out-of-range index this rank found in its input; every rank then
+    raises the same ValueError naming it (the stream passed is a placeholder)."""
     nan_pos = -1
     # NaN propagates through a sum, so one cheap reduction (10x cheaper than isnan().any() on 16M floats)
     # clears the common case; only a NaN sum (a NaN, or inf + -inf) pays for locating the first NaN.
     if check_nan and bool(torch.isnan(stream.values.sum())):
-        bad = torch.isnan(stream.values)
-        if bool(bad.any()):
-            pos = int(torch.nonzero(bad, as_tuple=True)[0][0])
-            nan_pos = pos if stream.indices is None else int(stream.indices[pos])
+        bad_nan = torch.isnan(stream.values)
+        if bool(bad_nan.any()):
+            pos = int(torch.nonzero(bad_nan, as_tuple=True)[0][0])
+            b = stream.row
+            nan_pos = pos if stream.indices is None else int(stream.indices[pos // b]) * b + pos % b
+    sig = signature(stream)
     row = torch.tensor(
         [
             seq,
             OPS.index(op),
             stream.dim,
-            FLOAT_DTYPES.index(stream.dtype),
-            stream.nnz,
+            sig[2],
+            stream.nrows,
             int(stream.is_dense),
             nan_pos,
             ALGORITHM_CODES.index(algorithm),
+            stream.row,
+            -1 if bad is None else bad[0],
+            -1 if bad is None else bad[1],
         ],
         dtype=torch.int64,
     )
-    mine = payload_nbytes(stream.is_dense, stream.nnz, stream.dim, stream.dtype)
-    capacity = group_state(comm.group).eager_bytes
-    table, blocks = allgather_rows(comm, row, payload_of(stream) if mine <= capacity else None)
+    mine = payload_nbytes(stream.is_dense, stream.nrows, stream.dim, stream.dtype, stream.row)
+    limit = group_state(comm.group).eager_limits.get(sig, EAGER_BYTES)
+    table, blocks = allgather_rows(comm, row, payload_of(stream) if mine <= limit else None)
     _check(table, comm.rank)
     nnz = tuple(int(x) for x in table[:, 4])
     dense = tuple(bool(x) for x in table[:, 5])
-    sizes = [payload_nbytes(dense[r], nnz[r], stream.dim, stream.dtype) for r in range(comm.size)]
+    sizes = [payload_nbytes(dense[r], nnz[r], stream.dim, stream.dtype, stream.row) for r in range(comm.size)]
     eager = None
-    if max(sizes) <= capacity:
-        eager = tuple(b[:n] for b, n in zip(blocks, sizes, strict=True))
-    return Meta(nnz=nnz, dense=dense, eager=eager, sizes=tuple(sizes))
+    if all(int(x) >= 0 for x in table[:, _INLINE]):
+        for r, (blk, n) in enumerate(zip(blocks, sizes, strict=True)):
+            if blk.numel() != n:
+                raise ValueError(f"rank {r} inlined {blk.numel()} payload bytes for a stream of {n} (corrupt row)")
+        eager = tuple(blocks)
+    return Meta(nnz=nnz, dense=dense, eager=eager, sizes=tuple(sizes), signature=sig)
 
 
 def _check(table: torch.Tensor, me: int) -> None:
@@ -156,7 +206,14 @@ def _check(table: torch.Tensor, me: int) -> None:
             return ALGORITHM_CODES[v]
         return str(v)
 
-    for col, what in ((1, "collective"), (0, "call number"), (7, "algorithm"), (2, "dim"), (3, "dtype")):
+    for col, what in (
+        (1, "collective"),
+        (0, "call number"),
+        (7, "algorithm"),
+        (2, "dim"),
+        (8, "row width"),
+        (3, "dtype"),
+    ):
         bad = torch.nonzero(table[:, col] != table[0, col], as_tuple=True)[0]
         if bad.numel():
             r = int(bad[0])
@@ -165,6 +222,14 @@ def _check(table: torch.Tensor, me: int) -> None:
                 f"rank {r} has {_F[col]}={names(col, r)} (seen on rank {me}); every rank must issue the same "
                 "collectives in the same order on streams of the same dimension and dtype"
             )
+    bads = torch.nonzero(table[:, 9] >= 0, as_tuple=True)[0]
+    if bads.numel():
+        r = int(bads[0])
+        rows = int(table[r, 2]) // max(int(table[r, 8]), 1)
+        raise ValueError(
+            f"rank {r} passed index {int(table[r, 10])} at position {int(table[r, 9])}, out of range "
+            f"[0, {rows}) (seen on rank {me})"
+        )
     nans = torch.nonzero(table[:, 6] >= 0, as_tuple=True)[0]
     if nans.numel():
         r = int(nans[0])

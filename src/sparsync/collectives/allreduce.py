@@ -11,10 +11,11 @@ import torch
 import torch.distributed as dist
 
 from sparsync.calibrate import measure_link
-from sparsync.collectives._comm import Comm, payload_nbytes, payload_of
+from sparsync.collectives._comm import Comm, payload_of
 from sparsync.collectives._comm import stream_from_payload as _decode
 from sparsync.collectives._fold import allgather_blocks
 from sparsync.collectives._meta import EAGER_LIMIT, Meta, exchange_meta, update_eager
+from sparsync.collectives.partition import resolve_partition
 from sparsync.collectives.recursive_double import ssar_recursive_double
 from sparsync.collectives.split_allgather import dsar_split_allgather, ssar_split_allgather
 from sparsync.costmodel import (
@@ -39,10 +40,11 @@ def _gather_streams(comm: Comm, stream: SparseStream, meta: Meta) -> list[Sparse
     if meta.eager is not None:  # every payload already came with the metadata (see _meta's eager protocol)
         blocks = list(meta.eager)
     else:
-        sizes = [payload_nbytes(meta.dense[r], meta.nnz[r], stream.dim, stream.dtype) for r in range(comm.size)]
         with comm.phase("allgather_payload"):
-            blocks = allgather_blocks(comm, payload_of(stream), sizes)
-    return [_decode(b, meta.dense[r], meta.nnz[r], stream.dim, stream.dtype) for r, b in enumerate(blocks)]
+            blocks = allgather_blocks(comm, payload_of(stream), list(meta.sizes))
+    return [
+        _decode(b, meta.dense[r], meta.nnz[r], stream.dim, stream.dtype, stream.row) for r, b in enumerate(blocks)
+    ]
 
 
 def _allgather_sum(comm: Comm, stream: SparseStream, meta: Meta) -> SparseStream:
@@ -64,7 +66,7 @@ def _dense(comm: Comm, stream: SparseStream) -> SparseStream:
     P = comm.size
     nb = 2 * (P - 1) * buf.numel() * buf.element_size() // P
     comm.count_collective(nb, nb, 2 * (P - 1) * calls)
-    return SparseStream(None, buf, stream.dim, validate=False)
+    return SparseStream(None, buf, stream.dim, row=stream.row, validate=False)
 
 
 def _pipelined_dense(comm: Comm, stream: SparseStream) -> torch.Tensor:
@@ -72,15 +74,16 @@ def _pipelined_dense(comm: Comm, stream: SparseStream) -> torch.Tensor:
     i+1 overlaps the transfer of chunk i (same result and bytes as one allreduce of the whole buffer; every rank
     cuts at the same offsets whatever its input). Measured at 1 Gbit/s, P = 8, density 0.3 of 16M: 1,123 ms
     against 1,112 ms for gloo's allreduce of a dense buffer; densify-then-allreduce took 1.15x gloo's time."""
-    n, idx, vals = stream.dim, stream.indices, stream.values
+    R, b, idx, vals = stream.num_rows, stream.row, stream.indices, stream.rows2d
     assert idx is not None
-    buf = torch.empty(n, dtype=stream.dtype)
-    bounds = [n * c // DENSE_CHUNKS for c in range(DENSE_CHUNKS + 1)]
+    buf = torch.empty(stream.dim, dtype=stream.dtype)
+    rows2d = buf.view(R, b)
+    bounds = [R * c // DENSE_CHUNKS for c in range(DENSE_CHUNKS + 1)]  # in rows
     cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype)).tolist()
     works = []
     with comm.phase("dense_allreduce"):
         for c in range(DENSE_CHUNKS):
-            part = buf[bounds[c] : bounds[c + 1]]
+            part = rows2d[bounds[c] : bounds[c + 1]]
             part.zero_()
             lo, hi = cuts[c], cuts[c + 1]
             part[idx[lo:hi].to(torch.int64) - bounds[c]] = vals[lo:hi]
@@ -89,12 +92,12 @@ def _pipelined_dense(comm: Comm, stream: SparseStream) -> torch.Tensor:
     return buf
 
 
-_RUNNERS: dict[str, Callable[[Comm, SparseStream, Meta], SparseStream]] = {
-    "ssar_recursive_double": lambda c, s, m: ssar_recursive_double(c, s),
-    "ssar_split_allgather": lambda c, s, m: ssar_split_allgather(c, s),
-    "dsar_split_allgather": lambda c, s, m: dsar_split_allgather(c, s),
-    "allgather": _allgather_sum,
-    "dense": lambda c, s, m: _dense(c, s),
+_RUNNERS: dict[str, Callable[[Comm, SparseStream, Meta, str], SparseStream]] = {
+    "ssar_recursive_double": lambda c, s, m, p: ssar_recursive_double(c, s),
+    "ssar_split_allgather": lambda c, s, m, p: ssar_split_allgather(c, s, p),
+    "dsar_split_allgather": lambda c, s, m, p: dsar_split_allgather(c, s, p),
+    "allgather": lambda c, s, m, p: _allgather_sum(c, s, m),
+    "dense": lambda c, s, m, p: _dense(c, s),
 }
 
 
@@ -135,6 +138,7 @@ def sparse_allreduce(
     policy: Policy = ...,
     timeout: float | None = ...,
     check_nan: bool = ...,
+    partition: str = ...,
 ) -> SparseStream: ...
 @overload
 def sparse_allreduce(
@@ -148,6 +152,7 @@ def sparse_allreduce(
     policy: Policy = ...,
     timeout: float | None = ...,
     check_nan: bool = ...,
+    partition: str = ...,
 ) -> Work[SparseStream]: ...
 def sparse_allreduce(
     stream: SparseStream,
@@ -160,13 +165,17 @@ def sparse_allreduce(
     policy: Policy = choose_fastest,
     timeout: float | None = None,
     check_nan: bool = True,
+    partition: str = "auto",
 ) -> SparseStream | Work[SparseStream]:
     """Sum of every rank's ``stream``, on every rank (bitwise identical everywhere).
 
     ``algorithm``: one of ``ssar_recursive_double``, ``ssar_split_allgather``, ``dsar_split_allgather``,
     ``allgather``, ``dense`` or ``auto`` (chosen per call from the α-β model; α, β measured once per group at
-    first use unless ``link`` is given; ``policy`` may replace the choice). ``log`` collects a CommRecord
-    (bytes, time, phases, decision). Does not modify ``stream``. Collective: all ranks of ``group`` call it.
+    first use unless ``link`` is given; ``policy`` may replace the choice). ``partition``: how the split
+    algorithms assign rows to ranks, ``stride`` (row id mod P: balanced on Zipf-skewed rows), ``range``
+    (contiguous, SparCML §4.1) or ``auto`` (stride for row streams, range for element streams; see
+    ``collectives/partition.py``). ``log`` collects a CommRecord (bytes, time, phases, decision, bytes per
+    partition). Does not modify ``stream``. Collective: all ranks of ``group`` call it.
 
     Example::
 
@@ -174,20 +183,55 @@ def sparse_allreduce(
         >>> sparse_allreduce(s).to_dense()      # on 4 ranks
         tensor([1., 1., 1., 1., 0., 0., 0., 0.])
     """
-    if algorithm != "auto" and algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; valid: auto, {', '.join(ALGORITHMS)}")
     if not isinstance(stream, SparseStream):
         raise TypeError(f"sparse_allreduce takes a SparseStream, got {type(stream).__name__} (see allreduce())")
+    return start_allreduce(
+        stream,
+        lambda comm, s: s,
+        algorithm=algorithm,
+        group=group,
+        async_op=async_op,
+        log=log,
+        link=link,
+        policy=policy,
+        timeout=timeout,
+        check_nan=check_nan,
+        partition=partition,
+    )
+
+
+def start_allreduce(
+    stream: SparseStream,
+    finish: Callable[[Comm, SparseStream], T],
+    *,
+    algorithm: str = "auto",
+    group: dist.ProcessGroup | None = None,
+    async_op: bool = False,
+    log: CommLog | None = None,
+    link: LinkModel | None = None,
+    policy: Policy = choose_fastest,
+    timeout: float | None = None,
+    check_nan: bool = True,
+    partition: str = "auto",
+    bad: tuple[int, int] | None = None,
+) -> T | Work[T]:
+    """``sparse_allreduce`` whose result goes through ``finish(comm, result)`` inside the same queued job
+    (``allreduce`` of a COO tensor may need one more collective there). ``bad``: (position, value) of an
+    out-of-range index on this rank, reported by every rank after the metadata round (``stream`` is then a
+    placeholder of the right dimension)."""
+    if algorithm != "auto" and algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {algorithm!r}; valid: auto, {', '.join(ALGORITHMS)}")
+    part = resolve_partition(partition, stream.row)
     g = resolve_group(group)
     state = group_state(g)
     seq = state.calls
     state.calls += 1
 
-    def run() -> SparseStream:
+    def run() -> T:
         t0 = time.perf_counter()
         comm = Comm(g, timeout)
         comm.op = f"sparse_allreduce(algorithm={algorithm!r})"
-        meta = exchange_meta(comm, "sparse_allreduce", stream, algorithm, seq, check_nan)
+        meta = exchange_meta(comm, "sparse_allreduce", stream, algorithm, seq, check_nan, bad)
         decision: Decision | None = None
         alg = algorithm
         if alg == "auto":
@@ -195,15 +239,11 @@ def sparse_allreduce(
             if lm is None:
                 with comm.phase("calibrate"):
                     lm = state.link = measure_link(g)
-            isz = stream.values.element_size()
-            c = torch.empty((), dtype=index_dtype_for(stream.dim)).element_size()
-            problem = Problem(
-                comm.size, stream.dim, meta.nnz, isz, c, eager=meta.eager is not None, eager_limit=EAGER_LIMIT
-            )
-            decision = policy(problem, lm)
+            decision = policy(problem_of(stream, meta, comm.size), lm)
             alg = decision.algorithm
         update_eager(comm, meta, alg)
-        result = _RUNNERS[alg](comm, stream, meta)
+        result = _RUNNERS[alg](comm, stream, meta, part)
+        out = finish(comm, result)
         if log is not None:
             tr = comm.traffic
             log.append(
@@ -222,11 +262,30 @@ def sparse_allreduce(
                     dict(tr.phases),
                     decision,
                     dict(tr.phase_bytes),
+                    row=stream.row,
+                    partition=part if "split" in alg else "",
+                    partition_bytes=tuple(tr.partition_bytes),
                 )
             )
-        return result
+        return out
 
     return _submit(g, run, async_op)
+
+
+def problem_of(stream: SparseStream, meta: Meta, world_size: int) -> Problem:
+    """The cost model's view of one call: rows as entries, a row's values as one entry's value bytes."""
+    isz = stream.values.element_size()
+    c = torch.empty((), dtype=index_dtype_for(stream.num_rows)).element_size()
+    return Problem(
+        world_size,
+        stream.num_rows,
+        meta.nnz,
+        isz * stream.row,
+        c,
+        eager=meta.eager is not None,
+        eager_limit=EAGER_LIMIT,
+        row=stream.row,
+    )
 
 
 def sparse_allgather(

@@ -19,18 +19,18 @@ def ssar_recursive_double(comm: Comm, stream: SparseStream) -> SparseStream:
     P, rank = comm.size, comm.rank
     if P == 1:
         return stream
-    dim, dtype = stream.dim, stream.dtype
+    dim, dtype, row = stream.dim, stream.dtype, stream.row
     fold = Fold(P)
     if fold.is_folded_away(rank):
         with comm.phase("fold"):
-            exchange_stream(comm, rank + 1, stream, expect=False, dim=dim, dtype=dtype)
-            result = exchange_stream(comm, rank + 1, None, expect=True, dim=dim, dtype=dtype)
+            exchange_stream(comm, rank + 1, stream, expect=False, dim=dim, dtype=dtype, row=row)
+            result = exchange_stream(comm, rank + 1, None, expect=True, dim=dim, dtype=dtype, row=row)
         assert result is not None
         return result
     acc = stream
     if rank < 2 * fold.rem:
         with comm.phase("fold"):
-            got = exchange_stream(comm, rank - 1, None, expect=True, dim=dim, dtype=dtype)
+            got = exchange_stream(comm, rank - 1, None, expect=True, dim=dim, dtype=dtype, row=row)
             assert got is not None
             acc = add(got, acc)
     v = fold.virtual(rank)
@@ -38,7 +38,7 @@ def ssar_recursive_double(comm: Comm, stream: SparseStream) -> SparseStream:
     with comm.phase("rounds"):
         while mask < fold.pof2:
             peer = fold.real(v ^ mask)
-            got = exchange_stream(comm, peer, acc, expect=True, dim=dim, dtype=dtype)
+            got = exchange_stream(comm, peer, acc, expect=True, dim=dim, dtype=dtype, row=row)
             assert got is not None
             # Each element receives at most one addition of two operands, which commutes, so both partners
             # get the same bits. A dense accumulator we own is reused in place (SparCML §3).
@@ -46,5 +46,5 @@ def ssar_recursive_double(comm: Comm, stream: SparseStream) -> SparseStream:
             mask <<= 1
     if rank < 2 * fold.rem:
         with comm.phase("fold"):
-            exchange_stream(comm, rank - 1, acc, expect=False, dim=dim, dtype=dtype)
+            exchange_stream(comm, rank - 1, acc, expect=False, dim=dim, dtype=dtype, row=row)
     return acc

@@ -1,52 +1,117 @@
-"""``allreduce(tensor)``: dense tensors and torch sparse COO tensors in, the same kind out."""
+"""``allreduce(tensor)``: dense tensors and torch sparse COO tensors in, the same kind out.
+
+A COO tensor with sparse dims S and dense dims D (``nn.Embedding(sparse=True)``: S = (rows,), D = (dim,)) is
+sent as a row-sparse stream (issue 13): one index per stored row of prod(D) values, built from the coalesced
+tensor's indices and values without per-element work, and turned back into a coalesced COO tensor the same way.
+
+The result keeps every row any rank passed, zero or not, as torch's own sparse allreduce does (a row that
+cancels across ranks, or an explicit zero row, is still a row of the result, so optimizers like SparseAdam
+step the same whatever the algorithm). A sparse result holds exactly that union; when the sum went dense
+(SparCML §3) the union is recovered with one allreduce of a bitmap of R bits, and only when the dense result
+has all-zero rows.
+"""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives.allreduce import sparse_allreduce
+from sparsync.collectives._comm import Comm
+from sparsync.collectives.allreduce import sparse_allreduce, start_allreduce
 from sparsync.handle import Work
 from sparsync.record import CommLog
-from sparsync.stream import SparseStream, index_dtype_for
+from sparsync.stream import SparseStream, first_bad_index, index_dtype_for
 
 
 def coo_to_stream(t: torch.Tensor) -> SparseStream:
-    """Flatten a COO tensor (sparse dims, then dense dims, as ``nn.Embedding(sparse=True)`` gradients are)."""
+    """Row-sparse stream of a COO tensor: one row per stored index of the sparse dims (rows of the dense dims'
+    size, at least 1). Raises ValueError naming an out-of-range index."""
+    stream, bad = _coo_rows(t)
+    if bad is not None:
+        raise ValueError(bad[2])
+    return stream
+
+
+def _coo_rows(t: torch.Tensor) -> tuple[SparseStream, tuple[int, int, str] | None]:
+    """(stream, None), or (an empty placeholder stream, (position, index, message)) for a bad index."""
+    shape, sd = t.shape, t.sparse_dim()
+    if t.numel() == 0:
+        raise ValueError(f"allreduce of an empty sparse tensor of shape {tuple(shape)}")
+    b = math.prod(shape[sd:])
+    R = math.prod(shape[:sd])
+    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise ValueError(f"sparse tensor must have a floating dtype, got {t.dtype}")
+    raw = t._indices() if not t.is_coalesced() else t.indices()
+    for d in range(sd):  # coalesce() would fail (or worse) on out-of-range indices: check first
+        msg = first_bad_index(raw[d], shape[d], sorted_unique=False)
+        if msg is not None:
+            pos = int(torch.nonzero((raw[d] < 0) | (raw[d] >= shape[d]), as_tuple=True)[0][0])
+            empty = SparseStream.empty(t.numel(), t.dtype, row=b)
+            return empty, (pos, int(raw[d, pos]), f"sparse dim {d} (size {shape[d]}): {msg}")
     t = t.coalesce()
-    shape = t.shape
-    sd = t.sparse_dim()
-    dense_shape = shape[sd:]
-    row_stride = int(torch.tensor(dense_shape).prod()) if len(dense_shape) else 1
-    strides = torch.tensor([int(torch.tensor(shape[i + 1 : sd]).prod()) for i in range(sd)], dtype=torch.int64)
-    rows = (t.indices().to(torch.int64) * strides[:, None]).sum(0)  # linear index over the sparse dims
-    lin = (rows[:, None] * row_stride + torch.arange(row_stride)).reshape(-1)
-    return SparseStream(lin.to(index_dtype_for(t.numel())), t.values().reshape(-1), t.numel())
-
-
-def stream_to_coo(s: SparseStream, shape: torch.Size, sparse_dim: int) -> torch.Tensor:
-    """Inverse of ``coo_to_stream``: rows touched by any entry are kept, as torch's own sparse sum keeps them."""
-    dense_shape = shape[sparse_dim:]
-    row_stride = int(torch.tensor(dense_shape).prod()) if len(dense_shape) else 1
-    if s.indices is None:
-        nz = s.values.reshape(-1, row_stride).ne(0).any(1)
-        rows = torch.nonzero(nz, as_tuple=True)[0]
-        vals = s.values.reshape(-1, row_stride)[rows]
+    idx = t.indices()
+    if sd == 1:
+        rows = idx[0]
     else:
-        lin = s.indices.to(torch.int64)
-        rows, inverse = torch.unique(lin // row_stride, return_inverse=True)
-        vals = torch.zeros(rows.numel(), row_stride, dtype=s.dtype)
-        vals[inverse, lin % row_stride] = s.values
-    idx = (
-        torch.stack(torch.unravel_index(rows, tuple(shape[:sparse_dim])))
-        if rows.numel()
-        else (torch.empty(sparse_dim, 0, dtype=torch.int64))
-    )
+        strides = torch.tensor([math.prod(shape[i + 1 : sd]) for i in range(sd)], dtype=torch.int64)
+        rows = (idx * strides[:, None]).sum(0)  # linear row index over the sparse dims (sorted: coalesced)
+    vals = t.values().reshape(-1)
+    return SparseStream(rows.to(index_dtype_for(R)), vals, R * b, row=b, validate=False), None
+
+
+def stream_to_coo(
+    s: SparseStream, shape: torch.Size, sparse_dim: int, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Inverse of ``coo_to_stream``: a coalesced COO tensor of ``shape``. A sparse stream keeps its rows; a
+    dense one keeps ``rows`` when given, else its rows with any non-zero value. Element streams (row 1, as the
+    compressors build) are grouped into rows of the dense dims' size."""
+    dense_shape = shape[sparse_dim:]
+    b = math.prod(dense_shape)
+    if s.indices is None:
+        v2 = s.values.reshape(-1, b)
+        if rows is None:
+            rows = torch.nonzero(v2.ne(0).any(1), as_tuple=True)[0]
+        vals = v2[rows]
+    elif s.row == b:
+        rows, vals = s.indices.to(torch.int64), s.rows2d
+    else:
+        lin = s.elements().indices
+        assert lin is not None
+        lin = lin.to(torch.int64)
+        rows, inverse = torch.unique(lin // b, return_inverse=True)
+        vals = torch.zeros(rows.numel(), b, dtype=s.dtype)
+        vals[inverse, lin % b] = s.values
+    if sparse_dim == 1:
+        idx = rows.to(torch.int64).reshape(1, -1)
+    elif rows.numel():
+        idx = torch.stack(torch.unravel_index(rows.to(torch.int64), tuple(shape[:sparse_dim])))
+    else:
+        idx = torch.empty(sparse_dim, 0, dtype=torch.int64)
     return torch.sparse_coo_tensor(
         idx, vals.reshape(-1, *dense_shape), shape, is_coalesced=True, check_invariants=False
     )
+
+
+def _union_rows(comm: Comm, mine: torch.Tensor, result: SparseStream) -> torch.Tensor | None:
+    """Rows of a dense result that any rank passed (None: every row is non-zero anyway, nothing to send).
+    Every rank holds the same result, so every rank takes the same branch."""
+    nonzero = result.values.reshape(-1, result.row).ne(0).any(1)
+    if bool(nonzero.all()):
+        return None
+    R = result.num_rows
+    touched = np.zeros(R, dtype=np.bool_)
+    touched[mine.numpy()] = True
+    bits = torch.from_numpy(np.packbits(touched).astype(np.int32))  # gloo reduces int32, not uint8, with BOR
+    with comm.phase("union_rows"):
+        comm.run_collective("union of rows", dist.all_reduce, bits, op=dist.ReduceOp.BOR)
+    nb = 2 * (comm.size - 1) * bits.numel() * 4 // comm.size
+    comm.count_collective(nb, nb, 2 * (comm.size - 1))
+    union = np.unpackbits(bits.numpy().astype(np.uint8), count=R).astype(np.bool_)
+    return torch.nonzero(torch.from_numpy(union) | nonzero, as_tuple=True)[0]
 
 
 def allreduce(
@@ -59,8 +124,10 @@ def allreduce(
     **kwargs: Any,
 ) -> torch.Tensor | Work[torch.Tensor]:
     """Sum of ``tensor`` over the group, of the same kind: dense in, dense out (same shape); sparse COO in,
-    coalesced sparse COO out. Routed through ``sparse_allreduce`` (auto by default), so a mostly-zero
-    dense tensor also travels sparse. Does not modify ``tensor``.
+    coalesced sparse COO out, holding every row any rank passed (module doc). Routed through
+    ``sparse_allreduce`` (auto by default; ``partition=`` and the other options pass through), so a
+    mostly-zero dense tensor also travels sparse. Does not modify ``tensor``. An out-of-range index on any
+    rank raises the same ValueError on every rank.
 
     Example::
 
@@ -70,22 +137,35 @@ def allreduce(
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce takes a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_sparse:
-        stream = coo_to_stream(tensor)
+        stream, bad = _coo_rows(tensor)
         shape, sd = tensor.shape, tensor.sparse_dim()
+        mine = stream.indices.to(torch.int64) if stream.indices is not None else torch.empty(0, dtype=torch.int64)
 
-        def back(s: SparseStream) -> torch.Tensor:
-            return stream_to_coo(s, shape, sd)
-    elif tensor.layout == torch.strided:
-        if tensor.numel() == 0:
-            raise ValueError("allreduce of an empty tensor")
-        stream = SparseStream.from_dense(tensor)
-        shape = tensor.shape
+        def finish(comm: Comm, s: SparseStream) -> torch.Tensor:
+            rows = _union_rows(comm, mine, s) if s.is_dense else None
+            return stream_to_coo(s, shape, sd, rows)
 
-        def back(s: SparseStream) -> torch.Tensor:
-            return s.to_dense().reshape(shape)
-    else:
+        return start_allreduce(
+            stream,
+            finish,
+            algorithm=algorithm,
+            group=group,
+            async_op=async_op,
+            log=log,
+            bad=None if bad is None else (bad[0], bad[1]),
+            **kwargs,
+        )
+    if tensor.layout != torch.strided:
         raise ValueError(f"allreduce supports strided and sparse COO tensors, got layout {tensor.layout}")
+    if tensor.numel() == 0:
+        raise ValueError("allreduce of an empty tensor")
+    dstream = SparseStream.from_dense(tensor)
+    dshape = tensor.shape
+
+    def back(s: SparseStream) -> torch.Tensor:
+        return s.to_dense().reshape(dshape)
+
     if async_op:
-        work = sparse_allreduce(stream, algorithm=algorithm, group=group, async_op=True, log=log, **kwargs)
+        work = sparse_allreduce(dstream, algorithm=algorithm, group=group, async_op=True, log=log, **kwargs)
         return work.then(back)
-    return back(sparse_allreduce(stream, algorithm=algorithm, group=group, log=log, **kwargs))
+    return back(sparse_allreduce(dstream, algorithm=algorithm, group=group, log=log, **kwargs))

@@ -180,7 +180,7 @@ def flat_values(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None
     """(values, indices) of the entries a sparsifier chooses from: all of a dense tensor (indices None: the
     position is the index), or the stored entries of a COO tensor with their linear indices."""
     if tensor.is_sparse:
-        s = coo_to_stream(tensor)
+        s = coo_to_stream(tensor).elements()
         assert s.indices is not None  # coo_to_stream always builds the sparse format
         return s.values, s.indices
     return tensor.reshape(-1), None

@@ -36,7 +36,9 @@ class _Cast(Compressor):
             raise ValueError(f"{self.name} compresses floating tensors, got {tensor.dtype}")
         if tensor.is_sparse:
             s = coo_to_stream(tensor)
-            return SparsePayload(SparseStream(s.indices, s.values.to(self.wire_dtype), s.dim, validate=False))
+            return SparsePayload(
+                SparseStream(s.indices, s.values.to(self.wire_dtype), s.dim, row=s.row, validate=False)
+            )
         return DensePayload(tensor.to(self.wire_dtype))
 
     def decompress(self, payload: Payload, spec: TensorSpec) -> torch.Tensor:

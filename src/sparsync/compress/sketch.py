@@ -82,7 +82,11 @@ class SparseSketch(Compressor):
 
     def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> SketchPayload:
         spec = TensorSpec.of(tensor)
-        s = coo_to_stream(tensor) if tensor.is_sparse else SparseStream.from_dense(tensor, auto_dense=False)
+        s = (
+            coo_to_stream(tensor).elements()
+            if tensor.is_sparse
+            else SparseStream.from_dense(tensor, auto_dense=False)
+        )
         assert s.indices is not None
         idx, vals = s.indices.to(torch.int64), s.values
         b = self.block_size(spec)
