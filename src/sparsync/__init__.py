@@ -8,7 +8,16 @@ from sparsync.calibrate import measure_link
 from sparsync.collectives import allreduce, sparse_allgather, sparse_allreduce
 from sparsync.collectives._comm import PeerError
 from sparsync.compress import Compressor, ErrorFeedback, reduce
-from sparsync.costmodel import ALGORITHMS, Decision, LinkModel, Problem, choose_fastest, lower_bound, predict
+from sparsync.costmodel import (
+    ALGORITHMS,
+    Decision,
+    LinkModel,
+    Problem,
+    choose_fastest,
+    choose_robust,
+    lower_bound,
+    predict,
+)
 from sparsync.group import set_link
 from sparsync.handle import Work
 from sparsync.launch import LaunchError, launch
@@ -31,6 +40,7 @@ __all__ = [
     "add",
     "allreduce",
     "choose_fastest",
+    "choose_robust",
     "dense_threshold",
     "launch",
     "lower_bound",

@@ -109,6 +109,30 @@ def _allreduce_beta(group: dist.ProcessGroup, nbytes: int, reps: int) -> float:
     return max(timed(big) - timed(tiny), 1e-12) / (2 * (P - 1) / P * nbytes)
 
 
+def _exchange_beta(group: dist.ProcessGroup, nbytes: int, reps: int, alpha_step: float) -> float:
+    """Seconds per byte of sparsync's own exchanges: a recursive-doubling allgather of ``nbytes`` per rank
+    after a barrier, as the sparse algorithms run it (not back to back: each phase of a sparse collective
+    starts on connections that were idle), minus its latency, over the (P-1)·nbytes each rank receives."""
+    from sparsync.collectives._comm import Comm
+    from sparsync.collectives._fold import Fold, allgather_blocks
+
+    comm = Comm(group)
+    P = comm.size
+    fold = Fold(P)
+    steps = fold.pof2.bit_length() - 1 + (2 if fold.rem else 0)
+    block = torch.zeros(nbytes, dtype=torch.uint8)
+    times = []
+    for i in range(reps + 1):
+        dist.barrier(group=group)
+        time.sleep(0.02)  # idle connections, as between the phases of a training step
+        t0 = time.perf_counter()
+        allgather_blocks(comm, block, [nbytes] * P)
+        if i:
+            times.append(time.perf_counter() - t0)
+    t = sorted(times)[reps // 2]
+    return max(t - steps * alpha_step, 1e-12) / ((P - 1) * nbytes)
+
+
 def measure_link(
     group: dist.ProcessGroup | None = None, *, large_bytes: int = 4 << 20, reps: int = 5
 ) -> LinkModel:
@@ -120,7 +144,7 @@ def measure_link(
     g = resolve_group(group)
     rank, size = dist.get_rank(g), dist.get_world_size(g)
     gs, gd, gsc = _reduction_costs()
-    est = torch.zeros(7, dtype=torch.float64)
+    est = torch.zeros(8, dtype=torch.float64)
     est[2], est[3], est[5] = gs, gd, gsc
     peer = rank ^ 1
     if peer < size:
@@ -131,6 +155,7 @@ def measure_link(
     if size > 1:
         est[0], est[6] = _collective_latencies(g, 4 * reps + 1)
         est[1] = max(float(est[1]), _allreduce_beta(g, large_bytes, reps))
+        est[7] = _exchange_beta(g, large_bytes // 4, reps, float(est[0]))
     dist.all_reduce(est, group=g)
     if size == 1:
         return LinkModel(alpha=0.0, beta=0.0, gamma_sparse=gs, gamma_dense=gd, gamma_scatter=gsc)
@@ -142,4 +167,5 @@ def measure_link(
         gamma_sparse=float(est[2]) / size,
         gamma_dense=float(est[3]) / size,
         gamma_scatter=float(est[5]) / size,
+        beta_exchange=max(float(est[7]) / size, float(est[1]) / pairs),
     )

@@ -118,6 +118,7 @@ class Comm:
         self, blocks: list[torch.Tensor], recv_sizes: list[int], dtype: torch.dtype
     ) -> list[torch.Tensor]:
         """Send ``blocks[j]`` to rank j and receive ``recv_sizes[j]`` elements from each rank j, all at once.
+        A peer may send fewer elements than ``recv_sizes`` says (gloo fills a prefix of the posted receive).
 
         SparCML §4's direct sends with non-blocking calls. (gloo's own all_to_all stalled here behind
         tc-shaped links with multi-MB blocks.)
@@ -203,6 +204,51 @@ def stream_from_payload(
     itype = index_dtype_for(dim // row)
     ib = nrows * torch.empty((), dtype=itype).element_size()
     return SparseStream(_view(payload[:ib], itype), _view(payload[ib:], dtype), dim, row=row, validate=False)
+
+
+FRAME_WORDS = 3  # [is_dense, nrows, payload bytes] as int64, before a framed payload
+FRAME_BYTES = FRAME_WORDS * 8
+
+
+def framed(stream: SparseStream | None) -> torch.Tensor:
+    """A self-delimiting block: a 24-byte frame header, then the payload padded to 8 bytes (so blocks can be
+    concatenated and stay aligned). None frames an absent block (nrows -1, no payload)."""
+    if stream is None:
+        return torch.tensor([0, -1, 0], dtype=torch.int64).view(torch.uint8)
+    payload = payload_of(stream)
+    n = int(payload.numel())
+    out = torch.zeros(FRAME_BYTES + max_framed_payload(n), dtype=torch.uint8)
+    out[:FRAME_BYTES] = torch.tensor([int(stream.is_dense), stream.nrows, n], dtype=torch.int64).view(torch.uint8)
+    out[FRAME_BYTES : FRAME_BYTES + n] = payload
+    return out
+
+
+def max_framed_payload(nbytes: int) -> int:
+    """Payload bytes a frame of ``nbytes`` occupies (padded to 8)."""
+    return -(-nbytes // 8) * 8
+
+
+def frame_length(buf: torch.Tensor) -> int:
+    """Bytes of the frame starting at ``buf[0]`` (-1 when malformed), for ``allgather_var``."""
+    if buf.numel() < FRAME_BYTES or buf.storage_offset() % 8:
+        return -1
+    n = int(buf[:FRAME_BYTES].view(torch.int64)[2])
+    return FRAME_BYTES + max_framed_payload(n) if n >= 0 else -1
+
+
+def unframe(buf: torch.Tensor, dim: int, dtype: torch.dtype, row: int) -> SparseStream | None:
+    """The stream in a frame (None for an absent block); ValueError when the frame does not fit ``dim``."""
+    if buf.numel() < FRAME_BYTES:
+        raise ValueError(f"truncated frame of {buf.numel()} bytes")
+    hdr = (buf[:FRAME_BYTES].clone() if buf.storage_offset() % 8 else buf[:FRAME_BYTES]).view(torch.int64)
+    is_dense, nrows, n = bool(hdr[0]), int(hdr[1]), int(hdr[2])
+    if nrows < 0:
+        return None
+    if not 0 <= nrows <= dim // row or n != payload_nbytes(is_dense, nrows, dim, dtype, row):
+        raise ValueError(f"frame of {nrows} rows / {n} bytes does not fit a stream of {dim} values")
+    if FRAME_BYTES + n > buf.numel():
+        raise ValueError(f"frame declares {n} payload bytes, {buf.numel() - FRAME_BYTES} arrived")
+    return stream_from_payload(buf[FRAME_BYTES : FRAME_BYTES + n], is_dense, nrows, dim, dtype, row)
 
 
 def _view(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

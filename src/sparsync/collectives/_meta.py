@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sparsync.collectives import _hll
 from sparsync.collectives._comm import Comm, payload_nbytes, payload_of
 from sparsync.collectives._fold import allgather_var
 from sparsync.group import EAGER_BYTES, group_state
@@ -58,9 +59,11 @@ ALGORITHM_CODES = (
 )
 # nnz: stored rows (indices); bad/bad_value: position and value of an out-of-range index (-1: none);
 # inline: payload bytes that follow the row (-1: not inlined). Callers may pass fewer columns (zero-padded).
+# Then the HyperLogLog registers of the row ids (collectives/_hll.py; zero for element or dense streams).
 _F = ("seq", "op", "dim", "dtype", "nnz", "dense", "nan", "algorithm", "row", "bad", "bad_value", "inline")
 _INLINE = _F.index("inline")
-ROW_BYTES = 8 * len(_F)
+_WORDS = len(_F) + _hll.WORDS
+ROW_BYTES = 8 * _WORDS
 EAGER_MAX = 256 * 1024  # the most payload bytes a row carries inline (EAGER_BYTES: the default; module doc)
 _MAX_SIGNATURES = 64  # eager limits remembered per group (the oldest forgotten first)
 
@@ -73,6 +76,9 @@ class Meta:
     eager: tuple[torch.Tensor, ...] | None = None
     sizes: tuple[int, ...] = ()  # every rank's payload bytes
     signature: tuple[int, int, int] = (0, 1, 0)  # (dim, row, dtype code) of the call
+    # (m, estimated rows in the union of m ranks' inputs) from the ranks' HyperLogLog sketches, when every
+    # rank sent a sparse row stream (collectives/_hll.py); empty otherwise.
+    unions: tuple[tuple[float, float], ...] = ()
 
 
 # The largest payload next_eager_bytes can still make room for (for the cost model's Problem.eager_limit).
@@ -116,12 +122,13 @@ def _pad8(n: int) -> int:
 
 
 def allgather_rows(
-    comm: Comm, row: torch.Tensor, eager: torch.Tensor | None = None
+    comm: Comm, row: torch.Tensor, eager: torch.Tensor | None = None, sketch: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Allgather every rank's int64 ``row`` (at most ``len(_F)`` columns, zero-padded) plus ``eager``'s bytes.
 
     Every metadata round on a group goes through here, whatever the operation (the replicator's primitives
-    included). Returns the [P, len(_F)] table and each rank's inline payload (empty when it sent none).
+    included). ``sketch``: HyperLogLog registers of the row ids. Returns the [P, ROW_BYTES / 8] table and
+    each rank's inline payload (empty when it sent none).
     """
     if row.dtype != torch.int64 or row.dim() != 1 or row.numel() > _INLINE:
         raise ValueError(f"a metadata row is at most {_INLINE} int64, got {row.numel()} {row.dtype}")
@@ -132,6 +139,8 @@ def allgather_rows(
     words = buf[:ROW_BYTES].view(torch.int64)
     words[: row.numel()] = row
     words[_INLINE] = n
+    if sketch is not None:
+        words[len(_F) :] = _hll.words(sketch)
     if eager is not None:
         buf[ROW_BYTES : ROW_BYTES + n] = eager
     with comm.phase("meta"):
@@ -181,7 +190,10 @@ def exchange_meta(
     )
     mine = payload_nbytes(stream.is_dense, stream.nrows, stream.dim, stream.dtype, stream.row)
     limit = group_state(comm.group).eager_limits.get(sig, EAGER_BYTES)
-    table, blocks = allgather_rows(comm, row, payload_of(stream) if mine <= limit else None)
+    sketch = None
+    if stream.row > 1 and stream.indices is not None:
+        sketch = _hll.registers(stream.indices)
+    table, blocks = allgather_rows(comm, row, payload_of(stream) if mine <= limit else None, sketch)
     _check(table, comm.rank)
     nnz = tuple(int(x) for x in table[:, 4])
     dense = tuple(bool(x) for x in table[:, 5])
@@ -192,7 +204,11 @@ def exchange_meta(
             if blk.numel() != n:
                 raise ValueError(f"rank {r} inlined {blk.numel()} payload bytes for a stream of {n} (corrupt row)")
         eager = tuple(blocks)
-    return Meta(nnz=nnz, dense=dense, eager=eager, sizes=tuple(sizes), signature=sig)
+    unions: tuple[tuple[float, float], ...] = ()
+    if stream.row > 1 and not any(dense) and comm.size > 1:
+        regs = [_hll.unpack(t[len(_F) :]) for t in table]
+        unions = _hll.union_curve(regs, nnz)
+    return Meta(nnz=nnz, dense=dense, eager=eager, sizes=tuple(sizes), signature=sig, unions=unions)
 
 
 def _check(table: torch.Tensor, me: int) -> None:

@@ -26,7 +26,7 @@ from sparsync.costmodel import (
     LinkModel,
     Policy,
     Problem,
-    choose_fastest,
+    choose_robust,
 )
 from sparsync.group import group_state, resolve_group
 from sparsync.handle import Work
@@ -94,8 +94,8 @@ def _pipelined_dense(comm: Comm, stream: SparseStream) -> torch.Tensor:
 
 _RUNNERS: dict[str, Callable[[Comm, SparseStream, Meta, str], SparseStream]] = {
     "ssar_recursive_double": lambda c, s, m, p: ssar_recursive_double(c, s),
-    "ssar_split_allgather": lambda c, s, m, p: ssar_split_allgather(c, s, p),
-    "dsar_split_allgather": lambda c, s, m, p: dsar_split_allgather(c, s, p),
+    "ssar_split_allgather": lambda c, s, m, p: ssar_split_allgather(c, s, m.nnz, p),
+    "dsar_split_allgather": lambda c, s, m, p: dsar_split_allgather(c, s, m.nnz, p),
     "allgather": lambda c, s, m, p: _allgather_sum(c, s, m),
     "dense": lambda c, s, m, p: _dense(c, s),
 }
@@ -162,7 +162,7 @@ def sparse_allreduce(
     async_op: bool = False,
     log: CommLog | None = None,
     link: LinkModel | None = None,
-    policy: Policy = choose_fastest,
+    policy: Policy = choose_robust,
     timeout: float | None = None,
     check_nan: bool = True,
     partition: str = "auto",
@@ -171,11 +171,12 @@ def sparse_allreduce(
 
     ``algorithm``: one of ``ssar_recursive_double``, ``ssar_split_allgather``, ``dsar_split_allgather``,
     ``allgather``, ``dense`` or ``auto`` (chosen per call from the α-β model; α, β measured once per group at
-    first use unless ``link`` is given; ``policy`` may replace the choice). ``partition``: how the split
-    algorithms assign rows to ranks, ``stride`` (row id mod P: balanced on Zipf-skewed rows), ``range``
-    (contiguous, SparCML §4.1) or ``auto`` (stride for row streams, range for element streams; see
-    ``collectives/partition.py``). ``log`` collects a CommRecord (bytes, time, phases, decision, bytes per
-    partition). Does not modify ``stream``. Collective: all ranks of ``group`` call it.
+    first use unless ``link`` is given). ``policy`` may replace the choice: the default ``choose_robust``
+    takes the simplest algorithm predicted within 10% of the fastest, ``choose_fastest`` the argmin.
+    ``partition``: how the split algorithms assign rows to ranks: ``stride`` (row id mod P, balanced on
+    Zipf-skewed rows), ``range`` (contiguous, SparCML §4.1) or ``auto`` (stride for row streams, range for
+    element streams; ``collectives/partition.py``). ``log`` collects a CommRecord (bytes, time, phases,
+    decision, bytes per partition). Does not modify ``stream``. Collective: all ranks of ``group`` call it.
 
     Example::
 
@@ -209,7 +210,7 @@ def start_allreduce(
     async_op: bool = False,
     log: CommLog | None = None,
     link: LinkModel | None = None,
-    policy: Policy = choose_fastest,
+    policy: Policy = choose_robust,
     timeout: float | None = None,
     check_nan: bool = True,
     partition: str = "auto",
@@ -285,6 +286,7 @@ def problem_of(stream: SparseStream, meta: Meta, world_size: int) -> Problem:
         eager=meta.eager is not None,
         eager_limit=EAGER_LIMIT,
         row=stream.row,
+        unions=meta.unions,
     )
 
 

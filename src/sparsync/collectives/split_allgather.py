@@ -4,11 +4,11 @@
 Split phase (shared): the R rows (elements of an element stream) are partitioned over the P ranks
 (``partition.py``: contiguous ranges as in the paper, or the stride of the row id for skewed row-sparse data;
 the paper assumes P | N, we allow empty or short partitions); every rank sends each partition of its stream
-directly to the partition's owner (per-block headers, then payloads, each with all receives posted before the
-sends: the paper's direct sparse sends), and the owner sums what it received.
+directly to the partition's owner (the paper's direct sparse sends, all receives posted before the sends), and
+the owner sums what it received. Blocks travel framed (size in the block), so this is one all-to-all round.
 
-- SSAR: the owners' partial results are gathered by a sparse allgather (recursive doubling) and concatenated,
-  the partitions being disjoint (§3).
+- SSAR: the owners' partial results are gathered by a sparse allgather (recursive doubling of framed blocks,
+  log2 P rounds) and concatenated, the partitions being disjoint (§3).
 - DSAR: each owner densifies its partition and a dense allgather (torch ``all_gather_into_tensor``) finishes.
 
 A rank whose input is already dense sends its blocks dense (the format bit travels in the header), so a full
@@ -21,14 +21,15 @@ import torch
 import torch.distributed as dist
 
 from sparsync.collectives._comm import (
-    HEADER_BYTES,
-    HEADER_WORDS,
+    FRAME_BYTES,
     Comm,
+    frame_length,
+    framed,
+    max_framed_payload,
     payload_nbytes,
-    payload_of,
-    stream_from_payload,
+    unframe,
 )
-from sparsync.collectives._fold import allgather_blocks, allgather_fixed
+from sparsync.collectives._fold import allgather_var
 from sparsync.collectives.partition import Partition
 from sparsync.stream import SparseStream, sum_streams
 
@@ -41,73 +42,72 @@ def partition_bounds(dim: int, parts: int) -> list[int]:
     return Partition("range", dim, parts).bounds()
 
 
-def split_reduce(comm: Comm, stream: SparseStream, part: Partition) -> SparseStream | None:
+def frame_cap(rows: int, dim: int, dtype: torch.dtype, row: int) -> int:
+    """The largest frame a block of at most ``rows`` stored rows of a ``dim``-value vector can take: sparse
+    below delta, else dense (blocks that fill up travel dense)."""
+    most = min(payload_nbytes(True, 0, dim, dtype, row), payload_nbytes(False, rows, dim, dtype, row))
+    return FRAME_BYTES + max_framed_payload(most)
+
+
+def split_reduce(comm: Comm, stream: SparseStream, part: Partition, nnz: tuple[int, ...]) -> SparseStream | None:
     """The split phase: this rank's partition of the global sum (None when its partition is empty).
-    Records the bytes sent to each owner in ``comm.traffic.partition_bytes``."""
+    Records the bytes sent to each owner in ``comm.traffic.partition_bytes``.
+
+    One all-to-all round: each block travels framed (its size in a 24-byte header), into a receive posted
+    for the largest block the owner can get, its partition in the dense format (a block that fills up is sent
+    dense, SparCML §3), and never more rows than the sender stores (``nnz``: every rank's stored rows, from
+    the metadata round). SparCML sends sizes first; here that round is saved (issue 13: at P = 8 on 2 cores a
+    round of tiny messages costs milliseconds)."""
     P, rank, dtype, b = comm.size, comm.rank, stream.dtype, stream.row
     counts = part.counts()
-    blocks = part.split(stream)
-    headers = torch.zeros(P, HEADER_WORDS, dtype=torch.int64)
-    for j, blk in enumerate(blocks):
-        if blk is not None:
-            headers[j, 0], headers[j, 1] = int(blk.is_dense), blk.nrows
-    with comm.phase("split_headers"):
-        got = comm.alltoallv(list(headers.unbind(0)), [HEADER_WORDS] * P, torch.int64)
-        headers_in = torch.stack(got)
+    blocks = [blk.densified() if blk is not None and blk.nrows >= blk.delta else blk for blk in part.split(stream)]
     n = counts[rank] * b
-    in_sizes = [
-        payload_nbytes(bool(headers_in[j, 0]), int(headers_in[j, 1]), n, dtype, b) if n else 0 for j in range(P)
-    ]
-    out_payloads = [payload_of(blk) if blk is not None else torch.empty(0, dtype=torch.uint8) for blk in blocks]
-    comm.traffic.partition_bytes = [
-        HEADER_BYTES + int(p.numel()) if j != rank else int(p.numel()) for j, p in enumerate(out_payloads)
-    ]
+    caps = [frame_cap(min(nnz[j], counts[rank]), n, dtype, b) if n else 0 for j in range(P)]
+    out_frames = [framed(blk) if counts[j] else torch.empty(0, dtype=torch.uint8) for j, blk in enumerate(blocks)]
+    comm.traffic.partition_bytes = [int(f.numel()) for f in out_frames]
     with comm.phase("split_payload"):
-        received = comm.alltoallv(out_payloads, in_sizes, torch.uint8)
+        received = comm.alltoallv(out_frames, caps, torch.uint8)
     if not n:
         return None
     with comm.phase("split_sum"):
-        parts = [
-            stream_from_payload(received[j], bool(headers_in[j, 0]), int(headers_in[j, 1]), n, dtype, b)
-            for j in range(P)
-        ]
+        parts = []
+        for j in range(P):
+            got = unframe(received[j], n, dtype, b)
+            if got is None:
+                raise ValueError(f"{comm.op}: rank {j} sent no block for partition {rank}")
+            if j != rank:
+                comm.traffic.bytes_recv -= caps[j] - frame_length(received[j])
+            parts.append(got)
         return sum_streams(parts)
 
 
-def ssar_split_allgather(comm: Comm, stream: SparseStream, partition: str = "range") -> SparseStream:
+def ssar_split_allgather(
+    comm: Comm, stream: SparseStream, nnz: tuple[int, ...], partition: str = "range"
+) -> SparseStream:
+    """``nnz``: every rank's stored rows (the metadata round's), which bound every block's size."""
     if comm.size == 1:
         return stream
     P, dim, dtype, b = comm.size, stream.dim, stream.dtype, stream.row
     part = Partition(partition, stream.num_rows, P)
     counts = part.counts()
-    mine = split_reduce(comm, stream, part)
-    with comm.phase("allgather_sizes"):
-        hdr = torch.tensor([int(mine.is_dense), mine.nrows] if mine is not None else [0, 0], dtype=torch.int64)
-        table = allgather_fixed(comm, hdr)
-    sizes = [
-        payload_nbytes(bool(table[j, 0]), int(table[j, 1]), counts[j] * b, dtype, b) if counts[j] else 0
-        for j in range(P)
-    ]
+    mine = split_reduce(comm, stream, part, nnz)
+    # Each owner's result travels framed, received into the largest frame any owner's result can take.
+    cap = max(frame_cap(min(sum(nnz), c), c * b, dtype, b) for c in counts)
     with comm.phase("allgather_payload"):
-        blocks = allgather_blocks(
-            comm, payload_of(mine) if mine is not None else torch.empty(0, dtype=torch.uint8), sizes
-        )
+        blocks = allgather_var(comm, framed(mine), cap, frame_length)
     with comm.phase("concat"):
-        parts: list[SparseStream | None] = [
-            stream_from_payload(blocks[j], bool(table[j, 0]), int(table[j, 1]), counts[j] * b, dtype, b)
-            if counts[j]
-            else None
-            for j in range(P)
-        ]
+        parts = [unframe(blocks[j], counts[j] * b, dtype, b) if counts[j] else None for j in range(P)]
         return part.assemble(parts, dim, b, dtype)
 
 
-def dsar_split_allgather(comm: Comm, stream: SparseStream, partition: str = "range") -> SparseStream:
+def dsar_split_allgather(
+    comm: Comm, stream: SparseStream, nnz: tuple[int, ...], partition: str = "range"
+) -> SparseStream:
     if comm.size == 1:
         return stream.densified()
     P, dim, dtype, b = comm.size, stream.dim, stream.dtype, stream.row
     part = Partition(partition, stream.num_rows, P)
-    mine = split_reduce(comm, stream, part)
+    mine = split_reduce(comm, stream, part, nnz)
     chunk = max(part.counts())
     local = torch.zeros(chunk * b, dtype=dtype)
     if mine is not None:
