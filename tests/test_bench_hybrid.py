@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sparsync.bench.lm import Corpus
+from sparsync.bench.ddp_baseline import WireBytes, ddp_step_bytes, gloo_sparse_allreduce_bytes, sparse_grad_params
+from sparsync.bench.lm import Corpus, SampledLM
 from sparsync.cli import main
 from sparsync.placement.hybrid import PHASES
 
@@ -41,7 +42,7 @@ def test_bench_hybrid_runs_every_method_with_equal_losses(tmp_path: Path) -> Non
     data = json.loads(out.with_suffix(".json").read_text())
     rows = data["rows"]
     assert [r["method"] for r in rows] == [
-        "allreduce", "allgather", "sparse_ar", "ps", "ps_split", "hybrid", "hybrid_noagg"
+        "allreduce", "allgather", "ddp_sparse", "sparse_ar", "ps", "ps_split", "hybrid", "hybrid_noagg"
     ]  # fmt: skip
     # Same data, same initial weights, same SGD and mean reduction: every method trains the same model.
     losses = [r["loss"] for r in rows]
@@ -57,7 +58,7 @@ def test_bench_hybrid_runs_every_method_with_equal_losses(tmp_path: Path) -> Non
         assert min(ms) >= 0 and by[m]["forward_backward_ms"] > 0 and by[m]["prefetch"] is True, by[m]
         assert sum(ms) <= 1e3 * by[m]["step_s"] * 1.05, (m, ms, by[m]["step_s"])
     assert by["hybrid"]["dense_allreduce_ms"] > 0 and by["ps"]["dense_allreduce_ms"] == 0
-    assert by["allreduce"]["pull_ms"] is None
+    assert by["allreduce"]["pull_ms"] is None and by["ddp_sparse"]["pull_ms"] is None
     assert "apply_wait_ms" in out.with_suffix(".csv").read_text().splitlines()[0].split(",")
     # Measured communication time (every method) within the step; the plan's time where a placement matches.
     for m, r in by.items():
@@ -68,6 +69,10 @@ def test_bench_hybrid_runs_every_method_with_equal_losses(tmp_path: Path) -> Non
     assert by["ps"]["predicted_comm_ms"] is None
     assert set(data["meta"]["plan_time_mean_abs_error"]) == {"allreduce", "sparse_ar", "hybrid"}
     assert out.with_name(out.name + "_plan_time.png").exists()
+    # The summary compares every method with both baselines, dense allreduce and DDP with sparse gradients.
+    rel = data["meta"]["speedup_vs_baselines"]["P=2 seq=20"]
+    assert set(rel) == {"allreduce", "ddp_sparse"} and "hybrid" in rel["ddp_sparse"]
+    assert any("hybrid >= 1.5x DDP (sparse grads)" in t[0] for t in data["meta"]["targets"])
 
 
 @pytest.mark.multiprocess
@@ -84,3 +89,38 @@ def test_bench_hybrid_sketch_method_on_request(tmp_path: Path) -> None:
     # dense allreduce, measured a few KB above the plan at this tiny size, as in the other methods.
     assert abs(by["hybrid_sketch"]["bytes_error"]) < 0.1, by["hybrid_sketch"]
     assert np.isfinite(by["hybrid_sketch"]["loss"])
+
+
+def test_ddp_bytes_follow_gloo() -> None:
+    # gloo's ring allgatherv: rank r sends every rank's block but rank r+1's, receives every block but its own;
+    # each block is (int64 index + row of values) per touched row; plus the 72-byte metadata record per peer.
+    rows, row_bytes = [10, 20, 30], 16
+    blocks = [n * (8 + row_bytes) for n in rows]
+    for r in range(3):
+        got = gloo_sparse_allreduce_bytes(rows, row_bytes, r)
+        assert got == WireBytes(144 + sum(blocks) - blocks[(r + 1) % 3], 144 + sum(blocks) - blocks[r])
+    assert gloo_sparse_allreduce_bytes([5], row_bytes, 0) == WireBytes(0.0, 0.0)
+    with pytest.raises(ValueError, match="rank 3"):
+        gloo_sparse_allreduce_bytes(rows, row_bytes, 3)
+    lm = SampledLM(100, 4, 8)
+    assert sparse_grad_params(lm) == {"emb.weight"}
+    dense = sum(p.numel() for n, p in lm.named_parameters() if n != "emb.weight") * 4
+    b = ddp_step_bytes(lm, [3, 5], 0)  # P = 2: the ring allreduce sends each dense byte once
+    assert b == WireBytes(dense + 72 + 3 * (8 + 16), dense + 72 + 5 * (8 + 16))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_bench_hybrid_ddp_sparse_row(tmp_path: Path) -> None:
+    out = tmp_path / "ddp"
+    argv = ["bench", "hybrid", "--procs", "2", "--vocab", "3000", "--dim", "16", "--hidden", "16", "--batch", "4",
+            "--steps", "2", "--warmup", "1", "--methods", "allreduce,ddp_sparse", "--out", str(out),
+            "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    by = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    ddp, dense = by["ddp_sparse"], by["allreduce"]
+    assert ddp["step_s"] > 0 and ddp["words_per_s"] > 0
+    assert 0 < ddp["bytes_per_step_per_machine"] < dense["bytes_per_step_per_machine"]
+    assert 0 < ddp["comm_ms"] <= 1e3 * ddp["step_s"] * 1.05, ddp
+    assert ddp["loss"] == pytest.approx(dense["loss"], rel=1e-4)  # DDP averages: the same SGD updates
+    assert ddp["predicted_bytes"] is None and ddp["forward_backward_ms"] is None

@@ -1,11 +1,14 @@
-"""The ``sparsync`` command: ``demo``, ``bench allreduce``, ``bench compress``, ``bench hybrid``, ``plan``."""
+"""The ``sparsync`` command: ``demo``, ``bench allreduce``, ``bench compress``, ``bench embedding``,
+``bench hybrid``, ``plan``."""
 
 from __future__ import annotations
 
 import argparse
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -46,6 +49,38 @@ def _methods(text: str) -> tuple[str, ...]:
     if bad:
         raise argparse.ArgumentTypeError(f"unknown methods {bad}; valid: {', '.join(METHODS)}")
     return out
+
+
+def _choices(valid: tuple[str, ...], what: str) -> Callable[[str], tuple[str, ...]]:
+    def parse(text: str) -> tuple[str, ...]:
+        out = tuple(text.split(","))
+        bad = [m for m in out if m not in valid]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {what} {bad}; valid: {', '.join(valid)}")
+        return out
+
+    return parse
+
+
+def _add_embedding_parser(bsub: Any) -> None:
+    from sparsync.bench.embedding import HOT
+    from sparsync.bench.embedding import METHODS as EMB_METHODS
+
+    em = bsub.add_parser("embedding", help="nn.Embedding(sparse=True) gradients: torch vs sparsync (issue 13)")
+    em.add_argument("--procs", type=_ints, default=(2, 4, 8), help="world sizes, e.g. 2,4,8")
+    em.add_argument("--rows", type=parse_size, default=2**20, help="embedding rows (default 1M)")
+    em.add_argument("--dims", type=_ints, default=(16, 64, 128), help="embedding widths, e.g. 16,64,128")
+    em.add_argument("--tokens", type=parse_size, default=8192, help="token ids per rank (default 8192)")
+    em.add_argument("--zipf", type=_floats, default=(0.9, 1.1, 1.3), help="Zipf exponents, e.g. 0.9,1.1,1.3")
+    em.add_argument("--hot", type=_choices(HOT, "hot"), default=HOT, help="hot rows: low,permuted")
+    em.add_argument("--repeats", type=int, default=11)
+    em.add_argument("--methods", type=_choices(EMB_METHODS, "methods"), default=EMB_METHODS)
+    em.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
+    em.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
+    em.add_argument(
+        "--out", type=Path, default=Path("results/embedding"), help="path stem for .csv/.json/.png/.md"
+    )
+    em.add_argument("--no-progress", action="store_true")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     hy.add_argument("--no-progress", action="store_true")
     hy.add_argument("--search-partitions", action="store_true", help="run Parallax's partition search first")
     hy.add_argument("--no-prefetch", action="store_true", help="PS methods: pull each step's rows in that step")
+    _add_embedding_parser(bsub)
     from sparsync.placement import cli_plan
 
     cli_plan.add_parser(sub)
@@ -161,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
                 console=console,
                 progress=not args.no_progress,
             )
+            return 0
+        if args.command == "bench" and args.bench == "embedding":
+            from sparsync.bench import EmbeddingBenchConfig, run_embedding_bench
+
+            ecfg = EmbeddingBenchConfig(rows=args.rows, dims=args.dims, tokens=args.tokens, zipf=args.zipf,
+                                        hot=args.hot, repeats=args.repeats, methods=args.methods)  # fmt: skip
+            run_embedding_bench(ecfg, args.procs, out=args.out, net=args.net, latency=args.latency,
+                                console=console, progress=not args.no_progress)  # fmt: skip
             return 0
         if args.command == "bench" and args.bench == "compress":
             from sparsync.bench import CompressBenchConfig, run_compress_bench

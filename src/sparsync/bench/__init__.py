@@ -10,6 +10,7 @@ from rich.console import Console
 
 from sparsync.bench.allreduce import BenchConfig, worker
 from sparsync.bench.compress import CompressBenchConfig
+from sparsync.bench.embedding import EmbeddingBenchConfig
 from sparsync.bench.report import check_targets, markdown, plot, print_table, print_targets, write_files
 from sparsync.launch import launch
 from sparsync.netem import describe, net_spec, shaped
@@ -113,4 +114,62 @@ def run_compress_bench(
     return rows
 
 
-__all__ = ["BenchConfig", "CompressBenchConfig", "run_allreduce_bench", "run_compress_bench"]
+def run_embedding_bench(
+    cfg: EmbeddingBenchConfig,
+    procs: tuple[int, ...],
+    *,
+    out: Path,
+    net: str | None = None,
+    latency: str | None = None,
+    console: Console | None = None,
+    progress: bool = True,
+    timeout: float = 1800.0,
+) -> list[dict[str, Any]]:
+    """Run ``sparsync bench embedding`` (issue 13, item 4) for each world size in ``procs`` (in shaped
+    namespaces with ``net``); print, save, plot. Returns the rows."""
+    from sparsync.bench import embedding as eb
+    from sparsync.bench import embedding_report as er
+
+    console = console or Console()
+    spec = net_spec(net, latency)
+    where = describe(spec)
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    meta: dict[str, Any] = {"config": {**cfg.__dict__}, "procs": list(procs), "net": net, "latency": latency}
+    for P in procs:
+        console.print(
+            f"[bold]P = {P}[/], embedding {cfg.rows:,} rows x {', '.join(map(str, cfg.dims))} fp32, "
+            f"{cfg.tokens:,} Zipf tokens per rank, {where}, {cfg.repeats} repeats"
+        )
+        with shaped(P, spec) as ns:
+            res = launch(eb.worker, nprocs=P, args=(cfg, progress), timeout=timeout, netns=ns)
+        rows.extend(res[0])
+        link = res[0][0]["link"] if res[0] else {}
+        console.print(
+            f"  measured link: α = {link.get('alpha', 0) * 1e6:.0f} µs, "
+            f"1/β = {1 / max(link.get('beta', 1e-12), 1e-12) / 1e6:.0f} MB/s"
+        )
+        # Rows so far, so a failure at a later world size keeps the earlier ones (overwritten at the end).
+        write_files(rows, {**meta, "procs_done": sorted({r["world_size"] for r in rows})}, out)
+    title = f"embedding gradients, {cfg.rows:,} rows, {cfg.tokens:,} tokens/rank, {where}"
+    er.print_tables(rows, Console(width=max(console.width, 170), file=console.file), title)
+    checks = er.check_targets(rows, loopback=spec is None)
+    print_targets(checks, console)
+    meta.update(seconds=time.perf_counter() - t0, targets=[list(c) for c in checks])
+    files = write_files(rows, meta, out)
+    files.append(er.plot(rows, out, title))
+    md = out.with_suffix(".md")
+    md.write_text(er.markdown(rows, checks, title))
+    files.append(md)
+    console.print("wrote " + ", ".join(str(f) for f in files))
+    return rows
+
+
+__all__ = [
+    "BenchConfig",
+    "CompressBenchConfig",
+    "EmbeddingBenchConfig",
+    "run_allreduce_bench",
+    "run_compress_bench",
+    "run_embedding_bench",
+]

@@ -1,8 +1,13 @@
 """``sparsync bench hybrid``: Parallax Table 4 on one machine. A language model with a large sparse embedding
-and a dense LSTM, trained with P ranks by six methods side by side:
+and a dense LSTM, trained with P ranks by eight methods side by side:
 
 - ``allreduce``: every gradient dense, one dense allreduce (the embedding gradient densified);
 - ``allgather``: dense allreduce for the LSTM, the embedding's sparse gradients allgathered (Horovod/DDP way);
+- ``ddp_sparse``: torch's ``DistributedDataParallel`` on gloo, the embedding ``sparse=True``: its COO gradient
+  by gloo's sparse allreduce (an allgather of every rank's rows), the LSTM in DDP's dense buckets; no sparsync
+  (issue 13 item 5: the baseline a PyTorch user would pick). Its bytes are computed from what gloo sends
+  (``ddp_baseline``), its ``comm_ms`` is DDP's own logged communication span per step (first bucket launched to
+  last bucket reduced, overlapping the backward pass);
 - ``sparse_ar``: the embedding by sparsync's sparse allreduce (SparCML, ``auto``);
 - ``ps``: every parameter on the parameter servers (one per rank, colocated), sync; each dense variable whole
   on one server, round-robin, as Parallax places them;
@@ -31,6 +36,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sparsync.bench.ddp_baseline import ddp_step_bytes
 from sparsync.bench.lm import Corpus, SampledLM
 from sparsync.calibrate import measure_link
 from sparsync.collectives.tensor import allreduce
@@ -39,7 +45,7 @@ from sparsync.placement.hybrid import PHASES, HybridConfig, HybridTrainer
 from sparsync.placement.optim import OptimizerConfig
 from sparsync.record import CommLog
 
-METHODS = ("allreduce", "allgather", "sparse_ar", "ps", "ps_split", "hybrid", "hybrid_noagg")
+METHODS = ("allreduce", "allgather", "ddp_sparse", "sparse_ar", "ps", "ps_split", "hybrid", "hybrid_noagg")
 OPTIONAL_METHODS = ("hybrid_sketch",)  # run only when named: lossy, so not in the equal-loss comparison
 PS_METHODS = ("ps", "ps_split", "hybrid", "hybrid_noagg")
 
@@ -113,6 +119,34 @@ class _Collective:
         return float(loss.detach())
 
 
+class _DDPSparse:
+    """``ddp_sparse``: DDP averages (divides each gradient by P, then sums), a local SGD; ``comm_s`` holds DDP's
+    logged communication span of each step, by step number."""
+
+    def __init__(self, model: SampledLM, lr: float) -> None:
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.model = model
+        self.ddp = DistributedDataParallel(model)
+        # DDP's logger samples its timers every 100 steps by default; every step here (CPU clock reads).
+        self.ddp._set_ddp_runtime_logging_sample_rate(1)  # type: ignore[no-untyped-call]
+        self.opt = torch.optim.SGD(model.parameters(), lr=lr)
+        self.steps = 0
+        self.comm_s: dict[int, float] = {}
+
+    def step(self, closure: Any) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        loss = closure()
+        # DDP logs a step's timings at the next step's forward: this data is the previous step's.
+        data = self.ddp._get_ddp_logging_data()  # type: ignore[no-untyped-call]
+        if self.steps > 0 and "backward_comm_time" in data:
+            self.comm_s[self.steps - 1] = float(data["backward_comm_time"]) / 1e9
+        loss.backward()
+        self.opt.step()
+        self.steps += 1
+        return float(loss.detach())
+
+
 class _MethodRun:
     """One method's model, data and trainer on this rank; ``run(n)`` trains n steps and accumulates the
     measured time, bytes, losses and α."""
@@ -147,8 +181,13 @@ class _MethodRun:
                 sparse_optimizer=torch.optim.SGD([self.model.emb.weight], lr=cfg.lr) if sketched else None,
                 placements={"emb.weight": "sketch"} if sketched else None,
             )  # fmt: skip
+        elif method == "ddp_sparse":
+            self.trainer = _DDPSparse(self.model, cfg.lr)
         else:
             self.trainer = _Collective(self.model, method, cfg.lr, self.log)
+        # what a step's closure calls: DDP's wrapper, whose forward arms its gradient reduction
+        self.forward: torch.nn.Module = self.trainer.ddp if method == "ddp_sparse" else self.model
+        self.ddp_steps: list[int] = []  # ddp_sparse: the trainer's numbers of the measured steps
         self.losses: list[float] = []
         self.alphas: list[float] = []
         self.step_times: list[float] = []
@@ -167,6 +206,8 @@ class _MethodRun:
         ps0 = _ps_remote_bytes(self.trainer, self.rank)
         hybrid = isinstance(self.trainer, HybridTrainer)
         ph0 = dict(self.trainer.phases) if hybrid else {}
+        ddp = isinstance(self.trainer, _DDPSparse)
+        rows: list[int] = []
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(n):
@@ -175,7 +216,10 @@ class _MethodRun:
             self.next_batch = self._batch()
             ids = torch.unique(torch.cat([tokens.reshape(-1), neg]))
             self.alphas.append(ids.numel() / self.cfg.vocab)
-            closure = lambda tokens=tokens, neg=neg: self.model(tokens, neg)  # noqa: E731
+            rows.append(ids.numel())  # the embedding gradient's rows (the model's one lookup: tokens, negatives)
+            if ddp and measured:
+                self.ddp_steps.append(self.trainer.steps)
+            closure = lambda tokens=tokens, neg=neg: self.forward(tokens, neg)  # noqa: E731
             if hybrid and self.cfg.prefetch:
                 nxt = torch.cat([self.next_batch[0].reshape(-1), self.next_batch[1]])
                 self.losses.append(self.trainer.step(closure, prefetch=nxt))
@@ -196,6 +240,8 @@ class _MethodRun:
             # counts both ends too).
             self.bytes += sum(r.bytes_sent + r.bytes_recv for r in self.log.records)
             self.bytes += 2 * (_ps_remote_bytes(self.trainer, self.rank) - ps0)
+            if ddp:
+                self.bytes += self._ddp_bytes(rows)
             delta = {k: self.trainer.phases[k] - ph0[k] for k in ph0}
             for k, ms in delta.items():
                 self.phases[k] += ms
@@ -203,10 +249,27 @@ class _MethodRun:
             comm_ms = sum(ms for k, ms in delta.items() if k != "forward_backward")
             self.comm_seconds += comm_ms / 1e3 if hybrid else self.log.total_seconds()
 
+    def _ddp_bytes(self, rows: list[int]) -> float:
+        """Sent + received by this rank over the steps whose gradient rows were ``rows`` (every rank's rows
+        gathered after the timed steps)."""
+        every = [torch.zeros(len(rows), dtype=torch.int64) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, torch.tensor(rows, dtype=torch.int64))
+        total = 0.0
+        for i in range(len(rows)):
+            b = ddp_step_bytes(self.model, [int(t[i]) for t in every], self.rank)
+            total += b.sent + b.recv
+        return total
+
     def result(self) -> dict[str, Any]:
         P, cfg = dist.get_world_size(), self.cfg
         last = self.losses[-3:]
         hybrid = isinstance(self.trainer, HybridTrainer)
+        if isinstance(self.trainer, _DDPSparse):
+            # The last step's span is logged at a forward that never comes: the mean over the others (over the
+            # warm-up steps' where no other measured step was logged).
+            logged = self.trainer.comm_s
+            spans = [logged[i] for i in self.ddp_steps if i in logged] or list(logged.values())
+            self.comm_seconds = self.steps * sum(spans) / len(spans) if spans else 0.0
         per_step = [self.phases[k] / self.steps for k in PHASES]
         stats = torch.tensor(
             [

@@ -212,9 +212,14 @@ FRAME_BYTES = FRAME_WORDS * 8
 
 def framed(stream: SparseStream | None) -> torch.Tensor:
     """A self-delimiting block: a 24-byte frame header, then the payload padded to 8 bytes (so blocks can be
-    concatenated and stay aligned). None frames an absent block (nrows -1, no payload)."""
+    concatenated and stay aligned), in whichever format is smaller. None frames an absent block (nrows -1)."""
     if stream is None:
         return torch.tensor([0, -1, 0], dtype=torch.int64).view(torch.uint8)
+    dense_bytes = payload_nbytes(True, 0, stream.dim, stream.dtype, stream.row)
+    if not stream.is_dense and dense_bytes <= stream.nbytes:
+        # The smaller format always (SparCML §3's switch, exact): a frame of a stream of at most m stored rows
+        # then never exceeds min(dense, m rows sparse), the receive size the split algorithms post.
+        stream = stream.densified()
     payload = payload_of(stream)
     n = int(payload.numel())
     out = torch.zeros(FRAME_BYTES + max_framed_payload(n), dtype=torch.uint8)

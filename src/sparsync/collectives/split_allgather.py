@@ -31,7 +31,7 @@ from sparsync.collectives._comm import (
 )
 from sparsync.collectives._fold import allgather_var
 from sparsync.collectives.partition import Partition
-from sparsync.stream import SparseStream, sum_streams
+from sparsync.stream import SparseStream, dense_threshold, sum_streams
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on older releases.
 _ALLGATHER_SINGLE = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -43,9 +43,11 @@ def partition_bounds(dim: int, parts: int) -> list[int]:
 
 
 def frame_cap(rows: int, dim: int, dtype: torch.dtype, row: int) -> int:
-    """The largest frame a block of at most ``rows`` stored rows of a ``dim``-value vector can take: sparse
-    below delta, else dense (blocks that fill up travel dense)."""
-    most = min(payload_nbytes(True, 0, dim, dtype, row), payload_nbytes(False, rows, dim, dtype, row))
+    """The largest frame a block (or a sum of blocks) with at most ``rows`` stored rows of a ``dim``-value
+    vector can take. Below delta rows it is sparse (``framed`` only switches to dense when that is smaller); from
+    delta on a sum may have gone dense (SparCML §3), whichever format is larger."""
+    sparse = payload_nbytes(False, rows, dim, dtype, row)
+    most = sparse if rows < dense_threshold(dim, dtype, row) else max(sparse, payload_nbytes(True, 0, dim, dtype))
     return FRAME_BYTES + max_framed_payload(most)
 
 
@@ -60,7 +62,7 @@ def split_reduce(comm: Comm, stream: SparseStream, part: Partition, nnz: tuple[i
     round of tiny messages costs milliseconds)."""
     P, rank, dtype, b = comm.size, comm.rank, stream.dtype, stream.row
     counts = part.counts()
-    blocks = [blk.densified() if blk is not None and blk.nrows >= blk.delta else blk for blk in part.split(stream)]
+    blocks = part.split(stream)
     n = counts[rank] * b
     caps = [frame_cap(min(nnz[j], counts[rank]), n, dtype, b) if n else 0 for j in range(P)]
     out_frames = [framed(blk) if counts[j] else torch.empty(0, dtype=torch.uint8) for j, blk in enumerate(blocks)]
