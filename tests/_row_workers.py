@@ -132,7 +132,8 @@ def rows_worker(rank: int) -> dict[str, Any]:
             out["half"][f"{dtype}/{alg}"] = _result(sparse_allreduce(s, algorithm=alg, group=group))
     for name, t in coo_inputs(rank).items():
         for alg, part in calls():
-            r = sparsync.allreduce(t, algorithm=alg, partition=part, group=group, timeout=TIMEOUT)
+            log = CommLog()
+            r = sparsync.allreduce(t, algorithm=alg, partition=part, group=group, timeout=TIMEOUT, log=log)
             assert isinstance(r, torch.Tensor)
             out["coo"][f"{name}/{alg}/{part}"] = {
                 "sparse": r.is_sparse,
@@ -141,6 +142,8 @@ def rows_worker(rank: int) -> dict[str, Any]:
                 "dims": (r.sparse_dim(), r.dense_dim()),
                 "indices": r.indices().numpy().copy(),
                 "values": r.values().numpy().copy(),
+                "row": log.last.row,
+                "nnz_in": log.last.nnz_in,
             }
     out["bytes"] = _eager_bytes(rank, world)
     out["errors"] = _errors(rank, world)

@@ -53,10 +53,10 @@ def test_table3_transfer_formulas() -> None:
     assert c["dense_allreduce"][0] == pytest.approx(4 * w * (N - 1) / N)
     assert c["ps"][0] == pytest.approx(4 * a * w * (N - 1) / N)
     assert alg in ("ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather", "allgather", "dense")
-    # Table 3 sparse AR (allgatherv): 2αw(N-1), times (1 + c/isize) for the one int32 index per element that
-    # sparsync.allreduce(coo) sends (coo_to_stream), which the model picks here (few rows, 8 ranks).
+    # Table 3 sparse AR (allgatherv): 2αw(N-1), times (1 + c/(dim·isize)) for the one int32 index per row that
+    # sparsync.allreduce(coo) sends (coo_to_stream's row stream), which the model picks here (few rows, 8 ranks).
     assert alg == "allgather"
-    assert c["sparse_allreduce"][0] == pytest.approx(2 * a * w * (N - 1) * (1 + 4 / 4))
+    assert c["sparse_allreduce"][0] == pytest.approx(2 * a * w * (N - 1) * (1 + 4 / (4 * dim)))
     ag = candidates(s, Cluster(N, 1, 1e9, 1e-5))[0]
     assert ag["ps"][0] < ag["dense_allreduce"][0]
 
@@ -126,7 +126,7 @@ def test_plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_sparse_allreduce_cost_counts_the_stream_allreduce_coo_sends() -> None:
-    """The plan's per-rank input of a sparse allreduce is the COO gradient's stream: an index per element."""
+    """The plan's per-rank input of a sparse allreduce is the COO gradient's row stream: an index per row."""
     from sparsync.collectives.tensor import coo_to_stream
 
     rows, dim, k = 5000, 16, 50
@@ -136,7 +136,8 @@ def test_sparse_allreduce_cost_counts_the_stream_allreduce_coo_sends() -> None:
     assert grad is not None
     stream = coo_to_stream(grad)
     assert stream.indices is not None
-    sent = stream.nnz * (stream.indices.element_size() + stream.values.element_size())
+    assert stream.row == dim and stream.nrows == k
+    sent = stream.nbytes  # k int32 row indices and k·dim values
     s = ParamStats("e", (rows, dim), k / rows, True, alpha_machine=k / rows)
     c, alg = candidates(s, Cluster(2, 1, 1e9, 1e-5))
     assert alg == "allgather"  # 2 ranks, 1% of the rows: each sends its stream once and receives the other's

@@ -96,6 +96,7 @@ def test_coo_round_trip_keeps_the_union_of_rows(run: tuple[int, list[dict[str, A
                 g = res["coo"][f"{name}/{alg}/{part}"]
                 assert g["sparse"] and g["coalesced"] and g["shape"] == tuple(want.shape), (name, alg)
                 assert g["dims"] == (1, want.dim() - 1)
+                assert g["row"] == int(np.prod(want.shape[1:])), "a COO tensor travels as a row stream"
                 np.testing.assert_array_equal(g["indices"][0], rows.numpy(), err_msg=f"{name} {alg} {part}")
                 dense = np.zeros(tuple(want.shape))
                 dense[g["indices"][0]] = g["values"]

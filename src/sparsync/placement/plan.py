@@ -9,9 +9,10 @@ workers touch together, i.e. after local aggregation):
 - parameter server: 4·α_m·w(N-1)/N (Table 3, partitions spread evenly over the N colocated servers): a machine
   pulls and pushes α_m·w(N-1)/N to remote servers, and its server serves the same to the others;
 - sparse allreduce: the SparCML algorithm ``auto`` would pick for N ranks each holding α_m of the rows, on the
-  stream ``sparsync.allreduce(coo)`` sends: one entry per element of a touched row, each with its own index
-  (4 bytes below 2^31 elements, ``index_dtype_for``); allgather gives Table 3's 2·α_m·w(N-1) times
-  (1 + index/value bytes). (Counting one index per row instead under-predicted measured bytes by 14-28%.)
+  row-sparse stream ``sparsync.allreduce(coo)`` sends (issue 13): one index per touched row (4 bytes below 2^31
+  rows, ``index_dtype_for``) and the row's values; allgather gives Table 3's 2·α_m·w(N-1) times
+  (1 + index bytes / row bytes). (Before issue 13 the stream carried an index per element, and so did this
+  count.)
 - sketch: a ring dense allreduce of the S2 payload, 4·(itemsize·``SparseSketch.payload_numel``)(N-1)/N: the
   bitmap (one entry per row or block) plus the r x c table, c = ceil(``sketch_ratio``·numel / r) (lossy, so
   only on request). (Counting only ``sketch_ratio``·w left out the bitmap.)
@@ -37,7 +38,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsync.compress.sketch import SparseSketch
-from sparsync.costmodel import LinkModel, Problem, choose_fastest, predict
+from sparsync.costmodel import LinkModel, Problem, choose_robust, predict
 from sparsync.placement.detect import ParamStats
 from sparsync.stream import index_dtype_for
 
@@ -206,9 +207,10 @@ def candidates(
         return out, ""
     am = machine_alpha(s, c.procs_per_machine)
     rows, per_row = s.shape[0], s.numel // s.shape[0]
-    k = max(1, round(am * rows)) * per_row  # elements of the touched rows, one index each (coo_to_stream)
-    p = Problem(N, s.numel, (k,) * N, s.itemsize, index_dtype_for(s.numel).itemsize)
-    d = choose_fastest(p, link)
+    k = max(1, round(am * rows))  # touched rows: one index per row of per_row values (issue 13, coo_to_stream)
+    itype = index_dtype_for(rows).itemsize
+    p = Problem(N, rows, (k,) * N, s.itemsize * per_row, itype, row=per_row)
+    d = choose_robust(p, link)  # what auto would run (its default policy)
     out["sparse_allreduce"] = (_sparse_ar_bytes(d.algorithm, p), d.predictions[d.algorithm])
     ps_bytes = 4 * am * w * share
     ps_time = 6 * link.alpha + link.beta * ps_bytes / 2
