@@ -64,7 +64,7 @@ _F = ("seq", "op", "dim", "dtype", "nnz", "dense", "nan", "algorithm", "row", "b
 _INLINE = _F.index("inline")
 _WORDS = len(_F) + _hll.WORDS
 ROW_BYTES = 8 * _WORDS
-EAGER_MAX = 256 * 1024  # the most payload bytes a row carries inline (EAGER_BYTES: the default; module doc)
+EAGER_MAX = 1 << 20  # the most payload bytes a row carries inline (EAGER_BYTES: the default; module doc)
 _MAX_SIGNATURES = 64  # eager limits remembered per group (the oldest forgotten first)
 
 
