@@ -144,7 +144,9 @@ def markdown(rows: list[dict[str, Any]], checks: list[tuple[str, bool, str]], ti
 
 
 def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
-    """Per P: ms per method (log y) at every (dim, zipf, hot) point; torch_coo black dashed, auto thick red."""
+    """One panel per P, stacked: each method's median time relative to torch_coo's at the same point (log y;
+    below the line at 1 = faster than torch's own path), at every (dim, zipf, hot) point; auto thick red, the
+    lower bound dotted gray."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -154,35 +156,38 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
     for r in rows:
         by_p[r["world_size"]].append(r)
     n_pts = max(len({(r["dim"], r["zipf"], r["hot"]) for r in prow}) for prow in by_p.values())
-    fig, axes = plt.subplots(1, len(by_p), figsize=(max(6.0, 1.1 * n_pts + 3) * len(by_p), 5), squeeze=False)
-    styles: dict[str, dict[str, Any]] = {
-        "torch_coo": {"color": "black", "ls": "--", "lw": 2.6},
-        "auto": {"color": "red", "lw": 2.6},
-    }
-    others = [m for m in dict.fromkeys(r["method"] for r in rows) if m not in styles]
-    cmap = plt.get_cmap("tab20")
-    styles.update({m: {"color": cmap(i % 20), "lw": 1.1} for i, m in enumerate(others)})
-    for ax, (P, prow) in zip(axes[0], sorted(by_p.items()), strict=True):
+    width = min(16.0, max(7.0, 0.75 * n_pts + 3))
+    fig, axes = plt.subplots(len(by_p), 1, figsize=(width, 3.6 * len(by_p)), squeeze=False)
+    styles: dict[str, dict[str, Any]] = {"auto": {"color": "red", "lw": 2.6}}
+    others = [m for m in dict.fromkeys(r["method"] for r in rows) if m not in styles and m != "torch_coo"]
+    cmap = plt.get_cmap("tab10")
+    styles.update({m: {"color": cmap(i % 10), "lw": 1.1} for i, m in enumerate(others)})
+    for ax, (P, prow) in zip(axes[:, 0], sorted(by_p.items()), strict=True):
         keys = sorted({(r["dim"], r["zipf"], r["hot"]) for r in prow})
+        coo = {(r["dim"], r["zipf"], r["hot"]): r["median_s"] for r in prow if r["method"] == "torch_coo"}
+        ax.axhline(1.0, color="black", ls="--", lw=2, label="torch_coo (= 1)")
         for m in dict.fromkeys(r["method"] for r in prow):
-            pts = [(keys.index((r["dim"], r["zipf"], r["hot"])), r) for r in prow
-                   if r["method"] == m and not math.isnan(r["median_s"])]  # fmt: skip
+            if m == "torch_coo":
+                continue
+            pts = [(keys.index(k), r["median_s"] / coo[k]) for r in prow
+                   if r["method"] == m and not math.isnan(r["median_s"])
+                   and (k := (r["dim"], r["zipf"], r["hot"])) in coo and coo[k] > 0]  # fmt: skip
             if pts:
-                x, y = [p[0] for p in pts], [p[1]["median_s"] * 1e3 for p in pts]
-                ax.plot(x, y, marker="o", ms=4, label=m, **styles[m])
-        bound = [(keys.index((r["dim"], r["zipf"], r["hot"])), r["bound_s"] * 1e3) for r in prow
-                 if r["method"] == prow[0]["method"] and r["bound_s"] > 0]  # fmt: skip
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=4, label=m, **styles[m])
+        bound = [(keys.index(k), r["bound_s"] / coo[k]) for r in prow
+                 if r["method"] == prow[0]["method"] and r["bound_s"] > 0
+                 and (k := (r["dim"], r["zipf"], r["hot"])) in coo and coo[k] > 0]  # fmt: skip
         if bound:
             ax.plot([b[0] for b in bound], [b[1] for b in bound], ":", color="gray", label="lower bound")
         ax.set_xticks(range(len(keys)), [f"d{d} z{z:g}\n{h}" for d, z, h in keys], fontsize=7)
         ax.set_yscale("log")
-        ax.set_ylabel("ms per allreduce (slowest rank)")
-        ax.set_title(f"P = {P}")
+        ax.set_ylabel("time / torch_coo's")
+        ax.set_title(f"P = {P}", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    fig.suptitle(title)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     png = out.with_suffix(".png")
-    fig.savefig(png, dpi=110)
+    fig.savefig(png, dpi=100)
     plt.close(fig)
     return png
