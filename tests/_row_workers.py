@@ -14,18 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from _workers import ALGORITHMS
 
 import sparsync
 from sparsync import CommLog, SparseStream, sparse_allreduce
 
-ALGORITHMS = (
-    "ssar_recursive_double",
-    "ssar_split_allgather",
-    "dsar_split_allgather",
-    "allgather",
-    "dense",
-    "auto",
-)
 SPLIT = ("ssar_split_allgather", "dsar_split_allgather")
 PATTERNS = ("empty", "one_row", "hot", "all_rows", "zipf")
 WIDTHS = (1, 3, 64, 257)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +13,15 @@ from sparsync.bench.ddp_baseline import WireBytes, ddp_step_bytes, gloo_sparse_a
 from sparsync.bench.lm import Corpus, SampledLM
 from sparsync.cli import main
 from sparsync.placement.hybrid import PHASES
+
+
+def _tiny_run(out: Path, *extra: str) -> dict[str, Any]:
+    """``sparsync bench hybrid`` at a tiny size on 2 ranks (``extra``: more flags); its JSON."""
+    argv = ["bench", "hybrid", "--procs", "2", "--vocab", "3000", "--dim", "16", "--hidden", "16", "--batch", "4",
+            "--steps", "2", "--warmup", "1", *extra, "--out", str(out), "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    data: dict[str, Any] = json.loads(out.with_suffix(".json").read_text())
+    return data
 
 
 def test_corpus_zipf_and_text(tmp_path: Path) -> None:
@@ -36,10 +46,7 @@ def test_bench_hybrid_runs_every_method_with_equal_losses(tmp_path: Path) -> Non
     rng = np.random.default_rng(0)
     text.write_text(" ".join(f"w{int(z)}" for z in rng.zipf(1.3, 5000)))
     out = tmp_path / "hyb"
-    argv = ["bench", "hybrid", "--procs", "2", "--vocab", "3000", "--dim", "16", "--hidden", "16", "--batch", "4",
-            "--steps", "2", "--warmup", "1", "--text", str(text), "--out", str(out), "--no-progress"]  # fmt: skip
-    assert main(argv) == 0
-    data = json.loads(out.with_suffix(".json").read_text())
+    data = _tiny_run(out, "--text", str(text))
     rows = data["rows"]
     assert [r["method"] for r in rows] == [
         "allreduce", "allgather", "ddp_sparse", "sparse_ar", "ps", "ps_split", "hybrid", "hybrid_noagg"
@@ -79,11 +86,7 @@ def test_bench_hybrid_runs_every_method_with_equal_losses(tmp_path: Path) -> Non
 @pytest.mark.timeout(300)
 def test_bench_hybrid_sketch_method_on_request(tmp_path: Path) -> None:
     out = tmp_path / "sk"
-    argv = ["bench", "hybrid", "--procs", "2", "--vocab", "3000", "--dim", "16", "--hidden", "16", "--batch", "4",
-            "--steps", "2", "--warmup", "1", "--methods", "hybrid,hybrid_sketch", "--out", str(out),
-            "--no-progress"]  # fmt: skip
-    assert main(argv) == 0
-    by = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    by = {r["method"]: r for r in _tiny_run(out, "--methods", "hybrid,hybrid_sketch")["rows"]}
     assert set(by) == {"hybrid", "hybrid_sketch"}
     # The plan's sketch formula (bitmap + table) is exact (test_placements); what is left here is the LSTM's
     # dense allreduce, measured a few KB above the plan at this tiny size, as in the other methods.
@@ -113,11 +116,7 @@ def test_ddp_bytes_follow_gloo() -> None:
 @pytest.mark.timeout(120)
 def test_bench_hybrid_ddp_sparse_row(tmp_path: Path) -> None:
     out = tmp_path / "ddp"
-    argv = ["bench", "hybrid", "--procs", "2", "--vocab", "3000", "--dim", "16", "--hidden", "16", "--batch", "4",
-            "--steps", "2", "--warmup", "1", "--methods", "allreduce,ddp_sparse", "--out", str(out),
-            "--no-progress"]  # fmt: skip
-    assert main(argv) == 0
-    by = {r["method"]: r for r in json.loads(out.with_suffix(".json").read_text())["rows"]}
+    by = {r["method"]: r for r in _tiny_run(out, "--methods", "allreduce,ddp_sparse")["rows"]}
     ddp, dense = by["ddp_sparse"], by["allreduce"]
     assert ddp["step_s"] > 0 and ddp["words_per_s"] > 0
     assert 0 < ddp["bytes_per_step_per_machine"] < dense["bytes_per_step_per_machine"]

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from sparsync.costmodel import LinkModel
+from sparsync.costmodel import LinkModel, gather_steps
 from sparsync.group import resolve_group
 from sparsync.stream import SparseStream, add
 
@@ -64,11 +64,10 @@ def _collective_latencies(group: dist.ProcessGroup, reps: int) -> tuple[float, f
     rank has been scheduled, and on this VM thread wake-ups alone take up to milliseconds.
     """
     from sparsync.collectives._comm import Comm  # late: the collectives package imports this module
-    from sparsync.collectives._fold import Fold, allgather_fixed
+    from sparsync.collectives._fold import allgather_fixed
 
     comm = Comm(group)
-    fold = Fold(comm.size)
-    steps = fold.pof2.bit_length() - 1 + (2 if fold.rem else 0)
+    steps = gather_steps(comm.size)
     row = torch.zeros(1, dtype=torch.int64)
     blocks = [torch.zeros(1, dtype=torch.int64) for _ in range(comm.size)]
     t_step, t_a2a = [], []
@@ -114,12 +113,11 @@ def _exchange_beta(group: dist.ProcessGroup, nbytes: int, reps: int, alpha_step:
     after a barrier, as the sparse algorithms run it (not back to back: each phase of a sparse collective
     starts on connections that were idle), minus its latency, over the (P-1)·nbytes each rank receives."""
     from sparsync.collectives._comm import Comm
-    from sparsync.collectives._fold import Fold, allgather_blocks
+    from sparsync.collectives._fold import allgather_blocks
 
     comm = Comm(group)
     P = comm.size
-    fold = Fold(P)
-    steps = fold.pof2.bit_length() - 1 + (2 if fold.rem else 0)
+    steps = gather_steps(comm.size)
     block = torch.zeros(nbytes, dtype=torch.uint8)
     times = []
     for i in range(reps + 1):

@@ -167,13 +167,18 @@ def metadata_time(p: Problem, link: LinkModel) -> float:
     P = p.world_size
     if P == 1:
         return 0.0
-    pof2 = 1 << (P.bit_length() - 1)
-    steps = int(math.log2(pof2)) + (2 if pof2 != P else 0)
     b = link.beta_exchange if link.beta_exchange is not None else link.beta
     payload = 0.0
     if p.eager:
         payload = sum(p.input_bytes(r) for r in range(P)) - min(p.input_bytes(r) for r in range(P))
-    return steps * link.alpha + b * payload
+    return gather_steps(P) * link.alpha + b * payload
+
+
+def gather_steps(P: int) -> int:
+    """Exchange steps of a recursive-doubling allgather on P ranks: log2 of the largest power of two <= P,
+    plus the MPICH fold's 2 when P is not a power of two (collectives/_fold.py)."""
+    pof2 = 1 << (P.bit_length() - 1)
+    return pof2.bit_length() - 1 + (2 if pof2 != P else 0)
 
 
 def _algorithm_time(algorithm: str, p: Problem, link: LinkModel) -> float:
@@ -203,7 +208,7 @@ def _algorithm_time(algorithm: str, p: Problem, link: LinkModel) -> float:
         split = a2a + b * mean_bytes * (P - 1) / P + _sum_cost(p, link, sum(p.nnz) / P, N / P)
         if algorithm == "dsar_split_allgather":
             return split + (P - 1) * a + b_ring * N * p.value_bytes * (P - 1) / P + link.gamma_dense * N * p.row
-        gather_latency = (rounds + (2 if fold else 0)) * a  # framed blocks: one message per round
+        gather_latency = gather_steps(P) * a  # framed blocks: one message per round
         result = p.stream_bytes(p.union(P))
         if p.union(P) >= p.delta:
             concat = link.gamma_dense * N * p.row
@@ -214,7 +219,7 @@ def _algorithm_time(algorithm: str, p: Problem, link: LinkModel) -> float:
         if p.eager:  # the gather already happened in the metadata round: only the local sum is left
             return _sum_cost(p, link, sum(p.nnz), N)
         received = sum(p.input_bytes(r) for r in range(P)) - min(p.input_bytes(r) for r in range(P))
-        latency = (rounds + (2 if fold else 0)) * a
+        latency = gather_steps(P) * a
         if p.eager_limit and max(p.input_bytes(r) for r in range(P)) <= p.eager_limit:
             # Priced in steady state: in a run of calls like this one, choosing allgather makes the next
             # call's payloads ride in the metadata round every algorithm pays for, so its own rounds vanish.

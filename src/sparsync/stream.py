@@ -251,23 +251,19 @@ def add(a: SparseStream, b: SparseStream, *, inplace: bool = False) -> SparseStr
     """
     _same_kind(a, b, "add")
     if inplace and a.is_dense:
-        sum_streams([a, b], out=a.values)
-        return a
-    if a.is_dense or b.is_dense or a.nrows + b.nrows >= a.delta:
-        return sum_streams([a, b])
-    if a.nrows == 0:
-        return b
-    if b.nrows == 0:
+        if accumulation_dtype(a.dtype) == a.dtype:
+            accumulate(a.values, b)
+        else:  # half precision: summed in float32, rounded once, written back
+            a.values.copy_(sum_streams([a, b]).values)
         return a
     return sum_streams([a, b])
 
 
-def sum_streams(streams: list[SparseStream], *, out: torch.Tensor | None = None) -> SparseStream:
+def sum_streams(streams: list[SparseStream]) -> SparseStream:
     """Sum of many streams at once: one merge instead of a chain of pairwise merges.
 
     Dense when any input is dense or the stored rows reach delta, else a sorted merge of whole rows (one
     ``unique`` over the concatenated indices and one ``index_add_`` of the rows: no loop over rows).
-    ``out``: a dense buffer of the result to accumulate into (it must hold the first stream's values).
     """
     if not streams:
         raise ValueError("sum_streams needs at least one stream")
@@ -278,16 +274,9 @@ def sum_streams(streams: list[SparseStream], *, out: torch.Tensor | None = None)
     acc = accumulation_dtype(dtype)
     total = sum(s.nrows for s in streams)
     if any(s.is_dense for s in streams) or total >= dense_threshold(dim, dtype, row):
-        if out is not None and acc == dtype:
-            for s in streams[1:]:
-                accumulate(out, s)
-            return SparseStream(None, out, dim, row=row)
         buf = torch.zeros(dim, dtype=acc)
         for s in streams:
             accumulate(buf, s)
-        if out is not None:
-            out.copy_(buf)
-            return SparseStream(None, out, dim, row=row)
         return SparseStream(None, buf.to(dtype), dim, row=row)
     nonempty = [s for s in streams if s.nrows]
     if not nonempty:
@@ -364,29 +353,21 @@ def _merge(indices: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def _check_indices(indices: torch.Tensor, dim: int, *, sorted_unique: bool) -> None:
-    bad = first_bad_index(indices, dim, sorted_unique=sorted_unique)
-    if bad is not None:
-        raise ValueError(bad)
-
-
-def first_bad_index(indices: torch.Tensor, dim: int, *, sorted_unique: bool) -> str | None:
-    """The message for the first out-of-range (or, with ``sorted_unique``, unsorted) index, else None."""
     if indices.numel() == 0:
-        return None
+        return
     idx = indices.to(torch.int64)
     bad = torch.nonzero((idx < 0) | (idx >= dim), as_tuple=True)[0]
     if bad.numel():
         pos = int(bad[0])
-        return f"index {int(idx[pos])} at position {pos} is out of range [0, {dim})"
+        raise ValueError(f"index {int(idx[pos])} at position {pos} is out of range [0, {dim})")
     if sorted_unique and idx.numel() > 1:
         bad = torch.nonzero(idx[1:] <= idx[:-1], as_tuple=True)[0]
         if bad.numel():
             pos = int(bad[0]) + 1
-            return (
+            raise ValueError(
                 f"indices must be sorted and unique: index {int(idx[pos])} at position {pos} follows "
                 f"{int(idx[pos - 1])} (use SparseStream.coalesce for unsorted input)"
             )
-    return None
 
 
 def _shape(x: object) -> str:

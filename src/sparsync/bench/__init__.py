@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,48 @@ from sparsync.bench.compress import CompressBenchConfig
 from sparsync.bench.embedding import EmbeddingBenchConfig
 from sparsync.bench.report import check_targets, markdown, plot, print_table, print_targets, write_files
 from sparsync.launch import launch
-from sparsync.netem import describe, net_spec, shaped
+from sparsync.netem import NetSpec, describe, net_spec, shaped
+
+
+def _per_world_size(
+    procs: tuple[int, ...],
+    spec: NetSpec | None,
+    worker_fn: Callable[..., list[dict[str, Any]]],
+    args: tuple[Any, ...],
+    *,
+    header: Callable[[int], str],
+    out: Path,
+    meta: dict[str, Any],
+    console: Console,
+    timeout: float,
+) -> list[dict[str, Any]]:
+    """Launch ``worker_fn`` on P ranks (in shaped namespaces for ``spec``) for each P; rank 0's rows of every P.
+    The rows so far are written after each P, so a failure at a later world size keeps the earlier ones."""
+    rows: list[dict[str, Any]] = []
+    for P in procs:
+        console.print(header(P))
+        with shaped(P, spec) as ns:
+            res = launch(worker_fn, nprocs=P, args=args, timeout=timeout, netns=ns)
+        rows.extend(res[0])
+        link = res[0][0]["link"] if res[0] else {}
+        console.print(
+            f"  measured link: α = {link.get('alpha', 0) * 1e6:.0f} µs per exchange step, "
+            f"all-to-all round {(link.get('alpha_a2a') or 0) * 1e6:.0f} µs, "
+            f"1/β = {1 / max(link.get('beta', 1e-12), 1e-12) / 1e6:.0f} MB/s"
+        )
+        write_files(rows, {**meta, "procs_done": sorted({r["world_size"] for r in rows})}, out)
+    return rows
+
+
+def _write_report(
+    rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, png: Path, md_text: str, console: Console
+) -> None:
+    """The final .json/.csv, the plot already written to ``png``, the .md; prints what was written."""
+    files = [*write_files(rows, meta, out), png]
+    md = out.with_suffix(".md")
+    md.write_text(md_text)
+    files.append(md)
+    console.print("wrote " + ", ".join(str(f) for f in files))
 
 
 def run_allreduce_bench(
@@ -31,22 +73,19 @@ def run_allreduce_bench(
     """Run the allreduce benchmark for each world size in ``procs``; print, save, plot. Returns the rows."""
     console = console or Console()
     spec = net_spec(net, latency)
-    rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     where = describe(spec)
-    for P in procs:
-        console.print(f"[bold]P = {P}[/], N = {cfg.dim:,} float32, {where}, {cfg.repeats} repeats")
-        with shaped(P, spec) as ns:
-            res = launch(worker, nprocs=P, args=(cfg, progress), timeout=timeout, netns=ns)
-        rows.extend(res[0])
-        link = res[0][0]["link"] if res[0] else {}
-        console.print(
-            f"  measured link: α = {link.get('alpha', 0) * 1e6:.0f} µs per exchange step, "
-            f"all-to-all round {(link.get('alpha_a2a') or 0) * 1e6:.0f} µs, "
-            f"1/β = {1 / max(link.get('beta', 1e-12), 1e-12) / 1e6:.0f} MB/s"
-        )
-        # Rows so far, so a failure at a later world size keeps the earlier ones (overwritten at the end).
-        write_files(rows, {"config": {**cfg.__dict__}, "procs_done": sorted({r["world_size"] for r in rows})}, out)
+    rows = _per_world_size(
+        procs,
+        spec,
+        worker,
+        (cfg, progress),
+        out=out,
+        meta={"config": {**cfg.__dict__}},
+        console=console,
+        timeout=timeout,
+        header=lambda P: f"[bold]P = {P}[/], N = {cfg.dim:,} float32, {where}, {cfg.repeats} repeats",
+    )
     title = f"sparse allreduce, N={cfg.dim:,}, {where}"
     print_table(rows, console, title)
     checks = check_targets(rows)
@@ -60,12 +99,7 @@ def run_allreduce_bench(
         "seconds": time.perf_counter() - t0,
         "targets": [list(c) for c in checks],
     }
-    files = write_files(rows, meta, out)
-    files.append(plot(rows, out, title))
-    md = out.with_suffix(".md")
-    md.write_text(markdown(rows, checks, title))
-    files.append(md)
-    console.print("wrote " + ", ".join(str(f) for f in files))
+    _write_report(rows, meta, out, plot(rows, out, title), markdown(rows, checks, title), console)
     return rows
 
 
@@ -105,12 +139,7 @@ def run_compress_bench(
         "seconds": time.perf_counter() - t0,
         "targets": [list(c) for c in checks],
     }
-    files = write_files(rows, meta, out)
-    files.append(cb.plot(rows, out, title))
-    md = out.with_suffix(".md")
-    md.write_text(cb.markdown(rows, checks, title))
-    files.append(md)
-    console.print("wrote " + ", ".join(str(f) for f in files))
+    _write_report(rows, meta, out, cb.plot(rows, out, title), cb.markdown(rows, checks, title), console)
     return rows
 
 
@@ -133,35 +162,28 @@ def run_embedding_bench(
     console = console or Console()
     spec = net_spec(net, latency)
     where = describe(spec)
-    rows: list[dict[str, Any]] = []
     t0 = time.perf_counter()
     meta: dict[str, Any] = {"config": {**cfg.__dict__}, "procs": list(procs), "net": net, "latency": latency}
-    for P in procs:
-        console.print(
+    rows = _per_world_size(
+        procs,
+        spec,
+        eb.worker,
+        (cfg, progress),
+        out=out,
+        meta=meta,
+        console=console,
+        timeout=timeout,
+        header=lambda P: (
             f"[bold]P = {P}[/], embedding {cfg.rows:,} rows x {', '.join(map(str, cfg.dims))} fp32, "
             f"{cfg.tokens:,} Zipf tokens per rank, {where}, {cfg.repeats} repeats"
-        )
-        with shaped(P, spec) as ns:
-            res = launch(eb.worker, nprocs=P, args=(cfg, progress), timeout=timeout, netns=ns)
-        rows.extend(res[0])
-        link = res[0][0]["link"] if res[0] else {}
-        console.print(
-            f"  measured link: α = {link.get('alpha', 0) * 1e6:.0f} µs, "
-            f"1/β = {1 / max(link.get('beta', 1e-12), 1e-12) / 1e6:.0f} MB/s"
-        )
-        # Rows so far, so a failure at a later world size keeps the earlier ones (overwritten at the end).
-        write_files(rows, {**meta, "procs_done": sorted({r["world_size"] for r in rows})}, out)
+        ),
+    )
     title = f"embedding gradients, {cfg.rows:,} rows, {cfg.tokens:,} tokens/rank, {where}"
     er.print_tables(rows, Console(width=max(console.width, 170), file=console.file), title)
     checks = er.check_targets(rows, loopback=spec is None)
     print_targets(checks, console)
     meta.update(seconds=time.perf_counter() - t0, targets=[list(c) for c in checks])
-    files = write_files(rows, meta, out)
-    files.append(er.plot(rows, out, title))
-    md = out.with_suffix(".md")
-    md.write_text(er.markdown(rows, checks, title))
-    files.append(md)
-    console.print("wrote " + ", ".join(str(f) for f in files))
+    _write_report(rows, meta, out, er.plot(rows, out, title), er.markdown(rows, checks, title), console)
     return rows
 
 

@@ -17,8 +17,7 @@ region), interleaved in a fresh order every round:
   with DDP's reduction (``ddp_step_s``) and, in the same repeat, forward + backward under ``no_sync()``; the
   row's median is the per-repeat difference, DDP's reduction time.
 - every sparsync algorithm and ``auto``: ``sparsync.allreduce(grad, algorithm=..., group=g, log=log)``; the
-  ``/range`` variants of the split algorithms pass ``partition="range"`` (skipped where the installed
-  ``sparse_allreduce`` has no ``partition`` keyword).
+  ``/range`` variants of the split algorithms pass ``partition="range"``.
 
 A repeat's time is the slowest rank's (max-reduced outside the timed region, after a barrier); rows report the
 median and quartiles over ``repeats`` after one warm-up call.
@@ -38,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import inspect
 import math
 import os
 import random
@@ -203,11 +201,6 @@ def _timed(run: Callable[[], object]) -> float:
     return float(t)
 
 
-def partition_supported() -> bool:
-    """Whether this build's ``sparse_allreduce`` takes ``partition=`` (issue 13, item 2)."""
-    return "partition" in inspect.signature(sparsync.sparse_allreduce).parameters
-
-
 def _runner(method: str, work: Workload, grad: torch.Tensor, group: dist.ProcessGroup, ctx: _Context) -> Runner:
     if method == "torch_ddp":
 
@@ -277,8 +270,6 @@ def _skip_reason(method: str, ctx: _Context, dim: int, stats: _Stats) -> str:
         return f"skipped: {ctx.P} ranks x {DENSE_COPIES} dense copies exceed half of this machine's memory"
     if method == "torch_coo" and coo_too_big([n * dim for n in stats.k], ctx.memory):
         return "skipped: gathered COO would exceed the memory cap (COO_MEMORY_CAP)"
-    if method in SPLIT_RANGE and not partition_supported():
-        return "skipped: sparse_allreduce has no partition= keyword in this build"
     return ""
 
 
@@ -299,14 +290,10 @@ def _mean_over_ranks(x: float, P: int) -> float:
 def _partition(method: str, log: CommLog) -> tuple[str, list[int]]:
     """(label, bytes delivered to each partition owner summed over ranks); collective: every rank calls it."""
     rec = log.last
-    mine = list(getattr(rec, "partition_bytes", ()) or ())
     every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
+    dist.all_gather_object(every, list(rec.partition_bytes))
     total = [sum(col) for col in zip(*every, strict=True)] if all(every) else []
-    label = str(getattr(rec, "partition", "") or "")
-    if not label and "split" in rec.algorithm:
-        label = method.partition("/")[2] or ("default" if partition_supported() else "range")
-    return label, total
+    return rec.partition, total
 
 
 def _result_note(method: str, ctx: _Context, grad: torch.Tensor, ref: torch.Tensor) -> str:

@@ -171,10 +171,14 @@ def header_of(stream: SparseStream) -> torch.Tensor:
 
 def payload_of(stream: SparseStream) -> torch.Tensor:
     """The stream as one uint8 tensor: index bytes then value bytes (values only when dense)."""
+    parts = payload_parts(stream)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def payload_parts(stream: SparseStream) -> list[torch.Tensor]:
+    """``payload_of``'s pieces, uncopied, for writing them straight into a larger buffer."""
     vals = _bytes_of(stream.values)
-    if stream.indices is None:
-        return vals
-    return torch.cat([_bytes_of(stream.indices), vals])
+    return [vals] if stream.indices is None else [_bytes_of(stream.indices), vals]
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -220,11 +224,14 @@ def framed(stream: SparseStream | None) -> torch.Tensor:
         # The smaller format always (SparCML §3's switch, exact): a frame of a stream of at most m stored rows
         # then never exceeds min(dense, m rows sparse), the receive size the split algorithms post.
         stream = stream.densified()
-    payload = payload_of(stream)
-    n = int(payload.numel())
+    parts = payload_parts(stream)
+    n = sum(int(p.numel()) for p in parts)
     out = torch.zeros(FRAME_BYTES + max_framed_payload(n), dtype=torch.uint8)
     out[:FRAME_BYTES] = torch.tensor([int(stream.is_dense), stream.nrows, n], dtype=torch.int64).view(torch.uint8)
-    out[FRAME_BYTES : FRAME_BYTES + n] = payload
+    off = FRAME_BYTES
+    for p in parts:  # one copy of the payload, into the frame
+        out[off : off + p.numel()] = p
+        off += p.numel()
     return out
 
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsync.collectives import _hll
-from sparsync.collectives._comm import Comm, payload_nbytes, payload_of
+from sparsync.collectives._comm import Comm, payload_nbytes, payload_parts
 from sparsync.collectives._fold import allgather_var
 from sparsync.group import EAGER_BYTES, group_state
 from sparsync.stream import FLOAT_DTYPES, SparseStream
@@ -122,9 +122,10 @@ def _pad8(n: int) -> int:
 
 
 def allgather_rows(
-    comm: Comm, row: torch.Tensor, eager: torch.Tensor | None = None, sketch: torch.Tensor | None = None
+    comm: Comm, row: torch.Tensor, eager: list[torch.Tensor] | None = None, sketch: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Allgather every rank's int64 ``row`` (at most ``len(_F)`` columns, zero-padded) plus ``eager``'s bytes.
+    """Allgather every rank's int64 ``row`` (at most ``len(_F)`` columns, zero-padded) plus the bytes of
+    ``eager`` (uint8 pieces, written one after the other: ``payload_parts`` of a stream).
 
     Every metadata round on a group goes through here, whatever the operation (the replicator's primitives
     included). ``sketch``: HyperLogLog registers of the row ids. Returns the [P, ROW_BYTES / 8] table and
@@ -132,7 +133,7 @@ def allgather_rows(
     """
     if row.dtype != torch.int64 or row.dim() != 1 or row.numel() > _INLINE:
         raise ValueError(f"a metadata row is at most {_INLINE} int64, got {row.numel()} {row.dtype}")
-    n = -1 if eager is None else eager.numel()
+    n = -1 if eager is None else sum(int(p.numel()) for p in eager)
     if n > EAGER_MAX:
         raise ValueError(f"eager payload of {n} bytes exceeds EAGER_MAX = {EAGER_MAX}")
     buf = torch.zeros(ROW_BYTES + _pad8(max(n, 0)), dtype=torch.uint8)
@@ -141,8 +142,10 @@ def allgather_rows(
     words[_INLINE] = n
     if sketch is not None:
         words[len(_F) :] = _hll.words(sketch)
-    if eager is not None:
-        buf[ROW_BYTES : ROW_BYTES + n] = eager
+    off = ROW_BYTES
+    for piece in eager or ():  # one copy of the payload, into the message
+        buf[off : off + piece.numel()] = piece
+        off += piece.numel()
     with comm.phase("meta"):
         blocks = allgather_var(comm, buf, ROW_BYTES + EAGER_MAX, _block_length)
     # Each block is a slice at a multiple of 8 bytes (blocks are padded to 8): int64-aligned.
@@ -190,10 +193,11 @@ def exchange_meta(
     )
     mine = payload_nbytes(stream.is_dense, stream.nrows, stream.dim, stream.dtype, stream.row)
     limit = group_state(comm.group).eager_limits.get(sig, EAGER_BYTES)
+    # Only "auto" reads the sketches (every rank agrees on the algorithm, checked below): forced calls skip them.
     sketch = None
-    if stream.row > 1 and stream.indices is not None:
+    if algorithm == "auto" and stream.row > 1 and stream.indices is not None:
         sketch = _hll.registers(stream.indices)
-    table, blocks = allgather_rows(comm, row, payload_of(stream) if mine <= limit else None, sketch)
+    table, blocks = allgather_rows(comm, row, payload_parts(stream) if mine <= limit else None, sketch)
     _check(table, comm.rank)
     nnz = tuple(int(x) for x in table[:, 4])
     dense = tuple(bool(x) for x in table[:, 5])
@@ -205,7 +209,7 @@ def exchange_meta(
                 raise ValueError(f"rank {r} inlined {blk.numel()} payload bytes for a stream of {n} (corrupt row)")
         eager = tuple(blocks)
     unions: tuple[tuple[float, float], ...] = ()
-    if stream.row > 1 and not any(dense) and comm.size > 1:
+    if algorithm == "auto" and stream.row > 1 and not any(dense) and comm.size > 1:
         regs = [_hll.unpack(t[len(_F) :]) for t in table]
         unions = _hll.union_curve(regs, nnz)
     return Meta(nnz=nnz, dense=dense, eager=eager, sizes=tuple(sizes), signature=sig, unions=unions)

@@ -24,7 +24,7 @@ from sparsync.collectives._comm import Comm
 from sparsync.collectives.allreduce import sparse_allreduce, start_allreduce
 from sparsync.handle import Work
 from sparsync.record import CommLog
-from sparsync.stream import SparseStream, first_bad_index, index_dtype_for
+from sparsync.stream import SparseStream, index_dtype_for
 
 
 def coo_to_stream(t: torch.Tensor) -> SparseStream:
@@ -47,11 +47,11 @@ def _coo_rows(t: torch.Tensor) -> tuple[SparseStream, tuple[int, int, str] | Non
         raise ValueError(f"sparse tensor must have a floating dtype, got {t.dtype}")
     raw = t._indices() if not t.is_coalesced() else t.indices()
     for d in range(sd):  # coalesce() would fail (or worse) on out-of-range indices: check first
-        msg = first_bad_index(raw[d], shape[d], sorted_unique=False)
-        if msg is not None:
-            pos = int(torch.nonzero((raw[d] < 0) | (raw[d] >= shape[d]), as_tuple=True)[0][0])
-            empty = SparseStream.empty(t.numel(), t.dtype, row=b)
-            return empty, (pos, int(raw[d, pos]), f"sparse dim {d} (size {shape[d]}): {msg}")
+        bad = torch.nonzero((raw[d] < 0) | (raw[d] >= shape[d]), as_tuple=True)[0]
+        if bad.numel():
+            pos, value = int(bad[0]), int(raw[d, bad[0]])
+            msg = f"sparse dim {d} (size {shape[d]}): index {value} at position {pos} is out of range"
+            return SparseStream.empty(t.numel(), t.dtype, row=b), (pos, value, msg)
     t = t.coalesce()
     idx = t.indices()
     if sd == 1:

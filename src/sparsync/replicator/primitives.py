@@ -101,7 +101,7 @@ def agree(
         ],
         dtype=torch.int64,
     )
-    table, _ = allgather_rows(comm, row)  # same message size as the sparse collectives' metadata round
+    table, _ = allgather_rows(comm, row)  # the sparse collectives' metadata round, same checks
     for col, what in ((1, "collective"), (0, "call number"), (7, "argument")):
         bad = torch.nonzero(table[:, col] != table[0, col], as_tuple=True)[0]
         if bad.numel():
