@@ -5,7 +5,7 @@ See docs/architecture.md.
 """
 
 from sparsync.calibrate import measure_link
-from sparsync.collectives import allreduce, sparse_allgather, sparse_allreduce
+from sparsync.collectives import allreduce, grouped_allreduce, sparse_allgather, sparse_allreduce
 from sparsync.collectives._comm import PeerError
 from sparsync.compress import Compressor, ErrorFeedback, reduce
 from sparsync.costmodel import (
@@ -42,6 +42,7 @@ __all__ = [
     "choose_fastest",
     "choose_robust",
     "dense_threshold",
+    "grouped_allreduce",
     "launch",
     "lower_bound",
     "measure_link",

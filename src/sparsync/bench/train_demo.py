@@ -117,10 +117,10 @@ def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any) -> di
         losses.append(step_fn_loss)
         if progress is not None:
             progress.advance(task)
+    chosen = sorted({r.algorithm for r in log.records})  # before the reductions below add theirs
     # Losses reduced once at the end, outside the timed steps.
     mean_losses = ctx.all_mean(torch.stack(losses)).tolist()
     worst = ctx.all_reduce(torch.tensor(times), "max").tolist()  # a step ends when its slowest replica does
-    chosen = sorted({r.algorithm for r in log.records})
     return {
         "run": RUNS[0] if plan == PLANS[0] else RUNS[2],
         "plan": plan,

@@ -57,15 +57,29 @@ ALGORITHM_CODES = (
     "dense",
     "-",
 )
-# nnz: stored rows (indices); bad/bad_value: position and value of an out-of-range index (-1: none);
+# nnz: stored rows (indices); bad/bad_value: position and value of an out-of-range index (-1: none), in tensor
+# bad_tensor (-1: the call's only tensor; grouped_allreduce numbers its tensors) of bad_rows rows;
 # inline: payload bytes that follow the row (-1: not inlined). Callers may pass fewer columns (zero-padded).
 # Then the HyperLogLog registers of the row ids (collectives/_hll.py; zero for element or dense streams).
-_F = ("seq", "op", "dim", "dtype", "nnz", "dense", "nan", "algorithm", "row", "bad", "bad_value", "inline")
+_F = (
+    "seq", "op", "dim", "dtype", "nnz", "dense", "nan", "algorithm", "row", "bad", "bad_value", "bad_tensor",
+    "bad_rows", "inline",
+)  # fmt: skip
 _INLINE = _F.index("inline")
 _WORDS = len(_F) + _hll.WORDS
 ROW_BYTES = 8 * _WORDS
 EAGER_MAX = 1 << 20  # the most payload bytes a row carries inline (EAGER_BYTES: the default; module doc)
 _MAX_SIGNATURES = 64  # eager limits remembered per group (the oldest forgotten first)
+
+
+@dataclass(frozen=True)
+class BadIndex:
+    """An out-of-range index found on this rank, reported to every rank by the metadata round."""
+
+    position: int  # in the tensor's stored indices
+    value: int
+    rows: int  # the valid range is [0, rows)
+    tensor: int = -1  # which of a grouped call's tensors (-1: the call has one)
 
 
 @dataclass(frozen=True)
@@ -161,10 +175,10 @@ def exchange_meta(
     algorithm: str,
     seq: int,
     check_nan: bool,
-    bad: tuple[int, int] | None = None,
+    bad: BadIndex | None = None,
 ) -> Meta:
-    """``bad``: (position, value) of an out-of-range index this rank found in its input; every rank then
-    raises the same ValueError naming it (the stream passed is a placeholder)."""
+    """``bad``: an out-of-range index this rank found in its input; every rank then raises the same
+    ValueError naming it (the stream passed is a placeholder)."""
     nan_pos = -1
     # NaN propagates through a sum, so one cheap reduction (10x cheaper than isnan().any() on 16M floats)
     # clears the common case; only a NaN sum (a NaN, or inf + -inf) pays for locating the first NaN.
@@ -186,8 +200,10 @@ def exchange_meta(
             nan_pos,
             ALGORITHM_CODES.index(algorithm),
             stream.row,
-            -1 if bad is None else bad[0],
-            -1 if bad is None else bad[1],
+            -1 if bad is None else bad.position,
+            -1 if bad is None else bad.value,
+            -1 if bad is None else bad.tensor,
+            -1 if bad is None else bad.rows,
         ],
         dtype=torch.int64,
     )
@@ -245,10 +261,11 @@ def _check(table: torch.Tensor, me: int) -> None:
     bads = torch.nonzero(table[:, 9] >= 0, as_tuple=True)[0]
     if bads.numel():
         r = int(bads[0])
-        rows = int(table[r, 2]) // max(int(table[r, 8]), 1)
+        t = int(table[r, 11])
+        where = f" of tensor {t}" if t >= 0 else ""
         raise ValueError(
-            f"rank {r} passed index {int(table[r, 10])} at position {int(table[r, 9])}, out of range "
-            f"[0, {rows}) (seen on rank {me})"
+            f"rank {r} passed index {int(table[r, 10])} at position {int(table[r, 9])}{where}, out of range "
+            f"[0, {int(table[r, 12])}) (seen on rank {me})"
         )
     nans = torch.nonzero(table[:, 6] >= 0, as_tuple=True)[0]
     if nans.numel():

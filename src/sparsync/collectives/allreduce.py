@@ -14,7 +14,7 @@ from sparsync.calibrate import measure_link
 from sparsync.collectives._comm import Comm, payload_of
 from sparsync.collectives._comm import stream_from_payload as _decode
 from sparsync.collectives._fold import allgather_blocks
-from sparsync.collectives._meta import EAGER_LIMIT, Meta, exchange_meta, update_eager
+from sparsync.collectives._meta import EAGER_LIMIT, BadIndex, Meta, exchange_meta, update_eager
 from sparsync.collectives.partition import resolve_partition
 from sparsync.collectives.recursive_double import ssar_recursive_double
 from sparsync.collectives.split_allgather import dsar_split_allgather, ssar_split_allgather
@@ -214,11 +214,11 @@ def start_allreduce(
     timeout: float | None = None,
     check_nan: bool = True,
     partition: str = "auto",
-    bad: tuple[int, int] | None = None,
+    bad: BadIndex | None = None,
 ) -> T | Work[T]:
     """``sparse_allreduce`` whose result goes through ``finish(comm, result)`` inside the same queued job
-    (``allreduce`` of a COO tensor may need one more collective there). ``bad``: (position, value) of an
-    out-of-range index on this rank, reported by every rank after the metadata round (``stream`` is then a
+    (``allreduce`` of a COO tensor may need one more collective there). ``bad``: an out-of-range index on
+    this rank, reported by every rank after the metadata round (``stream`` is then a
     placeholder of the right dimension)."""
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; valid: auto, {', '.join(ALGORITHMS)}")

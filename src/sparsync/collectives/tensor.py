@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from sparsync.collectives._comm import Comm
+from sparsync.collectives._meta import BadIndex
 from sparsync.collectives.allreduce import sparse_allreduce, start_allreduce
 from sparsync.handle import Work
 from sparsync.record import CommLog
@@ -32,12 +33,15 @@ def coo_to_stream(t: torch.Tensor) -> SparseStream:
     size, at least 1). Raises ValueError naming an out-of-range index."""
     stream, bad = _coo_rows(t)
     if bad is not None:
-        raise ValueError(bad[2])
+        raise ValueError(
+            f"sparse tensor: index {bad.value} at position {bad.position} is out of range [0, {bad.rows})"
+        )
     return stream
 
 
-def _coo_rows(t: torch.Tensor) -> tuple[SparseStream, tuple[int, int, str] | None]:
-    """(stream, None), or (an empty placeholder stream, (position, index, message)) for a bad index."""
+def _coo_rows(t: torch.Tensor, tensor: int = -1) -> tuple[SparseStream, BadIndex | None]:
+    """(stream, None), or (an empty placeholder stream, the first out-of-range index) for a bad index
+    (``tensor``: its number in a grouped call)."""
     shape, sd = t.shape, t.sparse_dim()
     if t.numel() == 0:
         raise ValueError(f"allreduce of an empty sparse tensor of shape {tuple(shape)}")
@@ -50,8 +54,7 @@ def _coo_rows(t: torch.Tensor) -> tuple[SparseStream, tuple[int, int, str] | Non
         bad = torch.nonzero((raw[d] < 0) | (raw[d] >= shape[d]), as_tuple=True)[0]
         if bad.numel():
             pos, value = int(bad[0]), int(raw[d, bad[0]])
-            msg = f"sparse dim {d} (size {shape[d]}): index {value} at position {pos} is out of range"
-            return SparseStream.empty(t.numel(), t.dtype, row=b), (pos, value, msg)
+            return SparseStream.empty(t.numel(), t.dtype, row=b), BadIndex(pos, value, shape[d], tensor)
     t = t.coalesce()
     idx = t.indices()
     if sd == 1:
@@ -152,7 +155,7 @@ def allreduce(
             group=group,
             async_op=async_op,
             log=log,
-            bad=None if bad is None else (bad[0], bad[1]),
+            bad=bad,
             **kwargs,
         )
     if tensor.layout != torch.strided:

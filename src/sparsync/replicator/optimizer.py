@@ -9,13 +9,15 @@ averages, §3.4; the sum is explicit, never implied).
 Placements here: ``DenseAllreduce`` (one bucketed allreduce per dtype), ``SparseAllreduce`` (SparCML's
 ``sparsync.allreduce`` per tensor, COO in, COO out), ``Compressed`` (a ``sparsync.compress`` compressor with error
 feedback through ``sparsync.reduce``: ``Threshold`` + ``ErrorFeedback`` is DCT-DP), ``CustomReduce`` (any
-``(grad, name, group) -> sum`` callable), and ``ByLayout`` (the default: sparse gradients to ``SparseAllreduce``,
-dense ones to ``DenseAllreduce``). A
+``(grad, name, group) -> sum`` callable), ``Grouped`` (sparse and small dense gradients in one
+``grouped_allreduce``) and ``ByLayout`` (the default: sparse gradients to ``SparseAllreduce``, dense ones to
+``DenseAllreduce``, both in one ``Grouped`` call when those two are the defaults). A
 parameter-server placement subclasses ``Placement`` the same way.
 """
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from sparsync.collectives.grouped import grouped_allreduce
 from sparsync.collectives.tensor import allreduce
 from sparsync.compress import Compressor, ErrorFeedback, reduce
 from sparsync.record import CommLog
@@ -140,11 +143,60 @@ class Compressed(Placement):
 
 
 @dataclass(frozen=True)
+class Grouped(Placement):
+    """Sparse and small dense gradients together in one ``grouped_allreduce`` (one metadata round, and one
+    allgather in all when the payloads fit the eager protocol): COO gradients grouped by (row width, dtype),
+    one call per group, the dense gradients of a group's dtype packed into the first such call while their
+    total is at most ``max_dense`` elements. Dense gradients left over go to ``DenseAllreduce``. Issue 13:
+    the demo's embedding + MLP paid two calls with a metadata round each, and lost to DDP."""
+
+    algorithm: str = "auto"
+    # Above this many dense elements a ring allreduce of the dense part (2(P-1)/P of it per rank) is left to
+    # DenseAllreduce: fused, auto may run allgather, which sends it P-1 times.
+    max_dense: int = 1 << 16
+    kind = "grouped"
+
+    def aggregate(self, params: list[NamedParam], env: ReduceEnv) -> None:
+        groups: dict[tuple[int, torch.dtype], list[NamedParam]] = {}
+        dense: list[NamedParam] = []
+        for p in params:
+            g = p.param.grad
+            assert g is not None
+            if g.is_sparse:
+                groups.setdefault((math.prod(g.shape[g.sparse_dim() :]), g.dtype), []).append(p)
+            else:
+                dense.append(p)
+        fused: set[torch.dtype] = set()
+        for (_, dtype), members in groups.items():
+            extra: list[NamedParam] = []
+            if dtype not in fused:
+                extra = [p for p in dense if p.param.grad is not None and p.param.grad.dtype == dtype]
+                if sum(p.param.numel() for p in extra) > self.max_dense:
+                    extra = []
+                fused.add(dtype)
+            together = members + extra
+            grads = [p.param.grad for p in together]
+            out = grouped_allreduce(
+                grads,  # type: ignore[arg-type]
+                algorithm=self.algorithm, group=env.group, log=env.log, timeout=env.timeout,
+            )  # fmt: skip
+            for p, g in zip(together, out, strict=True):  # type: ignore[arg-type]
+                p.param.grad = g
+            done = {id(p) for p in extra}
+            dense = [p for p in dense if id(p) not in done]
+        if dense:
+            DenseAllreduce().aggregate(dense, env)
+
+
+@dataclass(frozen=True)
 class ByLayout(Placement):
-    """The default: sparse (COO) gradients by ``sparse``, dense ones by ``dense``."""
+    """The default: sparse (COO) gradients by ``sparse``, dense ones by ``dense``. With the default
+    placements on both sides and ``fuse`` on, the two go together through ``Grouped`` (one call where there
+    were two, issue 13)."""
 
     dense: Placement = field(default_factory=DenseAllreduce)
     sparse: Placement = field(default_factory=SparseAllreduce)
+    fuse: bool = True
     kind = "by_layout"
 
     def aggregate(self, params: list[NamedParam], env: ReduceEnv) -> None:
@@ -152,6 +204,9 @@ class ByLayout(Placement):
         dn = [p for p in params if p.param.grad is not None and not p.param.grad.is_sparse]
         # A gradient's layout comes from its module (nn.Embedding(sparse=True)), so it is the same on every
         # replica and both sides skip an empty half alike.
+        if self.fuse and sp and type(self.dense) is DenseAllreduce and type(self.sparse) is SparseAllreduce:
+            Grouped(self.sparse.algorithm).aggregate(sp + dn, env)
+            return
         if dn:
             self.dense.aggregate(dn, env)
         if sp:
