@@ -35,8 +35,9 @@ def _pingpong(group: dist.ProcessGroup, rank: int, peer: int, nbytes: int, reps:
     return sorted(times[1:])[reps // 2]
 
 
-def _reduction_costs(n: int = 200_000) -> tuple[float, float, float]:
-    """Seconds per sparse pair merged, per dense element added, per pair scatter-added, on this rank."""
+def _reduction_costs(n: int = 200_000) -> tuple[float, float, float, float]:
+    """Seconds per sparse pair merged, per dense element added, per pair scatter-added, and per element
+    written into fresh memory (a new 8 MB tensor, page faults included), on this rank."""
     g = torch.Generator().manual_seed(0)
     dim = 100 * n
     a = SparseStream.coalesce(torch.randint(0, dim, (n,), generator=g), torch.rand(n, generator=g), dim)
@@ -53,7 +54,13 @@ def _reduction_costs(n: int = 200_000) -> tuple[float, float, float]:
     t0 = time.perf_counter()
     x.index_add_(0, idx, y[:n])
     gamma_scatter = (time.perf_counter() - t0) / n
-    return gamma_sparse, gamma_dense, gamma_scatter
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        torch.empty(10 * n).fill_(1.0)
+        times.append(time.perf_counter() - t0)
+    gamma_fresh = sorted(times)[1] / (10 * n)
+    return gamma_sparse, gamma_dense, gamma_scatter, gamma_fresh
 
 
 def _collective_latencies(group: dist.ProcessGroup, reps: int) -> tuple[float, float]:
@@ -141,9 +148,9 @@ def measure_link(
     """
     g = resolve_group(group)
     rank, size = dist.get_rank(g), dist.get_world_size(g)
-    gs, gd, gsc = _reduction_costs()
-    est = torch.zeros(8, dtype=torch.float64)
-    est[2], est[3], est[5] = gs, gd, gsc
+    gs, gd, gsc, gf = _reduction_costs()
+    est = torch.zeros(9, dtype=torch.float64)
+    est[2], est[3], est[5], est[8] = gs, gd, gsc, gf
     peer = rank ^ 1
     if peer < size:
         t_small = _pingpong(g, rank, peer, 8, 4 * reps + 1)
@@ -156,7 +163,7 @@ def measure_link(
         est[7] = _exchange_beta(g, large_bytes // 4, reps, float(est[0]))
     dist.all_reduce(est, group=g)
     if size == 1:
-        return LinkModel(alpha=0.0, beta=0.0, gamma_sparse=gs, gamma_dense=gd, gamma_scatter=gsc)
+        return LinkModel(alpha=0.0, beta=0.0, gamma_sparse=gs, gamma_dense=gd, gamma_scatter=gsc, gamma_fresh=gf)
     pairs = float(est[4])
     return LinkModel(
         alpha=float(est[0]) / size,
@@ -166,4 +173,5 @@ def measure_link(
         gamma_dense=float(est[3]) / size,
         gamma_scatter=float(est[5]) / size,
         beta_exchange=max(float(est[7]) / size, float(est[1]) / pairs),
+        gamma_fresh=float(est[8]) / size,
     )

@@ -50,6 +50,10 @@ class LinkModel:
     # phases moved a byte in about 2x the time of gloo's pipelined ring (beta), which every sparse algorithm's
     # prediction then missed by 1.5-2.2x.
     beta_exchange: float | None = None
+    # Seconds per element written into freshly allocated memory (page faults included); None: gamma_dense.
+    # Issue 13: DSAR on a 268 MB embedding table spent ~0.4 s (P = 4, 2 cores) filling its fresh output and
+    # the stride partition's reordered copy, where one dense add per element predicted 0.03 s.
+    gamma_fresh: float | None = None
 
     def __post_init__(self) -> None:
         for name in (
@@ -60,9 +64,10 @@ class LinkModel:
             "gamma_scatter",
             "alpha_a2a",
             "beta_exchange",
+            "gamma_fresh",
         ):
             v = getattr(self, name)
-            if v is None and name in ("alpha_a2a", "beta_exchange"):
+            if v is None and name in ("alpha_a2a", "beta_exchange", "gamma_fresh"):
                 continue
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
                 raise ValueError(f"LinkModel.{name} must be a finite number >= 0, got {v!r}")
@@ -153,6 +158,10 @@ def _sum_cost(p: Problem, link: LinkModel, entries: float, dim: float) -> float:
     return p.per_row(link.gamma_sparse, link) * entries
 
 
+def _fresh(link: LinkModel) -> float:
+    return link.gamma_fresh if link.gamma_fresh is not None else link.gamma_dense
+
+
 def predict(algorithm: str, p: Problem, link: LinkModel) -> float:
     """Predicted seconds of one sparse allreduce with ``algorithm`` (SparCML §4 bounds, see module doc),
     the metadata round every algorithm starts with included."""
@@ -207,7 +216,10 @@ def _algorithm_time(algorithm: str, p: Problem, link: LinkModel) -> float:
         # One all-to-all round of framed blocks (collectives/split_allgather.py).
         split = a2a + b * mean_bytes * (P - 1) / P + _sum_cost(p, link, sum(p.nnz) / P, N / P)
         if algorithm == "dsar_split_allgather":
-            return split + (P - 1) * a + b_ring * N * p.value_bytes * (P - 1) / P + link.gamma_dense * N * p.row
+            # The gathered vector is fresh memory, and a row stream's stride partition (collectives/partition.py)
+            # reorders it into a second fresh vector.
+            fresh = (2 if p.row > 1 else 1) * _fresh(link) * N * p.row
+            return split + (P - 1) * a + b_ring * N * p.value_bytes * (P - 1) / P + fresh
         gather_latency = gather_steps(P) * a  # framed blocks: one message per round
         result = p.stream_bytes(p.union(P))
         if p.union(P) >= p.delta:
@@ -237,7 +249,7 @@ def _algorithm_time(algorithm: str, p: Problem, link: LinkModel) -> float:
         return (
             2 * (P - 1) * a
             + b_ring * 2 * (P - 1) / P * N * p.value_bytes
-            + 2 * link.gamma_dense * N * p.row
+            + (link.gamma_dense + _fresh(link)) * N * p.row  # a fresh buffer (densified or copied), one pass
             + densify
         )
     raise KeyError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")

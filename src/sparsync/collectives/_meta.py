@@ -210,8 +210,9 @@ def exchange_meta(
     mine = payload_nbytes(stream.is_dense, stream.nrows, stream.dim, stream.dtype, stream.row)
     limit = group_state(comm.group).eager_limits.get(sig, EAGER_BYTES)
     # Only "auto" reads the sketches (every rank agrees on the algorithm, checked below): forced calls skip them.
+    # At P = 2 the union cannot change the choice: allgather sends k rows, a split at least (k + U)/2 >= k.
     sketch = None
-    if algorithm == "auto" and stream.row > 1 and stream.indices is not None:
+    if algorithm == "auto" and stream.row > 1 and stream.indices is not None and comm.size > 2:
         sketch = _hll.registers(stream.indices)
     table, blocks = allgather_rows(comm, row, payload_parts(stream) if mine <= limit else None, sketch)
     _check(table, comm.rank)
@@ -225,7 +226,7 @@ def exchange_meta(
                 raise ValueError(f"rank {r} inlined {blk.numel()} payload bytes for a stream of {n} (corrupt row)")
         eager = tuple(blocks)
     unions: tuple[tuple[float, float], ...] = ()
-    if algorithm == "auto" and stream.row > 1 and not any(dense) and comm.size > 1:
+    if algorithm == "auto" and stream.row > 1 and not any(dense) and comm.size > 2:
         regs = [_hll.unpack(t[len(_F) :]) for t in table]
         unions = _hll.union_curve(regs, nnz)
     return Meta(nnz=nnz, dense=dense, eager=eager, sizes=tuple(sizes), signature=sig, unions=unions)

@@ -114,8 +114,7 @@ def _split(
         union = _union_rows(comm, mine, s)
         for i, lo, hi in zip(lay.sparse, lay.offsets, ends, strict=True):
             sub = SparseStream(None, v2[lo:hi].reshape(-1), (hi - lo) * b, row=b, validate=False)
-            # union None: every row of the sum is non-zero, so every row was passed by some rank
-            rows = torch.arange(hi - lo) if union is None else union[(union >= lo) & (union < hi)] - lo
+            rows = union[(union >= lo) & (union < hi)] - lo
             t = tensors[i]
             out[i] = stream_to_coo(sub, t.shape, t.sparse_dim(), rows)
         block = v2[lay.dense_base :].reshape(-1)

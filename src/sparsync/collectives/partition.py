@@ -119,5 +119,7 @@ class Partition:
         if self.kind == "range":
             return gathered[: self.rows * row]
         # Owner j's m-th row is global row m·P + j: transposing [P, chunk] to [chunk, P] puts it there.
+        # reshape copies (the view is not contiguous), so the slice owns fresh memory: no clone (issue 13: on
+        # a 268 MB table each extra pass over fresh memory cost DSAR ~0.3 s).
         g = gathered.view(self.parts, chunk, row).transpose(0, 1).reshape(-1)
-        return g[: self.rows * row].clone()
+        return g[: self.rows * row] if self.parts > 1 and chunk > 1 else g[: self.rows * row].clone()

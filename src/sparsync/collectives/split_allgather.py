@@ -112,8 +112,10 @@ def dsar_split_allgather(
     mine = split_reduce(comm, stream, part, nnz)
     chunk = max(part.counts())
     local = torch.zeros(chunk * b, dtype=dtype)
-    if mine is not None:
-        local[: mine.dim] = mine.to_dense()
+    if mine is not None and mine.indices is None:
+        local[: mine.dim] = mine.values
+    elif mine is not None and mine.indices is not None:  # in place: to_dense() fills a second fresh N/P buffer
+        local.view(chunk, b)[mine.indices.to(torch.int64)] = mine.rows2d
     out = torch.empty(chunk * b * P, dtype=dtype)
     with comm.phase("dense_allgather"):
         comm.run_collective("dense allgather", _ALLGATHER_SINGLE, out, local)

@@ -7,8 +7,7 @@ tensor's indices and values without per-element work, and turned back into a coa
 The result keeps every row any rank passed, zero or not, as torch's own sparse allreduce does (a row that
 cancels across ranks, or an explicit zero row, is still a row of the result, so optimizers like SparseAdam
 step the same whatever the algorithm). A sparse result holds exactly that union; when the sum went dense
-(SparCML §3) the union is recovered with one allreduce of a bitmap of R bits, and only when the dense result
-has all-zero rows.
+(SparCML §3) the union is recovered with one allreduce of a bitmap of R bits.
 """
 
 from __future__ import annotations
@@ -99,12 +98,10 @@ def stream_to_coo(
     )
 
 
-def _union_rows(comm: Comm, mine: torch.Tensor, result: SparseStream) -> torch.Tensor | None:
-    """Rows of a dense result that any rank passed (None: every row is non-zero anyway, nothing to send).
-    Every rank holds the same result, so every rank takes the same branch."""
-    nonzero = result.values.reshape(-1, result.row).ne(0).any(1)
-    if bool(nonzero.all()):
-        return None
+def _union_rows(comm: Comm, mine: torch.Tensor, result: SparseStream) -> torch.Tensor:
+    """Rows of a dense result that any rank passed: one allreduce (BOR) of a bitmap of R bits. Cheaper than
+    scanning the dense result for non-zero rows (issue 13: a 268 MB table took 0.1-0.4 s to scan on 2 shared
+    cores, its bitmap 128 KB), and exact where a scan is not (rows that cancel, explicit zeros)."""
     R = result.num_rows
     touched = np.zeros(R, dtype=np.bool_)
     touched[mine.numpy()] = True
@@ -114,7 +111,7 @@ def _union_rows(comm: Comm, mine: torch.Tensor, result: SparseStream) -> torch.T
     nb = 2 * (comm.size - 1) * bits.numel() * 4 // comm.size
     comm.count_collective(nb, nb, 2 * (comm.size - 1))
     union = np.unpackbits(bits.numpy().astype(np.uint8), count=R).astype(np.bool_)
-    return torch.nonzero(torch.from_numpy(union) | nonzero, as_tuple=True)[0]
+    return torch.from_numpy(np.flatnonzero(union))
 
 
 def allreduce(
