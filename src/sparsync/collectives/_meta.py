@@ -25,6 +25,7 @@ inlined its payload.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -61,10 +62,15 @@ ALGORITHM_CODES = (
 # bad_tensor (-1: the call's only tensor; grouped_allreduce numbers its tensors) of bad_rows rows;
 # inline: payload bytes that follow the row (-1: not inlined). Callers may pass fewer columns (zero-padded).
 # Then the HyperLogLog registers of the row ids (collectives/_hll.py; zero for element or dense streams).
+# shape_key: a hash of the caller's tensor layout and full shape (0: a bare stream), with ndim and the first
+# four dims for the message; auto_key: a hash of auto's link model and policy (0: forced, or not measured yet);
+# nan/nonfinite: position and kind (1 NaN, 2 +Inf, 3 -Inf) of the first non-finite value (-1/0: none).
 _F = (
     "seq", "op", "dim", "dtype", "nnz", "dense", "nan", "algorithm", "row", "bad", "bad_value", "bad_tensor",
-    "bad_rows", "inline",
+    "bad_rows", "shape_key", "ndim", "s0", "s1", "s2", "s3", "auto_key", "nonfinite", "inline",
 )  # fmt: skip
+_COL = {name: i for i, name in enumerate(_F)}
+_NONFINITE = ("", "NaN", "+Inf", "-Inf")
 _INLINE = _F.index("inline")
 _WORDS = len(_F) + _hll.WORDS
 ROW_BYTES = 8 * _WORDS
@@ -176,18 +182,29 @@ def exchange_meta(
     seq: int,
     check_nan: bool,
     bad: BadIndex | None = None,
+    shape: tuple[str, tuple[int, ...]] | None = None,
+    auto_key: int = 0,
 ) -> Meta:
     """``bad``: an out-of-range index this rank found in its input; every rank then raises the same
-    ValueError naming it (the stream passed is a placeholder)."""
-    nan_pos = -1
-    # NaN propagates through a sum, so one cheap reduction (10x cheaper than isnan().any() on 16M floats)
-    # clears the common case; only a NaN sum (a NaN, or inf + -inf) pays for locating the first NaN.
-    if check_nan and bool(torch.isnan(stream.values.sum())):
-        bad_nan = torch.isnan(stream.values)
-        if bool(bad_nan.any()):
-            pos = int(torch.nonzero(bad_nan, as_tuple=True)[0][0])
+    ValueError naming it (the stream passed is a placeholder). ``shape``: (layout, full shape) of the tensor
+    the caller was given, so tensors of one size but different shapes are refused (issue 14: (5, 2) and (2, 5)
+    were summed). ``auto_key``: ``auto_fingerprint`` of the link model and policy auto will use."""
+    nan_pos, kind = -1, 0
+    # NaN and ±Inf propagate through a sum, so one cheap reduction (10x cheaper than isfinite().all() on 16M
+    # floats) clears the common case; only a non-finite sum pays for locating the first non-finite value (a
+    # finite input whose half-precision sum overflows finds none). Issue 14: ±Inf is refused like NaN, since
+    # +Inf on one rank and -Inf on another would silently sum to NaN.
+    if check_nan and not bool(torch.isfinite(stream.values.sum())):
+        bad_val = ~torch.isfinite(stream.values)
+        if bool(bad_val.any()):
+            pos = int(torch.nonzero(bad_val, as_tuple=True)[0][0])
+            v = float(stream.values[pos])
+            kind = 1 if v != v else (2 if v > 0 else 3)
             b = stream.row
             nan_pos = pos if stream.indices is None else int(stream.indices[pos // b]) * b + pos % b
+    dims = [0, 0, 0, 0, 0, 0]
+    if shape is not None:
+        dims = [shape_fingerprint(*shape), len(shape[1]), *(list(shape[1][:4]) + [0] * 4)[:4]]
     sig = signature(stream)
     row = torch.tensor(
         [
@@ -204,6 +221,9 @@ def exchange_meta(
             -1 if bad is None else bad.value,
             -1 if bad is None else bad.tensor,
             -1 if bad is None else bad.rows,
+            *dims,
+            auto_key,
+            kind,
         ],
         dtype=torch.int64,
     )
@@ -232,6 +252,20 @@ def exchange_meta(
     return Meta(nnz=nnz, dense=dense, eager=eager, sizes=tuple(sizes), signature=sig, unions=unions)
 
 
+def shape_fingerprint(layout: str, shape: tuple[int, ...]) -> int:
+    """A 62-bit key of (layout, shape), the same on every rank and run (no Python hash seed)."""
+    digest = hashlib.blake2b(repr((layout, tuple(int(d) for d in shape))).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
+def auto_fingerprint(link: object, policy: object) -> int:
+    """A 62-bit key of auto's link model (None: not measured yet) and policy (by qualified name), so ranks
+    about to choose differently raise instead of running different algorithms (issue 14: gloo aborted)."""
+    name = f"{getattr(policy, '__module__', '')}.{getattr(policy, '__qualname__', repr(policy))}"
+    digest = hashlib.blake2b(repr((link, name)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 2
+
+
 def _check(table: torch.Tensor, me: int) -> None:
     def names(col: int, r: int) -> str:
         v = int(table[r, col])
@@ -242,6 +276,11 @@ def _check(table: torch.Tensor, me: int) -> None:
         if _F[col] == "algorithm":
             return ALGORITHM_CODES[v]
         return str(v)
+
+    def shape(r: int) -> str:
+        n = int(table[r, _COL["ndim"]])
+        dims = [str(int(table[r, _COL[f"s{i}"]])) for i in range(min(n, 4))] + (["..."] if n > 4 else [])
+        return f"({', '.join(dims)}{',' if n == 1 else ''})"
 
     for col, what in (
         (1, "collective"),
@@ -259,6 +298,21 @@ def _check(table: torch.Tensor, me: int) -> None:
                 f"rank {r} has {_F[col]}={names(col, r)} (seen on rank {me}); every rank must issue the same "
                 "collectives in the same order on streams of the same dimension and dtype"
             )
+    diff = torch.nonzero(table[:, _COL["shape_key"]] != table[0, _COL["shape_key"]], as_tuple=True)[0]
+    if diff.numel():
+        r = int(diff[0])
+        raise ValueError(
+            f"shape mismatch across ranks: rank 0 passed shape {shape(0)}, rank {r} shape {shape(r)} (or another "
+            f"layout) (seen on rank {me}); every rank must pass tensors of the same shape and layout"
+        )
+    diff = torch.nonzero(table[:, _COL["auto_key"]] != table[0, _COL["auto_key"]], as_tuple=True)[0]
+    if diff.numel():
+        r = int(diff[0])
+        raise ValueError(
+            f"auto's inputs differ across ranks: rank {r} uses another link model or policy than rank 0 (seen on "
+            f"rank {me}); ranks would choose different algorithms. Pass the same link=/policy= on every rank, "
+            "or call sparsync.set_link on every rank"
+        )
     bads = torch.nonzero(table[:, 9] >= 0, as_tuple=True)[0]
     if bads.numel():
         r = int(bads[0])
@@ -271,7 +325,8 @@ def _check(table: torch.Tensor, me: int) -> None:
     nans = torch.nonzero(table[:, 6] >= 0, as_tuple=True)[0]
     if nans.numel():
         r = int(nans[0])
+        what = _NONFINITE[int(table[r, _COL["nonfinite"]])] or "NaN"
         raise ValueError(
-            f"rank {r} contributed NaN (at vector index {int(table[r, 6])}); refusing to reduce it "
-            "(pass check_nan=False to skip this check)"
+            f"rank {r} contributed {what} (at vector index {int(table[r, 6])}); refusing to reduce a non-finite "
+            "value (pass check_nan=False to sum NaN and ±Inf as IEEE 754 does, e.g. under a GradScaler)"
         )

@@ -14,7 +14,7 @@ from sparsync.calibrate import measure_link
 from sparsync.collectives._comm import Comm, payload_of
 from sparsync.collectives._comm import stream_from_payload as _decode
 from sparsync.collectives._fold import allgather_blocks
-from sparsync.collectives._meta import EAGER_LIMIT, BadIndex, Meta, exchange_meta, update_eager
+from sparsync.collectives._meta import EAGER_LIMIT, BadIndex, Meta, auto_fingerprint, exchange_meta, update_eager
 from sparsync.collectives.partition import resolve_partition
 from sparsync.collectives.recursive_double import ssar_recursive_double
 from sparsync.collectives.split_allgather import dsar_split_allgather, ssar_split_allgather
@@ -215,11 +215,13 @@ def start_allreduce(
     check_nan: bool = True,
     partition: str = "auto",
     bad: BadIndex | None = None,
+    shape: tuple[str, tuple[int, ...]] | None = None,
 ) -> T | Work[T]:
     """``sparse_allreduce`` whose result goes through ``finish(comm, result)`` inside the same queued job
     (``allreduce`` of a COO tensor may need one more collective there). ``bad``: an out-of-range index on
     this rank, reported by every rank after the metadata round (``stream`` is then a
-    placeholder of the right dimension)."""
+    placeholder of the right dimension). ``shape``: (layout, shape) of the caller's tensor, checked across
+    ranks."""
     if algorithm != "auto" and algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {algorithm!r}; valid: auto, {', '.join(ALGORITHMS)}")
     part = resolve_partition(partition, stream.row)
@@ -232,7 +234,8 @@ def start_allreduce(
         t0 = time.perf_counter()
         comm = Comm(g, timeout)
         comm.op = f"sparse_allreduce(algorithm={algorithm!r})"
-        meta = exchange_meta(comm, "sparse_allreduce", stream, algorithm, seq, check_nan, bad)
+        key = auto_fingerprint(link or state.link, policy) if algorithm == "auto" else 0
+        meta = exchange_meta(comm, "sparse_allreduce", stream, algorithm, seq, check_nan, bad, shape, key)
         decision: Decision | None = None
         alg = algorithm
         if alg == "auto":

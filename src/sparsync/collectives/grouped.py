@@ -169,6 +169,8 @@ def grouped_allreduce(
     def finish(comm: Comm, s: SparseStream) -> list[torch.Tensor]:
         return _split(comm, s, mine, tensors, lay)
 
+    shapes = repr([("sparse_coo" if t.is_sparse else "strided", tuple(t.shape)) for t in tensors])
     return start_allreduce(
-        stream, finish, algorithm=algorithm, group=group, async_op=async_op, log=log, bad=bad, **kwargs
-    )
+        stream, finish, algorithm=algorithm, group=group, async_op=async_op, log=log, bad=bad,
+        shape=(shapes, (len(tensors),)), **kwargs,
+    )  # fmt: skip

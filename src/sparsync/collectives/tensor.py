@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from sparsync.collectives._comm import Comm
 from sparsync.collectives._meta import BadIndex
-from sparsync.collectives.allreduce import sparse_allreduce, start_allreduce
+from sparsync.collectives.allreduce import start_allreduce
 from sparsync.handle import Work
 from sparsync.record import CommLog
 from sparsync.stream import SparseStream, index_dtype_for
@@ -153,6 +153,7 @@ def allreduce(
             async_op=async_op,
             log=log,
             bad=bad,
+            shape=("sparse_coo", tuple(shape)),
             **kwargs,
         )
     if tensor.layout != torch.strided:
@@ -162,10 +163,10 @@ def allreduce(
     dstream = SparseStream.from_dense(tensor)
     dshape = tensor.shape
 
-    def back(s: SparseStream) -> torch.Tensor:
+    def back(comm: Comm, s: SparseStream) -> torch.Tensor:
         return s.to_dense().reshape(dshape)
 
-    if async_op:
-        work = sparse_allreduce(dstream, algorithm=algorithm, group=group, async_op=True, log=log, **kwargs)
-        return work.then(back)
-    return back(sparse_allreduce(dstream, algorithm=algorithm, group=group, log=log, **kwargs))
+    return start_allreduce(
+        dstream, back, algorithm=algorithm, group=group, async_op=async_op, log=log,
+        shape=("strided", tuple(dshape)), **kwargs,
+    )  # fmt: skip

@@ -1,0 +1,53 @@
+"""Workers for test_fingerprint.py (issue 14, item 2): calls that differ across ranks in shape, auto's inputs
+or finiteness raise the same ValueError on every rank, promptly, and the group keeps working."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sparsync import LinkModel, allreduce, choose_fastest, grouped_allreduce
+
+LINK = LinkModel(alpha=1e-4, beta=1e-9)
+
+
+def _cases(rank: int) -> dict[str, Callable[[], Any]]:
+    odd = rank % 2 == 1
+    emb = torch.sparse_coo_tensor(torch.tensor([[0, 1]]), torch.ones(2, 6), (4, 6))
+    emb_t = torch.sparse_coo_tensor(torch.tensor([[0, 1], [0, 1]]), torch.ones(2, 6), (2, 2, 6))
+    inf = torch.tensor([1.0, float("inf") if rank == 0 else float("-inf") if rank == 1 else 0.0])
+    return {
+        "dense_shape": lambda: allreduce(torch.ones(2, 5) if odd else torch.ones(5, 2), timeout=20.0),
+        "coo_shape": lambda: allreduce(emb_t if odd else emb, timeout=20.0),
+        "grouped_shape": lambda: grouped_allreduce([torch.ones(2, 5) if odd else torch.ones(5, 2)], timeout=20.0),
+        "link": lambda: allreduce(torch.ones(8), link=LINK if rank == 0 else None, timeout=20.0),
+        "policy": lambda: (
+            allreduce(torch.ones(8), link=LINK, policy=choose_fastest if odd else None, timeout=20.0)
+            if odd
+            else allreduce(torch.ones(8), link=LINK, timeout=20.0)
+        ),
+        "inf": lambda: allreduce(inf, algorithm="allgather", timeout=20.0),
+        "inf_ieee": lambda: allreduce(inf, algorithm="allgather", check_nan=False, timeout=20.0).tolist(),
+        "nan": lambda: allreduce(torch.tensor([float("nan") if rank == 1 else 0.0]), timeout=20.0),
+    }
+
+
+def fingerprint_worker(rank: int) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {}
+    for name, fn in _cases(rank).items():
+        dist.barrier()
+        t0 = time.perf_counter()
+        try:
+            res = fn()
+            out[name] = {"ok": res.tolist() if isinstance(res, torch.Tensor) else res}
+        except ValueError as e:
+            out[name] = {"error": str(e)}
+        out[name]["seconds"] = time.perf_counter() - t0
+        # The group still works, and agrees on the next call.
+        out[name]["after"] = allreduce(torch.ones(3), timeout=20.0).tolist()
+    return out
