@@ -33,7 +33,18 @@ def _cases(rank: int) -> dict[str, Callable[[], Any]]:
         "inf": lambda: allreduce(inf, algorithm="allgather", timeout=20.0),
         "inf_ieee": lambda: allreduce(inf, algorithm="allgather", check_nan=False, timeout=20.0).tolist(),
         "nan": lambda: allreduce(torch.tensor([float("nan") if rank == 1 else 0.0]), timeout=20.0),
+        # Rank 1 skips the first of two calls: its second pairs with the others' first.
+        "skipped": lambda: [allreduce(t, timeout=20.0) for t in _sequence(rank, skip=True)],
+        # Rank 1 issues the two calls in the other order.
+        "reordered": lambda: [allreduce(t, timeout=20.0) for t in _sequence(rank, skip=False)],
     }
+
+
+def _sequence(rank: int, *, skip: bool) -> list[torch.Tensor]:
+    calls = [torch.ones(4), torch.ones(2, 3)]
+    if rank != 1:
+        return calls
+    return calls[1:] if skip else calls[::-1]
 
 
 def fingerprint_worker(rank: int) -> dict[str, Any]:

@@ -31,6 +31,8 @@ def results() -> list[dict[str, Any]]:
         ("policy", "auto's inputs differ across ranks: rank 1"),
         ("inf", r"rank 0 contributed \+Inf \(at vector index 1\)"),
         ("nan", r"rank 1 contributed NaN \(at vector index 0\)"),
+        ("skipped", r"dim mismatch across ranks: rank 0 has dim=4, rank 1 has dim=6"),
+        ("reordered", r"dim mismatch across ranks: rank 0 has dim=4, rank 1 has dim=6"),
     ],
 )
 def test_the_same_error_on_every_rank_at_once(results: list[dict[str, Any]], case: str, message: str) -> None:
