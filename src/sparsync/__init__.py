@@ -10,6 +10,7 @@ from sparsync.collectives._comm import PeerError
 from sparsync.compress import Compressor, ErrorFeedback, reduce
 from sparsync.costmodel import (
     ALGORITHMS,
+    REFERENCE_LINK,
     Decision,
     LinkModel,
     Problem,
@@ -18,7 +19,7 @@ from sparsync.costmodel import (
     lower_bound,
     predict,
 )
-from sparsync.group import set_link
+from sparsync.group import set_deterministic, set_link
 from sparsync.handle import Work
 from sparsync.launch import LaunchError, launch
 from sparsync.record import CommLog, CommRecord
@@ -26,6 +27,7 @@ from sparsync.stream import SparseStream, add, dense_threshold, sum_streams
 
 __all__ = [
     "ALGORITHMS",
+    "REFERENCE_LINK",
     "CommLog",
     "CommRecord",
     "Compressor",
@@ -48,6 +50,7 @@ __all__ = [
     "measure_link",
     "predict",
     "reduce",
+    "set_deterministic",
     "set_link",
     "sparse_allgather",
     "sparse_allreduce",

@@ -73,6 +73,12 @@ class LinkModel:
                 raise ValueError(f"LinkModel.{name} must be a finite number >= 0, got {v!r}")
 
 
+# The link "auto" assumes under ``sparsync.set_deterministic`` instead of measuring one: a small cluster's
+# 1 Gbit/s Ethernet, 50 µs per message (the demo's assumed link), the γ defaults above. Issue 14: a measured
+# link differs run to run, so auto could pick another algorithm, and a different summation order, per run.
+REFERENCE_LINK = LinkModel(alpha=50e-6, beta=8e-9)
+
+
 @dataclass(frozen=True)
 class Problem:
     world_size: int  # P

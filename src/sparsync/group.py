@@ -1,4 +1,4 @@
-"""Per-group state (measured link model, async queue, call counter), owned by the ProcessGroup.
+"""Per-group state (measured link model, async queue, call counter, background group), owned by the ProcessGroup.
 
 torch's ProcessGroup accepts no attributes, so the state lives in a WeakKeyDictionary keyed by the group: it
 is created on first use and dies with the group, the same lifetime as an attribute would have. This is the one
@@ -11,10 +11,12 @@ import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
-from sparsync.costmodel import LinkModel
+from sparsync.costmodel import REFERENCE_LINK, LinkModel
 
 EAGER_BYTES = 2048  # default payload bytes a metadata row carries inline (see sparsync.collectives._meta)
 
@@ -31,6 +33,7 @@ class GroupState:
     executor: ThreadPoolExecutor | None = None  # FIFO queue for async_op=True calls
     pending: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    background: dist.ProcessGroup | None = None  # sparsync's own group over these ranks (background_group)
 
 
 _STATES: weakref.WeakKeyDictionary[dist.ProcessGroup, GroupState] = weakref.WeakKeyDictionary()
@@ -62,3 +65,64 @@ def set_link(link: LinkModel | None, *, group: dist.ProcessGroup | None = None) 
     Call it with the same model on every rank: ranks that hold different models may choose differently.
     """
     group_state(resolve_group(group)).link = link
+
+
+def background_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """sparsync's own process group over the ranks of ``group`` (default: the world), made on first call.
+
+    Work sparsync runs beside the caller's (DDP comm hooks, reductions on the queue thread) goes here, not on
+    the caller's group: a model that issues collectives of its own in backward (DLRM's alltoall) would
+    otherwise interleave them with sparsync's in a different order on each rank, which hangs or makes gloo
+    abort on a "collective mismatch" (issue 14, part 6). Collective on the first call for a group: every rank
+    of ``group`` calls it, in the same order relative to any other group creation (at hook registration,
+    which every rank does). The new group has ``group``'s backend and timeout.
+    """
+    g = resolve_group(group)
+    state = group_state(g)
+    if state.background is None:
+        ranks = dist.get_process_group_ranks(g)
+        # Only the members of a subgroup get here, so they must synchronise among themselves; for the whole
+        # world every rank is a member and the ordinary (global) creation applies.
+        local = len(ranks) != dist.get_world_size()
+        bg = dist.new_group(
+            ranks, timeout=_timeout_of(g), backend=dist.get_backend(g), use_local_synchronization=local
+        )
+        assert isinstance(bg, dist.ProcessGroup)  # this rank is in ``ranks``
+        state.background = bg
+    return state.background
+
+
+def _timeout_of(group: dist.ProcessGroup) -> timedelta | None:
+    """The group's collective timeout (None: torch's default), so a dead peer fails background work as soon
+    as it fails the caller's own collectives (``launch(timeout=...)``)."""
+    try:
+        # Private in torch 2.13; without it the new group gets torch's default (30 min for gloo).
+        timeout: timedelta = group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+    return timeout
+
+
+def stop_queues(*, wait: bool = True) -> None:
+    """Stop every group's queue thread, joining it with ``wait=True`` (after the queued work ran); with
+    ``wait=False`` queued work not yet started is dropped. Part of an orderly teardown before
+    ``destroy_process_group``: a gloo group torn down under a live queue thread, or left to interpreter exit,
+    aborts the process ("terminate called without an active exception", issue 14, part 6)."""
+    for state in list(_STATES.values()):
+        with state.lock:
+            executor, state.executor = state.executor, None
+        if executor is not None:
+            executor.shutdown(wait=wait, cancel_futures=not wait)
+
+
+def set_deterministic(*, group: dist.ProcessGroup | None = None, link: LinkModel = REFERENCE_LINK) -> None:
+    """Make "auto" on ``group`` choose from ``link`` (default ``REFERENCE_LINK``) instead of a link measured by
+    timing, so that its choices, and with them the summation order, depend on the calls' data only: two runs
+    with the same seeds and data give the same bits (issue 14). Call it on every rank, before the first call.
+
+    Example::
+
+        >>> sparsync.set_deterministic()          # every rank, right after init
+        >>> sparsync.allreduce(emb.weight.grad)   # same algorithm, same bits, run after run
+    """
+    set_link(link, group=group)
