@@ -43,7 +43,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, cast
 
 import numpy as np
@@ -56,7 +56,9 @@ from torch.nn.parallel import DistributedDataParallel
 import sparsync
 from sparsync.bench.allreduce import COO_MACHINE_SHARE, coo_too_big
 from sparsync.bench.ddp_baseline import gloo_sparse_allreduce_bytes, ring_allreduce_bytes
-from sparsync.costmodel import ALGORITHMS, LinkModel
+from sparsync.collectives._meta import EAGER_LIMIT
+from sparsync.costmodel import ALGORITHMS, LinkModel, predict
+from sparsync.group import EAGER_BYTES
 from sparsync.record import CommLog
 
 SPLIT_RANGE = ("ssar_split_allgather/range", "dsar_split_allgather/range")
@@ -352,9 +354,7 @@ def _measure_point(
         # every rank, so every rank decides alike.
         if done == cfg.repeats and max(statistics.median(times[m]) for m in methods) < FAST_S:
             rounds = max(rounds, FAST_REPEATS)
-    preds: dict[str, float] = {}
-    if "auto" in ctx.logs and ctx.logs["auto"].last.decision is not None:
-        preds = dict(ctx.logs["auto"].last.decision.predictions)
+    preds = _predictions(ctx)
     base: dict[str, Any] = {
         "world_size": ctx.P, "rows": cfg.rows, "dim": dim, "tokens": cfg.tokens, "zipf": zipf, "hot": hot,
         "k_mean": statistics.mean(stats.k), "k_max": max(stats.k), "union": stats.union,
@@ -382,6 +382,27 @@ def _measure_point(
     return [asdict(r) for r in out]
 
 
+def _predictions(ctx: _Context) -> dict[str, float]:
+    """The model's time for each algorithm's own calls at this point: auto's problem and link, with the
+    metadata round carrying payloads only where that algorithm's calls do. (Auto's own predictions assume
+    auto's eager state for every candidate: after auto ran allgather, the split's prediction included the
+    inlined payloads its forced calls never send, over-predicting it 1.5-1.8x at P = 4.) Key "auto": the
+    prediction auto made for the algorithm it chose."""
+    log = ctx.logs.get("auto")
+    dec = log.last.decision if log is not None and log.records else None
+    if dec is None or dec.problem is None or dec.link is None:
+        return {}
+    p = dec.problem
+    largest = max(p.input_bytes(r) for r in range(p.world_size))
+    out = {"auto": dec.predictions[dec.algorithm]}
+    for m in ALGORITHMS:
+        # Forced allgather grows its signature's inline limit (collectives/_meta.py); the others inline only
+        # payloads up to the default EAGER_BYTES.
+        eager = largest <= (EAGER_LIMIT if m == "allgather" else EAGER_BYTES)
+        out[m] = predict(m, replace(p, eager=eager), dec.link)
+    return out
+
+
 def _sparsync_details(row: Row, log: CommLog, preds: dict[str, float], P: int) -> None:
     """Bytes, auto's choice, the model's prediction and the partition loads; collective (all ranks call it in
     the same order)."""
@@ -389,7 +410,7 @@ def _sparsync_details(row: Row, log: CommLog, preds: dict[str, float], P: int) -
     picks = sorted({rec.algorithm for rec in log.records})
     if row.method == "auto":
         row.chosen = "/".join(picks)
-        row.predicted_s = preds.get(picks[0]) if len(picks) == 1 else None
+        row.predicted_s = preds.get("auto") if len(picks) == 1 else None
     else:
         row.predicted_s = preds.get(row.method)
     row.partition, row.partition_bytes = _partition(row.method, log)
