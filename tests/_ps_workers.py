@@ -1,16 +1,20 @@
-"""Module-level workers and the reference model for the parameter-server / hybrid tests (see _workers.py)."""
+"""Module-level workers, the reference model and a raw client for the parameter-server / hybrid tests (see
+_workers.py)."""
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import zmq
 from torch import nn
 
-from sparsync.placement import OptimizerConfig
+from sparsync.placement import OptimizerConfig, wire
 from sparsync.placement.hybrid import HybridConfig, HybridTrainer
+from sparsync.placement.wire import CurveKeys, Header
 
 VOCAB, DIM, CLASSES, SEQ, BATCH = 50, 8, 5, 6, 4
 
@@ -134,3 +138,56 @@ def async_worker(rank: int, addresses: list[str], steps: int, fault: str) -> dic
     seconds = time.monotonic() - t0
     tr.close()
     return {"steps": done, "dead": False, "seconds": seconds, "losses": losses}
+
+
+# --- a raw client for hostile frames ---------------------------------------------------------------------------
+class RawClient:
+    """A bare DEALER socket that sends any frame. It speaks CURVE with ``keys`` (default: the run's, from the
+    environment) when the address carries a server key, unless ``curve=False``."""
+
+    def __init__(self, address: str, *, keys: CurveKeys | None = None, curve: bool = True) -> None:
+        endpoint, server_key = wire.split_address(address)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        keys = keys or wire.client_keys_from_env()
+        if curve and server_key is not None and keys is not None:
+            self.sock.curve_serverkey = server_key.encode()
+            self.sock.curve_publickey = keys.public.encode()
+            self.sock.curve_secretkey = keys.secret.encode()
+        self.sock.connect(endpoint)
+
+    def ask(self, frame: bytes | None, timeout: float = 5.0, rid: int | None = None) -> tuple[Header, str] | None:
+        """Send ``frame`` (None: nothing, just wait); the reply (header, body as text), or None when none came
+        within ``timeout``. With ``rid``, replies to other requests (parked ones answered late) are skipped."""
+        if frame is not None:
+            self.sock.send(frame)
+        deadline = time.monotonic() + timeout
+        while self.sock.poll(max(1, int(1000 * (deadline - time.monotonic())))):
+            h, body = wire.decode(self.sock.recv(), max_bytes=2**62)
+            if rid is None or h.rid == rid:
+                return h, bytes(body).decode(errors="replace")
+        return None
+
+    def ping(self, rid: int, timeout: float = 5.0) -> bool:
+        """Whether the server answers a PING (replies to earlier frames are skipped)."""
+        got = self.ask(wire.encode(Header(op=wire.Op.PING, rid=rid)), timeout, rid)
+        return got is not None and got[0].op == wire.Op.PING | wire.REPLY_BIT and got[0].status == 0
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.ctx.term()
+
+    def __enter__(self) -> RawClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def rss_kib(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory (``VmRSS``) or its peak (``VmHWM``), KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(f"no {field} in /proc/{pid}/status")

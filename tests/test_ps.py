@@ -1,5 +1,6 @@
 """The parameter server on real server processes over loopback: optimizers against torch, the wire format's
-refusals, timeouts, sync/async semantics, checkpoint and restart."""
+refusals, timeouts, sync/async semantics (sums in worker order), checkpoint and restart. Hostile inputs,
+authentication and corrupt checkpoints: test_ps_hostile.py."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-import zmq
+from _ps_workers import RawClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,7 @@ from sparsync.placement import (
     PSError,
     PSTable,
     PSTimeoutError,
+    ServerConfig,
     ServerProcess,
     WireError,
     save_servers,
@@ -44,9 +46,9 @@ def two() -> Iterator[list[ServerProcess]]:
 def test_wire_round_trip(n: int, dim: int, rid: int, step: int) -> None:
     rows = np.arange(n, dtype=np.int64) * 3
     vals = np.random.default_rng(n).standard_normal((n, dim)).astype(np.float32)
-    h = Header(op=Op.PUSH, rid=rid, step=step, n=n, dim=dim, token=wire.token_digest("t"))
-    got, body = wire.decode(wire.encode(h, *wire.rows_body(rows, vals)), token=wire.token_digest("t"))
-    assert (got.op, got.rid, got.step, got.n, got.dim) == (Op.PUSH, rid, step, n, dim)
+    h = Header(op=Op.PUSH, rid=rid, step=step, n=n, dim=dim, sender=n)
+    got, body = wire.decode(wire.encode(h, *wire.rows_body(rows, vals)))
+    assert (got.op, got.rid, got.step, got.n, got.dim, got.sender) == (Op.PUSH, rid, step, n, dim, n)
     r2, v2 = wire.parse_rows(got, body, with_values=True)
     assert np.array_equal(r2, rows) and v2 is not None and np.array_equal(v2, vals)
 
@@ -62,8 +64,6 @@ def test_wire_refusals() -> None:
         wire.decode(b"XXXX" + frame[4:])
     with pytest.raises(WireError, match="body_len"):
         wire.decode(frame[:-1])
-    with pytest.raises(WireError, match="token"):
-        wire.decode(frame, token=wire.token_digest("secret"))
     bad_version = frame[:4] + bytes([9]) + frame[5:]
     with pytest.raises(WireError, match="version 9"):
         wire.decode(bad_version)
@@ -106,64 +106,47 @@ def test_server_optimizers_match_torch_sparse_optimizers(two: list[ServerProcess
         )
 
 
-# --- refusals on the wire, token, timeouts -------------------------------------------------------------------
-def _raw(address: str, frame: bytes, timeout_ms: int = 5000) -> tuple[Header, str]:
-    ctx = zmq.Context()
-    s = ctx.socket(zmq.DEALER)
-    s.setsockopt(zmq.LINGER, 0)
-    s.connect(address)
-    s.send(frame)
-    assert s.poll(timeout_ms), "no reply from the server"
-    h, body = wire.decode(s.recv())
-    s.close()
-    ctx.term()
-    return h, bytes(body).decode(errors="replace")
-
-
+# --- refusals on the wire, timeouts --------------------------------------------------------------------------
 def test_server_refuses_bad_messages_with_an_error_reply() -> None:
-    sp = ServerProcess(wire_cfg := __import__("sparsync.placement.server", fromlist=["x"]).ServerConfig(
-        token="s3cret", max_message_bytes=4096, wait_timeout=2.0))  # fmt: skip
+    sp = ServerProcess(ServerConfig(max_message_bytes=4096, wait_timeout=2.0))
     addr = sp.start()
     try:
-        tok = wire.token_digest("s3cret")
-        assert wire_cfg.host == "127.0.0.1" and addr.startswith("tcp://127.0.0.1:")
-        h, msg = _raw(addr, wire.encode(Header(op=Op.PING, rid=7)))
-        assert h.status == 1 and h.rid == 7 and "token" in msg
-        h, msg = _raw(addr, wire.encode(Header(op=Op.PING, rid=8, token=tok)))
-        assert h.status == 0 and h.rid == 8
-        big = wire.encode(Header(op=Op.PUSH, rid=9, token=tok), bytes(5000))
-        h, msg = _raw(addr, big)
-        assert h.status == 1 and h.rid == 9 and "exceeds the limit of 4096" in msg
-        h, msg = _raw(addr, b"garbage that is not a message" * 3)
-        assert h.status == 1 and "magic" in msg
-        h, msg = _raw(addr, wire.encode(Header(op=77, rid=10, token=tok)))
-        assert h.status == 1 and "unknown op 77" in msg
-        h, msg = _raw(addr, wire.encode(Header(op=Op.CREATE, rid=11, token=tok), b"{not json"))
-        assert h.status == 1 and "JSON" in msg
-        huge = {"name": "h", "rows": 10**12, "lo": 0, "hi": 10**12, "dim": 1000}
-        h, msg = _raw(addr, wire.encode(Header(op=Op.CREATE, rid=13, token=tok), wire.json_body(huge)))
-        assert h.status == 1 and "max_shard_bytes" in msg
-        h, msg = _raw(addr, wire.encode(Header(op=Op.CREATE, rid=14, token=tok), wire.json_body({"rows": "x"})))
-        assert h.status == 1 and h.rid == 14
-        h, msg = _raw(addr, wire.encode(Header(op=Op.PULL, rid=12, token=tok, n=1, dim=2), bytes(8)))
-        assert h.status == 1 and "does not exist" in msg
-        with PSClient([addr], token="s3cret", timeout=5) as c:
+        assert sp.cfg.host == "127.0.0.1" and addr.startswith("tcp://127.0.0.1:")
+        with RawClient(addr) as raw:
+
+            def ask(frame: bytes) -> tuple[Header, str]:
+                got = raw.ask(frame)
+                assert got is not None, "no reply from the server"
+                return got
+
+            h, msg = ask(wire.encode(Header(op=Op.PING, rid=8)))
+            assert h.status == 0 and h.rid == 8
+            h, msg = ask(b"garbage that is not a message" * 3)
+            assert h.status == 1 and "magic" in msg
+            h, msg = ask(wire.encode(Header(op=77, rid=10)))
+            assert h.status == 1 and "unknown op 77" in msg
+            h, msg = ask(wire.encode(Header(op=Op.CREATE, rid=11), b"{not json"))
+            assert h.status == 1 and "JSON" in msg
+            huge = {"name": "h", "rows": 10**12, "lo": 0, "hi": 10**12, "dim": 1000}
+            h, msg = ask(wire.encode(Header(op=Op.CREATE, rid=13), wire.json_body(huge)))
+            assert h.status == 1 and "max_shard_bytes" in msg
+            h, msg = ask(wire.encode(Header(op=Op.CREATE, rid=14), wire.json_body({"rows": "x"})))
+            assert h.status == 1 and h.rid == 14
+            h, msg = ask(wire.encode(Header(op=Op.PULL, rid=12, n=1, dim=2), bytes(8)))
+            assert h.status == 1 and "does not exist" in msg
+        with PSClient([addr], timeout=5) as c:
             t = PSTable(c, "e", 10, 2, partitions=2)
             t.create().wait()
             with pytest.raises(PSError, match="outside partition"):  # row 7 sent to partition 0
                 c.request(0, t._head(Op.PULL, 0, n=1), *wire.rows_body(np.array([7]))).result(5)
             with pytest.raises(PSError, match="dim 3 does not match"):
-                c.request(
-                    0, Header(op=Op.PULL, table=t.id, n=1, dim=3, token=tok), *wire.rows_body(np.array([1]))
-                ).result(5)
+                c.request(0, Header(op=Op.PULL, table=t.id, n=1, dim=3), *wire.rows_body(np.array([1]))).result(5)
             with pytest.raises(PSError, match="non-finite"):
                 t.push(torch.tensor([1]), torch.tensor([[float("nan"), 0.0]])).wait()
             with pytest.raises(ValueError, match="row 10 out of range"):
                 t.pull(torch.tensor([10]))
             with pytest.raises(PSError, match="another config"):
                 PSTable(c, "e", 10, 2, partitions=1).create().wait()
-        with PSClient([addr], token="wrong", timeout=5) as c, pytest.raises(PSError, match="token"):
-            PSTable(c, "e", 10, 2, partitions=2).create().wait()
     finally:
         sp.kill()
 
@@ -181,21 +164,73 @@ def test_dead_server_gives_a_timeout_error_not_a_hang(two: list[ServerProcess]) 
 
 
 def test_sync_step_waits_for_every_pusher_then_applies_once(two: list[ServerProcess]) -> None:
-    with PSClient([s.address for s in two], timeout=10) as c:
+    addrs = [s.address for s in two]
+    with PSClient(addrs, timeout=10) as c, PSClient(addrs, timeout=10, sender=1) as c1:
         t = PSTable(c, "e", 8, 1, pushers=2, optimizer=OptimizerConfig("sgd", lr=1.0))
+        t1 = PSTable(c1, "e", 8, 1, pushers=2, optimizer=OptimizerConfig("sgd", lr=1.0))  # worker 1's handle
         t.create().wait()
         t.push(torch.tensor([0, 5]), torch.tensor([[1.0], [2.0]]), step=0).wait()
+        with pytest.raises(PSError, match="worker 0 already pushed step 0"):  # not counted twice
+            t.push(torch.tensor([0]), torch.tensor([[1.0]]), step=0).wait()
         apply = t.apply(0)
         pull = t.pull(torch.tensor([0, 5]), step=1)  # waits for the chief's update
         time.sleep(0.3)
         assert not apply.is_completed() and not pull.is_completed()
-        t.push(torch.tensor([0]), torch.tensor([[10.0]]), step=0).wait()
+        t1.push(torch.tensor([0]), torch.tensor([[10.0]]), step=0).wait()
         apply.wait()
         assert pull.wait().flatten().tolist() == [-11.0, -2.0]  # summed over pushers, applied once
         # A pusher that never comes: the chief's APPLY fails after the server's wait_timeout (3 s), with why.
         t.push(torch.tensor([1]), torch.tensor([[1.0]]), step=1).wait()
         with pytest.raises(PSError, match="1 of 2 pushes arrived"):
             t.apply(1).wait()
+
+
+def test_sync_sums_pushes_in_worker_order_not_arrival_order(two: list[ServerProcess]) -> None:
+    # float32: (1e8 + 1) - 1e8 = 0 but (-1e8 + 1e8) + 1 = 1, so the order of the sum shows in the result
+    grads = {0: 1e8, 1: 1.0, 2: -1e8}
+    addrs = [s.address for s in two]
+    clients = [PSClient(addrs, timeout=10, sender=w) for w in range(3)]
+    try:
+        results = []
+        for k, arrival in enumerate([(0, 1, 2), (2, 0, 1), (1, 2, 0)]):
+            tables = [
+                PSTable(c, f"order{k}", 4, 1, pushers=3, optimizer=OptimizerConfig("sgd", lr=1.0)) for c in clients
+            ]
+            tables[0].create().wait()
+            for w in arrival:
+                tables[w].push(torch.tensor([2]), torch.tensor([[grads[w]]]), step=0).wait()
+            tables[0].apply(0).wait()
+            results.append(tables[0].pull(torch.tensor([2]), step=1).wait())
+        total = (np.float32(1e8) + np.float32(1.0)) + np.float32(-1e8)  # worker order 0, 1, 2: 0, not 1
+        expect = np.array([[np.float32(0.0) - total]], np.float32)  # sgd, lr 1, from zero weights
+        for r in results:
+            assert r.numpy().tobytes() == expect.tobytes()
+    finally:
+        for c in clients:
+            c.close()
+
+
+@pytest.mark.multiprocess
+def test_two_sync_hybrid_runs_give_identical_bits() -> None:
+    # Issue 14: at P = 3 the server summed a step's pushes in arrival order, so runs differed in the last bits.
+    import _ps_workers as pw
+
+    from sparsync import launch
+
+    procs: list[ServerProcess] = []
+    cases = []
+    try:
+        for _ in range(2):  # two runs, each on fresh servers
+            sv = start_servers(2, wait_timeout=20.0)
+            procs += sv
+            cases.append(dict(opt="adam", reduce="mean", steps=4, addresses=[s.address for s in sv]))
+        first, second = launch(pw.hybrid_worker, nprocs=3, args=([], cases), timeout=120)[0]
+    finally:
+        for s in procs:
+            s.kill()
+    assert first["table"].numpy().tobytes() == second["table"].numpy().tobytes()
+    assert all(torch.equal(a, b) for a, b in zip(first["head"], second["head"], strict=True))
+    assert first["losses"] == second["losses"]
 
 
 def test_async_applies_each_push_at_once(two: list[ServerProcess]) -> None:
@@ -212,18 +247,22 @@ def test_pull_push_apply_equal_numpy_reference(two: list[ServerProcess], split: 
     rows, dim, lr = 23, 3, 0.5
     rng = np.random.default_rng(partitions)
     ref = rng.standard_normal((rows, dim)).astype(np.float32)
-    with PSClient([s.address for s in two], timeout=10) as c:
-        t = PSTable(c, f"ref_{split}", rows, dim, partitions=partitions, pushers=2, split=split, divisor=2.0,
-                    optimizer=OptimizerConfig("sgd", lr=lr))  # fmt: skip
+    addrs = [s.address for s in two]
+    with PSClient(addrs, timeout=10) as c, PSClient(addrs, timeout=10, sender=1) as c1:
+        t, t1 = (
+            PSTable(x, f"ref_{split}", rows, dim, partitions=partitions, pushers=2, split=split, divisor=2.0,
+                    optimizer=OptimizerConfig("sgd", lr=lr))
+            for x in (c, c1)
+        )  # fmt: skip
         t.create().wait()
         t.set(np.arange(rows), ref).wait()
         for step in range(3):
             total = np.zeros_like(ref)
-            for _pusher in range(2):
+            for pusher in (t, t1):
                 idx = rng.integers(0, rows, 9)  # duplicates, untouched rows
                 g = rng.standard_normal((9, dim)).astype(np.float32)
                 np.add.at(total, idx, g)
-                t.push(idx, g, step=step).wait()
+                pusher.push(idx, g, step=step).wait()
             t.apply(step).wait()
             ref -= lr * total / 2
             ask = rng.integers(0, rows, 15)
@@ -284,7 +323,6 @@ def test_checkpoint_and_restart_resume_tables_and_optimizer_state(tmp_path: obje
 
 def test_config_validation_names_the_bad_value() -> None:
     from sparsync.placement.hybrid import HybridConfig
-    from sparsync.placement.server import ServerConfig
     from sparsync.placement.shard import ShardConfig
 
     with pytest.raises(KeyError, match="unknown server optimizer 'rmsprop'"):
@@ -297,7 +335,7 @@ def test_config_validation_names_the_bad_value() -> None:
         HybridConfig(sparse_reduce="max")
     with pytest.raises(ValueError, match="bad shard"):
         ShardConfig("t", rows=10, lo=5, hi=20, dim=2)
-    with pytest.raises(ValueError, match="bad shard"):
+    with pytest.raises(ValueError, match="stride must be in"):
         ShardConfig("t", rows=10, lo=0, hi=10, dim=2, stride=0)
     with pytest.raises(KeyError, match="unknown split 'rows'"):
         HybridConfig(split="rows")

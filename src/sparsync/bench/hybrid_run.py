@@ -24,7 +24,8 @@ from sparsync.netem import NetNamespaces, describe, net_spec, shaped
 from sparsync.placement.detect import ParamStats
 from sparsync.placement.partition import PartitionSearch, search_partitions
 from sparsync.placement.plan import Cluster, Plan, make_plan
-from sparsync.placement.server import ServerConfig, ServerProcess
+from sparsync.placement.process import ServerProcess
+from sparsync.placement.server import ServerConfig
 
 # method -> the plan placement of the embedding that describes it (dense parameters: dense allreduce)
 PLAN_OF = {

@@ -4,11 +4,13 @@ the partition search; and a hybrid training loop."""
 
 from sparsync.placement.client import PSClient, PSError, PSTimeoutError
 from sparsync.placement.optim import OptimizerConfig
-from sparsync.placement.server import ServerConfig, ServerProcess, start_servers
+from sparsync.placement.process import ServerProcess, start_servers
+from sparsync.placement.server import ServerConfig
 from sparsync.placement.table import PSTable, save_servers, server_stats
-from sparsync.placement.wire import WireError
+from sparsync.placement.wire import CurveKeys, WireError
 
 __all__ = [
+    "CurveKeys",
     "OptimizerConfig",
     "PSClient",
     "PSError",

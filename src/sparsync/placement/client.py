@@ -2,6 +2,7 @@
 sockets (one per server; ZeroMQ sockets must stay on one thread). Callers get a ``sparsync.Work`` per request;
 a request that gets no reply within ``timeout`` fails with ``PSTimeoutError`` naming the server, and that
 server's socket is rebuilt so requests queued for a dead server are dropped, not delivered to its successor.
+A server that refuses our CURVE key (``wire.py``) fails the requests at once with ``PSError``, not a timeout.
 """
 
 from __future__ import annotations
@@ -15,9 +16,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from sparsync.placement import wire
-from sparsync.placement.wire import Header, Op
+from sparsync.placement.wire import CurveKeys, Header, Op
+
+# handshake outcomes that mean the server will not talk to us with these keys
+_REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
 
 
 class PSError(RuntimeError):
@@ -37,7 +42,10 @@ class _Pending:
 
 
 class PSClient:
-    """Connection to the servers ``addresses`` (e.g. ``tcp://127.0.0.1:5555``), used by one worker.
+    """Connection to the servers ``addresses`` (``ServerProcess.address``: ``tcp://127.0.0.1:5555`` with the
+    server's public key when it authenticates), used by one worker. ``keys``: this client's CURVE keypair, by
+    default the run's from the environment (``SPARSYNC_PS_CLIENT_KEY``, set by ``start_servers``). ``sender``:
+    the worker id sent with each request (sync steps sum pushes in this order).
 
     ``request`` is thread-safe. Byte counters (``bytes_sent``, ``bytes_recv``) count whole frames.
     """
@@ -46,7 +54,7 @@ class PSClient:
         self,
         addresses: Sequence[str],
         *,
-        token: str | None = None,
+        keys: CurveKeys | None = None,
         timeout: float = 30.0,
         sender: int = 0,
         max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE,
@@ -55,11 +63,24 @@ class PSClient:
             raise ValueError("PSClient needs at least one server address")
         if not timeout > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+        if not 0 <= sender < 2**32:
+            raise ValueError(f"sender must be in [0, 2^32), got {sender}")
         self.addresses = list(addresses)
+        split = [wire.split_address(a) for a in self.addresses]
+        self.endpoints = [e for e, _ in split]
+        self.server_keys = [k for _, k in split]
+        if keys is None and any(self.server_keys):
+            keys = wire.client_keys_from_env()
+            if keys is None:
+                raise ValueError(
+                    "these servers authenticate clients (CURVE) and no client key was given: pass "
+                    f"keys=CurveKeys(...) or set {wire.CLIENT_KEY_ENV} (start_servers sets it for the processes "
+                    "started after it)"
+                )
+        self.keys = keys
         self.timeout = timeout
         self.sender = sender
         self.max_message_bytes = max_message_bytes
-        self.digest = wire.token_digest(token)
         self.bytes_sent = 0
         self.bytes_recv = 0
         self.bytes_per_server = [0] * len(self.addresses)  # sent + received, per server
@@ -81,7 +102,7 @@ class PSClient:
         return len(self.addresses)
 
     def header(self, op: Op, **kw: int) -> Header:
-        return Header(op=op, token=self.digest, sender=self.sender, **kw)
+        return Header(op=op, sender=self.sender, **kw)
 
     def request(self, server: int, head: Header, *body: bytes | memoryview) -> Future[tuple[Header, bytes]]:
         """Send one request to ``server``; the future gives (reply header, reply body) or raises PSError /
@@ -96,7 +117,7 @@ class PSClient:
                 f"{self.max_message_bytes}; split it (PSTable does)"
             )
         fut: Future[tuple[Header, bytes]] = Future()
-        what = f"{Op(head.op).name} to server {server} ({self.addresses[server]})"
+        what = f"{Op(head.op).name} to server {server} ({self.endpoints[server]})"
         with self._lock:
             if self._closed:
                 raise RuntimeError("PSClient is closed")
@@ -122,18 +143,28 @@ class PSClient:
         self.close()
 
     # --- I/O thread -------------------------------------------------------------------------------------
-    def _dealer(self, server: int) -> zmq.Socket[bytes]:
+    def _dealer(self, server: int) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]:
+        """A socket to ``server`` and, when it authenticates, a monitor that reports a refused handshake."""
         s = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
-        s.connect(self.addresses[server])
-        return s
+        mon = None
+        key = self.server_keys[server]
+        if key is not None and self.keys is not None:
+            s.curve_serverkey = key.encode()
+            s.curve_publickey = self.keys.public.encode()
+            s.curve_secretkey = self.keys.secret.encode()
+            mon = s.get_monitor_socket(_REFUSED)
+        s.connect(self.endpoints[server])
+        return s, mon
 
     def _loop(self) -> None:
         socks = [self._dealer(i) for i in range(len(self.addresses))]
         poller = zmq.Poller()
         poller.register(self._wake_rx, zmq.POLLIN)
-        for s in socks:
+        for s, mon in socks:
             poller.register(s, zmq.POLLIN)
+            if mon is not None:
+                poller.register(mon, zmq.POLLIN)
         pending: dict[int, _Pending] = {}
         running = True
         while running or pending:
@@ -150,41 +181,53 @@ class PSClient:
                         continue
                     server, frame, rid, p = item
                     pending[rid] = p
-                    socks[server].send(frame, copy=False)
+                    socks[server][0].send(frame, copy=False)
                     self.bytes_sent += len(frame)
                     self.bytes_per_server[server] += len(frame)
-            for i, s in enumerate(socks):
+            refused: set[int] = set()
+            for i, (s, mon) in enumerate(socks):
                 if s in events:
                     while s.poll(0):
                         self._deliver(s.recv(copy=True), pending, i)
+                if mon is not None and mon in events:
+                    while mon.poll(0):
+                        if recv_monitor_message(mon)["event"] & _REFUSED:
+                            refused.add(i)
             now = time.monotonic()
             dead = {p.server for p in pending.values() if p.deadline <= now}
             for rid, p in list(pending.items()):
-                if p.deadline <= now or (not running and p.server in dead):
+                if p.server in refused:
+                    del pending[rid]
+                    p.future.set_exception(
+                        PSError(f"{p.what}: the server refused our CURVE handshake (not this run's client key?)")
+                    )
+                elif p.deadline <= now or (not running and p.server in dead):
                     del pending[rid]
                     p.future.set_exception(
                         PSTimeoutError(
                             f"{p.what}: no reply within {self.timeout:g} s (server dead or unreachable?)"
                         )
                     )
-            for i in dead:  # drop whatever is still queued for it; a restarted server must not see stale requests
-                poller.unregister(socks[i])
-                socks[i].close(0)
+            # drop whatever is still queued for these; a restarted server must not see stale requests
+            for i in dead | refused:
+                _close(poller, *socks[i])
                 socks[i] = self._dealer(i)
-                poller.register(socks[i], zmq.POLLIN)
+                poller.register(socks[i][0], zmq.POLLIN)
+                if socks[i][1] is not None:
+                    poller.register(socks[i][1], zmq.POLLIN)
             if not running:
                 for rid, p in list(pending.items()):
                     del pending[rid]
                     p.future.set_exception(RuntimeError(f"{p.what}: client closed"))
-        for s in socks:
-            s.close(0)
+        for s, mon in socks:
+            _close(poller, s, mon)
         self._wake_rx.close(0)
 
     def _deliver(self, frame: bytes, pending: dict[int, _Pending], server: int) -> None:
         self.bytes_recv += len(frame)
         self.bytes_per_server[server] += len(frame)
         try:
-            h, body = wire.decode(frame, max_bytes=2**62)
+            h, body = wire.decode(frame, max_bytes=2**62)  # from an authenticated server: no size limit
         except wire.WireError:
             return  # not from a sparsync server: ignore rather than kill the I/O thread
         p = pending.pop(h.rid, None)
@@ -194,3 +237,12 @@ class PSClient:
             p.future.set_exception(PSError(f"server {server} refused {p.what.split()[0]}: {bytes(body).decode()}"))
         else:
             p.future.set_result((h, bytes(body)))
+
+
+def _close(poller: zmq.Poller, s: zmq.Socket[bytes], mon: zmq.Socket[bytes] | None) -> None:
+    poller.unregister(s)
+    if mon is not None:
+        poller.unregister(mon)
+        s.disable_monitor()
+        mon.close(0)
+    s.close(0)

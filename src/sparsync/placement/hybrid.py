@@ -48,6 +48,7 @@ from sparsync.placement.optim import OptimizerConfig
 from sparsync.placement.plan import Plan
 from sparsync.placement.reduced import REDUCED, Reduced, resolve_placements
 from sparsync.placement.table import SPLITS, PSTable, save_servers
+from sparsync.placement.wire import CurveKeys
 from sparsync.record import CommLog
 
 # timing scopes of HybridTrainer.phases: compute (pull waits excluded), pull waits, issuing the pushes (with the
@@ -94,7 +95,8 @@ class HybridTrainer:
     too, for the ``sparse_allreduce`` and ``sketch`` placements whose gradients stay sparse COO (``SGD``,
     ``SparseAdam``, ``Adagrad``); parameters on the servers get no local gradient. Async mode updates
     everything on the servers with ``cfg.optimizer``. Every rank builds the same model; rank 0's initial
-    weights win (local ones broadcast, the servers' written by rank 0).
+    weights win (local ones broadcast, the servers' written by rank 0). ``keys``: this worker's CURVE keypair
+    for servers that authenticate (default: the run's, from the environment ``start_servers`` set up).
     """
 
     def __init__(
@@ -108,7 +110,7 @@ class HybridTrainer:
         placements: Plan | Mapping[str, str] | None = None,
         log: CommLog | None = None,
         sparse_params: Sequence[str] | None = None,
-        token: str | None = None,
+        keys: CurveKeys | None = None,
         group: dist.ProcessGroup | None = None,
     ) -> None:
         self.cfg = cfg = cfg or HybridConfig()
@@ -154,7 +156,7 @@ class HybridTrainer:
             sparse_grads=[n for n, m in emb.items() if getattr(m, "sparse", False)],
             sketch=cfg.sketch, error_feedback=cfg.sketch_error_feedback, group=group, log=log,
         )  # fmt: skip
-        self.client = PSClient(addresses, token=token, timeout=cfg.timeout, sender=self.rank)
+        self.client = PSClient(addresses, keys=keys, timeout=cfg.timeout, sender=self.rank)
         # Local aggregation gathers the row-wise tables only: every worker pushes its whole-table gradients.
         pushers = self.world // cfg.procs_per_machine if self.local_agg else self.world
         self.tables: dict[str, PSTable] = {}

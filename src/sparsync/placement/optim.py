@@ -11,12 +11,14 @@ of touched rows only; one step counter per shard, advanced at every apply, as Sp
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+import numbers
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import numpy as np
 
 OPTIMIZERS = ("sgd", "adagrad", "adam")
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -30,12 +32,22 @@ class OptimizerConfig:
     lr_decay: float = 0.0  # adagrad
 
     def __post_init__(self) -> None:
-        if self.name not in OPTIMIZERS:
+        # Every field is checked for type too: a server must refuse {"lr_decay": "fast"} at CREATE, not crash
+        # at the first APPLY (issue 14).
+        if not isinstance(self.name, str) or self.name not in OPTIMIZERS:
             raise KeyError(f"unknown server optimizer {self.name!r}; valid: {', '.join(OPTIMIZERS)}")
-        if not (math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"lr must be a finite number > 0, got {self.lr!r}")
-        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"adam betas must lie in [0, 1), got ({self.beta1}, {self.beta2})")
+        checked_real("lr", self.lr, low=0.0, strict=True)
+        if self.eps is not None:
+            checked_real("eps", self.eps, low=0.0, strict=True)
+        for name in ("beta1", "beta2"):
+            if not 0 <= checked_real(name, getattr(self, name), low=0.0) < 1:
+                raise ValueError(f"adam {name} must lie in [0, 1), got {getattr(self, name)!r}")
+        checked_real("initial_accumulator_value", self.initial_accumulator_value, low=0.0)
+        checked_real("lr_decay", self.lr_decay, low=0.0)
+        for f in fields(self):  # plain floats: equal configs compare equal and serialise as JSON
+            v = getattr(self, f.name)
+            if f.name != "name" and v is not None:
+                object.__setattr__(self, f.name, float(v))
 
     @property
     def epsilon(self) -> float:
@@ -96,3 +108,26 @@ def coalesce(rows: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarr
     out = np.zeros((uniq.size, values.shape[1]), dtype=values.dtype)
     np.add.at(out, inv, values)
     return uniq.astype(np.int64), out
+
+
+# --- field checks (shared with the table config) -------------------------------------------------------------
+def checked_real(name: str, value: Any, *, low: float | None = None, strict: bool = False) -> float:
+    """``value`` as a float that is finite in float32 (the servers compute in float32), or ``ValueError`` naming
+    ``name`` and the value (a bool is not a number)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}"[:300])
+    v = float(value)
+    if not abs(v) <= _F32_MAX or (low is not None and (v <= low if strict else v < low)):
+        bound = "" if low is None else f" {'>' if strict else '>='} {low:g}"
+        raise ValueError(f"{name} must be a finite number{bound}, got {value!r}")
+    return v
+
+
+def checked_int(name: str, value: Any, low: int, high: int) -> int:
+    """``value`` if it is an int in [low, high], else ``ValueError`` naming ``name`` and the value."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}"[:300])
+    v = int(value)
+    if not low <= v <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {v}"[:300])
+    return v

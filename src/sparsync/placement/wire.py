@@ -1,34 +1,46 @@
-"""The parameter server's wire format: a fixed binary header and a typed body, no pickle.
+"""The parameter server's wire format: a fixed binary header and a typed body, no pickle; and its authentication.
 
-Every message is one ZeroMQ frame: a 72-byte little-endian header, then ``body_len`` bytes. The receiver
-checks magic, version, token digest, the header's ``body_len`` against the frame's real length, and the body's
-length against what the op implies (``n`` int64 row ids, then ``n * dim`` float32 values) before it reads
-anything; a frame over the size limit is refused unread. JSON (table configuration, stats, errors) is the only
-structured body, parsed with ``json`` (data only).
+Every message is one ZeroMQ frame: a 56-byte little-endian header, then ``body_len`` bytes. The receiver
+checks magic, version, the header's ``body_len`` against the frame's real length, and the body's length against
+what the op implies (``n`` int64 row ids, then ``n * dim`` float32 values) before it reads anything; a frame over
+the size limit is refused unread. JSON (table configuration, stats, errors) is the only structured body, parsed
+with ``json`` (data only) once its size and nesting depth were checked.
 
-Header fields (``<4sBBBB16sQIIIQQIQ``): magic ``SPS1``, version, op, status (0 ok, 1 error; replies only),
-flags, token digest (first 16 bytes of SHA-256 of the shared token, zero without a token), request id, table
-id, partition, sender (worker id), step (sync step, or the minimum table version a pull waits for), n (rows),
-dim (row width), body_len.
+Header fields (``<4sBBBBQIIIQQIQ``): magic ``SPS1``, version, op, status (0 ok, 1 error; replies only), flags,
+request id, table id, partition, sender (worker id), step (sync step, or the minimum table version a pull waits
+for), n (rows), dim (row width), body_len.
+
+Authentication is ZeroMQ CURVE, below this format (issue 14: version 1's token was a static digest sent in the
+clear). A server started with ``auth=True`` (the default) has its own keypair and admits only clients holding
+the run's client key; anyone else is dropped in the handshake, before a frame of theirs is read. A server's
+address carries its public key (``tcp://127.0.0.1:5555#curve=<64 hex digits>``); the client keypair comes from
+``PSClient(keys=...)`` or the environment (``SPARSYNC_PS_CLIENT_KEY``), which ``start_servers`` sets so that the
+workers it starts afterwards inherit it.
 """
 
 from __future__ import annotations
 
 import enum
-import hashlib
-import hmac
 import json
+import os
+import re
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+import zmq
+from zmq.utils import z85
 
 MAGIC = b"SPS1"
-VERSION = 1
-HEADER = struct.Struct("<4sBBBB16sQIIIQQIQ")
+VERSION = 2  # 2: no token field (CURVE authenticates the connection instead)
+HEADER = struct.Struct("<4sBBBBQIIIQQIQ")
 DEFAULT_MAX_MESSAGE = 256 * 2**20  # bytes; a push of 1M rows x 64 floats fits
+MAX_JSON_BYTES = 64 * 2**10  # a table config is < 1 KiB
+MAX_JSON_DEPTH = 8  # a table config nests 2 levels; 100,000 levels overflowed json's recursion (issue 14)
 REPLY_BIT = 0x80
+CLIENT_KEY_ENV = "SPARSYNC_PS_CLIENT_KEY"
+_CURVE = "#curve="
 
 
 class Op(enum.IntEnum):
@@ -44,13 +56,7 @@ class Op(enum.IntEnum):
 
 
 class WireError(ValueError):
-    """A message that is malformed, oversized, from another version, or carries the wrong token."""
-
-
-def token_digest(token: str | None) -> bytes:
-    if not token:
-        return bytes(16)
-    return hashlib.sha256(token.encode()).digest()[:16]
+    """A message that is malformed, oversized or from another version."""
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,6 @@ class Header:
     dim: int = 0
     status: int = 0
     flags: int = 0
-    token: bytes = bytes(16)
     body_len: int = 0
 
     def reply(self, status: int = 0, *, n: int = 0, dim: int = 0) -> Header:
@@ -76,32 +81,34 @@ def encode(h: Header, *body: bytes | memoryview) -> bytes:
     """Header (with ``body_len`` set from the body) followed by the body parts, as one frame."""
     blen = sum(memoryview(b).nbytes for b in body)
     head = HEADER.pack(
-        MAGIC, VERSION, h.op, h.status, h.flags, h.token, h.rid, h.table, h.partition, h.sender, h.step, h.n,
-        h.dim, blen,
-    )  # fmt: skip
+        MAGIC, VERSION, h.op, h.status, h.flags, h.rid, h.table, h.partition, h.sender, h.step, h.n, h.dim, blen
+    )
     return b"".join([head, *body])
 
 
-def decode(
-    frame: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE, token: bytes | None = None
-) -> tuple[Header, memoryview]:
-    """Parse and check one frame; raise ``WireError`` saying what is wrong. ``token`` None skips the check."""
+def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE) -> tuple[Header, memoryview]:
+    """Parse and check one frame; raise ``WireError`` saying what is wrong."""
     if len(frame) > max_bytes:
         raise WireError(f"message of {len(frame)} bytes exceeds the limit of {max_bytes} bytes")
     if len(frame) < HEADER.size:
         raise WireError(f"message of {len(frame)} bytes is shorter than the {HEADER.size}-byte header")
-    f = HEADER.unpack_from(frame)
-    magic, version, op, status, flags, tok, rid, table, part, sender, step, n, dim, blen = f
+    magic, version, op, status, flags, rid, table, part, sender, step, n, dim, blen = HEADER.unpack_from(frame)
     if magic != MAGIC:
         raise WireError(f"bad magic {magic!r}: not a sparsync parameter-server message")
     if version != VERSION:
         raise WireError(f"wire version {version} not supported (this side speaks {VERSION})")
-    if token is not None and not hmac.compare_digest(tok, token):
-        raise WireError("wrong or missing token")
     if blen != len(frame) - HEADER.size:
         raise WireError(f"header says body_len={blen} but the frame carries {len(frame) - HEADER.size} bytes")
-    h = Header(op, rid, table, part, sender, step, n, dim, status, flags, tok, blen)
+    h = Header(op, rid, table, part, sender, step, n, dim, status, flags, blen)
     return h, memoryview(frame)[HEADER.size :]
+
+
+def salvage(frame: bytes) -> Header:
+    """Best effort: the op and ids of a message we refuse, so the client can match the error reply."""
+    if len(frame) >= HEADER.size and frame[:4] == MAGIC:
+        f = HEADER.unpack_from(frame)
+        return Header(op=f[2] & 0x7F, rid=f[5], table=f[6], partition=f[7])
+    return Header(op=0)
 
 
 def check_op(h: Header) -> Op:
@@ -135,8 +142,100 @@ def json_body(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def parse_json(body: memoryview) -> Any:
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.S)
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep ``[`` and ``{`` nest in ``raw`` (brackets inside strings do not count)."""
+    b = np.frombuffer(_JSON_STRING.sub(b'""', raw), dtype=np.uint8)
+    step = np.isin(b, (ord("["), ord("{"))).astype(np.int64) - np.isin(b, (ord("]"), ord("}")))
+    return int(np.cumsum(step).max(initial=0))
+
+
+def parse_json(body: memoryview, *, max_bytes: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH) -> Any:
+    """JSON data from ``body``; ``WireError`` for a body over ``max_bytes``, nested deeper than ``max_depth``,
+    or not UTF-8 JSON. The depth is checked before ``json.loads``, whose recursion a deep body overflows."""
+    if len(body) > max_bytes:
+        raise WireError(f"JSON body of {len(body)} bytes exceeds the limit of {max_bytes} bytes")
+    raw = bytes(body)
+    depth = json_depth(raw)
+    if depth > max_depth:
+        raise WireError(f"JSON body nests {depth} levels deep, more than the limit of {max_depth}")
     try:
-        return json.loads(bytes(body).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return json.loads(raw.decode())
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise WireError(f"body is not valid UTF-8 JSON: {e}") from None
+
+
+# --- authentication (CURVE) ----------------------------------------------------------------------------------
+def require_curve() -> None:
+    """Raise a clear error when this libzmq cannot do CURVE (pyzmq's wheels always can)."""
+    if not zmq.has("curve"):
+        raise RuntimeError(
+            f"libzmq {zmq.zmq_version()} was built without CURVE, which parameter-server authentication needs; "
+            "install pyzmq's wheel (it bundles libsodium) or start servers with auth=False on a trusted host"
+        )
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """A CURVE keypair, Z85 text (40 characters each). ``repr`` hides the secret."""
+
+    public: str
+    secret: str = field(repr=False)
+
+    def __post_init__(self) -> None:
+        for name in ("public", "secret"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or len(v) != 40:
+                raise ValueError(f"CURVE {name} key must be 40 characters of Z85 text, got {len(str(v))}")
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        require_curve()
+        public, secret = zmq.curve_keypair()
+        return cls(public.decode(), secret.decode())
+
+    @classmethod
+    def from_secret(cls, secret: str) -> CurveKeys:
+        require_curve()
+        try:
+            return cls(zmq.curve_public(secret.encode()).decode(), secret)
+        except (zmq.ZMQError, ValueError) as e:
+            raise ValueError(f"not a CURVE secret key (40 characters of Z85 text): {e}") from None
+
+
+def client_keys_from_env() -> CurveKeys | None:
+    """The run's client keypair from ``SPARSYNC_PS_CLIENT_KEY`` (its secret), or None when unset."""
+    secret = os.environ.get(CLIENT_KEY_ENV)
+    return CurveKeys.from_secret(secret) if secret else None
+
+
+def run_client_keys() -> CurveKeys:
+    """The run's client keypair: from the environment, else generated now and put there, so that the workers
+    this process starts afterwards (``sparsync.launch``, ``multiprocessing``) inherit it. Every server started
+    from this process admits it."""
+    keys = client_keys_from_env()
+    if keys is None:
+        keys = CurveKeys.generate()
+        os.environ[CLIENT_KEY_ENV] = keys.secret
+    return keys
+
+
+def curve_address(endpoint: str, server_public: str) -> str:
+    """``endpoint`` tagged with the server's public key (public: it may be logged and passed on)."""
+    return f"{endpoint}{_CURVE}{z85.decode(server_public.encode()).hex()}"
+
+
+def split_address(address: str) -> tuple[str, str | None]:
+    """(ZeroMQ endpoint, server public key in Z85 or None for a server without authentication)."""
+    endpoint, sep, key = address.partition(_CURVE)
+    if not sep:
+        return address, None
+    try:
+        raw = bytes.fromhex(key)
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        raise ValueError(f"address {address!r}: the key after {_CURVE!r} must be 64 hex digits")
+    return endpoint, z85.encode(raw).decode()
