@@ -49,6 +49,7 @@ OPS = (
     "all_gather_grad",
     "broadcast_grad",
 )
+PARTITION_CODES = ("-", "stride", "range")  # the resolved partition of a call (collectives/partition.py)
 ALGORITHM_CODES = (
     "auto",
     "ssar_recursive_double",
@@ -64,10 +65,14 @@ ALGORITHM_CODES = (
 # Then the HyperLogLog registers of the row ids (collectives/_hll.py; zero for element or dense streams).
 # shape_key: a hash of the caller's tensor layout and full shape (0: a bare stream), with ndim and the first
 # four dims for the message; auto_key: a hash of auto's link model and policy (0: forced, or not measured yet);
-# nan/nonfinite: position and kind (1 NaN, 2 +Inf, 3 -Inf) of the first non-finite value (-1/0: none).
+# nan/nonfinite: position and kind (1 NaN, 2 +Inf, 3 -Inf) of the first non-finite value (-1/0: none);
+# check_nan and partition: the call's options, which every rank must share; refused: 1 when this rank's input
+# was refused before its call (the row then carries the error message as its payload, ``report_refusal``);
+# name_key: a hash of the call's ``name=`` (0: unnamed), which tells apart calls of one signature.
 _F = (
     "seq", "op", "dim", "dtype", "nnz", "dense", "nan", "algorithm", "row", "bad", "bad_value", "bad_tensor",
-    "bad_rows", "shape_key", "ndim", "s0", "s1", "s2", "s3", "auto_key", "nonfinite", "inline",
+    "bad_rows", "shape_key", "ndim", "s0", "s1", "s2", "s3", "auto_key", "nonfinite", "check_nan", "partition",
+    "refused", "name_key", "inline",
 )  # fmt: skip
 _COL = {name: i for i, name in enumerate(_F)}
 _NONFINITE = ("", "NaN", "+Inf", "-Inf")
@@ -184,6 +189,8 @@ def exchange_meta(
     bad: BadIndex | None = None,
     shape: tuple[str, tuple[int, ...]] | None = None,
     auto_key: int = 0,
+    partition: int = 0,
+    name: str | None = None,
 ) -> Meta:
     """``bad``: an out-of-range index this rank found in its input; every rank then raises the same
     ValueError naming it (the stream passed is a placeholder). ``shape``: (layout, full shape) of the tensor
@@ -224,6 +231,10 @@ def exchange_meta(
             *dims,
             auto_key,
             kind,
+            int(check_nan),
+            partition,
+            0,
+            0 if name is None else _key(name),
         ],
         dtype=torch.int64,
     )
@@ -235,7 +246,14 @@ def exchange_meta(
     if algorithm == "auto" and stream.row > 1 and stream.indices is not None and comm.size > 2:
         sketch = _hll.registers(stream.indices)
     table, blocks = allgather_rows(comm, row, payload_parts(stream) if mine <= limit else None, sketch)
+    raise_refusals(table, blocks, comm.rank)
     _check(table, comm.rank)
+    diff = torch.nonzero(table[:, _COL["name_key"]] != table[0, _COL["name_key"]], as_tuple=True)[0]
+    if diff.numel():
+        raise ValueError(
+            f"call name mismatch across ranks: rank {int(diff[0])}'s call is not rank 0's (this rank, "
+            f"{comm.rank}, called name={name!r}): a call skipped or issued in another order on some rank"
+        )
     nnz = tuple(int(x) for x in table[:, 4])
     dense = tuple(bool(x) for x in table[:, 5])
     sizes = [payload_nbytes(dense[r], nnz[r], stream.dim, stream.dtype, stream.row) for r in range(comm.size)]
@@ -252,18 +270,45 @@ def exchange_meta(
     return Meta(nnz=nnz, dense=dense, eager=eager, sizes=tuple(sizes), signature=sig, unions=unions)
 
 
+def report_refusal(comm: Comm, op: str, seq: int, error: Exception) -> None:
+    """This rank refused its input before its call (wrong type, dtype, option...): send a row saying so, with
+    the message as its payload, into the metadata round the other ranks are in, so that they raise it too at
+    once instead of waiting for the timeout (issue 14). The caller raises ``error`` afterwards."""
+    row = torch.zeros(_COL["refused"] + 1, dtype=torch.int64)
+    row[0], row[1], row[_COL["refused"]] = seq, OPS.index(op), 1
+    text = f"{type(error).__name__}: {error}".encode()[:4096]
+    table, _ = allgather_rows(comm, row, [torch.frombuffer(bytearray(text), dtype=torch.uint8)])
+    others = [r for r in range(comm.size) if r != comm.rank and int(table[r, _COL["refused"]])]
+    if others:  # several ranks refused: each raises its own error, naming the others
+        kind = TypeError if isinstance(error, TypeError) else ValueError
+        raise kind(f"{error}; also refused on rank(s) {others}") from error
+
+
+def raise_refusals(table: torch.Tensor, blocks: list[torch.Tensor], me: int) -> None:
+    """Raise the first refusal another rank reported in this metadata round (``report_refusal``)."""
+    refused = torch.nonzero(table[:, _COL["refused"]] != 0, as_tuple=True)[0]
+    if refused.numel():
+        r = int(refused[0])
+        text = bytes(blocks[r].numpy()).decode(errors="replace")
+        kind = TypeError if text.startswith("TypeError:") else ValueError  # the type the refusing rank raises
+        raise kind(f"rank {r} refused its input: {text} (seen on rank {me})")
+
+
+def _key(text: str) -> int:
+    """A 62-bit key of ``text``, the same on every rank and run (no Python hash seed), never 0."""
+    return (int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2) | 1
+
+
 def shape_fingerprint(layout: str, shape: tuple[int, ...]) -> int:
-    """A 62-bit key of (layout, shape), the same on every rank and run (no Python hash seed)."""
-    digest = hashlib.blake2b(repr((layout, tuple(int(d) for d in shape))).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
+    """A 62-bit key of (layout, shape)."""
+    return _key(repr((layout, tuple(int(d) for d in shape))))
 
 
 def auto_fingerprint(link: object, policy: object) -> int:
     """A 62-bit key of auto's link model (None: not measured yet) and policy (by qualified name), so ranks
     about to choose differently raise instead of running different algorithms (issue 14: gloo aborted)."""
     name = f"{getattr(policy, '__module__', '')}.{getattr(policy, '__qualname__', repr(policy))}"
-    digest = hashlib.blake2b(repr((link, name)).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 2
+    return _key(repr((link, name)))
 
 
 def _check(table: torch.Tensor, me: int) -> None:
@@ -275,6 +320,10 @@ def _check(table: torch.Tensor, me: int) -> None:
             return str(FLOAT_DTYPES[v])
         if _F[col] == "algorithm":
             return ALGORITHM_CODES[v]
+        if _F[col] == "partition":
+            return PARTITION_CODES[v]
+        if _F[col] == "check_nan":
+            return str(bool(v))
         return str(v)
 
     def shape(r: int) -> str:
@@ -289,6 +338,8 @@ def _check(table: torch.Tensor, me: int) -> None:
         (2, "dim"),
         (8, "row width"),
         (3, "dtype"),
+        (_COL["check_nan"], "check_nan"),
+        (_COL["partition"], "partition"),
     ):
         bad = torch.nonzero(table[:, col] != table[0, col], as_tuple=True)[0]
         if bad.numel():
@@ -301,9 +352,15 @@ def _check(table: torch.Tensor, me: int) -> None:
     diff = torch.nonzero(table[:, _COL["shape_key"]] != table[0, _COL["shape_key"]], as_tuple=True)[0]
     if diff.numel():
         r = int(diff[0])
+        what = (
+            f"rank 0 passed shape {shape(0)}, rank {r} shape {shape(r)}"
+            if shape(0) != shape(r)
+            else f"rank 0 and rank {r} passed the same shape with another layout (dense vs COO), or another list "
+            "of shapes and layouts (grouped_allreduce)"
+        )
         raise ValueError(
-            f"shape mismatch across ranks: rank 0 passed shape {shape(0)}, rank {r} shape {shape(r)} (or another "
-            f"layout) (seen on rank {me}); every rank must pass tensors of the same shape and layout"
+            f"shape mismatch across ranks: {what} (seen on rank {me}); every rank must pass tensors of the same "
+            "shape and layout"
         )
     diff = torch.nonzero(table[:, _COL["auto_key"]] != table[0, _COL["auto_key"]], as_tuple=True)[0]
     if diff.numel():

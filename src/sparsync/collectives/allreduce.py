@@ -5,16 +5,25 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal, TypeVar, overload
+from typing import Literal, NoReturn, TypeVar, overload
 
 import torch
 import torch.distributed as dist
 
 from sparsync.calibrate import measure_link
-from sparsync.collectives._comm import Comm, payload_of
+from sparsync.collectives._comm import Comm, PeerError, payload_of
 from sparsync.collectives._comm import stream_from_payload as _decode
 from sparsync.collectives._fold import allgather_blocks
-from sparsync.collectives._meta import EAGER_LIMIT, BadIndex, Meta, auto_fingerprint, exchange_meta, update_eager
+from sparsync.collectives._meta import (
+    EAGER_LIMIT,
+    PARTITION_CODES,
+    BadIndex,
+    Meta,
+    auto_fingerprint,
+    exchange_meta,
+    report_refusal,
+    update_eager,
+)
 from sparsync.collectives.partition import resolve_partition
 from sparsync.collectives.recursive_double import ssar_recursive_double
 from sparsync.collectives.split_allgather import dsar_split_allgather, ssar_split_allgather
@@ -101,6 +110,31 @@ _RUNNERS: dict[str, Callable[[Comm, SparseStream, Meta, str], SparseStream]] = {
 }
 
 
+def refuse(group: dist.ProcessGroup | None, op: str, error: Exception, timeout: float | None) -> NoReturn:
+    """Raise ``error`` (this rank's input is invalid) after telling the other ranks in the metadata round of
+    the call they are making (``_meta.report_refusal``): every rank raises at once, none waits for the
+    timeout. Queued behind the group's async work like any call, so it meets the call the others make."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise error  # no group: nobody else to tell
+    g = resolve_group(group)
+    state = group_state(g)
+    seq = state.calls
+    state.calls += 1
+
+    def run() -> None:
+        comm = Comm(g, timeout)
+        comm.op = f"{op} (refused input)"
+        report_refusal(comm, op, seq, error)
+
+    try:
+        _submit(g, run, False)
+    except (TypeError, ValueError) as others:  # other ranks refused too: name them
+        raise others from error
+    except PeerError:  # the others are gone or elsewhere: this rank's own error is the one to report
+        pass
+    raise error
+
+
 def _submit(group: dist.ProcessGroup, fn: Callable[[], T], async_op: bool) -> T | Work[T]:
     """Run ``fn`` now, or on the group's FIFO worker. Once a group has async work in flight, blocking calls
     queue behind it too, so every rank issues the group's transfers in the same order."""
@@ -139,6 +173,7 @@ def sparse_allreduce(
     timeout: float | None = ...,
     check_nan: bool = ...,
     partition: str = ...,
+    name: str | None = ...,
 ) -> SparseStream: ...
 @overload
 def sparse_allreduce(
@@ -153,6 +188,7 @@ def sparse_allreduce(
     timeout: float | None = ...,
     check_nan: bool = ...,
     partition: str = ...,
+    name: str | None = ...,
 ) -> Work[SparseStream]: ...
 def sparse_allreduce(
     stream: SparseStream,
@@ -166,6 +202,7 @@ def sparse_allreduce(
     timeout: float | None = None,
     check_nan: bool = True,
     partition: str = "auto",
+    name: str | None = None,
 ) -> SparseStream | Work[SparseStream]:
     """Sum of every rank's ``stream``, on every rank (bitwise identical everywhere).
 
@@ -176,7 +213,8 @@ def sparse_allreduce(
     ``partition``: how the split algorithms assign rows to ranks: ``stride`` (row id mod P, balanced on
     Zipf-skewed rows), ``range`` (contiguous, SparCML §4.1) or ``auto`` (stride for row streams, range for
     element streams; ``collectives/partition.py``). ``log`` collects a CommRecord (bytes, time, phases,
-    decision, bytes per partition). Does not modify ``stream``. Collective: all ranks of ``group`` call it.
+    decision, bytes per partition). ``name``: a label compared across ranks (a skipped or reordered call of the
+    same signature raises on every rank). Does not modify ``stream``. Collective: all ranks of ``group`` call it.
 
     Example::
 
@@ -185,7 +223,8 @@ def sparse_allreduce(
         tensor([1., 1., 1., 1., 0., 0., 0., 0.])
     """
     if not isinstance(stream, SparseStream):
-        raise TypeError(f"sparse_allreduce takes a SparseStream, got {type(stream).__name__} (see allreduce())")
+        err = TypeError(f"sparse_allreduce takes a SparseStream, got {type(stream).__name__} (see allreduce())")
+        refuse(group, "sparse_allreduce", err, timeout)
     return start_allreduce(
         stream,
         lambda comm, s: s,
@@ -198,6 +237,7 @@ def sparse_allreduce(
         timeout=timeout,
         check_nan=check_nan,
         partition=partition,
+        name=name,
     )
 
 
@@ -216,15 +256,20 @@ def start_allreduce(
     partition: str = "auto",
     bad: BadIndex | None = None,
     shape: tuple[str, tuple[int, ...]] | None = None,
+    name: str | None = None,
 ) -> T | Work[T]:
     """``sparse_allreduce`` whose result goes through ``finish(comm, result)`` inside the same queued job
     (``allreduce`` of a COO tensor may need one more collective there). ``bad``: an out-of-range index on
     this rank, reported by every rank after the metadata round (``stream`` is then a
     placeholder of the right dimension). ``shape``: (layout, shape) of the caller's tensor, checked across
-    ranks."""
-    if algorithm != "auto" and algorithm not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {algorithm!r}; valid: auto, {', '.join(ALGORITHMS)}")
-    part = resolve_partition(partition, stream.row)
+    ranks. ``name``: a label every rank gives the same call (e.g. the parameter's name), compared across ranks, so
+    a call skipped or reordered among calls of one signature raises instead of pairing with another."""
+    try:
+        if algorithm != "auto" and algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r}; valid: auto, {', '.join(ALGORITHMS)}")
+        part = resolve_partition(partition, stream.row)
+    except ValueError as e:
+        refuse(group, "sparse_allreduce", e, timeout)
     g = resolve_group(group)
     state = group_state(g)
     seq = state.calls
@@ -235,7 +280,10 @@ def start_allreduce(
         comm = Comm(g, timeout)
         comm.op = f"sparse_allreduce(algorithm={algorithm!r})"
         key = auto_fingerprint(link or state.link, policy) if algorithm == "auto" else 0
-        meta = exchange_meta(comm, "sparse_allreduce", stream, algorithm, seq, check_nan, bad, shape, key)
+        pcode = PARTITION_CODES.index(part)
+        meta = exchange_meta(
+            comm, "sparse_allreduce", stream, algorithm, seq, check_nan, bad, shape, key, pcode, name
+        )
         decision: Decision | None = None
         alg = algorithm
         if alg == "auto":
@@ -313,7 +361,8 @@ def sparse_allgather(
         [1, 1, 1]
     """
     if not isinstance(stream, SparseStream):
-        raise TypeError(f"sparse_allgather takes a SparseStream, got {type(stream).__name__}")
+        refuse(group, "sparse_allgather", TypeError(f"sparse_allgather takes a SparseStream, got "
+                                                    f"{type(stream).__name__}"), timeout)  # fmt: skip
     g = resolve_group(group)
     state = group_state(g)
     seq = state.calls

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from sparsync.collectives._comm import Comm
 from sparsync.collectives._meta import BadIndex
-from sparsync.collectives.allreduce import start_allreduce
+from sparsync.collectives.allreduce import refuse, start_allreduce
 from sparsync.collectives.tensor import _coo_rows, _union_rows, stream_to_coo
 from sparsync.handle import Work
 from sparsync.record import CommLog
@@ -56,6 +56,9 @@ def _layout(tensors: Sequence[torch.Tensor]) -> _Layout:
             raise ValueError(f"grouped_allreduce: tensor {i} has layout {t.layout}; strided or sparse COO only")
         if t.numel() == 0:
             raise ValueError(f"grouped_allreduce: tensor {i} is empty (shape {tuple(t.shape)})")
+    for i, t in enumerate(tensors):
+        if not t.is_floating_point():
+            raise ValueError(f"grouped_allreduce: tensor {i} has dtype {t.dtype}; floating tensors only")
     dtypes = sorted({str(t.dtype) for t in tensors})
     if len(dtypes) > 1:
         raise ValueError(f"grouped_allreduce: tensors have dtypes {dtypes}; group tensors of one dtype")
@@ -163,8 +166,11 @@ def grouped_allreduce(
 
         >>> emb_sum, w_sum = grouped_allreduce([emb.weight.grad, fc.weight.grad])   # one call, one round
     """
-    lay = _layout(tensors)
-    stream, mine, bad = _fuse(tensors, lay)
+    try:
+        lay = _layout(tensors)
+        stream, mine, bad = _fuse(tensors, lay)
+    except (TypeError, ValueError) as e:  # every rank raises it, not only this one (issue 14)
+        refuse(group, "sparse_allreduce", e, kwargs.get("timeout"))
 
     def finish(comm: Comm, s: SparseStream) -> list[torch.Tensor]:
         return _split(comm, s, mine, tensors, lay)

@@ -13,6 +13,7 @@ step the same whatever the algorithm). A sparse result holds exactly that union;
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -21,7 +22,7 @@ import torch.distributed as dist
 
 from sparsync.collectives._comm import Comm
 from sparsync.collectives._meta import BadIndex
-from sparsync.collectives.allreduce import start_allreduce
+from sparsync.collectives.allreduce import refuse, start_allreduce
 from sparsync.handle import Work
 from sparsync.record import CommLog
 from sparsync.stream import SparseStream, index_dtype_for
@@ -43,7 +44,7 @@ def _coo_rows(t: torch.Tensor, tensor: int = -1) -> tuple[SparseStream, BadIndex
     (``tensor``: its number in a grouped call)."""
     shape, sd = t.shape, t.sparse_dim()
     if t.numel() == 0:
-        raise ValueError(f"allreduce of an empty sparse tensor of shape {tuple(shape)}")
+        raise ValueError(f"allreduce of an empty sparse tensor (shape {tuple(shape)})")
     b = math.prod(shape[sd:])
     R = math.prod(shape[:sd])
     if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
@@ -134,6 +135,24 @@ def allreduce(
         >>> g = emb.weight.grad                  # nn.Embedding(sparse=True)
         >>> g_sum = allreduce(g)                 # sparse COO, summed over ranks
     """
+    try:
+        stream, finish, bad, shape = _prepare(tensor)
+    except (TypeError, ValueError) as e:  # every rank raises it, not only this one (issue 14)
+        refuse(group, "sparse_allreduce", e, kwargs.get("timeout"))
+    return start_allreduce(
+        stream, finish, algorithm=algorithm, group=group, async_op=async_op, log=log, bad=bad, shape=shape,
+        **kwargs,
+    )  # fmt: skip
+
+
+Finish = Callable[[Comm, SparseStream], torch.Tensor]
+
+
+def _prepare(
+    tensor: torch.Tensor,
+) -> tuple[SparseStream, Finish, BadIndex | None, tuple[str, tuple[int, ...]]]:
+    """The stream ``allreduce`` sends for ``tensor``, how to turn the sum back into a tensor, this rank's first
+    out-of-range index, and the (layout, shape) checked across ranks. Raises for input no rank could send."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce takes a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_sparse:
@@ -145,28 +164,17 @@ def allreduce(
             rows = _union_rows(comm, mine, s) if s.is_dense else None
             return stream_to_coo(s, shape, sd, rows)
 
-        return start_allreduce(
-            stream,
-            finish,
-            algorithm=algorithm,
-            group=group,
-            async_op=async_op,
-            log=log,
-            bad=bad,
-            shape=("sparse_coo", tuple(shape)),
-            **kwargs,
-        )
+        return stream, finish, bad, ("sparse_coo", tuple(shape))
     if tensor.layout != torch.strided:
         raise ValueError(f"allreduce supports strided and sparse COO tensors, got layout {tensor.layout}")
     if tensor.numel() == 0:
-        raise ValueError("allreduce of an empty tensor")
+        raise ValueError(f"allreduce of an empty tensor (shape {tuple(tensor.shape)})")
+    if not tensor.is_floating_point():
+        raise ValueError(f"allreduce needs a floating dtype, got {tensor.dtype} (shape {tuple(tensor.shape)})")
     dstream = SparseStream.from_dense(tensor)
     dshape = tensor.shape
 
     def back(comm: Comm, s: SparseStream) -> torch.Tensor:
         return s.to_dense().reshape(dshape)
 
-    return start_allreduce(
-        dstream, back, algorithm=algorithm, group=group, async_op=async_op, log=log,
-        shape=("strided", tuple(dshape)), **kwargs,
-    )  # fmt: skip
+    return dstream, back, None, ("strided", tuple(dshape))

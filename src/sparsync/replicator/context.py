@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from sparsync.collectives.allreduce import refuse
 from sparsync.record import CommLog
 from sparsync.replicator import primitives as prim
 from sparsync.replicator.dctmp import DCTMP
@@ -74,9 +75,19 @@ class ReplicaContext:
         return prim.Env(self.dp_group, self.timeout, self.log)
 
     # --- primitives (TF-Replicator §3.4) ----------------------------------------------------------------------
-    def _apply(self, value: Any, fn: Callable[[list[torch.Tensor], pytree.TreeSpec], list[Any]]) -> Any:
-        leaves, spec = prim.flatten(value, skip=Remote)
-        pos = [i for i, x in enumerate(leaves) if not isinstance(x, Remote)]
+    def _apply(
+        self,
+        value: Any,
+        fn: Callable[[list[torch.Tensor], pytree.TreeSpec], list[Any]],
+        name: str,
+        check: Callable[[list[torch.Tensor]], None] = lambda t: None,
+    ) -> Any:
+        try:
+            leaves, spec = prim.flatten(value, skip=Remote)
+            pos = [i for i, x in enumerate(leaves) if not isinstance(x, Remote)]
+            check([leaves[i] for i in pos])
+        except (TypeError, ValueError) as e:  # every replica raises it, not only this one (issue 14)
+            refuse(self.dp_group, name, e, self.timeout)
         if pos:
             tensors = [leaves[i] for i in pos]
             out = fn(tensors, spec)
@@ -84,16 +95,22 @@ class ReplicaContext:
                 leaves[i] = o
         return pytree.tree_unflatten(leaves, spec)
 
-    def all_reduce(self, value: Any, op: str = "sum") -> Any:
+    def all_reduce(self, value: Any, op: str = "sum", *, check_nan: bool = True) -> Any:
         """Reduce (``sum``, ``mean``, ``max``, ``min``) every tensor of ``value`` over the replicas.
-        Differentiable for sum and mean (the gradient is the all-sum of the gradients).
+        Differentiable for sum and mean (the gradient is the all-sum of the gradients). NaN or ±Inf on any
+        replica raises the same ValueError everywhere unless ``check_nan=False`` (then IEEE 754 sums).
 
         Example::
 
             >>> ctx.all_reduce({"n": torch.tensor(1.0)})      # on 4 replicas
             {'n': tensor(4.)}
         """
-        return self._apply(value, lambda t, s: prim.all_reduce(self._env, t, s, op))
+        return self._apply(
+            value,
+            lambda t, s: prim.all_reduce(self._env, t, s, op, check_nan),
+            "all_reduce",
+            lambda t: prim.check_reduce(t, op),
+        )
 
     def all_sum(self, value: Any) -> Any:
         return self.all_reduce(value, "sum")
@@ -103,13 +120,16 @@ class ReplicaContext:
 
     def all_gather(self, value: Any) -> Any:
         """Every replica's ``value``, each tensor stacked along a new leading ``num_replicas`` dimension."""
-        return self._apply(value, lambda t, s: prim.all_gather(self._env, t, s))
+        return self._apply(value, lambda t, s: prim.all_gather(self._env, t, s), "all_gather")
 
     def broadcast(self, value: Any, source: int) -> Any:
         """Replica ``source``'s ``value`` on every replica (same structure and shapes everywhere)."""
-        if not (isinstance(source, int) and 0 <= source < self.num_replicas):
-            raise ValueError(f"unknown replica id {source!r}; valid: 0..{self.num_replicas - 1}")
-        return self._apply(value, lambda t, s: prim.broadcast(self._env, t, s, source))
+
+        def check(_: list[torch.Tensor]) -> None:
+            if not (isinstance(source, int) and 0 <= source < self.num_replicas):
+                raise ValueError(f"unknown replica id {source!r}; valid: 0..{self.num_replicas - 1}")
+
+        return self._apply(value, lambda t, s: prim.broadcast(self._env, t, s, source), "broadcast", check)
 
     def map_reduce(self, fn: Callable[[Any], Any], value: Any, op: str = "sum") -> Any:
         """reduce over replicas r of ``fn(value_r)``: each replica maps its own value, one collective reduces."""

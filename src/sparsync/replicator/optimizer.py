@@ -97,7 +97,7 @@ class SparseAllreduce(Placement):
             g = p.param.grad
             assert g is not None
             p.param.grad = allreduce(  # type: ignore[assignment]
-                g, algorithm=self.algorithm, group=env.group, log=env.log, timeout=env.timeout
+                g, algorithm=self.algorithm, group=env.group, log=env.log, timeout=env.timeout, name=p.name
             )
 
 
@@ -179,6 +179,7 @@ class Grouped(Placement):
             out = grouped_allreduce(
                 grads,  # type: ignore[arg-type]
                 algorithm=self.algorithm, group=env.group, log=env.log, timeout=env.timeout,
+                name=",".join(p.name for p in together),
             )  # fmt: skip
             for p, g in zip(together, out, strict=True):  # type: ignore[arg-type]
                 p.param.grad = g

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from sparsync.collectives._comm import Comm
-from sparsync.collectives._meta import OPS, allgather_rows
+from sparsync.collectives._meta import OPS, allgather_rows, raise_refusals
 from sparsync.collectives.allreduce import _submit
 from sparsync.group import group_state
 from sparsync.record import CommLog, CommRecord
@@ -84,10 +84,27 @@ def next_seq(env: Env) -> int:
     return seq
 
 
+def first_nonfinite(tensors: list[torch.Tensor]) -> int:
+    """Index of the first floating leaf holding NaN or ±Inf, or -1. One sum per leaf clears the common case."""
+    for i, t in enumerate(tensors):
+        cheap = t.is_floating_point() and t.numel() and not bool(torch.isfinite(t.sum()))
+        if cheap and not bool(torch.isfinite(t).all()):  # a finite half-precision leaf may sum to Inf
+            return i
+    return -1
+
+
 def agree(
-    env: Env, op: str, tensors: list[torch.Tensor], spec: pytree.TreeSpec, arg: int, comm: Comm, seq: int
+    env: Env,
+    op: str,
+    tensors: list[torch.Tensor],
+    spec: pytree.TreeSpec,
+    arg: int,
+    comm: Comm,
+    seq: int,
+    check_nan: bool = False,
 ) -> None:
-    """The metadata exchange: raise the same ValueError on every replica unless all issued the same call."""
+    """The metadata exchange: raise the same ValueError on every replica unless all issued the same call, and,
+    with ``check_nan``, when any replica holds NaN or ±Inf (issue 14: a sum silently gave NaN everywhere)."""
     row = torch.tensor(
         [
             seq,
@@ -98,10 +115,12 @@ def agree(
             _crc(str(spec)),
             _crc(";".join(str(tuple(t.shape)) for t in tensors)),
             arg,
+            first_nonfinite(tensors) if check_nan else -1,
         ],
         dtype=torch.int64,
     )
-    table, _ = allgather_rows(comm, row)  # the sparse collectives' metadata round, same checks
+    table, blocks = allgather_rows(comm, row)  # the sparse collectives' metadata round, same checks
+    raise_refusals(table, blocks, comm.rank)  # a replica whose input was refused before its call
     for col, what in ((1, "collective"), (0, "call number"), (7, "argument")):
         bad = torch.nonzero(table[:, col] != table[0, col], as_tuple=True)[0]
         if bad.numel():
@@ -124,6 +143,13 @@ def agree(
         raise ValueError(
             f"{op}: mismatched structure/shape/dtype across replicas: replica 0 has [{descr[0]}], "
             f"replica {r} has [{descr[r]}]"
+        )
+    bad = torch.nonzero(table[:, 8] >= 0, as_tuple=True)[0]
+    if bad.numel():
+        r = int(bad[0])
+        raise ValueError(
+            f"{op}: replica {r} holds NaN or ±Inf in leaf {int(table[r, 8])} (seen on replica {comm.rank}); "
+            "refusing to reduce it (pass check_nan=False to sum non-finite values as IEEE 754 does)"
         )
 
 
@@ -153,8 +179,8 @@ def _unflat(buf: torch.Tensor, tensors: list[torch.Tensor], idx: list[int], out:
         off += n
 
 
-def raw_all_reduce(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, op: str, name: str) -> list[Any]:
-    """Reduce (sum/max/min; mean = sum / size) of every leaf over the group; no autograd."""
+def check_reduce(tensors: list[torch.Tensor], op: str) -> None:
+    """The checks of a reduction's arguments that need no other replica."""
     if op not in REDUCE_OPS:
         raise ValueError(f"unknown reduction {op!r}; valid: {', '.join(REDUCE_OPS)}")
     if op == "mean":
@@ -162,13 +188,21 @@ def raw_all_reduce(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec,
         if bad:
             raise ValueError(f"all_reduce(op='mean') needs floating tensors, got {bad[0]}")
 
+
+def raw_all_reduce(
+    env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, op: str, name: str, check_nan: bool = False
+) -> list[Any]:
+    """Reduce (sum/max/min; mean = sum / size) of every leaf over the group; no autograd. ``check_nan``: refuse
+    NaN and ±Inf on any replica (the same ValueError everywhere)."""
+    check_reduce(tensors, op)
+
     seq = next_seq(env)
 
     def run() -> list[Any]:
         t0 = time.perf_counter()
         comm = Comm(env.group, env.timeout)
         comm.op = name
-        agree(env, name, tensors, spec, REDUCE_OPS.index(op), comm, seq)
+        agree(env, name, tensors, spec, REDUCE_OPS.index(op), comm, seq, check_nan)
         out: list[Any] = [None] * len(tensors)
         P = comm.size
         for _dtype, idx in _buckets(tensors).items():
@@ -251,14 +285,16 @@ def raw_broadcast(
 # --- autograd ----------------------------------------------------------------------------------------------
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, env: Env, op: str, spec: pytree.TreeSpec, *tensors: torch.Tensor) -> Any:
+    def forward(
+        ctx: Any, env: Env, op: str, spec: pytree.TreeSpec, check_nan: bool, *tensors: torch.Tensor
+    ) -> Any:
         ctx.env, ctx.op, ctx.spec = env, op, spec
-        return tuple(raw_all_reduce(env, list(tensors), spec, op, "all_reduce"))
+        return tuple(raw_all_reduce(env, list(tensors), spec, op, "all_reduce", check_nan))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         g = raw_all_reduce(ctx.env, [x.contiguous() for x in grads], ctx.spec, ctx.op, "all_reduce_grad")
-        return (None, None, None, *g)
+        return (None, None, None, None, *g)
 
 
 class _AllGather(torch.autograd.Function):
@@ -293,14 +329,16 @@ def _needs_grad(tensors: list[torch.Tensor]) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def all_reduce(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, op: str) -> list[Any]:
+def all_reduce(
+    env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, op: str, check_nan: bool = False
+) -> list[Any]:
     if op in ("sum", "mean") and _needs_grad(tensors):
         return list(
             _AllReduce.apply(  # type: ignore[no-untyped-call]
-                env, op, spec, *tensors
+                env, op, spec, check_nan, *tensors
             )
         )
-    return raw_all_reduce(env, tensors, spec, op, "all_reduce")
+    return raw_all_reduce(env, tensors, spec, op, "all_reduce", check_nan)
 
 
 def all_gather(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec) -> list[Any]:
