@@ -7,6 +7,10 @@ residuals and DCT thresholds then survive DDP's bucket rebuild after the first i
 buckets). Sparse gradients (``nn.Embedding(sparse=True)``) arrive as their own bucket holding the COO tensor
 and are reduced as COO: DDP's own fp16 and PowerSGD hooks crash or hang on them (issue 3).
 
+The reductions run on sparsync's own process group over the same ranks (``sparsync.group.background_group``),
+made when the hook is built: a model whose backward issues collectives of its own on the user's group (DLRM's
+alltoall) cannot interleave them with the hook's in a different order per rank (issue 14, part 6).
+
 Example::
 
     >>> ddp = DistributedDataParallel(model)
@@ -24,6 +28,7 @@ import torch.distributed as dist
 from sparsync.compress.base import Compressor
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.compress.reduce import reduce
+from sparsync.group import background_group
 from sparsync.handle import Work
 
 # dist.GradBucket is missing from torch's type stubs: buckets are typed Any.
@@ -44,8 +49,12 @@ def compression_hook(
 
     ``module``: the model (or the DDP wrapper) whose ``named_parameters()`` name the gradients; required with
     ``memory`` or a compressor with per-name state, since bucket positions change when DDP rebuilds its
-    buckets. ``average``: divide by the world size, as DDP's default hook does. ``async_op``: the reductions run
-    on sparsync's per-group queue while autograd computes the next buckets.
+    buckets. ``group``: the ranks to reduce over (DDP's ``process_group``; default the world). ``average``:
+    divide by the world size, as DDP's default hook does. ``async_op``: the reductions run on sparsync's
+    queue while autograd computes the next buckets.
+
+    Collective: every rank of ``group`` builds the hook (the first hook for a group creates sparsync's own
+    group over its ranks, where the reductions run; later hooks reuse it).
     """
     if not isinstance(compressor, Compressor):
         raise TypeError(f"compressor must be a sparsync Compressor, got {type(compressor).__name__}")
@@ -54,6 +63,7 @@ def compression_hook(
     names: dict[int, str] = {}
     if module is not None:
         names = {id(p): n for n, p in module.named_parameters()}
+    own = background_group(group)
 
     def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
@@ -63,7 +73,7 @@ def compression_hook(
         for j, (p, grad) in enumerate(zip(params, grads, strict=True)):
             name = names.get(id(p)) or f"bucket{bucket.index()}.{j}"
             out = reduce(
-                grad, compressor, memory=memory, name=name, group=group, average=average, async_op=async_op,
+                grad, compressor, memory=memory, name=name, group=own, average=average, async_op=async_op,
                 algorithm=algorithm,
             )  # fmt: skip
             works.append(out if isinstance(out, Work) else Work.done(out))

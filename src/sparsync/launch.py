@@ -1,22 +1,30 @@
 """``launch``: run ``fn(rank, *args)`` on a torch.distributed group of local processes, or join torchrun's.
 
-Local mode spawns ``nprocs`` processes; the parent hosts the rendezvous ``TCPStore`` on a port the OS picks
-(no probing race). A rank that raises makes ``launch`` raise ``LaunchError`` with that rank's traceback after
-the other ranks are terminated (then killed): no orphans. Under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``
-in the environment) this process joins torchrun's group instead and runs ``fn`` once, so the same script scales
-from one machine to many.
+Local mode spawns ``nprocs`` processes; the parent hosts the rendezvous ``TCPStore`` on 127.0.0.1 at a port
+the OS picks (no probing race, nothing reachable from other hosts). A rank that raises makes ``launch`` raise
+``LaunchError`` with that rank's traceback after the other ranks are terminated (then killed); a rank that dies
+or is stopped is named with its exit status, whichever rank's error arrives first. No orphans: SIGTERM to the
+launcher terminates the ranks first, and a rank exits when the launcher dies, even by SIGKILL (issue 14,
+part 3). Under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment) this process joins
+torchrun's group instead and runs ``fn`` once, so the same script scales from one machine to many.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
+import socket
+import sys
+import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -24,19 +32,31 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from C++
 
+from sparsync.group import stop_queues
+
 if TYPE_CHECKING:
     from sparsync.netem import NetNamespaces
 
 _NETNS_PORT = 29517  # inside freshly made namespaces nothing else listens
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_TERMINATING = (signal.SIGTERM, signal.SIGHUP)  # what the launcher passes on to its ranks before it exits
+# Errors a rank raises because a peer failed: another rank's error, if any, is the root cause to report.
+_CONSEQUENCES = ("PeerError", "DistBackendError", "DistNetworkError")
 
 
 class LaunchError(RuntimeError):
-    """A rank failed; ``rank`` and the rank's ``traceback`` text are attached."""
+    """A rank failed; ``rank``, the ``traceback`` text of the error report and, for a rank that died without
+    reporting, its ``exitcode`` (negative: the signal that killed it, as ``multiprocessing`` reports) are
+    attached. ``tb_rank``: whose traceback it is, when the failed rank left none and a survivor's is shown."""
 
-    def __init__(self, rank: int, message: str, tb: str = "") -> None:
-        super().__init__(f"rank {rank} {message}" + (f"\n--- traceback of rank {rank} ---\n{tb}" if tb else ""))
+    def __init__(
+        self, rank: int, message: str, tb: str = "", *, exitcode: int | None = None, tb_rank: int | None = None
+    ) -> None:
+        who = rank if tb_rank is None else tb_rank
+        super().__init__(f"rank {rank} {message}" + (f"\n--- traceback of rank {who} ---\n{tb}" if tb else ""))
         self.rank = rank
         self.traceback = tb
+        self.exitcode = exitcode
 
 
 def under_torchrun() -> bool:
@@ -55,7 +75,9 @@ def _child(
     results: Any,
     namespace: str | None,
     env: dict[str, str],
+    parent: int,
 ) -> None:
+    _die_with(parent)
     try:
         if namespace is not None:
             from sparsync.netem import enter_namespace
@@ -64,13 +86,10 @@ def _child(
         os.environ.update(env)
         # P processes share the host's cores: one intra-op thread pool each, not P oversubscribed ones.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
-        store = TCPStore(
-            host,
-            port,
-            nprocs,
-            is_master=(namespace is not None and rank == 0),
-            timeout=timedelta(seconds=timeout),
-        )
+        if namespace is not None and rank == 0:
+            store = _host_store(host, port, nprocs, timeout)
+        else:
+            store = TCPStore(host, port, nprocs, is_master=False, timeout=timedelta(seconds=timeout))
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout)
         )
@@ -82,15 +101,71 @@ def _child(
             results.put(("err", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
             results.close()
             results.join_thread()
-            dist.destroy_process_group()
+            _teardown(wait=False)
             return
-        gc.collect()  # as under torchrun: fn's leftover gloo work objects go before their group
-        dist.destroy_process_group()
+        _teardown(wait=True)
         # Plain pickle bytes: torch's queue pickler would share tensors by file descriptor, which dies with
         # this process.
         results.put(("ok", rank, pickle.dumps(out)))
     except BaseException as e:  # reported to the parent, which raises it as LaunchError
         results.put(("err", rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def _teardown(*, wait: bool) -> None:
+    """Orderly end of a rank: fn's leftover objects in reference cycles (autograd graphs holding gloo work)
+    are freed, sparsync's queue threads joined (``wait``) or dropped, then every group is destroyed. Left to
+    interpreter exit, in whatever order, they aborted 4 of 24 torchrun runs of a ``wrap_optimizer`` training
+    ("terminate called without an active exception"; issue 14, part 6)."""
+    gc.collect()
+    stop_queues(wait=wait)
+    dist.destroy_process_group()
+
+
+def _die_with(parent: int) -> None:
+    """Make this rank exit when the launcher (pid ``parent``) dies, even by SIGKILL: a launcher killed while its
+    ranks ran left every rank running (3 of 3 runs, issue 14). On Linux the kernel sends SIGKILL
+    (PR_SET_PDEATHSIG) when the *thread* that spawned us exits; ``launch`` blocks in that thread until its ranks
+    are reaped, so that is the launcher's death. Elsewhere, or if prctl fails, a daemon thread polls the
+    parent pid."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            ok = libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) == 0
+        except (OSError, AttributeError):
+            ok = False
+        if ok:
+            if os.getppid() != parent:  # died before the signal was armed: we were already re-parented
+                os._exit(1)
+            return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="sparsync-parent-watchdog", daemon=True).start()
+
+
+def _host_store(host: str, port: int, world_size: int, timeout: float) -> TCPStore:
+    """The rendezvous store's server, listening on ``host`` only. torch's TCPStore server listens on every
+    interface (``*:port``, measured with ``ss -ltn`` on torch 2.13) and has no authentication; given a socket
+    bound by us (``master_listen_fd``) it serves on that one. ``port`` 0: the OS picks a free port."""
+    sock = socket.create_server((host, port), backlog=128)
+    bound = sock.getsockname()[1]
+    fd = sock.detach()  # the store owns the descriptor from here: it closes it when destroyed
+    try:
+        return TCPStore(
+            host,
+            bound,
+            world_size,
+            is_master=True,
+            timeout=timedelta(seconds=timeout),
+            wait_for_workers=False,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def launch(
@@ -109,6 +184,10 @@ def launch(
     each rank inside its network namespace (see ``sparsync.netem``). Under torchrun, joins that group and
     returns ``[fn(rank, *args)]`` for this process only.
 
+    Failures raise ``LaunchError``: a rank that died without reporting, or is stopped, is named with its exit
+    status ahead of the errors the others raise because of it. The ranks exit if this process dies (even by
+    SIGKILL); SIGTERM or SIGHUP here while they run terminates them, then ends this process as the signal asks.
+
     Example::
 
         >>> def work(rank, n):
@@ -122,15 +201,34 @@ def launch(
         owned = not dist.is_initialized()
         if owned:
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+        finished = False
         try:
-            return [fn(dist.get_rank(), *args)]
+            out = [fn(dist.get_rank(), *args)]
+            finished = True
+            return out
         finally:
             if owned:  # a group we made is ours to tear down; one the caller made stays theirs
-                # Objects of fn's left in reference cycles (autograd graphs holding gloo work) go before
-                # their group: freed at interpreter exit after it, they aborted ~1 in 3 torchrun runs of
-                # tests/_replicator_torchrun.py ("terminate called without an active exception").
+                _teardown(wait=finished)
+            else:  # the caller's group lives on, but fn's leftovers and sparsync's threads go now
                 gc.collect()
-                dist.destroy_process_group()
+                stop_queues(wait=finished)
+    try:
+        with _signals_raise(_TERMINATING):
+            return _spawn(fn, nprocs, backend, args, timeout, netns)
+    except _Terminated as t:
+        # The ranks are gone (_spawn reaped them); now end as the signal asked, by the caller's own handler.
+        signal.raise_signal(t.signum)
+        raise SystemExit(128 + t.signum) from None  # the caller's handler returned: there is nothing to return
+
+
+def _spawn(
+    fn: Callable[..., Any],
+    nprocs: int,
+    backend: str,
+    args: tuple[Any, ...],
+    timeout: float,
+    netns: NetNamespaces | None,
+) -> list[Any]:
     # Children inherit the environment at spawn: keep c10d's per-socket warnings (hostname lookups that fail
     # inside network namespaces) out of the user's terminal unless asked for.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -138,25 +236,27 @@ def launch(
     results = ctx.Queue()
     store: TCPStore | None = None
     if netns is None:
-        host = "127.0.0.1"
-        store = TCPStore(
-            host, 0, nprocs + 1, is_master=True, timeout=timedelta(seconds=timeout), wait_for_workers=False
-        )
+        host = "127.0.0.1"  # every rank is on this host: nothing needs the store from outside
+        store = _host_store(host, 0, nprocs + 1, timeout)
         port = store.port
     else:
-        host, port = netns.master_addr, _NETNS_PORT
+        host, port = netns.master_addr, _NETNS_PORT  # rank 0 hosts it inside the namespaces
+    # gloo listens on the address the host name resolves to, which may face the network; every rank is on this
+    # host, so loopback serves (unless the caller chose an interface).
+    local = {"GLOO_SOCKET_IFNAME": "lo"} if sys.platform.startswith("linux") else {}
+    local = {} if "GLOO_SOCKET_IFNAME" in os.environ else local
     procs = []
-    for rank in range(nprocs):
-        ns = netns.namespace(rank) if netns is not None else None
-        env = netns.env(rank) if netns is not None else {}
-        p = ctx.Process(
-            target=_child,
-            args=(rank, nprocs, host, port, backend, timeout, fn, args, results, ns, env),
-            daemon=False,
-        )
-        p.start()
-        procs.append(p)
     try:
+        for rank in range(nprocs):
+            ns = netns.namespace(rank) if netns is not None else None
+            env = netns.env(rank) if netns is not None else local
+            p = ctx.Process(
+                target=_child,
+                args=(rank, nprocs, host, port, backend, timeout, fn, args, results, ns, env, os.getpid()),
+                daemon=False,
+            )
+            p.start()
+            procs.append(p)
         out = _collect(procs, results, nprocs)
     except BaseException:
         _reap(procs, grace=0.5)  # the others may be blocked on the failed rank: don't wait for them
@@ -167,27 +267,125 @@ def launch(
     return out
 
 
-def _collect(procs: list[Any], results: Any, nprocs: int) -> list[Any]:
-    out: dict[int, Any] = {}
-    while len(out) < nprocs:
-        try:
-            status, rank, payload = results.get(timeout=0.2)
-        except queue.Empty:
-            for rank, p in enumerate(procs):
-                if rank not in out and not p.is_alive() and p.exitcode not in (0, None):
-                    time.sleep(0.5)  # its error report may still be in flight
-                    try:
-                        status, r2, payload = results.get(timeout=0.5)
-                    except queue.Empty:
-                        raise LaunchError(rank, f"exited with code {p.exitcode} without reporting") from None
-                    if status == "err":
-                        raise LaunchError(r2, "failed", payload) from None
-                    out[r2] = pickle.loads(payload)
+class _Terminated(BaseException):
+    """The launcher got a terminating signal (raised in its main thread by ``_signals_raise``)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+@contextmanager
+def _signals_raise(signums: tuple[signal.Signals, ...]) -> Iterator[None]:
+    """While inside, ``signums`` raise ``_Terminated`` in the main thread (once: a second signal while the
+    ranks are being reaped is dropped), so ``launch`` terminates its ranks before the process ends; the
+    previous handlers are restored on the way out. Signals the caller ignores stay ignored, and off the main
+    thread (where Python cannot set handlers) nothing changes: the ranks' parent-death signal still holds."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if not fired:
+            fired.append(signum)
+            raise _Terminated(signum)
+
+    previous = {}
+    for sig in signums:
+        old = signal.getsignal(sig)
+        if old in (signal.SIG_IGN, None):  # ignored, or a handler installed from C: leave it
             continue
-        if status == "err":
-            raise LaunchError(rank, "failed", payload)
-        out[rank] = pickle.loads(payload)
+        previous[sig] = old
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _collect(procs: list[Any], results: Any, nprocs: int) -> list[Any]:
+    """Every rank's result, in rank order; the first failure raises ``LaunchError`` (see ``_failure``)."""
+    out: dict[int, Any] = {}
+    seen: set[int] = set()  # ranks that reported, a result or an error
+    errors: list[tuple[int, str]] = []
+    while len(out) < nprocs:
+        _read(results, out, seen, errors, wait=0.2)
+        gone = [r for r, p in enumerate(procs) if r not in seen and p.exitcode is not None]
+        if errors or gone:
+            _read(results, out, seen, errors, wait=0.3, until_quiet=True)  # reports still in the pipe
+            failure = _failure(procs, seen, errors)
+            if failure is not None:
+                raise failure
     return [out[r] for r in range(nprocs)]
+
+
+def _read(
+    results: Any, out: dict[int, Any], seen: set[int], errors: list[tuple[int, str]], *, wait: float,
+    until_quiet: bool = False,
+) -> None:  # fmt: skip
+    """One report (waiting up to ``wait`` s for it), or with ``until_quiet`` every report until none comes for
+    ``wait`` s."""
+    while True:
+        try:
+            status, rank, payload = results.get(timeout=wait)
+        except queue.Empty:
+            return
+        seen.add(rank)
+        if status == "err":
+            errors.append((rank, payload))
+        else:
+            out[rank] = pickle.loads(payload)
+        if not until_quiet:
+            return
+
+
+def _failure(procs: list[Any], seen: set[int], errors: list[tuple[int, str]]) -> LaunchError | None:
+    """The error to raise, naming the root cause whichever report came first: a rank that died without
+    reporting (its exit code or signal) or one that is stopped goes before the errors its peers then raised,
+    which name it only sometimes (12 of 32 PeerErrors after a kill -9, issue 14); else the first error that
+    is not a peer's failure, else the first error."""
+    culprits: list[tuple[int, str, int | None]] = []
+    for r, p in enumerate(procs):
+        if r in seen:
+            continue
+        if p.exitcode is not None:
+            culprits.append((r, _describe_exit(p.exitcode), p.exitcode))
+        elif _stopped(p.pid):
+            culprits.append((r, "is stopped (SIGSTOP, or held by a debugger) and never answered", None))
+    if culprits:
+        rank, what, code = culprits[0]
+        message = what + "".join(f"; rank {r} {w}" for r, w, _ in culprits[1:])
+        if not errors:
+            return LaunchError(rank, message, exitcode=code)
+        first, tb = errors[0]
+        message += f"; then rank {first} failed: {tb.splitlines()[0] if tb else ''}"
+        return LaunchError(rank, message, tb, exitcode=code, tb_rank=first)
+    if errors:
+        rank, tb = next((e for e in errors if not e[1].startswith(_CONSEQUENCES)), errors[0])
+        return LaunchError(rank, "failed", tb)
+    return None
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = "unknown signal"
+        return f"died with signal {-code} ({name}) without reporting"
+    return f"exited with code {code} without reporting"
+
+
+def _stopped(pid: int | None) -> bool:
+    """Linux: the process is in the stopped or traced state (``/proc/<pid>/stat``); False where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state in ("T", "t")
 
 
 def _reap(procs: list[Any], grace: float) -> None:
@@ -198,6 +396,9 @@ def _reap(procs: list[Any], grace: float) -> None:
     for p in procs:
         if p.is_alive():
             p.terminate()
+            if hasattr(signal, "SIGCONT"):  # a stopped rank acts on SIGTERM only once continued
+                with suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
     for p in procs:
         p.join(timeout=2.0)
         if p.is_alive():

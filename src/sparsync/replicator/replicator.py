@@ -9,6 +9,7 @@ device index (the same device of every replica: gradients and primitives), one m
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as dist
 from torch.distributed import HashStore  # type: ignore[attr-defined]  # re-exported from C++
 
+from sparsync.group import stop_queues
 from sparsync.launch import launch, under_torchrun
 from sparsync.replicator.context import ReplicaContext
 from sparsync.replicator.dctmp import DCTMP
@@ -136,11 +138,17 @@ def _new_group(made: list[dist.ProcessGroup], ranks: list[int]) -> Any:
 
 def _entry(rank: int, repl: Replicator, R: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     made: list[dist.ProcessGroup] = []
+    finished = False
     try:
-        return fn(build_context(rank, repl, R, made), *args)
+        out = fn(build_context(rank, repl, R, made), *args)
+        finished = True
+        return out
     finally:
-        # Subgroups go before the default group is torn down: left to interpreter exit, their gloo threads
-        # abort the process ("terminate called without an active exception"), which torchrun reports.
+        # Subgroups go before the default group is torn down, after fn's objects in reference cycles (autograd
+        # graphs holding gloo work) and sparsync's queue threads: left to interpreter exit, they abort the
+        # process ("terminate called without an active exception"), which torchrun reports (issue 14).
+        gc.collect()
+        stop_queues(wait=finished)  # after a failure, queued work may wait on a dead peer: drop it
         for g in made:
             dist.destroy_process_group(g)
 
