@@ -19,7 +19,7 @@ from sparsync.costmodel import (
     lower_bound,
     predict,
 )
-from sparsync.group import set_deterministic, set_link
+from sparsync.group import background_group, set_deterministic, set_link
 from sparsync.handle import Work
 from sparsync.launch import LaunchError, launch
 from sparsync.record import CommLog, CommRecord
@@ -41,6 +41,7 @@ __all__ = [
     "Work",
     "add",
     "allreduce",
+    "background_group",
     "choose_fastest",
     "choose_robust",
     "dense_threshold",

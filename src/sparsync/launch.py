@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from C++
 
-from sparsync.group import stop_queues
+from sparsync.group import background_group, stop_queues
 
 if TYPE_CHECKING:
     from sparsync.netem import NetNamespaces
@@ -93,6 +93,7 @@ def _child(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout)
         )
+        _background()
         try:
             out = fn(rank, *args)
         except BaseException as e:
@@ -201,6 +202,7 @@ def launch(
         owned = not dist.is_initialized()
         if owned:
             dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+            _background()
         finished = False
         try:
             out = [fn(dist.get_rank(), *args)]
@@ -265,6 +267,14 @@ def _spawn(
         del store
     _reap(procs, grace=30.0)
     return out
+
+
+def _background() -> None:
+    """sparsync's own group beside the world group, made now while every rank is at the same point: made
+    later, at the first async call, its connection setup could meet a rank busy in a collective of the
+    caller's and wait for it (issue 14, part 6; ``collectives.allreduce.comm_group``)."""
+    if dist.get_world_size() > 1:
+        background_group()
 
 
 class _Terminated(BaseException):

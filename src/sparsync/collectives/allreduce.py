@@ -37,7 +37,7 @@ from sparsync.costmodel import (
     Problem,
     choose_robust,
 )
-from sparsync.group import group_state, resolve_group
+from sparsync.group import background_group, group_state, resolve_group
 from sparsync.handle import Work
 from sparsync.record import CommLog, CommRecord
 from sparsync.stream import SparseStream, index_dtype_for, sum_streams
@@ -110,13 +110,26 @@ _RUNNERS: dict[str, Callable[[Comm, SparseStream, Meta, str], SparseStream]] = {
 }
 
 
-def refuse(group: dist.ProcessGroup | None, op: str, error: Exception, timeout: float | None) -> NoReturn:
+def comm_group(group: dist.ProcessGroup | None, async_op: bool) -> dist.ProcessGroup:
+    """The group a call communicates on: the caller's, or for ``async_op=True`` sparsync's own group over the
+    same ranks (``background_group``), since async work runs on the queue thread beside the caller's own
+    collectives, which would otherwise interleave with it in a different order on each rank (issue 14, part
+    6). ``launch`` makes it for the world group at start; for another group it is made at the first async
+    call, in the caller's thread, so that call must come at the same point of every rank's own collectives on
+    the group (as any collective must); ``sparsync.background_group(group)`` makes it ahead."""
+    g = resolve_group(group)
+    return background_group(g) if async_op and dist.get_world_size(g) > 1 else g
+
+
+def refuse(
+    group: dist.ProcessGroup | None, op: str, error: Exception, timeout: float | None, async_op: bool = False
+) -> NoReturn:
     """Raise ``error`` (this rank's input is invalid) after telling the other ranks in the metadata round of
     the call they are making (``_meta.report_refusal``): every rank raises at once, none waits for the
     timeout. Queued behind the group's async work like any call, so it meets the call the others make."""
     if not dist.is_available() or not dist.is_initialized():
         raise error  # no group: nobody else to tell
-    g = resolve_group(group)
+    g = comm_group(group, async_op)  # where the others' call communicates
     state = group_state(g)
     seq = state.calls
     state.calls += 1
@@ -127,7 +140,7 @@ def refuse(group: dist.ProcessGroup | None, op: str, error: Exception, timeout: 
         report_refusal(comm, op, seq, error)
 
     try:
-        _submit(g, run, False)
+        _submit(resolve_group(group), run, False)  # behind the caller's queued work, like the others' call
     except (TypeError, ValueError) as others:  # other ranks refused too: name them
         raise others from error
     except PeerError:  # the others are gone or elsewhere: this rank's own error is the one to report
@@ -224,7 +237,7 @@ def sparse_allreduce(
     """
     if not isinstance(stream, SparseStream):
         err = TypeError(f"sparse_allreduce takes a SparseStream, got {type(stream).__name__} (see allreduce())")
-        refuse(group, "sparse_allreduce", err, timeout)
+        refuse(group, "sparse_allreduce", err, timeout, async_op)
     return start_allreduce(
         stream,
         lambda comm, s: s,
@@ -269,8 +282,9 @@ def start_allreduce(
             raise ValueError(f"unknown algorithm {algorithm!r}; valid: auto, {', '.join(ALGORITHMS)}")
         part = resolve_partition(partition, stream.row)
     except ValueError as e:
-        refuse(group, "sparse_allreduce", e, timeout)
-    g = resolve_group(group)
+        refuse(group, "sparse_allreduce", e, timeout, async_op)
+    user = resolve_group(group)
+    g = comm_group(user, async_op)
     state = group_state(g)
     seq = state.calls
     state.calls += 1
@@ -279,7 +293,7 @@ def start_allreduce(
         t0 = time.perf_counter()
         comm = Comm(g, timeout)
         comm.op = f"sparse_allreduce(algorithm={algorithm!r})"
-        key = auto_fingerprint(link or state.link, policy) if algorithm == "auto" else 0
+        key = auto_fingerprint(link or group_state(user).link, policy) if algorithm == "auto" else 0
         pcode = PARTITION_CODES.index(part)
         meta = exchange_meta(
             comm, "sparse_allreduce", stream, algorithm, seq, check_nan, bad, shape, key, pcode, name
@@ -287,10 +301,10 @@ def start_allreduce(
         decision: Decision | None = None
         alg = algorithm
         if alg == "auto":
-            lm = link or state.link
+            lm = link or group_state(user).link  # set_link / set_deterministic name the caller's group
             if lm is None:
                 with comm.phase("calibrate"):
-                    lm = state.link = measure_link(g)
+                    lm = group_state(user).link = measure_link(g)
             decision = policy(problem_of(stream, meta, comm.size), lm)
             alg = decision.algorithm
         update_eager(comm, meta, alg)
@@ -321,7 +335,7 @@ def start_allreduce(
             )
         return out
 
-    return _submit(g, run, async_op)
+    return _submit(user, run, async_op)
 
 
 def problem_of(stream: SparseStream, meta: Meta, world_size: int) -> Problem:
@@ -362,8 +376,9 @@ def sparse_allgather(
     """
     if not isinstance(stream, SparseStream):
         refuse(group, "sparse_allgather", TypeError(f"sparse_allgather takes a SparseStream, got "
-                                                    f"{type(stream).__name__}"), timeout)  # fmt: skip
-    g = resolve_group(group)
+                                                    f"{type(stream).__name__}"), timeout, async_op)  # fmt: skip
+    user = resolve_group(group)
+    g = comm_group(user, async_op)
     state = group_state(g)
     seq = state.calls
     state.calls += 1
@@ -396,4 +411,4 @@ def sparse_allgather(
             )
         return out
 
-    return _submit(g, run, async_op)
+    return _submit(user, run, async_op)

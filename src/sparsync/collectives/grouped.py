@@ -170,7 +170,7 @@ def grouped_allreduce(
         lay = _layout(tensors)
         stream, mine, bad = _fuse(tensors, lay)
     except (TypeError, ValueError) as e:  # every rank raises it, not only this one (issue 14)
-        refuse(group, "sparse_allreduce", e, kwargs.get("timeout"))
+        refuse(group, "sparse_allreduce", e, kwargs.get("timeout"), async_op)
 
     def finish(comm: Comm, s: SparseStream) -> list[torch.Tensor]:
         return _split(comm, s, mine, tensors, lay)

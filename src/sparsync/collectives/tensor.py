@@ -138,7 +138,7 @@ def allreduce(
     try:
         stream, finish, bad, shape = _prepare(tensor)
     except (TypeError, ValueError) as e:  # every rank raises it, not only this one (issue 14)
-        refuse(group, "sparse_allreduce", e, kwargs.get("timeout"))
+        refuse(group, "sparse_allreduce", e, kwargs.get("timeout"), async_op)
     return start_allreduce(
         stream, finish, algorithm=algorithm, group=group, async_op=async_op, log=log, bad=bad, shape=shape,
         **kwargs,
