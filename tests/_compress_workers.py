@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import sparsync
-from sparsync.compress import ErrorFeedback, from_spec
+from sparsync.compress import QSGD, ErrorFeedback, from_spec
 from sparsync.hooks import compression_hook
 
 SPECS = (
@@ -164,3 +164,37 @@ def digits_worker(rank: int, specs: tuple[str, ...], steps: int, lr: float) -> d
         with torch.no_grad():
             out[spec] = float((model(Xte).argmax(1) == yte).float().mean()) * 100
     return out
+
+
+# --- QSGD's quantized reduce-scatter (issue 15, item 2) ------------------------------------------------------
+UNBIASED_N, UNBIASED_BUCKET = 600, 64  # 10 buckets, the last one short
+
+
+def unbiased_input(rank: int) -> torch.Tensor:
+    """Rank r's input: a different scale per bucket, so bucket scales and fractional levels vary."""
+    g = torch.Generator().manual_seed(77 + rank)
+    return torch.randn(UNBIASED_N, generator=g) * torch.linspace(0.2, 3.0, UNBIASED_N)
+
+
+def unbiased_worker(rank: int, draws: int, bits: int) -> dict[str, Any]:
+    """``draws`` sums (average=False) of ``unbiased_input`` through QSGD's reduce-scatter path, one seed per
+    draw; returns their per-value sum and sum of squares (float64), which the parent turns into a mean and
+    a variance. Also: 16-bit casts and the identity leave their inputs alone (their payloads are summed in
+    place only when they are a fresh copy)."""
+    x = unbiased_input(rank)
+    total = torch.zeros(UNBIASED_N, dtype=torch.float64)
+    squares = torch.zeros(UNBIASED_N, dtype=torch.float64)
+    for seed in range(draws):
+        q = QSGD(bits=bits, bucket=UNBIASED_BUCKET, seed=seed, aggregation="reduce_scatter")
+        y = sparsync.reduce(x, q, name="u", average=False).double()
+        total += y
+        squares += y * y
+    untouched = {}
+    for spec, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("identity", torch.float32)):
+        for inp in (x.to(dtype), x.double()):
+            keep = inp.clone()
+            sparsync.reduce(inp, from_spec(spec), name="c")
+            untouched[f"{spec}/{inp.dtype}"] = torch.equal(inp, keep)
+    # a tensor of 3 buckets: at P = 5 the last two partitions are empty
+    small = sparsync.reduce(x[:40], QSGD(bits=4, bucket=16, aggregation="reduce_scatter"), name="s").numpy()
+    return {"sum": total.numpy(), "squares": squares.numpy(), "untouched": untouched, "small": small}

@@ -6,7 +6,10 @@ in training, so the compressors compete for the cores as the allreduce does): co
 ‖x - D(C(x))‖ / ‖x‖, the end-to-end ``sparsync.reduce`` time, and a dense gloo allreduce of the same tensor in
 the same run. Threshold runs with lifespan 1 and 1000 (DCT Fig. 7a: recomputing τ every step costs more than
 it saves); the warm-up call computes τ, so the timed L=1000 calls reuse it, as 999 of 1000 training steps do.
-Target (issue 3): Threshold(L=1000) compress + decompress ≤ 10% of the dense allreduce.
+Target (issue 3): Threshold(L=1000) compress + decompress ≤ 10% of the dense allreduce. Issue 15's targets
+(``check_issue15``): every compressor's reduce faster than the dense allreduce, QSGD 4-bit ≥ 3x and 8-bit ≥ 1.8x
+faster, and a 16-bit cast's reduce at most half the dense allreduce (half the bytes, less than half the time).
+The ``ns/el`` column is compress + decompress per tensor element (issue 15, item 1).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsync.bench.allreduce import _timed
-from sparsync.compress import Context, TensorSpec, from_spec, reduce
+from sparsync.compress import QSGD, Compressor, Context, Payload, TensorSpec, from_spec, reduce
 
 DEFAULT_COMPRESSORS = (
     "identity",
@@ -35,12 +38,15 @@ DEFAULT_COMPRESSORS = (
     "threshold:ratio=0.01,lifespan=1000",
     "randomk:ratio=0.01",
     "qsgd:bits=4,bucket=512",
+    "qsgd:bits=4,bucket=512,aggregation=allgather",
     "qsgd:bits=8,bucket=512",
     "blocktopk:ratio=0.01,block=64",
     "sketch:rows=3,ratio=0.01",
 )
 TARGET = "threshold:ratio=0.01,lifespan=1000"
 TARGET_FRACTION = 0.10
+QSGD_SPEEDUP = {"qsgd:bits=4,bucket=512": 3.0, "qsgd:bits=8,bucket=512": 1.8}  # issue 15: dense / reduce
+CASTS = ("fp16", "bf16")
 
 
 @dataclass(frozen=True)
@@ -80,15 +86,22 @@ def _measure(rank: int, P: int, n: int, spec: str, x: torch.Tensor, repeats: int
         "n": n,
         "world_size": P,
         "compressor": spec,
-        "aggregation": type(payload).aggregation,
+        "aggregation": _aggregation(comp, payload, P),
         "compress_s": t_c,
         "decompress_s": t_d,
         "cd_s": t_c + t_d,
+        "cd_ns_per_el": (t_c + t_d) / n * 1e9,
         "payload_bytes": float(err[1]) / P,
         "bytes_ratio": float(err[1]) / P / (n * 4),
         "rel_error": float(err[0]) / P,
         "reduce_s": t_r,
     }
+
+
+def _aggregation(comp: Compressor, payload: Payload, P: int) -> str:
+    if isinstance(comp, QSGD) and comp.uses_reduce_scatter(P):
+        return "reduce_scatter"
+    return type(payload).aggregation
 
 
 def worker(rank: int, cfg: CompressBenchConfig, show_progress: bool) -> list[dict[str, Any]]:
@@ -125,7 +138,7 @@ def worker(rank: int, cfg: CompressBenchConfig, show_progress: bool) -> list[dic
 # --- output -------------------------------------------------------------------------------------------------
 def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> None:
     table = Table(title=title)
-    cols = ("N", "compressor", "agg", "comp ms", "dec ms", "c+d/ar", "bytes", "rel err", "reduce ms")
+    cols = ("N", "compressor", "agg", "comp ms", "dec ms", "ns/el", "c+d/ar", "bytes", "rel err", "reduce ms")
     for c in cols:
         table.add_column(c, justify="left" if c in ("compressor", "agg") else "right")
     last_n = None
@@ -140,15 +153,17 @@ def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> Non
                 "",
                 "",
                 "",
+                "",
                 f"{r['dense_allreduce_s'] * 1e3:.1f}",
             )
             last_n = r["n"]
         table.add_row(
             "",
             _short(r["compressor"]),
-            {"allreduce": "ar", "sparse_allreduce": "sparse", "allgather": "ag"}[r["aggregation"]],
+            _AGG[r["aggregation"]],
             f"{r['compress_s'] * 1e3:.2f}",
             f"{r['decompress_s'] * 1e3:.2f}",
+            f"{r['cd_ns_per_el']:.2f}",
             f"{r['cd_over_dense']:.3f}",
             f"{r['bytes_ratio']:.3f}",
             f"{r['rel_error']:.3f}",
@@ -156,9 +171,15 @@ def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> Non
         )
     console.print(table)
     console.print(
-        "c+d/ar: (compress + decompress) / dense allreduce; bytes: payload per rank / dense float32 bytes; "
-        "rel err: ‖x - D(C(x))‖/‖x‖ (mean over ranks); agg: ar = dense allreduce, ag = allgather"
+        "ns/el: (compress + decompress) per element; c+d/ar: (compress + decompress) / dense allreduce; bytes: "
+        "payload per rank / dense float32 bytes; rel err: ‖x - D(C(x))‖/‖x‖ (mean over ranks); agg: ar = dense "
+        "allreduce, ag = allgather, rs = quantized reduce-scatter + allgather"
     )
+    for name, ok, val in check_issue15(rows):
+        console.print(f"{'[green]met[/]' if ok else '[red]not met[/]'}  {name}: {val}")
+
+
+_AGG = {"allreduce": "ar", "sparse_allreduce": "sparse", "allgather": "ag", "reduce_scatter": "rs"}
 
 
 def check_targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
@@ -187,6 +208,49 @@ def check_targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
                     f"{l1['cd_s'] / t['cd_s']:.1f}x",
                 )
             )
+    return out
+
+
+def check_issue15(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
+    """Issue 15's targets, per N: every compressor's (identity aside) reduce faster than the dense allreduce; QSGD
+    4-bit (8-bit) ≥ 3x (1.8x) faster; a 16-bit cast's reduce ≤ half the dense allreduce (item 4: half the
+    bytes must cost less than half the time)."""
+    out: list[tuple[str, bool, str]] = []
+    by_n: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_n[r["n"]].append(r)
+    for n, rs in sorted(by_n.items()):
+        slow = [
+            f"{_short(r['compressor'])} {r['reduce_over_dense']:.2f}x"
+            for r in rs
+            if r["reduce_over_dense"] >= 1 and r["compressor"] != "identity"  # identity is the dense allreduce
+        ]
+        out.append(
+            (
+                f"N={n:,}: every compressor's reduce (identity aside) faster than the dense allreduce",
+                not slow,
+                "all faster" if not slow else "slower: " + ", ".join(slow),
+            )
+        )
+        for r in rs:
+            want = QSGD_SPEEDUP.get(r["compressor"])
+            if want is not None:
+                got = 1 / r["reduce_over_dense"]
+                out.append(
+                    (
+                        f"N={n:,}: {_short(r['compressor'])} reduce >= {want}x faster than dense",
+                        got >= want,
+                        f"{got:.2f}x",
+                    )
+                )
+            if r["compressor"] in CASTS:
+                out.append(
+                    (
+                        f"N={n:,}: {r['compressor']} reduce <= 50% of the dense allreduce (half the bytes)",
+                        r["reduce_over_dense"] <= 0.5,
+                        f"{r['reduce_over_dense']:.0%} (compress+decompress {r['cd_over_dense']:.1%})",
+                    )
+                )
     return out
 
 
@@ -241,17 +305,21 @@ def _short(spec: str) -> str:
 def markdown(rows: list[dict[str, Any]], checks: list[tuple[str, bool, str]], title: str) -> str:
     lines = [f"### {title}", ""]
     lines.append(
-        "| N | compressor | aggregation | compress ms | decompress ms | (c+d)/dense | bytes ratio | rel. error "
-        "| reduce ms | dense allreduce ms |"
+        "| N | compressor | aggregation | compress ms | decompress ms | c+d ns/el | (c+d)/dense | bytes ratio "
+        "| rel. error | reduce ms | dense allreduce ms |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         lines.append(
             f"| {r['n']:,} | {r['compressor']} | {r['aggregation']} | {r['compress_s'] * 1e3:.2f} | "
-            f"{r['decompress_s'] * 1e3:.2f} | {r['cd_over_dense']:.3f} | {r['bytes_ratio']:.4f} | "
+            f"{r['decompress_s'] * 1e3:.2f} | {r['cd_ns_per_el']:.2f} | {r['cd_over_dense']:.3f} | "
+            f"{r['bytes_ratio']:.4f} | "
             f"{r['rel_error']:.3f} | {r['reduce_s'] * 1e3:.1f} | {r['dense_allreduce_s'] * 1e3:.1f} |"
         )
     met = sum(ok for _, ok, _ in checks)
     lines += ["", f"Targets met: {met} of {len(checks)}.", "", "| target | measured | met |", "|---|---|---|"]
     lines += [f"| {name} | {val} | {'yes' if ok else '**no**'} |" for name, ok, val in checks]
+    extra = check_issue15(rows)
+    lines += ["", "Issue 15:", "", "| target | measured | met |", "|---|---|---|"]
+    lines += [f"| {name} | {val} | {'yes' if ok else '**no**'} |" for name, ok, val in extra]
     return "\n".join(lines) + "\n"

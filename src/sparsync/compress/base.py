@@ -3,7 +3,8 @@
 A payload says how many bytes it puts on the wire (``nbytes``) and which collective aggregates it
 (``aggregation``): payloads that add up linearly (dense casts, sketch tables + bitmaps) go through one dense
 allreduce; sparse payloads (top-k, threshold) through ``sparse_allreduce``; quantized ones, which do not add
-up, through an allgather followed by a local decode-and-sum (SparCML §5, "Low-Precision Support").
+up, through an allgather followed by a local decode-and-sum (SparCML §5, "Low-Precision Support"), or for QSGD
+at P > 2 a quantized reduce-scatter + allgather (``qsgd_allreduce.py``, issue 15).
 Error feedback is a separate axis (``memory.py``); ``reduce.py`` joins the axes in one template method.
 """
 
@@ -73,13 +74,18 @@ class DensePayload(Payload):
 
     aggregation: ClassVar[Aggregation] = "allreduce"
     values: torch.Tensor
+    # values is a fresh tensor no one else holds (a cast's output), so the allreduce may sum into it; False
+    # (identity) makes to_buffer copy, leaving the caller's tensor alone
+    owned: bool = False
 
     @property
     def nbytes(self) -> int:
         return self.values.numel() * self.values.element_size()
 
     def to_buffer(self) -> torch.Tensor:
-        return self.values.reshape(-1).clone()
+        """The flat buffer the allreduce sums in place: ``values`` itself when owned, else a copy."""
+        flat = self.values.reshape(-1)
+        return flat if self.owned and flat.data_ptr() == self.values.data_ptr() else flat.clone()
 
     def from_buffer(self, buf: torch.Tensor) -> DensePayload:
         return DensePayload(buf.reshape(self.values.shape))
@@ -121,7 +127,8 @@ class SketchPayload(Payload):
 @dataclass(frozen=True)
 class QuantizedPayload(Payload):
     """QSGD codes packed ``8 // bits`` to a byte plus one full-precision scale per bucket. Does not add up
-    linearly: aggregated by an allgather of the bytes and a local decode-and-sum."""
+    linearly: aggregated by an allgather of the bytes and a local decode-and-sum, or by QSGD's quantized
+    reduce-scatter + allgather (``QSGD.aggregation``)."""
 
     aggregation: ClassVar[Aggregation] = "allgather"
     codes: torch.Tensor  # uint8, packed

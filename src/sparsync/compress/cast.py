@@ -39,7 +39,8 @@ class _Cast(Compressor):
             return SparsePayload(
                 SparseStream(s.indices, s.values.to(self.wire_dtype), s.dim, row=s.row, validate=False)
             )
-        return DensePayload(tensor.to(self.wire_dtype))
+        # a cast is a fresh tensor (unless already in the wire dtype): the allreduce sums into it, no copy
+        return DensePayload(tensor.to(self.wire_dtype), owned=tensor.dtype != self.wire_dtype)
 
     def decompress(self, payload: Payload, spec: TensorSpec) -> torch.Tensor:
         if isinstance(payload, SparsePayload):

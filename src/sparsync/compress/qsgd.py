@@ -10,10 +10,22 @@ Variance per bucket (n values): Σ (S/s)² p_i(1 - p_i) with p_i the fractional 
 n·S²/(4s²). ``scale="l2"`` is the QSGD paper's choice S = ‖v‖₂, with Lemma 3.1's bound min(n/s², √n/s)·‖v‖²;
 ``scale="max"`` (default) uses S = ‖v‖∞ ≤ ‖v‖₂, a tighter grid for the same bits: at 4 bits (s = 7) the l2
 grid leaves most values of a 512-bucket on level 0 or 1.
+
+Kernels (issue 15): vectorized torch over chunks of 128K values, so that every pass of a chunk stays in
+cache and no tensor-sized temporary is allocated (a fresh 100 MB buffer costs more in page faults than the
+arithmetic on it). Rounding noise is 16 random bits per value, drawn as 64-bit words (``random_`` on int64:
+a few times cheaper per value than ``torch.rand``): the rounding is unbiased up to 2^-17 of a quantization
+step (the float32 ``torch.rand`` it replaces was unbiased up to 2^-24). Codes are packed with integer shifts
+on int32 / int64 views of int16 codes (little-endian layout, as on every platform torch runs on). Timings:
+docs/compress_results.md.
+
+Aggregation: see ``qsgd_allreduce.py`` (``aggregation="reduce_scatter"``, the default for P > 2) and
+``base.py`` (allgather).
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
@@ -29,6 +41,10 @@ from sparsync.compress.base import (
     check_positive_int,
 )
 
+CHUNK = 1 << 17  # values per kernel pass: a chunk's scratch (1.5 MB) stays in cache; 64K pays more dispatch
+_NOISE_STREAM = 0  # generator streams of one (name, rank): the compressor's own rounding ...
+REQUANTIZE_STREAM = 1  # ... and the re-quantization of a partition sum (qsgd_allreduce.py)
+
 
 @dataclass(frozen=True, eq=False)
 class QSGD(Compressor):
@@ -41,7 +57,12 @@ class QSGD(Compressor):
     bucket: int = 512  # values per scale
     scale: Literal["max", "l2"] = "max"  # per-bucket scale: ‖v‖∞ (default) or ‖v‖₂ (QSGD paper)
     seed: int = 0  # rounding noise: a generator seeded by (seed, name, rank), advanced every call
-    _gens: dict[tuple[str, int], torch.Generator] = field(default_factory=dict, init=False, repr=False)
+    # how ``reduce`` sums the payloads: "allgather" (every rank decodes all P payloads), "reduce_scatter"
+    # (each rank sums and re-quantizes one partition, then the quantized partitions are allgathered; SparCML
+    # §5's dense phase), or "auto": reduce_scatter when P > 2 (at P = 2 it moves the same bytes and only adds
+    # the re-quantization's variance)
+    aggregation: Literal["auto", "allgather", "reduce_scatter"] = "auto"
+    _gens: dict[tuple[str, int, int], torch.Generator] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.bits not in (2, 4, 8):
@@ -49,65 +70,179 @@ class QSGD(Compressor):
         check_positive_int(self.bucket, "bucket")
         if self.scale not in ("max", "l2"):
             raise ValueError(f"scale must be 'max' or 'l2', got {self.scale!r}")
+        if self.aggregation not in ("auto", "allgather", "reduce_scatter"):
+            raise ValueError(
+                f"aggregation must be 'auto', 'allgather' or 'reduce_scatter', got {self.aggregation!r}"
+            )
 
     @property
     def levels(self) -> int:
         return int(2 ** (self.bits - 1) - 1)
 
-    def _generator(self, ctx: Context) -> torch.Generator:
-        key = (ctx.name, ctx.rank)
+    def uses_reduce_scatter(self, world_size: int) -> bool:
+        """Whether ``reduce`` aggregates by quantized reduce-scatter + allgather on ``world_size`` ranks."""
+        if self.aggregation == "auto":
+            return world_size > 2
+        return self.aggregation == "reduce_scatter"
+
+    def generator(self, ctx: Context, stream: int = _NOISE_STREAM) -> torch.Generator:
+        """The rounding noise of (ctx.name, ctx.rank): one generator per stream, seeded by (seed, name, rank,
+        stream) and advanced by every call, so a run is reproducible and ranks round independently."""
+        key = (ctx.name, ctx.rank, stream)
         g = self._gens.get(key)
         if g is None:
-            g = torch.Generator().manual_seed(hash((self.seed, zlib.crc32(ctx.name.encode()), ctx.rank)) % 2**62)
+            mix = (self.seed, zlib.crc32(ctx.name.encode()), ctx.rank) + ((stream,) if stream else ())
+            g = torch.Generator().manual_seed(hash(mix) % 2**62)  # hash of ints: the same in every process
             self._gens[key] = g
         return g
 
     def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> QuantizedPayload:
-        flat = tensor.reshape(-1).to(torch.float32)
+        flat = tensor.reshape(-1)
         n = flat.numel()
-        nb = -(-n // self.bucket)
-        x = torch.nn.functional.pad(flat, (0, nb * self.bucket - n)).reshape(nb, self.bucket)
-        scales = x.abs().amax(1) if self.scale == "max" else torch.linalg.vector_norm(x, dim=1)
-        s = self.levels
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        # Signed level l = v·s/S ∈ [-s, s]; floor(l + u), u ~ U[0, 1), rounds up with probability frac(l):
-        # the same unbiased rounding as QSGD's sign·(⌊|l|⌋ + Bernoulli(frac|l|)), with the same variance
-        # frac(1 - frac), in three passes instead of a separate sign.
-        level = x * (s / safe).unsqueeze(1)
-        level += torch.rand(level.shape, generator=self._generator(ctx))
-        codes = level.floor_().add_(s).clamp_(0, 2 * s).to(torch.uint8).reshape(-1)
-        return QuantizedPayload(_pack(codes[:n], self.bits), scales)  # the last bucket's padding stays home
+        codes = torch.empty(self.code_bytes(n), dtype=torch.uint8)
+        scales = torch.empty(-(-n // self.bucket), dtype=torch.float32)
+        ws = _Workspace(self, n)
+        g = self.generator(ctx)
+        for a, b in self._chunks(n):
+            ws.encode(flat[a:b], scales[a // self.bucket : -(-b // self.bucket)], g)
+            ws.pack(b - a, codes[a * self.bits // 8 : -(-b * self.bits // 8)])
+        return QuantizedPayload(codes, scales)  # the last bucket's padding stays home
 
     def decompress(self, payload: QuantizedPayload, spec: TensorSpec) -> torch.Tensor:
-        n = spec.numel
-        nb = payload.scales.numel()
-        codes = _unpack(payload.codes, self.bits, n)
-        codes = torch.nn.functional.pad(codes, (0, nb * self.bucket - n), value=self.levels).reshape(
-            nb, self.bucket
-        )
-        s = self.levels
-        vals = (codes.to(torch.float32) - s) * (payload.scales / s).unsqueeze(1)
-        out = vals.reshape(-1)[:n].to(spec.dtype).reshape(spec.shape)
+        return self._finish(self.decode_sum([payload], spec.numel), spec)
+
+    def decompress_gathered(self, payloads: list[QuantizedPayload], spec: TensorSpec) -> torch.Tensor:
+        """Sum of every rank's payload, decoded chunk by chunk into one output (no P full-size decodes)."""
+        return self._finish(self.decode_sum(payloads, spec.numel), spec)
+
+    # --- kernels shared with qsgd_allreduce ---------------------------------------------------------------
+    def code_bytes(self, n: int) -> int:
+        """Bytes of ``n`` packed codes."""
+        return -(-n * self.bits // 8)
+
+    def unit(self) -> int:
+        """Buckets per aligned unit: a run of whole units starts on a byte of the packed codes."""
+        per = 8 // self.bits
+        return per // math.gcd(self.bucket, per)
+
+    def decode_sum(self, payloads: list[QuantizedPayload], n: int) -> torch.Tensor:
+        """float32 sum of the decoded ``payloads`` (each of ``n`` values), accumulated per chunk in cache."""
+        out = torch.empty(n, dtype=torch.float32)
+        ws = _Workspace(self, n)
+        for a, b in self._chunks(n):
+            ws.decode_into(payloads, a, b, out[a:b])
+        return out
+
+    def sum_requantize(self, payloads: list[QuantizedPayload], n: int, gen: torch.Generator) -> QuantizedPayload:
+        """Quantized payload of the sum of ``payloads`` (each of ``n`` values): decode, add and re-quantize with
+        noise from ``gen``, chunk by chunk (qsgd_allreduce's per-partition step)."""
+        codes = torch.empty(self.code_bytes(n), dtype=torch.uint8)
+        scales = torch.empty(-(-n // self.bucket), dtype=torch.float32)
+        ws = _Workspace(self, n)
+        acc = torch.empty(min(n, ws.chunk), dtype=torch.float32)
+        for a, b in self._chunks(n):
+            ws.decode_into(payloads, a, b, acc[: b - a])
+            ws.encode(acc[: b - a], scales[a // self.bucket : -(-b // self.bucket)], gen)
+            ws.pack(b - a, codes[a * self.bits // 8 : -(-b * self.bits // 8)])
+        return QuantizedPayload(codes, scales)
+
+    def _chunks(self, n: int) -> list[tuple[int, int]]:
+        """[a, b) ranges of whole buckets (the last one may end in a partial bucket), each a whole number of
+        aligned units, so every chunk's codes start on a byte."""
+        step = _chunk_values(self.bucket, self.unit())
+        return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+    def _finish(self, out: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+        out = out.to(spec.dtype).reshape(spec.shape)
         return out.to_sparse(spec.sparse_dim) if spec.sparse_dim is not None else out
 
 
-def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """``8 // bits`` codes per byte, first code in the low bits."""
-    per = 8 // bits
-    if per == 1:
-        return codes
-    pad = (-codes.numel()) % per
-    c = torch.nn.functional.pad(codes, (0, pad)).reshape(-1, per)
-    out = c[:, 0].clone()
-    for j in range(1, per):
-        out |= c[:, j] << (j * bits)
-    return out
+def _chunk_values(bucket: int, unit: int) -> int:
+    return max(unit, CHUNK // bucket // unit * unit) * bucket
 
 
-def _unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    per = 8 // bits
-    if per == 1:
-        return packed[:n]
-    shifts = torch.arange(per, dtype=torch.int32) * bits
-    c = (packed.to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
-    return c.reshape(-1)[:n].to(torch.uint8)
+class _Workspace:
+    """Scratch buffers of one call, sized for one chunk and reused by every chunk."""
+
+    def __init__(self, q: QSGD, n: int) -> None:
+        self.bits, self.bucket, self.s, self.l2 = q.bits, q.bucket, q.levels, q.scale == "l2"
+        self.chunk = min(n, _chunk_values(q.bucket, q.unit()))
+        words = -(-self.chunk // 4)
+        self.noise = torch.empty(words, dtype=torch.int64)  # 4 x 16 random bits per word
+        self.codes = torch.empty(words * 4, dtype=torch.int16)  # room to pad a chunk to whole int64 words
+        self.f = torch.empty(self.chunk, dtype=torch.float32)
+        self.wide = torch.empty(words * 2, dtype=torch.int64)
+
+    def encode(self, x: torch.Tensor, scales: torch.Tensor, gen: torch.Generator) -> None:
+        """Codes q + s of the chunk ``x`` into ``self.codes`` and its bucket scales into ``scales``."""
+        k, B = x.numel(), self.bucket
+        full = k // B * B
+        if full:
+            self._round(x[:full].view(-1, B), scales[: full // B], self.codes[:full].view(-1, B), gen)
+        if full < k:  # the tensor's last, partial bucket
+            self._round(x[full:].view(1, -1), scales[full // B :], self.codes[full:k].view(1, -1), gen)
+
+    def _round(self, x: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, gen: torch.Generator) -> None:
+        xf = x if x.dtype == torch.float32 else x.to(torch.float32)
+        s = self.s
+        S = torch.linalg.vector_norm(xf, dim=1) if self.l2 else xf.abs().amax(1)
+        scales.copy_(S)
+        inv = torch.where(S > 0, s / S, torch.zeros_like(S)).unsqueeze(1)  # a zero bucket: code s, value 0
+        k = xf.numel()
+        noise = self.noise[: -(-k // 4)].random_(-(2**63), None, generator=gen).view(torch.int16)[:k]
+        # code = floor(v·s/S + s + u) with u = (r + 32768.5) / 2^16 ∈ (0, 1), r a uniform int16: rounds up
+        # with probability frac(v·s/S) ± 2^-17. t ≥ 0, so the float -> int16 conversion's truncation floors.
+        t = self.f[:k].view_as(xf)
+        t.copy_(noise.view_as(xf)).mul_(2.0**-16).add_(s + 0.5 + 2.0**-17)
+        t.addcmul_(xf, inv).clamp_(0, 2 * s)  # clamp: float rounding at ±S must not leave [0, 2s]
+        codes.copy_(t)
+
+    def pack(self, k: int, out: torch.Tensor) -> None:
+        """Pack the first ``k`` codes of ``self.codes``, ``8 // bits`` to a byte (first in the low bits)."""
+        per = 8 // self.bits
+        if per == 1:
+            out.copy_(self.codes[:k])
+            return
+        m = -(-k // per)
+        self.codes[k : m * per] = 0
+        # An int32 (int64) word holds 2 (4) int16 codes c_j at bit 16j; shifting it right by j·(16 - bits)
+        # brings c_j to bit j·bits. OR the shifted copies; the narrowing to uint8 keeps the low byte.
+        word = self.codes[: m * per].view(torch.int32 if per == 2 else torch.int64)
+        tmp = self.wide[:m] if per == 4 else self.wide.view(torch.int32)[:m]
+        for j in range(1, per):
+            word.bitwise_or_(torch.bitwise_right_shift(word, j * (16 - self.bits), out=tmp))
+        out.copy_(word)
+
+    def unpack(self, packed: torch.Tensor, k: int) -> torch.Tensor:
+        """Codes q + s (int16) of ``packed`` bytes, the inverse of ``pack``; a view of ``self.codes``."""
+        per = 8 // self.bits
+        if per == 1:
+            return self.codes[:k].copy_(packed[:k])
+        m = packed.numel()
+        word = self.codes[: m * per].view(torch.int32 if per == 2 else torch.int64)
+        src = self.wide[:m] if per == 4 else self.wide.view(torch.int32)[:m]
+        src.copy_(packed)
+        mask = (1 << self.bits) - 1
+        torch.bitwise_and(src, mask, out=word)
+        tmp = self.wide[m : 2 * m] if per == 4 else self.wide.view(torch.int32)[m : 2 * m]
+        for j in range(1, per):
+            torch.bitwise_and(src, mask << (j * self.bits), out=tmp)
+            word.bitwise_or_(tmp.bitwise_left_shift_(j * (16 - self.bits)))
+        return self.codes[:k]
+
+    def decode_into(self, payloads: list[QuantizedPayload], a: int, b: int, out: torch.Tensor) -> None:
+        """out = Σ_p decode(p)[a:b] (float32); [a, b) a chunk of ``QSGD._chunks``."""
+        B, bits = self.bucket, self.bits
+        nb = -(-(b - a) // B)
+        full = (b - a) // B * B
+        for i, p in enumerate(payloads):
+            codes = self.unpack(p.codes[a * bits // 8 : -(-b * bits // 8)], b - a).sub_(self.s)
+            step = p.scales[a // B : a // B + nb] / self.s
+            dst = out if i == 0 else self.f[: b - a]
+            dst.copy_(codes)  # exact levels q, then one rounding: q·(S/s)
+            if full:
+                dst[:full].view(-1, B).mul_(step[: full // B].unsqueeze(1))
+            if full < b - a:
+                dst[full:].mul_(step[-1])
+            if i:
+                out.add_(dst)

@@ -21,6 +21,8 @@ from sparsync.compress.base import (
     TensorSpec,
 )
 from sparsync.compress.memory import ErrorFeedback
+from sparsync.compress.qsgd import QSGD
+from sparsync.compress.qsgd_allreduce import quantized_allreduce
 from sparsync.group import resolve_group
 from sparsync.handle import Work
 from sparsync.record import CommLog, CommRecord
@@ -89,7 +91,8 @@ def reduce(
 
     Steps: ``x = memory.compensate(name, tensor)``; ``payload = compressor.compress(x)``;
     ``memory.update(name, x, decompress(payload))``; aggregate the payloads with the collective the payload
-    names (dense allreduce, ``sparse_allreduce`` with ``algorithm``, or allgather); decompress the aggregate.
+    names (dense allreduce, ``sparse_allreduce`` with ``algorithm``, or allgather; QSGD by quantized
+    reduce-scatter + allgather when ``QSGD.uses_reduce_scatter(P)``); decompress the aggregate.
     Returns a tensor of ``tensor``'s shape, dtype and layout (dense or sparse COO), the same on every rank.
 
     Mutates: ``memory`` (the residual of ``name``) and the compressor's per-name state, on the caller's thread
@@ -129,8 +132,10 @@ def reduce(
     if memory is not None:
         memory.update(name, x, compressor.decompress(payload, xspec))
 
-    def finish(total: torch.Tensor) -> torch.Tensor:
-        out = total / P if average else total
+    def finish(total: torch.Tensor, divide: bool = average) -> torch.Tensor:
+        out = total
+        if divide:  # in place when the decoded aggregate is our own buffer: no second fresh tensor
+            out = total.div_(P) if _private(total, tensor, x) else total / P
         if spec.sparse_dim is not None and not out.is_sparse:
             out = out.to_sparse(spec.sparse_dim)
         out = out.to(spec.dtype)
@@ -150,6 +155,18 @@ def reduce(
         return _then(
             _submit(g, lambda: _allreduce(payload, g, log, xspec, t0), async_op), compressor, xspec, finish
         )
+    if isinstance(payload, QuantizedPayload) and isinstance(compressor, QSGD):
+        # QSGD decodes linearly in its scales: the average is decoded from scales / P (n / bucket divisions,
+        # not a pass over the n decoded values)
+        q, qp, ctx = compressor, payload, Context(name, dist.get_rank(g), P)
+        scale = 1.0 / P if average else 1.0
+
+        def run() -> QuantizedPayload | list[QuantizedPayload]:
+            if q.uses_reduce_scatter(P):
+                return _scaled(_reduce_scatter(q, qp, ctx, g, log, xspec, t0), scale)
+            return [_scaled(p, scale) for p in _allgather(qp, g, log, xspec, t0)]
+
+        return _then(_submit(g, run, async_op), compressor, xspec, lambda t: finish(t, divide=False))
     if isinstance(payload, QuantizedPayload):
         return _then(
             _submit(g, lambda: _allgather(payload, g, log, xspec, t0), async_op), compressor, xspec, finish
@@ -187,7 +204,7 @@ def _allreduce(
 
 def _allgather(
     payload: QuantizedPayload, g: dist.ProcessGroup, log: CommLog | None, spec: TensorSpec, t0: float
-) -> list[Payload]:
+) -> list[QuantizedPayload]:
     """Non-linear payloads: everyone's bytes to everyone (equal sizes: same shape and settings everywhere)."""
     buf = payload.to_bytes()
     P = dist.get_world_size(g)
@@ -195,6 +212,35 @@ def _allgather(
     dist.all_gather(parts, buf, group=g)
     _record(log, "allgather", g, spec, buf.numel(), (P - 1) * buf.numel(), P - 1, t0)
     return [payload.from_bytes(b) for b in parts]
+
+
+def _reduce_scatter(
+    q: QSGD,
+    payload: QuantizedPayload,
+    ctx: Context,
+    g: dist.ProcessGroup,
+    log: CommLog | None,
+    spec: TensorSpec,
+    t0: float,
+) -> QuantizedPayload:
+    """QSGD: decode-sum-requantize one partition per rank, then allgather the quantized partitions."""
+    total, sent = quantized_allreduce(q, payload, spec.numel, ctx, g)
+    P = dist.get_world_size(g)
+    _record(log, "quantized_reduce_scatter", g, spec, payload.nbytes, sent, 2 * (P - 1), t0)
+    return total
+
+
+def _scaled(p: QuantizedPayload, scale: float) -> QuantizedPayload:
+    return p if scale == 1.0 else QuantizedPayload(p.codes, p.scales * scale)
+
+
+def _private(out: torch.Tensor, *inputs: torch.Tensor) -> bool:
+    """Whether ``out`` is a dense tensor sharing no storage with ``inputs`` (decompress returned a fresh
+    buffer, as every compressor here does; checked, because dividing the caller's tensor would be a bug)."""
+    if out.is_sparse:
+        return False
+    ptr = out.untyped_storage().data_ptr()
+    return all(t.is_sparse or t.untyped_storage().data_ptr() != ptr for t in inputs)
 
 
 def _record(

@@ -14,8 +14,17 @@ steps) and ``reduce`` writes the queried result back into the gradient (theirs d
 Size: ``cols`` directly, or ``ratio`` = (sketch cells r·c) / (tensor entries), so c = ceil(ratio·numel / r).
 S2's λ = m / (α·d) (m buckets, α the density of the gradient, d its size) relates to it by λ = ratio / α: for an
 embedding gradient of density α, ``ratio = λ·α``. A fixed ratio (not a per-call α) keeps c identical on every
-rank without an extra exchange. The hashes are a splitmix64 mix of (seed, row, index): the same on every rank
-for the same seed, computed only for the indices that are queried or inserted (no d-sized hash tables).
+rank without an extra exchange.
+
+Hashes (issue 15): row j's multiply-add-shift hash z = (a_j·i + b_j) mod 2^64, with (a_j, b_j) drawn from
+``seed`` (the same on every rank). For indices i < 2^32 the top 32 bits of z are pairwise independent and
+uniform over random (a_j, b_j) (Dietzfelbinger 1996, strongly universal multiply-add-shift), so the sign
+s_j(i) = bit 63 and the bucket h_j(i) = ⌊c·(bits 32..62)/2^31⌋ are independent of each other, and the signs
+of two indices are pairwise independent: E[s_j(i)s_j(k)] = 0, which is all S2 Thm. 1's unbiasedness needs.
+Five int64 passes per row (for a run of positions an add replaces the multiply and add), over chunks of 64K
+indices that stay in cache; the splitmix64 mix it replaces took 1.9 s per row at 25M indices (issue 15). The
+sign is applied by XOR-ing the value's sign bit; the median of r ≤ 8 rows is a min/max sorting network
+(torch.median over a short dim is much slower). Timings: docs/compress_results.md.
 """
 
 from __future__ import annotations
@@ -27,11 +36,12 @@ from typing import ClassVar
 
 import torch
 
-from sparsync.collectives.tensor import coo_to_stream
+from sparsync.collectives.tensor import coo_to_stream, stream_to_coo
 from sparsync.compress.base import NO_CONTEXT, Compressor, Context, SketchPayload, TensorSpec, check_positive_int
 from sparsync.stream import SparseStream
 
 FLAT_BLOCK = 64  # default block of a 1-D tensor (a 2-D+ tensor's default block is one row)
+CHUNK = 1 << 16  # indices per hashing pass
 _MASK64 = (1 << 64) - 1
 
 
@@ -55,6 +65,10 @@ class SparseSketch(Compressor):
             raise ValueError(f"give exactly one of cols and ratio, got cols={self.cols!r}, ratio={self.ratio!r}")
         if self.cols is not None:
             check_positive_int(self.cols, "cols")
+            if self.cols >= 2**31:
+                raise ValueError(
+                    f"cols must be < 2**31 (the bucket is a 31-bit fraction times c), got {self.cols}"
+                )
         if self.ratio is not None and not (isinstance(self.ratio, int | float) and self.ratio > 0):
             raise ValueError(f"ratio must be > 0, got {self.ratio!r}")
         if self.block is not None:
@@ -82,47 +96,51 @@ class SparseSketch(Compressor):
 
     def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> SketchPayload:
         spec = TensorSpec.of(tensor)
-        s = (
-            coo_to_stream(tensor).elements()
-            if tensor.is_sparse
-            else SparseStream.from_dense(tensor, auto_dense=False)
-        )
-        assert s.indices is not None
-        idx, vals = s.indices.to(torch.int64), s.values
-        b = self.block_size(spec)
+        b, n = self.block_size(spec), spec.numel
+        nblocks = -(-n // b)
         dtype = tensor.dtype
-        bitmap = torch.zeros(-(-spec.numel // b), dtype=dtype)
-        bitmap[idx // b] = 1
-        c = self.width(spec.numel)
-        table = torch.zeros(self.rows, c, dtype=dtype)
-        for j in range(self.rows):
-            h, sign = self._hash(idx, j, c)
-            table[j].index_add_(0, h, torch.where(sign, -vals, vals))
-        return SketchPayload(bitmap, table)
+        work = torch.float64 if dtype == torch.float64 else torch.float32
+        bitmap = torch.zeros(nblocks, dtype=dtype)
+        c = self.width(n)
+        table = torch.zeros(self.rows, c, dtype=work)
+        hasher = _Hasher(self, c, work)
+        if tensor.is_sparse:
+            s = coo_to_stream(tensor).elements()
+            assert s.indices is not None
+            idx, vals = s.indices.to(torch.int64), s.values.to(work)
+            bitmap[idx // b] = 1
+        else:
+            flat = tensor.reshape(-1)
+            nz = _nonzero_blocks(flat, b)
+            bitmap[nz] = 1
+            if nz.numel() == nblocks:  # every block set: hash positions a..b, no index list
+                for a in range(0, n, CHUNK):
+                    hasher.insert(table, a, flat[a : a + CHUNK].to(work))
+                return SketchPayload(bitmap, table.to(dtype))
+            # zeros inside a set block add 0 to the table: hash the same set of positions decompress queries
+            idx = _block_elements(nz, b, n)
+            vals = flat[idx].to(work)
+        for a in range(0, idx.numel(), CHUNK):
+            hasher.insert(table, idx[a : a + CHUNK], vals[a : a + CHUNK])
+        return SketchPayload(bitmap, table.to(dtype))
 
     def decompress(self, payload: SketchPayload, spec: TensorSpec) -> torch.Tensor:
-        b = self.block_size(spec)
-        n = spec.numel
+        b, n = self.block_size(spec), spec.numel
         blocks = torch.nonzero(payload.bitmap > 0, as_tuple=True)[0]
-        idx = (blocks.unsqueeze(1) * b + torch.arange(b)).reshape(-1)
-        idx = idx[idx < n]
         c = payload.table.shape[1]
-        est = torch.empty(self.rows, idx.numel(), dtype=payload.table.dtype)
-        for j in range(self.rows):
-            h, sign = self._hash(idx, j, c)
-            e = payload.table[j][h]
-            est[j] = torch.where(sign, -e, e)
-        if self.rows == 3:  # the default r: the middle of three by min/max, ~8x faster than median(0)
-            e0, e1, e2 = est[0], est[1], est[2]
-            vals = torch.maximum(torch.minimum(e0, e1), torch.minimum(torch.maximum(e0, e1), e2))
-        elif self.rows % 2:
-            vals = est.median(0).values  # odd r: the middle estimate itself
-        else:
-            srt = est.sort(0).values
-            vals = (srt[self.rows // 2 - 1] + srt[self.rows // 2]) / 2
+        work = torch.float64 if payload.table.dtype == torch.float64 else torch.float32
+        table = payload.table.to(work)
+        hasher = _Hasher(self, c, work)
+        if spec.sparse_dim is None and blocks.numel() == -(-n // b):  # every block set: write in place
+            out = torch.empty(n, dtype=work)
+            for a in range(0, n, CHUNK):
+                hasher.query(table, a, out[a : a + CHUNK])
+            return out.to(spec.dtype).reshape(spec.shape)
+        idx = _block_elements(blocks, b, n)
+        vals = torch.empty(idx.numel(), dtype=work)
+        for a in range(0, idx.numel(), CHUNK):
+            hasher.query(table, idx[a : a + CHUNK], vals[a : a + CHUNK])
         if spec.sparse_dim is not None:
-            from sparsync.collectives.tensor import stream_to_coo
-
             return stream_to_coo(
                 SparseStream(idx, vals.to(spec.dtype), n, validate=False), spec.shape, spec.sparse_dim
             )
@@ -130,11 +148,118 @@ class SparseSketch(Compressor):
         out[idx] = vals.to(spec.dtype)
         return out.reshape(spec.shape)
 
-    def _hash(self, idx: torch.Tensor, row: int, c: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(bucket in [0, c), sign flip) of every index for hash row ``row``."""
-        salt = _splitmix_int(_splitmix_int(self.seed) ^ row)
-        z = _splitmix(idx ^ _signed(salt))
-        return (z & 0x7FFF_FFFF_FFFF_FFFF) % c, z < 0
+
+def _nonzero_blocks(flat: torch.Tensor, b: int) -> torch.Tensor:
+    """Indices of the blocks of ``flat`` (blocks of ``b`` entries, the last one possibly short) holding a
+    non-zero (NaN included, as ``!= 0`` counts it), chunk by chunk: no tensor-sized temporary."""
+    n = flat.numel()
+    full = n // b
+    step = max(1, CHUNK // b) * b
+    peaks = [flat[a : min(full * b, a + step)].view(-1, b).abs().amax(1) for a in range(0, full * b, step)]
+    if full * b < n:
+        peaks.append(flat[full * b :].abs().amax().reshape(1))
+    if not peaks:
+        return torch.zeros(0, dtype=torch.int64)
+    peak = torch.cat(peaks)  # max |x| per block: 3x cheaper than ne(0).any(1)
+    return torch.nonzero((peak > 0) | peak.isnan(), as_tuple=True)[0]
+
+
+def _block_elements(blocks: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """Element indices of ``blocks`` (ascending), clipped to the tensor's ``n`` entries."""
+    idx = (blocks.unsqueeze(1) * b + torch.arange(b)).reshape(-1)
+    if blocks.numel() and int(blocks[-1]) * b + b > n:  # only the tensor's last block can be short
+        idx = idx[: idx.numel() - (int(blocks[-1]) * b + b - n)]
+    return idx
+
+
+class _Hasher:
+    """Row hashes of one call (see the module docstring) and their scratch buffers, sized for one chunk."""
+
+    def __init__(self, sk: SparseSketch, c: int, work: torch.dtype) -> None:
+        self.c, self.rows = c, sk.rows
+        base = _splitmix_int(sk.seed)
+        self.ab = [
+            (_signed(_splitmix_int(base ^ (2 * j))), _signed(_splitmix_int(base ^ (2 * j + 1))))
+            for j in range(sk.rows)
+        ]
+        self.itype = torch.int64 if work == torch.float64 else torch.int32  # the value's bits, for the sign
+        self.z = torch.empty(CHUNK, dtype=torch.int64)
+        self.sign = torch.empty(CHUNK, dtype=self.itype)
+        self.signed = torch.empty(CHUNK, dtype=self.itype)
+        self.est = torch.empty(sk.rows, CHUNK, dtype=work)
+        self._steps: list[torch.Tensor] = []
+
+    def _z(self, idx: torch.Tensor | int, k: int, j: int) -> torch.Tensor:
+        """z = a_j·i + b_j mod 2^64 (int64 arithmetic wraps) for the indices ``idx``, or for start + 0..k-1."""
+        a, b = self.ab[j]
+        z = self.z[:k]
+        if isinstance(idx, torch.Tensor):
+            return torch.mul(idx, a, out=z).add_(b)
+        if not self._steps:  # a_j·0..CHUNK-1, once per call: a chunk of positions then costs one add
+            self._steps = [torch.arange(CHUNK, dtype=torch.int64).mul_(aj) for aj, _ in self.ab]
+        return torch.add(self._steps[j][:k], _signed(a * idx + b), out=z)
+
+    def _row(self, idx: torch.Tensor | int, k: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h_j(i) ∈ [0, c), sign mask: the value type's sign bit where s_j(i) = -1)."""
+        z = self._z(idx, k, j).bitwise_right_shift_(32)  # the top 32 bits, sign-extended
+        sign = self.sign[:k]
+        if self.itype == torch.int64:
+            torch.bitwise_and(z, -(2**63), out=sign)  # bit 63
+        else:
+            sign.copy_(z).bitwise_and_(-(2**31))  # bits 32..63 as int32: its sign bit is bit 63
+        return z.bitwise_and_(0x7FFF_FFFF).mul_(self.c).bitwise_right_shift_(31), sign
+
+    def insert(self, table: torch.Tensor, idx: torch.Tensor | int, vals: torch.Tensor) -> None:
+        """table[j, h_j(i)] += s_j(i)·v(i) for every row j (S2 Alg. 1 line 5). ``idx``: the indices of ``vals``,
+        or the first of a run of consecutive ones."""
+        k = vals.numel()
+        bits = vals.view(self.itype)
+        for j in range(self.rows):
+            h, sign = self._row(idx, k, j)
+            signed = torch.bitwise_xor(bits, sign, out=self.signed[:k])
+            table[j].index_add_(0, h, signed.view(table.dtype))
+
+    def query(self, table: torch.Tensor, idx: torch.Tensor | int, out: torch.Tensor) -> None:
+        """out(i) = median over rows of s_j(i)·table[j, h_j(i)] (S2 Alg. 1 lines 11-14)."""
+        k = out.numel()
+        est = self.est[:, :k]
+        for j in range(self.rows):
+            h, sign = self._row(idx, k, j)
+            torch.index_select(table[j], 0, h, out=est[j])
+            est[j].view(self.itype).bitwise_xor_(sign)
+        _median_rows(est, out)
+
+
+def _median_rows(est: torch.Tensor, out: torch.Tensor) -> None:
+    """Median over dim 0 of a (r, k) tensor into ``out``; for an even r the mean of the two middle values.
+    Destroys ``est``. r ≤ 8: odd-even transposition sort by min/max (in place, vectorized over k)."""
+    r = est.shape[0]
+    if r == 1:
+        out.copy_(est[0])
+    elif r == 3:  # the default: the middle of three in four passes
+        e0, e1, e2 = est
+        lo = torch.minimum(e0, e1)
+        torch.maximum(e0, e1, out=out)
+        torch.minimum(out, e2, out=out)
+        torch.maximum(lo, out, out=out)
+    elif r <= 8:
+        tmp = torch.empty_like(est[0])
+        for rnd in range(r):
+            for i in range(rnd % 2, r - 1, 2):
+                torch.minimum(est[i], est[i + 1], out=tmp)
+                torch.maximum(est[i], est[i + 1], out=est[i + 1])
+                est[i].copy_(tmp)
+        _middle(est, out)
+    else:
+        _middle(est.sort(0).values, out)
+
+
+def _middle(srt: torch.Tensor, out: torch.Tensor) -> None:
+    r = srt.shape[0]
+    if r % 2:
+        out.copy_(srt[r // 2])
+    else:
+        torch.add(srt[r // 2 - 1], srt[r // 2], out=out).mul_(0.5)
 
 
 def _signed(x: int) -> int:
@@ -143,20 +268,8 @@ def _signed(x: int) -> int:
 
 
 def _splitmix_int(x: int) -> int:
+    """splitmix64 finaliser on a Python int: derives each row's (a, b) from the seed."""
     z = (x + 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
-
-
-def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's >> is arithmetic)."""
-    return (z >> k) & ((1 << (64 - k)) - 1)
-
-
-def _splitmix(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 finaliser on int64 tensors (multiplication wraps modulo 2^64)."""
-    z = x + _signed(0x9E3779B97F4A7C15)
-    z = (z ^ _shr(z, 30)) * _signed(0xBF58476D1CE4E5B9)
-    z = (z ^ _shr(z, 27)) * _signed(0x94D049BB133111EB)
-    return z ^ _shr(z, 31)
