@@ -505,7 +505,7 @@ def _compress() -> list[Case]:
              r"rank \d has dim=11", note="TopK, async_op=True, 11 vs 10 elements: raised by wait()"),
         Case("cmp_identity_nan", "1",
              lambda r, g: red(g, with_value(x(r), 3, NAN) if r == 1 else x(r), Identity()),
-             r"rank 1 contributed NaN", note="Identity (dense allreduce path): NaN on rank 1"),
+             r"rank 1 holds NaN", note="Identity (dense allreduce path): NaN on rank 1"),
         Case("cmp_identity_shape", "1", lambda r, g: red(g, x(r, (2, 5) if r == 1 else (5, 2)), Identity()),
              r"shape", note="Identity: (2, 5) on rank 1, (5, 2) elsewhere"),
         Case("cmp_qsgd_shape", "2",
@@ -514,10 +514,11 @@ def _compress() -> list[Case]:
         Case("cmp_cast_differs", "1", lambda r, g: red(g, x(r), FP16() if r == 1 else BF16()),
              r"fp16|bf16|compressor", note="FP16 on rank 1, BF16 elsewhere (same wire size)"),
         Case("cmp_identity_dim", "1", lambda r, g: red(g, x(r, (11,) if r == 1 else (10,)), Identity()),
-             r"11", note="Identity: 11 vs 10 elements", may_abort=True),
+             r"rank 1 differs from rank 0", note="Identity: 11 vs 10 elements", may_abort=True),
         Case("cmp_qsgd_bits_differs", "1",
              lambda r, g: red(g, x(r, (64,)), QSGD(bits=8 if r == 1 else 4, bucket=16)),
-             r"bits", note="QSGD(bits=8) on rank 1, bits=4 elsewhere", may_abort=True),
+             r"payload size \(compressor settings\) mismatch", note="QSGD(bits=8) on rank 1, bits=4 elsewhere",
+             may_abort=True),
     ]
 
 

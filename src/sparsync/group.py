@@ -89,6 +89,7 @@ def background_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGrou
         )
         assert isinstance(bg, dist.ProcessGroup)  # this rank is in ``ranks``
         state.background = bg
+        group_state(bg).background = bg  # already sparsync's own: async calls on it stay on it
     return state.background
 
 

@@ -48,6 +48,7 @@ OPS = (
     "all_reduce_grad",
     "all_gather_grad",
     "broadcast_grad",
+    "reduce",
 )
 PARTITION_CODES = ("-", "stride", "range")  # the resolved partition of a call (collectives/partition.py)
 ALGORITHM_CODES = (

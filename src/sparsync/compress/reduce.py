@@ -9,7 +9,9 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives.allreduce import _submit, sparse_allreduce
+from sparsync.collectives._comm import Comm
+from sparsync.collectives._meta import OPS, allgather_rows, raise_refusals, shape_fingerprint
+from sparsync.collectives.allreduce import _submit, comm_group, refuse, start_allreduce
 from sparsync.compress.base import (
     Compressor,
     Context,
@@ -23,7 +25,7 @@ from sparsync.compress.base import (
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.compress.qsgd import QSGD
 from sparsync.compress.qsgd_allreduce import quantized_allreduce
-from sparsync.group import resolve_group
+from sparsync.group import group_state, resolve_group
 from sparsync.handle import Work
 from sparsync.record import CommLog, CommRecord
 
@@ -42,6 +44,7 @@ def reduce(
     algorithm: str = ...,
     log: CommLog | None = ...,
     timeout: float | None = ...,
+    check_nan: bool = ...,
 ) -> torch.Tensor: ...
 @overload
 def reduce(
@@ -57,6 +60,7 @@ def reduce(
     algorithm: str = ...,
     log: CommLog | None = ...,
     timeout: float | None = ...,
+    check_nan: bool = ...,
 ) -> Work[torch.Tensor]: ...
 @overload
 def reduce(
@@ -72,6 +76,7 @@ def reduce(
     algorithm: str = ...,
     log: CommLog | None = ...,
     timeout: float | None = ...,
+    check_nan: bool = ...,
 ) -> torch.Tensor | Work[torch.Tensor]: ...
 def reduce(
     tensor: torch.Tensor,
@@ -86,6 +91,7 @@ def reduce(
     algorithm: str = "auto",
     log: CommLog | None = None,
     timeout: float | None = None,
+    check_nan: bool = True,
 ) -> torch.Tensor | Work[torch.Tensor]:
     """Average (``average=True``) or sum over ``group`` of ``tensor`` sent through ``compressor``.
 
@@ -98,7 +104,9 @@ def reduce(
     Mutates: ``memory`` (the residual of ``name``) and the compressor's per-name state, on the caller's thread
     before this returns, also with ``async_op=True``; ``tensor`` only with ``inplace=True`` (dense only: the
     result is written into it, e.g. back into a gradient). Collective: every rank of ``group`` calls it with
-    the same compressor settings and shape, in the same order. ``log`` collects a CommRecord per call.
+    the same compressor settings and shape, in the same order; a rank whose shape, dtype, compressor or payload
+    size differs, or whose input holds NaN or ±Inf (unless ``check_nan=False``), makes every rank raise the
+    same ValueError. ``log`` collects a CommRecord per call.
 
     Example::
 
@@ -106,21 +114,12 @@ def reduce(
         >>> for name, p in model.named_parameters():
         ...     p.grad = sparsync.reduce(p.grad, TopK(0.01), memory=memory, name=name)
     """
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"reduce takes a torch.Tensor, got {type(tensor).__name__}")
-    if not isinstance(compressor, Compressor):
-        raise TypeError(f"compressor must be a sparsync Compressor, got {type(compressor).__name__}")
-    if tensor.layout not in (torch.strided, torch.sparse_coo):
-        raise ValueError(f"reduce supports strided and sparse COO tensors, got layout {tensor.layout}")
-    if not tensor.dtype.is_floating_point:
-        raise ValueError(f"reduce needs a floating tensor, got {tensor.dtype}")
-    if tensor.numel() == 0:
-        raise ValueError(f"reduce of an empty tensor (shape {tuple(tensor.shape)})")
-    if memory is not None and not name:
-        raise ValueError("memory= needs name=: error-feedback residuals are kept per name")
-    if inplace and tensor.is_sparse:
-        raise ValueError("inplace=True needs a dense tensor (a sparse COO result has its own storage)")
-    g = resolve_group(group)
+    try:
+        _check_input(tensor, compressor, memory, name, inplace)
+    except (TypeError, ValueError) as e:  # every rank raises it, not only this one (issue 14)
+        refuse(group, "reduce", e, timeout, async_op)
+    user = resolve_group(group)
+    g = comm_group(user, async_op)  # async work on sparsync's own group (issue 14, part 6)
     P = dist.get_world_size(g)
     t0 = time.perf_counter()
     spec = TensorSpec.of(tensor)
@@ -144,17 +143,29 @@ def reduce(
             return tensor
         return out
 
+    # The call's fingerprint, checked across ranks by the metadata round (issue 14: shapes (2, 5) and (5, 2),
+    # FP16 against BF16 bits, or payloads of other sizes were summed, or made gloo abort the process).
+    layout = f"reduce/{type(compressor).__name__}/{'coo' if spec.is_sparse else 'strided'}/{spec.dtype}"
     if isinstance(payload, SparsePayload):
-        kw: dict[str, Any] = {"algorithm": algorithm, "group": g, "log": log, "timeout": timeout}
-        if async_op:
-            work = sparse_allreduce(payload.stream, async_op=True, **kw)
-            return work.then(lambda s: finish(compressor.decompress(SparsePayload(s), xspec)))
-        s = sparse_allreduce(payload.stream, **kw)
-        return finish(compressor.decompress(SparsePayload(s), xspec))
+        # sparse_allreduce's own metadata round checks the fingerprint (and NaN) on every rank
+        kw: dict[str, Any] = {"algorithm": algorithm, "group": user, "log": log, "timeout": timeout,
+                              "shape": (layout, tuple(spec.shape)), "check_nan": check_nan}  # fmt: skip
+        res = start_allreduce(payload.stream, lambda c, s: s, async_op=async_op, **kw)
+        if isinstance(res, Work):
+            return res.then(lambda s: finish(compressor.decompress(SparsePayload(s), xspec)))
+        return finish(compressor.decompress(SparsePayload(res), xspec))
+    seq = next_call(g)
+
+    def agree(nbytes: int) -> None:
+        _agree(g, seq, layout, spec, nbytes, x if check_nan else None, timeout)
+
     if isinstance(payload, DensePayload | SketchPayload):
-        return _then(
-            _submit(g, lambda: _allreduce(payload, g, log, xspec, t0), async_op), compressor, xspec, finish
-        )
+
+        def dense() -> Payload:
+            agree(payload.nbytes)
+            return _allreduce(payload, g, log, xspec, t0)
+
+        return _then(_submit(user, dense, async_op), compressor, xspec, finish)
     if isinstance(payload, QuantizedPayload) and isinstance(compressor, QSGD):
         # QSGD decodes linearly in its scales: the average is decoded from scales / P (n / bucket divisions,
         # not a pass over the n decoded values)
@@ -162,16 +173,89 @@ def reduce(
         scale = 1.0 / P if average else 1.0
 
         def run() -> QuantizedPayload | list[QuantizedPayload]:
+            agree(qp.nbytes)
             if q.uses_reduce_scatter(P):
                 return _scaled(_reduce_scatter(q, qp, ctx, g, log, xspec, t0), scale)
             return [_scaled(p, scale) for p in _allgather(qp, g, log, xspec, t0)]
 
-        return _then(_submit(g, run, async_op), compressor, xspec, lambda t: finish(t, divide=False))
+        return _then(_submit(user, run, async_op), compressor, xspec, lambda t: finish(t, divide=False))
     if isinstance(payload, QuantizedPayload):
-        return _then(
-            _submit(g, lambda: _allgather(payload, g, log, xspec, t0), async_op), compressor, xspec, finish
-        )
+        qpay = payload
+
+        def gather() -> list[QuantizedPayload]:
+            agree(qpay.nbytes)
+            return _allgather(qpay, g, log, xspec, t0)
+
+        return _then(_submit(user, gather, async_op), compressor, xspec, finish)
     raise TypeError(f"{type(compressor).__name__}.compress returned {type(payload).__name__}, not a Payload")
+
+
+def _check_input(tensor: Any, compressor: Any, memory: ErrorFeedback | None, name: str, inplace: bool) -> None:
+    """The checks of reduce's arguments that need no other rank."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"reduce takes a torch.Tensor, got {type(tensor).__name__}")
+    if not isinstance(compressor, Compressor):
+        raise TypeError(f"compressor must be a sparsync Compressor, got {type(compressor).__name__}")
+    if tensor.layout not in (torch.strided, torch.sparse_coo):
+        raise ValueError(f"reduce supports strided and sparse COO tensors, got layout {tensor.layout}")
+    if not tensor.dtype.is_floating_point:
+        raise ValueError(f"reduce needs a floating tensor, got {tensor.dtype}")
+    if tensor.numel() == 0:
+        raise ValueError(f"reduce of an empty tensor (shape {tuple(tensor.shape)})")
+    if memory is not None and not name:
+        raise ValueError("memory= needs name=: error-feedback residuals are kept per name")
+    if inplace and tensor.is_sparse:
+        raise ValueError("inplace=True needs a dense tensor (a sparse COO result has its own storage)")
+
+
+def next_call(g: dist.ProcessGroup) -> int:
+    state = group_state(g)
+    seq = state.calls
+    state.calls += 1
+    return seq
+
+
+def _agree(
+    g: dist.ProcessGroup,
+    seq: int,
+    layout: str,
+    spec: TensorSpec,
+    nbytes: int,
+    x: torch.Tensor | None,
+    timeout: float | None,
+) -> None:
+    """The metadata round of the dense, allgather and quantized paths: raise the same ValueError on every rank
+    unless all passed the same shape, layout, dtype and compressor and will send payloads of one size, and
+    (``x`` given) none holds NaN or ±Inf; a rank whose input was refused is reported here too."""
+    nonfinite = -1
+    if x is not None and not x.is_sparse and not bool(torch.isfinite(x.sum())):
+        bad = torch.nonzero(~torch.isfinite(x.reshape(-1)), as_tuple=True)[0]
+        nonfinite = int(bad[0]) if bad.numel() else -1
+    row = torch.tensor(
+        [seq, OPS.index("reduce"), shape_fingerprint(layout, tuple(spec.shape)), nbytes, nonfinite],
+        dtype=torch.int64,
+    )
+    comm = Comm(g, timeout)
+    comm.op = "reduce"
+    table, blocks = allgather_rows(comm, row)
+    raise_refusals(table, blocks, comm.rank)
+    for col, what in ((1, "collective"), (0, "call number"), (2, "shape, layout, dtype or compressor"),
+                      (3, "payload size (compressor settings)")):  # fmt: skip
+        diff = torch.nonzero(table[:, col] != table[0, col], as_tuple=True)[0]
+        if diff.numel():
+            r = int(diff[0])
+            detail = f" (this rank: {layout}, shape {tuple(spec.shape)}, {nbytes} payload bytes)"
+            raise ValueError(
+                f"reduce: {what} mismatch across ranks: rank {r} differs from rank 0 (seen on rank {comm.rank})"
+                f"{detail}; every rank must reduce the same shape with the same compressor settings"
+            )
+    bad_rank = torch.nonzero(table[:, 4] >= 0, as_tuple=True)[0]
+    if bad_rank.numel():
+        r = int(bad_rank[0])
+        raise ValueError(
+            f"reduce: rank {r} holds NaN or ±Inf at index {int(table[r, 4])} (seen on rank {comm.rank}); refusing "
+            "to reduce it (check_nan=False to let it through)"
+        )
 
 
 def _then(
