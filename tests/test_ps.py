@@ -211,7 +211,8 @@ def test_sync_sums_pushes_in_worker_order_not_arrival_order(two: list[ServerProc
 
 
 @pytest.mark.multiprocess
-def test_two_sync_hybrid_runs_give_identical_bits() -> None:
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_two_sync_hybrid_runs_give_identical_bits(world: int) -> None:
     # Issue 14: at P = 3 the server summed a step's pushes in arrival order, so runs differed in the last bits.
     import _ps_workers as pw
 
@@ -224,7 +225,7 @@ def test_two_sync_hybrid_runs_give_identical_bits() -> None:
             sv = start_servers(2, wait_timeout=20.0)
             procs += sv
             cases.append(dict(opt="adam", reduce="mean", steps=4, addresses=[s.address for s in sv]))
-        first, second = launch(pw.hybrid_worker, nprocs=3, args=([], cases), timeout=120)[0]
+        first, second = launch(pw.hybrid_worker, nprocs=world, args=([], cases), timeout=120)[0]
     finally:
         for s in procs:
             s.kill()
