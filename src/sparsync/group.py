@@ -59,6 +59,16 @@ def group_state(group: dist.ProcessGroup) -> GroupState:
     return state
 
 
+def next_call(group: dist.ProcessGroup) -> int:
+    """This call's number on ``group``, taken at issue time (in the caller's thread, also for queued calls); every
+    sparsync collective and primitive on the group shares the counter, so ranks that diverge show up in the
+    metadata round."""
+    state = group_state(group)
+    seq = state.calls
+    state.calls += 1
+    return seq
+
+
 def set_link(link: LinkModel | None, *, group: dist.ProcessGroup | None = None) -> None:
     """Set (or, with None, forget) the link model "auto" uses for ``group`` instead of measuring it.
 

@@ -198,18 +198,13 @@ def exchange_meta(
     the caller was given, so tensors of one size but different shapes are refused (issue 14: (5, 2) and (2, 5)
     were summed). ``auto_key``: ``auto_fingerprint`` of the link model and policy auto will use."""
     nan_pos, kind = -1, 0
-    # NaN and ±Inf propagate through a sum, so one cheap reduction (10x cheaper than isfinite().all() on 16M
-    # floats) clears the common case; only a non-finite sum pays for locating the first non-finite value (a
-    # finite input whose half-precision sum overflows finds none). Issue 14: ±Inf is refused like NaN, since
-    # +Inf on one rank and -Inf on another would silently sum to NaN.
-    if check_nan and not bool(torch.isfinite(stream.values.sum())):
-        bad_val = ~torch.isfinite(stream.values)
-        if bool(bad_val.any()):
-            pos = int(torch.nonzero(bad_val, as_tuple=True)[0][0])
-            v = float(stream.values[pos])
-            kind = 1 if v != v else (2 if v > 0 else 3)
-            b = stream.row
-            nan_pos = pos if stream.indices is None else int(stream.indices[pos // b]) * b + pos % b
+    # Issue 14: ±Inf is refused like NaN, since +Inf on one rank and -Inf on another would silently sum to NaN.
+    pos = first_nonfinite(stream.values) if check_nan else -1
+    if pos >= 0:
+        v = float(stream.values[pos])
+        kind = 1 if v != v else (2 if v > 0 else 3)
+        b = stream.row
+        nan_pos = pos if stream.indices is None else int(stream.indices[pos // b]) * b + pos % b
     dims = [0, 0, 0, 0, 0, 0]
     if shape is not None:
         dims = [shape_fingerprint(*shape), len(shape[1]), *(list(shape[1][:4]) + [0] * 4)[:4]]
@@ -249,10 +244,10 @@ def exchange_meta(
     table, blocks = allgather_rows(comm, row, payload_parts(stream) if mine <= limit else None, sketch)
     raise_refusals(table, blocks, comm.rank)
     _check(table, comm.rank)
-    diff = torch.nonzero(table[:, _COL["name_key"]] != table[0, _COL["name_key"]], as_tuple=True)[0]
-    if diff.numel():
+    r = first_differing(table, _COL["name_key"])
+    if r is not None:
         raise ValueError(
-            f"call name mismatch across ranks: rank {int(diff[0])}'s call is not rank 0's (this rank, "
+            f"call name mismatch across ranks: rank {r}'s call is not rank 0's (this rank, "
             f"{comm.rank}, called name={name!r}): a call skipped or issued in another order on some rank"
         )
     nnz = tuple(int(x) for x in table[:, 4])
@@ -271,6 +266,27 @@ def exchange_meta(
     return Meta(nnz=nnz, dense=dense, eager=eager, sizes=tuple(sizes), signature=sig, unions=unions)
 
 
+def first_rank(mask: torch.Tensor) -> int | None:
+    """The first rank (row of the metadata table) where ``mask`` holds, or None."""
+    hits = torch.nonzero(mask, as_tuple=True)[0]
+    return int(hits[0]) if hits.numel() else None
+
+
+def first_differing(table: torch.Tensor, col: int) -> int | None:
+    """The first rank whose column ``col`` differs from rank 0's, or None."""
+    return first_rank(table[:, col] != table[0, col])
+
+
+def first_nonfinite(values: torch.Tensor) -> int:
+    """Flat position of the first NaN or ±Inf in ``values``, or -1. NaN and ±Inf propagate through a sum, so one
+    cheap reduction (10x cheaper than isfinite().all() on 16M floats) clears the common case; only a non-finite
+    sum pays for the search (a finite half-precision input whose sum overflows finds none)."""
+    if not values.is_floating_point() or values.numel() == 0 or bool(torch.isfinite(values.sum())):
+        return -1
+    pos = first_rank(~torch.isfinite(values.reshape(-1)))
+    return -1 if pos is None else pos
+
+
 def report_refusal(comm: Comm, op: str, seq: int, error: Exception) -> None:
     """This rank refused its input before its call (wrong type, dtype, option...): send a row saying so, with
     the message as its payload, into the metadata round the other ranks are in, so that they raise it too at
@@ -287,9 +303,8 @@ def report_refusal(comm: Comm, op: str, seq: int, error: Exception) -> None:
 
 def raise_refusals(table: torch.Tensor, blocks: list[torch.Tensor], me: int) -> None:
     """Raise the first refusal another rank reported in this metadata round (``report_refusal``)."""
-    refused = torch.nonzero(table[:, _COL["refused"]] != 0, as_tuple=True)[0]
-    if refused.numel():
-        r = int(refused[0])
+    r = first_rank(table[:, _COL["refused"]] != 0)
+    if r is not None:
         text = bytes(blocks[r].numpy()).decode(errors="replace")
         kind = TypeError if text.startswith("TypeError:") else ValueError  # the type the refusing rank raises
         raise kind(f"rank {r} refused its input: {text} (seen on rank {me})")
@@ -342,17 +357,15 @@ def _check(table: torch.Tensor, me: int) -> None:
         (_COL["check_nan"], "check_nan"),
         (_COL["partition"], "partition"),
     ):
-        bad = torch.nonzero(table[:, col] != table[0, col], as_tuple=True)[0]
-        if bad.numel():
-            r = int(bad[0])
+        r = first_differing(table, col)
+        if r is not None:
             raise ValueError(
                 f"{what} mismatch across ranks: rank 0 has {_F[col]}={names(col, 0)}, "
                 f"rank {r} has {_F[col]}={names(col, r)} (seen on rank {me}); every rank must issue the same "
                 "collectives in the same order on streams of the same dimension and dtype"
             )
-    diff = torch.nonzero(table[:, _COL["shape_key"]] != table[0, _COL["shape_key"]], as_tuple=True)[0]
-    if diff.numel():
-        r = int(diff[0])
+    r = first_differing(table, _COL["shape_key"])
+    if r is not None:
         what = (
             f"rank 0 passed shape {shape(0)}, rank {r} shape {shape(r)}"
             if shape(0) != shape(r)
@@ -363,26 +376,23 @@ def _check(table: torch.Tensor, me: int) -> None:
             f"shape mismatch across ranks: {what} (seen on rank {me}); every rank must pass tensors of the same "
             "shape and layout"
         )
-    diff = torch.nonzero(table[:, _COL["auto_key"]] != table[0, _COL["auto_key"]], as_tuple=True)[0]
-    if diff.numel():
-        r = int(diff[0])
+    r = first_differing(table, _COL["auto_key"])
+    if r is not None:
         raise ValueError(
             f"auto's inputs differ across ranks: rank {r} uses another link model or policy than rank 0 (seen on "
             f"rank {me}); ranks would choose different algorithms. Pass the same link=/policy= on every rank, "
             "or call sparsync.set_link on every rank"
         )
-    bads = torch.nonzero(table[:, 9] >= 0, as_tuple=True)[0]
-    if bads.numel():
-        r = int(bads[0])
+    r = first_rank(table[:, 9] >= 0)
+    if r is not None:
         t = int(table[r, 11])
         where = f" of tensor {t}" if t >= 0 else ""
         raise ValueError(
             f"rank {r} passed index {int(table[r, 10])} at position {int(table[r, 9])}{where}, out of range "
             f"[0, {int(table[r, 12])}) (seen on rank {me})"
         )
-    nans = torch.nonzero(table[:, 6] >= 0, as_tuple=True)[0]
-    if nans.numel():
-        r = int(nans[0])
+    r = first_rank(table[:, 6] >= 0)
+    if r is not None:
         what = _NONFINITE[int(table[r, _COL["nonfinite"]])] or "NaN"
         raise ValueError(
             f"rank {r} contributed {what} (at vector index {int(table[r, 6])}); refusing to reduce a non-finite "

@@ -37,7 +37,7 @@ from sparsync.costmodel import (
     Problem,
     choose_robust,
 )
-from sparsync.group import background_group, group_state, resolve_group
+from sparsync.group import background_group, group_state, next_call, resolve_group
 from sparsync.handle import Work
 from sparsync.record import CommLog, CommRecord
 from sparsync.stream import SparseStream, index_dtype_for, sum_streams
@@ -130,9 +130,7 @@ def refuse(
     if not dist.is_available() or not dist.is_initialized():
         raise error  # no group: nobody else to tell
     g = comm_group(group, async_op)  # where the others' call communicates
-    state = group_state(g)
-    seq = state.calls
-    state.calls += 1
+    seq = next_call(g)
 
     def run() -> None:
         comm = Comm(g, timeout)
@@ -285,9 +283,7 @@ def start_allreduce(
         refuse(group, "sparse_allreduce", e, timeout, async_op)
     user = resolve_group(group)
     g = comm_group(user, async_op)
-    state = group_state(g)
-    seq = state.calls
-    state.calls += 1
+    seq = next_call(g)
 
     def run() -> T:
         t0 = time.perf_counter()
@@ -379,9 +375,7 @@ def sparse_allgather(
                                                     f"{type(stream).__name__}"), timeout, async_op)  # fmt: skip
     user = resolve_group(group)
     g = comm_group(user, async_op)
-    state = group_state(g)
-    seq = state.calls
-    state.calls += 1
+    seq = next_call(g)
 
     def run() -> list[SparseStream]:
         t0 = time.perf_counter()

@@ -10,7 +10,15 @@ import torch
 import torch.distributed as dist
 
 from sparsync.collectives._comm import Comm
-from sparsync.collectives._meta import OPS, allgather_rows, raise_refusals, shape_fingerprint
+from sparsync.collectives._meta import (
+    OPS,
+    allgather_rows,
+    first_differing,
+    first_nonfinite,
+    first_rank,
+    raise_refusals,
+    shape_fingerprint,
+)
 from sparsync.collectives.allreduce import _submit, comm_group, refuse, start_allreduce
 from sparsync.compress.base import (
     Compressor,
@@ -25,7 +33,7 @@ from sparsync.compress.base import (
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.compress.qsgd import QSGD
 from sparsync.compress.qsgd_allreduce import quantized_allreduce
-from sparsync.group import group_state, resolve_group
+from sparsync.group import next_call, resolve_group
 from sparsync.handle import Work
 from sparsync.record import CommLog, CommRecord
 
@@ -208,13 +216,6 @@ def _check_input(tensor: Any, compressor: Any, memory: ErrorFeedback | None, nam
         raise ValueError("inplace=True needs a dense tensor (a sparse COO result has its own storage)")
 
 
-def next_call(g: dist.ProcessGroup) -> int:
-    state = group_state(g)
-    seq = state.calls
-    state.calls += 1
-    return seq
-
-
 def _agree(
     g: dist.ProcessGroup,
     seq: int,
@@ -227,10 +228,7 @@ def _agree(
     """The metadata round of the dense, allgather and quantized paths: raise the same ValueError on every rank
     unless all passed the same shape, layout, dtype and compressor and will send payloads of one size, and
     (``x`` given) none holds NaN or ±Inf; a rank whose input was refused is reported here too."""
-    nonfinite = -1
-    if x is not None and not x.is_sparse and not bool(torch.isfinite(x.sum())):
-        bad = torch.nonzero(~torch.isfinite(x.reshape(-1)), as_tuple=True)[0]
-        nonfinite = int(bad[0]) if bad.numel() else -1
+    nonfinite = first_nonfinite(x) if x is not None and not x.is_sparse else -1
     row = torch.tensor(
         [seq, OPS.index("reduce"), shape_fingerprint(layout, tuple(spec.shape)), nbytes, nonfinite],
         dtype=torch.int64,
@@ -241,17 +239,15 @@ def _agree(
     raise_refusals(table, blocks, comm.rank)
     for col, what in ((1, "collective"), (0, "call number"), (2, "shape, layout, dtype or compressor"),
                       (3, "payload size (compressor settings)")):  # fmt: skip
-        diff = torch.nonzero(table[:, col] != table[0, col], as_tuple=True)[0]
-        if diff.numel():
-            r = int(diff[0])
+        r = first_differing(table, col)
+        if r is not None:
             detail = f" (this rank: {layout}, shape {tuple(spec.shape)}, {nbytes} payload bytes)"
             raise ValueError(
                 f"reduce: {what} mismatch across ranks: rank {r} differs from rank 0 (seen on rank {comm.rank})"
                 f"{detail}; every rank must reduce the same shape with the same compressor settings"
             )
-    bad_rank = torch.nonzero(table[:, 4] >= 0, as_tuple=True)[0]
-    if bad_rank.numel():
-        r = int(bad_rank[0])
+    r = first_rank(table[:, 4] >= 0)
+    if r is not None:
         raise ValueError(
             f"reduce: rank {r} holds NaN or ±Inf at index {int(table[r, 4])} (seen on rank {comm.rank}); refusing "
             "to reduce it (check_nan=False to let it through)"

@@ -25,9 +25,16 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from sparsync.collectives._comm import Comm
-from sparsync.collectives._meta import OPS, allgather_rows, raise_refusals
+from sparsync.collectives._meta import (
+    OPS,
+    allgather_rows,
+    first_differing,
+    first_nonfinite,
+    first_rank,
+    raise_refusals,
+)
 from sparsync.collectives.allreduce import _submit
-from sparsync.group import group_state
+from sparsync.group import next_call
 from sparsync.record import CommLog, CommRecord
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -76,21 +83,9 @@ def _describe(tensors: list[torch.Tensor], spec: pytree.TreeSpec) -> str:
     return f"{spec}: " + ", ".join(f"{tuple(t.shape)}/{str(t.dtype).removeprefix('torch.')}" for t in tensors)
 
 
-def next_seq(env: Env) -> int:
-    """This call's number on the group, taken at issue time as the sparse collectives take theirs."""
-    state = group_state(env.group)
-    seq = state.calls
-    state.calls += 1
-    return seq
-
-
-def first_nonfinite(tensors: list[torch.Tensor]) -> int:
-    """Index of the first floating leaf holding NaN or ±Inf, or -1. One sum per leaf clears the common case."""
-    for i, t in enumerate(tensors):
-        cheap = t.is_floating_point() and t.numel() and not bool(torch.isfinite(t.sum()))
-        if cheap and not bool(torch.isfinite(t).all()):  # a finite half-precision leaf may sum to Inf
-            return i
-    return -1
+def first_nonfinite_leaf(tensors: list[torch.Tensor]) -> int:
+    """Index of the first leaf holding NaN or ±Inf, or -1."""
+    return next((i for i, t in enumerate(tensors) if first_nonfinite(t) >= 0), -1)
 
 
 def agree(
@@ -115,16 +110,15 @@ def agree(
             _crc(str(spec)),
             _crc(";".join(str(tuple(t.shape)) for t in tensors)),
             arg,
-            first_nonfinite(tensors) if check_nan else -1,
+            first_nonfinite_leaf(tensors) if check_nan else -1,
         ],
         dtype=torch.int64,
     )
     table, blocks = allgather_rows(comm, row)  # the sparse collectives' metadata round, same checks
     raise_refusals(table, blocks, comm.rank)  # a replica whose input was refused before its call
     for col, what in ((1, "collective"), (0, "call number"), (7, "argument")):
-        bad = torch.nonzero(table[:, col] != table[0, col], as_tuple=True)[0]
-        if bad.numel():
-            r = int(bad[0])
+        r = first_differing(table, col)
+        if r is not None:
             a, b = int(table[0, col]), int(table[r, col])
             if col == 1:
                 a_s, b_s = OPS[a], OPS[b]
@@ -144,9 +138,8 @@ def agree(
             f"{op}: mismatched structure/shape/dtype across replicas: replica 0 has [{descr[0]}], "
             f"replica {r} has [{descr[r]}]"
         )
-    bad = torch.nonzero(table[:, 8] >= 0, as_tuple=True)[0]
-    if bad.numel():
-        r = int(bad[0])
+    r = first_rank(table[:, 8] >= 0)
+    if r is not None:
         raise ValueError(
             f"{op}: replica {r} holds NaN or ±Inf in leaf {int(table[r, 8])} (seen on replica {comm.rank}); "
             "refusing to reduce it (pass check_nan=False to sum non-finite values as IEEE 754 does)"
@@ -196,7 +189,7 @@ def raw_all_reduce(
     NaN and ±Inf on any replica (the same ValueError everywhere)."""
     check_reduce(tensors, op)
 
-    seq = next_seq(env)
+    seq = next_call(env.group)
 
     def run() -> list[Any]:
         t0 = time.perf_counter()
@@ -223,7 +216,7 @@ def raw_all_reduce(
 def raw_all_gather(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, name: str) -> list[Any]:
     """Every replica's leaves stacked along a new leading dimension of size ``num_replicas``; no autograd."""
 
-    seq = next_seq(env)
+    seq = next_call(env.group)
 
     def run() -> list[Any]:
         t0 = time.perf_counter()
@@ -258,7 +251,7 @@ def raw_broadcast(
     if not 0 <= source < env.size:
         raise ValueError(f"unknown replica id {source} as broadcast source; valid: 0..{env.size - 1}")
 
-    seq = next_seq(env)
+    seq = next_call(env.group)
 
     def run() -> list[Any]:
         t0 = time.perf_counter()
