@@ -241,9 +241,12 @@ def test_allgather_priced_in_steady_state_when_its_payloads_fit_the_eager_region
     fits = Problem(4, 1 << 24, (10_000,) * 4, 4, 4, eager_limit=80_000 + 1)
     too_big = Problem(4, 1 << 24, (10_000,) * 4, 4, 4, eager_limit=80_000 - 1)
     plain = Problem(4, 1 << 24, (10_000,) * 4, 4, 4)
-    # 10k pairs of 8 bytes: 80 kB per rank. Recursive doubling on 4 ranks: 2 rounds of latency saved.
+    # 10k pairs of 8 bytes: 80 kB per rank. One all-to-all round of latency saved (P - 1 = 3 messages at α each
+    # when the link has no measured alpha_a2a); with one measured, that.
     assert predict("allgather", plain, link) == predict("allgather", too_big, link)
-    assert predict("allgather", plain, link) - predict("allgather", fits, link) == pytest.approx(2 * link.alpha)
+    assert predict("allgather", plain, link) - predict("allgather", fits, link) == pytest.approx(3 * link.alpha)
+    a2a = LinkModel(alpha=1e-4, beta=1e-9, alpha_a2a=2.5e-4)
+    assert predict("allgather", plain, a2a) - predict("allgather", fits, a2a) == pytest.approx(2.5e-4)
     for alg in ("ssar_recursive_double", "ssar_split_allgather", "dense"):  # the others are unaffected
         assert predict(alg, plain, link) == predict(alg, fits, link)
 

@@ -81,7 +81,7 @@ def _collective_latencies(group: dist.ProcessGroup, reps: int) -> tuple[float, f
     for i in range(reps + 1):  # the first of each is a warm-up
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        allgather_fixed(comm, row)
+        allgather_fixed(comm, row, doubling=True)
         t1 = time.perf_counter()
         dist.barrier(group=group)
         t2 = time.perf_counter()
@@ -131,7 +131,7 @@ def _exchange_beta(group: dist.ProcessGroup, nbytes: int, reps: int, alpha_step:
         dist.barrier(group=group)
         time.sleep(0.02)  # idle connections, as between the phases of a training step
         t0 = time.perf_counter()
-        allgather_blocks(comm, block, [nbytes] * P)
+        allgather_blocks(comm, block, [nbytes] * P, doubling=True)
         if i:
             times.append(time.perf_counter() - t0)
     t = sorted(times)[reps // 2]

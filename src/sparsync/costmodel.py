@@ -35,6 +35,12 @@ ALGORITHMS = ("ssar_recursive_double", "ssar_split_allgather", "dsar_split_allga
 # transfer; at small N those latencies could outweigh the densify they hide.)
 DENSE_PIPELINE_MIN = 1 << 22
 DENSE_CHUNKS = 4
+# Allgathers of sparsync's own blocks (the metadata round, allgather's payloads, the split's second phase) on
+# up to this many ranks send each block to every peer in one round (collectives/_fold.py), beyond it by
+# recursive doubling. Issue 13: at P = 8 on 2 shared cores each round costs milliseconds of scheduling, and
+# one round instead of three made a tiny call 1.4-1.6x faster and allgather of an embedding gradient 1.3-1.5x.
+# (Chosen, not tuned: P - 1 concurrent messages per rank stay cheap at this size.)
+DIRECT_GATHER_MAX = 16
 
 
 @dataclass(frozen=True)
@@ -175,7 +181,7 @@ def predict(algorithm: str, p: Problem, link: LinkModel) -> float:
 
 
 def metadata_time(p: Problem, link: LinkModel) -> float:
-    """The metadata round (collectives/_meta.py): a recursive-doubling allgather of one row per rank, carrying
+    """The metadata round (collectives/_meta.py): an allgather (``gather_latency``) of one row per rank, carrying
     every rank's payload when ``p.eager``. The same for every algorithm, so it never changes a choice; it is
     counted so that predictions compare with measured call times (issue 13: leaving it out under-predicted
     small calls 2-15x)."""
@@ -186,7 +192,15 @@ def metadata_time(p: Problem, link: LinkModel) -> float:
     payload = 0.0
     if p.eager:
         payload = sum(p.input_bytes(r) for r in range(P)) - min(p.input_bytes(r) for r in range(P))
-    return gather_steps(P) * link.alpha + b * payload
+    return gather_latency(P, link) + b * payload
+
+
+def gather_latency(P: int, link: LinkModel) -> float:
+    """Latency of one allgather of sparsync's blocks: one all-to-all round up to ``DIRECT_GATHER_MAX`` ranks,
+    else ``gather_steps`` exchange steps."""
+    if P <= DIRECT_GATHER_MAX:
+        return link.alpha_a2a if link.alpha_a2a is not None else (P - 1) * link.alpha
+    return gather_steps(P) * link.alpha
 
 
 def gather_steps(P: int) -> int:
@@ -226,18 +240,18 @@ def _algorithm_time(algorithm: str, p: Problem, link: LinkModel) -> float:
             # reorders it into a second fresh vector.
             fresh = (2 if p.row > 1 else 1) * _fresh(link) * N * p.row
             return split + (P - 1) * a + b_ring * N * p.value_bytes * (P - 1) / P + fresh
-        gather_latency = gather_steps(P) * a  # framed blocks: one message per round
+        gather_lat = gather_latency(P, link)
         result = p.stream_bytes(p.union(P))
         if p.union(P) >= p.delta:
             concat = link.gamma_dense * N * p.row
         else:
             concat = p.per_row(link.gamma_scatter, link) * p.union(P)
-        return split + gather_latency + b * result * (P - 1) / P + concat
+        return split + gather_lat + b * result * (P - 1) / P + concat
     if algorithm == "allgather":
         if p.eager:  # the gather already happened in the metadata round: only the local sum is left
             return _sum_cost(p, link, sum(p.nnz), N)
         received = sum(p.input_bytes(r) for r in range(P)) - min(p.input_bytes(r) for r in range(P))
-        latency = gather_steps(P) * a
+        latency = gather_latency(P, link)
         if p.eager_limit and max(p.input_bytes(r) for r in range(P)) <= p.eager_limit:
             # Priced in steady state: in a run of calls like this one, choosing allgather makes the next
             # call's payloads ride in the metadata round every algorithm pays for, so its own rounds vanish.

@@ -108,7 +108,7 @@ class SparseStream:
             raise ValueError(f"row must be a positive int dividing dim={dim}, got {row!r}")
         _check_pairs(indices, values, row)
         _check_indices(indices, dim // row, sorted_unique=False)
-        idx, vals = _merge(indices.to(torch.int64), values.reshape(-1, row))
+        idx, vals = merge_rows(indices.to(torch.int64), values.reshape(-1, row))
         return cls(idx, vals.reshape(-1), dim, row=row, validate=False)
 
     @classmethod
@@ -285,7 +285,7 @@ def sum_streams(streams: list[SparseStream]) -> SparseStream:
         return nonempty[0]
     idx = torch.cat([_i64(s) for s in nonempty])
     vals = torch.cat([s.rows2d for s in nonempty])
-    uidx, uvals = _merge(idx, vals)
+    uidx, uvals = merge_rows(idx, vals)
     return SparseStream(uidx.to(index_dtype_for(dim // row)), uvals.reshape(-1), dim, row=row, validate=False)
 
 
@@ -338,7 +338,7 @@ def _i64(s: SparseStream) -> torch.Tensor:
     return s.indices.to(torch.int64)
 
 
-def _merge(indices: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_rows(indices: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (index, row) pairs and sum the rows of duplicate indices (in float32 for half types).
     ``rows`` is ``[n, b]``; returns ``(unique indices, [u, b] sums)``."""
     uniq, inverse = torch.unique(indices, sorted=True, return_inverse=True)

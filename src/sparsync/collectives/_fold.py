@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsync.collectives._comm import Comm
+from sparsync.costmodel import DIRECT_GATHER_MAX
 
 
 @dataclass(frozen=True)
@@ -49,11 +50,15 @@ class Fold:
         return out
 
 
-def allgather_blocks(comm: Comm, block: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+def allgather_blocks(
+    comm: Comm, block: torch.Tensor, sizes: list[int], *, doubling: bool | None = None
+) -> list[torch.Tensor]:
     """Every rank's uint8 ``block`` on every rank, given all block sizes in advance (no headers needed).
 
-    Recursive doubling (SparCML §4, "we use the same algorithm for solving a sparse AllGather"): in round t
-    each rank exchanges all blocks gathered so far with the rank 2^(t-1) away: log2(P) rounds of latency.
+    Up to ``DIRECT_GATHER_MAX`` ranks (``doubling=None``), one round: each rank sends its block to every peer at
+    once. Beyond it, or with ``doubling=True``, recursive doubling (SparCML §4, "we use the same algorithm for
+    solving a sparse AllGather"): in round t each rank exchanges all blocks gathered so far with the rank
+    2^(t-1) away: log2(P) rounds of latency. Both move (P-1) blocks in and out of every rank.
     """
     if block.numel() != sizes[comm.rank]:
         raise ValueError(f"block of {block.numel()} bytes but sizes[{comm.rank}] = {sizes[comm.rank]}")
@@ -61,6 +66,8 @@ def allgather_blocks(comm: Comm, block: torch.Tensor, sizes: list[int]) -> list[
     held: dict[int, torch.Tensor] = {rank: block}
     if P == 1:
         return [block]
+    if not doubling and (doubling is not None or P <= DIRECT_GATHER_MAX):
+        return comm.alltoallv([block] * P, sizes, torch.uint8)
     fold = Fold(P)
     if fold.is_folded_away(rank):
         comm.send(rank + 1, block)
@@ -95,6 +102,7 @@ def allgather_var(
     """Like ``allgather_blocks``, for blocks whose sizes nobody knows in advance: each block starts with its own
     length (read by ``length_of`` from the block's first bytes) and is at most ``max_block`` bytes.
 
+    One round up to ``DIRECT_GATHER_MAX`` ranks, recursive doubling beyond (as ``allgather_blocks``).
     Receives are posted for the most a peer may send (gloo accepts a shorter message into a longer posted
     receive, never a longer one), and each rank sends only what it holds, so ranks that disagree about a call
     exchange well-formed messages and can report the disagreement instead of aborting inside gloo.
@@ -118,6 +126,8 @@ def allgather_var(
         comm.traffic.bytes_recv -= buf.numel() - off  # counted as posted; only ``off`` bytes arrived
 
     held: dict[int, torch.Tensor] = {rank: block}
+    if P <= DIRECT_GATHER_MAX:
+        return _direct_var(comm, block, max_block, length_of)
     fold = Fold(P)
     if fold.is_folded_away(rank):
         comm.send(rank + 1, block)
@@ -138,10 +148,29 @@ def allgather_var(
     return [held[r] for r in range(P)]
 
 
-def allgather_fixed(comm: Comm, row: torch.Tensor) -> torch.Tensor:
+def _direct_var(
+    comm: Comm, block: torch.Tensor, max_block: int, length_of: Callable[[torch.Tensor], int]
+) -> list[torch.Tensor]:
+    """``allgather_var`` in one round: ``block`` sent to every peer at once, a receive of ``max_block`` bytes
+    posted for each."""
+    got = comm.alltoallv([block] * comm.size, [max_block] * comm.size, torch.uint8)
+    out = []
+    for r, buf in enumerate(got):
+        if r == comm.rank:
+            out.append(block)
+            continue
+        n = length_of(buf)
+        if not 0 < n <= max_block:
+            raise ValueError(f"{comm.op}: malformed metadata block from peer rank {r} (length {n})")
+        comm.traffic.bytes_recv -= buf.numel() - n  # counted as posted; only ``n`` bytes arrived
+        out.append(buf[:n])
+    return out
+
+
+def allgather_fixed(comm: Comm, row: torch.Tensor, *, doubling: bool | None = None) -> torch.Tensor:
     """Stack every rank's int64 ``row`` (same length everywhere) into a [P, len] tensor."""
     nbytes = row.numel() * row.element_size()
-    blocks = allgather_blocks(comm, row.contiguous().view(torch.uint8), [nbytes] * comm.size)
+    blocks = allgather_blocks(comm, row.contiguous().view(torch.uint8), [nbytes] * comm.size, doubling=doubling)
     return torch.stack([b.view(row.dtype) for b in blocks])
 
 

@@ -242,8 +242,9 @@ def exchange_meta(
     if algorithm == "auto" and stream.row > 1 and stream.indices is not None and comm.size > 2:
         sketch = _hll.registers(stream.indices)
     table, blocks = allgather_rows(comm, row, payload_parts(stream) if mine <= limit else None, sketch)
-    raise_refusals(table, blocks, comm.rank)
-    _check(table, comm.rank)
+    if not _all_clear(table):  # one vectorized test; the detailed checks name what went wrong
+        raise_refusals(table, blocks, comm.rank)
+        _check(table, comm.rank)
     r = first_differing(table, _COL["name_key"])
     if r is not None:
         raise ValueError(
@@ -264,6 +265,18 @@ def exchange_meta(
         regs = [_hll.unpack(t[len(_F) :]) for t in table]
         unions = _hll.union_curve(regs, nnz)
     return Meta(nnz=nnz, dense=dense, eager=eager, sizes=tuple(sizes), signature=sig, unions=unions)
+
+
+# Columns every rank must hold the same value in, and columns that flag a problem when >= 0 (or != 0).
+_AGREE = [_COL[c] for c in ("op", "seq", "algorithm", "dim", "row", "dtype", "check_nan", "partition",
+                            "shape_key", "auto_key")]  # fmt: skip
+_FLAGS = [_COL["bad"], _COL["nan"]]
+
+
+def _all_clear(table: torch.Tensor) -> bool:
+    """Whether ``_check`` and ``raise_refusals`` would pass: every agreed column equal, no flag raised."""
+    agree = bool((table[:, _AGREE] == table[0, _AGREE]).all())
+    return agree and bool((table[:, _FLAGS] < 0).all()) and not bool(table[:, _COL["refused"]].any())
 
 
 def first_rank(mask: torch.Tensor) -> int | None:

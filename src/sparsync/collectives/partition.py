@@ -106,12 +106,17 @@ class Partition:
         rows = [p.indices.to(torch.int64) * P + j for j, p in live if p.indices is not None]
         if not rows:
             return SparseStream.empty(dim, dtype, row=row)
-        glob = torch.cat(rows)
-        order = torch.sort(glob).indices
-        vals = torch.cat([p.rows2d for _, p in live])[order]
-        return SparseStream(
-            glob[order].to(index_dtype_for(dim // row)), vals.reshape(-1), dim, row=row, validate=False
-        )
+        srt, order = torch.sort(torch.cat(rows))
+        # Each owner's rows go straight to their sorted places: one pass over the values (a concatenation
+        # then a gather made two; at P = 8 on 2 cores the second cost ~8 ms per call, issue 13).
+        place = torch.empty_like(order)
+        place[order] = torch.arange(order.numel())
+        vals = torch.empty(order.numel(), row, dtype=dtype)
+        off = 0
+        for _, p in live:
+            vals[place[off : off + p.nrows]] = p.rows2d
+            off += p.nrows
+        return SparseStream(srt.to(index_dtype_for(dim // row)), vals.reshape(-1), dim, row=row, validate=False)
 
     def gather_dense(self, gathered: torch.Tensor, chunk: int, row: int) -> torch.Tensor:
         """DSAR's dense allgather result ([P * chunk rows] in owner order, each owner's rows padded to
