@@ -403,6 +403,8 @@ def test_measure_link_same_on_every_rank(run: tuple[int, list[dict[str, Any]]]) 
         assert (lm.alpha, lm.beta) == (0.0, 0.0)
     else:
         assert 0 < lm.alpha < 1.0 and 0 < lm.beta < 1e-3  # loopback: well under a second, over 1 kB/s
+        assert [a for a, _ in lm.fixed] == list(ALGORITHMS)  # every algorithm's tiny call was timed
+        assert all(0 < t < 1.0 for _, t in lm.fixed)
 
 
 @pytest.mark.large

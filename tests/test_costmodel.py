@@ -296,3 +296,29 @@ def test_choose_robust_takes_the_simplest_algorithm_in_a_near_tie() -> None:
     link = LinkModel(alpha=1e-4, beta=8e-9)
     assert choose_fastest(p, link).algorithm == "ssar_split_allgather"
     assert choose_robust(p, link).algorithm in ("ssar_recursive_double", "ssar_split_allgather")
+
+
+def test_fixed_costs_replace_the_latency_terms() -> None:
+    link = LinkModel(alpha=1e-4, beta=1e-9, alpha_a2a=3e-4)
+    flat = replace(link, alpha=0.0, alpha_a2a=0.0)
+    fixed = replace(link, fixed=tuple((a, 0.01 * (i + 1)) for i, a in enumerate(ALGORITHMS)))
+    big = Problem(4, 1 << 24, (300_000,) * 4, 4, 4)  # 2.4 MB per rank: above the eager region
+    small = Problem(4, 1 << 24, (10,) * 4, 4, 4, eager_limit=1 << 16)
+    for i, alg in enumerate(ALGORITHMS):
+        for p in (big, small):
+            want = 0.01 * (i + 1) + predict(alg, p, flat)
+            if alg == "allgather" and p is big:  # the tiny call rode in its metadata round; big does not
+                want += 3e-4
+            assert predict(alg, p, fixed) == pytest.approx(want, rel=1e-12), (alg, p.nnz)
+    # an algorithm without a measured cost keeps its α terms; P = 1 costs nothing
+    part = replace(link, fixed=(("allgather", 0.5),))
+    assert predict("dense", big, part) == predict("dense", big, link)
+    assert predict("allgather", Problem(1, 100, (5,), 4, 4), fixed) == 0.0
+
+
+def test_fixed_costs_are_validated_and_normalized() -> None:
+    lm = LinkModel(alpha=1e-4, beta=1e-9, fixed=[["allgather", 1]])  # type: ignore[arg-type]  # as JSON gives it
+    assert lm.fixed == (("allgather", 1.0),) and hash(lm) == hash(replace(lm))
+    for bad in ((("nope", 1.0),), (("dense", -1.0),), (("dense", math.nan),)):
+        with pytest.raises(ValueError, match=r"LinkModel\.fixed"):
+            LinkModel(alpha=1e-4, beta=1e-9, fixed=bad)

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from sparsync.costmodel import LinkModel, gather_steps
+from sparsync.costmodel import ALGORITHMS, LinkModel, gather_steps
 from sparsync.group import resolve_group
 from sparsync.stream import SparseStream, add
 
@@ -138,6 +138,38 @@ def _exchange_beta(group: dist.ProcessGroup, nbytes: int, reps: int, alpha_step:
     return max(t - steps * alpha_step, 1e-12) / ((P - 1) * nbytes)
 
 
+FIXED_ROWS, FIXED_ROW = 64, 16  # the stream of ``_fixed_costs``: one stored row of 16 values out of 64
+
+
+def _fixed_costs(group: dist.ProcessGroup, reps: int) -> list[float]:
+    """Median seconds of each algorithm (``costmodel.ALGORITHMS`` order) on a stream of one stored row: its
+    metadata round, its rounds and the software around them, everything but β and γ (``LinkModel.fixed``).
+    Run on the algorithms' own code (no nested public call: calibration may itself run inside one)."""
+    from sparsync.collectives._comm import Comm
+    from sparsync.collectives._meta import PARTITION_CODES, exchange_meta
+    from sparsync.collectives.allreduce import _RUNNERS
+    from sparsync.collectives.partition import resolve_partition
+
+    stream = SparseStream(torch.zeros(1, dtype=torch.int32), torch.ones(FIXED_ROW), FIXED_ROWS * FIXED_ROW,
+                          row=FIXED_ROW)  # fmt: skip
+    part = resolve_partition("auto", FIXED_ROW)
+    out = []
+    for alg in ALGORITHMS:
+        times = []
+        for i in range(reps + 1):  # the first is a warm-up
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            comm = Comm(group)
+            meta = exchange_meta(
+                comm, "sparse_allreduce", stream, alg, -1, True, partition=PARTITION_CODES.index(part)
+            )
+            _RUNNERS[alg](comm, stream, meta, part)
+            if i:
+                times.append(time.perf_counter() - t0)
+        out.append(sorted(times)[reps // 2])
+    return out
+
+
 def measure_link(
     group: dist.ProcessGroup | None = None, *, large_bytes: int = 4 << 20, reps: int = 5
 ) -> LinkModel:
@@ -149,7 +181,7 @@ def measure_link(
     g = resolve_group(group)
     rank, size = dist.get_rank(g), dist.get_world_size(g)
     gs, gd, gsc, gf = _reduction_costs()
-    est = torch.zeros(9, dtype=torch.float64)
+    est = torch.zeros(9 + len(ALGORITHMS), dtype=torch.float64)
     est[2], est[3], est[5], est[8] = gs, gd, gsc, gf
     peer = rank ^ 1
     if peer < size:
@@ -161,6 +193,7 @@ def measure_link(
         est[0], est[6] = _collective_latencies(g, 4 * reps + 1)
         est[1] = max(float(est[1]), _allreduce_beta(g, large_bytes, reps))
         est[7] = _exchange_beta(g, large_bytes // 4, reps, float(est[0]))
+        est[9:] = torch.tensor(_fixed_costs(g, 2 * reps + 1), dtype=torch.float64)
     dist.all_reduce(est, group=g)
     if size == 1:
         return LinkModel(alpha=0.0, beta=0.0, gamma_sparse=gs, gamma_dense=gd, gamma_scatter=gsc, gamma_fresh=gf)
@@ -174,4 +207,5 @@ def measure_link(
         gamma_scatter=float(est[5]) / size,
         beta_exchange=max(float(est[7]) / size, float(est[1]) / pairs),
         gamma_fresh=float(est[8]) / size,
+        fixed=tuple((alg, float(t) / size) for alg, t in zip(ALGORITHMS, est[9:], strict=True)),
     )

@@ -22,6 +22,7 @@ Where the paper is vague we chose:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -60,8 +61,18 @@ class LinkModel:
     # Issue 13: DSAR on a 268 MB embedding table spent ~0.4 s (P = 4, 2 cores) filling its fresh output and
     # the stride partition's reordered copy, where one dense add per element predicted 0.03 s.
     gamma_fresh: float | None = None
+    # Measured seconds of a call that moves next to nothing, per algorithm (``calibrate._fixed_costs``): its
+    # rounds, their software overhead and, on a shared host, the scheduling of every rank. Given for an
+    # algorithm, it replaces that algorithm's α terms. Issue 13: on 2 cores the α-β-γ terms alone under-predicted
+    # few-ms calls 1.6-2.8x at P = 2 (Python per call) and the split algorithms 1.7-3.4x at P = 8 (8 ranks
+    # sharing the cores in each of their rounds).
+    fixed: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "fixed", tuple((str(a), float(t)) for a, t in self.fixed))  # JSON lists too
+        for alg, t in self.fixed:
+            if alg not in ALGORITHMS or not (math.isfinite(t) and t >= 0):
+                raise ValueError(f"LinkModel.fixed: want (algorithm, seconds >= 0) pairs, got ({alg!r}, {t!r})")
         for name in (
             "alpha",
             "beta",
@@ -176,8 +187,28 @@ def _fresh(link: LinkModel) -> float:
 
 def predict(algorithm: str, p: Problem, link: LinkModel) -> float:
     """Predicted seconds of one sparse allreduce with ``algorithm`` (SparCML §4 bounds, see module doc),
-    the metadata round every algorithm starts with included."""
-    return metadata_time(p, link) + _algorithm_time(algorithm, p, link)
+    the metadata round every algorithm starts with included. With a measured fixed cost for the algorithm
+    (``LinkModel.fixed``), that plus the β and γ terms."""
+    fixed = dict(link.fixed).get(algorithm)
+    if fixed is None or p.world_size == 1:
+        return metadata_time(p, link) + _algorithm_time(algorithm, p, link)
+    flat = _without_latency(link)
+    t = fixed + metadata_time(p, flat) + _algorithm_time(algorithm, p, flat)
+    if algorithm == "allgather" and not _allgather_inline(p):
+        t += gather_latency(
+            p.world_size, link
+        )  # the tiny call's payload rode in its metadata round; this one's not
+    return t
+
+
+@functools.lru_cache(maxsize=16)
+def _without_latency(link: LinkModel) -> LinkModel:
+    return dataclasses.replace(link, alpha=0.0, alpha_a2a=0.0, fixed=())
+
+
+def _allgather_inline(p: Problem) -> bool:
+    """Whether allgather's payloads ride in the metadata round (now, or in steady state: ``eager_limit``)."""
+    return p.eager or bool(p.eager_limit and max(p.input_bytes(r) for r in range(p.world_size)) <= p.eager_limit)
 
 
 def metadata_time(p: Problem, link: LinkModel) -> float:
@@ -252,7 +283,7 @@ def _algorithm_time(algorithm: str, p: Problem, link: LinkModel) -> float:
             return _sum_cost(p, link, sum(p.nnz), N)
         received = sum(p.input_bytes(r) for r in range(P)) - min(p.input_bytes(r) for r in range(P))
         latency = gather_latency(P, link)
-        if p.eager_limit and max(p.input_bytes(r) for r in range(P)) <= p.eager_limit:
+        if _allgather_inline(p):
             # Priced in steady state: in a run of calls like this one, choosing allgather makes the next
             # call's payloads ride in the metadata round every algorithm pays for, so its own rounds vanish.
             latency = 0.0

@@ -268,15 +268,20 @@ def exchange_meta(
 
 
 # Columns every rank must hold the same value in, and columns that flag a problem when >= 0 (or != 0).
-_AGREE = [_COL[c] for c in ("op", "seq", "algorithm", "dim", "row", "dtype", "check_nan", "partition",
-                            "shape_key", "auto_key")]  # fmt: skip
-_FLAGS = [_COL["bad"], _COL["nan"]]
+_AGREE = tuple(_COL[c] for c in ("op", "seq", "algorithm", "dim", "row", "dtype", "check_nan", "partition",
+                                  "shape_key", "auto_key"))  # fmt: skip
+_FLAGS = (_COL["bad"], _COL["nan"])
 
 
 def _all_clear(table: torch.Tensor) -> bool:
-    """Whether ``_check`` and ``raise_refusals`` would pass: every agreed column equal, no flag raised."""
-    agree = bool((table[:, _AGREE] == table[0, _AGREE]).all())
-    return agree and bool((table[:, _FLAGS] < 0).all()) and not bool(table[:, _COL["refused"]].any())
+    """Whether ``_check`` and ``raise_refusals`` would pass: every agreed column equal, no flag raised.
+    On Python lists: for a table of P x 60 numbers that is several times faster than torch's small ops."""
+    rows = table.tolist()
+    first = rows[0]
+    return all(
+        all(r[c] == first[c] for c in _AGREE) and all(r[c] < 0 for c in _FLAGS) and r[_COL["refused"]] == 0
+        for r in rows
+    )
 
 
 def first_rank(mask: torch.Tensor) -> int | None:
