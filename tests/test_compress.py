@@ -207,6 +207,76 @@ def test_sketch_hash_signs_and_buckets_are_pairwise_independent() -> None:
             assert abs(p - 1 / c) < 5 * math.sqrt(1 / c / seeds), (i, j, p)
 
 
+# Issue 15, item 3: an embedding gradient (uncoalesced COO, one block per row) is compressed from its rows and
+# decompressed into rows, never through a dense table or a per-element regrouping.
+def _embedding_grad(rows: int, dim: int, tokens: int, seed: int) -> torch.Tensor:
+    """An nn.Embedding(sparse=True) gradient: uncoalesced, repeated ids."""
+    emb = torch.nn.Embedding(rows, dim, sparse=True)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, rows // 4, (tokens,), generator=g) * 3  # every third row of the first quarter
+    (emb(ids) * torch.randn(tokens, dim, generator=g)).sum().backward()
+    grad = emb.weight.grad
+    assert grad is not None and grad.is_sparse and not grad.is_coalesced()
+    return grad
+
+
+def test_sketch_row_runs_hash_like_element_indices() -> None:
+    """A run of whole blocks (block·w + t) and the same positions as an index list get the same hashes."""
+    blocks = torch.tensor([0, 3, 7, 1000, (1 << 25) + 5], dtype=torch.int64)
+    w = 96
+    idx = (blocks[:, None] * w + torch.arange(w)).reshape(-1)
+    h = sk_mod._Hasher(SparseSketch(rows=4, cols=777, seed=3), 777, torch.float32)
+    for j in range(4):
+        b1, s1 = (t.clone() for t in h._row(sk_mod._RowRun(blocks, w), idx.numel(), j))
+        b2, s2 = h._row(idx, idx.numel(), j)
+        assert torch.equal(b1, b2) and torch.equal(s1, s2)
+
+
+@pytest.mark.parametrize("dim", [64, 20])  # 64: CHUNK // dim rows per run; 20: runs that do not divide CHUNK
+def test_sketch_of_embedding_gradient_matches_dense_across_chunks(dim: int) -> None:
+    grad = _embedding_grad(3000, dim, 5000, seed=dim)  # ~750 rows x dim > one CHUNK of indices
+    dense = grad.to_dense()
+    c = SparseSketch(rows=3, cols=4000, seed=1)
+    a, b = c.compress(dense), c.compress(grad)
+    assert torch.equal(a.bitmap, b.bitmap)
+    torch.testing.assert_close(a.table, b.table, rtol=1e-5, atol=1e-5)  # summation order of repeated ids
+    out = c.decompress(b, TensorSpec.of(grad))
+    assert out.is_sparse and out.is_coalesced()
+    rows = torch.unique(grad.coalesce().indices()[0])
+    assert torch.equal(out.indices()[0], rows)  # exactly the set rows, in order
+    torch.testing.assert_close(out.to_dense(), c.decompress(b, TensorSpec.of(dense)))
+    # and no collisions: exact
+    big = SparseSketch(rows=3, cols=1 << 22, seed=1)
+    torch.testing.assert_close(roundtrip(big, grad).to_dense(), dense, rtol=1e-5, atol=1e-5)
+
+
+def test_sketch_dense_gap_path_uses_row_runs() -> None:
+    """A dense tensor of whole blocks with a gap: the row-run path queries the same values as the full path."""
+    n = 2 * sk_mod.CHUNK + 20 * sk_mod.FLAT_BLOCK
+    x = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    x[7 * sk_mod.FLAT_BLOCK : 8 * sk_mod.FLAT_BLOCK] = 0
+    c = SparseSketch(rows=3, cols=5000, seed=2)
+    p = c.compress(x)
+    assert int(p.bitmap.sum()) == n // sk_mod.FLAT_BLOCK - 1
+    full = c.decompress(SketchPayload(torch.ones_like(p.bitmap), p.table), TensorSpec.of(x))
+    part = c.decompress(p, TensorSpec.of(x))
+    keep = x != 0
+    assert torch.equal(part[keep], full[keep]) and not part[~keep].any()
+
+
+def test_sketch_query_of_embedding_rows_is_unbiased() -> None:
+    """S2 Thm. 1 on the COO path: E[ĝ] = g over the hashes, for the rows of an embedding gradient."""
+    grad = _embedding_grad(64, 4, 40, seed=0)
+    want = grad.coalesce().values().double()
+    runs = torch.stack([roundtrip(SparseSketch(rows=3, cols=16, seed=s), grad).values() for s in range(400)])
+    err = runs.double() - want
+    se = err.std(0) / math.sqrt(runs.shape[0])
+    z = err.mean(0) / se.clamp_min(1e-12)
+    assert float(err.abs().max()) > 0.1  # collisions: not trivially exact
+    assert float(z.abs().max()) < 5.0, f"max |z| = {float(z.abs().max()):.2f}"
+    assert abs(float(z.mean())) * math.sqrt(z.numel()) < 5.0
+
+
 @pytest.mark.parametrize("r", range(1, 11))
 def test_median_of_rows(r: int) -> None:
     est = torch.randn(r, 1001, generator=torch.Generator().manual_seed(r))

@@ -75,6 +75,14 @@ def _add_embedding_parser(bsub: Any) -> None:
     em.add_argument("--hot", type=_choices(HOT, "hot"), default=HOT, help="hot rows: low,permuted")
     em.add_argument("--repeats", type=int, default=11)
     em.add_argument("--methods", type=_choices(EMB_METHODS, "methods"), default=EMB_METHODS)
+    em.add_argument(
+        "--sketch-lambda",
+        type=_floats,
+        default=(1.0,),
+        dest="sketch_lambdas",
+        help="S2's λ for method 'sketch': one method sketch@λ per value, e.g. 0.5,1,2,4 (ratio = λ·α, α the "
+        "expected row density)",
+    )
     em.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
     em.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
     em.add_argument(
@@ -202,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
             from sparsync.bench import EmbeddingBenchConfig, run_embedding_bench
 
             ecfg = EmbeddingBenchConfig(rows=args.rows, dims=args.dims, tokens=args.tokens, zipf=args.zipf,
-                                        hot=args.hot, repeats=args.repeats, methods=args.methods)  # fmt: skip
+                                        hot=args.hot, repeats=args.repeats, methods=args.methods,
+                                        sketch_lambdas=args.sketch_lambdas)  # fmt: skip
             run_embedding_bench(ecfg, args.procs, out=args.out, net=args.net, latency=args.latency,
                                 console=console, progress=not args.no_progress)  # fmt: skip
             return 0

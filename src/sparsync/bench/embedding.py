@@ -18,6 +18,9 @@ region), interleaved in a fresh order every round:
   row's median is the per-repeat difference, DDP's reduction time.
 - every sparsync algorithm and ``auto``: ``sparsync.allreduce(grad, algorithm=..., group=g, log=log)``; the
   ``/range`` variants of the split algorithms pass ``partition="range"``.
+- ``sketch``: the S2 sketch, one method ``sketch@λ`` per λ of ``sketch_lambdas`` (``embedding_sketch.py``:
+  ``sparsync.reduce`` with ``SparseSketch(ratio=λ·α)``, α the point's expected row density; its rows add the
+  aggregate's error, the bitmap's match and the compress/decompress time).
 
 A repeat's time is the slowest rank's (max-reduced outside the timed region, after a barrier); rows report the
 median and quartiles over ``repeats`` after one warm-up call.
@@ -54,16 +57,18 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import sparsync
+from sparsync.bench import embedding_sketch as es
 from sparsync.bench.allreduce import COO_MACHINE_SHARE, coo_too_big
 from sparsync.bench.ddp_baseline import gloo_sparse_allreduce_bytes, ring_allreduce_bytes
 from sparsync.collectives._meta import EAGER_LIMIT
+from sparsync.compress import SparseSketch
 from sparsync.costmodel import ALGORITHMS, LinkModel, predict
 from sparsync.group import EAGER_BYTES
 from sparsync.record import CommLog
 
 SPLIT_RANGE = ("ssar_split_allgather/range", "dsar_split_allgather/range")
 TORCH_METHODS = ("torch_dense", "torch_coo", "torch_ddp")
-METHODS = (*TORCH_METHODS, *ALGORITHMS, *SPLIT_RANGE, "auto")
+METHODS = (*TORCH_METHODS, *ALGORITHMS, *SPLIT_RANGE, "auto", es.SKETCH)
 HOT = ("low", "permuted")
 DENSE_COPIES = 3  # torch_dense holds the dense gradient, its per-repeat copy and gloo's buffer on every rank
 
@@ -77,6 +82,7 @@ class EmbeddingBenchConfig:
     hot: tuple[str, ...] = HOT  # "low": hot rows at low ids; "permuted": spread by a fixed permutation
     repeats: int = 11  # timed repeats per point, after one warm-up
     methods: tuple[str, ...] = METHODS
+    sketch_lambdas: tuple[float, ...] = (1.0,)  # S2's λ for "sketch": one method sketch@λ per value
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -90,6 +96,13 @@ class EmbeddingBenchConfig:
             bad = [x for x in given if x not in valid]
             if bad or not given:
                 raise ValueError(f"unknown {name} {bad or given}; valid: {', '.join(valid)}")
+        if not self.sketch_lambdas or min(self.sketch_lambdas) <= 0:
+            raise ValueError(f"sketch lambdas must be > 0 (S2's λ = m/(α·d)), got {self.sketch_lambdas}")
+
+    @property
+    def method_names(self) -> tuple[str, ...]:
+        """The methods as they run and are reported: ``sketch`` becomes ``sketch@λ`` for each λ."""
+        return es.expand(self.methods, self.sketch_lambdas)
 
 
 @functools.lru_cache(maxsize=4)
@@ -156,6 +169,16 @@ class Row:
     partition_imbalance: float | None = None  # max/mean of partition_bytes
     ddp_step_s: float | None = None  # torch_ddp: median forward + backward with DDP's reduction
     vs_coo: float | None = None  # median / torch_coo's median
+    # sketch@λ (embedding_sketch.py): λ, the expected row density α (ratio = λ·α), table cells r·c, the
+    # aggregate's ‖est - exact‖/‖exact‖, the bitmap's Jaccard match with the union (1: exact), and the median
+    # compress and decompress seconds per call (slowest rank)
+    sketch_lambda: float | None = None
+    sketch_alpha: float | None = None
+    sketch_cells: int | None = None
+    sketch_rel_error: float | None = None
+    sketch_bitmap_match: float | None = None
+    sketch_compress_s: float | None = None
+    sketch_decompress_s: float | None = None
     note: str = ""
     link: dict[str, Any] = field(default_factory=dict)
 
@@ -219,6 +242,9 @@ def _runner(method: str, work: Workload, grad: torch.Tensor, group: dist.Process
             return _timed(lambda: dist.all_reduce(buf, group=group)), None
 
         return torch_run
+    if method in ctx.sketches:
+        sk, slog = ctx.sketches[method], ctx.logs[method]
+        return lambda: (_timed(lambda: es.reduce_sum(grad, sk, group, slog)), None)
     alg, _, part = method.partition("/")
     kwargs: dict[str, Any] = {"partition": part} if part else {}
     log = ctx.logs[method]
@@ -238,6 +264,7 @@ class _Context:
     groups: dict[str, dist.ProcessGroup]
     memory: int  # bytes of the smallest machine (min over ranks)
     logs: dict[str, CommLog] = field(default_factory=dict)
+    sketches: dict[str, SparseSketch] = field(default_factory=dict)  # this point's, by method
 
 
 @dataclass(frozen=True)
@@ -329,12 +356,17 @@ def _measure_point(
     cfg, (dim, zipf, hot) = ctx.cfg, where
     grad = work.gradient()
     stats = _point_stats(grad, ctx, dim)
-    skip = {m: _skip_reason(m, ctx, dim, stats) for m in cfg.methods}
-    methods = [m for m in cfg.methods if not skip[m]]
+    names = cfg.method_names
+    skip = {m: _skip_reason(m, ctx, dim, stats) for m in names}
+    methods = [m for m in names if not skip[m]]
     ctx.logs = {m: CommLog() for m in methods if m not in TORCH_METHODS}
+    alpha = es.expected_density(cfg.rows, zipf, cfg.tokens)
+    ctx.sketches = {m: es.make_sketch(m, alpha, cfg.seed) for m in methods if es.is_sketch(m)}
     ref = grad.clone()
     dist.all_reduce(ref)
-    notes = {m: _result_note(m, ctx, grad, ref.coalesce()) for m in ctx.logs}
+    exact = ref.coalesce()
+    notes = {m: _result_note(m, ctx, grad, exact) for m in ctx.logs if m not in ctx.sketches}
+    sketch_stats = es.measure(ctx.sketches, alpha, grad, exact, ctx.groups, cfg.repeats)  # warm-up, error, c+d
     runs = {m: _runner(m, work, grad, ctx.groups[m], ctx) for m in methods}
     for m in methods:
         if m in TORCH_METHODS:
@@ -362,7 +394,7 @@ def _measure_point(
         "rsag_bytes": stats.rsag_bytes, "link": asdict(ctx.link),
     }  # fmt: skip
     out: list[Row] = []
-    for m in cfg.methods:
+    for m in names:
         if skip[m]:
             out.append(Row(method=m, median_s=math.nan, p25_s=math.nan, p75_s=math.nan, times_s=[],
                            bytes_sent_per_rank=0.0, note=skip[m], **base))  # fmt: skip
@@ -375,6 +407,8 @@ def _measure_point(
             row.ddp_step_s = statistics.median(refs[m]) if m == "torch_ddp" else None
         else:
             _sparsync_details(row, ctx.logs[m], preds, ctx.P)
+        if m in sketch_stats:
+            row = replace(row, **sketch_stats[m].row_fields())
         out.append(row)
     coo = next((r.median_s for r in out if r.method == "torch_coo" and not math.isnan(r.median_s)), None)
     for row in out:
@@ -443,7 +477,7 @@ def worker(rank: int, cfg: EmbeddingBenchConfig, show_progress: bool) -> list[di
     P = dist.get_world_size()
     link = sparsync.measure_link()
     # One group per method, as each would be in its own training job.
-    groups = {m: dist.new_group(backend="gloo") for m in cfg.methods}
+    groups = {m: dist.new_group(backend="gloo") for m in cfg.method_names}
     ctx = _Context(P, cfg, link, groups, _min_memory())
     rows: list[dict[str, Any]] = []
     points = [(d, s, h) for d in cfg.dims for s in cfg.zipf for h in cfg.hot]

@@ -1,5 +1,8 @@
 """Output of ``sparsync bench embedding`` (issue 13, item 4): rich tables, a Markdown report with the issue's
-targets, and a plot of ms per method at every point. Rows are ``embedding.Row`` dicts."""
+targets, and a plot of ms per method at every point. Rows are ``embedding.Row`` dicts. The S2 sketch's rows
+(``sketch@λ``) get their own table and issue 15's targets (item 3), stated there at P = 8: compress +
+decompress ≤ 10% of the dense allreduce (torch_dense) on an embedding gradient of density 1%, bytes ≤ 0.3x
+allgather's, time ≤ the row-sparse allreduce's (auto)."""
 
 from __future__ import annotations
 
@@ -11,12 +14,15 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from sparsync.bench.embedding_sketch import is_sketch
 from sparsync.costmodel import ALGORITHMS
 
 Point = tuple[int, int, float, str]  # (P, dim, zipf, hot)
 BYTES_TARGET = 1.2  # auto's bytes <= 1.2x min(allgather, balanced reduce-scatter + allgather), issue 13
 IMBALANCE_TARGET = 1.2  # partition max/mean, issue 13
 STRIDE_LABELS = ("stride", "default")  # partitions target (c) applies to ("default": the build's own choice)
+SKETCH_CD_TARGET = 0.10  # issue 15: sketch compress + decompress <= 10% of the dense allreduce's time
+SKETCH_BYTES_TARGET = 0.3  # issue 15: sketch bytes <= 0.3x allgather's
 
 
 def _ms(t: float | None) -> str:
@@ -63,10 +69,90 @@ def print_tables(rows: list[dict[str, Any]], console: Console, title: str) -> No
         auto, ddp = by.get("auto"), by.get("torch_ddp")
         s.add_row(str(P), str(dim), f"{z:g}", hot, f"{any_r['k_mean']:.0f}", str(any_r["union"]),
                   f"{any_r['bound_bytes'] / 1e6:.3f}", _ms(any_r["bound_s"]), f"{_ideal(any_r) / 1e6:.3f}",
-                  _ratio(auto["bytes_sent_per_rank"] / _ideal(any_r)) if auto else "-",
+                  _ratio(auto["bytes_sent_per_rank"] / _ideal(any_r)) if auto and _ideal(any_r) else "-",
                   auto["chosen"] if auto else "-", _ratio(auto["vs_coo"]) if auto else "-",
                   _ms(ddp["ddp_step_s"]) if ddp else "-", _ms(ddp["median_s"]) if ddp else "-")  # fmt: skip
     console.print(s)
+    if any(is_sketch(r["method"]) for r in rows):
+        k = Table(title="S2 sketch: error, bytes, compress + decompress (full table in the .md)")
+        keep = [i for i, col in enumerate(SKETCH_COLUMNS) if col not in SKETCH_MD_ONLY]
+        for i in keep:
+            k.add_column(SKETCH_COLUMNS[i], justify="left" if SKETCH_COLUMNS[i] in ("hot", "method") else "right")
+        for cells in _sketch_cells(rows):
+            k.add_row(*(cells[i] for i in keep))
+        console.print(k)
+
+
+SKETCH_COLUMNS = ("P", "dim", "zipf", "hot", "method", "α exp.", "k/rows", "U/rows", "λ·k/U", "cells r·c",
+                  "median ms", "MB/rank (bitmap+table)", "/ allgather B", "/ auto t", "comp ms", "dec ms",
+                  "c+d / dense", "rel err", "bitmap")  # fmt: skip
+SKETCH_MD_ONLY = ("k/rows", "U/rows", "λ·k/U", "cells r·c")  # left out of the console's table
+
+
+def _sketch_cells(rows: list[dict[str, Any]]) -> list[list[str]]:
+    """One row per sketch method and point, cells as SKETCH_COLUMNS."""
+    out = []
+    for by in by_point(rows).values():
+        for m, r in by.items():
+            if not is_sketch(m) or r["sketch_cells"] is None:
+                continue
+            mb, bitmap = r["bytes_sent_per_rank"] / 1e6, r["rows"] / (r["rows"] + r["sketch_cells"])
+            cd, dense = r["sketch_compress_s"] + r["sketch_decompress_s"], _median(by, "torch_dense")
+            ag, auto = _allgather_bytes(by, r)[0], _median(by, "auto")
+            out.append([
+                str(r["world_size"]), str(r["dim"]), f"{r['zipf']:g}", r["hot"], m,
+                f"{r['sketch_alpha']:.3%}", f"{r['k_mean'] / r['rows']:.3%}", f"{r['union'] / r['rows']:.3%}",
+                f"{r['sketch_lambda'] * r['k_mean'] / r['union']:.3g}", f"{r['sketch_cells']:,}",
+                f"{_ms(r['median_s'])} ({_ms(r['p25_s'])}-{_ms(r['p75_s'])})",
+                f"{mb:.3f} ({mb * bitmap:.3f}+{mb * (1 - bitmap):.3f})",
+                _ratio(r["bytes_sent_per_rank"] / ag if ag else None),
+                _ratio(r["median_s"] / auto if auto else None),
+                _ms(r["sketch_compress_s"]), _ms(r["sketch_decompress_s"]), f"{cd / dense:.1%}" if dense else "-",
+                f"{r['sketch_rel_error']:.3g}", f"{r['sketch_bitmap_match']:.3f}",
+            ])  # fmt: skip
+    return out
+
+
+def _median(by: dict[str, dict[str, Any]], method: str) -> float | None:
+    """A method's median at a point, None where it did not run or was skipped."""
+    r = by.get(method)
+    return None if r is None or math.isnan(r["median_s"]) else float(r["median_s"])
+
+
+def _allgather_bytes(by: dict[str, dict[str, Any]], r: dict[str, Any]) -> tuple[float, str]:
+    """allgather's bytes per rank at a point: measured where the method ran, else counted, (P-1)·k rows."""
+    ag = by.get("allgather")
+    if ag is not None and not math.isnan(ag["median_s"]):
+        return float(ag["bytes_sent_per_rank"]), "measured"
+    return float(r["allgather_bytes"]), "counted (P-1)·k rows"
+
+
+def sketch_targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
+    """Issue 15 (item 3), per sketch method and point with P > 1 (the issue states them at P = 8): compress +
+    decompress <= 10% of torch_dense's time, bytes <= 0.3x allgather's, time <= auto's. A baseline that did not
+    run makes its target "no data", not met."""
+    out: list[tuple[str, bool, str]] = []
+    for (P, dim, z, hot), by in by_point(rows).items():
+        for m, r in by.items():
+            if P < 2 or not is_sketch(m) or math.isnan(r["median_s"]):
+                continue
+            name = f"P={P} dim={dim} zipf={z:g} {hot}: {m}"
+            cd, dense = r["sketch_compress_s"] + r["sketch_decompress_s"], _median(by, "torch_dense")
+            density = f"density {r['k_mean'] / r['rows']:.2%}"
+            cd_val = (
+                f"{cd / dense:.1%} ({_ms(cd)} vs {_ms(dense)}" if dense else f"no data: no torch_dense ({_ms(cd)}"
+            )
+            cd_ok = dense is not None and cd <= SKETCH_CD_TARGET * dense
+            out.append((f"{name} compress+decompress <= {SKETCH_CD_TARGET:.0%} of torch_dense", cd_ok,
+                        f"{cd_val} ms; {density})"))  # fmt: skip
+            ag, how = _allgather_bytes(by, r)
+            sent = r["bytes_sent_per_rank"]
+            out.append((f"{name} bytes <= {SKETCH_BYTES_TARGET}x allgather's", sent <= SKETCH_BYTES_TARGET * ag,
+                        f"{sent / ag:.2f}x ({sent / 1e6:.3f} vs {ag / 1e6:.3f} MB, {how})"))  # fmt: skip
+            t, auto = r["median_s"], _median(by, "auto")
+            t_val = f"{t / auto:.2f}x ({_ms(t)} vs {_ms(auto)} ms)" if auto else "no data: auto did not run"
+            out.append((f"{name} time <= auto's (row-sparse allreduce)", auto is not None and t <= auto, t_val))
+    return out
 
 
 def check_targets(rows: list[dict[str, Any]], *, loopback: bool) -> list[tuple[str, bool, str]]:
@@ -87,9 +173,10 @@ def check_targets(rows: list[dict[str, Any]], *, loopback: bool) -> list[tuple[s
             if P == 8 and dim == 64 and z == 1.3 and auto["tokens"] == 65536:
                 sp = 1 / auto["vs_coo"]
                 out.append((f"{name}: auto >= 1.25x faster than torch_coo", sp >= 1.25, f"{sp:.2f}x faster"))
-        ratio = auto["bytes_sent_per_rank"] / _ideal(auto)
-        out.append((f"{name}: auto bytes <= {BYTES_TARGET}x min(allgather, RS+AG)", ratio <= BYTES_TARGET,
-                    _ratio(ratio)))  # fmt: skip
+        if _ideal(auto) > 0:  # P = 1 sends nothing
+            ratio = auto["bytes_sent_per_rank"] / _ideal(auto)
+            out.append((f"{name}: auto bytes <= {BYTES_TARGET}x min(allgather, RS+AG)", ratio <= BYTES_TARGET,
+                        _ratio(ratio)))  # fmt: skip
         for m, r in by.items():
             imb = r["partition_imbalance"]
             if r["partition"] in STRIDE_LABELS and imb is not None:
@@ -99,7 +186,7 @@ def check_targets(rows: list[dict[str, Any]], *, loopback: bool) -> list[tuple[s
     if split_ran and not any("partition (" in c[0] for c in out):
         out.append((f"partition max/mean <= {IMBALANCE_TARGET} (stride partitions)", False,
                     "no data: no stride partition with CommRecord.partition_bytes in this build"))  # fmt: skip
-    return out
+    return out + sketch_targets(rows)
 
 
 def markdown(rows: list[dict[str, Any]], checks: list[tuple[str, bool, str]], title: str) -> str:
@@ -133,14 +220,31 @@ def markdown(rows: list[dict[str, Any]], checks: list[tuple[str, bool, str]], ti
     for (P, dim, z, hot), by in pts.items():
         cells = [f"{_ms(by[a]['predicted_s'])} / {_ms(by[a]['median_s'])}" if a in by else "-" for a in algs]
         lines.append(f"| {P} | {dim} | {z:g} | {hot} | " + " | ".join(cells) + " |")
+    sketch = _sketch_cells(rows)
+    if sketch:
+        lines += ["", "S2 sketch (`sketch@λ`: ratio = λ·α, α = the expected row density of one rank's gradient; "
+                  "k/rows and U/rows measured; λ·k/U: λ over the summed gradient's U rows). MB/rank: the ring "
+                  "allreduce of bitmap (one float32 per row) + table; / allgather B: bytes over allgather's; / "
+                  "auto t: median over auto's; compress and decompress: median per call, slowest rank; rel err = "
+                  "‖est - exact‖/‖exact‖; bitmap: rows set ∩ union / rows set ∪ union (1 = exact).", "",
+                  "| " + " | ".join(SKETCH_COLUMNS) + " |", "|" + "---|" * len(SKETCH_COLUMNS)]  # fmt: skip
+        lines += ["| " + " | ".join(c) + " |" for c in sketch]
     notes = sorted({f"{r['method']}: {r['note']}" for r in rows if r["note"]})
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
-    met = sum(ok for _, ok, _ in checks)
-    lines += ["", "## Targets (issue 13)", "", f"Targets met: {met} of {len(checks)}.", "",
-              "| target | measured | met |", "|---|---|---|"]  # fmt: skip
-    lines += [f"| {name} | {val} | {'yes' if ok else '**no**'} |" for name, ok, val in checks]
+    sk_names = {c[0] for c in sketch_targets(rows)}
+    lines += _targets_md("Targets (issue 13)", [c for c in checks if c[0] not in sk_names])
+    sk_checks = [c for c in checks if c[0] in sk_names]
+    if sk_checks:
+        lines += _targets_md("Sketch targets (issue 15, item 3; the issue states them at P = 8)", sk_checks)
     return "\n".join(lines) + "\n"
+
+
+def _targets_md(title: str, checks: list[tuple[str, bool, str]]) -> list[str]:
+    met = sum(ok for _, ok, _ in checks)
+    lines = ["", f"## {title}", "", f"Targets met: {met} of {len(checks)}.", "", "| target | measured | met |",
+             "|---|---|---|"]  # fmt: skip
+    return lines + [f"| {name} | {val} | {'yes' if ok else '**no**'} |" for name, ok, val in checks]
 
 
 def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:

@@ -6,7 +6,9 @@ gradient) and an r x c count sketch into which every non-zero g(i) is added as s
 concatenation yields the bitmap and sketch of the sum (line 8). Decompress: only the elements of blocks set
 in the reduced bitmap are queried, as the median over the r rows of s_j(i)·S[j, h_j(i)] (lines 9-15); for an
 even r the mean of the two middle estimates, so the estimate stays symmetric about g(i) (S2 Thm. 1,
-unbiasedness).
+unbiasedness). A COO input (an ``nn.Embedding(sparse=True)`` gradient) is read as its coalesced rows: with
+the default block (one row) the rows are the set blocks, so compress costs O(nnz) besides the zeroed bitmap
+and table, and decompress O(blocks) for the bitmap scan besides the queried rows (issue 15, item 3).
 
 Unlike the authors' public code, the table is a fresh zero table on every call (theirs accumulates across
 steps) and ``reduce`` writes the queried result back into the gradient (theirs drops it).
@@ -19,18 +21,19 @@ rank without an extra exchange.
 Hashes (issue 15): row j's multiply-add-shift hash z = (a_j·i + b_j) mod 2^64, with (a_j, b_j) drawn from
 ``seed`` (the same on every rank). For indices i < 2^32 the top 32 bits of z are pairwise independent and
 uniform over random (a_j, b_j) (Dietzfelbinger 1996, strongly universal multiply-add-shift), so the sign
-s_j(i) = bit 63 and the bucket h_j(i) = ⌊c·(bits 32..62)/2^31⌋ are independent of each other, and the signs
-of two indices are pairwise independent: E[s_j(i)s_j(k)] = 0, which is all S2 Thm. 1's unbiasedness needs.
-Five int64 passes per row (for a run of positions an add replaces the multiply and add), over chunks of 64K
-indices that stay in cache; the splitmix64 mix it replaces took 1.9 s per row at 25M indices (issue 15). The
-sign is applied by XOR-ing the value's sign bit; the median of r ≤ 8 rows is a min/max sorting network
-(torch.median over a short dim is much slower). Timings: docs/compress_results.md.
+s_j(i) = bit 63 and the bucket h_j(i) = ⌊c·(bits 32..62)/2^31⌋ are independent of each other, and the signs of
+two indices are pairwise independent: E[s_j(i)s_j(k)] = 0, which is all S2 Thm. 1's unbiasedness needs. Five
+int64 passes per row (for a run of positions an add replaces the multiply and add; for a run of whole blocks,
+one broadcast add of a per-block base and a_j·t), over chunks of 64K indices that stay in cache; the
+splitmix64 mix it replaces took 1.9 s per row at 25M indices (issue 15). The sign is applied by XOR-ing the
+value's sign bit; the median of r ≤ 8 rows is a min/max sorting network (torch.median over a short dim is much
+slower). Timings: docs/compress_results.md.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -100,28 +103,36 @@ class SparseSketch(Compressor):
         nblocks = -(-n // b)
         dtype = tensor.dtype
         work = torch.float64 if dtype == torch.float64 else torch.float32
-        bitmap = torch.zeros(nblocks, dtype=dtype)
+        bitmap = torch.zeros(nblocks, dtype=dtype)  # the one O(blocks) structure of a call (S2 Alg. 1 line 2)
         c = self.width(n)
         table = torch.zeros(self.rows, c, dtype=work)
         hasher = _Hasher(self, c, work)
         if tensor.is_sparse:
-            s = coo_to_stream(tensor).elements()
+            s = coo_to_stream(tensor)  # coalesced rows, O(nnz): a COO input is never densified
             assert s.indices is not None
-            idx, vals = s.indices.to(torch.int64), s.values.to(work)
-            bitmap[idx // b] = 1
+            if s.row == b:  # a block is one COO row (an embedding row): the rows are the set blocks
+                blocks, vals = s.indices.to(torch.int64), s.values.to(work)
+            else:
+                e = s.elements()
+                assert e.indices is not None
+                idx, vals = e.indices.to(torch.int64), e.values.to(work)
+                bitmap[idx // b] = 1
+                for a in range(0, idx.numel(), CHUNK):
+                    hasher.insert(table, idx[a : a + CHUNK], vals[a : a + CHUNK])
+                return SketchPayload(bitmap, table.to(dtype))
         else:
             flat = tensor.reshape(-1)
-            nz = _nonzero_blocks(flat, b)
-            bitmap[nz] = 1
-            if nz.numel() == nblocks:  # every block set: hash positions a..b, no index list
+            blocks = _nonzero_blocks(flat, b)
+            if blocks.numel() == nblocks:  # every block set: hash positions a..b, no index list
+                bitmap.fill_(1)
                 for a in range(0, n, CHUNK):
                     hasher.insert(table, a, flat[a : a + CHUNK].to(work))
                 return SketchPayload(bitmap, table.to(dtype))
             # zeros inside a set block add 0 to the table: hash the same set of positions decompress queries
-            idx = _block_elements(nz, b, n)
-            vals = flat[idx].to(work)
-        for a in range(0, idx.numel(), CHUNK):
-            hasher.insert(table, idx[a : a + CHUNK], vals[a : a + CHUNK])
+            vals = _gather_blocks(flat, blocks, b).to(work)
+        bitmap[blocks] = 1
+        for h, lo, hi in _runs(blocks, b, n):
+            hasher.insert(table, h, vals[lo:hi])
         return SketchPayload(bitmap, table.to(dtype))
 
     def decompress(self, payload: SketchPayload, spec: TensorSpec) -> torch.Tensor:
@@ -136,17 +147,66 @@ class SparseSketch(Compressor):
             for a in range(0, n, CHUNK):
                 hasher.query(table, a, out[a : a + CHUNK])
             return out.to(spec.dtype).reshape(spec.shape)
-        idx = _block_elements(blocks, b, n)
-        vals = torch.empty(idx.numel(), dtype=work)
-        for a in range(0, idx.numel(), CHUNK):
-            hasher.query(table, idx[a : a + CHUNK], vals[a : a + CHUNK])
+        vals = torch.empty(_block_numel(blocks, b, n), dtype=work)
+        for h, lo, hi in _runs(blocks, b, n):
+            hasher.query(table, h, vals[lo:hi])
+        vals = vals.to(spec.dtype)
         if spec.sparse_dim is not None:
-            return stream_to_coo(
-                SparseStream(idx, vals.to(spec.dtype), n, validate=False), spec.shape, spec.sparse_dim
-            )
+            if math.prod(spec.shape[spec.sparse_dim :]) == b:  # blocks are COO rows: no per-element regrouping
+                return stream_to_coo(
+                    SparseStream(blocks, vals, n, row=b, validate=False), spec.shape, spec.sparse_dim
+                )
+            idx = _block_elements(blocks, b, n)
+            return stream_to_coo(SparseStream(idx, vals, n, validate=False), spec.shape, spec.sparse_dim)
         out = torch.zeros(n, dtype=spec.dtype)
-        out[idx] = vals.to(spec.dtype)
+        if n % b == 0:
+            out.view(-1, b)[blocks] = vals.view(-1, b)
+        else:
+            out[_block_elements(blocks, b, n)] = vals
         return out.reshape(spec.shape)
+
+
+@dataclass(frozen=True)
+class _RowRun:
+    """The element indices of whole blocks: ``blocks[i]·width + t`` for t < width, block by block (ascending
+    when ``blocks`` is): the hashes of a run cost one broadcast add per sketch row (``_Hasher._z``)."""
+
+    blocks: torch.Tensor  # int64
+    width: int
+
+
+Index = torch.Tensor | int | _RowRun  # element indices, the first of a run of positions, or whole blocks
+
+
+def _runs(blocks: torch.Tensor, b: int, n: int) -> Iterator[tuple[Index, int, int]]:
+    """(indices, lo, hi): the element indices of the set ``blocks`` in chunks of at most CHUNK, with their
+    offsets [lo, hi) into the concatenated values of those blocks. Whole blocks as ``_RowRun``s; an index list
+    where a block is wider than a chunk or the tensor's short last block is set."""
+    short = blocks.numel() > 0 and int(blocks[-1]) * b + b > n
+    if b <= CHUNK and not short:
+        step = CHUNK // b
+        for a in range(0, blocks.numel(), step):
+            part = blocks[a : a + step]
+            yield _RowRun(part, b), a * b, (a + part.numel()) * b
+        return
+    idx = _block_elements(blocks, b, n)
+    for a in range(0, idx.numel(), CHUNK):
+        yield idx[a : a + CHUNK], a, min(idx.numel(), a + CHUNK)
+
+
+def _block_numel(blocks: torch.Tensor, b: int, n: int) -> int:
+    """Entries in ``blocks`` (ascending), the tensor's short last block counted short."""
+    if not blocks.numel():
+        return 0
+    return blocks.numel() * b - max(0, int(blocks[-1]) * b + b - n)
+
+
+def _gather_blocks(flat: torch.Tensor, blocks: torch.Tensor, b: int) -> torch.Tensor:
+    """The entries of ``blocks`` (ascending) of ``flat``, block after block."""
+    n = flat.numel()
+    if n % b == 0:
+        return flat.view(-1, b)[blocks].reshape(-1)
+    return flat[_block_elements(blocks, b, n)]
 
 
 def _nonzero_blocks(flat: torch.Tensor, b: int) -> torch.Tensor:
@@ -184,22 +244,29 @@ class _Hasher:
         ]
         self.itype = torch.int64 if work == torch.float64 else torch.int32  # the value's bits, for the sign
         self.z = torch.empty(CHUNK, dtype=torch.int64)
+        self.base = torch.empty(CHUNK, dtype=torch.int64)  # a _RowRun's per-block a_j·w·block + b_j
         self.sign = torch.empty(CHUNK, dtype=self.itype)
         self.signed = torch.empty(CHUNK, dtype=self.itype)
         self.est = torch.empty(sk.rows, CHUNK, dtype=work)
         self._steps: list[torch.Tensor] = []
 
-    def _z(self, idx: torch.Tensor | int, k: int, j: int) -> torch.Tensor:
-        """z = a_j·i + b_j mod 2^64 (int64 arithmetic wraps) for the indices ``idx``, or for start + 0..k-1."""
+    def _z(self, idx: Index, k: int, j: int) -> torch.Tensor:
+        """z = a_j·i + b_j mod 2^64 (int64 arithmetic wraps) for the indices ``idx``, for start + 0..k-1, or for
+        a run of whole blocks: a_j·(block·w + t) + b_j = (a_j·w·block + b_j) + a_j·t."""
         a, b = self.ab[j]
         z = self.z[:k]
         if isinstance(idx, torch.Tensor):
             return torch.mul(idx, a, out=z).add_(b)
         if not self._steps:  # a_j·0..CHUNK-1, once per call: a chunk of positions then costs one add
             self._steps = [torch.arange(CHUNK, dtype=torch.int64).mul_(aj) for aj, _ in self.ab]
+        if isinstance(idx, _RowRun):
+            m, w = idx.blocks.numel(), idx.width
+            base = torch.mul(idx.blocks, _signed(a * w), out=self.base[:m]).add_(b)
+            torch.add(base.unsqueeze(1), self._steps[j][:w], out=z.view(m, w))
+            return z
         return torch.add(self._steps[j][:k], _signed(a * idx + b), out=z)
 
-    def _row(self, idx: torch.Tensor | int, k: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _row(self, idx: Index, k: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(h_j(i) ∈ [0, c), sign mask: the value type's sign bit where s_j(i) = -1)."""
         z = self._z(idx, k, j).bitwise_right_shift_(32)  # the top 32 bits, sign-extended
         sign = self.sign[:k]
@@ -209,9 +276,9 @@ class _Hasher:
             sign.copy_(z).bitwise_and_(-(2**31))  # bits 32..63 as int32: its sign bit is bit 63
         return z.bitwise_and_(0x7FFF_FFFF).mul_(self.c).bitwise_right_shift_(31), sign
 
-    def insert(self, table: torch.Tensor, idx: torch.Tensor | int, vals: torch.Tensor) -> None:
+    def insert(self, table: torch.Tensor, idx: Index, vals: torch.Tensor) -> None:
         """table[j, h_j(i)] += s_j(i)·v(i) for every row j (S2 Alg. 1 line 5). ``idx``: the indices of ``vals``,
-        or the first of a run of consecutive ones."""
+        the first of a run of consecutive ones, or a run of whole blocks."""
         k = vals.numel()
         bits = vals.view(self.itype)
         for j in range(self.rows):
@@ -219,7 +286,7 @@ class _Hasher:
             signed = torch.bitwise_xor(bits, sign, out=self.signed[:k])
             table[j].index_add_(0, h, signed.view(table.dtype))
 
-    def query(self, table: torch.Tensor, idx: torch.Tensor | int, out: torch.Tensor) -> None:
+    def query(self, table: torch.Tensor, idx: Index, out: torch.Tensor) -> None:
         """out(i) = median over rows of s_j(i)·table[j, h_j(i)] (S2 Alg. 1 lines 11-14)."""
         k = out.numel()
         est = self.est[:, :k]
