@@ -189,8 +189,8 @@ def test_cli_sketch_sweep_at_p1_and_p3(tmp_path: Path) -> None:
             assert r["sketch_lambda"] == lam and r["sketch_alpha"] == pytest.approx(alpha)
             cells = 3 * math.ceil(lam * alpha * 2000 * 8 / 3)
             assert r["sketch_cells"] == cells
-            # one ring allreduce of bitmap (one float32 per row) + table, per rank
-            assert r["bytes_sent_per_rank"] == pytest.approx(2 * (P - 1) * (2000 + cells) * 4 // P)
+            # ring allreduces of the bitmap (one bit per row, in int32 words) and the float32 table, per rank
+            assert r["bytes_sent_per_rank"] == pytest.approx(2 * (P - 1) * (-(-2000 // 32) * 4 + cells * 4) // P)
             assert math.isfinite(r["sketch_rel_error"]) and r["sketch_bitmap_match"] == 1.0
             assert r["median_s"] > 0 and r["sketch_compress_s"] > 0 and r["sketch_decompress_s"] > 0
         # λ = 256: buckets for 256x one rank's values, fewer than 1% collide; λ = 0.5: far fewer buckets

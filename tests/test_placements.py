@@ -87,9 +87,12 @@ def test_sketch_payload_numel_is_what_compress_sends() -> None:
                           ((50, 3), SparseSketch(cols=17, block=7))]:  # fmt: skip
         g = torch.zeros(shape)
         g.view(-1)[::5] = 1.0
-        assert sketch.compress(g).to_buffer().numel() == sketch.payload_numel(shape)
+        payload = sketch.compress(g)
+        assert payload.to_buffer().numel() == sketch.payload_numel(shape)
+        assert payload.nbytes == sketch.payload_nbytes(shape) == payload.table.numel() * 4 + 4 * -(-g.numel() // (
+            sketch.block_size(TensorSpec.of(g)) * 32))  # fmt: skip
         plan = make_plan([ParamStats("w", shape, 0.2, True)], Cluster(4), overrides={"w": "sketch"}, sketch=sketch)
-        assert plan.bytes_per_machine == pytest.approx(4 * 4 * sketch.payload_numel(shape) * 3 / 4)
+        assert plan.bytes_per_machine == pytest.approx(4 * sketch.payload_nbytes(shape) * 3 / 4)
 
 
 def test_placements_resolve_plan_or_dict_and_name_bad_entries() -> None:

@@ -20,6 +20,7 @@ from sparsync.collectives._meta import (
     shape_fingerprint,
 )
 from sparsync.collectives.allreduce import _submit, comm_group, refuse, start_allreduce
+from sparsync.collectives.tensor import pack_bits, unpack_bits
 from sparsync.compress.base import (
     Compressor,
     Context,
@@ -273,13 +274,32 @@ def _then(
 def _allreduce(
     payload: DensePayload | SketchPayload, g: dist.ProcessGroup, log: CommLog | None, spec: TensorSpec, t0: float
 ) -> Payload:
-    """Linear payloads: one dense allreduce of the payload's flat buffer (S2 Alg. 1 line 8: S and C at once)."""
+    """Linear payloads: one dense allreduce of the payload's flat buffer; a sketch's table, and its bitmap
+    packed and OR-ed in a second allreduce started beside it (``SketchPayload``)."""
+    if isinstance(payload, SketchPayload):
+        return _sketch_allreduce(payload, g, log, spec, t0)
     buf = payload.to_buffer()
     dist.all_reduce(buf, group=g)
     P = dist.get_world_size(g)
     nb = 2 * (P - 1) * buf.numel() * buf.element_size() // P  # ring allreduce, per rank
     _record(log, "allreduce", g, spec, buf.numel(), nb, 2 * (P - 1), t0)
     return payload.from_buffer(buf)
+
+
+def _sketch_allreduce(
+    payload: SketchPayload, g: dist.ProcessGroup, log: CommLog | None, spec: TensorSpec, t0: float
+) -> SketchPayload:
+    table, words = payload.table.clone(), pack_bits(payload.bitmap != 0)
+    works = [
+        dist.all_reduce(table, group=g, async_op=True),
+        dist.all_reduce(words, op=dist.ReduceOp.BOR, group=g, async_op=True),
+    ]
+    for w in works:
+        w.wait()
+    P = dist.get_world_size(g)
+    nb = 2 * (P - 1) * payload.nbytes // P  # two ring allreduces, per rank
+    _record(log, "allreduce", g, spec, table.numel() + words.numel(), nb, 4 * (P - 1), t0)
+    return SketchPayload(unpack_bits(words, payload.bitmap.numel()).to(table.dtype), table)
 
 
 def _allgather(

@@ -40,7 +40,15 @@ from typing import ClassVar
 import torch
 
 from sparsync.collectives.tensor import coo_to_stream, stream_to_coo
-from sparsync.compress.base import NO_CONTEXT, Compressor, Context, SketchPayload, TensorSpec, check_positive_int
+from sparsync.compress.base import (
+    NO_CONTEXT,
+    Compressor,
+    Context,
+    SketchPayload,
+    TensorSpec,
+    check_positive_int,
+    packed_bitmap_bytes,
+)
 from sparsync.stream import SparseStream
 
 FLAT_BLOCK = 64  # default block of a 1-D tensor (a 2-D+ tensor's default block is one row)
@@ -85,10 +93,17 @@ class SparseSketch(Compressor):
         return max(1, math.ceil(self.ratio * numel / self.rows))
 
     def payload_numel(self, shape: Sequence[int]) -> int:
-        """Entries of the payload (bitmap + r x c table) for a tensor of ``shape``: what every rank puts into the
-        one dense allreduce (S2 Alg. 1 line 8), whatever the gradient's density."""
+        """Entries of the payload (bitmap + r x c table) for a tensor of ``shape`` in S2's one-allreduce form
+        (``SketchPayload.to_buffer``, S2 Alg. 1 line 8), whatever the gradient's density."""
         spec = TensorSpec(torch.Size(shape), torch.float32)
         return -(-spec.numel // self.block_size(spec)) + self.rows * self.width(spec.numel)
+
+    def payload_nbytes(self, shape: Sequence[int], itemsize: int = 4) -> int:
+        """Bytes every rank allreduces for a tensor of ``shape`` (``SketchPayload.nbytes``): the packed bitmap
+        and the r x c table of ``itemsize``-byte entries, whatever the gradient's density."""
+        spec = TensorSpec(torch.Size(shape), torch.float32)
+        blocks = -(-spec.numel // self.block_size(spec))
+        return packed_bitmap_bytes(blocks) + self.rows * self.width(spec.numel) * itemsize
 
     def block_size(self, spec: TensorSpec) -> int:
         if self.block is not None:

@@ -13,9 +13,9 @@ workers touch together, i.e. after local aggregation):
   rows, ``index_dtype_for``) and the row's values; allgather gives Table 3's 2·α_m·w(N-1) times
   (1 + index bytes / row bytes). (Before issue 13 the stream carried an index per element, and so did this
   count.)
-- sketch: a ring dense allreduce of the S2 payload, 4·(itemsize·``SparseSketch.payload_numel``)(N-1)/N: the
-  bitmap (one entry per row or block) plus the r x c table, c = ceil(``sketch_ratio``·numel / r) (lossy, so
-  only on request). (Counting only ``sketch_ratio``·w left out the bitmap.)
+- sketch: ring dense allreduces of the S2 payload, 4·``SparseSketch.payload_nbytes``·(N-1)/N: the bitmap (one
+  bit per row or block, packed) plus the r x c table, c = ceil(``sketch_ratio``·numel / r) (lossy, so only on
+  request). (Counting only ``sketch_ratio``·w left out the bitmap.)
 
 Time: the α-β model with the cluster's latency and bandwidth, one direction of a full-duplex link. A
 parameter-server step costs four latencies (pull and push, request and reply) plus two for the chief's
@@ -201,8 +201,9 @@ def candidates(
     share = (N - 1) / N
     dense_p = Problem(N, s.numel, (s.numel,) * N, s.itemsize, 4)
     out = {"dense_allreduce": (4 * w * share, predict("dense", dense_p, link))}
-    sk = (sketch or SparseSketch(ratio=sketch_ratio)).payload_numel(s.shape)
-    out["sketch"] = (4 * sk * s.itemsize * share, predict("dense", Problem(N, sk, (sk,) * N, s.itemsize, 4), link))
+    skb = (sketch or SparseSketch(ratio=sketch_ratio)).payload_nbytes(s.shape, s.itemsize)
+    sk = -(-skb // s.itemsize)  # entries, as one dense allreduce of the same bytes
+    out["sketch"] = (4 * skb * share, predict("dense", Problem(N, sk, (sk,) * N, s.itemsize, 4), link))
     if not s.sparse or N == 1:
         return out, ""
     am = machine_alpha(s, c.procs_per_machine)
