@@ -96,7 +96,8 @@ def _sketch_cells(rows: list[dict[str, Any]]) -> list[list[str]]:
         for m, r in by.items():
             if not is_sketch(m) or r["sketch_cells"] is None:
                 continue
-            mb, bitmap = r["bytes_sent_per_rank"] / 1e6, r["rows"] / (r["rows"] + r["sketch_cells"])
+            words = -(-r["rows"] // 32) * 4  # the bitmap's packed bytes, beside the float32 table
+            mb, bitmap = r["bytes_sent_per_rank"] / 1e6, words / (words + 4 * r["sketch_cells"])
             cd, dense = r["sketch_compress_s"] + r["sketch_decompress_s"], _median(by, "torch_dense")
             ag, auto = _allgather_bytes(by, r)[0], _median(by, "auto")
             out.append([
@@ -224,9 +225,10 @@ def markdown(rows: list[dict[str, Any]], checks: list[tuple[str, bool, str]], ti
     if sketch:
         lines += ["", "S2 sketch (`sketch@λ`: ratio = λ·α, α = the expected row density of one rank's gradient; "
                   "k/rows and U/rows measured; λ·k/U: λ over the summed gradient's U rows). MB/rank: the ring "
-                  "allreduce of bitmap (one float32 per row) + table; / allgather B: bytes over allgather's; / "
-                  "auto t: median over auto's; compress and decompress: median per call, slowest rank; rel err = "
-                  "‖est - exact‖/‖exact‖; bitmap: rows set ∩ union / rows set ∪ union (1 = exact).", "",
+                  "allreduces of the bitmap (one bit per row, packed) and the table; / allgather B: bytes over "
+                  "allgather's; / auto t: median over auto's; compress and decompress: median per call, slowest "
+                  "rank; rel err = ‖est - exact‖/‖exact‖; bitmap: rows set ∩ union / rows set ∪ union "
+                  "(1 = exact).", "",
                   "| " + " | ".join(SKETCH_COLUMNS) + " |", "|" + "---|" * len(SKETCH_COLUMNS)]  # fmt: skip
         lines += ["| " + " | ".join(c) + " |" for c in sketch]
     notes = sorted({f"{r['method']}: {r['note']}" for r in rows if r["note"]})

@@ -15,10 +15,10 @@ gradient holds U rows, k ≤ U ≤ P·k, so its own λ is λ·k/U (also listed).
 ``expected_density(rows, s, P·T)`` (the P ranks' tokens are P·T draws of one law), equally exchange-free.
 
 Per sketch method, besides the time of the whole ``reduce`` and its bytes (its CommRecord: the ring
-allreduce of bitmap + table, 2(P-1)/P·(rows + r·c)·4 bytes): the relative error of the aggregate against the
-exact sum, ‖est - exact‖₂ / ‖exact‖₂ over the union's rows; the Jaccard index of the rows the summed bitmap
-set and the union of the ranks' rows (1 when the bitmap is exact, as it must be); and the compress and
-decompress time per call (slowest rank, every rank at once, median over the point's repeats).
+allreduces of the packed bitmap and the table, 2(P-1)/P·(rows/8 + r·c·4) bytes): the relative error of the
+aggregate against the exact sum, ‖est - exact‖₂ / ‖exact‖₂ over the union's rows; the Jaccard index of the
+rows the summed bitmap set and the union of the ranks' rows (1 when the bitmap is exact, as it must be); and
+the compress and decompress time per call (slowest rank, every rank at once, median over the point's repeats).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ class SketchStats:
 
     lam: float  # S2's λ
     alpha: float  # the expected row density the ratio was set from
-    cells: int  # r·c: table entries (the bitmap has one entry per row)
+    cells: int  # r·c: table entries (the bitmap has one bit per row)
     rel_error: float  # ‖est - exact‖₂ / ‖exact‖₂ over the union's rows
     bitmap_match: float  # |rows set ∩ union| / |rows set ∪ union|: 1 when the bitmap is exact
     compress_s: float  # median per call, slowest rank
