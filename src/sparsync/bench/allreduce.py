@@ -28,11 +28,15 @@ import torch.distributed as dist
 from sparsync.calibrate import measure_link
 from sparsync.collectives._meta import EAGER_LIMIT
 from sparsync.collectives.allreduce import sparse_allreduce
+from sparsync.compress import QSGD
 from sparsync.costmodel import ALGORITHMS, LinkModel, Problem, lower_bound, predict
 from sparsync.record import CommLog
 from sparsync.stream import SparseStream, index_dtype_for
 
 METHODS = ("gloo_dense", "gloo_sparse_coo", *ALGORITHMS, "auto")
+# DSAR with its dense phase quantized by QSGD at 4 or 8 bits (compress/dsar_quantized.py; issue 15): lossy, so
+# only when asked for (``--methods``), and never auto's choice.
+QUANTIZED = {"dsar_split_allgather/q4": 4, "dsar_split_allgather/q8": 8}
 BASELINES = ("gloo_dense", "gloo_sparse_coo", "allgather")
 # torch's gloo sparse allreduce gathers every rank's COO tensor (int64 indices + values) on every rank and then
 # sorts and coalesces it: skip points where that gathered tensor would take more than COO_MEMORY_CAP bytes per
@@ -79,9 +83,9 @@ class BenchConfig:
         bad = [d for d in self.densities if not 0.0 <= d <= 1.0]
         if bad:
             raise ValueError(f"densities must lie in [0, 1], got {bad}")
-        unknown = [m for m in self.methods if m not in METHODS]
+        unknown = [m for m in self.methods if m not in METHODS and m not in QUANTIZED]
         if unknown:
-            raise ValueError(f"unknown methods {unknown}; valid: {', '.join(METHODS)}")
+            raise ValueError(f"unknown methods {unknown}; valid: {', '.join([*METHODS, *QUANTIZED])}")
 
 
 @dataclass
@@ -123,6 +127,10 @@ def _runner(
             idx.to(torch.int64)[None], stream.values, (stream.dim,), check_invariants=False
         ).coalesce()
         return lambda: dist.all_reduce(coo, group=group)
+    if method in QUANTIZED:
+        q = QSGD(bits=QUANTIZED[method])  # one per method and rank: its noise advances call by call
+        alg = method.partition("/")[0]
+        return lambda: sparse_allreduce(stream, algorithm=alg, log=log, group=group, quantize=q)
     # auto gets the link measured at the start of the run, so its choices and the table's predictions agree.
     return lambda: sparse_allreduce(stream, algorithm=method, log=log, link=link, group=group)
 

@@ -69,11 +69,12 @@ ALGORITHM_CODES = (
 # nan/nonfinite: position and kind (1 NaN, 2 +Inf, 3 -Inf) of the first non-finite value (-1/0: none);
 # check_nan and partition: the call's options, which every rank must share; refused: 1 when this rank's input
 # was refused before its call (the row then carries the error message as its payload, ``report_refusal``);
-# name_key: a hash of the call's ``name=`` (0: unnamed), which tells apart calls of one signature.
+# name_key: a hash of the call's ``name=`` (0: unnamed), which tells apart calls of one signature; quantize: a
+# hash of DSAR's ``quantize=`` settings (0: none).
 _F = (
     "seq", "op", "dim", "dtype", "nnz", "dense", "nan", "algorithm", "row", "bad", "bad_value", "bad_tensor",
     "bad_rows", "shape_key", "ndim", "s0", "s1", "s2", "s3", "auto_key", "nonfinite", "check_nan", "partition",
-    "refused", "name_key", "inline",
+    "refused", "name_key", "quantize", "inline",
 )  # fmt: skip
 _COL = {name: i for i, name in enumerate(_F)}
 _NONFINITE = ("", "NaN", "+Inf", "-Inf")
@@ -192,6 +193,7 @@ def exchange_meta(
     auto_key: int = 0,
     partition: int = 0,
     name: str | None = None,
+    quantize: int = 0,
 ) -> Meta:
     """``bad``: an out-of-range index this rank found in its input; every rank then raises the same
     ValueError naming it (the stream passed is a placeholder). ``shape``: (layout, full shape) of the tensor
@@ -231,6 +233,7 @@ def exchange_meta(
             partition,
             0,
             0 if name is None else _key(name),
+            quantize,
         ],
         dtype=torch.int64,
     )
@@ -269,7 +272,7 @@ def exchange_meta(
 
 # Columns every rank must hold the same value in, and columns that flag a problem when >= 0 (or != 0).
 _AGREE = tuple(_COL[c] for c in ("op", "seq", "algorithm", "dim", "row", "dtype", "check_nan", "partition",
-                                  "shape_key", "auto_key"))  # fmt: skip
+                                  "shape_key", "auto_key", "quantize"))  # fmt: skip
 _FLAGS = (_COL["bad"], _COL["nan"])
 
 
@@ -328,6 +331,11 @@ def raise_refusals(table: torch.Tensor, blocks: list[torch.Tensor], me: int) -> 
         raise kind(f"rank {r} refused its input: {text} (seen on rank {me})")
 
 
+def meta_key(text: str) -> int:
+    """A 62-bit key of ``text`` for a metadata column (``_key``)."""
+    return _key(text)
+
+
 def _key(text: str) -> int:
     """A 62-bit key of ``text``, the same on every rank and run (no Python hash seed), never 0."""
     return (int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2) | 1
@@ -374,6 +382,7 @@ def _check(table: torch.Tensor, me: int) -> None:
         (3, "dtype"),
         (_COL["check_nan"], "check_nan"),
         (_COL["partition"], "partition"),
+        (_COL["quantize"], "quantize= setting"),
     ):
         r = first_differing(table, col)
         if r is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal, NoReturn, TypeVar, overload
+from typing import TYPE_CHECKING, Literal, NoReturn, TypeVar, overload
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from sparsync.collectives._meta import (
     Meta,
     auto_fingerprint,
     exchange_meta,
+    meta_key,
     report_refusal,
     update_eager,
 )
@@ -41,6 +42,9 @@ from sparsync.group import background_group, group_state, next_call, resolve_gro
 from sparsync.handle import Work
 from sparsync.record import CommLog, CommRecord
 from sparsync.stream import SparseStream, index_dtype_for, sum_streams
+
+if TYPE_CHECKING:
+    from sparsync.compress.qsgd import QSGD
 
 T = TypeVar("T")
 
@@ -185,6 +189,7 @@ def sparse_allreduce(
     check_nan: bool = ...,
     partition: str = ...,
     name: str | None = ...,
+    quantize: QSGD | None = ...,
 ) -> SparseStream: ...
 @overload
 def sparse_allreduce(
@@ -200,6 +205,7 @@ def sparse_allreduce(
     check_nan: bool = ...,
     partition: str = ...,
     name: str | None = ...,
+    quantize: QSGD | None = ...,
 ) -> Work[SparseStream]: ...
 def sparse_allreduce(
     stream: SparseStream,
@@ -214,6 +220,7 @@ def sparse_allreduce(
     check_nan: bool = True,
     partition: str = "auto",
     name: str | None = None,
+    quantize: QSGD | None = None,
 ) -> SparseStream | Work[SparseStream]:
     """Sum of every rank's ``stream``, on every rank (bitwise identical everywhere).
 
@@ -225,7 +232,9 @@ def sparse_allreduce(
     Zipf-skewed rows), ``range`` (contiguous, SparCML §4.1) or ``auto`` (stride for row streams, range for
     element streams; ``collectives/partition.py``). ``log`` collects a CommRecord (bytes, time, phases,
     decision, bytes per partition). ``name``: a label compared across ranks (a skipped or reordered call of the
-    same signature raises on every rank). Does not modify ``stream``. Collective: all ranks of ``group`` call it.
+    same signature raises on every rank). ``quantize``: a ``QSGD`` for ``dsar_split_allgather``'s dense phase
+    in low precision (lossy, unbiased; ``compress/dsar_quantized.py``). Does not modify ``stream``.
+    Collective: all ranks of ``group`` call it.
 
     Example::
 
@@ -249,6 +258,7 @@ def sparse_allreduce(
         check_nan=check_nan,
         partition=partition,
         name=name,
+        quantize=quantize,
     )
 
 
@@ -268,6 +278,7 @@ def start_allreduce(
     bad: BadIndex | None = None,
     shape: tuple[str, tuple[int, ...]] | None = None,
     name: str | None = None,
+    quantize: QSGD | None = None,
 ) -> T | Work[T]:
     """``sparse_allreduce`` whose result goes through ``finish(comm, result)`` inside the same queued job
     (``allreduce`` of a COO tensor may need one more collective there). ``bad``: an out-of-range index on
@@ -279,7 +290,11 @@ def start_allreduce(
         if algorithm != "auto" and algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; valid: auto, {', '.join(ALGORITHMS)}")
         part = resolve_partition(partition, stream.row)
-    except ValueError as e:
+        if quantize is not None:
+            from sparsync.compress.dsar_quantized import check_quantize  # late: sparsync.compress imports us
+
+            check_quantize(quantize, algorithm)
+    except (TypeError, ValueError) as e:
         refuse(group, "sparse_allreduce", e, timeout, async_op)
     user = resolve_group(group)
     g = comm_group(user, async_op)
@@ -291,8 +306,9 @@ def start_allreduce(
         comm.op = f"sparse_allreduce(algorithm={algorithm!r})"
         key = auto_fingerprint(link or group_state(user).link, policy) if algorithm == "auto" else 0
         pcode = PARTITION_CODES.index(part)
+        qkey = _quantize_key(quantize)
         meta = exchange_meta(
-            comm, "sparse_allreduce", stream, algorithm, seq, check_nan, bad, shape, key, pcode, name
+            comm, "sparse_allreduce", stream, algorithm, seq, check_nan, bad, shape, key, pcode, name, qkey
         )
         decision: Decision | None = None
         alg = algorithm
@@ -304,7 +320,12 @@ def start_allreduce(
             decision = policy(problem_of(stream, meta, comm.size), lm)
             alg = decision.algorithm
         update_eager(comm, meta, alg)
-        result = _RUNNERS[alg](comm, stream, meta, part)
+        if quantize is None:
+            result = _RUNNERS[alg](comm, stream, meta, part)
+        else:
+            from sparsync.compress.dsar_quantized import dsar_quantized
+
+            result = dsar_quantized(comm, stream, meta.nnz, meta.dense, part, quantize, name or "dsar")
         out = finish(comm, result)
         if log is not None:
             tr = comm.traffic
@@ -332,6 +353,14 @@ def start_allreduce(
         return out
 
     return _submit(user, run, async_op)
+
+
+def _quantize_key(quantize: QSGD | None) -> int:
+    if quantize is None:
+        return 0
+    from sparsync.compress.dsar_quantized import quantize_key
+
+    return meta_key(quantize_key(quantize))
 
 
 def problem_of(stream: SparseStream, meta: Meta, world_size: int) -> Problem:
