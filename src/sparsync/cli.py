@@ -12,7 +12,7 @@ from typing import Any
 
 from rich.console import Console
 
-from sparsync.bench.allreduce import METHODS, BenchConfig
+from sparsync.bench.allreduce import METHODS, QUANTIZED, BenchConfig
 
 _SIZE = re.compile(r"^(\d+)([kKmMgG]?)$")
 
@@ -45,9 +45,9 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def _methods(text: str) -> tuple[str, ...]:
     out = tuple(text.split(","))
-    bad = [m for m in out if m not in METHODS]
+    bad = [m for m in out if m not in METHODS and m not in QUANTIZED]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown methods {bad}; valid: {', '.join(METHODS)}")
+        raise argparse.ArgumentTypeError(f"unknown methods {bad}; valid: {', '.join([*METHODS, *QUANTIZED])}")
     return out
 
 
