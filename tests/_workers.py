@@ -401,7 +401,7 @@ PIPELINE_DIM = 2**22 + 7  # above DENSE_PIPELINE_MIN, not a multiple of the chun
 def pipelined_dense_input(rank: int, world: int, density: float, dtype: torch.dtype) -> SparseStream:
     """Sparse-stored input of the chunked ``dense`` algorithm: random rows plus the entries on each side of
     every chunk boundary; the last rank empty when world > 1; small integer values, so every sum is exact."""
-    from sparsync.collectives.allreduce import DENSE_CHUNKS, DENSE_PIPELINE_MIN
+    from sparsync.costmodel import DENSE_CHUNKS, DENSE_PIPELINE_MIN
 
     assert PIPELINE_DIM >= DENSE_PIPELINE_MIN
 

@@ -285,7 +285,7 @@ def test_async_ops_in_flight(run: tuple[int, list[dict[str, Any]]]) -> None:
 
 
 def test_dense_of_large_sparse_inputs_is_chunked_and_exact(run: tuple[int, list[dict[str, Any]]]) -> None:
-    from sparsync.collectives.allreduce import DENSE_CHUNKS
+    from sparsync.costmodel import DENSE_CHUNKS
 
     world, results = run
     checks = results[0]["pipelined_dense"]

@@ -25,13 +25,12 @@ from sparsync.collectives._meta import (
     report_refusal,
     update_eager,
 )
+from sparsync.collectives.dense import dense_allreduce
 from sparsync.collectives.partition import resolve_partition
 from sparsync.collectives.recursive_double import ssar_recursive_double
 from sparsync.collectives.split_allgather import dsar_split_allgather, ssar_split_allgather
 from sparsync.costmodel import (
     ALGORITHMS,
-    DENSE_CHUNKS,
-    DENSE_PIPELINE_MIN,
     Decision,
     LinkModel,
     Policy,
@@ -67,50 +66,12 @@ def _allgather_sum(comm: Comm, stream: SparseStream, meta: Meta) -> SparseStream
         return sum_streams(streams)
 
 
-def _dense(comm: Comm, stream: SparseStream) -> SparseStream:
-    """Densify and run torch's allreduce (gloo: ring, 2(P-1)/P·N values per rank each way)."""
-    if stream.is_dense or stream.dim < DENSE_PIPELINE_MIN:
-        buf = stream.to_dense().clone() if stream.is_dense else stream.to_dense()
-        with comm.phase("dense_allreduce"):
-            comm.run_collective("dense all_reduce", dist.all_reduce, buf)
-        calls = 1
-    else:
-        buf, calls = _pipelined_dense(comm, stream), DENSE_CHUNKS
-    P = comm.size
-    nb = 2 * (P - 1) * buf.numel() * buf.element_size() // P
-    comm.count_collective(nb, nb, 2 * (P - 1) * calls)
-    return SparseStream(None, buf, stream.dim, row=stream.row, validate=False)
-
-
-def _pipelined_dense(comm: Comm, stream: SparseStream) -> torch.Tensor:
-    """Densify chunk by chunk, starting each chunk's allreduce before filling the next, so the densify of chunk
-    i+1 overlaps the transfer of chunk i (same result and bytes as one allreduce of the whole buffer; every rank
-    cuts at the same offsets whatever its input). Measured at 1 Gbit/s, P = 8, density 0.3 of 16M: 1,123 ms
-    against 1,112 ms for gloo's allreduce of a dense buffer; densify-then-allreduce took 1.15x gloo's time."""
-    R, b, idx, vals = stream.num_rows, stream.row, stream.indices, stream.rows2d
-    assert idx is not None
-    buf = torch.empty(stream.dim, dtype=stream.dtype)
-    rows2d = buf.view(R, b)
-    bounds = [R * c // DENSE_CHUNKS for c in range(DENSE_CHUNKS + 1)]  # in rows
-    cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype)).tolist()
-    works = []
-    with comm.phase("dense_allreduce"):
-        for c in range(DENSE_CHUNKS):
-            part = rows2d[bounds[c] : bounds[c + 1]]
-            part.zero_()
-            lo, hi = cuts[c], cuts[c + 1]
-            part[idx[lo:hi].to(torch.int64) - bounds[c]] = vals[lo:hi]
-            works.append(comm.start_collective("dense all_reduce", dist.all_reduce, part))
-        comm.wait_collectives("dense all_reduce", works)
-    return buf
-
-
 _RUNNERS: dict[str, Callable[[Comm, SparseStream, Meta, str], SparseStream]] = {
     "ssar_recursive_double": lambda c, s, m, p: ssar_recursive_double(c, s),
     "ssar_split_allgather": lambda c, s, m, p: ssar_split_allgather(c, s, m.nnz, p),
     "dsar_split_allgather": lambda c, s, m, p: dsar_split_allgather(c, s, m.nnz, p),
     "allgather": lambda c, s, m, p: _allgather_sum(c, s, m),
-    "dense": lambda c, s, m, p: _dense(c, s),
+    "dense": lambda c, s, m, p: dense_allreduce(c, s),
 }
 
 

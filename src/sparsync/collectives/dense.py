@@ -1,0 +1,49 @@
+"""The ``dense`` algorithm: densify and run torch's allreduce (gloo: ring), pipelined for large sparse-stored
+inputs (``costmodel.DENSE_PIPELINE_MIN``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from sparsync.collectives._comm import Comm
+from sparsync.costmodel import DENSE_CHUNKS, DENSE_PIPELINE_MIN
+from sparsync.stream import SparseStream
+
+
+def dense_allreduce(comm: Comm, stream: SparseStream) -> SparseStream:
+    """Densify and run torch's allreduce (gloo: ring, 2(P-1)/P·N values per rank each way)."""
+    if stream.is_dense or stream.dim < DENSE_PIPELINE_MIN:
+        buf = stream.to_dense().clone() if stream.is_dense else stream.to_dense()
+        with comm.phase("dense_allreduce"):
+            comm.run_collective("dense all_reduce", dist.all_reduce, buf)
+        calls = 1
+    else:
+        buf, calls = _pipelined_dense(comm, stream), DENSE_CHUNKS
+    P = comm.size
+    nb = 2 * (P - 1) * buf.numel() * buf.element_size() // P
+    comm.count_collective(nb, nb, 2 * (P - 1) * calls)
+    return SparseStream(None, buf, stream.dim, row=stream.row, validate=False)
+
+
+def _pipelined_dense(comm: Comm, stream: SparseStream) -> torch.Tensor:
+    """Densify chunk by chunk, starting each chunk's allreduce before filling the next, so the densify of chunk
+    i+1 overlaps the transfer of chunk i (same result and bytes as one allreduce of the whole buffer; every rank
+    cuts at the same offsets whatever its input). Measured at 1 Gbit/s, P = 8, density 0.3 of 16M: 1,123 ms
+    against 1,112 ms for gloo's allreduce of a dense buffer; densify-then-allreduce took 1.15x gloo's time."""
+    R, b, idx, vals = stream.num_rows, stream.row, stream.indices, stream.rows2d
+    assert idx is not None
+    buf = torch.empty(stream.dim, dtype=stream.dtype)
+    rows2d = buf.view(R, b)
+    bounds = [R * c // DENSE_CHUNKS for c in range(DENSE_CHUNKS + 1)]  # in rows
+    cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype)).tolist()
+    works = []
+    with comm.phase("dense_allreduce"):
+        for c in range(DENSE_CHUNKS):
+            part = rows2d[bounds[c] : bounds[c + 1]]
+            part.zero_()
+            lo, hi = cuts[c], cuts[c + 1]
+            part[idx[lo:hi].to(torch.int64) - bounds[c]] = vals[lo:hi]
+            works.append(comm.start_collective("dense all_reduce", dist.all_reduce, part))
+        comm.wait_collectives("dense all_reduce", works)
+    return buf
