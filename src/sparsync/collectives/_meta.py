@@ -1,8 +1,9 @@
 """The metadata exchange every sparse collective starts with, and the cross-rank checks it makes possible.
 
-One tiny allgather (recursive doubling, log2(P) latency) of eight int64 per rank gives every rank every rank's
-nnz and format (the sizes "allgather" needs, the inputs "auto" needs) and lets all ranks raise the *same*
-ValueError for bad input on any rank, instead of the good ranks hanging on the bad one.
+One tiny allgather of a row of int64 per rank (one round of direct sends up to ``DIRECT_GATHER_MAX`` ranks,
+recursive doubling beyond: ``_fold.allgather_var``) gives every rank every rank's nnz and format (the sizes
+"allgather" needs, the inputs "auto" needs) and lets all ranks raise the *same* ValueError for bad input on
+any rank, instead of the good ranks hanging on the bad one.
 
 Eager protocol (our addition; SparCML has no metadata round to piggyback on): each rank's row may also carry
 its whole payload. When every rank's payload came along, the metadata allgather *is* the data allgather and
