@@ -418,3 +418,23 @@ def test_allreduce_full_cartesian_grid(world: int) -> None:
     for alg in w.ALGORITHMS:
         failures += _grid_failures(world, results, cases, alg)
     assert not failures, f"{len(failures)} of {len(cases)} cases failed:\n" + "\n".join(failures[:30])
+
+
+@pytest.mark.parametrize("world", [3, 5])
+def test_recursive_doubling_gathers_give_the_same_sums(world: int) -> None:
+    """Beyond DIRECT_GATHER_MAX ranks sparsync's allgathers run by recursive doubling (with the MPICH fold at
+    3 and 5): forced here at small P, every algorithm gives the exact sum, bitwise what one-round gathers give."""
+    results = launch(w.doubling_worker, nprocs=world, timeout=120)
+    exact = {}
+    for r in range(world):
+        g = torch.Generator().manual_seed(r)
+        rows = torch.unique(torch.randint(0, 400, (60 + 40 * r,), generator=g))
+        vals = torch.randint(-5, 6, (rows.numel() * 4,), generator=g).double().view(-1, 4)
+        for key, v in (("s", vals), ("big", torch.ones_like(vals))):
+            exact.setdefault(key, np.zeros((400, 4)))[rows.numpy()] += v.numpy()
+    for out in results:
+        for key, got in out.items():
+            _, alg, i = key.split("/")
+            want = exact["big" if i == "2" else "s"].reshape(-1)
+            assert np.array_equal(got, want), key
+            assert np.array_equal(got, out[f"direct/{alg}/{i}"]), key
