@@ -1,5 +1,5 @@
 """The ``sparsync`` command: ``demo``, ``bench allreduce``, ``bench compress``, ``bench embedding``,
-``bench hybrid``, ``plan``."""
+``bench hybrid``, ``plan``, ``cluster``."""
 
 from __future__ import annotations
 
@@ -148,10 +148,44 @@ def build_parser() -> argparse.ArgumentParser:
     hy.add_argument("--search-partitions", action="store_true", help="run Parallax's partition search first")
     hy.add_argument("--no-prefetch", action="store_true", help="PS methods: pull each step's rows in that step")
     _add_embedding_parser(bsub)
+    cl = sub.add_parser(
+        "cluster",
+        help="run a script under torchrun on emulated hosts (one network namespace each, shaped links)",
+        description="Run SCRIPT under `torchrun --nnodes HOSTS --nproc-per-node PROCS --rdzv-backend c10d` on "
+        "every emulated host, as on a cluster (needs root). Example: sparsync cluster --hosts 2 "
+        "--procs-per-host 2 -- examples/sparse_allreduce.py",
+    )
+    cl.add_argument("--hosts", type=int, default=2, help="emulated hosts (network namespaces), default 2")
+    cl.add_argument("--procs-per-host", type=int, default=2, help="ranks per host (torchrun --nproc-per-node)")
+    cl.add_argument("--net", default="1gbit", help="each host's link, both directions (default 1gbit)")
+    cl.add_argument("--latency", default=None, help="extra one-way delay per link, e.g. 0.5ms")
+    cl.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts (elastic restarts)")
+    cl.add_argument("--timeout", type=float, default=None, help="seconds before every host is stopped")
+    cl.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...] (as given to torchrun)")
     from sparsync.placement import cli_plan
 
     cli_plan.add_parser(sub)
     return p
+
+
+def _cluster(args: argparse.Namespace, console: Console) -> int:
+    from sparsync.cluster import run_cluster
+    from sparsync.netem import net_spec
+
+    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    spec = net_spec(args.net, args.latency)
+    if spec is None:
+        raise ValueError("--net is required: emulated hosts are linked by shaped links (e.g. --net 1gbit)")
+    console.print(
+        f"[bold]sparsync cluster[/]: {args.hosts} hosts x {args.procs_per_host} ranks, {spec.rate} links per host, "
+        f"torchrun --max-restarts {args.max_restarts}: {' '.join(script)}"
+    )
+    res = run_cluster(script, hosts=args.hosts, procs_per_host=args.procs_per_host, net=spec,
+                      max_restarts=args.max_restarts, timeout=args.timeout)  # fmt: skip
+    for i, rc in enumerate(res.returncodes):
+        if rc:
+            console.print(f"[red]host {i}: torchrun exited with status {rc}[/]")
+    return 0 if res.ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
             run_hybrid_bench(hcfg, args.procs, args.seq, out=args.out, net=args.net, latency=args.latency,
                              console=console, progress=not args.no_progress)  # fmt: skip
             return 0
+        if args.command == "cluster":
+            return _cluster(args, console)
         if args.command == "plan":
             from sparsync.placement import cli_plan
 

@@ -177,13 +177,17 @@ def launch(
     args: tuple[Any, ...] = (),
     timeout: float = 120.0,
     netns: NetNamespaces | None = None,
+    procs_per_host: int | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``nprocs`` ranks joined in a process group; return their results in rank order.
 
     ``fn`` and ``args`` must be picklable (a module-level function). ``timeout`` (seconds) bounds every
     collective: a dead or stuck peer makes the others fail with a message instead of hanging. ``netns`` runs
     each rank inside its network namespace (see ``sparsync.netem``). Under torchrun, joins that group and
-    returns ``[fn(rank, *args)]`` for this process only.
+    returns ``[fn(rank, *args)]`` for this process only. ``procs_per_host``: emulate hosts of that many ranks
+    (ranks [h·k, (h+1)·k) on host h): each rank gets torchrun's ``GROUP_RANK``, ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` (``collectives.hierarchical.detect_topology`` reads them), and with ``netns`` (one
+    namespace per host) the ranks of a host share its namespace and link.
 
     Failures raise ``LaunchError``: a rank that died without reporting, or is stopped, is named with its exit
     status ahead of the errors the others raise because of it. The ranks exit if this process dies (even by
@@ -198,6 +202,11 @@ def launch(
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    hosts = nprocs if procs_per_host is None else nprocs // max(procs_per_host, 1)
+    if procs_per_host is not None and (procs_per_host < 1 or nprocs % procs_per_host):
+        raise ValueError(f"procs_per_host={procs_per_host} does not divide nprocs={nprocs}")
+    if netns is not None and netns.nprocs != hosts:
+        raise ValueError(f"netns has {netns.nprocs} namespaces for {hosts} hosts of {nprocs // hosts} ranks")
     if under_torchrun():
         owned = not dist.is_initialized()
         if owned:
@@ -216,7 +225,7 @@ def launch(
                 stop_queues(wait=finished)
     try:
         with _signals_raise(_TERMINATING):
-            return _spawn(fn, nprocs, backend, args, timeout, netns)
+            return _spawn(fn, nprocs, backend, args, timeout, netns, procs_per_host)
     except _Terminated as t:
         # The ranks are gone (_spawn reaped them); now end as the signal asked, by the caller's own handler.
         signal.raise_signal(t.signum)
@@ -230,6 +239,7 @@ def _spawn(
     args: tuple[Any, ...],
     timeout: float,
     netns: NetNamespaces | None,
+    procs_per_host: int | None = None,
 ) -> list[Any]:
     # Children inherit the environment at spawn: keep c10d's per-socket warnings (hostname lookups that fail
     # inside network namespaces) out of the user's terminal unless asked for.
@@ -249,9 +259,12 @@ def _spawn(
     local = {} if "GLOO_SOCKET_IFNAME" in os.environ else local
     procs = []
     try:
+        k = procs_per_host or 1
         for rank in range(nprocs):
-            ns = netns.namespace(rank) if netns is not None else None
-            env = netns.env(rank) if netns is not None else local
+            ns = netns.namespace(rank // k) if netns is not None else None
+            env = dict(netns.env(rank // k)) if netns is not None else dict(local)
+            if procs_per_host is not None:
+                env.update(GROUP_RANK=str(rank // k), LOCAL_RANK=str(rank % k), LOCAL_WORLD_SIZE=str(k))
             p = ctx.Process(
                 target=_child,
                 args=(rank, nprocs, host, port, backend, timeout, fn, args, results, ns, env, os.getpid()),
