@@ -7,6 +7,7 @@ See docs/architecture.md.
 from sparsync.calibrate import measure_link
 from sparsync.collectives import allreduce, grouped_allreduce, sparse_allgather, sparse_allreduce
 from sparsync.collectives._comm import PeerError
+from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce
 from sparsync.compress import Compressor, ErrorFeedback, reduce
 from sparsync.costmodel import (
     ALGORITHMS,
@@ -38,6 +39,7 @@ __all__ = [
     "PeerError",
     "Problem",
     "SparseStream",
+    "Topology",
     "Work",
     "add",
     "allreduce",
@@ -45,7 +47,9 @@ __all__ = [
     "choose_fastest",
     "choose_robust",
     "dense_threshold",
+    "detect_topology",
     "grouped_allreduce",
+    "hierarchical_allreduce",
     "launch",
     "lower_bound",
     "measure_link",

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
-from sparsync.bench.allreduce import METHODS, QUANTIZED, BenchConfig
+from sparsync.bench.allreduce import HIERARCHICAL, METHODS, QUANTIZED, BenchConfig
 
 _SIZE = re.compile(r"^(\d+)([kKmMgG]?)$")
 
@@ -45,9 +46,10 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 def _methods(text: str) -> tuple[str, ...]:
     out = tuple(text.split(","))
-    bad = [m for m in out if m not in METHODS and m not in QUANTIZED]
+    valid = [*METHODS, *QUANTIZED, *HIERARCHICAL]
+    bad = [m for m in out if m not in valid]
     if bad:
-        raise argparse.ArgumentTypeError(f"unknown methods {bad}; valid: {', '.join([*METHODS, *QUANTIZED])}")
+        raise argparse.ArgumentTypeError(f"unknown methods {bad}; valid: {', '.join(valid)}")
     return out
 
 
@@ -113,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     ar.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
     ar.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
     ar.add_argument("--out", type=Path, default=Path("results/allreduce"), help="path stem for .csv/.json/.png")
+    ar.add_argument("--hosts", type=int, default=None, help="emulated hosts (with --procs-per-host; issue 18)")
+    ar.add_argument("--procs-per-host", type=int, default=None, help="ranks per emulated host (shared link)")
     ar.add_argument("--no-progress", action="store_true")
     cp = bsub.add_parser("compress", help="compressors: time, bytes, error vs a dense allreduce (issue 3)")
     cp.add_argument("--sizes", type=_sizes, default=(1_000_000, 25_000_000), help="N per rank, e.g. 1000000,25M")
@@ -177,8 +181,8 @@ def _cluster(args: argparse.Namespace, console: Console) -> int:
     if spec is None:
         raise ValueError("--net is required: emulated hosts are linked by shaped links (e.g. --net 1gbit)")
     console.print(
-        f"[bold]sparsync cluster[/]: {args.hosts} hosts x {args.procs_per_host} ranks, {spec.rate} links per host, "
-        f"torchrun --max-restarts {args.max_restarts}: {' '.join(script)}"
+        f"[bold]sparsync cluster[/]: {args.hosts} hosts x {args.procs_per_host} ranks, {spec.rate} links per "
+        f"host, torchrun --max-restarts {args.max_restarts}: {' '.join(script)}"
     )
     res = run_cluster(script, hosts=args.hosts, procs_per_host=args.procs_per_host, net=spec,
                       max_restarts=args.max_restarts, timeout=args.timeout)  # fmt: skip
@@ -231,10 +235,19 @@ def main(argv: list[str] | None = None) -> int:
 
             return cli_plan.run(args, console)
         if args.command == "bench" and args.bench == "allreduce":
-            cfg = BenchConfig(dim=args.n, densities=args.densities, repeats=args.repeats, methods=args.methods)
+            procs, per_host = args.procs, None
+            if args.hosts is not None or args.procs_per_host is not None:
+                if args.hosts is None or args.procs_per_host is None or min(args.hosts, args.procs_per_host) < 1:
+                    raise ValueError("give both --hosts and --procs-per-host (each >= 1)")
+                procs, per_host = (args.hosts * args.procs_per_host,), args.procs_per_host
+            methods = args.methods
+            if per_host is not None and args.methods == METHODS:
+                methods = ("gloo_dense", "gloo_sparse_coo", "allgather", "auto", *HIERARCHICAL)
+            cfg = BenchConfig(dim=args.n, densities=args.densities, repeats=args.repeats, methods=methods)
             run_allreduce_bench(
                 cfg,
-                args.procs,
+                procs,
+                procs_per_host=per_host,
                 out=args.out,
                 net=args.net,
                 latency=args.latency,
@@ -270,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 0
     except KeyError as e:
-        console.print(f"[red]error:[/] {e.args[0] if e.args else e}")
+        console.print(f"[red]error:[/] {escape(str(e.args[0] if e.args else e))}")
         return 2
     except (ValueError, OSError, RuntimeError) as e:
-        console.print(f"[red]error:[/] {e}")
+        console.print(f"[red]error:[/] {escape(str(e))}")
         return 2
     return 1
 

@@ -51,8 +51,15 @@ class ClusterResult:
 
 
 def torchrun_argv(
-    argv: Sequence[str], *, host: int, hosts: int, procs_per_host: int, endpoint: str, run_id: str,
-    address: str, max_restarts: int = 0,
+    argv: Sequence[str],
+    *,
+    host: int,
+    hosts: int,
+    procs_per_host: int,
+    endpoint: str,
+    run_id: str,
+    address: str,
+    max_restarts: int = 0,
 ) -> list[str]:
     """The torchrun command line of one host (``argv``: the training script and its arguments)."""
     return [
@@ -82,12 +89,14 @@ def run_cluster(
     grace: float = 30.0,
     env: dict[str, str] | None = None,
     echo: Callable[[str], None] | None = print,
+    cwd: str | os.PathLike[str] | None = None,
 ) -> ClusterResult:
     """Run ``argv`` (a script and its arguments, as given to torchrun) on ``hosts`` emulated hosts of
     ``procs_per_host`` ranks each, linked by ``net``; return every host's exit status and output.
 
     ``timeout`` (seconds, None: none) ends the whole run: every host still running is terminated and reports
     exit status 124. ``echo`` receives every output line as it arrives, prefixed ``[host i]`` (None: quiet).
+    ``env``: extra environment for every host; ``cwd``: the directory torchrun starts in.
     """
     if hosts < 1 or procs_per_host < 1:
         raise ValueError(f"hosts and procs_per_host must be >= 1, got {hosts} and {procs_per_host}")
@@ -112,6 +121,10 @@ def run_cluster(
                     "TORCH_CPP_LOG_LEVEL": "ERROR",
                     **(env or {}),
                     "GLOO_SOCKET_IFNAME": ns.ifname(i),
+                    # pytorch/pytorch#135712: with the rendezvous store shared with the workers (torch's default
+                    # for c10d), a restart keyed by each node's own restart count can read the previous attempt's
+                    # addresses (gloo: "connectFullMesh failed ... Connection refused"); a fresh store per round.
+                    **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts else {}),
                     "PYTHONUNBUFFERED": "1",
                 }
                 p = subprocess.Popen(
@@ -121,6 +134,7 @@ def run_cluster(
                     stdin=subprocess.DEVNULL,
                     text=True,
                     env=host_env,
+                    cwd=cwd,
                     start_new_session=True,  # Ctrl-C reaches us only; we stop the hosts in order
                 )
                 procs.append(p)

@@ -34,6 +34,9 @@ class GroupState:
     pending: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
     background: dist.ProcessGroup | None = None  # sparsync's own group over these ranks (background_group)
+    # (intra-host, inter-host) link models agreed by every rank of the world, held by a host's group
+    # (collectives/hierarchical.py)
+    levels: tuple[LinkModel, LinkModel] | None = None
 
 
 _STATES: weakref.WeakKeyDictionary[dist.ProcessGroup, GroupState] = weakref.WeakKeyDictionary()

@@ -28,14 +28,16 @@ def _per_world_size(
     meta: dict[str, Any],
     console: Console,
     timeout: float,
+    procs_per_host: int | None = None,
 ) -> list[dict[str, Any]]:
     """Launch ``worker_fn`` on P ranks (in shaped namespaces for ``spec``) for each P; rank 0's rows of every P.
     The rows so far are written after each P, so a failure at a later world size keeps the earlier ones."""
     rows: list[dict[str, Any]] = []
     for P in procs:
         console.print(header(P))
-        with shaped(P, spec) as ns:
-            res = launch(worker_fn, nprocs=P, args=args, timeout=timeout, netns=ns)
+        hosts = P if procs_per_host is None else P // procs_per_host
+        with shaped(hosts, spec) as ns:
+            res = launch(worker_fn, nprocs=P, args=args, timeout=timeout, netns=ns, procs_per_host=procs_per_host)
         rows.extend(res[0])
         link = res[0][0]["link"] if res[0] else {}
         console.print(
@@ -69,12 +71,16 @@ def run_allreduce_bench(
     progress: bool = True,
     timeout: float = 600.0,
     show_targets: bool = True,
+    procs_per_host: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Run the allreduce benchmark for each world size in ``procs``; print, save, plot. Returns the rows."""
+    """Run the allreduce benchmark for each world size in ``procs``; print, save, plot. Returns the rows.
+    ``procs_per_host``: ranks per emulated host (one namespace and link per host with ``net``; issue 18)."""
     console = console or Console()
     spec = net_spec(net, latency)
     t0 = time.perf_counter()
     where = describe(spec)
+    if procs_per_host is not None:
+        where = f"hosts of {procs_per_host} ranks, " + (f"{spec.rate} link per host" if spec else "loopback")
     rows = _per_world_size(
         procs,
         spec,
@@ -85,6 +91,7 @@ def run_allreduce_bench(
         console=console,
         timeout=timeout,
         header=lambda P: f"[bold]P = {P}[/], N = {cfg.dim:,} float32, {where}, {cfg.repeats} repeats",
+        procs_per_host=procs_per_host,
     )
     title = f"sparse allreduce, N={cfg.dim:,}, {where}"
     print_table(rows, console, title)
@@ -96,6 +103,7 @@ def run_allreduce_bench(
         "procs": list(procs),
         "net": net,
         "latency": latency,
+        "procs_per_host": procs_per_host,
         "seconds": time.perf_counter() - t0,
         "targets": [list(c) for c in checks],
     }

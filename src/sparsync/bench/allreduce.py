@@ -28,6 +28,7 @@ import torch.distributed as dist
 from sparsync.calibrate import measure_link
 from sparsync.collectives._meta import EAGER_LIMIT
 from sparsync.collectives.allreduce import sparse_allreduce
+from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce, predict_levels
 from sparsync.compress import QSGD
 from sparsync.costmodel import ALGORITHMS, LinkModel, Problem, lower_bound, predict
 from sparsync.record import CommLog
@@ -37,6 +38,10 @@ METHODS = ("gloo_dense", "gloo_sparse_coo", *ALGORITHMS, "auto")
 # DSAR with its dense phase quantized by QSGD at 4 or 8 bits (compress/dsar_quantized.py; issue 15): lossy, so
 # only when asked for (``--methods``), and never auto's choice.
 QUANTIZED = {"dsar_split_allgather/q4": 4, "dsar_split_allgather/q8": 8}
+# Hosts of several ranks (``--hosts``/``--procs-per-host``, issue 18): ``hierarchical`` always runs the three
+# stages of collectives/hierarchical.py (auto inside each level), ``auto_2level`` chooses flat or hierarchical
+# per call from the two-level model. Without hosts they equal a flat auto.
+HIERARCHICAL = {"hierarchical": "hierarchical", "auto_2level": "auto"}
 BASELINES = ("gloo_dense", "gloo_sparse_coo", "allgather")
 # torch's gloo sparse allreduce gathers every rank's COO tensor (int64 indices + values) on every rank and then
 # sorts and coalesces it: skip points where that gathered tensor would take more than COO_MEMORY_CAP bytes per
@@ -83,9 +88,10 @@ class BenchConfig:
         bad = [d for d in self.densities if not 0.0 <= d <= 1.0]
         if bad:
             raise ValueError(f"densities must lie in [0, 1], got {bad}")
-        unknown = [m for m in self.methods if m not in METHODS and m not in QUANTIZED]
+        valid = [*METHODS, *QUANTIZED, *HIERARCHICAL]
+        unknown = [m for m in self.methods if m not in valid]
         if unknown:
-            raise ValueError(f"unknown methods {unknown}; valid: {', '.join([*METHODS, *QUANTIZED])}")
+            raise ValueError(f"unknown methods {unknown}; valid: {', '.join(valid)}")
 
 
 @dataclass
@@ -116,7 +122,12 @@ def _make_stream(rank: int, cfg: BenchConfig, density: float, point: int) -> Spa
 
 
 def _runner(
-    method: str, stream: SparseStream, log: CommLog, link: LinkModel, group: dist.ProcessGroup
+    method: str,
+    stream: SparseStream,
+    log: CommLog,
+    link: LinkModel,
+    group: dist.ProcessGroup,
+    topo: Topology | None = None,
 ) -> Callable[[], object]:
     if method == "gloo_dense":
         dense = stream.to_dense()
@@ -127,6 +138,8 @@ def _runner(
             idx.to(torch.int64)[None], stream.values, (stream.dim,), check_invariants=False
         ).coalesce()
         return lambda: dist.all_reduce(coo, group=group)
+    if topo is not None:
+        return lambda: hierarchical_allreduce(stream, topo, mode=HIERARCHICAL[method], log=log)
     if method in QUANTIZED:
         q = QSGD(bits=QUANTIZED[method])  # one per method and rank: its noise advances call by call
         alg = method.partition("/")[0]
@@ -150,6 +163,8 @@ def worker(rank: int, cfg: BenchConfig, show_progress: bool) -> list[dict[str, A
     # One group per method, as each would be in its own training job: a group carries state from call to
     # call (the metadata round's eager region, sparsync.collectives._meta), which must not leak between methods.
     groups = {m: dist.new_group(backend="gloo") for m in cfg.methods}
+    # The hierarchical methods get subgroups of their own, for the same reason.
+    topos = {m: detect_topology() for m in cfg.methods if m in HIERARCHICAL}
     rows: list[dict[str, Any]] = []
     progress = None
     if show_progress and rank == 0:
@@ -160,7 +175,7 @@ def worker(rank: int, cfg: BenchConfig, show_progress: bool) -> list[dict[str, A
         task = progress.add_task(f"P={P} N={cfg.dim}", total=len(cfg.densities))
     try:
         for point, density in enumerate(cfg.densities):
-            rows.extend(_measure_point(rank, P, cfg, density, point, link, groups))
+            rows.extend(_measure_point(rank, P, cfg, density, point, link, groups, topos))
             if progress is not None:
                 progress.advance(task)
     finally:
@@ -203,6 +218,7 @@ def _measure_point(
     point: int,
     link: LinkModel,
     groups: dict[str, dist.ProcessGroup],
+    topos: dict[str, Topology],
 ) -> list[dict[str, Any]]:
     """All methods at one density, interleaved: round r runs every method once, so drift in the machine's
     state hits all methods alike. Methods faster than FAST_S get more rounds: at a few ms per call, the noise
@@ -219,7 +235,7 @@ def _measure_point(
     skip_coo = coo_too_big(nnz_all, int(memory))
     methods = [m for m in cfg.methods if not (m == "gloo_sparse_coo" and skip_coo)]
     logs = {m: CommLog() for m in methods}
-    runs = {m: _runner(m, stream, logs[m], link, groups[m]) for m in methods}
+    runs = {m: _runner(m, stream, logs[m], link, groups[m], topos.get(m)) for m in methods}
     first = {m: _timed(runs[m]) for m in methods}
     rounds = {m: cfg.repeats if first[m] > FAST_S else max(cfg.repeats, cfg.fast_repeats) for m in methods}
     batch = {m: _batch(first[m], cfg.batch_s) for m in methods}
@@ -260,6 +276,12 @@ def _measure_point(
         pred: float | None = None
         if m in ALGORITHMS:
             pred = predict(m, problem, link)
+        elif m in HIERARCHICAL:
+            picks = sorted({rec.algorithm for rec in logs[m].records})
+            chosen = "/".join(picks)
+            levels = predict_levels(problem, topos[m])
+            # A flat call records the flat algorithm it ran.
+            pred = statistics.mean(levels["hierarchical" if a == "hierarchical" else "flat"] for a in picks)
         elif m == "auto":
             picks = sorted({rec.algorithm for rec in logs[m].records})
             chosen = "/".join(picks)

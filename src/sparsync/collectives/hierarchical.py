@@ -34,14 +34,31 @@ import torch
 import torch.distributed as dist
 
 from sparsync.calibrate import measure_link
-from sparsync.collectives._comm import PeerError
+from sparsync.collectives._comm import Comm
+from sparsync.collectives._meta import exchange_meta, update_eager
 from sparsync.collectives.partition import Partition, resolve_partition
-from sparsync.costmodel import ALGORITHMS, LinkModel, Problem, predict
-from sparsync.group import group_state, resolve_group
+from sparsync.collectives.split_allgather import split_reduce
+from sparsync.costmodel import (
+    ALGORITHMS,
+    Decision,
+    LinkModel,
+    Policy,
+    Problem,
+    choose_robust,
+    gather_latency,
+    metadata_time,
+    predict,
+)
+from sparsync.group import group_state, next_call, resolve_group
 from sparsync.record import CommLog, CommRecord
 from sparsync.stream import SparseStream, index_dtype_for
 
 MODES = ("auto", "flat", "hierarchical")
+# mode="auto" runs the hierarchical allreduce only when predicted this much faster than the flat one (chosen, as
+# choose_robust's margin: three dependent stages are a bigger bet than one algorithm). Measured (2 hosts x 4,
+# 1 Gbit/s, 16M): density 1e-3 predicted 40 vs 50 ms, measured 52 vs 31 (flat wins); 1e-2 predicted 227 vs
+# 382 ms, measured 218 vs 247-277 (hierarchical wins).
+HIER_MARGIN = 0.3
 # torch 2.13 renamed all_gather_into_tensor; keep working on older releases.
 _ALLGATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
@@ -58,6 +75,7 @@ class Topology:
     local: dist.ProcessGroup
     cross: dist.ProcessGroup
     world: dist.ProcessGroup
+    members: tuple[tuple[int, ...], ...]  # the world ranks of each host, in rank order
 
     @property
     def size(self) -> int:
@@ -86,13 +104,16 @@ def detect_topology(procs_per_host: int | None = None) -> Topology:
     sizes = sorted({len(m) for m in members})
     if len(sizes) != 1:
         counts = {h: len(m) for h, m in zip(hosts, members, strict=True)}
-        raise ValueError(f"hosts hold different numbers of ranks {counts}: hierarchical collectives need equal hosts")
+        raise ValueError(
+            f"hosts hold different numbers of ranks {counts}: hierarchical collectives need equal hosts"
+        )
     k = sizes[0]
-    local, _ = dist.new_subgroups_by_enumeration(members)
-    cross, _ = dist.new_subgroups_by_enumeration([[m[j] for m in members] for j in range(k)])
+    local, _ = dist.new_subgroups_by_enumeration(members)  # type: ignore[no-untyped-call]
+    cross, _ = dist.new_subgroups_by_enumeration([[m[j] for m in members] for j in range(k)])  # type: ignore[no-untyped-call]
     host = hosts.index(mine)
     assert local is not None and cross is not None  # every rank is in one of each
-    return Topology(host, len(hosts), members[host].index(rank), k, local, cross, world)
+    return Topology(host, len(hosts), members[host].index(rank), k, local, cross, world,
+                    tuple(tuple(m) for m in members))  # fmt: skip
 
 
 def _link(group: dist.ProcessGroup) -> LinkModel:
@@ -102,6 +123,37 @@ def _link(group: dist.ProcessGroup) -> LinkModel:
     return state.link
 
 
+_OPTIONAL = ("alpha_a2a", "beta_exchange", "gamma_fresh")
+_REQUIRED = ("alpha", "beta", "gamma_sparse", "gamma_dense", "gamma_scatter")
+
+
+def _agree(link: LinkModel, world: dist.ProcessGroup) -> LinkModel:
+    """The mean over every rank of the world of each rank's ``link`` (its own host's or cross group's model):
+    ranks of different hosts measured different links, and would otherwise price the levels differently and
+    choose differently (a hang: some ranks in the flat algorithm, the others in the hierarchical one)."""
+    fixed = dict(link.fixed)
+    vals = [float(getattr(link, f)) for f in _REQUIRED]
+    vals += [-1.0 if getattr(link, f) is None else float(getattr(link, f)) for f in _OPTIONAL]
+    vals += [fixed.get(a, -1.0) for a in ALGORITHMS]
+    t = torch.tensor(vals, dtype=torch.float64)
+    dist.all_reduce(t, group=world)
+    t /= dist.get_world_size(world)
+    out = dict(zip(_REQUIRED, t[: len(_REQUIRED)].tolist(), strict=True))
+    opt = t[len(_REQUIRED) : len(_REQUIRED) + len(_OPTIONAL)].tolist()
+    out.update({f: (v if v >= 0 else None) for f, v in zip(_OPTIONAL, opt, strict=True)})
+    times = t[len(_REQUIRED) + len(_OPTIONAL) :].tolist()
+    return LinkModel(**out, fixed=tuple((a, v) for a, v in zip(ALGORITHMS, times, strict=True) if v >= 0))
+
+
+def level_links(topo: Topology) -> tuple[LinkModel, LinkModel]:
+    """(intra-host, inter-host) link models, measured on the host groups and the cross groups at first use and
+    averaged over the world (``_agree``): the same on every rank. Collective over the world."""
+    state = group_state(topo.local)
+    if state.levels is None:
+        state.levels = (_agree(_link(topo.local), topo.world), _agree(_link(topo.cross), topo.world))
+    return state.levels
+
+
 def _best(p: Problem, link: LinkModel) -> float:
     return min(predict(a, p, link) for a in ALGORITHMS)
 
@@ -109,14 +161,16 @@ def _best(p: Problem, link: LinkModel) -> float:
 def predict_levels(p: Problem, topo: Topology) -> dict[str, float]:
     """Predicted seconds of the flat and the hierarchical allreduce of the call ``p`` (the world's Problem).
 
-    Flat: the world's measured link, with β raised to what the cross-host link gives one rank when its host's k
-    ranks all send: a rank's (P - 1) peers are P - k remote ones, so the host link carries k(P - k)/(P - 1)
-    times one rank's share. Hierarchical: stage 1 on the local link (the slowest host's inputs), stage 2 with H
-    ranks of U_k / k rows on the cross link, β times k (the k cross groups share each host's link), stage 3 an
-    allgather of U_P / k rows on the local link. U_m: the model's union of m ranks' rows (Problem.union)."""
+    The inter-host link is measured on the cross groups, all k of them at once (``level_links``), so its β is
+    what one rank gets while its host's k ranks all send. Flat: the world's measured model, with β raised to
+    the share of a rank's bytes that crosses hosts ((P - k) of its P - 1 peers are remote) at that β.
+    Hierarchical: stage 1 on the intra-host link (the slowest host's inputs), stage 2 with H ranks of U_k / k
+    rows each on the inter-host link, stage 3 an allgather of U_P / k rows per rank on the intra-host link,
+    plus the world's metadata round. U_m: the model's union of m ranks' rows (Problem.union)."""
     H, k, P = topo.hosts, topo.local_size, topo.size
-    world, intra, inter = _link(topo.world), _link(topo.local), _link(topo.cross)
-    s = k * (P - k) / max(P - 1, 1)
+    world = _link(topo.world)
+    intra, inter = level_links(topo)
+    s = (P - k) / max(P - 1, 1)
     beta_x = inter.beta_exchange if inter.beta_exchange is not None else inter.beta
     flat_link = dataclasses.replace(
         world,
@@ -124,16 +178,34 @@ def predict_levels(p: Problem, topo: Topology) -> dict[str, float]:
         beta_exchange=max(world.beta_exchange or world.beta, beta_x * s),
     )
     flat = _best(p, flat_link)
-    hosts_nnz = [p.nnz[h * k : (h + 1) * k] for h in range(H)]
-    local = max(_best(dataclasses.replace(p, world_size=k, nnz=tuple(n), unions=()), intra) for n in hosts_nnz)
+    # Stage 1, a reduce-scatter inside each host (the slowest host): one all-to-all round of (k - 1)/k of the
+    # input, then each rank merges k blocks of its partition.
+    bx_intra = intra.beta_exchange if intra.beta_exchange is not None else intra.beta
+    a2a = intra.alpha_a2a if intra.alpha_a2a is not None else (k - 1) * intra.alpha
+    local = max(
+        a2a + bx_intra * (k - 1) / k * max(p.input_bytes(r) for r in m)
+        + p.per_row(intra.gamma_sparse, intra) * sum(p.nnz[r] for r in m) / k
+        for m in topo.members
+    )  # fmt: skip
+    # Stage 2, a flat allreduce of H ranks' partitions on the inter-host link (auto's best).
     part_dim = max(1, -(-p.dim // k))
     per_part = round(p.union(k) / k)
-    shared = dataclasses.replace(inter, beta=inter.beta * k, beta_exchange=beta_x * k)
-    cross = _best(dataclasses.replace(p, world_size=H, dim=part_dim, nnz=(per_part,) * H, unions=()), shared)
+    cross = _best(dataclasses.replace(p, world_size=H, dim=part_dim, nnz=(per_part,) * H, unions=()), inter)
+    # Stage 3, an allgather of the disjoint result partitions inside the host, assembled by one copy each.
     out_part = round(p.union(P) / k)
-    gather = predict("allgather", dataclasses.replace(p, world_size=k, dim=part_dim, nnz=(out_part,) * k, unions=()),
-                     intra)  # fmt: skip
-    return {"flat": flat, "hierarchical": local + cross + gather}
+    piece = dataclasses.replace(p, world_size=k, dim=part_dim, nnz=(out_part,) * k, unions=())
+    fresh = intra.gamma_fresh if intra.gamma_fresh is not None else intra.gamma_dense
+    gather = (
+        metadata_time(piece, intra) + gather_latency(k, intra) + bx_intra * (k - 1) * piece.input_bytes(0)
+        + fresh * out_part * k * p.row
+    )  # fmt: skip
+    parts = {"meta": metadata_time(p, world), "host_reduce_scatter": local, "cross_allreduce": cross,
+             "host_allgather": gather}  # fmt: skip
+    return {
+        "flat": flat,
+        "hierarchical": sum(parts.values()),
+        **{f"hierarchical:{k}": v for k, v in parts.items()},
+    }
 
 
 def hierarchical_allreduce(
@@ -144,49 +216,74 @@ def hierarchical_allreduce(
     log: CommLog | None = None,
     timeout: float | None = None,
     partition: str = "auto",
+    check_nan: bool = True,
+    policy: Policy = choose_robust,
 ) -> SparseStream:
     """Sum of every rank's ``stream`` over the world, on every rank (bitwise identical everywhere), by the
-    three stages of the module doc (``mode="hierarchical"``), by one flat ``sparse_allreduce``
-    (``"flat"``), or by whichever the two-level model predicts faster (``"auto"``). ``log`` receives one
-    CommRecord for the whole call (algorithm ``hierarchical`` or ``flat``, bytes summed over the stages,
-    stage times as phases, the predictions in ``decision``). Collective over the world group: every rank
-    calls it with the same ``mode``."""
-    from sparsync.collectives.allreduce import sparse_allgather, sparse_allreduce
+    three stages of the module doc (``mode="hierarchical"``), by a flat sparse allreduce (``"flat"``: the
+    algorithm ``policy`` picks from the world's link), or by whichever the two-level model predicts faster
+    (``"auto"``; by ``HIER_MARGIN``). One metadata round over the world starts every call: it checks the input on every rank
+    (shapes, dtypes, NaN/Inf: the same ValueError everywhere) and gives the model every rank's rows. ``log``
+    receives one CommRecord for the whole call (algorithm ``hierarchical`` or the flat algorithm, bytes summed
+    over the stages, each stage's time as a phase, the two predictions in ``decision``). Collective over the
+    world: every rank calls it with the same ``mode``."""
+    from sparsync.collectives.allreduce import _RUNNERS, problem_of, sparse_allgather, sparse_allreduce
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     t0 = time.perf_counter()
+    part_kind = resolve_partition(partition, stream.row)
+    comm = Comm(topology.world, timeout)
+    comm.op = f"hierarchical_allreduce(mode={mode!r})"
+    meta = exchange_meta(comm, "sparse_allreduce", stream, "auto", next_call(topology.world), check_nan)
+    problem = problem_of(stream, meta, topology.size)
+    two_level = topology.hosts > 1 and topology.local_size > 1
+    preds = predict_levels(problem, topology) if mode == "auto" and two_level else {}
+    chosen = "hierarchical" if two_level and mode != "flat" else "flat"
+    if preds:
+        chosen = "hierarchical" if preds["hierarchical"] * (1 + HIER_MARGIN) < preds["flat"] else "flat"
     inner = CommLog()
-    chosen, preds = mode, {}
-    if mode == "auto" and topology.hosts > 1 and topology.local_size > 1:
-        chosen, preds = _choose(stream, topology, timeout)
-    if chosen == "flat" or topology.hosts == 1 or topology.local_size == 1:
-        result = sparse_allreduce(stream, log=inner, timeout=timeout, partition=partition)
-        chosen = "flat"
+    if chosen == "flat":
+        chosen = policy(problem, _link(topology.world)).algorithm
+        update_eager(comm, meta, chosen)
+        with comm.phase(chosen):
+            result = _RUNNERS[chosen](comm, stream, meta, part_kind)
     else:
-        node = sparse_allreduce(stream, group=topology.local, log=inner, timeout=timeout, partition=partition)
-        part = Partition(resolve_partition(partition, stream.row), stream.num_rows, topology.local_size)
+        update_eager(comm, meta, "-")
+        host_nnz = tuple(meta.nnz[r] for r in topology.members[topology.host])
+        part = Partition(part_kind, stream.num_rows, topology.local_size)
         counts, b = part.counts(), stream.row
+        local = Comm(topology.local, timeout)
+        local.op = comm.op
+        with comm.phase("host_reduce_scatter"):
+            mine = split_reduce(local, stream, part, host_nnz) if counts[topology.local_rank] else None
         # Every partition travels in the largest partition's row space, so that the ranks of a host, whose
-        # partitions differ by a row, exchange streams of one dimension (the metadata round checks it).
+        # partitions differ by a row, exchange streams of one dimension (the metadata rounds check it).
         width = max(counts) * b
-        mine = _resized(part.split(node)[topology.local_rank], width, stream)
-        total = sparse_allreduce(mine, group=topology.cross, log=inner, timeout=timeout)
-        parts = sparse_allgather(total, group=topology.local, log=inner, timeout=timeout)
-        result = part.assemble(
-            [_resized(p, counts[j] * b, stream) if counts[j] else None for j, p in enumerate(parts)],
-            stream.dim, b, stream.dtype,
-        )  # fmt: skip
+        with comm.phase("cross_allreduce"):
+            total = sparse_allreduce(_resized(mine, width, stream), group=topology.cross, log=inner,
+                                     timeout=timeout, check_nan=False)  # fmt: skip
+        with comm.phase("host_allgather"):
+            parts = sparse_allgather(total, group=topology.local, log=inner, timeout=timeout, check_nan=False)
+            assert isinstance(parts, list)  # a blocking call
+        with comm.phase("assemble"):
+            result = part.assemble(
+                [_resized(p, counts[j] * b, stream) if counts[j] else None for j, p in enumerate(parts)],
+                stream.dim, b, stream.dtype,
+            )  # fmt: skip
+        for tr in (local.traffic,):
+            comm.traffic.bytes_sent += tr.bytes_sent
+            comm.traffic.bytes_recv += tr.bytes_recv
+            comm.traffic.messages += tr.messages
     if log is not None:
-        from sparsync.costmodel import Decision
-
+        tr = comm.traffic
         recs = inner.records
-        phases = {f"{i}:{r.op}@{r.algorithm}": r.seconds for i, r in enumerate(recs)}
         log.append(
             CommRecord(
-                "sparse_allreduce", chosen, dist.get_rank(), topology.size, stream.dim, stream.nnz, result.nnz,
-                sum(r.bytes_sent for r in recs), sum(r.bytes_recv for r in recs), sum(r.messages for r in recs),
-                time.perf_counter() - t0, phases, Decision(chosen, preds) if preds else None, row=stream.row,
+                "sparse_allreduce", chosen, comm.rank, topology.size, stream.dim, stream.nnz, result.nnz,
+                tr.bytes_sent + sum(r.bytes_sent for r in recs), tr.bytes_recv + sum(r.bytes_recv for r in recs),
+                tr.messages + sum(r.messages for r in recs), time.perf_counter() - t0, dict(tr.phases),
+                Decision(chosen, preds) if preds else None, row=stream.row,
             )
         )  # fmt: skip
     return result
@@ -202,18 +299,3 @@ def _resized(s: SparseStream | None, dim: int, like: SparseStream) -> SparseStre
         vals = s.values[:dim] if s.dim >= dim else torch.cat([s.values, s.values.new_zeros(dim - s.dim)])
         return SparseStream(None, vals, dim, row=b, validate=False)
     return SparseStream(s.indices.to(index_dtype_for(dim // b)), s.values, dim, row=b, validate=False)
-
-
-def _choose(stream: SparseStream, topo: Topology, timeout: float | None) -> tuple[str, dict[str, float]]:
-    """Every rank's nnz in one tiny world round, then the level with the smaller prediction (same everywhere)."""
-    del timeout
-    nnz = torch.zeros(topo.size, dtype=torch.int64)
-    try:
-        _ALLGATHER(nnz, torch.tensor([stream.nnz], dtype=torch.int64), group=topo.world)
-    except RuntimeError as e:
-        raise PeerError(f"hierarchical_allreduce: the nnz exchange failed: {e}") from e
-    isz = stream.values.element_size()
-    c = torch.empty((), dtype=index_dtype_for(stream.num_rows)).element_size()
-    p = Problem(topo.size, stream.num_rows, tuple(int(x) for x in nnz), isz * stream.row, c, row=stream.row)
-    preds = predict_levels(p, topo)
-    return min(preds, key=lambda m: preds[m]), preds
