@@ -98,3 +98,24 @@ def unequal_worker(rank: int) -> str:
     except ValueError as e:
         return str(e)
     return "no error"
+
+
+def bad_input_worker(rank: int) -> list[str]:
+    """NaN on one rank, then a dimension that differs on one rank: every rank raises the same ValueError (the
+    world's metadata round), none hangs in a stage."""
+    topo = detect_topology(2)
+    out = []
+    for case in ("nan", "dim"):
+        vals = torch.ones(2)
+        dim = ROWS
+        if case == "nan" and rank == 1:
+            vals[1] = float("nan")
+        if case == "dim" and rank == 2:
+            dim = ROWS + 1
+        s = SparseStream(torch.tensor([0, 5], dtype=torch.int32), vals, dim)
+        try:
+            hierarchical_allreduce(s, topo, mode="hierarchical", timeout=30)
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+    return out

@@ -4,6 +4,7 @@ the two-level model's choice; hosts of unequal size refused with a message."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import _hier_workers as hw
@@ -64,3 +65,12 @@ def test_hosts_of_unequal_size_are_refused() -> None:
 def test_procs_per_host_must_divide_the_world() -> None:
     with pytest.raises(ValueError, match="procs_per_host=2 does not divide nprocs=3"):
         launch(hw.unequal_worker, nprocs=3, procs_per_host=2)
+
+
+def test_bad_input_on_one_rank_raises_the_same_error_on_every_rank() -> None:
+    results = launch(hw.bad_input_worker, nprocs=4, procs_per_host=2, timeout=60)
+    for case in range(2):
+        messages = {re.sub(r" \(seen on rank \d+\)", "", r[case]) for r in results}
+        assert len(messages) == 1, messages  # the same error, each naming the rank that saw it
+    assert "rank 1" in results[0][0] and "NaN" in results[0][0], results[0][0]
+    assert "rank 0 has dim=97, rank 2 has dim=98" in results[0][1], results[0][1]

@@ -164,7 +164,7 @@ def worker(rank: int, cfg: BenchConfig, show_progress: bool) -> list[dict[str, A
     # call (the metadata round's eager region, sparsync.collectives._meta), which must not leak between methods.
     groups = {m: dist.new_group(backend="gloo") for m in cfg.methods}
     # The hierarchical methods get subgroups of their own, for the same reason.
-    topos = {m: detect_topology() for m in cfg.methods if m in HIERARCHICAL}
+    topos = {m: detect_topology(group=groups[m]) for m in cfg.methods if m in HIERARCHICAL}
     rows: list[dict[str, Any]] = []
     progress = None
     if show_progress and rank == 0:

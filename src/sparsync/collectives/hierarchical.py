@@ -2,22 +2,28 @@
 hierarchical centralization), on sparsync's own collectives at each level.
 
 With H hosts of k ranks each, the k ranks of a host share one network link; a flat allreduce sends every rank's
-stream across it. Three stages instead:
+stream across it. One metadata round over the world (``_meta.exchange_meta``: every rank's input checked on
+every rank, every rank's rows known), then three stages:
 
-1. **inside each host**, ``sparse_allreduce`` on the host's group (loopback or shared memory, the fast path):
-   every rank of the host holds the host's sum;
-2. **between hosts**, local rank j takes its partition of the host's sum (``Partition``: stride of the row id
-   for row streams, contiguous ranges for element streams, in the partition's own compact row space so that a
-   full partition goes dense, SparCML §3) and allreduces it with local rank j of every other host: k groups
-   of H ranks at once, each host's sum crossing its link once instead of once per rank;
-3. **inside each host**, a ``sparse_allgather`` of the k partitions, which are disjoint: assembled.
+1. **inside each host, a reduce-scatter**: the rows are partitioned over the host's k ranks (``Partition``:
+   the stride of the row id for row streams, balanced on Zipf rows; contiguous ranges for element streams) and
+   each rank receives and sums its partition of the host's ranks' streams (the split phase of SparCML §4.1,
+   ``split_reduce``, one all-to-all round over loopback or shared memory);
+2. **between hosts**, local rank j allreduces its partition of the host's sum with local rank j of every
+   other host (``sparse_allreduce`` on the cross group, auto on the inter-host link; each partition in its own
+   compact row space so that a full partition goes dense, SparCML §3): k groups of H ranks at once, each
+   host's sum crossing its link once instead of once per rank;
+3. **inside each host, an allgather** of the k result partitions, which are disjoint: one round of framed
+   blocks (as the split algorithms' allgather), assembled by one copy each.
 
-Each level runs "auto" on its own group, so each level is priced with its own measured link (the two-level link
-model: loopback inside a host, the shaped link between hosts). ``mode="auto"`` chooses between the flat and the
-hierarchical allreduce per call (``choose_level``): one tiny round of every rank's nnz over the world group,
-then both predicted from the cost model (costmodel.predict at each level, the levels' links). The result is the
-same sum on every rank; its summation order differs from the flat one (floating-point sums may differ in the
-last bits between the modes, never between ranks).
+This is Horovod's hierarchical allreduce (reduce-scatter in the node, allreduce across, allgather in the node)
+on sparse streams. The two-level link model: the intra-host link is measured on the host groups, the
+inter-host link on the cross groups, all at once so that the measurement sees k ranks sharing each link, and
+both are averaged over the world (``level_links``) so that every rank prices the levels alike.
+``mode="auto"`` predicts both ways per call (``predict_levels``) and runs the hierarchical one when it is
+predicted ``HIER_MARGIN`` faster. The result is the same sum on every rank, bit for bit; its summation order
+differs from a flat call's (floating-point sums may differ in the last bits between the modes, never between
+ranks).
 
 The topology comes from torchrun (``GROUP_RANK``: the node; ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``), from
 ``sparsync.launch(..., procs_per_host=k)``, or from ``procs_per_host`` (ranks [h·k, (h+1)·k) on host h).
@@ -34,10 +40,19 @@ import torch
 import torch.distributed as dist
 
 from sparsync.calibrate import measure_link
-from sparsync.collectives._comm import Comm
+from sparsync.collectives._comm import (
+    FRAME_BYTES,
+    Comm,
+    frame_length,
+    framed,
+    max_framed_payload,
+    payload_nbytes,
+    unframe,
+)
+from sparsync.collectives._fold import allgather_var
 from sparsync.collectives._meta import exchange_meta, update_eager
 from sparsync.collectives.partition import Partition, resolve_partition
-from sparsync.collectives.split_allgather import split_reduce
+from sparsync.collectives.split_allgather import frame_cap, split_reduce
 from sparsync.costmodel import (
     ALGORITHMS,
     Decision,
@@ -82,15 +97,20 @@ class Topology:
         return self.hosts * self.local_size
 
 
-def detect_topology(procs_per_host: int | None = None) -> Topology:
+def detect_topology(procs_per_host: int | None = None, *, group: dist.ProcessGroup | None = None) -> Topology:
     """The hosts of the world group and their subgroups. Collective: every rank calls it, in the same order
     relative to other group creations (it creates 2 groups per host and per local rank).
 
     The host of a rank: ``procs_per_host`` given, rank // procs_per_host; else torchrun's ``GROUP_RANK`` (its
     node rank; ``sparsync.launch`` sets it with ``procs_per_host``); else one host. Every host must hold the same
-    number of ranks (ValueError naming the sizes)."""
-    world = resolve_group(None)
+    number of ranks (ValueError naming the sizes). ``group``: a group over every rank to use as the world
+    (the metadata round's and the flat algorithms'; default the default group)."""
+    world = resolve_group(group)
     rank, size = dist.get_rank(), dist.get_world_size()
+    if dist.get_world_size(world) != size:
+        raise ValueError(
+            f"detect_topology needs a group of every rank ({size}), got one of {dist.get_world_size(world)}"
+        )
     if procs_per_host is not None:
         if procs_per_host < 1 or size % procs_per_host:
             raise ValueError(f"procs_per_host={procs_per_host} does not divide the world size {size}")
@@ -222,12 +242,13 @@ def hierarchical_allreduce(
     """Sum of every rank's ``stream`` over the world, on every rank (bitwise identical everywhere), by the
     three stages of the module doc (``mode="hierarchical"``), by a flat sparse allreduce (``"flat"``: the
     algorithm ``policy`` picks from the world's link), or by whichever the two-level model predicts faster
-    (``"auto"``; by ``HIER_MARGIN``). One metadata round over the world starts every call: it checks the input on every rank
-    (shapes, dtypes, NaN/Inf: the same ValueError everywhere) and gives the model every rank's rows. ``log``
+    (``"auto"``, by ``HIER_MARGIN``). One metadata round over the world starts every call: it checks the input
+    on every rank (shapes, dtypes, NaN/Inf: the same ValueError everywhere) and gives the model every rank's
+    rows. ``log``
     receives one CommRecord for the whole call (algorithm ``hierarchical`` or the flat algorithm, bytes summed
     over the stages, each stage's time as a phase, the two predictions in ``decision``). Collective over the
     world: every rank calls it with the same ``mode``."""
-    from sparsync.collectives.allreduce import _RUNNERS, problem_of, sparse_allgather, sparse_allreduce
+    from sparsync.collectives.allreduce import _RUNNERS, problem_of, sparse_allreduce
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
@@ -264,9 +285,14 @@ def hierarchical_allreduce(
             total = sparse_allreduce(_resized(mine, width, stream), group=topology.cross, log=inner,
                                      timeout=timeout, check_nan=False)  # fmt: skip
         with comm.phase("host_allgather"):
-            parts = sparse_allgather(total, group=topology.local, log=inner, timeout=timeout, check_nan=False)
-            assert isinstance(parts, list)  # a blocking call
+            # One round: framed blocks into receives posted for the largest partition result there can be (the
+            # split algorithms' allgather, split_allgather.py), instead of a sizes round and a data round.
+            # The cross allreduce may return its result dense whatever its rows (its algorithm's choice).
+            cap = max(frame_cap(min(sum(meta.nnz), max(counts)), width, stream.dtype, b),
+                      FRAME_BYTES + max_framed_payload(payload_nbytes(True, 0, width, stream.dtype)))  # fmt: skip
+            blocks = allgather_var(local, framed(total), cap, frame_length)
         with comm.phase("assemble"):
+            parts = [unframe(blk, width, stream.dtype, b) for blk in blocks]
             result = part.assemble(
                 [_resized(p, counts[j] * b, stream) if counts[j] else None for j, p in enumerate(parts)],
                 stream.dim, b, stream.dtype,
