@@ -76,7 +76,9 @@ def _add_embedding_parser(bsub: Any) -> None:
     em.add_argument("--zipf", type=_floats, default=(0.9, 1.1, 1.3), help="Zipf exponents, e.g. 0.9,1.1,1.3")
     em.add_argument("--hot", type=_choices(HOT, "hot"), default=HOT, help="hot rows: low,permuted")
     em.add_argument("--repeats", type=int, default=11)
-    em.add_argument("--methods", type=_choices(EMB_METHODS, "methods"), default=EMB_METHODS)
+    em.add_argument("--methods", type=_choices((*EMB_METHODS, *HIERARCHICAL), "methods"), default=EMB_METHODS)
+    em.add_argument("--hosts", type=int, default=None, help="emulated hosts (with --procs-per-host; issue 18)")
+    em.add_argument("--procs-per-host", type=int, default=None, help="ranks per emulated host (shared link)")
     em.add_argument(
         "--sketch-lambda",
         type=_floats,
@@ -172,6 +174,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _hosts(args: argparse.Namespace, procs: tuple[int, ...]) -> tuple[tuple[int, ...], int | None]:
+    """(world sizes, ranks per host) from ``--procs`` or ``--hosts`` with ``--procs-per-host``."""
+    if args.hosts is None and args.procs_per_host is None:
+        return procs, None
+    if args.hosts is None or args.procs_per_host is None or min(args.hosts, args.procs_per_host) < 1:
+        raise ValueError("give both --hosts and --procs-per-host (each >= 1)")
+    return (args.hosts * args.procs_per_host,), args.procs_per_host
+
+
 def _cluster(args: argparse.Namespace, console: Console) -> int:
     from sparsync.cluster import run_cluster
     from sparsync.netem import net_spec
@@ -235,11 +246,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return cli_plan.run(args, console)
         if args.command == "bench" and args.bench == "allreduce":
-            procs, per_host = args.procs, None
-            if args.hosts is not None or args.procs_per_host is not None:
-                if args.hosts is None or args.procs_per_host is None or min(args.hosts, args.procs_per_host) < 1:
-                    raise ValueError("give both --hosts and --procs-per-host (each >= 1)")
-                procs, per_host = (args.hosts * args.procs_per_host,), args.procs_per_host
+            procs, per_host = _hosts(args, args.procs)
             methods = args.methods
             if per_host is not None and args.methods == METHODS:
                 methods = ("gloo_dense", "gloo_sparse_coo", "allgather", "auto", *HIERARCHICAL)
@@ -258,11 +265,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "bench" and args.bench == "embedding":
             from sparsync.bench import EmbeddingBenchConfig, run_embedding_bench
 
+            procs, per_host = _hosts(args, args.procs)
+            methods = args.methods
+            from sparsync.bench.embedding import METHODS as EMB_METHODS
+
+            if per_host is not None and args.methods == EMB_METHODS:
+                methods = ("torch_coo", "torch_ddp", "allgather", "ssar_split_allgather", "auto", *HIERARCHICAL)
             ecfg = EmbeddingBenchConfig(rows=args.rows, dims=args.dims, tokens=args.tokens, zipf=args.zipf,
-                                        hot=args.hot, repeats=args.repeats, methods=args.methods,
+                                        hot=args.hot, repeats=args.repeats, methods=methods,
                                         sketch_lambdas=args.sketch_lambdas)  # fmt: skip
-            run_embedding_bench(ecfg, args.procs, out=args.out, net=args.net, latency=args.latency,
-                                console=console, progress=not args.no_progress)  # fmt: skip
+            run_embedding_bench(ecfg, procs, out=args.out, net=args.net, latency=args.latency, console=console,
+                                progress=not args.no_progress, procs_per_host=per_host)  # fmt: skip
             return 0
         if args.command == "bench" and args.bench == "compress":
             from sparsync.bench import CompressBenchConfig, run_compress_bench

@@ -161,17 +161,22 @@ def run_embedding_bench(
     console: Console | None = None,
     progress: bool = True,
     timeout: float = 1800.0,
+    procs_per_host: int | None = None,
 ) -> list[dict[str, Any]]:
     """Run ``sparsync bench embedding`` (issue 13, item 4) for each world size in ``procs`` (in shaped
-    namespaces with ``net``); print, save, plot. Returns the rows."""
+    namespaces with ``net``; hosts of ``procs_per_host`` ranks sharing one, issue 18); print, save, plot.
+    Returns the rows."""
     from sparsync.bench import embedding as eb
     from sparsync.bench import embedding_report as er
 
     console = console or Console()
     spec = net_spec(net, latency)
     where = describe(spec)
+    if procs_per_host is not None:
+        where = f"hosts of {procs_per_host} ranks, " + (f"{spec.rate} link per host" if spec else "loopback")
     t0 = time.perf_counter()
-    meta: dict[str, Any] = {"config": {**cfg.__dict__}, "procs": list(procs), "net": net, "latency": latency}
+    meta: dict[str, Any] = {"config": {**cfg.__dict__}, "procs": list(procs), "net": net, "latency": latency,
+                            "procs_per_host": procs_per_host}  # fmt: skip
     rows = _per_world_size(
         procs,
         spec,
@@ -185,6 +190,7 @@ def run_embedding_bench(
             f"[bold]P = {P}[/], embedding {cfg.rows:,} rows x {', '.join(map(str, cfg.dims))} fp32, "
             f"{cfg.tokens:,} Zipf tokens per rank, {where}, {cfg.repeats} repeats"
         ),
+        procs_per_host=procs_per_host,
     )
     title = f"embedding gradients, {cfg.rows:,} rows, {cfg.tokens:,} tokens/rank, {where}"
     er.print_tables(rows, Console(width=max(console.width, 170), file=console.file), title)

@@ -58,9 +58,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 import sparsync
 from sparsync.bench import embedding_sketch as es
-from sparsync.bench.allreduce import COO_MACHINE_SHARE, coo_too_big
+from sparsync.bench.allreduce import COO_MACHINE_SHARE, HIERARCHICAL, coo_too_big
 from sparsync.bench.ddp_baseline import gloo_sparse_allreduce_bytes, ring_allreduce_bytes
 from sparsync.collectives._meta import EAGER_LIMIT
+from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce
+from sparsync.collectives.tensor import coo_to_stream, stream_to_coo
 from sparsync.compress import SparseSketch
 from sparsync.costmodel import ALGORITHMS, LinkModel, predict
 from sparsync.group import EAGER_BYTES
@@ -92,7 +94,7 @@ class EmbeddingBenchConfig:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if not self.zipf or min(self.zipf) < 0:
             raise ValueError(f"zipf exponents must be >= 0, got {self.zipf}")
-        for name, given, valid in (("hot", self.hot, HOT), ("methods", self.methods, METHODS)):
+        for name, given, valid in (("hot", self.hot, HOT), ("methods", self.methods, (*METHODS, *HIERARCHICAL))):
             bad = [x for x in given if x not in valid]
             if bad or not given:
                 raise ValueError(f"unknown {name} {bad or given}; valid: {', '.join(valid)}")
@@ -245,6 +247,9 @@ def _runner(method: str, work: Workload, grad: torch.Tensor, group: dist.Process
     if method in ctx.sketches:
         sk, slog = ctx.sketches[method], ctx.logs[method]
         return lambda: (_timed(lambda: es.reduce_sum(grad, sk, group, slog)), None)
+    if method in HIERARCHICAL:
+        hlog = ctx.logs[method]
+        return lambda: (_timed(lambda: _hierarchical(method, grad, ctx, hlog)), None)
     alg, _, part = method.partition("/")
     kwargs: dict[str, Any] = {"partition": part} if part else {}
     log = ctx.logs[method]
@@ -265,6 +270,7 @@ class _Context:
     memory: int  # bytes of the smallest machine (min over ranks)
     logs: dict[str, CommLog] = field(default_factory=dict)
     sketches: dict[str, SparseSketch] = field(default_factory=dict)  # this point's, by method
+    topos: dict[str, Topology] = field(default_factory=dict)  # the hierarchical methods' (issue 18)
 
 
 @dataclass(frozen=True)
@@ -325,12 +331,21 @@ def _partition(method: str, log: CommLog) -> tuple[str, list[int]]:
     return rec.partition, total
 
 
+def _hierarchical(method: str, grad: torch.Tensor, ctx: _Context, log: CommLog | None = None) -> torch.Tensor:
+    """``allreduce(grad)`` by ``hierarchical_allreduce`` (COO to row stream and back, as ``allreduce`` does)."""
+    out = hierarchical_allreduce(coo_to_stream(grad), ctx.topos[method], mode=HIERARCHICAL[method], log=log)
+    return stream_to_coo(out, grad.shape, grad.sparse_dim())
+
+
 def _result_note(method: str, ctx: _Context, grad: torch.Tensor, ref: torch.Tensor) -> str:
     """One untimed call of a sparsync method (its warm-up), checked against torch's sum."""
     alg, _, part = method.partition("/")
     kwargs: dict[str, Any] = {"partition": part} if part else {}
-    out = sparsync.allreduce(grad, algorithm=alg, group=ctx.groups[method], link=ctx.link, **kwargs)
-    res = cast(torch.Tensor, out).coalesce()  # async_op=False: a tensor
+    if method in HIERARCHICAL:
+        res = _hierarchical(method, grad, ctx).coalesce()
+    else:
+        out = sparsync.allreduce(grad, algorithm=alg, group=ctx.groups[method], link=ctx.link, **kwargs)
+        res = cast(torch.Tensor, out).coalesce()  # async_op=False: a tensor
     if not torch.equal(res.indices(), ref.indices()):
         return f"result rows differ from torch's sum ({res._nnz()} vs {ref._nnz()} rows)"
     if not torch.allclose(res.values(), ref.values(), rtol=1e-4, atol=1e-4):
@@ -442,7 +457,12 @@ def _sparsync_details(row: Row, log: CommLog, preds: dict[str, float], P: int) -
     the same order)."""
     row.bytes_sent_per_rank = _mean_over_ranks(log.last.bytes_sent, P)
     picks = sorted({rec.algorithm for rec in log.records})
-    if row.method == "auto":
+    if row.method == "auto_2level":  # the two-level model's prediction for the way it ran
+        row.chosen = "/".join(picks)
+        dec = log.last.decision
+        way = "hierarchical" if picks == ["hierarchical"] else "flat"
+        row.predicted_s = dec.predictions.get(way) if dec is not None and len(picks) == 1 else None
+    elif row.method == "auto":
         row.chosen = "/".join(picks)
         row.predicted_s = preds.get("auto") if len(picks) == 1 else None
     else:
@@ -479,6 +499,7 @@ def worker(rank: int, cfg: EmbeddingBenchConfig, show_progress: bool) -> list[di
     # One group per method, as each would be in its own training job.
     groups = {m: dist.new_group(backend="gloo") for m in cfg.method_names}
     ctx = _Context(P, cfg, link, groups, _min_memory())
+    ctx.topos = {m: detect_topology(group=groups[m]) for m in cfg.method_names if m in HIERARCHICAL}
     rows: list[dict[str, Any]] = []
     points = [(d, s, h) for d in cfg.dims for s in cfg.zipf for h in cfg.hot]
     with _progress(show_progress and rank == 0, f"P={P}", len(points)) as update:
