@@ -63,6 +63,41 @@ def test_readme_replicator_example_on_two_hosts_equals_one_process(tmp_path: Pat
     assert losses == pytest.approx([float(alone.stdout.split()[-1])] * 4, rel=1e-4)
 
 
+def test_readme_hybrid_example_on_two_hosts_equals_one_process(tmp_path: Path) -> None:
+    block = next(b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "node_servers() as" in b)
+    script = tmp_path / "hybrid.py"
+    script.write_text(block)
+    out = _cluster([str(script)], tmp_path)
+    norms = [float(x) for x in re.findall(r"^([-\d.e]+)$", "\n".join(out), re.M)]
+    assert len(norms) == 4 and len(set(norms)) == 1, out  # every rank holds the same dense weights
+    one = tmp_path / "one.py"
+    one.write_text(block.replace("nprocs=4", "nprocs=1"))
+    alone = subprocess.run([sys.executable, str(one)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    # 4 ranks on 2 nodes, each node's server started by its local rank 0, pushes summed per node (local
+    # aggregation from LOCAL_WORLD_SIZE): the mean gradient of the 4 shares is the full batch's, as in 1 process.
+    assert norms[0] == pytest.approx(float(alone.stdout.split()[-1]), rel=1e-4)
+
+
+def _final(text: str) -> list[tuple[str, str, str, str]]:
+    return re.findall(r"rank (\d): attempt (\d+) resumed at step (\d+), loss \S+, params (\w+)", text)
+
+
+def test_elastic_hybrid_restart_resumes_servers_and_residuals_bit_for_bit(tmp_path: Path) -> None:
+    example = str(ROOT / "examples" / "elastic_hybrid.py")
+    out = _cluster([example, str(tmp_path / "killed"), "--kill-rank", "3", "--kill-step", "5"], tmp_path,
+                   max_restarts=2)  # fmt: skip
+    final = _final("\n".join(out))
+    assert sorted(int(r) for r, *_ in final) == [0, 1, 2, 3], out
+    assert all(int(s) == 5 for _, _, s, _ in final), final  # servers and workers resumed at the kill's step
+    # The uninterrupted run: the same 2 nodes x 2 ranks (local aggregation alike), as local processes.
+    clean = subprocess.run([sys.executable, example, str(tmp_path / "clean")], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert clean.returncode == 0, clean.stderr[-3000:]
+    want = {p for *_, p in _final(clean.stdout)}
+    assert len(want) == 1 and {p for *_, p in final} == want, (final, clean.stdout)
+
+
 def test_elastic_restart_resumes_bit_for_bit(tmp_path: Path) -> None:
     example = str(ROOT / "examples" / "elastic_restart.py")
     out = _cluster([example, str(tmp_path / "killed"), "--kill-rank", "3", "--kill-step", "5"], tmp_path,

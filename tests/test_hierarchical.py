@@ -14,8 +14,8 @@ from sparsync import launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
-# (world size, ranks per host): one host, hosts of one rank (degenerate: flat), 2 x 2, 2 x 3, 3 x 2.
-LAYOUTS = ((1, 1), (3, 1), (5, 1), (4, 2), (6, 3), (6, 2))
+# (world size, ranks per host): one host, hosts of one rank (degenerate: flat), 2 x 2, 2 x 3.
+LAYOUTS = ((1, 1), (3, 1), (5, 1), (4, 2), (6, 3))
 
 
 @pytest.mark.parametrize(("world", "per_host"), LAYOUTS, ids=lambda v: str(v))

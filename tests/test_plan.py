@@ -166,3 +166,77 @@ def test_measured_link_and_fused_dense_allreduce_pricing() -> None:
     assert sp.fused_seconds == pytest.approx(want)
     assert sp.fused_seconds < sp.seconds  # one set of latencies instead of six
     assert json.dumps(sp.as_dict())  # the measured link serialises
+
+
+# --- two levels (issue 18) -------------------------------------------------------------------------------------
+def _two_level_plan(intra_bw: float, density: float = 1e-2, **kw: object) -> tuple[str, float, float]:
+    stats = [ParamStats("v", (1_000_000, 16), density, True)]
+    c = Cluster(2, 4, 1.25e8, 1e-4, intra_bandwidth=intra_bw, **kw)  # type: ignore[arg-type]
+    e = make_plan(stats, c, overrides={"v": "sparse_allreduce"}).entries[0]
+    return e.detail, e.seconds, e.bytes_per_machine
+
+
+def test_two_level_plan_prices_the_hierarchical_call_with_price_levels() -> None:
+    from sparsync.collectives.hierarchical import HIER_MARGIN, price_levels
+    from sparsync.costmodel import Problem
+
+    detail, seconds, nbytes = _two_level_plan(2.5e9)
+    assert detail.startswith("hierarchical:") and "flat" in detail, detail
+    # The same numbers as the function hierarchical_allreduce(mode="auto") decides with, on the nominal links.
+    c = Cluster(2, 4, 1.25e8, 1e-4, intra_bandwidth=2.5e9)
+    world, intra, inter = c.level_links()
+    assert inter.beta == pytest.approx(4 / 1.25e8) and intra.beta == pytest.approx(1 / 2.5e9)
+    am = 1 - (1 - 1e-2) ** 4
+    worker, machine = round(1e-2 * 1_000_000), round(am * 1_000_000)
+    p = Problem(8, 1_000_000, (worker,) * 8, 64, 4, row=16, unions=((1.0, worker), (4.0, machine)))
+    preds = price_levels(p, [[0, 1, 2, 3], [4, 5, 6, 7]], world, intra, inter)
+    assert (
+        seconds == pytest.approx(preds["hierarchical"])
+        and preds["hierarchical"] < (1 - HIER_MARGIN) * preds["flat"]
+    )
+    assert 0 < nbytes < 4 * 1e-2 * 64e6 * 4  # less than every rank's rows sent over the NIC both ways
+    # An intra-machine link slower than the network: the flat call wins.
+    detail, _, _ = _two_level_plan(1e6)
+    assert detail.startswith("flat:"), detail
+    # One rank per machine or no intra link: one level, as before.
+    single = Cluster(2, 1, 1.25e8, 1e-4, intra_bandwidth=2.5e9)
+    one = make_plan([ParamStats("v", (1_000_000, 16), 1e-2, True)], single, overrides={"v": "sparse_allreduce"})
+    assert not one.entries[0].detail.startswith(("hierarchical", "flat"))
+
+
+def test_price_levels_refuses_unequal_hosts() -> None:
+    from sparsync.collectives.hierarchical import price_levels
+    from sparsync.costmodel import LinkModel, Problem
+
+    link = LinkModel(alpha=1e-4, beta=1e-8, gamma_sparse=0, gamma_dense=0, gamma_scatter=0)
+    with pytest.raises(ValueError, match=r"members \[2, 1\] are not equal hosts of the world's 3 ranks"):
+        price_levels(Problem(3, 100, (5, 5, 5), 4, 4), [[0, 1], [2]], link, link, link)
+
+
+def test_levels_from_benchmark_json_and_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from dataclasses import asdict
+
+    from sparsync.costmodel import LinkModel
+    from sparsync.placement.plan import levels_from_json
+
+    links = [LinkModel(alpha=a, beta=b, gamma_sparse=1e-8, gamma_dense=1e-9, gamma_scatter=1e-9)
+             for a, b in ((1e-4, 1e-9), (2e-5, 5e-10), (3e-4, 3.2e-8))]  # fmt: skip
+    measured = dict(zip(("world", "intra", "inter"), map(asdict, links), strict=True))
+    bench = {
+        "meta": {},
+        "rows": [{"method": "auto", "levels": None}, {"method": "hierarchical", "levels": measured}],
+    }
+    assert levels_from_json(json.loads(json.dumps(bench))) == tuple(links)
+    for bad, msg in (({"rows": [{"method": "auto"}]}, "no row with measured levels"),
+                     ({"rows": [{"levels": {"world": {"alpha": 1}, "intra": {}, "inter": {}}}]}, "not LinkModel"),
+                     (3, "expected a benchmark JSON")):  # fmt: skip
+        with pytest.raises(ValueError, match=msg):
+            levels_from_json(bad)
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench))
+    stats = tmp_path / "stats.json"
+    stats.write_text(json.dumps([{"name": "v", "shape": [1_000_000, 16], "alpha": 0.01, "sparse": True}]))
+    argv = ["plan", "--stats", str(stats), "--machines", "2", "--procs-per-machine", "4", "--levels", str(path)]
+    assert main([*argv, "--override", "v=sparse_allreduce"]) == 0
+    out = capsys.readouterr().out
+    assert "hierarchical" in out and "flat" in out, out

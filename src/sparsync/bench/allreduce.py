@@ -28,7 +28,13 @@ import torch.distributed as dist
 from sparsync.calibrate import measure_link
 from sparsync.collectives._meta import EAGER_LIMIT
 from sparsync.collectives.allreduce import sparse_allreduce
-from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce, predict_levels
+from sparsync.collectives.hierarchical import (
+    Topology,
+    detect_topology,
+    hierarchical_allreduce,
+    measured_levels,
+    predict_levels,
+)
 from sparsync.compress import QSGD
 from sparsync.costmodel import ALGORITHMS, LinkModel, Problem, lower_bound, predict
 from sparsync.record import CommLog
@@ -110,6 +116,7 @@ class Row:
     note: str = ""
     link: dict[str, float] = field(default_factory=dict)
     calls_per_repeat: int = 1  # each of times_s is the mean of this many back-to-back calls (see _batch)
+    levels: dict[str, dict[str, Any]] | None = None  # two-level methods: the world, intra, inter links priced
 
 
 def _make_stream(rank: int, cfg: BenchConfig, density: float, point: int) -> SparseStream:
@@ -274,12 +281,16 @@ def _measure_point(
         qs = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
         chosen = ""
         pred: float | None = None
+        level_json: dict[str, dict[str, Any]] | None = None
         if m in ALGORITHMS:
             pred = predict(m, problem, link)
         elif m in HIERARCHICAL:
             picks = sorted({rec.algorithm for rec in logs[m].records})
             chosen = "/".join(picks)
             levels = predict_levels(problem, topos[m])
+            level_json = dict(
+                zip(("world", "intra", "inter"), map(asdict, measured_levels(topos[m])), strict=True)
+            )
             # A flat call records the flat algorithm it ran.
             pred = statistics.mean(levels["hierarchical" if a == "hierarchical" else "flat"] for a in picks)
         elif m == "auto":
@@ -302,6 +313,7 @@ def _measure_point(
                     chosen,
                     link=asdict(link),
                     calls_per_repeat=batch[m],
+                    levels=level_json,
                 )
             )
         )

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -179,25 +180,46 @@ def _best(p: Problem, link: LinkModel) -> float:
 
 
 def predict_levels(p: Problem, topo: Topology) -> dict[str, float]:
-    """Predicted seconds of the flat and the hierarchical allreduce of the call ``p`` (the world's Problem).
+    """Predicted seconds of the flat and the hierarchical allreduce of the call ``p`` (the world's Problem) on
+    this job's measured links (``level_links``; collective at first use). See ``price_levels``."""
+    return price_levels(p, topo.members, *measured_levels(topo))
 
-    The inter-host link is measured on the cross groups, all k of them at once (``level_links``), so its β is
-    what one rank gets while its host's k ranks all send. Flat: the world's measured model, with β raised to
-    the share of a rank's bytes that crosses hosts ((P - k) of its P - 1 peers are remote) at that β.
-    Hierarchical: stage 1 on the intra-host link (the slowest host's inputs), stage 2 with H ranks of U_k / k
-    rows each on the inter-host link, stage 3 an allgather of U_P / k rows per rank on the intra-host link,
-    plus the world's metadata round. U_m: the model's union of m ranks' rows (Problem.union)."""
-    H, k, P = topo.hosts, topo.local_size, topo.size
-    world = _link(topo.world)
-    intra, inter = level_links(topo)
+
+def measured_levels(topo: Topology) -> tuple[LinkModel, LinkModel, LinkModel]:
+    """(world, intra-host, inter-host) link models as ``predict_levels`` prices with them (collective at first
+    use); ``sparsync plan --levels`` reads them back from a benchmark's JSON."""
+    return (_link(topo.world), *level_links(topo))
+
+
+def flat_link(world: LinkModel, inter: LinkModel, P: int, k: int) -> LinkModel:
+    """The link a flat call over P ranks in hosts of k sees: ``world``'s, with β raised to the share of a
+    rank's bytes that crosses hosts ((P - k) of its P - 1 peers are remote) at the inter-host β."""
     s = (P - k) / max(P - 1, 1)
     beta_x = inter.beta_exchange if inter.beta_exchange is not None else inter.beta
-    flat_link = dataclasses.replace(
+    return dataclasses.replace(
         world,
         beta=max(world.beta, inter.beta * s),
         beta_exchange=max(world.beta_exchange or world.beta, beta_x * s),
     )
-    flat = _best(p, flat_link)
+
+
+def price_levels(
+    p: Problem, members: Sequence[Sequence[int]], world: LinkModel, intra: LinkModel, inter: LinkModel
+) -> dict[str, float]:
+    """Predicted seconds of the flat and the hierarchical allreduce of ``p`` (the world's Problem) over hosts
+    of ranks ``members`` (equal sizes), per stage too (``"hierarchical:<stage>"``). Pure: ``sparsync plan``
+    prices clusters it never ran on with it.
+
+    ``inter`` is the inter-host link as one rank sees it while its host's k ranks all send (measured on the
+    cross groups, all k at once; nominally k / bandwidth per byte). Flat: ``world``'s model, with β raised to
+    the share of a rank's bytes that crosses hosts ((P - k) of its P - 1 peers are remote) at that β.
+    Hierarchical: stage 1 on the intra-host link (the slowest host's inputs), stage 2 with H ranks of U_k / k
+    rows each on the inter-host link, stage 3 an allgather of U_P / k rows per rank on the intra-host link,
+    plus the world's metadata round. U_m: the model's union of m ranks' rows (Problem.union)."""
+    H, k, P = len(members), len(members[0]), p.world_size
+    if H * k != P or any(len(m) != k for m in members):
+        raise ValueError(f"members {[len(m) for m in members]} are not equal hosts of the world's {P} ranks")
+    flat = _best(p, flat_link(world, inter, P, k))
     # Stage 1, a reduce-scatter inside each host (the slowest host): one all-to-all round of (k - 1)/k of the
     # input, then each rank merges k blocks of its partition.
     bx_intra = intra.beta_exchange if intra.beta_exchange is not None else intra.beta
@@ -205,7 +227,7 @@ def predict_levels(p: Problem, topo: Topology) -> dict[str, float]:
     local = max(
         a2a + bx_intra * (k - 1) / k * max(p.input_bytes(r) for r in m)
         + p.per_row(intra.gamma_sparse, intra) * sum(p.nnz[r] for r in m) / k
-        for m in topo.members
+        for m in members
     )  # fmt: skip
     # Stage 2, a flat allreduce of H ranks' partitions on the inter-host link (auto's best).
     part_dim = max(1, -(-p.dim // k))

@@ -3,6 +3,7 @@ a parameter server; the parameter server itself (``PSTable`` over ``PSClient``, 
 the partition search; and a hybrid training loop."""
 
 from sparsync.placement.client import PSClient, PSError, PSTimeoutError
+from sparsync.placement.nodes import NodeServers, node_servers
 from sparsync.placement.optim import OptimizerConfig
 from sparsync.placement.process import ServerProcess, start_servers
 from sparsync.placement.server import ServerConfig
@@ -11,6 +12,7 @@ from sparsync.placement.wire import CurveKeys, WireError
 
 __all__ = [
     "CurveKeys",
+    "NodeServers",
     "OptimizerConfig",
     "PSClient",
     "PSError",
@@ -19,6 +21,7 @@ __all__ = [
     "ServerConfig",
     "ServerProcess",
     "WireError",
+    "node_servers",
     "save_servers",
     "server_stats",
     "start_servers",

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsync.netem import parse_latency, parse_rate
-from sparsync.placement.plan import PLACEMENTS, Cluster, lm_stats, make_plan, stats_from_json
+from sparsync.placement.plan import PLACEMENTS, Cluster, levels_from_json, lm_stats, make_plan, stats_from_json
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -48,6 +48,18 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--procs-per-machine", type=int, default=1)
     p.add_argument("--bandwidth", default="10gbit", help="per machine link, e.g. 1gbit, 100gbit")
     p.add_argument("--latency", default="50us", help="per message, e.g. 50us, 1ms")
+    p.add_argument(
+        "--intra-bandwidth",
+        default=None,
+        help="link between the ranks of a machine (e.g. 100gbit): price sparse allreduce on two levels",
+    )
+    p.add_argument("--intra-latency", default="5us", help="per message inside a machine")
+    p.add_argument(
+        "--levels",
+        type=Path,
+        default=None,
+        help="price two levels with the links a `bench allreduce --hosts` run measured (its JSON)",
+    )
     p.add_argument("--override", type=_override, action="append", default=[], help="NAME=PLACEMENT")
     p.add_argument("--allow-lossy", action="store_true", help="let the plan pick the sketch placement")
     p.add_argument("--json", type=Path, default=None, help="also write the plans to this file")
@@ -62,12 +74,16 @@ def run(args: argparse.Namespace, console: Console) -> int:
     for col in ("machines", "placements", "MB/machine", "plan ms", "all dense AR ms", "speedup"):
         summary.add_column(col, justify="right" if col != "placements" else "left")
     plans = []
+    levels = None if args.levels is None else levels_from_json(json.loads(args.levels.read_text()))
     for N in args.machines:
         if args.stats is not None:
             stats = stats_from_json(json.loads(args.stats.read_text()))
         else:
             stats = lm_stats(args.vocab, args.dim, args.hidden, args.tokens, args.procs_per_machine, args.zipf)
-        plan = make_plan(stats, Cluster(N, args.procs_per_machine, bw, lat), overrides=dict(args.override),
+        intra = None if args.intra_bandwidth is None else parse_rate(args.intra_bandwidth) / 8.0
+        cluster = Cluster(N, args.procs_per_machine, bw, lat, intra_bandwidth=intra, levels=levels,
+                          intra_latency=parse_latency(args.intra_latency) or 0.0)  # fmt: skip
+        plan = make_plan(stats, cluster, overrides=dict(args.override),
                          allow_lossy=args.allow_lossy)  # fmt: skip
         plan.print(console)
         plans.append(plan.as_dict())

@@ -44,6 +44,7 @@ from sparsync.handle import Work
 from sparsync.placement.client import PSClient
 from sparsync.placement.detect import embedding_modules, rows_of_input
 from sparsync.placement.feedback import PushFeedback, load_optional_state
+from sparsync.placement.nodes import procs_per_machine_from_env
 from sparsync.placement.optim import OptimizerConfig
 from sparsync.placement.plan import Plan
 from sparsync.placement.reduced import REDUCED, Reduced, resolve_placements
@@ -63,7 +64,8 @@ class HybridConfig:
     sparse_reduce: str = "sum"  # "sum" (Parallax's default for sparse) or "mean" over all workers
     dense_reduce: str = "mean"  # "mean" (Parallax's default for dense) or "sum"
     local_aggregation: bool = True  # sum a machine's sparse gradients before one push (sync only)
-    procs_per_machine: int = 1  # ranks [k·m, (k+1)·m) form machine k
+    # ranks [k·m, (k+1)·m) form machine k; None: torchrun's LOCAL_WORLD_SIZE (1 when unset: one rank per machine)
+    procs_per_machine: int | None = None
     partitions: int | None = None  # per sparse table; None: one per server
     split: str = "strided"  # rows to partitions: "strided" (row % P, spreads Zipf-hot rows) or "range"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # server-side (all tables)
@@ -84,7 +86,7 @@ class HybridConfig:
                 raise ValueError(f"{name} must be 'sum' or 'mean', got {getattr(self, name)!r}")
         if self.split not in SPLITS:
             raise KeyError(f"unknown split {self.split!r}; valid: {', '.join(SPLITS)}")
-        if self.procs_per_machine < 1:
+        if self.procs_per_machine is not None and self.procs_per_machine < 1:
             raise ValueError(f"procs_per_machine must be >= 1, got {self.procs_per_machine}")
 
 
@@ -117,15 +119,13 @@ class HybridTrainer:
         self.model = model
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        if self.world % cfg.procs_per_machine:
-            raise ValueError(
-                f"world size {self.world} is not a multiple of procs_per_machine={cfg.procs_per_machine}"
-            )
-        self.machine = self.rank // cfg.procs_per_machine
-        self.local_agg = cfg.mode == "sync" and cfg.local_aggregation and cfg.procs_per_machine > 1
+        m = self.procs_per_machine = cfg.procs_per_machine or procs_per_machine_from_env()
+        if self.world % m:
+            raise ValueError(f"world size {self.world} is not a multiple of procs_per_machine={m}")
+        self.machine = self.rank // m
+        self.local_agg = cfg.mode == "sync" and cfg.local_aggregation and m > 1
         self.machine_group: dist.ProcessGroup | None = None
         if self.local_agg:
-            m = cfg.procs_per_machine
             for k in range(self.world // m):  # every rank must create every group, in the same order
                 g = dist.new_group(list(range(k * m, (k + 1) * m)))
                 if k == self.machine:
@@ -158,7 +158,7 @@ class HybridTrainer:
         )  # fmt: skip
         self.client = PSClient(addresses, keys=keys, timeout=cfg.timeout, sender=self.rank)
         # Local aggregation gathers the row-wise tables only: every worker pushes its whole-table gradients.
-        pushers = self.world // cfg.procs_per_machine if self.local_agg else self.world
+        pushers = self.world // m if self.local_agg else self.world
         self.tables: dict[str, PSTable] = {}
         whole = 0  # dense variables placed whole so far: the next goes to server whole mod S
         for n in on_ps:
@@ -271,7 +271,7 @@ class HybridTrainer:
             rows, vals = self._sparse_grad(n, params[n])
             if self.local_agg:
                 rows, vals = self._machine_gather(rows, vals)
-                if self.rank % self.cfg.procs_per_machine:
+                if self.rank % self.procs_per_machine:
                     continue  # only the machine's local chief pushes
             agg = self.cfg.local_aggregation
             works.append(self.tables[n].push(rows, vals, step=self.step_no, coalesce=agg))
@@ -324,7 +324,7 @@ class HybridTrainer:
 
     def _machine_gather(self, rows: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """All of the machine's (rows, grads), concatenated (the table coalesces them before sending)."""
-        g, m = self.machine_group, self.cfg.procs_per_machine
+        g, m = self.machine_group, self.procs_per_machine
         n = torch.tensor([rows.numel()])
         counts = [torch.zeros(1, dtype=torch.int64) for _ in range(m)]
         dist.all_gather(counts, n, group=g)

@@ -29,6 +29,7 @@ update. The step's communication time is the sum over parameters (no overlap bet
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -52,6 +53,13 @@ class Cluster:
     bandwidth: float = 1.25e9  # bytes/s per machine link (10 Gbit/s)
     latency: float = 50e-6  # seconds per message
     measured: LinkModel | None = None  # a measured link (α, β); overrides bandwidth and latency when given
+    # the link between the ranks of one machine (shared memory or loopback); given with procs_per_machine > 1,
+    # sparse allreduce is priced on two levels: flat over every rank, or hierarchical (issue 18)
+    intra_bandwidth: float | None = None  # bytes/s
+    intra_latency: float = 5e-6  # seconds per message
+    # measured (world, intra-machine, inter-machine) links of a two-level run (``bench allreduce --hosts``'s
+    # JSON, ``collectives.hierarchical.measured_levels``): price both levels with them instead, γ included
+    levels: tuple[LinkModel, LinkModel, LinkModel] | None = None
 
     def __post_init__(self) -> None:
         if self.machines < 1 or self.procs_per_machine < 1:
@@ -60,6 +68,31 @@ class Cluster:
             )
         if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)) or not self.latency >= 0:
             raise ValueError(f"bandwidth must be > 0 and latency >= 0, got {self.bandwidth}, {self.latency}")
+        if self.intra_bandwidth is not None and not (
+            self.intra_bandwidth > 0 and math.isfinite(self.intra_bandwidth) and self.intra_latency >= 0
+        ):
+            raise ValueError(
+                f"intra_bandwidth must be > 0 and intra_latency >= 0, got {self.intra_bandwidth}, "
+                f"{self.intra_latency}"
+            )
+
+    @property
+    def two_level(self) -> bool:
+        return (self.intra_bandwidth is not None or self.levels is not None) and self.procs_per_machine > 1
+
+    def level_links(self) -> tuple[LinkModel, LinkModel, LinkModel]:
+        """(world, intra-machine, inter-machine) links per rank: measured (``levels``), else nominal (γ off):
+        a rank's share of the machine's NIC while its k peers send too is bandwidth / k, as the cross groups
+        of a hierarchical call see it; the world's link is the intra-machine one (the flat call raises its β
+        to the inter-machine share, ``price_levels``)."""
+        if self.levels is not None:
+            return self.levels
+        if self.intra_bandwidth is None:
+            raise ValueError("two-level pricing needs intra_bandwidth or measured levels")
+        base = self.link
+        intra = LinkModel(alpha=self.intra_latency, beta=1.0 / self.intra_bandwidth, gamma_sparse=0,
+                          gamma_dense=0, gamma_scatter=0)  # fmt: skip
+        return intra, intra, dataclasses.replace(base, beta=base.beta * self.procs_per_machine, beta_exchange=None)
 
     @property
     def link(self) -> LinkModel:
@@ -213,10 +246,40 @@ def candidates(
     p = Problem(N, rows, (k,) * N, s.itemsize * per_row, itype, row=per_row)
     d = choose_robust(p, link)  # what auto would run (its default policy)
     out["sparse_allreduce"] = (_sparse_ar_bytes(d.algorithm, p), d.predictions[d.algorithm])
+    alg = d.algorithm
+    if c.two_level:
+        out["sparse_allreduce"], alg = _two_level(s, c, p)
     ps_bytes = 4 * am * w * share
     ps_time = 6 * link.alpha + link.beta * ps_bytes / 2
     out["ps"] = (ps_bytes, ps_time)
-    return out, d.algorithm
+    return out, alg
+
+
+def _two_level(s: ParamStats, c: Cluster, machines: Problem) -> tuple[tuple[float, float], str]:
+    """Sparse allreduce over N machines of k ranks (issue 18): flat over all N·k ranks (each with the worker's
+    α) or hierarchical (``collectives.hierarchical.price_levels``: reduce-scatter inside the machine, allreduce
+    of the machine sums' partitions across machines, allgather inside), whichever is predicted faster, as
+    ``hierarchical_allreduce(mode="auto")`` runs it. Bytes per machine: what crosses the machine's NIC."""
+    from sparsync.collectives.hierarchical import HIER_MARGIN, flat_link, price_levels
+
+    N, m = c.machines, c.procs_per_machine
+    P, rows = N * m, machines.dim
+    worker = max(1, round(s.alpha * rows))
+    # the union of one machine's m ranks is its α_machine (recorded or the uniform bound): pin it for the model
+    unions = ((1.0, float(worker)), (float(m), float(max(machines.nnz[0], worker))))
+    p = dataclasses.replace(machines, world_size=P, nnz=(worker,) * P, unions=unions)
+    world, intra, inter = c.level_links()
+    preds = price_levels(p, [list(range(h * m, (h + 1) * m)) for h in range(N)], world, intra, inter)
+    share = (P - m) / max(P - 1, 1)  # of a rank's bytes, the part that leaves the machine
+    flat_alg = choose_robust(p, flat_link(world, inter, P, m)).algorithm
+    both = f"flat {preds['flat'] * 1e3:.3g} ms, hierarchical {preds['hierarchical'] * 1e3:.3g} ms"
+    if preds["hierarchical"] < (1 - HIER_MARGIN) * preds["flat"]:  # auto's rule (hierarchical_allreduce)
+        part = dataclasses.replace(
+            machines, dim=max(1, -(-rows // m)), nnz=(round(p.union(m) / m),) * N, unions=()
+        )
+        cross = choose_robust(part, inter).algorithm
+        return (m * _sparse_ar_bytes(cross, part), preds["hierarchical"]), f"hierarchical: {cross} across; {both}"
+    return (m * share * _sparse_ar_bytes(flat_alg, p), preds["flat"]), f"flat: {flat_alg}; {both}"
 
 
 def make_plan(
@@ -298,3 +361,23 @@ def stats_from_json(obj: Any) -> list[ParamStats]:
             ParamStats(str(d["name"]), shape, float(d["alpha"]), bool(d["sparse"]), am, int(d.get("itemsize", 4)))
         )
     return out
+
+
+def levels_from_json(obj: Any) -> tuple[LinkModel, LinkModel, LinkModel]:
+    """The measured (world, intra, inter) links from a ``bench allreduce --hosts`` JSON (the first row that
+    carries ``levels``) or from a {"world", "intra", "inter"} mapping of LinkModel fields."""
+    rows = obj.get("rows", [obj]) if isinstance(obj, dict) else obj
+    if not isinstance(rows, list):
+        raise ValueError("levels: expected a benchmark JSON ({meta, rows}) or a {world, intra, inter} mapping")
+    for r in rows:
+        if not isinstance(r, dict):
+            continue
+        lv = r.get("levels", r if {"world", "intra", "inter"} <= set(r) else None)
+        if isinstance(lv, dict):
+            try:
+                return LinkModel(**lv["world"]), LinkModel(**lv["intra"]), LinkModel(**lv["inter"])
+            except (KeyError, TypeError) as e:
+                raise ValueError(f"levels: not LinkModel fields: {e}") from None
+    raise ValueError(
+        "levels: no row with measured levels (run `sparsync bench allreduce --hosts H --procs-per-host k`)"
+    )

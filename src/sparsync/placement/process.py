@@ -10,6 +10,7 @@ import select
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import IO, Any
@@ -45,12 +46,19 @@ class ServerProcess:
     put there for the workers started afterwards)."""
 
     def __init__(
-        self, cfg: ServerConfig, *, netns: str | None = None, client_keys: CurveKeys | None = None
+        self,
+        cfg: ServerConfig,
+        *,
+        netns: str | None = None,
+        client_keys: CurveKeys | None = None,
+        admit: Sequence[str] | None = None,
     ) -> None:
         self.cfg = cfg
         self.netns = netns  # run inside this network namespace (sparsync.netem), e.g. colocated with a rank
         self.keys = CurveKeys.generate() if cfg.auth else None
         self.client_keys = (client_keys or wire.run_client_keys()) if cfg.auth else None
+        # public keys (Z85) admitted: given (every rank of a job, each with its own keypair), else the run's key
+        self.admit = (list(admit) if admit is not None else [self.client_keys.public]) if self.client_keys else []
         self.address: str | None = None
         self._proc: subprocess.Popen[str] | None = None
         self._log: IO[str] | None = None
@@ -82,9 +90,7 @@ class ServerProcess:
         assert self._proc.stdin is not None and self._proc.stdout is not None
         try:
             if self.keys is not None and self.client_keys is not None:
-                self._proc.stdin.write(
-                    json.dumps({"secret": self.keys.secret, "clients": [self.client_keys.public]})
-                )
+                self._proc.stdin.write(json.dumps({"secret": self.keys.secret, "clients": self.admit}))
                 self._proc.stdin.write("\n")
             self._proc.stdin.close()
         except BrokenPipeError:
