@@ -224,6 +224,12 @@ def price_levels(
     # input, then each rank merges k blocks of its partition.
     bx_intra = intra.beta_exchange if intra.beta_exchange is not None else intra.beta
     a2a = intra.alpha_a2a if intra.alpha_a2a is not None else (k - 1) * intra.alpha
+    # Where the intra-host link was calibrated (``LinkModel.fixed``), a stage's fixed cost is measured, not
+    # counted in α's: the host's split algorithm less its allgather for the reduce-scatter, the allgather for
+    # stage 3 (on a host whose cores its ranks share, these exceed the α terms several times).
+    fixed = dict(intra.fixed)
+    if "ssar_split_allgather" in fixed and "allgather" in fixed:
+        a2a = max(a2a, fixed["ssar_split_allgather"] - fixed["allgather"])
     local = max(
         a2a + bx_intra * (k - 1) / k * max(p.input_bytes(r) for r in m)
         + p.per_row(intra.gamma_sparse, intra) * sum(p.nnz[r] for r in m) / k
@@ -237,10 +243,8 @@ def price_levels(
     out_part = round(p.union(P) / k)
     piece = dataclasses.replace(p, world_size=k, dim=part_dim, nnz=(out_part,) * k, unions=())
     fresh = intra.gamma_fresh if intra.gamma_fresh is not None else intra.gamma_dense
-    gather = (
-        metadata_time(piece, intra) + gather_latency(k, intra) + bx_intra * (k - 1) * piece.input_bytes(0)
-        + fresh * out_part * k * p.row
-    )  # fmt: skip
+    start = fixed.get("allgather", metadata_time(piece, intra) + gather_latency(k, intra))
+    gather = start + bx_intra * (k - 1) * piece.input_bytes(0) + fresh * out_part * k * p.row
     parts = {"meta": metadata_time(p, world), "host_reduce_scatter": local, "cross_allreduce": cross,
              "host_allgather": gather}  # fmt: skip
     return {

@@ -265,15 +265,19 @@ def _two_level(s: ParamStats, c: Cluster, machines: Problem) -> tuple[tuple[floa
     N, m = c.machines, c.procs_per_machine
     P, rows = N * m, machines.dim
     worker = max(1, round(s.alpha * rows))
-    # the union of one machine's m ranks is its α_machine (recorded or the uniform bound): pin it for the model
-    unions = ((1.0, float(worker)), (float(m), float(max(machines.nnz[0], worker))))
-    p = dataclasses.replace(machines, world_size=P, nnz=(worker,) * P, unions=unions)
+    # Unions for the model: one machine's m ranks touch its α_machine (recorded, or the uniform bound); j
+    # machines, independent of each other as in the one-level plan, 1 - (1 - α_machine)^j of the rows.
+    am = min(1.0, machines.nnz[0] / rows)
+    unions = [(1.0, float(worker))]
+    unions += [(float(j * m), max(float(worker), rows * -math.expm1(j * math.log1p(-min(am, 1 - 1e-12)))))
+               for j in range(1, N + 1)]  # fmt: skip
+    p = dataclasses.replace(machines, world_size=P, nnz=(worker,) * P, unions=tuple(unions))
     world, intra, inter = c.level_links()
     preds = price_levels(p, [list(range(h * m, (h + 1) * m)) for h in range(N)], world, intra, inter)
     share = (P - m) / max(P - 1, 1)  # of a rank's bytes, the part that leaves the machine
     flat_alg = choose_robust(p, flat_link(world, inter, P, m)).algorithm
     both = f"flat {preds['flat'] * 1e3:.3g} ms, hierarchical {preds['hierarchical'] * 1e3:.3g} ms"
-    if preds["hierarchical"] < (1 - HIER_MARGIN) * preds["flat"]:  # auto's rule (hierarchical_allreduce)
+    if preds["hierarchical"] * (1 + HIER_MARGIN) < preds["flat"]:  # auto's rule (hierarchical_allreduce)
         part = dataclasses.replace(
             machines, dim=max(1, -(-rows // m)), nnz=(round(p.union(m) / m),) * N, unions=()
         )
