@@ -23,6 +23,7 @@ from sparsync.costmodel import (
 from sparsync.group import background_group, set_deterministic, set_link
 from sparsync.handle import Work
 from sparsync.launch import LaunchError, launch
+from sparsync.optim import DistributedOptimizer
 from sparsync.record import CommLog, CommRecord
 from sparsync.stream import SparseStream, add, dense_threshold, sum_streams
 
@@ -33,6 +34,7 @@ __all__ = [
     "CommRecord",
     "Compressor",
     "Decision",
+    "DistributedOptimizer",
     "ErrorFeedback",
     "LaunchError",
     "LinkModel",

@@ -7,6 +7,12 @@ residuals and DCT thresholds then survive DDP's bucket rebuild after the first i
 buckets). Sparse gradients (``nn.Embedding(sparse=True)``) arrive as their own bucket holding the COO tensor
 and are reduced as COO: DDP's own fp16 and PowerSGD hooks crash or hang on them (issue 3).
 
+Per parameter (issue 17): ``plan`` maps parameter names to the compressor that reduces them; a sparse gradient
+no plan names goes by ``sparse`` (default ``Identity()``: the lossless row-sparse allreduce), since a lossy
+compressor with error feedback turns an embedding's row-sparse gradient dense (TopK + error feedback sent 1.5x
+the bytes of no compression on DLRM); dense ones by ``compressor``. Error feedback applies to lossy
+compressors only. ``log`` receives one CommRecord per reduction, so the DDP route reports its bytes too.
+
 The reductions run on sparsync's own process group over the same ranks (``sparsync.group.background_group``),
 made when the hook is built: a model whose backward issues collectives of its own on the user's group (DLRM's
 alltoall) cannot interleave them with the hook's in a different order per rank (issue 14, part 6).
@@ -19,17 +25,19 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from sparsync.compress.base import Compressor
+from sparsync.compress.identity import Identity
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.compress.reduce import reduce
 from sparsync.group import background_group
 from sparsync.handle import Work
+from sparsync.record import CommLog
 
 # dist.GradBucket is missing from torch's type stubs: buckets are typed Any.
 Hook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
@@ -44,6 +52,9 @@ def compression_hook(
     average: bool = True,
     async_op: bool = True,
     algorithm: str = "auto",
+    plan: Mapping[str, Compressor] | None = None,
+    sparse: Compressor | None = None,
+    log: CommLog | None = None,
 ) -> Hook:
     """A DDP comm hook reducing every gradient through ``sparsync.reduce(grad, compressor, memory=...)``.
 
@@ -51,7 +62,9 @@ def compression_hook(
     ``memory`` or a compressor with per-name state, since bucket positions change when DDP rebuilds its
     buckets. ``group``: the ranks to reduce over (DDP's ``process_group``; default the world). ``average``:
     divide by the world size, as DDP's default hook does. ``async_op``: the reductions run on sparsync's
-    queue while autograd computes the next buckets.
+    queue while autograd computes the next buckets. ``plan``: parameter name -> compressor (needs ``module``);
+    ``sparse``: the compressor of sparse gradients no plan names (default ``Identity()``, lossless);
+    ``log``: a CommLog receiving one record per reduction.
 
     Collective: every rank of ``group`` builds the hook (the first hook for a group creates sparsync's own
     group over its ranks, where the reductions run; later hooks reuse it).
@@ -60,10 +73,27 @@ def compression_hook(
         raise TypeError(f"compressor must be a sparsync Compressor, got {type(compressor).__name__}")
     if memory is not None and module is None:
         raise ValueError("memory= needs module=: residuals are kept per parameter name")
+    plan = dict(plan or {})
+    if plan and module is None:
+        raise ValueError("plan= needs module=: it names parameters")
+    for c in [*plan.values(), sparse]:
+        if c is not None and not isinstance(c, Compressor):
+            raise TypeError(f"plan and sparse take sparsync Compressors, got {type(c).__name__}")
     names: dict[int, str] = {}
     if module is not None:
         names = {id(p): n for n, p in module.named_parameters()}
+        unknown = sorted(set(plan) - set(names.values()))
+        if unknown:
+            raise KeyError(f"plan names unknown parameters {unknown}; valid names: {sorted(names.values())}")
+    lossless = Identity()
     own = background_group(group)
+
+    def chosen(name: str, grad: torch.Tensor) -> Compressor:
+        if name in plan:
+            return plan[name]
+        if grad.is_sparse:
+            return sparse if sparse is not None else lossless
+        return compressor
 
     def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
@@ -72,9 +102,10 @@ def compression_hook(
         works: list[Work[torch.Tensor]] = []
         for j, (p, grad) in enumerate(zip(params, grads, strict=True)):
             name = names.get(id(p)) or f"bucket{bucket.index()}.{j}"
+            c = chosen(name, grad)
             out = reduce(
-                grad, compressor, memory=memory, name=name, group=own, average=average, async_op=async_op,
-                algorithm=algorithm,
+                grad, c, memory=None if isinstance(c, Identity) else memory, name=name, group=own,
+                average=average, async_op=async_op, algorithm=algorithm, log=log,
             )  # fmt: skip
             works.append(out if isinstance(out, Work) else Work.done(out))
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()

@@ -1,0 +1,175 @@
+"""Workers for test_optim.py (module-level: ``launch`` pickles them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sparsync.compress import ErrorFeedback, TopK
+from sparsync.optim import DistributedOptimizer
+from sparsync.record import CommLog
+from sparsync.replicator.optimizer import Compressed
+
+VOCAB, DIM, STEPS = 500, 6, 4
+
+
+def _model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Embedding(VOCAB, DIM, sparse=True), nn.Flatten(), nn.Linear(3 * DIM, 2))
+
+
+def _batch(step: int, rank: int, density: float) -> torch.Tensor:
+    """Token ids of one rank's batch: ``density`` of the vocabulary reachable (0: the empty gradient)."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    top = max(1, round(density * VOCAB))
+    return torch.randint(0, top, (5 if density > 0 else 0, 3), generator=g)  # 0: no row read, empty COO
+
+
+def exact_worker(rank: int, densities: tuple[float, ...]) -> dict[float, dict[str, Any]]:
+    """Per density, ``exact_case``."""
+    return {d: exact_case(rank, d) for d in densities}
+
+
+def exact_case(rank: int, density: float) -> dict[str, Any]:
+    """DistributedOptimizer against an exact reference: every rank's dense gradient gathered, averaged in
+    float64 and applied by hand; and against torch's DDP with sparse gradients."""
+    P = dist.get_world_size()
+    model = _model(rank)  # different inits: the wrapper broadcasts rank 0's
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.3), model)
+    ref = _model(0)
+    ddp_model = _model(0)
+    ddp = nn.parallel.DistributedDataParallel(ddp_model)
+    ddp_opt = torch.optim.SGD(ddp.parameters(), lr=0.3)
+    for step in range(STEPS):
+        x = _batch(step, rank, density)
+        for m, o in ((model, opt), (ddp, ddp_opt)):
+            o.zero_grad()
+            (m(x).square().sum() / 5).backward()
+            o.step()
+        ref.zero_grad()
+        (ref(x).square().sum() / 5).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                assert p.grad is not None
+                local = p.grad.to_dense().double()
+                got = [torch.zeros_like(local) for _ in range(P)]
+                dist.all_gather(got, local)
+                p -= (0.3 * torch.stack(got).sum(0) / P).to(p.dtype)
+    return {
+        "ours": [p.detach().numpy().copy() for p in model.parameters()],
+        "ref": [p.detach().numpy().copy() for p in ref.parameters()],
+        "ddp": [p.detach().numpy().copy() for p in ddp_model.parameters()],
+    }
+
+
+def scheduler_worker(rank: int) -> dict[str, Any]:
+    """An LR scheduler on the wrapper; a checkpoint after 2 steps loaded into a fresh wrapper resumes to the
+    same parameters as an uninterrupted run; synchronize() + clipping aggregates once."""
+
+    def run(resume_at: int | None, clip: bool) -> tuple[list[np.ndarray], list[float]]:
+        model = _model(0)
+        opt = DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.5), model)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        lrs = []
+        for step in range(STEPS):
+            if resume_at is not None and step == resume_at:
+                state = {"opt": opt.state_dict(), "sched": sched.state_dict(), "model": model.state_dict()}
+                model = _model(7)
+                model.load_state_dict(state["model"])
+                opt = DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.5), model)
+                sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+                opt.load_state_dict(state["opt"])
+                sched.load_state_dict(state["sched"])
+            opt.zero_grad()
+            model(_batch(step, rank, 1.0)).square().mean().backward()
+            if clip:
+                opt.synchronize()
+                dense = [p for p in model.parameters() if p.grad is not None and not p.grad.is_sparse]
+                nn.utils.clip_grad_norm_(dense, 1e9)  # a bound never reached: the same update as no clipping
+            opt.step()
+            sched.step()
+            lrs.append(opt.optimizer.param_groups[0]["lr"])
+        return [p.detach().numpy().copy() for p in model.parameters()], lrs
+
+    straight, lrs = run(None, False)
+    resumed, lrs2 = run(2, False)
+    clipped, _ = run(None, True)
+    return {"straight": straight, "resumed": resumed, "clipped": clipped, "lrs": lrs, "lrs2": lrs2}
+
+
+def plan_worker(rank: int) -> dict[str, Any]:
+    """A per-parameter plan: the dense weight by TopK with error feedback, the rest by default; the log
+    records bytes per collective."""
+    model = _model(0)
+    log = CommLog()
+    plan = {"2.weight": Compressed(TopK(0.5), ErrorFeedback())}
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, plan=plan, log=log)
+    opt.zero_grad()
+    model(_batch(0, rank, 1.0)).square().mean().backward()
+    opt.step()
+    return {"ops": sorted({r.op for r in log.records}), "bytes": sum(r.bytes_sent for r in log.records),
+            "params": [p.detach().numpy().copy() for p in model.parameters()]}  # fmt: skip
+
+
+def errors_worker(rank: int) -> list[str]:
+    """Misuse inside a process group: each must raise with a message, never wrap silently."""
+    model = _model(0)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    out = []
+    for bad in (
+        lambda: DistributedOptimizer(opt, model),
+        lambda: opt.add_param_group({"params": [nn.Parameter(torch.zeros(2))]}),
+        lambda: DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, op="avg"),
+        lambda: DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), model, plan={"nope": Compressed(TopK(0.5))}
+        ),
+    ):
+        try:
+            bad()
+            out.append("no error")
+        except (TypeError, ValueError, KeyError) as e:
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def hook_worker(rank: int) -> dict[str, Any]:
+    """DDP with sparsync's hook: TopK + error feedback for dense gradients; the sparse embedding by the
+    lossless row-sparse allreduce unless a plan names it; every reduction in the log."""
+    from sparsync.hooks import compression_hook
+
+    out: dict[str, Any] = {}
+    for case in ("default", "plan"):
+        model = _model(0)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        log = CommLog()
+        plan = {"module.0.weight": TopK(0.1)} if case == "plan" else None
+        ddp.register_comm_hook(None, compression_hook(TopK(0.5), ErrorFeedback(), module=ddp, log=log, plan=plan))
+        x = _batch(0, rank, 1.0)
+        (ddp(x).square().sum() / 5).backward()
+        emb = model[0].weight.grad
+        assert emb is not None and emb.is_sparse
+        out[case] = {"emb": emb.to_dense().numpy().copy(), "records": len(log.records),
+                     "bytes": sum(r.bytes_sent for r in log.records)}  # fmt: skip
+    # the exact mean of the embedding gradient, for comparison
+    ref = _model(0)
+    (ref(_batch(0, rank, 1.0)).square().sum() / 5).backward()
+    assert ref[0].weight.grad is not None
+    g = ref[0].weight.grad.to_dense()
+    dist.all_reduce(g)
+    out["exact"] = (g / dist.get_world_size()).numpy()
+    errors = []
+    for bad in (
+        lambda: compression_hook(TopK(0.5), plan={"x": TopK(0.1)}),
+        lambda: compression_hook(TopK(0.5), module=ddp, plan={"nope": TopK(0.1)}),
+    ):
+        try:
+            bad()
+            errors.append("no error")
+        except (ValueError, KeyError) as e:
+            errors.append(str(e))
+    out["errors"] = errors
+    return out
