@@ -98,6 +98,7 @@ def test_elastic_hybrid_restart_resumes_servers_and_residuals_bit_for_bit(tmp_pa
     assert len(want) == 1 and {p for *_, p in final} == want, (final, clean.stdout)
 
 
+@pytest.mark.large  # by hand (`-m large`): the hybrid restart above covers it and more, in CI time
 def test_elastic_restart_resumes_bit_for_bit(tmp_path: Path) -> None:
     example = str(ROOT / "examples" / "elastic_restart.py")
     out = _cluster([example, str(tmp_path / "killed"), "--kill-rank", "3", "--kill-step", "5"], tmp_path,

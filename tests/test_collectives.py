@@ -19,7 +19,7 @@ from sparsync.collectives._meta import ROW_BYTES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
-WORLD_SIZES = (1, 2, 3, 4, 5, 8)
+WORLD_SIZES = (1, 2, 3, 4, 5, pytest.param(8, marks=pytest.mark.large))  # P = 8: `-m large` (CI time)
 TOL = {"float32": {"rtol": 1e-6, "atol": 1e-5}, "float64": {"rtol": 1e-13, "atol": 1e-13}}
 GRID = w.grid_cases(full=False)
 

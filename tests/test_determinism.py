@@ -12,7 +12,7 @@ from sparsync import launch
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.large)])
 def test_two_sync_runs_are_bit_identical(world: int) -> None:
     first = launch(dw.train, nprocs=world, args=(6,), timeout=120)
     second = launch(dw.train, nprocs=world, args=(6,), timeout=120)

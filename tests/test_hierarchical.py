@@ -15,7 +15,7 @@ from sparsync import launch
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 # (world size, ranks per host): one host, hosts of one rank (degenerate: flat), 2 x 2, 2 x 3.
-LAYOUTS = ((1, 1), (3, 1), (5, 1), (4, 2), (6, 3))
+LAYOUTS = ((1, 1), (3, 1), (5, 1), (4, 2), pytest.param(6, 3, marks=pytest.mark.large))
 
 
 @pytest.mark.parametrize(("world", "per_host"), LAYOUTS, ids=lambda v: str(v))

@@ -40,7 +40,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("world", [1, 3, 4])
+@pytest.mark.parametrize("world", [1, 3, pytest.param(4, marks=pytest.mark.large)])
 def test_sync_hybrid_equals_single_process(world: int) -> None:
     # One fresh pair of servers per case: each case trains its own table from step 0.
     cases = []

@@ -18,7 +18,7 @@ from sparsync.collectives.partition import Partition
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
 
-@pytest.fixture(scope="module", params=(1, 3, 5, 8), ids=lambda p: f"P{p}")
+@pytest.fixture(scope="module", params=(1, 3, 5, pytest.param(8, marks=pytest.mark.large)), ids=lambda p: f"P{p}")
 def run(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
     world = request.param
     return world, launch(rw.rows_worker, nprocs=world, timeout=300)

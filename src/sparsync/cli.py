@@ -95,6 +95,22 @@ def _add_embedding_parser(bsub: Any) -> None:
     em.add_argument("--no-progress", action="store_true")
 
 
+def _add_dlrm_parser(bsub: Any) -> None:
+    from sparsync.bench.dlrm_train import METHODS as DLRM_METHODS
+
+    dl = bsub.add_parser("dlrm", help="DLRM on Criteo-format data: DDP (dense, sparse) vs sparsync (issue 17)")
+    dl.add_argument("--procs", type=_ints, default=(4,), help="world sizes, e.g. 4,8")
+    dl.add_argument("--data", type=Path, default=None, help="a Criteo-format file (default: generate one)")
+    dl.add_argument("--steps", type=int, default=30)
+    dl.add_argument("--batch", type=int, default=128, help="samples per rank per step")
+    dl.add_argument("--max-rows", type=parse_size, default=100_000, help="rows per table at most")
+    dl.add_argument("--dim", type=int, default=16)
+    dl.add_argument("--methods", type=_choices(DLRM_METHODS, "methods"), default=DLRM_METHODS)
+    dl.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
+    dl.add_argument("--latency", default=None)
+    dl.add_argument("--out", type=Path, default=Path("results/dlrm"), help="path stem for .json/.md")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsync", description="Sparse collectives for PyTorch training.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -154,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     hy.add_argument("--search-partitions", action="store_true", help="run Parallax's partition search first")
     hy.add_argument("--no-prefetch", action="store_true", help="PS methods: pull each step's rows in that step")
     _add_embedding_parser(bsub)
+    _add_dlrm_parser(bsub)
     cl = sub.add_parser(
         "cluster",
         help="run a script under torchrun on emulated hosts (one network namespace each, shaped links)",
@@ -276,6 +293,15 @@ def main(argv: list[str] | None = None) -> int:
                                         sketch_lambdas=args.sketch_lambdas)  # fmt: skip
             run_embedding_bench(ecfg, procs, out=args.out, net=args.net, latency=args.latency, console=console,
                                 progress=not args.no_progress, procs_per_host=per_host)  # fmt: skip
+            return 0
+        if args.command == "bench" and args.bench == "dlrm":
+            from sparsync.bench.dlrm_train import DlrmBenchConfig, default_data, run_dlrm_bench
+
+            need = args.steps * args.batch * max(args.procs)
+            data = args.data or default_data(Path("results/criteo_synthetic.txt"), need)
+            dcfg = DlrmBenchConfig(str(data), steps=args.steps, batch=args.batch, max_rows=args.max_rows,
+                                   dim=args.dim, methods=args.methods)  # fmt: skip
+            run_dlrm_bench(dcfg, args.procs, out=args.out, net=args.net, latency=args.latency, console=console)
             return 0
         if args.command == "bench" and args.bench == "compress":
             from sparsync.bench import CompressBenchConfig, run_compress_bench

@@ -1,0 +1,249 @@
+"""``sparsync bench dlrm`` (issue 17): DLRM trained data-parallel on Criteo-format data, torch's own paths
+beside sparsync's, in one run, from the same initial weights, on the same samples:
+
+- ``torch_ddp_dense``: ``DistributedDataParallel`` with dense embedding gradients (``sparse=False``): every
+  table's whole gradient by gloo's ring allreduce, what a user gets from DDP by default;
+- ``torch_ddp_sparse``: DDP with ``nn.EmbeddingBag(sparse=True)``: each table's COO gradient by gloo's sparse
+  allreduce (an allgather of rows), the MLPs in DDP's buckets: torch's own sparse path;
+- ``sparsync``: the same model and SGD, wrapped by ``sparsync.DistributedOptimizer`` (the two-line drop-in):
+  the 26 row-sparse table gradients and the MLPs' dense ones in one grouped sparse allreduce;
+- ``sparsync_dct``: DCT-DP (DCT §3.1) on the MLPs (``Compressed(Threshold(η, lifespan=L), ErrorFeedback())``,
+  the threshold reused for L steps) and the row-sparse allreduce on the tables.
+
+Per method: median seconds per training step (forward, backward, aggregation, SGD) after ``warmup`` steps, the
+slowest rank's; bytes sent per rank per step (sparsync's ``CommLog``; DDP's computed from what gloo sends,
+``bench/ddp_baseline.py``); the mean training loss over the last ``tail`` steps averaged over ranks, and its
+relative difference to ``torch_ddp_sparse``'s (DDP and sparsync take the same SGD steps on the same means, so
+only float rounding separates them; DCT's lossy MLP gradients may move it).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from sparsync.bench.criteo import CriteoBatch, read_criteo, table_rows
+from sparsync.bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
+from sparsync.bench.dlrm import DLRM
+from sparsync.compress import ErrorFeedback, Threshold
+from sparsync.optim import DistributedOptimizer
+from sparsync.record import CommLog
+from sparsync.replicator.optimizer import Compressed
+
+METHODS = ("torch_ddp_dense", "torch_ddp_sparse", "sparsync", "sparsync_dct")
+
+
+@dataclass(frozen=True)
+class DlrmBenchConfig:
+    data: str  # a Criteo-format file (``sparsync.bench.criteo``)
+    steps: int = 30  # training steps per method
+    batch: int = 128  # samples per rank per step
+    max_rows: int = 100_000  # rows per table at most (DLRM's --max-ind-range)
+    dim: int = 16  # embedding width
+    lr: float = 0.1
+    warmup: int = 3  # steps left out of the timing
+    tail: int = 10  # steps whose mean loss is reported
+    dct_ratio: float = 0.01  # DCT-DP's η for sparsync_dct
+    dct_lifespan: int = 10  # DCT-DP's L
+    methods: tuple[str, ...] = METHODS
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad:
+            raise KeyError(f"unknown methods {bad}; valid: {', '.join(METHODS)}")
+        if self.steps <= self.warmup or self.steps < self.tail or min(self.batch, self.tail) < 1:
+            raise ValueError(
+                f"need steps > warmup, steps >= tail >= 1 and batch >= 1, got steps={self.steps}, "
+                f"warmup={self.warmup}, tail={self.tail}, batch={self.batch}"
+            )
+
+
+def _shard(data: CriteoBatch, rank: int, P: int, cfg: DlrmBenchConfig) -> CriteoBatch:
+    """Rank r's samples: consecutive global batches of P·batch, rank r taking its slice of each."""
+    need = cfg.steps * cfg.batch * P
+    if data.label.numel() < need:
+        raise ValueError(f"{cfg.data} holds {data.label.numel()} samples; {cfg.steps} steps of {P} x "
+                         f"{cfg.batch} need {need}")  # fmt: skip
+    idx = torch.arange(need).reshape(cfg.steps, P, cfg.batch)[:, rank].reshape(-1)
+    return CriteoBatch(data.dense[idx], data.sparse[idx], data.label[idx])
+
+
+def _model(cfg: DlrmBenchConfig, sparse: bool) -> DLRM:
+    torch.manual_seed(cfg.seed)
+    return DLRM(table_rows(cfg.max_rows), cfg.dim, bottom=(13, 64, cfg.dim), top=(64, 1), sparse=sparse)
+
+
+def _ddp_bytes(model: DLRM, rows: list[list[int]], rank: int, sparse: bool) -> WireBytes:
+    """What gloo sends for one DDP step: the dense parameters by ring allreduce (all of them without sparse
+    gradients), each table's rows by its sparse allreduce (rows[t][i]: table t's rows on rank i)."""
+    P = len(rows[0]) if rows else 1
+    tables = {id(p) for t in model.tables for p in t.parameters()}
+    dense = sum(p.numel() * p.element_size() for p in model.parameters() if sparse is False or id(p) not in tables)
+    total = ring_allreduce_bytes(dense, P)
+    if sparse:
+        for t, per_rank in zip(model.tables, rows, strict=True):
+            w = t.weight
+            assert isinstance(w, torch.Tensor)
+            total = total + gloo_sparse_allreduce_bytes(per_rank, w.shape[1] * w.element_size(), rank)
+    return total
+
+
+def _train(method: str, cfg: DlrmBenchConfig, shard: CriteoBatch, rank: int, P: int) -> dict[str, Any]:
+    sparse = method != "torch_ddp_dense"
+    model = _model(cfg, sparse)
+    log = CommLog()
+    forward: nn.Module = model
+    opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    if method.startswith("torch_ddp"):
+        forward = DistributedDataParallel(model)
+    else:
+        plan = None
+        if method == "sparsync_dct":
+            dct = Compressed(Threshold(cfg.dct_ratio, lifespan=cfg.dct_lifespan), ErrorFeedback())
+            plan = {n: dct for n, _ in model.named_parameters() if not n.startswith("tables.")}
+        opt = DistributedOptimizer(opt, model, plan=plan, log=log)
+    times, losses, rows = [], [], []
+    for s in range(cfg.steps):
+        sl = slice(s * cfg.batch, (s + 1) * cfg.batch)
+        dense, cats, label = shard.dense[sl], shard.sparse[sl], shard.label[sl]
+        dist.barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = nn.functional.binary_cross_entropy_with_logits(forward(dense, cats), label)
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        rows.append([int(torch.unique(cats[:, j]).numel()) for j in range(cats.shape[1])])
+
+    t = torch.tensor([statistics.median(times[cfg.warmup :])], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    tail = torch.tensor([statistics.fmean(losses[-cfg.tail :])], dtype=torch.float64)
+    dist.all_reduce(tail)
+    if method.startswith("torch_ddp"):
+        everyone: list[Any] = [None] * P
+        dist.all_gather_object(everyone, rows)
+        per_step = [
+            _ddp_bytes(
+                model, [[everyone[r][s][j] for r in range(P)] for j in range(len(rows[0]))], rank, sparse
+            ).sent
+            for s in range(cfg.steps)
+        ]
+        nbytes = statistics.fmean(per_step)
+    else:
+        nbytes = sum(r.bytes_sent for r in log.records) / cfg.steps
+    digest = float(sum(p.detach().double().abs().sum() for p in model.parameters()))
+    return {"method": method, "step_s": float(t), "bytes_per_step": nbytes, "loss": float(tail) / P,
+            "first_loss": losses[0], "param_abs_sum": digest}  # fmt: skip
+
+
+def worker(rank: int, cfg: DlrmBenchConfig, data: CriteoBatch) -> list[dict[str, Any]]:
+    P = dist.get_world_size()
+    shard = _shard(data, rank, P, cfg)
+    out = []
+    for m in cfg.methods:
+        row = _train(m, cfg, shard, rank, P)
+        row["world_size"] = P
+        out.append(row)
+        if rank == 0:
+            print(f"  {m}: {row['step_s'] * 1e3:.1f} ms/step, {row['bytes_per_step'] / 1e6:.2f} MB/step, "
+                  f"loss {row['loss']:.5f}", flush=True)  # fmt: skip
+    return out
+
+
+def load(cfg: DlrmBenchConfig, P: int) -> CriteoBatch:
+    return read_criteo(cfg.data, max_rows=cfg.max_rows, limit=cfg.steps * cfg.batch * P)
+
+
+def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Adds, per world size, each method's speedup over torch_ddp_sparse and its loss difference to it."""
+    for P in sorted({r["world_size"] for r in rows}):
+        mine = [r for r in rows if r["world_size"] == P]
+        base = next((r for r in mine if r["method"] == "torch_ddp_sparse"), None)
+        for r in mine:
+            if base is not None:
+                r["speedup_vs_ddp_sparse"] = base["step_s"] / r["step_s"]
+                r["loss_rel_diff"] = abs(r["loss"] - base["loss"]) / base["loss"]
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]], cfg: DlrmBenchConfig, where: str) -> str:
+    lines = [
+        f"### DLRM, {where}, {cfg.batch} samples per rank per step, {cfg.steps} steps, tables capped at "
+        f"{cfg.max_rows:,} rows, dim {cfg.dim}",
+        "",
+        "| P | method | ms/step | MB sent/rank/step | loss (last steps) | vs DDP sparse: speed | loss diff |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        sp, ld = r.get("speedup_vs_ddp_sparse"), r.get("loss_rel_diff")
+        lines.append(
+            f"| {r['world_size']} | {r['method']} | {r['step_s'] * 1e3:.1f} | {r['bytes_per_step'] / 1e6:.2f} | "
+            f"{r['loss']:.5f} | {'-' if sp is None else f'{sp:.2f}x'} | {'-' if ld is None else f'{ld:.2%}'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def config_dict(cfg: DlrmBenchConfig) -> dict[str, Any]:
+    return asdict(cfg)
+
+
+def default_data(path: Path, samples: int) -> Path:
+    """A generated Criteo-format file at ``path`` (written once; reused when it already holds enough lines)."""
+    from sparsync.bench.criteo import write_criteo
+
+    if path.exists():
+        with path.open() as f:
+            if sum(1 for _ in f) >= samples:
+                return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_criteo(path, samples)
+
+
+def run_dlrm_bench(
+    cfg: DlrmBenchConfig,
+    procs: tuple[int, ...],
+    *,
+    out: Path,
+    net: str | None = None,
+    latency: str | None = None,
+    console: Any = None,
+    timeout: float = 1800.0,
+) -> list[dict[str, Any]]:
+    """Every method at every world size in ``procs`` (shaped namespaces with ``net``); writes out.md/.json."""
+    import json
+
+    from rich.console import Console
+
+    from sparsync.launch import launch
+    from sparsync.netem import describe, net_spec, shaped
+
+    console = console or Console()
+    spec = net_spec(net, latency)
+    where = describe(spec)
+    rows: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for P in procs:
+        console.print(f"[bold]P = {P}[/], DLRM on {cfg.data}, {where}: {', '.join(cfg.methods)}")
+        data = load(cfg, P)
+        with shaped(P, spec) as ns:
+            got = launch(worker, nprocs=P, args=(cfg, data), timeout=timeout, netns=ns)
+        rows += got[0]
+    summarize(rows)
+    text = markdown(rows, cfg, where)
+    console.print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"config": config_dict(cfg), "procs": list(procs), "net": net, "seconds": time.perf_counter() - t0}
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    out.with_suffix(".md").write_text(text)
+    console.print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}")
+    return rows

@@ -1,0 +1,92 @@
+"""DLRM and Criteo's text format (issue 17): the generator writes the format with Kaggle's cardinalities and
+power-law frequencies, the reader parses it (and a hand-written file) exactly and names bad lines; the model
+has the reference architecture's shapes and learns; the benchmark's methods train to the same loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from sparsync.bench.criteo import KAGGLE_CARDINALITIES, read_criteo, table_rows, write_criteo
+from sparsync.bench.dlrm import DLRM
+
+
+def test_the_generator_writes_criteo_lines_with_kaggle_cardinalities_and_skewed_categories(tmp_path: Path) -> None:
+    path = write_criteo(tmp_path / "c.txt", 4000, seed=3)
+    lines = path.read_text().splitlines()
+    assert len(lines) == 4000 and all(len(line.split("\t")) == 40 for line in lines)
+    b = read_criteo(path)
+    assert b.dense.shape == (4000, 13) and b.sparse.shape == (4000, 26) and b.label.shape == (4000,)
+    assert set(b.label.unique().tolist()) <= {0.0, 1.0} and 0.05 < float(b.label.mean()) < 0.95
+    assert len(KAGGLE_CARDINALITIES) == 26 and sum(KAGGLE_CARDINALITIES) > 33_000_000
+    assert bool((b.sparse < torch.tensor(KAGGLE_CARDINALITIES)).all())
+    # power law: on the 10M-row feature the most frequent row takes a large share of 4000 draws
+    _, counts = np.unique(b.sparse[:, 2].numpy(), return_counts=True)
+    assert counts.max() > 100, counts.max()
+    assert write_criteo(tmp_path / "d.txt", 4000, seed=3).read_text() == path.read_text()  # seeded
+
+
+def test_the_reader_parses_by_hand_and_names_bad_lines(tmp_path: Path) -> None:
+    cats = ["0000000a", ""] + ["ff"] * 24
+    good = "\t".join(["1", "3", "", "-2", *["0"] * 10, *cats])
+    (tmp_path / "ok.txt").write_text(good + "\n")
+    b = read_criteo(tmp_path / "ok.txt", max_rows=7)
+    np.testing.assert_allclose(b.dense[0, :3].numpy(), [np.log1p(3), 0.0, 0.0])  # empty and negative: 0
+    assert b.sparse[0, 0] == 10 % min(1460, 7) and b.sparse[0, 1] == 0 and b.sparse[0, 2] == 255 % 7
+    assert table_rows(7)[:3] == [7, 7, 7] and table_rows(None)[8] == 3
+    (tmp_path / "short.txt").write_text(good + "\n" + "1\t2\n")
+    with pytest.raises(ValueError, match=r"short\.txt:2: 2 fields, want 40"):
+        read_criteo(tmp_path / "short.txt")
+    (tmp_path / "nan.txt").write_text(good.replace("\t3\t", "\tx\t", 1) + "\n")
+    with pytest.raises(ValueError, match=r"nan\.txt:1: .*'x'"):
+        read_criteo(tmp_path / "nan.txt")
+    (tmp_path / "label.txt").write_text("2" + good[1:] + "\n")
+    with pytest.raises(ValueError, match="label 2 on sample 1"):
+        read_criteo(tmp_path / "label.txt")
+    with pytest.raises(ValueError, match="max_rows must be >= 1"):
+        table_rows(0)
+
+
+def test_dlrm_shapes_and_learning(tmp_path: Path) -> None:
+    rows = table_rows(1000)
+    m = DLRM(rows, 8, bottom=(13, 16, 8), top=(32, 1))
+    assert len(m.tables) == 26 and m.top[0].in_features == 8 + 27 * 26 // 2
+    assert all(t.sparse for t in m.tables)
+    b = read_criteo(write_criteo(tmp_path / "c.txt", 6000, seed=1), max_rows=1000)
+    torch.manual_seed(0)
+    opt = torch.optim.SGD(m.parameters(), lr=0.2)
+    loss_fn = torch.nn.functional.binary_cross_entropy_with_logits
+    with torch.no_grad():
+        first = float(loss_fn(m(b.dense[5000:], b.sparse[5000:]), b.label[5000:]))
+    for i in range(0, 5000, 100):  # one epoch (more overfits the rare categories' rows)
+        opt.zero_grad()
+        loss_fn(m(b.dense[i : i + 100], b.sparse[i : i + 100]), b.label[i : i + 100]).backward()
+        opt.step()
+        grads = [t.weight.grad for t in m.tables]
+        assert all(g is not None and g.is_sparse for g in grads)
+    with torch.no_grad():
+        held_out = float(loss_fn(m(b.dense[5000:], b.sparse[5000:]), b.label[5000:]))
+    assert held_out < first - 0.05, (first, held_out)
+    with pytest.raises(ValueError, match="must end at the embedding width 8"):
+        DLRM(rows, 8, bottom=(13, 16))
+
+
+@pytest.mark.multiprocess
+def test_bench_methods_train_to_the_same_loss_and_sparsync_sends_less(tmp_path: Path) -> None:
+    from sparsync import launch
+    from sparsync.bench.dlrm_train import DlrmBenchConfig, load, summarize, worker
+
+    cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", 2 * 6 * 32)), steps=6, batch=32, max_rows=2000,
+                          dim=8, warmup=1, tail=3)  # fmt: skip
+    rows = {r["method"]: r for r in summarize(launch(worker, nprocs=2, args=(cfg, load(cfg, 2)))[0])}
+    assert set(rows) == {"torch_ddp_dense", "torch_ddp_sparse", "sparsync", "sparsync_dct"}
+    base = rows["torch_ddp_sparse"]
+    for m in ("torch_ddp_dense", "sparsync"):  # the same SGD steps on the same means: rounding apart
+        assert rows[m]["loss"] == pytest.approx(base["loss"], rel=1e-5), (m, rows[m]["loss"], base["loss"])
+        assert rows[m]["param_abs_sum"] == pytest.approx(base["param_abs_sum"], rel=1e-5), m
+    assert rows["sparsync"]["bytes_per_step"] < rows["torch_ddp_dense"]["bytes_per_step"] / 5
+    assert all(r["bytes_per_step"] > 0 and r["step_s"] > 0 for r in rows.values())
+    assert rows["sparsync_dct"]["bytes_per_step"] < rows["sparsync"]["bytes_per_step"]
