@@ -11,13 +11,15 @@ in ``DistributedDataParallel`` (``extend_distributed.DDP``). The integration is 
 after those two wraps; this runner adds them by wrapping ``extend_distributed.DDP`` instead of editing DLRM's
 file::
 
-    dlrm.bot_l.register_comm_hook(None, compression_hook(Threshold(0.01, lifespan=10), ErrorFeedback(), module=dlrm.bot_l))
-    dlrm.top_l.register_comm_hook(None, compression_hook(Threshold(0.01, lifespan=10), ErrorFeedback(), module=dlrm.top_l))
+    dct = dict(compressor=Threshold(0.01, lifespan=10), memory=ErrorFeedback())
+    dlrm.bot_l.register_comm_hook(None, compression_hook(**dct, module=dlrm.bot_l))
+    dlrm.top_l.register_comm_hook(None, compression_hook(**dct, module=dlrm.top_l))
 
 That is DCT-DP on the data-parallel MLPs (DCT §3.1, Threshold with life-span L); ``--hook identity`` runs the
-hook without compression (DDP's result, through sparsync); ``--hook none`` runs DLRM untouched. DLRM's own
-``SummaryWriter`` is replaced by a no-op (no tensorboard needed). At exit every rank prints the bytes sparsync's
-hook sent (its ``CommLog``).
+hook without compression (DDP's result, through sparsync); ``--hook none`` runs DLRM untouched;
+``--hook none-own-group`` (a diagnostic) gives DDP's own allreduce a process group apart from the alltoall's.
+DLRM's own ``SummaryWriter`` is replaced by a no-op (no tensorboard needed). At exit every rank prints the bytes
+sparsync's hook sent and the algorithms it ran (its ``CommLog``).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class _NoWriter:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dlrm_dir", type=Path, help="a checkout of facebookresearch/dlrm")
-    ap.add_argument("--hook", choices=("none", "identity", "threshold"), default="threshold")
+    ap.add_argument("--hook", choices=("none", "none-own-group", "identity", "threshold"), default="threshold")
     ap.add_argument("--ratio", type=float, default=0.01, help="DCT-DP's η")
     ap.add_argument("--lifespan", type=int, default=10, help="DCT-DP's L")
     argv = sys.argv[1:]
@@ -61,7 +63,14 @@ def main() -> None:
     import extend_distributed as ext_dist  # DLRM's module, from its checkout
 
     log = CommLog()
-    if a.hook != "none":
+    if a.hook == "none-own-group":  # diagnostic: DDP's own allreduce, on a group apart from the alltoall's
+        plain = ext_dist.DDP
+
+        def ddp_own_group(module: Any, **kwargs: Any) -> Any:
+            return plain(module, process_group=dist.new_group(), **kwargs)
+
+        ext_dist.DDP = ddp_own_group
+    elif a.hook != "none":
         wrap = ext_dist.DDP
 
         def ddp_with_hook(module: Any, **kwargs: Any) -> Any:
@@ -75,10 +84,12 @@ def main() -> None:
         ext_dist.DDP = ddp_with_hook
 
     def report() -> None:
-        if a.hook != "none" and dist.is_initialized():
+        if a.hook in ("identity", "threshold") and dist.is_initialized():
             calls = len(log.records)
             sent = sum(r.bytes_sent for r in log.records)
-            print(f"sparsync hook ({a.hook}) on rank {dist.get_rank()}: {calls} reductions, {sent / 1e6:.2f} MB sent")
+            algs = sorted({r.algorithm for r in log.records})
+            print(f"sparsync hook ({a.hook}) on rank {dist.get_rank()}: {calls} reductions, {sent / 1e6:.2f} MB "
+                  f"sent, algorithms {algs}")  # fmt: skip
 
     atexit.register(report)
     import dlrm_s_pytorch

@@ -100,9 +100,16 @@ def compression_hook(
         params = bucket.parameters()
         grads = bucket.gradients() if not buffer.is_sparse else [buffer]
         works: list[Work[torch.Tensor]] = []
-        for j, (p, grad) in enumerate(zip(params, grads, strict=True)):
-            name = names.get(id(p)) or f"bucket{bucket.index()}.{j}"
-            c = chosen(name, grad)
+        todo = [
+            (names.get(id(p)) or f"bucket{bucket.index()}.{j}", grad)
+            for j, (p, grad) in enumerate(zip(params, grads, strict=True))
+        ]
+        comps = [chosen(name, grad) for name, grad in todo]
+        if not buffer.is_sparse and len(todo) > 1 and all(isinstance(c, Identity) for c in comps):
+            # Nothing to compress layer by layer: the bucket's flat buffer in one call (one metadata round,
+            # as DDP's own hook sends it), not one call per gradient.
+            todo, comps = [(f"bucket{bucket.index()}", buffer.view(-1))], [lossless]
+        for (name, grad), c in zip(todo, comps, strict=True):
             out = reduce(
                 grad, c, memory=None if isinstance(c, Identity) else memory, name=name, group=own,
                 average=average, async_op=async_op, algorithm=algorithm, log=log,
