@@ -9,6 +9,8 @@ laptop scale). One input pipeline per worker (PER_WORKER), split across the repl
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -41,7 +43,7 @@ def input_fn(worker_id: int) -> object:
             yield {"x": x[idx], "y": y[idx]}
 
 
-def replica(ctx: ReplicaContext) -> str:
+def replica(ctx: ReplicaContext, curve: str | None = None) -> str:
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
@@ -57,6 +59,9 @@ def replica(ctx: ReplicaContext) -> str:
         return loss
 
     losses = [ctx.run(step_fn, b, outputs="mean") for b in ctx.input(input_fn)]
+    if curve and ctx.replica_id == 0:  # the loss curve (mean over replicas), for `sparsync reproduce`
+        with open(curve, "w") as f:
+            json.dump([float(x) for x in losses], f)
     _, _, xt, yt = data()
     with torch.no_grad():
         correct = ctx.all_sum((model(xt).argmax(1) == yt).sum())  # the same test set everywhere: R x
@@ -70,7 +75,8 @@ def replica(ctx: ReplicaContext) -> str:
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--replicas", type=int, default=None, help="default: torchrun's world, else 4")
+    p.add_argument("--curve", default=None, help="write the loss per step (JSON list) to this file")
     args = p.parse_args()
     n = args.replicas or (None if under_torchrun() else 4)
-    for line in Replicator(num_replicas=n).start(replica):
+    for line in Replicator(num_replicas=n).start(functools.partial(replica, curve=args.curve)):
         print(line)

@@ -188,7 +188,35 @@ def build_parser() -> argparse.ArgumentParser:
     from sparsync.placement import cli_plan
 
     cli_plan.add_parser(sub)
+    _add_reproduce_parser(sub)
     return p
+
+
+def _add_reproduce_parser(sub: Any) -> None:
+    from sparsync.bench.reproduce import SECTIONS
+
+    rp = sub.add_parser(
+        "reproduce",
+        help="each paper's headline experiment at laptop scale, one report (markdown + plots)",
+        description="Runs SparCML Fig. 4, S2 vs OmniReduce, DCT on DLRM, Parallax Table 3/4 on a language model "
+        "and TF-Replicator's one-script-any-scale, each beside torch's own path, and writes OUT/report.md.",
+    )
+    rp.add_argument("--quick", action="store_true", help="minutes instead of an hour: smaller sizes and P")
+    rp.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
+    rp.add_argument("--sections", type=_choices(SECTIONS, "sections"), default=SECTIONS,
+                    help=f"comma-separated subset of {','.join(SECTIONS)}")  # fmt: skip
+    rp.add_argument("--corpus", type=Path, default=None,
+                    help="text for the language model (default GCIDE: apt-get install dict-gcide)")  # fmt: skip
+    rp.add_argument("--out", type=Path, default=Path("results/reproduce"), help="directory for report.md")
+
+
+def _reproduce(args: argparse.Namespace, console: Console) -> int:
+    from sparsync.bench.reproduce import FULL, QUICK, run_reproduce
+
+    report = run_reproduce(args.out, scale=QUICK if args.quick else FULL, net=args.net, sections=args.sections,
+                           corpus=args.corpus, console=console)  # fmt: skip
+    console.print(f"[bold]report:[/] {report}")
+    return 0
 
 
 def _hosts(args: argparse.Namespace, procs: tuple[int, ...]) -> tuple[tuple[int, ...], int | None]:
@@ -258,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "cluster":
             return _cluster(args, console)
+        if args.command == "reproduce":
+            return _reproduce(args, console)
         if args.command == "plan":
             from sparsync.placement import cli_plan
 

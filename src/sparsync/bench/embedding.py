@@ -18,6 +18,8 @@ region), interleaved in a fresh order every round:
   row's median is the per-repeat difference, DDP's reduction time.
 - every sparsync algorithm and ``auto``: ``sparsync.allreduce(grad, algorithm=..., group=g, log=log)``; the
   ``/range`` variants of the split algorithms pass ``partition="range"``.
+- ``omnireduce``: S2's baseline, an OmniReduce-style block-sparse allreduce (non-zero blocks of 256 values,
+  sharded aggregation; ``omnireduce.py``).
 - ``sketch``: the S2 sketch, one method ``sketch@λ`` per λ of ``sketch_lambdas`` (``embedding_sketch.py``:
   ``sparsync.reduce`` with ``SparseSketch(ratio=λ·α)``, α the point's expected row density; its rows add the
   aggregate's error, the bitmap's match and the compress/decompress time).
@@ -60,6 +62,7 @@ import sparsync
 from sparsync.bench import embedding_sketch as es
 from sparsync.bench.allreduce import COO_MACHINE_SHARE, HIERARCHICAL, coo_too_big
 from sparsync.bench.ddp_baseline import gloo_sparse_allreduce_bytes, ring_allreduce_bytes
+from sparsync.bench.omnireduce import block_allreduce
 from sparsync.collectives._meta import EAGER_LIMIT
 from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce
 from sparsync.collectives.tensor import coo_to_stream, stream_to_coo
@@ -70,7 +73,8 @@ from sparsync.record import CommLog
 
 SPLIT_RANGE = ("ssar_split_allgather/range", "dsar_split_allgather/range")
 TORCH_METHODS = ("torch_dense", "torch_coo", "torch_ddp")
-METHODS = (*TORCH_METHODS, *ALGORITHMS, *SPLIT_RANGE, "auto", es.SKETCH)
+OMNIREDUCE = "omnireduce"  # S2's baseline: non-zero blocks of 256 values only (bench/omnireduce.py)
+METHODS = (*TORCH_METHODS, *ALGORITHMS, *SPLIT_RANGE, "auto", es.SKETCH, OMNIREDUCE)
 HOT = ("low", "permuted")
 DENSE_COPIES = 3  # torch_dense holds the dense gradient, its per-repeat copy and gloo's buffer on every rank
 
@@ -247,6 +251,9 @@ def _runner(method: str, work: Workload, grad: torch.Tensor, group: dist.Process
     if method in ctx.sketches:
         sk, slog = ctx.sketches[method], ctx.logs[method]
         return lambda: (_timed(lambda: es.reduce_sum(grad, sk, group, slog)), None)
+    if method == OMNIREDUCE:
+        olog = ctx.logs[method]
+        return lambda: (_timed(lambda: block_allreduce(grad, group=group, log=olog, link=ctx.link)), None)
     if method in HIERARCHICAL:
         hlog = ctx.logs[method]
         return lambda: (_timed(lambda: _hierarchical(method, grad, ctx, hlog)), None)
@@ -343,6 +350,8 @@ def _result_note(method: str, ctx: _Context, grad: torch.Tensor, ref: torch.Tens
     kwargs: dict[str, Any] = {"partition": part} if part else {}
     if method in HIERARCHICAL:
         res = _hierarchical(method, grad, ctx).coalesce()
+    elif method == OMNIREDUCE:
+        res = block_allreduce(grad, group=ctx.groups[method], link=ctx.link)
     else:
         out = sparsync.allreduce(grad, algorithm=alg, group=ctx.groups[method], link=ctx.link, **kwargs)
         res = cast(torch.Tensor, out).coalesce()  # async_op=False: a tensor

@@ -38,8 +38,8 @@ class SampledLM(nn.Module):
 
 
 class Corpus:
-    """Token stream: Zipf(s) over ``vocab`` ids, or the words of text files (the ``vocab - 1`` most frequent
-    words, the rest mapped to id vocab-1)."""
+    """Token stream: Zipf(s) over ``vocab`` ids, the words of text files (the ``vocab - 1`` most frequent
+    words, the rest mapped to id vocab-1), or ``.npy`` token ids from ``sparsync.bench.corpus``."""
 
     def __init__(self, vocab: int, *, files: Sequence[Path] = (), zipf: float = 1.0, seed: int = 0) -> None:
         if vocab < 2:
@@ -47,7 +47,12 @@ class Corpus:
         self.vocab = vocab
         self.rng = np.random.default_rng(seed)
         self.stream: np.ndarray | None = None
-        if files:
+        if files and all(Path(f).suffix == ".npy" for f in files):
+            # token ids prepared by ``sparsync.bench.corpus.prepare_corpus``; ids past this vocab share the last
+            self.stream = np.minimum(np.concatenate([np.load(f).astype(np.int64) for f in files]), vocab - 1)
+            if self.stream.size < 2 or self.stream.min() < 0:
+                raise ValueError(f"token files {list(map(str, files))}: need >= 2 non-negative ids")
+        elif files:
             words: list[str] = []
             for f in files:
                 words.extend(Path(f).read_text(errors="replace").split())
