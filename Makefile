@@ -1,5 +1,5 @@
 # The two commands of the README. Both create .venv first (scripts/setup.sh).
-.PHONY: setup demo test lint bench-large
+.PHONY: setup demo test lint bench-large reproduce
 setup:
 	@bash scripts/setup.sh
 
@@ -16,3 +16,8 @@ test: setup
 # The big grids, by hand.
 test-large: setup
 	.venv/bin/python -m pytest -q -m large
+
+# Each paper's headline result at laptop scale (docs/reproduce_quick.md); the LM corpus is Debian's dict-gcide.
+reproduce: setup
+	@test -f /usr/share/dictd/gcide.dict.dz || apt-get install -y -q dict-gcide >/dev/null
+	.venv/bin/sparsync reproduce --quick --net 1gbit --out results/reproduce_quick
