@@ -4,6 +4,7 @@ has the reference architecture's shapes and learns; the benchmark's methods trai
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -90,3 +91,23 @@ def test_bench_methods_train_to_the_same_loss_and_sparsync_sends_less(tmp_path: 
     assert rows["sparsync"]["bytes_per_step"] < rows["torch_ddp_dense"]["bytes_per_step"] / 5
     assert all(r["bytes_per_step"] > 0 and r["step_s"] > 0 for r in rows.values())
     assert rows["sparsync_dct"]["bytes_per_step"] < rows["sparsync"]["bytes_per_step"]
+
+
+@pytest.mark.multiprocess
+def test_omnireduce_and_sketch_methods_on_the_large_tables(tmp_path: Path) -> None:
+    """S2's comparison on DLRM (sparsync reproduce): the OmniReduce-style allreduce is exact, so it trains to
+    sparsync's loss; the sketch is lossy but trains, and sends bytes."""
+    from sparsync import launch
+    from sparsync.bench.dlrm_train import DlrmBenchConfig, load, summarize, worker
+
+    cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", 3 * 6 * 32)), steps=6, batch=32, max_rows=2000,
+                          dim=8, warmup=1, tail=3, large_table_rows=500,
+                          methods=("sparsync", "sparsync_omnireduce", "sparsync_sketch"))  # fmt: skip
+    rows = {r["method"]: r for r in summarize(launch(worker, nprocs=3, args=(cfg, load(cfg, 3)))[0])}
+    base, omni, sk = rows["sparsync"], rows["sparsync_omnireduce"], rows["sparsync_sketch"]
+    assert omni["loss"] == pytest.approx(base["loss"], rel=1e-5)
+    assert omni["param_abs_sum"] == pytest.approx(base["param_abs_sum"], rel=1e-5)
+    assert omni["bytes_per_step"] != base["bytes_per_step"]  # the large tables went another way
+    assert sk["bytes_per_step"] > 0 and math.isfinite(sk["loss"]) and sk["param_abs_sum"] != base["param_abs_sum"]
+    with pytest.raises(KeyError, match="unknown methods"):
+        DlrmBenchConfig("x", methods=("sparsync_nope",))

@@ -79,3 +79,10 @@ def test_ddp_hook_keeps_sparse_gradients_lossless_unless_the_plan_says_otherwise
         assert "plan= needs module=" in r["errors"][0] and "unknown parameters ['nope']" in r["errors"][1]
     for r in res[1:]:
         assert np.array_equal(r["plan"]["emb"], res[0]["plan"]["emb"])
+
+
+@pytest.mark.parametrize("P", [1, 3, 5])
+def test_bucketed_compression_is_exact_lossless_and_equals_flattening_by_hand(P: int) -> None:
+    for r in launch(ow.bucket_worker, nprocs=P):
+        assert max(r["lossless"]) < 1e-6, r["lossless"]
+        assert all(r["lossy_same"]), r["lossy_same"]

@@ -148,7 +148,7 @@ def test_dlrm_markdown_bytes_and_wall_clock_ratios() -> None:
 
     md = rp.dlrm_markdown([row("torch_ddp_dense", 0.5, 1e8, 0.5), row("torch_ddp_sparse", 0.1, 1e6, 0.5),
                            row("sparsync", 0.02, 1e6, 0.5), row("sparsync_dct", 0.05, 1e5, 0.5005)])  # fmt: skip
-    assert "| sparsync_dct | 50.0 | 0.10 | 0.50050 | +0.100% | 2.00x |" in md
+    assert "| sparsync_dct | 50.0 | 0.10 | 0.50050 | 0.100% | 2.00x |" in md
     assert "DCT-DP sends 1000.00x fewer bytes than torch_ddp_dense" in md
     assert "DCT-DP sends 10.00x fewer bytes than sparsync" in md
     assert "DCT-DP wall clock / uncompressed sparsync: 2.50x" in md

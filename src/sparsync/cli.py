@@ -97,6 +97,7 @@ def _add_embedding_parser(bsub: Any) -> None:
 
 def _add_dlrm_parser(bsub: Any) -> None:
     from sparsync.bench.dlrm_train import METHODS as DLRM_METHODS
+    from sparsync.bench.dlrm_train import OPTIONAL as DLRM_OPTIONAL
 
     dl = bsub.add_parser("dlrm", help="DLRM on Criteo-format data: DDP (dense, sparse) vs sparsync (issue 17)")
     dl.add_argument("--procs", type=_ints, default=(4,), help="world sizes, e.g. 4,8")
@@ -105,7 +106,14 @@ def _add_dlrm_parser(bsub: Any) -> None:
     dl.add_argument("--batch", type=int, default=128, help="samples per rank per step")
     dl.add_argument("--max-rows", type=parse_size, default=100_000, help="rows per table at most")
     dl.add_argument("--dim", type=int, default=16)
-    dl.add_argument("--methods", type=_choices(DLRM_METHODS, "methods"), default=DLRM_METHODS)
+    dl.add_argument(
+        "--mlp",
+        choices=("small", "kaggle"),
+        default="small",
+        help="small, or kaggle (dlrm_s_pytorch.py's Kaggle MLPs 13-512-256-64, 512-256-1)",
+    )
+    dl.add_argument("--methods", type=_choices((*DLRM_METHODS, *DLRM_OPTIONAL), "methods"), default=DLRM_METHODS,
+                    help=f"default {','.join(DLRM_METHODS)}; also {','.join(DLRM_OPTIONAL)}")  # fmt: skip
     dl.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
     dl.add_argument("--latency", default=None)
     dl.add_argument("--out", type=Path, default=Path("results/dlrm"), help="path stem for .json/.md")
@@ -330,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
             need = args.steps * args.batch * max(args.procs)
             data = args.data or default_data(Path("results/criteo_synthetic.txt"), need)
             dcfg = DlrmBenchConfig(str(data), steps=args.steps, batch=args.batch, max_rows=args.max_rows,
-                                   dim=args.dim, methods=args.methods)  # fmt: skip
+                                   dim=args.dim, methods=args.methods, mlp=args.mlp)  # fmt: skip
             run_dlrm_bench(dcfg, args.procs, out=args.out, net=args.net, latency=args.latency, console=console)
             return 0
         if args.command == "bench" and args.bench == "compress":

@@ -7,8 +7,17 @@ beside sparsync's, in one run, from the same initial weights, on the same sample
   allreduce (an allgather of rows), the MLPs in DDP's buckets: torch's own sparse path;
 - ``sparsync``: the same model and SGD, wrapped by ``sparsync.DistributedOptimizer`` (the two-line drop-in):
   the 26 row-sparse table gradients and the MLPs' dense ones in one grouped sparse allreduce;
-- ``sparsync_dct``: DCT-DP (DCT §3.1) on the MLPs (``Compressed(Threshold(η, lifespan=L), ErrorFeedback())``,
-  the threshold reused for L steps) and the row-sparse allreduce on the tables.
+- ``sparsync_dct``: DCT-DP (DCT §3.1) on the MLPs (``Compressed(Threshold(η, lifespan=L), ErrorFeedback(),
+  bucket=True)``: the threshold reused for L steps, over all MLP gradients as one vector in one collective)
+  and the row-sparse allreduce on the tables.
+
+Two more on request (``--methods``), for S2's comparison (``sparsync reproduce``): the large tables (at least
+``large_table_rows`` rows; the small ones stay on the row-sparse allreduce) by
+
+- ``sparsync_omnireduce``: the OmniReduce-style block-sparse allreduce (``bench/omnireduce.py``, exact);
+- ``sparsync_sketch``: S2's sketch (``Compressed(SparseSketch(ratio=λ·α_t))``, lossy, no error feedback, as
+  S2), α_t the largest share of table t's rows one rank's first batch touches (max over ranks, so every rank
+  builds the same sketch), λ = ``sketch_lambda``.
 
 Per method: median seconds per training step (forward, backward, aggregation, SGD) after ``warmup`` steps, the
 slowest rank's; bytes sent per rank per step (sparsync's ``CommLog``; DDP's computed from what gloo sends,
@@ -33,12 +42,18 @@ from torch.nn.parallel import DistributedDataParallel
 from sparsync.bench.criteo import CriteoBatch, read_criteo, table_rows
 from sparsync.bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
 from sparsync.bench.dlrm import DLRM
-from sparsync.compress import ErrorFeedback, Threshold
+from sparsync.bench.omnireduce import block_allreduce
+from sparsync.compress import ErrorFeedback, SparseSketch, Threshold
 from sparsync.optim import DistributedOptimizer
 from sparsync.record import CommLog
-from sparsync.replicator.optimizer import Compressed
+from sparsync.replicator.optimizer import Compressed, CustomReduce, Placement
 
 METHODS = ("torch_ddp_dense", "torch_ddp_sparse", "sparsync", "sparsync_dct")
+OPTIONAL = ("sparsync_omnireduce", "sparsync_sketch")
+# MLP widths (bottom without its last layer, which is the embedding width; top without its input width):
+# "small" keeps a step's dense part to a few hundred kB; "kaggle" is dlrm_s_pytorch.py's Criteo Kaggle
+# configuration (--arch-mlp-bot 13-512-256-64-16 --arch-mlp-top 512-256-1), 2.2 MB of dense gradients.
+MLPS = {"small": ((13, 64), (64, 1)), "kaggle": ((13, 512, 256, 64), (512, 256, 1))}
 
 
 @dataclass(frozen=True)
@@ -53,13 +68,18 @@ class DlrmBenchConfig:
     tail: int = 10  # steps whose mean loss is reported
     dct_ratio: float = 0.01  # DCT-DP's η for sparsync_dct
     dct_lifespan: int = 10  # DCT-DP's L
+    sketch_lambda: float = 2.0  # S2's λ for sparsync_sketch
+    large_table_rows: int = 10_000  # tables the optional methods reduce their way
+    mlp: str = "small"  # a key of MLPS
     methods: tuple[str, ...] = METHODS
     seed: int = 0
 
     def __post_init__(self) -> None:
-        bad = [m for m in self.methods if m not in METHODS]
+        bad = [m for m in self.methods if m not in (*METHODS, *OPTIONAL)]
         if bad:
-            raise KeyError(f"unknown methods {bad}; valid: {', '.join(METHODS)}")
+            raise KeyError(f"unknown methods {bad}; valid: {', '.join((*METHODS, *OPTIONAL))}")
+        if self.mlp not in MLPS:
+            raise KeyError(f"unknown mlp {self.mlp!r}; valid: {', '.join(MLPS)}")
         if self.steps <= self.warmup or self.steps < self.tail or min(self.batch, self.tail) < 1:
             raise ValueError(
                 f"need steps > warmup, steps >= tail >= 1 and batch >= 1, got steps={self.steps}, "
@@ -79,7 +99,8 @@ def _shard(data: CriteoBatch, rank: int, P: int, cfg: DlrmBenchConfig) -> Criteo
 
 def _model(cfg: DlrmBenchConfig, sparse: bool) -> DLRM:
     torch.manual_seed(cfg.seed)
-    return DLRM(table_rows(cfg.max_rows), cfg.dim, bottom=(13, 64, cfg.dim), top=(64, 1), sparse=sparse)
+    bottom, top = MLPS[cfg.mlp]
+    return DLRM(table_rows(cfg.max_rows), cfg.dim, bottom=(*bottom, cfg.dim), top=top, sparse=sparse)
 
 
 def _ddp_bytes(model: DLRM, rows: list[list[int]], rank: int, sparse: bool) -> WireBytes:
@@ -97,6 +118,26 @@ def _ddp_bytes(model: DLRM, rows: list[list[int]], rank: int, sparse: bool) -> W
     return total
 
 
+def _large_table_plan(
+    method: str, model: DLRM, first: torch.Tensor, cfg: DlrmBenchConfig, log: CommLog
+) -> dict[str, Placement]:
+    """The plan of the optional methods (module doc): the large tables by OmniReduce or the sketch."""
+    plan: dict[str, Placement] = {}
+    for j, table in enumerate(model.tables):
+        w = table.weight
+        assert isinstance(w, torch.Tensor)
+        if w.shape[0] < cfg.large_table_rows:
+            continue
+        name = f"tables.{j}.weight"
+        if method == "sparsync_omnireduce":
+            plan[name] = CustomReduce(lambda g, _n, group: block_allreduce(g, group=group, log=log))
+            continue
+        alpha = torch.tensor([torch.unique(first[:, j]).numel() / w.shape[0]], dtype=torch.float64)
+        dist.all_reduce(alpha, op=dist.ReduceOp.MAX)
+        plan[name] = Compressed(SparseSketch(ratio=cfg.sketch_lambda * float(alpha), seed=cfg.seed + j))
+    return plan
+
+
 def _train(method: str, cfg: DlrmBenchConfig, shard: CriteoBatch, rank: int, P: int) -> dict[str, Any]:
     sparse = method != "torch_ddp_dense"
     model = _model(cfg, sparse)
@@ -106,10 +147,12 @@ def _train(method: str, cfg: DlrmBenchConfig, shard: CriteoBatch, rank: int, P: 
     if method.startswith("torch_ddp"):
         forward = DistributedDataParallel(model)
     else:
-        plan = None
+        plan: dict[str, Placement] | None = None
         if method == "sparsync_dct":
-            dct = Compressed(Threshold(cfg.dct_ratio, lifespan=cfg.dct_lifespan), ErrorFeedback())
+            dct = Compressed(Threshold(cfg.dct_ratio, lifespan=cfg.dct_lifespan), ErrorFeedback(), bucket=True)
             plan = {n: dct for n, _ in model.named_parameters() if not n.startswith("tables.")}
+        elif method in OPTIONAL:
+            plan = _large_table_plan(method, model, shard.sparse[: cfg.batch], cfg, log)
         opt = DistributedOptimizer(opt, model, plan=plan, log=log)
     times, losses, rows = [], [], []
     for s in range(cfg.steps):

@@ -53,7 +53,8 @@ class Scale:
     emb_lambdas: tuple[float, ...] = (1.0, 4.0)
     emb_repeats: int = 3
     dlrm_procs: int = 4
-    dlrm_steps: int = 20
+    dlrm_steps: int = 30
+    dlrm_mlp: str = "kaggle"
     dlrm_batch: int = 128
     dlrm_rows: int = 100_000
     lifespan_n: int = 2**20
@@ -62,9 +63,9 @@ class Scale:
     lm_procs: int = 4
     lm_vocab: int = 65_536
     lm_seq: int = 20
-    lm_steps: int = 6
+    lm_steps: int = 10
     lm_warmup: int = 2
-    lm_rounds: int = 1
+    lm_rounds: int = 2
     lm_dim: int = 128
     lm_hidden: int = 256
     lm_batch: int = 32
@@ -76,7 +77,7 @@ QUICK = Scale("quick")
 FULL = Scale(
     "full", ar_procs=8, ar_n=16 * 2**20, ar_densities=(1e-5, 1e-4, 1e-3, 1e-2, 0.1, 0.3, 1.0), ar_repeats=5,
     emb_procs=8, emb_rows=2**20, emb_tokens=32768, emb_lambdas=(0.5, 1.0, 2.0, 4.0), emb_repeats=5,
-    dlrm_procs=8, dlrm_steps=40, lifespan_n=16 * 2**20, lifespan_calls=200, lm_steps=12, lm_rounds=2,
+    dlrm_procs=8, dlrm_steps=50, lifespan_n=16 * 2**20, lifespan_calls=200, lm_steps=20, lm_rounds=3,
 )  # fmt: skip
 
 
@@ -247,8 +248,9 @@ def section_s2(ctx: Ctx) -> str:
         + s2_markdown(rows)
         + "\n"
         + _img(ctx, out.with_suffix(".png"), "embedding methods")
-        + "\nEnd to end on a language model (the sketch as the embedding's placement, `hybrid_sketch`) is in "
-        "the Parallax section's table.\n\n"
+        + "\nEnd to end: on DLRM, the DCT section's table has `sparsync_omnireduce` and `sparsync_sketch` (the "
+        "large tables by OmniReduce or by the sketch at λ = 2, the rest unchanged); on the language model, the "
+        "Parallax section's table has `hybrid_sketch` (the sketch as the embedding's placement).\n\n"
         "**Why they differ**: S2's sketch is sized for one rank's non-zero rows but must hold the union of all "
         "ranks' rows, which on Zipf batches grows with P; where its bytes beat OmniReduce's the aggregate's error "
         "is large, and where the error is small its bytes are those of allgather. S2's headline numbers come "
@@ -277,15 +279,20 @@ def lifespan_rows(n: int, calls: int, lifespans: tuple[int, ...] = (1, 10, 100, 
     return out
 
 
+MLP_TEXT = {"kaggle": "13-512-256-64-16 and 512-256-1 as dlrm_s_pytorch.py's Kaggle configuration",
+            "small": "13-64-16 and 64-1"}  # fmt: skip
+
+
 def dlrm_markdown(rows: list[dict[str, Any]]) -> str:
     by = {r["method"]: r for r in rows}
     body = [
-        [m, _ms(r["step_s"]), _mb(r["bytes_per_step"]), f"{r['loss']:.5f}", f"{100 * r['loss_rel_diff']:+.3f}%",
+        [m, _ms(r["step_s"]), _mb(r["bytes_per_step"]), f"{r['loss']:.5f}", f"{100 * r['loss_rel_diff']:.3f}%",
          f"{r['speedup_vs_ddp_sparse']:.2f}x" if r.get("speedup_vs_ddp_sparse") else "-"]
         for m, r in by.items()
     ]  # fmt: skip
     text = _table(
-        ["method", "step ms", "MB per step per rank", "loss", "loss vs DDP dense", "speed vs DDP sparse"], body
+        ["method", "step ms", "MB per step per rank", "loss", "loss vs DDP sparse (abs)", "speed vs DDP sparse"],
+        body,
     )
     if "sparsync_dct" in by:
         dct = by["sparsync_dct"]["bytes_per_step"]
@@ -310,11 +317,13 @@ def run_dctmp(ctx: Ctx) -> str:
 
 
 def section_dct(ctx: Ctx) -> str:
-    from sparsync.bench.dlrm_train import DlrmBenchConfig, default_data, run_dlrm_bench
+    from sparsync.bench.dlrm_train import METHODS, OPTIONAL, DlrmBenchConfig, default_data, run_dlrm_bench
 
     s = ctx.scale
     data = default_data(ctx.out / "criteo_synthetic.txt", s.dlrm_steps * s.dlrm_batch * s.dlrm_procs)
-    cfg = DlrmBenchConfig(str(data), steps=s.dlrm_steps, batch=s.dlrm_batch, max_rows=s.dlrm_rows)
+    cfg = DlrmBenchConfig(str(data), steps=s.dlrm_steps, batch=s.dlrm_batch, max_rows=s.dlrm_rows,
+                          methods=(*METHODS, *OPTIONAL), large_table_rows=min(10_000, s.dlrm_rows),
+                          mlp=s.dlrm_mlp)  # fmt: skip
     rows = run_dlrm_bench(cfg, (s.dlrm_procs,), out=ctx.out / "dct_dlrm", net=ctx.net, console=ctx.console)
     ls = lifespan_rows(s.lifespan_n, s.lifespan_calls)
     l1 = ls[0]["ms_per_call"]
@@ -328,7 +337,8 @@ def section_dct(ctx: Ctx) -> str:
         "**Paper** (DLRM, production data, 25 Gbps): DCT-DP cuts the data-parallel bytes by ~100x and DCT-MP "
         "the model-parallel bytes by ~20x with no loss change at those rates; reusing the top-k threshold for "
         "L iterations (Fig. 7a) makes its cost negligible; end to end 37% faster at 32 trainers.\n\n"
-        f"**Here**: DLRM (Criteo Kaggle cardinalities capped at {s.dlrm_rows:,} rows, dim 16) on generated "
+        f"**Here**: DLRM (Criteo Kaggle cardinalities capped at {s.dlrm_rows:,} rows, dim 16, MLPs "
+        f"{MLP_TEXT[s.dlrm_mlp]}) on generated "
         f"Criteo-format data, P = {s.dlrm_procs}, {s.dlrm_steps} steps of {s.dlrm_batch} per rank, {ctx.where}; "
         "loss = mean of the last 10 steps:\n\n"
         + dlrm_markdown(rows)

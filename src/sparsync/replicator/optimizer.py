@@ -130,16 +130,38 @@ class Compressed(Placement):
 
     compressor: Compressor
     memory: ErrorFeedback | None = None
+    # One compression and one collective for all the dense gradients of a dtype, flattened in plan order under
+    # the name "bucket:<first name>" (DCT Alg. 1 thresholds the gradient as one vector; per tensor, a model of
+    # many small layers pays a collective per layer). Sparse (COO) gradients are always reduced one by one.
+    bucket: bool = False
     kind = "compressed"
 
     def aggregate(self, params: list[NamedParam], env: ReduceEnv) -> None:
+        single = [p for p in params if not self.bucket or _grad(p).is_sparse]
+        for p in single:
+            p.param.grad = self._reduce(_grad(p), p.name, env)
+        by_dtype: dict[torch.dtype, list[NamedParam]] = {}
         for p in params:
-            g = p.param.grad
-            assert g is not None
-            p.param.grad = reduce(
-                g, self.compressor, memory=self.memory, name=p.name, group=env.group, average=False,
-                log=env.log, timeout=env.timeout,
-            )  # fmt: skip
+            if self.bucket and not _grad(p).is_sparse:
+                by_dtype.setdefault(_grad(p).dtype, []).append(p)
+        for group in by_dtype.values():
+            flat = torch.cat([_grad(p).reshape(-1) for p in group])
+            out = self._reduce(flat, f"bucket:{group[0].name}", env)
+            for p, piece in zip(group, torch.split(out, [_grad(p).numel() for p in group]), strict=True):
+                p.param.grad = piece.view_as(_grad(p))
+
+    def _reduce(self, g: torch.Tensor, name: str, env: ReduceEnv) -> torch.Tensor:
+        out: torch.Tensor = reduce(
+            g, self.compressor, memory=self.memory, name=name, group=env.group, average=False, log=env.log,
+            timeout=env.timeout,
+        )  # fmt: skip
+        return out
+
+
+def _grad(p: NamedParam) -> torch.Tensor:
+    g = p.param.grad
+    assert g is not None
+    return g
 
 
 @dataclass(frozen=True)
