@@ -350,7 +350,7 @@ def section_dct(ctx: Ctx) -> str:
         + mp
         + "\n**Why they differ**: DCT's models are production DLRMs whose MLPs dwarf ours (2.2 MB of dense "
         "gradients here with the Kaggle MLPs), trained on GPUs that hide the threshold's cost. DCT-DP's byte "
-        "ratio depends on what it is measured against: against a dense allreduce of everything (DDP without sparse "
+        "ratio depends on what it is measured against: against a dense allreduce of everything (DDP, no sparse "
         "gradients) it is of the paper's order; against uncompressed sparsync the tables' touched rows, which "
         "both send exactly, remain. `sparsync_omnireduce` and `sparsync_sketch` reduce each large table by a "
         "collective of its own, while `sparsync` sends the 26 tables and the MLPs in one grouped call (OmniReduce "
