@@ -224,3 +224,10 @@ def test_every_section_end_to_end_tiny(tmp_path: Path) -> None:
     for png in ("sparcml.png", "s2_embedding.png", "parallax_lm.png", "replicator/curves.png"):
         assert (tmp_path / "r" / png).read_bytes()[:4] == b"\x89PNG"
     assert "| torchrun --nproc-per-node 2 | 120 |" in md
+
+
+def test_sketch_bias_averages_out() -> None:
+    b = rp.sketch_bias(rows=2000, dim=8, tokens=128, seeds=40)
+    assert b["one_rel_error"] > 0.1  # collisions: the check is not trivial
+    assert b["mean_rel_error"] < b["one_rel_error"] / 3  # ≈ 1/√40 of it when unbiased
+    assert b["max_abs_z"] < 6 and "unbiased" in rp._bias_text(b)
