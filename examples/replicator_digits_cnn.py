@@ -4,6 +4,7 @@ laptop scale). One input pipeline per worker (PER_WORKER), split across the repl
     python examples/replicator_digits_cnn.py                  # 4 local processes
     python examples/replicator_digits_cnn.py --replicas 1     # the same script, one process
     torchrun --nproc-per-node 2 examples/replicator_digits_cnn.py
+    torchrun --nproc-per-node 2 examples/replicator_digits_cnn.py --ddp   # the same training by torch DDP
 """
 
 from __future__ import annotations
@@ -43,12 +44,16 @@ def input_fn(worker_id: int) -> object:
             yield {"x": x[idx], "y": y[idx]}
 
 
-def replica(ctx: ReplicaContext, curve: str | None = None) -> str:
+def make_model() -> nn.Module:
     torch.manual_seed(0)
-    model = nn.Sequential(
+    return nn.Sequential(
         nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
         nn.MaxPool2d(2), nn.Flatten(), nn.Linear(32 * 16, 10),
     )  # fmt: skip
+
+
+def replica(ctx: ReplicaContext, curve: str | None = None) -> str:
+    model = make_model()
     opt = ctx.wrap_optimizer(torch.optim.Adam(model.parameters(), lr=3e-3), op="mean", model=model)
 
     def step_fn(b: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -72,11 +77,41 @@ def replica(ctx: ReplicaContext, curve: str | None = None) -> str:
     )
 
 
+def ddp_main(curve: str | None) -> None:
+    """The same training by torch's DistributedDataParallel under torchrun (the baseline): each rank takes its
+    contiguous share of every global batch, as the Replicator splits it."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = DistributedDataParallel(make_model())
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    n, losses = GLOBAL_BATCH // world, []
+    for b in input_fn(0):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(b["x"][rank * n : (rank + 1) * n]), b["y"][rank * n : (rank + 1) * n])
+        loss.backward()
+        opt.step()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(float(mean) / world)
+    if curve and rank == 0:
+        with open(curve, "w") as f:
+            json.dump(losses, f)
+    print(f"DDP rank {rank}/{world}: {len(losses)} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--replicas", type=int, default=None, help="default: torchrun's world, else 4")
     p.add_argument("--curve", default=None, help="write the loss per step (JSON list) to this file")
+    p.add_argument("--ddp", action="store_true", help="train with torch DDP instead (under torchrun)")
     args = p.parse_args()
+    if args.ddp:
+        ddp_main(args.curve)
+        raise SystemExit(0)
     n = args.replicas or (None if under_torchrun() else 4)
     for line in Replicator(num_replicas=n).start(functools.partial(replica, curve=args.curve)):
         print(line)

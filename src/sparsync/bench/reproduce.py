@@ -522,6 +522,11 @@ def replicator_curves(ctx: Ctx) -> dict[str, list[float]]:
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(script),
          "--curve", str(path)], path, env,
     )  # fmt: skip
+    path = d / "ddp.json"
+    curves[f"torch DDP, torchrun --nproc-per-node {n}"] = _curve(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(script),
+         "--ddp", "--curve", str(path)], path, env,
+    )  # fmt: skip
     return curves
 
 
@@ -564,7 +569,9 @@ def section_replicator(ctx: Ctx) -> str:
         "machines, sync or async; §5 shows throughput scaling.\n\n"
         "**Here**: `examples/replicator_digits_cnn.py` (a CNN on scikit-learn's digits, global batch 96 split "
         "over the replicas, Adam, 8 epochs), unchanged, on "
-        f"{', '.join(map(str, ctx.scale.replicas))} local replicas and under torchrun:\n\n"
+        f"{', '.join(map(str, ctx.scale.replicas))} local replicas and under torchrun, and the same training by "
+        "torch DDP under torchrun (the baseline; the model has no sparse part, so DDP's path is its dense "
+        "allreduce):\n\n"
         + replicator_markdown(curves)
         + "\n"
         + _img(ctx, png, "loss curves")
