@@ -233,3 +233,11 @@ def test_sketch_bias_averages_out() -> None:
     assert b["one_rel_error"] > 0.1  # collisions: the check is not trivial
     assert b["mean_rel_error"] < b["one_rel_error"] / 3  # ≈ 1/√40 of it when unbiased
     assert b["max_abs_z"] < 6 and "unbiased" in rp._bias_text(b)
+
+
+def test_lm_alpha_is_the_share_of_rows_a_step_touches(tmp_path: Path) -> None:
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.arange(1000, dtype=np.int64) % 50)  # 50 distinct words in the text
+    a = rp.lm_alpha(ids, 1000, batch=4, seq=10, negatives=0)
+    assert 0 < a <= 50 / 1000  # at most the 50 words the text holds
+    assert rp.lm_alpha(ids, 1000, batch=4, seq=10, negatives=2000) > a  # negatives add rows

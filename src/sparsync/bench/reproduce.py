@@ -457,6 +457,22 @@ def parallax_markdown(rows: list[dict[str, Any]], w_dense: float, w_sparse: floa
     )
 
 
+SKETCH_LAMBDA = 2.0  # S2's λ of the sketch placements in the DLRM and LM runs (ratio = λ·α)
+
+
+def lm_alpha(path: Path, vocab: int, batch: int, seq: int, negatives: int = 256, draws: int = 8) -> float:
+    """The share of the embedding's rows one rank's step touches (its inputs, targets and the shared negative
+    samples), the mean over ``draws`` batches of the corpus: S2's α for the sketch's ratio."""
+    import torch
+
+    from sparsync.bench.lm import Corpus
+
+    c = Corpus(vocab, files=[path], seed=12345)
+    seen = [torch.unique(torch.cat([c.batch(batch, seq).reshape(-1), c.negatives(negatives)])).numel()
+            for _ in range(draws)]  # fmt: skip
+    return float(sum(seen)) / draws / vocab
+
+
 def section_parallax(ctx: Ctx) -> str:
     from sparsync.bench.corpus import prepare_corpus
     from sparsync.bench.hybrid import HybridBenchConfig
@@ -464,7 +480,9 @@ def section_parallax(ctx: Ctx) -> str:
 
     s = ctx.scale
     corpus = prepare_corpus(ctx.corpus, s.lm_vocab, ctx.out / "corpus" / f"{ctx.corpus.stem}-{s.lm_vocab}.npy")
+    alpha = lm_alpha(corpus.path, s.lm_vocab, s.lm_batch, s.lm_seq)
     cfg = HybridBenchConfig(
+        sketch_ratio=SKETCH_LAMBDA * alpha,
         vocab=s.lm_vocab, dim=s.lm_dim, hidden=s.lm_hidden, batch=s.lm_batch, steps=s.lm_steps,
         warmup=s.lm_warmup, rounds=s.lm_rounds, files=(str(corpus.path),),
         methods=("allreduce", "ddp_sparse", "allgather", "ps", "ps_split", "hybrid", "hybrid_sketch"),
@@ -483,7 +501,8 @@ def section_parallax(ctx: Ctx) -> str:
         "allreduce of everything; PS = every variable on the servers, each dense variable whole on one; OptPS = "
         "dense variables split over all servers; HYB = dense by allreduce, embedding on the servers with local "
         "aggregation; ddp_sparse = torch DDP with `sparse=True` (torch's own path); hybrid_sketch = the S2 "
-        "sketch as the embedding's placement (lossy); α = the measured share of embedding rows a step "
+        f"sketch as the embedding's placement (lossy; ratio λ·α = {SKETCH_LAMBDA:g} x {alpha:.4f}, α from the "
+        "corpus' batches); α = the measured share of embedding rows a step "
         "touches:\n\n"
         + parallax_markdown(rows, *_lm_bytes(s.lm_vocab, s.lm_dim, s.lm_hidden))
         + "\n"
