@@ -261,6 +261,35 @@ def sketch_bias(
     }  # fmt: skip
 
 
+def plot_s2(rows: list[dict[str, Any]], png: Path, title: str) -> Path:
+    """Bytes and time per method side by side (bars), the sketches' error over their bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["method"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, scale, label in ((axes[0], "bytes_sent_per_rank", 1e-6, "MB sent per rank"),
+                                  (axes[1], "median_s", 1e3, "ms per allreduce (slowest rank)")):  # fmt: skip
+        vals = [r[key] * scale for r in rows]
+        colors = ["tab:orange" if n.startswith("torch") else "tab:purple" if n.startswith("sketch")
+                  else "tab:gray" if n == "omnireduce" else "tab:blue" for n in names]  # fmt: skip
+        ax.bar(range(len(vals)), vals, color=colors)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(vals)), names, rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        for i, r in enumerate(rows):
+            if r.get("sketch_rel_error") is not None:
+                ax.annotate(f"err {r['sketch_rel_error']:.2f}", (i, vals[i]), ha="center", va="bottom", fontsize=7)
+    fig.suptitle(title + " (orange: torch; blue: sparsync exact; gray: OmniReduce-style; purple: S2 sketch)",
+                 fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
 def section_s2(ctx: Ctx) -> str:
     from sparsync.bench import EmbeddingBenchConfig, run_embedding_bench
 
@@ -283,7 +312,7 @@ def section_s2(ctx: Ctx) -> str:
         "ratio λ·α:\n\n"
         + s2_markdown(rows)
         + "\n"
-        + _img(ctx, out.with_suffix(".png"), "embedding methods")
+        + _img(ctx, plot_s2(rows, ctx.out / "s2_bytes_time.png", f"P = {s.emb_procs}, {ctx.where}"), "bytes, time")
         + _bias_text(sketch_bias(seeds=ctx.scale.bias_seeds))
         + "\nEnd to end: on DLRM, the DCT section's table has `sparsync_omnireduce` and `sparsync_sketch` (the "
         "large tables by OmniReduce or by the sketch at λ = 2, the rest unchanged); on the language model, the "
