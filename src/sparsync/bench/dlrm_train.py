@@ -52,7 +52,7 @@ METHODS = ("torch_ddp_dense", "torch_ddp_sparse", "sparsync", "sparsync_dct")
 OPTIONAL = ("sparsync_omnireduce", "sparsync_sketch")
 # MLP widths (bottom without its last layer, which is the embedding width; top without its input width):
 # "small" keeps a step's dense part to a few hundred kB; "kaggle" is dlrm_s_pytorch.py's Criteo Kaggle
-# configuration (--arch-mlp-bot 13-512-256-64-16 --arch-mlp-top 512-256-1), 2.2 MB of dense gradients.
+# configuration (--arch-mlp-bot 13-512-256-64-16 --arch-mlp-top 512-256-1), 1.9 MB of dense gradients.
 MLPS = {"small": ((13, 64), (64, 1)), "kaggle": ((13, 512, 256, 64), (512, 256, 1))}
 
 

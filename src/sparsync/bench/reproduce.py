@@ -425,7 +425,7 @@ def section_dct(ctx: Ctx) -> str:
         + "\nDCT-MP at a model-parallel split (`examples/dlrm_hybrid.py`: 2 replicas x 2 logical devices, "
         "100 steps, η = 0 vs 0.9):\n\n"
         + mp
-        + "\n**Why they differ**: DCT's models are production DLRMs whose MLPs dwarf ours (2.2 MB of dense "
+        + "\n**Why they differ**: DCT's models are production DLRMs whose MLPs dwarf ours (1.9 MB of dense "
         "gradients here with the Kaggle MLPs), trained on GPUs that hide the threshold's cost. DCT-DP's byte "
         "ratio depends on what it is measured against: against a dense allreduce of everything (DDP, no sparse "
         "gradients) it is of the paper's order; against uncompressed sparsync the tables' touched rows, which "
