@@ -111,3 +111,21 @@ def test_omnireduce_and_sketch_methods_on_the_large_tables(tmp_path: Path) -> No
     assert sk["bytes_per_step"] > 0 and math.isfinite(sk["loss"]) and sk["param_abs_sum"] != base["param_abs_sum"]
     with pytest.raises(KeyError, match="unknown methods"):
         DlrmBenchConfig("x", methods=("sparsync_nope",))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_parameter_server_methods_train_to_the_same_loss(tmp_path: Path) -> None:
+    """Parallax's PS, OptPS and HYB placements on DLRM (servers started by run_dlrm_bench, server-side SGD at
+    the same lr, sync, mean): the same SGD steps as sparsync's allreduce, so the same loss to rounding."""
+    from sparsync.bench.dlrm_train import DlrmBenchConfig, run_dlrm_bench
+
+    cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", 3 * 6 * 32)), steps=6, batch=32, max_rows=2000,
+                          dim=8, warmup=1, tail=3,
+                          methods=("sparsync", "sparsync_ps", "sparsync_ps_split", "sparsync_hybrid"))  # fmt: skip
+    rows = {r["method"]: r for r in run_dlrm_bench(cfg, (3,), out=tmp_path / "d")}
+    base = rows["sparsync"]
+    for m in ("sparsync_ps", "sparsync_ps_split", "sparsync_hybrid"):
+        assert rows[m]["loss"] == pytest.approx(base["loss"], rel=1e-5), m
+        assert rows[m]["param_abs_sum"] == pytest.approx(base["param_abs_sum"], rel=1e-5), m
+        assert rows[m]["bytes_per_step"] > 0 and rows[m]["step_s"] > 0, m

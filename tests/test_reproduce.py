@@ -241,3 +241,15 @@ def test_lm_alpha_is_the_share_of_rows_a_step_touches(tmp_path: Path) -> None:
     a = rp.lm_alpha(ids, 1000, batch=4, seq=10, negatives=0)
     assert 0 < a <= 50 / 1000  # at most the 50 words the text holds
     assert rp.lm_alpha(ids, 1000, batch=4, seq=10, negatives=2000) > a  # negatives add rows
+
+
+def test_parallax_ordering_on_dlrm_from_the_dct_rows() -> None:
+    def row(m: str, s: float) -> dict[str, object]:
+        return {"method": m, "step_s": s}
+
+    rows = [row("torch_ddp_dense", 1.0), row("sparsync_ps", 0.5), row("sparsync_ps_split", 0.25),
+            row("sparsync_hybrid", 0.2), row("sparsync", 0.1)]  # fmt: skip
+    md = rp.parallax_dlrm_markdown(rows)
+    assert "AR 1.00 < PS 2.00 < OptPS 4.00 < HYB 5.00: **holds** (beside them: sparsync 10.00)" in md
+    assert "does not hold" in rp.parallax_dlrm_markdown([*rows[:3], row("sparsync_hybrid", 2.0)])
+    assert rp.parallax_dlrm_markdown(rows[:2]) == ""  # a run without the PS methods says nothing

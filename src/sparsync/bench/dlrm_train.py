@@ -19,6 +19,13 @@ Two more on request (``--methods``), for S2's comparison (``sparsync reproduce``
   S2), α_t the largest share of table t's rows one rank's first batch touches (max over ranks, so every rank
   builds the same sketch), λ = ``sketch_lambda``.
 
+and, for Parallax's Table 4 on DLRM, three parameter-server placements (``HybridTrainer``, one server per rank,
+server-side SGD at the same lr, sync, mean): ``sparsync_ps`` (every variable on the servers, each dense one
+whole on one server: Parallax's PS), ``sparsync_ps_split`` (dense variables split over all servers: OptPS) and
+``sparsync_hybrid`` (tables on the servers, MLPs by allreduce: HYB). Their bytes per rank per step are the
+collectives' bytes sent plus the rank's client traffic with the other ranks' servers (sent and received: by
+symmetry what the rank's machine, client and colocated server together, sends on average).
+
 Per method: median seconds per training step (forward, backward, aggregation, SGD) after ``warmup`` steps, the
 slowest rank's; bytes sent per rank per step (sparsync's ``CommLog``; DDP's computed from what gloo sends,
 ``bench/ddp_baseline.py``); the mean training loss over the last ``tail`` steps averaged over ranks, and its
@@ -28,6 +35,7 @@ only float rounding separates them; DCT's lossy MLP gradients may move it).
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -49,7 +57,8 @@ from sparsync.record import CommLog
 from sparsync.replicator.optimizer import Compressed, CustomReduce, Placement
 
 METHODS = ("torch_ddp_dense", "torch_ddp_sparse", "sparsync", "sparsync_dct")
-OPTIONAL = ("sparsync_omnireduce", "sparsync_sketch")
+PS_METHODS = ("sparsync_ps", "sparsync_ps_split", "sparsync_hybrid")
+OPTIONAL = ("sparsync_omnireduce", "sparsync_sketch", *PS_METHODS)
 # MLP widths (bottom without its last layer, which is the embedding width; top without its input width):
 # "small" keeps a step's dense part to a few hundred kB; "kaggle" is dlrm_s_pytorch.py's Criteo Kaggle
 # configuration (--arch-mlp-bot 13-512-256-64-16 --arch-mlp-top 512-256-1), 1.9 MB of dense gradients.
@@ -97,6 +106,10 @@ def _shard(data: CriteoBatch, rank: int, P: int, cfg: DlrmBenchConfig) -> Criteo
     return CriteoBatch(data.dense[idx], data.sparse[idx], data.label[idx])
 
 
+def bce(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    return nn.functional.binary_cross_entropy_with_logits(logits, label)
+
+
 def _model(cfg: DlrmBenchConfig, sparse: bool) -> DLRM:
     torch.manual_seed(cfg.seed)
     bottom, top = MLPS[cfg.mlp]
@@ -138,13 +151,31 @@ def _large_table_plan(
     return plan
 
 
-def _train(method: str, cfg: DlrmBenchConfig, shard: CriteoBatch, rank: int, P: int) -> dict[str, Any]:
+def _hybrid_trainer(method: str, model: DLRM, cfg: DlrmBenchConfig, addresses: list[str], log: CommLog) -> Any:
+    from sparsync.placement import OptimizerConfig
+    from sparsync.placement.hybrid import HybridConfig, HybridTrainer
+
+    dense = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
+    hc = HybridConfig(mode="sync", sparse_reduce="mean", dense_reduce="mean",
+                      optimizer=OptimizerConfig("sgd", lr=cfg.lr), ps_dense=method != "sparsync_hybrid",
+                      dense_whole=method == "sparsync_ps", table_prefix=f"{method}/", timeout=300.0)  # fmt: skip
+    return HybridTrainer(model, addresses, hc, dense_optimizer=torch.optim.SGD(dense, lr=cfg.lr), log=log)
+
+
+def _train(
+    method: str, cfg: DlrmBenchConfig, shard: CriteoBatch, rank: int, P: int, addresses: list[str] | None = None
+) -> dict[str, Any]:
     sparse = method != "torch_ddp_dense"
     model = _model(cfg, sparse)
     log = CommLog()
     forward: nn.Module = model
     opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
-    if method.startswith("torch_ddp"):
+    trainer: Any = None
+    if method in PS_METHODS:
+        if not addresses:
+            raise ValueError(f"{method} needs parameter servers (run_dlrm_bench starts them)")
+        trainer = _hybrid_trainer(method, model, cfg, addresses, log)
+    elif method.startswith("torch_ddp"):
         forward = DistributedDataParallel(model)
     else:
         plan: dict[str, Placement] | None = None
@@ -160,12 +191,15 @@ def _train(method: str, cfg: DlrmBenchConfig, shard: CriteoBatch, rank: int, P: 
         dense, cats, label = shard.dense[sl], shard.sparse[sl], shard.label[sl]
         dist.barrier()
         t0 = time.perf_counter()
-        opt.zero_grad()
-        loss = nn.functional.binary_cross_entropy_with_logits(forward(dense, cats), label)
-        loss.backward()  # type: ignore[no-untyped-call]
-        opt.step()
+        if trainer is not None:
+            losses.append(trainer.step(lambda d=dense, c=cats, y=label: bce(model(d, c), y)))
+        else:
+            opt.zero_grad()
+            loss = bce(forward(dense, cats), label)
+            loss.backward()  # type: ignore[no-untyped-call]
+            opt.step()
+            losses.append(loss.item())
         times.append(time.perf_counter() - t0)
-        losses.append(loss.item())
         rows.append([int(torch.unique(cats[:, j]).numel()) for j in range(cats.shape[1])])
 
     t = torch.tensor([statistics.median(times[cfg.warmup :])], dtype=torch.float64)
@@ -184,17 +218,23 @@ def _train(method: str, cfg: DlrmBenchConfig, shard: CriteoBatch, rank: int, P: 
         nbytes = statistics.fmean(per_step)
     else:
         nbytes = sum(r.bytes_sent for r in log.records) / cfg.steps
+    if trainer is not None:
+        per = trainer.client.bytes_per_server
+        nbytes += (sum(per) - per[rank % len(per)]) / cfg.steps  # server i is colocated with rank i
+        trainer.close()
     digest = float(sum(p.detach().double().abs().sum() for p in model.parameters()))
     return {"method": method, "step_s": float(t), "bytes_per_step": nbytes, "loss": float(tail) / P,
             "first_loss": losses[0], "param_abs_sum": digest}  # fmt: skip
 
 
-def worker(rank: int, cfg: DlrmBenchConfig, data: CriteoBatch) -> list[dict[str, Any]]:
+def worker(
+    rank: int, cfg: DlrmBenchConfig, data: CriteoBatch, addresses: list[str] | None = None
+) -> list[dict[str, Any]]:
     P = dist.get_world_size()
     shard = _shard(data, rank, P, cfg)
     out = []
     for m in cfg.methods:
-        row = _train(m, cfg, shard, rank, P)
+        row = _train(m, cfg, shard, rank, P, addresses)
         row["world_size"] = P
         out.append(row)
         if rank == 0:
@@ -278,8 +318,13 @@ def run_dlrm_bench(
     for P in procs:
         console.print(f"[bold]P = {P}[/], DLRM on {cfg.data}, {where}: {', '.join(cfg.methods)}")
         data = load(cfg, P)
-        with shaped(P, spec) as ns:
-            got = launch(worker, nprocs=P, args=(cfg, data), timeout=timeout, netns=ns)
+        with shaped(P, spec) as ns, contextlib.ExitStack() as stack:
+            addrs = None
+            if any(m in PS_METHODS for m in cfg.methods):
+                from sparsync.bench.hybrid_run import bench_servers
+
+                addrs = stack.enter_context(bench_servers(P, ns))
+            got = launch(worker, nprocs=P, args=(cfg, data, addrs), timeout=timeout, netns=ns)
         rows += got[0]
     summarize(rows)
     text = markdown(rows, cfg, where)

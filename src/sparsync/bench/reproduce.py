@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,7 @@ class Ctx:
     net: str | None
     corpus: Path
     console: Console
+    dlrm_rows: list[dict[str, Any]] = field(default_factory=list)  # the DCT section's, for Parallax's Table 4
 
     @property
     def where(self) -> str:
@@ -402,6 +403,7 @@ def section_dct(ctx: Ctx) -> str:
                           methods=(*METHODS, *OPTIONAL), large_table_rows=min(10_000, s.dlrm_rows),
                           mlp=s.dlrm_mlp)  # fmt: skip
     rows = run_dlrm_bench(cfg, (s.dlrm_procs,), out=ctx.out / "dct_dlrm", net=ctx.net, console=ctx.console)
+    ctx.dlrm_rows = rows
     ls = lifespan_rows(s.lifespan_n, s.lifespan_calls)
     l1 = ls[0]["ms_per_call"]
     lt = _table(
@@ -502,6 +504,25 @@ def lm_alpha(path: Path, vocab: int, batch: int, seq: int, negatives: int = 256,
     return float(sum(seen)) / draws / vocab
 
 
+DLRM_ORDER = (("AR", "torch_ddp_dense"), ("PS", "sparsync_ps"), ("OptPS", "sparsync_ps_split"),
+              ("HYB", "sparsync_hybrid"))  # fmt: skip
+
+
+def parallax_dlrm_markdown(rows: list[dict[str, Any]]) -> str:
+    """Table 4's ordering on DLRM from the DCT section's run (steps/s; AR = DDP without sparse gradients)."""
+    by = {r["method"]: r for r in rows}
+    got = [(name, 1.0 / by[m]["step_s"]) for name, m in DLRM_ORDER if m in by]
+    if len(got) < len(DLRM_ORDER):
+        return ""
+    ok = all(a[1] < b[1] for a, b in itertools.pairwise(got))
+    order = " < ".join(f"{n} {r:.2f}" for n, r in got)
+    extra = ", ".join(f"{m} {1.0 / by[m]['step_s']:.2f}" for m in ("torch_ddp_sparse", "sparsync") if m in by)
+    return (
+        f"\nOn DLRM (the DCT section's run, steps/s; AR = DDP without sparse gradients): {order}: "
+        f"**{'holds' if ok else 'does not hold'}** (beside them: {extra}).\n"
+    )
+
+
 def section_parallax(ctx: Ctx) -> str:
     from sparsync.bench.corpus import prepare_corpus
     from sparsync.bench.hybrid import HybridBenchConfig
@@ -534,6 +555,7 @@ def section_parallax(ctx: Ctx) -> str:
         "corpus' batches); α = the measured share of embedding rows a step "
         "touches:\n\n"
         + parallax_markdown(rows, *_lm_bytes(s.lm_vocab, s.lm_dim, s.lm_hidden))
+        + parallax_dlrm_markdown(ctx.dlrm_rows)
         + "\n"
         + _img(ctx, out.with_suffix(".png"), "words per second")
         + "\n**Why they differ**: one machine with 2 cores plays P machines, so compute is shared and the "
