@@ -87,8 +87,11 @@ def test_bench_hybrid_runs_every_method_with_equal_losses(tmp_path: Path) -> Non
 @pytest.mark.timeout(300)
 def test_bench_hybrid_sketch_method_on_request(tmp_path: Path) -> None:
     out = tmp_path / "sk"
-    by = {r["method"]: r for r in _tiny_run(out, "--methods", "hybrid,hybrid_sketch")["rows"]}
-    assert set(by) == {"hybrid", "hybrid_sketch"}
+    by = {r["method"]: r for r in _tiny_run(out, "--methods", "hybrid,hybrid_sketch,omnireduce")["rows"]}
+    assert set(by) == {"hybrid", "hybrid_sketch", "omnireduce"}
+    # OmniReduce-style block-sparse allreduce (S2's baseline) is exact: the hybrid's loss, to rounding
+    assert by["omnireduce"]["loss"] == pytest.approx(by["hybrid"]["loss"], rel=1e-5)
+    assert by["omnireduce"]["bytes_per_step_per_machine"] > 0
     # The plan's sketch formula (bitmap + table) is exact (test_placements); what is left here is the LSTM's
     # dense allreduce, measured a few KB above the plan at this tiny size, as in the other methods.
     assert abs(by["hybrid_sketch"]["bytes_error"]) < 0.1, by["hybrid_sketch"]

@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     hy.add_argument("--warmup", type=int, default=3)
     hy.add_argument("--rounds", type=int, default=2, help="methods interleave in this many rounds")
     hy.add_argument("--partitions", type=int, default=None)
-    hy.add_argument("--methods", default=None, help="comma-separated methods (default: all but hybrid_sketch)")
+    hy.add_argument("--methods", default=None, help="comma-separated (default: all but hybrid_sketch, omnireduce)")
     hy.add_argument("--text", type=Path, nargs="*", default=(), help="train on the words of these text files")
     hy.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
     hy.add_argument("--latency", default=None)

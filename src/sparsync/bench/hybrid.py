@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from sparsync.bench.ddp_baseline import ddp_step_bytes
 from sparsync.bench.lm import Corpus, SampledLM
+from sparsync.bench.omnireduce import block_allreduce
 from sparsync.calibrate import measure_link
 from sparsync.collectives.tensor import allreduce
 from sparsync.compress.sketch import SparseSketch
@@ -46,7 +47,9 @@ from sparsync.placement.optim import OptimizerConfig
 from sparsync.record import CommLog
 
 METHODS = ("allreduce", "allgather", "ddp_sparse", "sparse_ar", "ps", "ps_split", "hybrid", "hybrid_noagg")
-OPTIONAL_METHODS = ("hybrid_sketch",)  # run only when named: lossy, so not in the equal-loss comparison
+# run only when named: hybrid_sketch (lossy, so not in the equal-loss comparison) and omnireduce (S2's baseline:
+# the embedding by the OmniReduce-style block-sparse allreduce, bench/omnireduce.py; for sparsync reproduce)
+OPTIONAL_METHODS = ("hybrid_sketch", "omnireduce")
 PS_METHODS = ("ps", "ps_split", "hybrid", "hybrid_noagg")
 
 
@@ -82,7 +85,7 @@ class HybridBenchConfig:
 
 
 class _Collective:
-    """The allreduce/allgather/sparse_ar methods: gradients through sparsync collectives, a local SGD."""
+    """allreduce, allgather, sparse_ar, omnireduce: gradients through sparsync collectives, a local SGD."""
 
     def __init__(self, model: SampledLM, method: str, lr: float, log: CommLog) -> None:
         self.model, self.method, self.log = model, method, log
@@ -102,7 +105,11 @@ class _Collective:
         else:
             flat = torch.cat([g.reshape(-1) for g in grads])
             alg = "allgather" if self.method == "allgather" else "auto"
-            g = allreduce(emb.grad.coalesce(), algorithm=alg, log=self.log)
+            g = (
+                block_allreduce(emb.grad.coalesce(), log=self.log)
+                if self.method == "omnireduce"
+                else allreduce(emb.grad.coalesce(), algorithm=alg, log=self.log)
+            )
             assert isinstance(g, torch.Tensor)
             emb.grad = g / self.P
         out = allreduce(flat, algorithm="dense", log=self.log)
@@ -159,7 +166,7 @@ class _MethodRun:
         )
         self.log = CommLog()
         self.trainer: Any
-        if method in PS_METHODS + OPTIONAL_METHODS:
+        if method in (*PS_METHODS, "hybrid_sketch"):
             dense = [p for n, p in self.model.named_parameters() if n != "emb.weight"]
             hc = HybridConfig(
                 mode="sync",

@@ -317,7 +317,8 @@ def section_s2(ctx: Ctx) -> str:
         + _bias_text(sketch_bias(seeds=ctx.scale.bias_seeds))
         + "\nEnd to end: on DLRM, the DCT section's table has `sparsync_omnireduce` and `sparsync_sketch` (the "
         "large tables by OmniReduce or by the sketch at λ = 2, the rest unchanged); on the language model, the "
-        "Parallax section's table has `hybrid_sketch` (the sketch as the embedding's placement).\n\n"
+        "Parallax section's table has `hybrid_sketch` (the sketch as the embedding's placement) and `omnireduce` "
+        "(the embedding by the OmniReduce-style allreduce).\n\n"
         "**Why they differ**: S2's sketch is sized for one rank's non-zero rows but must hold the union of all "
         "ranks' rows, which on Zipf batches grows with P; where its bytes beat OmniReduce's the aggregate's error "
         "is large, and where the error is small its bytes are those of allgather. S2's headline numbers come "
@@ -535,7 +536,8 @@ def section_parallax(ctx: Ctx) -> str:
         sketch_ratio=SKETCH_LAMBDA * alpha,
         vocab=s.lm_vocab, dim=s.lm_dim, hidden=s.lm_hidden, batch=s.lm_batch, steps=s.lm_steps,
         warmup=s.lm_warmup, rounds=s.lm_rounds, files=(str(corpus.path),),
-        methods=("allreduce", "ddp_sparse", "allgather", "ps", "ps_split", "hybrid", "hybrid_sketch"),
+        methods=("allreduce", "ddp_sparse", "allgather", "ps", "ps_split", "hybrid", "hybrid_sketch",
+                 "omnireduce"),
     )  # fmt: skip
     out = ctx.out / "parallax_lm"
     rows = run_hybrid_bench(cfg, (s.lm_procs,), (s.lm_seq,), out=out, net=ctx.net, console=ctx.console,
@@ -550,7 +552,8 @@ def section_parallax(ctx: Ctx) -> str:
         f"of tokens out of vocabulary), P = {s.lm_procs}, one server per rank, {ctx.where}. AR = dense "
         "allreduce of everything; PS = every variable on the servers, each dense variable whole on one; OptPS = "
         "dense variables split over all servers; HYB = dense by allreduce, embedding on the servers with local "
-        "aggregation; ddp_sparse = torch DDP with `sparse=True` (torch's own path); hybrid_sketch = the S2 "
+        "aggregation; ddp_sparse = torch DDP with `sparse=True` (torch's own path); omnireduce = the embedding by "
+        "the OmniReduce-style block-sparse allreduce (S2's baseline); hybrid_sketch = the S2 "
         f"sketch as the embedding's placement (lossy; ratio λ·α = {SKETCH_LAMBDA:g} x {alpha:.4f}, α from the "
         "corpus' batches); α = the measured share of embedding rows a step "
         "touches:\n\n"
