@@ -17,6 +17,7 @@ import torch
 
 from sparsync import launch
 from sparsync.compress import SparseSketch, TensorSpec, Threshold
+from sparsync.costmodel import ALGORITHMS
 from sparsync.placement import ServerProcess, start_servers
 from sparsync.placement.detect import ParamStats
 from sparsync.placement.feedback import PushFeedback
@@ -63,7 +64,10 @@ def test_mixed_placements_equal_single_process(servers: list[ServerProcess], wor
         if world > 1 and "sketch" in placements.values():
             _check_sketch_bytes(res[0][i]["records"], placements, world, int(c["steps"]))  # type: ignore[call-overload]
         if world > 1 and "sparse_allreduce" in placements.values():
-            assert any(a.startswith(("ssar", "dsar", "allgather")) for a in res[0][i]["algorithms"]), res[0][i]
+            # auto's choice among SparCML's algorithms depends on the measured link (it took "dense", the dense
+            # switch, once under load in CI): any of them, and only them
+            algs = res[0][i]["algorithms"]
+            assert algs and set(algs) <= set(ALGORITHMS), algs
 
 
 def _check_sketch_bytes(
