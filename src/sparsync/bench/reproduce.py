@@ -570,8 +570,12 @@ def section_parallax(ctx: Ctx) -> str:
 # --- TF-Replicator ------------------------------------------------------------------------------------------
 def _curve(cmd: list[str], path: Path, env: dict[str, str] | None = None) -> list[float]:
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
+    log = path.with_suffix(".log")
+    log.write_text(res.stdout + res.stderr)
     if res.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} exited with status {res.returncode}: {res.stderr[-800:]}")
+        errors = [ln for ln in res.stderr.splitlines() if "Error" in ln or "error:" in ln][:8]
+        raise RuntimeError(f"{' '.join(cmd)} exited with status {res.returncode} (output in {log}): "
+                           + " | ".join(errors))  # fmt: skip
     return [float(x) for x in json.loads(path.read_text())]
 
 
