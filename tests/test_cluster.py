@@ -83,6 +83,7 @@ def _final(text: str) -> list[tuple[str, str, str, str]]:
     return re.findall(r"rank (\d): attempt (\d+) resumed at step (\d+), loss \S+, params (\w+)", text)
 
 
+@pytest.mark.large  # 35 s: `-m large` (CI time), as the plain elastic restart test
 def test_elastic_hybrid_restart_resumes_servers_and_residuals_bit_for_bit(tmp_path: Path) -> None:
     example = str(ROOT / "examples" / "elastic_hybrid.py")
     out = _cluster([example, str(tmp_path / "killed"), "--kill-rank", "3", "--kill-step", "5"], tmp_path,

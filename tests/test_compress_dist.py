@@ -141,6 +141,7 @@ def test_ddp_sparse_embedding_every_compressor() -> None:
         assert any(not np.array_equal(a, b) for a, b in zip(res[0][spec], init, strict=True)), spec
 
 
+@pytest.mark.large  # 25 s: `-m large` (CI time); exactness of every compressor stays in the default run
 def test_convergence_on_digits_within_one_point() -> None:
     """Issue 3: an MLP on scikit-learn's digits, 4 ranks; TopK 1% + error feedback and QSGD 4-bit reach the
     uncompressed test accuracy within 1 point."""
