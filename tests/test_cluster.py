@@ -47,12 +47,26 @@ def test_topology_and_hierarchical_allreduce_under_torchrun(tmp_path: Path) -> N
         assert exact == "True", (rank, found[rank])
 
 
+def _copies(token: str) -> list[str]:
+    """``token`` as k copies of its shortest repeating unit (``"1.51.5"`` -> ``["1.5", "1.5"]``)."""
+    n = len(token)
+    p = next(p for p in range(1, n + 1) if n % p == 0 and token == token[:p] * (n // p))
+    return [token[:p]] * (n // p)
+
+
+def test_copies_splits_interleaved_prints() -> None:
+    assert _copies("1.39139282703399661.3913928270339966") == ["1.3913928270339966"] * 2
+    assert _copies("1.11") == ["1.11"] and _copies("0.5") == ["0.5"]
+
+
 def test_readme_replicator_example_on_two_hosts_equals_one_process(tmp_path: Path) -> None:
     block = next(b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "PER_WORKER" in b)
     script = tmp_path / "replica.py"
     script.write_text(block)
     out = _cluster([str(script)], tmp_path)
-    losses = [float(x) for x in re.findall(r"^([-\d.e]+)$", "\n".join(out), re.M)]
+    # Two processes of a host share its stdout, and print() writes a value and its newline in two calls, so
+    # their lines can interleave as "vv\n\n": every process prints the same value, so a token is k copies.
+    losses = [float(x) for tok in re.findall(r"^([-\d.e]+)$", "\n".join(out), re.M) for x in _copies(tok)]
     assert len(losses) == 4, out  # one line per torchrun process
     one = tmp_path / "one.py"
     one.write_text(block.replace("num_replicas=4", "num_replicas=1"))
