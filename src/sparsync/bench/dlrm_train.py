@@ -50,6 +50,7 @@ from torch.nn.parallel import DistributedDataParallel
 from sparsync.bench.criteo import CriteoBatch, read_criteo, table_rows
 from sparsync.bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
 from sparsync.bench.dlrm import DLRM
+from sparsync.bench.hybrid import ps_remote_bytes
 from sparsync.bench.omnireduce import block_allreduce
 from sparsync.compress import ErrorFeedback, SparseSketch, Threshold
 from sparsync.optim import DistributedOptimizer
@@ -58,7 +59,8 @@ from sparsync.replicator.optimizer import Compressed, CustomReduce, Placement
 
 METHODS = ("torch_ddp_dense", "torch_ddp_sparse", "sparsync", "sparsync_dct")
 PS_METHODS = ("sparsync_ps", "sparsync_ps_split", "sparsync_hybrid")
-OPTIONAL = ("sparsync_omnireduce", "sparsync_sketch", *PS_METHODS)
+LARGE_TABLE_METHODS = ("sparsync_omnireduce", "sparsync_sketch")
+OPTIONAL = (*LARGE_TABLE_METHODS, *PS_METHODS)
 # MLP widths (bottom without its last layer, which is the embedding width; top without its input width):
 # "small" keeps a step's dense part to a few hundred kB; "kaggle" is dlrm_s_pytorch.py's Criteo Kaggle
 # configuration (--arch-mlp-bot 13-512-256-64-16 --arch-mlp-top 512-256-1), 1.9 MB of dense gradients.
@@ -182,7 +184,7 @@ def _train(
         if method == "sparsync_dct":
             dct = Compressed(Threshold(cfg.dct_ratio, lifespan=cfg.dct_lifespan), ErrorFeedback(), bucket=True)
             plan = {n: dct for n, _ in model.named_parameters() if not n.startswith("tables.")}
-        elif method in OPTIONAL:
+        elif method in LARGE_TABLE_METHODS:
             plan = _large_table_plan(method, model, shard.sparse[: cfg.batch], cfg, log)
         opt = DistributedOptimizer(opt, model, plan=plan, log=log)
     times, losses, rows = [], [], []
@@ -200,7 +202,8 @@ def _train(
             opt.step()
             losses.append(loss.item())
         times.append(time.perf_counter() - t0)
-        rows.append([int(torch.unique(cats[:, j]).numel()) for j in range(cats.shape[1])])
+        if method.startswith("torch_ddp"):  # the rows gloo's sparse allreduce sends (_ddp_bytes)
+            rows.append([int(torch.unique(cats[:, j]).numel()) for j in range(cats.shape[1])])
 
     t = torch.tensor([statistics.median(times[cfg.warmup :])], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -219,8 +222,7 @@ def _train(
     else:
         nbytes = sum(r.bytes_sent for r in log.records) / cfg.steps
     if trainer is not None:
-        per = trainer.client.bytes_per_server
-        nbytes += (sum(per) - per[rank % len(per)]) / cfg.steps  # server i is colocated with rank i
+        nbytes += ps_remote_bytes(trainer, rank) / cfg.steps
         trainer.close()
     digest = float(sum(p.detach().double().abs().sum() for p in model.parameters()))
     return {"method": method, "step_s": float(t), "bytes_per_step": nbytes, "loss": float(tail) / P,

@@ -210,7 +210,7 @@ class _MethodRun:
 
     def run(self, n: int, *, measured: bool, progress: Any) -> None:
         self.log.clear()
-        ps0 = _ps_remote_bytes(self.trainer, self.rank)
+        ps0 = ps_remote_bytes(self.trainer, self.rank)
         hybrid = isinstance(self.trainer, HybridTrainer)
         ph0 = dict(self.trainer.phases) if hybrid else {}
         ddp = isinstance(self.trainer, _DDPSparse)
@@ -246,7 +246,7 @@ class _MethodRun:
             # the remote server, so a machine's share is twice its client's remote traffic on average (Table 3
             # counts both ends too).
             self.bytes += sum(r.bytes_sent + r.bytes_recv for r in self.log.records)
-            self.bytes += 2 * (_ps_remote_bytes(self.trainer, self.rank) - ps0)
+            self.bytes += 2 * (ps_remote_bytes(self.trainer, self.rank) - ps0)
             if ddp:
                 self.bytes += self._ddp_bytes(rows)
             delta = {k: self.trainer.phases[k] - ph0[k] for k in ph0}
@@ -310,7 +310,9 @@ class _MethodRun:
         }
 
 
-def _ps_remote_bytes(trainer: Any, rank: int) -> int:
+def ps_remote_bytes(trainer: Any, rank: int) -> int:
+    """Bytes (sent + received) between ``trainer``'s client and the servers of other ranks (server i is colocated
+    with rank i, as ``bench_servers`` starts them); 0 for a trainer without servers."""
     if not isinstance(trainer, HybridTrainer):
         return 0
     per = trainer.client.bytes_per_server

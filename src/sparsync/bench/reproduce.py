@@ -23,7 +23,6 @@ import itertools
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from rich.console import Console
 
 SECTIONS = ("sparcml", "s2", "dct", "parallax", "replicator")
 ROOT = Path(__file__).resolve().parents[3]  # the checkout (src layout); examples/ lives there
+SKETCH_LAMBDA = 2.0  # S2's λ of the sketch placements in the DLRM and LM runs (ratio = λ·α)
 
 
 @dataclass(frozen=True)
@@ -316,7 +316,8 @@ def section_s2(ctx: Ctx) -> str:
         + _img(ctx, plot_s2(rows, ctx.out / "s2_bytes_time.png", f"P = {s.emb_procs}, {ctx.where}"), "bytes, time")
         + _bias_text(sketch_bias(seeds=ctx.scale.bias_seeds))
         + "\nEnd to end: on DLRM, the DCT section's table has `sparsync_omnireduce` and `sparsync_sketch` (the "
-        "large tables by OmniReduce or by the sketch at λ = 2, the rest unchanged); on the language model, the "
+        f"large tables by OmniReduce or by the sketch at λ = {SKETCH_LAMBDA:g}, the rest unchanged); on the "
+        "language model, the "
         "Parallax section's table has `hybrid_sketch` (the sketch as the embedding's placement) and `omnireduce` "
         "(the embedding by the OmniReduce-style allreduce).\n\n"
         "**Why they differ**: S2's sketch is sized for one rank's non-zero rows but must hold the union of all "
@@ -402,6 +403,7 @@ def section_dct(ctx: Ctx) -> str:
     data = default_data(ctx.out / "criteo_synthetic.txt", s.dlrm_steps * s.dlrm_batch * s.dlrm_procs)
     cfg = DlrmBenchConfig(str(data), steps=s.dlrm_steps, batch=s.dlrm_batch, max_rows=s.dlrm_rows,
                           methods=(*METHODS, *OPTIONAL), large_table_rows=min(10_000, s.dlrm_rows),
+                          sketch_lambda=SKETCH_LAMBDA,
                           mlp=s.dlrm_mlp)  # fmt: skip
     rows = run_dlrm_bench(cfg, (s.dlrm_procs,), out=ctx.out / "dct_dlrm", net=ctx.net, console=ctx.console)
     ctx.dlrm_rows = rows
@@ -481,15 +483,14 @@ def parallax_markdown(rows: list[dict[str, Any]], w_dense: float, w_sparse: floa
         ])  # fmt: skip
     text = _table(["method", "words/s", "vs DDP sparse", "MB/step/machine", "Table 3 MB", "measured vs Table 3",
                    "loss"], body)  # fmt: skip
-    got = [(name, by[m]["words_per_s"]) for name, m in PARALLAX_ORDER if m in by]
-    order = " < ".join(f"{n} {w:,.0f}" for n, w in got)
+    order = _ordering([(name, by[m]["words_per_s"]) for name, m in PARALLAX_ORDER if m in by], "{:,.0f}")
+    return text + f"\nTable 4's ordering AR < PS < OptPS < HYB: {order}.\n"
+
+
+def _ordering(got: list[tuple[str, float]], fmt: str) -> str:
+    """'A 1 < B 2 ...: **holds**' when the rates increase along ``got``, else '**does not hold**'."""
     ok = all(a[1] < b[1] for a, b in itertools.pairwise(got))
-    return (
-        text + f"\nTable 4's ordering AR < PS < OptPS < HYB: {order}: **{'holds' if ok else 'does not hold'}**.\n"
-    )
-
-
-SKETCH_LAMBDA = 2.0  # S2's λ of the sketch placements in the DLRM and LM runs (ratio = λ·α)
+    return " < ".join(f"{n} {fmt.format(r)}" for n, r in got) + f": **{'holds' if ok else 'does not hold'}**"
 
 
 def lm_alpha(path: Path, vocab: int, batch: int, seq: int, negatives: int = 256, draws: int = 8) -> float:
@@ -515,12 +516,10 @@ def parallax_dlrm_markdown(rows: list[dict[str, Any]]) -> str:
     got = [(name, 1.0 / by[m]["step_s"]) for name, m in DLRM_ORDER if m in by]
     if len(got) < len(DLRM_ORDER):
         return ""
-    ok = all(a[1] < b[1] for a, b in itertools.pairwise(got))
-    order = " < ".join(f"{n} {r:.2f}" for n, r in got)
     extra = ", ".join(f"{m} {1.0 / by[m]['step_s']:.2f}" for m in ("torch_ddp_sparse", "sparsync") if m in by)
     return (
-        f"\nOn DLRM (the DCT section's run, steps/s; AR = DDP without sparse gradients): {order}: "
-        f"**{'holds' if ok else 'does not hold'}** (beside them: {extra}).\n"
+        f"\nOn DLRM (the DCT section's run, steps/s; AR = DDP without sparse gradients): "
+        f"{_ordering(got, '{:.2f}')} (beside them: {extra}).\n"
     )
 
 
@@ -592,18 +591,20 @@ def replicator_curves(ctx: Ctx) -> dict[str, list[float]]:
         curves[f"{n} local replica{'s' if n > 1 else ''}"] = _curve(
             [sys.executable, str(script), "--replicas", str(n), "--curve", str(path)], path
         )
-    path = d / "torchrun.json"
     n = ctx.scale.torchrun_procs
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
-    curves[f"torchrun --nproc-per-node {n}"] = _curve(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(script),
-         "--curve", str(path)], path, env,
-    )  # fmt: skip
-    path = d / "ddp.json"
-    curves[f"torch DDP, torchrun --nproc-per-node {n}"] = _curve(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", str(script),
-         "--ddp", "--curve", str(path)], path, env,
-    )  # fmt: skip
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        str(script),
+    ]
+    for label, stem, extra in ((f"torchrun --nproc-per-node {n}", "torchrun", []),
+                               (f"torch DDP, torchrun --nproc-per-node {n}", "ddp", ["--ddp"])):  # fmt: skip
+        path = d / f"{stem}.json"
+        curves[label] = _curve([*torchrun, str(script), *extra, "--curve", str(path)], path, env)
     return curves
 
 
@@ -712,11 +713,6 @@ def _header(ctx: Ctx, seconds: float) -> str:
         f"Command: `sparsync reproduce{' --quick' if ctx.scale.name == 'quick' else ''}"
         f"{f' --net {ctx.net}' if ctx.net else ''} --out {ctx.out}`\n\n"
     )
-
-
-def summary_lines(report: Path) -> list[str]:
-    """The bold verdicts of a report (for the console)."""
-    return re.findall(r"\*\*[^*]+\*\*", report.read_text())
 
 
 __all__ = ["FULL", "QUICK", "SECTIONS", "Scale", "run_reproduce"]

@@ -137,18 +137,18 @@ class Compressed(Placement):
     kind = "compressed"
 
     def aggregate(self, params: list[NamedParam], env: ReduceEnv) -> None:
-        single = [p for p in params if not self.bucket or _grad(p).is_sparse]
-        for p in single:
-            p.param.grad = self._reduce(_grad(p), p.name, env)
-        by_dtype: dict[torch.dtype, list[NamedParam]] = {}
+        buckets: dict[torch.dtype, list[NamedParam]] = {}
         for p in params:
-            if self.bucket and not _grad(p).is_sparse:
-                by_dtype.setdefault(_grad(p).dtype, []).append(p)
-        for group in by_dtype.values():
-            flat = torch.cat([_grad(p).reshape(-1) for p in group])
-            out = self._reduce(flat, f"bucket:{group[0].name}", env)
-            for p, piece in zip(group, torch.split(out, [_grad(p).numel() for p in group]), strict=True):
-                p.param.grad = piece.view_as(_grad(p))
+            g = _grad(p)
+            if self.bucket and not g.is_sparse:
+                buckets.setdefault(g.dtype, []).append(p)
+            else:
+                p.param.grad = self._reduce(g, p.name, env)
+        for group in buckets.values():
+            grads = [_grad(p) for p in group]
+            out = self._reduce(torch.cat([g.reshape(-1) for g in grads]), f"bucket:{group[0].name}", env)
+            for p, g, piece in zip(group, grads, torch.split(out, [g.numel() for g in grads]), strict=True):
+                p.param.grad = piece.view_as(g)
 
     def _reduce(self, g: torch.Tensor, name: str, env: ReduceEnv) -> torch.Tensor:
         out: torch.Tensor = reduce(
