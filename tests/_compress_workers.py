@@ -198,3 +198,47 @@ def unbiased_worker(rank: int, draws: int, bits: int) -> dict[str, Any]:
     # a tensor of 3 buckets: at P = 5 the last two partitions are empty
     small = sparsync.reduce(x[:40], QSGD(bits=4, bucket=16, aggregation="reduce_scatter"), name="s").numpy()
     return {"sum": total.numpy(), "squares": squares.numpy(), "untouched": untouched, "small": small}
+
+
+PIPELINE_N = 2 * (1 << 21) + 3 * (1 << 17) + 777  # two and a bit segments of QSGD(bucket=512), a partial bucket
+
+
+def pipeline_input(rank: int) -> torch.Tensor:
+    return torch.randn(PIPELINE_N, generator=torch.Generator().manual_seed(77 + rank)) * (rank + 1)
+
+
+def pipeline_worker(rank: int) -> dict[str, Any]:
+    """QSGD's pipelined reduce-scatter over several segments: sync (encoded while sending, residual from the
+    returned payload), async (encoded first), and with a payload source; all sums (average=False)."""
+    from sparsync.compress import Context
+    from sparsync.compress.qsgd_allreduce import encode_remote, quantized_allreduce
+
+    P = dist.get_world_size()
+    x = pipeline_input(rank)
+
+    def q() -> QSGD:
+        return QSGD(bits=4, bucket=512, aggregation="reduce_scatter")
+
+    sync_mem, async_mem = ErrorFeedback(), ErrorFeedback()
+    sync = sparsync.reduce(x, q(), memory=sync_mem, name="big", average=False)
+    asy = sparsync.reduce(x, q(), memory=async_mem, name="big", average=False, async_op=True).wait()
+    q3, ctx = q(), Context("big", rank, P)
+    payload = encode_remote(q3, x, PIPELINE_N, ctx, P)
+    from_payload = quantized_allreduce(q3, x, PIPELINE_N, ctx, dist.group.WORLD, payload=payload)
+    mean = sparsync.reduce(x, q(), name="big")
+    return {
+        "sync": sync.numpy(),
+        "async_equal": bool(torch.equal(asy, sync)),
+        "payload_equal": bool(torch.equal(from_payload.total, sync)),
+        "mean_error": float((mean - sync / P).abs().max() / (sync / P).abs().max()),  # scales / P: rounding
+        "residual": _residual(sync_mem).numpy(),
+        "residuals_equal": bool(torch.equal(_residual(sync_mem), _residual(async_mem))),
+        "input_untouched": bool(torch.equal(x, pipeline_input(rank))),
+    }
+
+
+def _residual(mem: ErrorFeedback) -> torch.Tensor:
+    errors = mem.state_dict()["errors"]
+    assert isinstance(errors, dict)
+    out: torch.Tensor = errors["big"]
+    return out

@@ -32,7 +32,7 @@ from sparsync.compress import (
 )
 from sparsync.compress import qsgd as qsgd_mod
 from sparsync.compress import sketch as sk_mod
-from sparsync.compress.qsgd_allreduce import concat_payloads, partitions, simulate, slice_payload
+from sparsync.compress.qsgd_allreduce import concat_payloads, encode_remote, partitions, simulate, slice_payload
 
 ALL = {
     "identity": Identity(),
@@ -373,18 +373,20 @@ def test_qsgd_partitions_are_whole_byte_aligned_buckets(bits: int, bucket: int, 
 def test_qsgd_requantized_sum_is_unbiased_within_its_variance_bound() -> None:
     """qsgd_allreduce's variance bound, single-process (``simulate``, 4 virtual ranks, 400 seeds): the mean
     is within 5 standard errors of the exact sum per value, and the measured variance lies between the
-    first stage's exact variance and the bound (first stage + (Σ_r M_rb)²/(4s²))."""
+    first stage's exact variance (every rank's rounding but the owner's: its own partition travels exactly)
+    and the bound (first stage + (Σ_r M_rb)²/(4s²))."""
     P, B, n, T, s = 4, 32, 200, 400, 7
     xs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) * (r + 1) for r in range(P)]
     ys = []
     for seed in range(T):
         q = QSGD(bits=4, bucket=B, seed=seed)
         ctxs = [Context("w", r, P) for r in range(P)]
-        agg = simulate(q, [q.compress(x, c) for x, c in zip(xs, ctxs, strict=True)], n, ctxs)
-        ys.append(q.decompress(agg, TensorSpec.of(xs[0])).double())
+        sent = [encode_remote(q, x, n, c, P) for x, c in zip(xs, ctxs, strict=True)]
+        ys.append(simulate(q, sent, xs, ctxs).double())
     y = torch.stack(ys)
     exact = sum(x.double() for x in xs)
-    first, maxsum = _qsgd_variance_terms(xs, B, s)
+    owner = torch.cat([torch.full((hi - lo,), j) for j, (lo, hi) in enumerate(partitions(QSGD(bucket=B), n, P))])
+    first, maxsum = _qsgd_variance_terms(xs, B, s, owner)
     bound = first + maxsum**2 / (4 * s**2)
     z = (y.mean(0) - exact) / ((bound / T).sqrt() + 1e-6)  # type: ignore[operator]
     assert float(z.abs().max()) < 5.0
@@ -392,17 +394,21 @@ def test_qsgd_requantized_sum_is_unbiased_within_its_variance_bound() -> None:
     assert float(first.sum()) < measured <= 1.1 * float(bound.sum())
 
 
-def _qsgd_variance_terms(xs: list[torch.Tensor], B: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per value: Σ_r of the exact variance of one rounding (scale="max"), and Σ_r of the bucket maxima."""
+def _qsgd_variance_terms(
+    xs: list[torch.Tensor], B: int, s: int, owner: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per value: Σ_r of the exact variance of one rounding (scale="max"), leaving out rank ``owner[i]`` (the
+    rank that does not round value i), and Σ_r of the bucket maxima."""
     first = torch.zeros(xs[0].numel(), dtype=torch.float64)
     maxsum = torch.zeros_like(first)
-    for x in xs:
+    for r, x in enumerate(xs):
         xd = x.double()
         pad = torch.nn.functional.pad(xd.abs(), (0, -xd.numel() % B)).reshape(-1, B)
         M = pad.amax(1).repeat_interleave(B)[: xd.numel()]
         lev = xd.abs() * s / M
         p = lev - lev.floor()
-        first += (M / s) ** 2 * p * (1 - p)
+        var = (M / s) ** 2 * p * (1 - p)
+        first += var if owner is None else var * (owner != r)
         maxsum += M
     return first, maxsum
 

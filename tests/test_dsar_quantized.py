@@ -13,8 +13,8 @@ import torch
 
 from sparsync import launch
 from sparsync.collectives.partition import Partition
-from sparsync.compress import Context, QuantizedPayload, TensorSpec
-from sparsync.compress.qsgd_allreduce import simulate
+from sparsync.compress import Context, QuantizedPayload
+from sparsync.compress.qsgd_allreduce import encode_remote, simulate
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
@@ -34,9 +34,9 @@ def replay(P: int, density: str, part: str) -> np.ndarray:
     ctxs = [Context("dsar", r, P) for r in range(P)]
     if all(s.is_dense for s in inputs):  # both phases quantized: QSGD's reduce-scatter + allgather
         qs = [dw.q_of(0) for _ in range(P)]
-        payloads = [q.compress(s.values, c) for q, s, c in zip(qs, inputs, ctxs, strict=True)]
-        total = simulate(qs[0], payloads, n, ctxs, requantizers=qs)
-        return qs[0].decompress(total, TensorSpec(torch.Size([n]), torch.float32)).numpy()
+        xs = [s.values for s in inputs]
+        sent = [encode_remote(q, x, n, c, P) for q, x, c in zip(qs, xs, ctxs, strict=True)]
+        return simulate(qs[0], sent, xs, ctxs, requantizers=qs).numpy()
     exact = sum(s.to_dense().double() for s in inputs).float()  # integer sums: exact in float32
     p = Partition(part, dw.ROWS, P)
     chunk = max(p.counts())

@@ -35,7 +35,7 @@ from sparsync.collectives.partition import Partition
 from sparsync.collectives.split_allgather import split_reduce
 from sparsync.compress.base import Context, QuantizedPayload
 from sparsync.compress.qsgd import QSGD
-from sparsync.compress.qsgd_allreduce import quantized_allreduce
+from sparsync.compress.qsgd_allreduce import quantized_allreduce, segments
 from sparsync.stream import SparseStream, dense_threshold
 
 _ALLGATHER_SINGLE = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # renamed in torch 2.13
@@ -72,13 +72,10 @@ def dsar_quantized(
     ctx = Context(name, rank, P)
     delta = dense_threshold(dim, stream.dtype, b)
     if all(d or k >= delta for d, k in zip(dense, nnz, strict=True)):  # every rank sends its blocks dense
-        payload = q.compress(stream.densified().values, ctx)
-        with comm.phase("quantized_allreduce"):
-            total, sent = quantized_allreduce(q, payload, dim, ctx, comm.group)
-        comm.count_collective(sent, sent, 4 * (P - 1))
-        with comm.phase("decode"):
-            out = q.decode_sum([total], dim)
-        return SparseStream(None, out.to(stream.dtype), dim, row=b, validate=False)
+        with comm.phase("quantized_allreduce"):  # encode, exchange, re-quantize and decode, pipelined
+            r = quantized_allreduce(q, stream.densified().values, dim, ctx, comm.group)
+        comm.count_collective(r.sent, r.sent, 4 * (P - 1) * len(segments(q, dim)))
+        return SparseStream(None, r.total.to(stream.dtype), dim, row=b, validate=False)
     part = Partition(partition, stream.num_rows, P)
     mine = split_reduce(comm, stream, part, nnz)
     chunk = max(part.counts())

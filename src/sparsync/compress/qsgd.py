@@ -41,7 +41,7 @@ from sparsync.compress.base import (
     check_positive_int,
 )
 
-CHUNK = 1 << 17  # values per kernel pass: a chunk's scratch (1.5 MB) stays in cache; 64K pays more dispatch
+CHUNK = 1 << 19  # values per kernel pass: a chunk's scratch (1.5 MB) stays in cache; 64K pays more dispatch
 _NOISE_STREAM = 0  # generator streams of one (name, rank): the compressor's own rounding ...
 REQUANTIZE_STREAM = 1  # ... and the re-quantization of a partition sum (qsgd_allreduce.py)
 
@@ -99,21 +99,48 @@ class QSGD(Compressor):
     def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> QuantizedPayload:
         flat = tensor.reshape(-1)
         n = flat.numel()
+        out = self.empty_payload(n)
+        self.encode_range(flat, 0, n, out, Workspace(self, n), self.generator(ctx))
+        return out  # the last bucket's padding stays home
+
+    def empty_payload(self, n: int) -> QuantizedPayload:
+        """Uninitialized codes and scales for ``n`` values (``payload_nbytes(n)`` bytes)."""
         codes = torch.empty(self.code_bytes(n), dtype=torch.uint8)
-        scales = torch.empty(-(-n // self.bucket), dtype=torch.float32)
-        ws = _Workspace(self, n)
-        g = self.generator(ctx)
-        for a, b in self._chunks(n):
-            ws.encode(flat[a:b], scales[a // self.bucket : -(-b // self.bucket)], g)
-            ws.pack(b - a, codes[a * self.bits // 8 : -(-b * self.bits // 8)])
-        return QuantizedPayload(codes, scales)  # the last bucket's padding stays home
+        return QuantizedPayload(codes, torch.empty(-(-n // self.bucket), dtype=torch.float32))
+
+    def payload_nbytes(self, n: int) -> int:
+        """Bytes of the payload of ``n`` values: packed codes and one float32 scale per bucket."""
+        return self.code_bytes(n) + 4 * -(-n // self.bucket)
+
+    def encode_range(
+        self, flat: torch.Tensor, a: int, b: int, out: QuantizedPayload, ws: Workspace, gen: torch.Generator
+    ) -> None:
+        """Encode values [a, b) of ``flat`` into ``out`` (the payload of all of ``flat``), ``a`` a multiple of
+        ``chunk_step()``: encoding [0, n) in consecutive ranges gives the bits of one ``compress`` call with the
+        same generator state (the chunks, and so the noise draws, are the same)."""
+        for c0, c1 in self._chunks(b, a):
+            ws.encode(flat[c0:c1], out.scales[c0 // self.bucket : -(-c1 // self.bucket)], gen)
+            ws.pack(c1 - c0, out.codes[c0 * self.bits // 8 : -(-c1 * self.bits // 8)])
+
+    def decode_into(self, payload: QuantizedPayload, out: torch.Tensor, ws: Workspace) -> None:
+        """out (float32, the payload's values) = decode(payload), chunk by chunk with ``ws``'s scratch."""
+        for a, b in self._chunks(out.numel()):
+            ws.decode_into([payload], a, b, out[a:b])
+
+    def workspace(self, n: int) -> Workspace:
+        """Scratch for encoding or decoding up to ``chunk_step()`` values at a time, of a tensor of ``n``."""
+        return Workspace(self, n)
+
+    def chunk_step(self) -> int:
+        """Values per kernel pass: whole buckets, a whole number of aligned units (codes start on a byte)."""
+        return _chunk_values(self.bucket, self.unit())
 
     def decompress(self, payload: QuantizedPayload, spec: TensorSpec) -> torch.Tensor:
-        return self._finish(self.decode_sum([payload], spec.numel), spec)
+        return self.finish(self.decode_sum([payload], spec.numel), spec)
 
     def decompress_gathered(self, payloads: list[QuantizedPayload], spec: TensorSpec) -> torch.Tensor:
         """Sum of every rank's payload, decoded chunk by chunk into one output (no P full-size decodes)."""
-        return self._finish(self.decode_sum(payloads, spec.numel), spec)
+        return self.finish(self.decode_sum(payloads, spec.numel), spec)
 
     # --- kernels shared with qsgd_allreduce ---------------------------------------------------------------
     def code_bytes(self, n: int) -> int:
@@ -128,31 +155,33 @@ class QSGD(Compressor):
     def decode_sum(self, payloads: list[QuantizedPayload], n: int) -> torch.Tensor:
         """float32 sum of the decoded ``payloads`` (each of ``n`` values), accumulated per chunk in cache."""
         out = torch.empty(n, dtype=torch.float32)
-        ws = _Workspace(self, n)
+        ws = Workspace(self, n)
         for a, b in self._chunks(n):
             ws.decode_into(payloads, a, b, out[a:b])
         return out
 
-    def sum_requantize(self, payloads: list[QuantizedPayload], n: int, gen: torch.Generator) -> QuantizedPayload:
-        """Quantized payload of the sum of ``payloads`` (each of ``n`` values): decode, add and re-quantize with
-        noise from ``gen``, chunk by chunk (qsgd_allreduce's per-partition step)."""
-        codes = torch.empty(self.code_bytes(n), dtype=torch.uint8)
-        scales = torch.empty(-(-n // self.bucket), dtype=torch.float32)
-        ws = _Workspace(self, n)
+    def sum_requantize(
+        self, payloads: list[QuantizedPayload], n: int, gen: torch.Generator, exact: torch.Tensor | None = None
+    ) -> QuantizedPayload:
+        """Quantized payload of ``exact`` (if given) plus the sum of ``payloads`` (each of ``n`` values): decode,
+        add in that order and re-quantize with noise from ``gen``, chunk by chunk (qsgd_allreduce's step 2)."""
+        out = self.empty_payload(n)
+        ws = Workspace(self, n)
         acc = torch.empty(min(n, ws.chunk), dtype=torch.float32)
         for a, b in self._chunks(n):
-            ws.decode_into(payloads, a, b, acc[: b - a])
-            ws.encode(acc[: b - a], scales[a // self.bucket : -(-b // self.bucket)], gen)
-            ws.pack(b - a, codes[a * self.bits // 8 : -(-b * self.bits // 8)])
-        return QuantizedPayload(codes, scales)
+            ws.decode_into(payloads, a, b, acc[: b - a], None if exact is None else exact[a:b])
+            ws.encode(acc[: b - a], out.scales[a // self.bucket : -(-b // self.bucket)], gen)
+            ws.pack(b - a, out.codes[a * self.bits // 8 : -(-b * self.bits // 8)])
+        return out
 
-    def _chunks(self, n: int) -> list[tuple[int, int]]:
-        """[a, b) ranges of whole buckets (the last one may end in a partial bucket), each a whole number of
-        aligned units, so every chunk's codes start on a byte."""
-        step = _chunk_values(self.bucket, self.unit())
-        return [(a, min(n, a + step)) for a in range(0, n, step)]
+    def _chunks(self, n: int, start: int = 0) -> list[tuple[int, int]]:
+        """[a, b) ranges of whole buckets from ``start`` to ``n`` (the last one may end in a partial bucket),
+        each a whole number of aligned units, so every chunk's codes start on a byte."""
+        step = self.chunk_step()
+        return [(a, min(n, a + step)) for a in range(start, n, step)]
 
-    def _finish(self, out: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+    def finish(self, out: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
+        """The tensor ``spec`` describes from decoded float32 values (dtype, shape, layout)."""
         out = out.to(spec.dtype).reshape(spec.shape)
         return out.to_sparse(spec.sparse_dim) if spec.sparse_dim is not None else out
 
@@ -161,7 +190,7 @@ def _chunk_values(bucket: int, unit: int) -> int:
     return max(unit, CHUNK // bucket // unit * unit) * bucket
 
 
-class _Workspace:
+class Workspace:
     """Scratch buffers of one call, sized for one chunk and reused by every chunk."""
 
     def __init__(self, q: QSGD, n: int) -> None:
@@ -172,6 +201,13 @@ class _Workspace:
         self.codes = torch.empty(words * 4, dtype=torch.int16)  # room to pad a chunk to whole int64 words
         self.f = torch.empty(self.chunk, dtype=torch.float32)
         self.wide = torch.empty(words * 2, dtype=torch.int64)
+        per = 8 // self.bits  # decode: the levels of every byte value, per codes a byte (first in the low bits)
+        byte = torch.arange(256, dtype=torch.int32).unsqueeze(1)
+        codes = byte.bitwise_right_shift(torch.arange(per, dtype=torch.int32) * self.bits) & ((1 << self.bits) - 1)
+        lut = (codes - self.s).to(torch.float32)  # (256, per)
+        self.lut = lut.view(256) if per == 1 else lut
+        self.idx = torch.empty(-(-self.chunk * self.bits // 8), dtype=torch.int32)
+        self.lvl = torch.empty(self.idx.numel() * per, dtype=torch.float32)
 
     def encode(self, x: torch.Tensor, scales: torch.Tensor, gen: torch.Generator) -> None:
         """Codes q + s of the chunk ``x`` into ``self.codes`` and its bucket scales into ``scales``."""
@@ -185,14 +221,14 @@ class _Workspace:
     def _round(self, x: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, gen: torch.Generator) -> None:
         xf = x if x.dtype == torch.float32 else x.to(torch.float32)
         s = self.s
-        S = torch.linalg.vector_norm(xf, dim=1) if self.l2 else xf.abs().amax(1)
+        k = xf.numel()
+        t = self.f[:k].view_as(xf)  # scratch: |x| here, then the rounded levels (no fresh chunk-sized temporary)
+        S = torch.linalg.vector_norm(xf, dim=1) if self.l2 else torch.abs(xf, out=t).amax(1)
         scales.copy_(S)
         inv = torch.where(S > 0, s / S, torch.zeros_like(S)).unsqueeze(1)  # a zero bucket: code s, value 0
-        k = xf.numel()
         noise = self.noise[: -(-k // 4)].random_(-(2**63), None, generator=gen).view(torch.int16)[:k]
         # code = floor(v·s/S + s + u) with u = (r + 32768.5) / 2^16 ∈ (0, 1), r a uniform int16: rounds up
         # with probability frac(v·s/S) ± 2^-17. t ≥ 0, so the float -> int16 conversion's truncation floors.
-        t = self.f[:k].view_as(xf)
         t.copy_(noise.view_as(xf)).mul_(2.0**-16).add_(s + 0.5 + 2.0**-17)
         t.addcmul_(xf, inv).clamp_(0, 2 * s)  # clamp: float rounding at ±S must not leave [0, 2s]
         codes.copy_(t)
@@ -213,36 +249,46 @@ class _Workspace:
             word.bitwise_or_(torch.bitwise_right_shift(word, j * (16 - self.bits), out=tmp))
         out.copy_(word)
 
-    def unpack(self, packed: torch.Tensor, k: int) -> torch.Tensor:
-        """Codes q + s (int16) of ``packed`` bytes, the inverse of ``pack``; a view of ``self.codes``."""
-        per = 8 // self.bits
+    def levels(self, packed: torch.Tensor, k: int, dst: torch.Tensor) -> None:
+        """dst (float32, k values) = the levels q = code - s of ``packed`` bytes, exact small integers: one
+        table lookup per byte (``index_select`` of the byte's ``8 // bits`` levels, read as one 4-, 8- or
+        16-byte word), the inverse of ``pack``."""
+        per, m = 8 // self.bits, packed.numel()
+        idx = self.idx[:m]
+        idx.copy_(packed)
+        aligned = k == m * per and dst.storage_offset() % per == 0  # dst viewed as words of per levels
+        lvl = dst if aligned else self.lvl[: m * per]
         if per == 1:
-            return self.codes[:k].copy_(packed[:k])
-        m = packed.numel()
-        word = self.codes[: m * per].view(torch.int32 if per == 2 else torch.int64)
-        src = self.wide[:m] if per == 4 else self.wide.view(torch.int32)[:m]
-        src.copy_(packed)
-        mask = (1 << self.bits) - 1
-        torch.bitwise_and(src, mask, out=word)
-        tmp = self.wide[m : 2 * m] if per == 4 else self.wide.view(torch.int32)[m : 2 * m]
-        for j in range(1, per):
-            torch.bitwise_and(src, mask << (j * self.bits), out=tmp)
-            word.bitwise_or_(tmp.bitwise_left_shift_(j * (16 - self.bits)))
-        return self.codes[:k]
+            torch.index_select(self.lut, 0, idx, out=lvl)
+        elif per == 2:
+            torch.index_select(self.lut.view(torch.int64).view(-1), 0, idx, out=lvl.view(torch.int64))
+        else:
+            torch.index_select(self.lut.view(torch.int64), 0, idx, out=lvl.view(torch.int64).view(m, 2))
+        if not aligned:
+            dst.copy_(lvl[:k])
 
-    def decode_into(self, payloads: list[QuantizedPayload], a: int, b: int, out: torch.Tensor) -> None:
-        """out = Σ_p decode(p)[a:b] (float32); [a, b) a chunk of ``QSGD._chunks``."""
+    def decode_into(
+        self,
+        payloads: list[QuantizedPayload],
+        a: int,
+        b: int,
+        out: torch.Tensor,
+        first: torch.Tensor | None = None,
+    ) -> None:
+        """out = first + Σ_p decode(p)[a:b] (float32; ``first``, if given: values [a, b) of an exact term);
+        [a, b) a chunk of ``QSGD._chunks``."""
         B, bits = self.bucket, self.bits
         nb = -(-(b - a) // B)
         full = (b - a) // B * B
+        if first is not None:
+            out.copy_(first)
         for i, p in enumerate(payloads):
-            codes = self.unpack(p.codes[a * bits // 8 : -(-b * bits // 8)], b - a).sub_(self.s)
             step = p.scales[a // B : a // B + nb] / self.s
-            dst = out if i == 0 else self.f[: b - a]
-            dst.copy_(codes)  # exact levels q, then one rounding: q·(S/s)
+            dst = out if i == 0 and first is None else self.f[: b - a]
+            self.levels(p.codes[a * bits // 8 : -(-b * bits // 8)], b - a, dst)  # exact q; one rounding: q·(S/s)
             if full:
                 dst[:full].view(-1, B).mul_(step[: full // B].unsqueeze(1))
             if full < b - a:
                 dst[full:].mul_(step[-1])
-            if i:
+            if dst is not out:
                 out.add_(dst)

@@ -1,45 +1,55 @@
-"""Quantized reduce-scatter + allgather of QSGD payloads (issue 15, item 2; SparCML §5's low-precision dense
-phase, the "reduce-scatter, then re-quantize" design of THC-style quantized allreduce).
+"""Quantized reduce-scatter + allgather for QSGD (issue 15, item 2; SparCML §5's low-precision dense phase, the
+"reduce-scatter, then re-quantize" design of THC-style quantized allreduce).
 
 Allgather aggregation (``base.Compressor.decompress_gathered``) sends every rank's payload to every rank, and
 every rank decodes all P of them: (P - 1)·q bytes in and P·n decoded values per rank, for a payload of q bytes
-of n values. Here the n values are split into P partitions of whole buckets (``partitions``):
+of n values. Here the n values are cut into segments of about ``SEGMENT`` values (``segments``), each split
+into P partitions of whole buckets (``partitions``), and for every segment:
 
-1. ``all_to_all_single`` (codes, then scales): rank j receives partition j of every rank's payload
-   ((P - 1)/P·q bytes per rank);
-2. rank j decodes and sums its P slices and re-quantizes the sum with its own noise (``QSGD.sum_requantize``):
-   n decoded values per rank in all, instead of P·n;
+1. ``all_to_all_single``: rank j receives partition j of every other rank's payload ((P - 1)/P·q bytes per
+   rank). A rank never quantizes its own partition: it does not leave the rank (``encode_remote``);
+2. rank j adds its own exact values and the P - 1 decoded slices, and re-quantizes the sum with its own noise
+   (``QSGD.sum_requantize``): about n decoded values per rank in all, instead of P·n;
 3. ``all_gather_into_tensor`` of the quantized partitions ((P - 1)/P·q bytes per rank), which every rank
-   decodes once into the result, straight from the gathered buffers: bitwise the same everywhere.
+   decodes into the result, straight from the gathered buffers: bitwise the same everywhere.
+
+The three steps are a software pipeline over the segments (``quantized_allreduce``): while segment i is
+encoded, i - 1's all-to-all and i - 2's allgather are on the wire, so the encode, re-quantization and decode
+overlap the transfers instead of adding to them.
 
 Bytes per rank: 2(P - 1)/P·q instead of (P - 1)·q (at P = 4: 1.5q vs 3q); at P = 2 both move q, so ``auto``
 keeps the allgather there (see ``QSGD.aggregation``).
 
-Variance. Let x_r be rank r's input and Q(·) one stochastic quantization (unbiased: E[Q(v) | v] = v). A
-partition's result is Q₂(Y) with Y = Σ_r Q₁(x_r) and Q₂ drawn independently of Q₁ (its own generator stream,
+Variance. Let x_r be rank r's input and Q(·) one stochastic quantization (unbiased: E[Q(v) | v] = v). Partition
+j's result is Q₂(Y) with Y = x_j + Σ_{r≠j} Q₁(x_r) and Q₂ drawn independently of Q₁ (its own generator stream,
 ``qsgd.REQUANTIZE_STREAM``), so by the tower rule E[Q₂(Y)] = E[Y] = Σ_r x_r: unbiased, and
 
-    Var[Q₂(Y)_i] = Σ_r Var[Q₁(x_r)_i] + E[Var[Q₂(Y)_i | Y]].
+    Var[Q₂(Y)_i] = Σ_{r≠j} Var[Q₁(x_r)_i] + E[Var[Q₂(Y)_i | Y]].
 
-The first term is what the allgather path has. The second is the added variance: with ``scale="max"`` the
-bucket of Y has scale ‖Y_b‖∞ ≤ Σ_r ‖x_{r,b}‖∞ (every decoded value lies within its bucket's scale), so per
-value it is at most (‖Y_b‖∞ / s)²/4 ≤ (Σ_r M_{r,b})² / (4s²), with M_{r,b} = ‖x_{r,b}‖∞ and s = 2^(bits-1) - 1
-levels; summed over a bucket of B values, at most B·(Σ_r M_{r,b})²/(4s²). With equal M that is P² times one
-rank's bound B·M²/(4s²) (ranks whose values align); for independent ranks ‖Y_b‖∞ ≈ √P·M, so the added
-variance is about P times one rank's, about as large as the first term. For
-the average (``reduce``'s default) divide by P²: the re-quantization adds at most the noise of one
-single-rank quantization of the mean, (mean_r M_{r,b})²/(4s²) per value, while the first term shrinks as 1/P.
-With ``scale="l2"``, QSGD Lemma 3.1 bounds the second term by min(B/s², √B/s)·E‖Y_b‖₂² per bucket.
-Error feedback (``reduce(memory=...)``) compensates a rank's own Q₁ only, as with the allgather.
+The first term is the allgather path's minus the owner's own rounding. The second is the added variance: with
+``scale="max"`` the bucket of Y has scale ‖Y_b‖∞ ≤ Σ_r ‖x_{r,b}‖∞ (every decoded value lies within its bucket's
+scale), so per value it is at most (‖Y_b‖∞ / s)²/4 ≤ (Σ_r M_{r,b})² / (4s²), with M_{r,b} = ‖x_{r,b}‖∞ and
+s = 2^(bits-1) - 1 levels; summed over a bucket of B values, at most B·(Σ_r M_{r,b})²/(4s²). With equal M
+that is P² times one rank's bound B·M²/(4s²) (ranks whose values align); for independent ranks
+‖Y_b‖∞ ≈ √P·M, so the added variance is about P times one rank's, about as large as the first term. For the
+average (``reduce``'s default) divide by P²: the re-quantization adds at most the noise of one single-rank
+quantization of the mean, (mean_r M_{r,b})²/(4s²) per value, while the first term shrinks as 1/P. With
+``scale="l2"``, QSGD Lemma 3.1 bounds the second term by min(B/s², √B/s)·E‖Y_b‖₂² per bucket.
+Error feedback (``reduce(memory=...)``) compensates a rank's own Q₁ only, as with the allgather: its residual
+is x - ``local_estimate`` (zero on the rank's own partitions, which travel exactly).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from sparsync.compress.base import Context, QuantizedPayload
-from sparsync.compress.qsgd import QSGD, REQUANTIZE_STREAM
+from sparsync.compress.qsgd import QSGD, REQUANTIZE_STREAM, Workspace
+
+SEGMENT = 1 << 21  # values per pipeline segment (rounded down to whole kernel chunks): 1 MB of 4-bit codes
 
 
 def partitions(q: QSGD, n: int, world_size: int) -> list[tuple[int, int]]:
@@ -68,68 +78,221 @@ def concat_payloads(parts: list[QuantizedPayload]) -> QuantizedPayload:
     return QuantizedPayload(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
 
 
+def segments(q: QSGD, n: int) -> list[tuple[int, int]]:
+    """[a, b) value ranges of the pipeline's segments: about ``SEGMENT`` values each, whole kernel chunks (the
+    last one shorter). A tensor of at most one segment runs the three steps once, unpipelined."""
+    step = max(1, SEGMENT // q.chunk_step()) * q.chunk_step()
+    return [(a, min(n, a + step)) for a in range(0, n, step)]
+
+
+def encode_remote(q: QSGD, values: torch.Tensor, n: int, ctx: Context, world_size: int) -> QuantizedPayload:
+    """This rank's payload for ``quantized_allreduce``: every segment's partitions encoded but the rank's own
+    (ctx.rank's; zero codes and scales there: they are summed exactly where they are). Advances ``q``'s
+    rounding generator of (ctx.name, ctx.rank) as the pipelined encode inside ``quantized_allreduce`` does."""
+    payload, ws, gen = q.empty_payload(n), q.workspace(n), q.generator(ctx)
+    for a, b in segments(q, n):
+        _encode_segment(q, values.reshape(-1), a, b, world_size, ctx.rank, payload, ws, gen)
+    return payload
+
+
+def local_estimate(
+    q: QSGD, payload: QuantizedPayload, values: torch.Tensor, world_size: int, rank: int
+) -> torch.Tensor:
+    """What the other ranks receive of this rank's ``values`` (float32, flat): the decoded payload, and the
+    exact values on the rank's own partitions. Error feedback keeps values - this."""
+    flat = values.reshape(-1)
+    n = flat.numel()
+    out = q.decode_sum([payload], n)
+    for a, b in segments(q, n):
+        lo, hi = partitions(q, b - a, world_size)[rank]
+        out[a + lo : a + hi] = flat[a + lo : a + hi]
+    return out
+
+
 def simulate(
-    q: QSGD, payloads: list[QuantizedPayload], n: int, ctxs: list[Context], requantizers: list[QSGD] | None = None
-) -> QuantizedPayload:
-    """What ``quantized_allreduce`` returns for these payloads (rank r's is ``payloads[r]``), computed in one
-    process: partition j re-quantized with the noise of ``ctxs[j]`` drawn from ``requantizers[j]`` (each
-    rank's own compressor, default ``q``). For tests and models."""
+    q: QSGD,
+    payloads: list[QuantizedPayload],
+    xs: list[torch.Tensor],
+    ctxs: list[Context],
+    requantizers: list[QSGD] | None = None,
+) -> torch.Tensor:
+    """What ``quantized_allreduce`` returns (scale 1) when rank r holds ``xs[r]`` and sent ``payloads[r]``
+    (``encode_remote``'s), computed in one process: partition j of every segment summed from ``xs[j]`` and the
+    others' slices and re-quantized, segment after segment, with the noise of ``ctxs[j]`` drawn from
+    ``requantizers[j]`` (each rank's own compressor, default ``q``). For tests."""
+    n = xs[0].numel()
     if len(payloads) == 1:
-        return payloads[0]
+        return xs[0].reshape(-1).to(torch.float32)
     qs = requantizers or [q] * len(payloads)
     parts = []
-    for j, (lo, hi) in enumerate(partitions(q, n, len(payloads))):
-        mine = [slice_payload(q, p, lo, hi) for p in payloads]
-        parts.append(q.sum_requantize(mine, hi - lo, qs[j].generator(ctxs[j], REQUANTIZE_STREAM)))
-    return concat_payloads(parts)
+    for a, b in segments(q, n):
+        for j, (lo, hi) in enumerate(partitions(q, b - a, len(payloads))):
+            others = [slice_payload(q, p, a + lo, a + hi) for r, p in enumerate(payloads) if r != j]
+            gen = qs[j].generator(ctxs[j], REQUANTIZE_STREAM)
+            parts.append(q.sum_requantize(others, hi - lo, gen, xs[j].reshape(-1)[a + lo : a + hi]))
+    return q.decode_sum([concat_payloads(parts)], n)
 
 
 def quantized_allreduce(
-    q: QSGD, payload: QuantizedPayload, n: int, ctx: Context, group: dist.ProcessGroup
-) -> tuple[QuantizedPayload, int]:
-    """Quantized payload of the sum of every rank's ``payload`` (n values each), and the bytes this rank sent.
+    q: QSGD,
+    values: torch.Tensor,
+    n: int,
+    ctx: Context,
+    group: dist.ProcessGroup,
+    scale: float = 1.0,
+    payload: QuantizedPayload | None = None,
+) -> Reduced:
+    """Sum over ``group`` (times ``scale``) of every rank's ``values`` (n of them, any float dtype), quantized
+    where they travel, decoded: float32, bitwise the same on every rank (``simulate``).
 
-    Collective: every rank of ``group`` calls it with the same settings and n. The result is bitwise the same
-    on every rank; it advances ``q``'s re-quantization generator of (ctx.name, ctx.rank).
+    ``payload``: this rank's ``encode_remote`` payload if already encoded; otherwise the values are encoded here
+    segment by segment (the same bits) while the previous segment is on the wire. Collective: every rank of
+    ``group`` calls it with the same settings and n, in the same order. Advances ``q``'s generators of
+    (ctx.name, ctx.rank): the rounding one when encoding, the re-quantization one.
 
     Example::
 
         >>> q = QSGD(bits=4)
-        >>> p = q.compress(grad, Context("w", rank, P))
-        >>> total, sent = quantized_allreduce(q, p, grad.numel(), Context("w", rank, P), group)
-        >>> q.decompress(total, TensorSpec.of(grad))  # Σ_r grad_r, unbiased
+        >>> r = quantized_allreduce(q, grad, grad.numel(), Context("w", rank, P), group)
+        >>> r.total.view_as(grad)  # Σ_r grad_r, unbiased
     """
     P, rank = dist.get_world_size(group), dist.get_rank(group)
-    if P == 1:
-        return payload, 0
-    parts = partitions(q, n, P)
-    # 1. partition j of this rank's codes and scales to rank j: the payload's own buffers, split in place
-    extents = [_extent(q, lo, hi) for lo, hi in parts]
-    code_split = [b - a for (a, b), _ in extents]
-    scale_split = [b - a for _, (a, b) in extents]
-    lo, hi = parts[rank]
-    codes = torch.empty(P * code_split[rank], dtype=torch.uint8)
-    scales = torch.empty(P * scale_split[rank], dtype=torch.float32)
-    dist.all_to_all_single(codes, payload.codes, [code_split[rank]] * P, code_split, group=group)
-    dist.all_to_all_single(scales, payload.scales, [scale_split[rank]] * P, scale_split, group=group)
-    # 2. decode, sum and re-quantize this rank's partition
-    c, s = code_split[rank], scale_split[rank]
-    slices = [QuantizedPayload(codes[r * c : (r + 1) * c], scales[r * s : (r + 1) * s]) for r in range(P)]
-    mine = q.sum_requantize(slices, hi - lo, q.generator(ctx, REQUANTIZE_STREAM))
-    # 3. allgather the quantized partitions, each padded to the full K buckets: the gathered buffers are then
-    #    the result's codes and scales, in order, followed by the padding
-    K = _partition_buckets(q, n, P)
-    out_codes = torch.zeros(K * q.bucket * q.bits // 8, dtype=torch.uint8)
-    out_codes[:c].copy_(mine.codes)
-    out_scales = torch.zeros(K, dtype=torch.float32)
-    out_scales[:s].copy_(mine.scales)
-    all_codes = torch.empty(P * out_codes.numel(), dtype=torch.uint8)
-    all_scales = torch.empty(P * K, dtype=torch.float32)
-    _all_gather_into_tensor(all_codes, out_codes, group)
-    _all_gather_into_tensor(all_scales, out_scales, group)
-    total = QuantizedPayload(all_codes[: q.code_bytes(n)], all_scales[: -(-n // q.bucket)])
-    sent = payload.nbytes - c - 4 * s + (P - 1) * (out_codes.numel() + 4 * K)
-    return total, sent
+    flat = values.reshape(-1)
+    if P == 1:  # nothing travels: the sum is the values themselves
+        total = flat.to(torch.float32, copy=True)
+        zero = QuantizedPayload(torch.zeros(q.code_bytes(n), dtype=torch.uint8), torch.zeros(-(-n // q.bucket)))
+        return Reduced(total.mul_(scale) if scale != 1.0 else total, zero, 0)  # encode_remote's payload at P = 1
+    encode = payload is None
+    own = q.empty_payload(n) if payload is None else payload
+    out = torch.empty(n, dtype=torch.float32)
+    ws = q.workspace(n)
+    segs = [_Segment(q, a, b, P, rank) for a, b in segments(q, n)]
+    gen, regen = q.generator(ctx), q.generator(ctx, REQUANTIZE_STREAM)
+    # Software pipeline, one step per segment i: encode i and start its all-to-all; finish i - 1's all-to-all,
+    # sum and re-quantize its partition and start its allgather; finish i - 2's allgather and decode it. The
+    # collectives start in the same order on every rank (gloo pairs them by that order).
+    for i in range(len(segs) + 2):
+        if i < len(segs):
+            seg = segs[i]
+            if encode:
+                _encode_segment(q, flat, seg.a, seg.b, P, rank, own, ws, gen)
+            seg.start_all_to_all(own, group)
+        if 0 <= i - 1 < len(segs):
+            segs[i - 1].requantize_and_gather(flat, regen, group)
+        if 0 <= i - 2 < len(segs):
+            segs[i - 2].decode(out, scale, ws)
+    return Reduced(out, own, sum(seg.sent for seg in segs))
+
+
+def _encode_segment(
+    q: QSGD,
+    flat: torch.Tensor,
+    a: int,
+    b: int,
+    P: int,
+    rank: int,
+    payload: QuantizedPayload,
+    ws: Workspace,
+    gen: torch.Generator,
+) -> None:
+    """Encode segment [a, b) of ``flat`` into ``payload`` around this rank's own partition, which is zeroed."""
+    lo, hi = partitions(q, b - a, P)[rank]
+    for u, v in ((a, a + lo), (a + hi, b)):
+        if v > u:
+            q.encode_range(flat, u, v, payload, ws, gen)
+    (c0, c1), (s0, s1) = _extent(q, a + lo, a + hi)
+    payload.codes[c0:c1] = 0
+    payload.scales[s0:s1] = 0
+
+
+@dataclass
+class Reduced:
+    """``quantized_allreduce``'s result: the decoded sum, this rank's ``encode_remote`` payload (for error
+    feedback: ``local_estimate``), and the bytes this rank sent."""
+
+    total: torch.Tensor  # float32, n values
+    payload: QuantizedPayload
+    sent: int
+
+
+class _Segment:
+    """One segment's three steps (module doc), its buffers alive only between them. A block (what one rank
+    sends another) is a partition's codes, padded to 4 bytes, then its scales."""
+
+    def __init__(self, q: QSGD, a: int, b: int, P: int, rank: int) -> None:
+        self.q, self.a, self.b, self.P, self.rank = q, a, b, P, rank
+        self.parts = partitions(q, b - a, P)
+        self.extents = [_extent(q, a + lo, a + hi) for lo, hi in self.parts]  # within the whole payload
+        self.blocks = [_pad4(c1 - c0) + 4 * (s1 - s0) for (c0, c1), (s0, s1) in self.extents]
+        K = _partition_buckets(q, b - a, P)
+        self.gather_codes = _pad4(K * q.bucket * q.bits // 8)  # every rank's gathered block: the largest
+        self.gather_block = self.gather_codes + 4 * K
+        self.sent = sum(self.blocks) - self.blocks[rank] + (P - 1) * self.gather_block
+        self.work: dist.Work | None = None
+        self.send = self.buf = torch.empty(0, dtype=torch.uint8)  # kept alive until the collective is done
+
+    def start_all_to_all(self, payload: QuantizedPayload, group: dist.ProcessGroup) -> None:
+        """Step 1: partition j of this segment (codes, scales) to rank j; none to this rank itself."""
+        sizes = [0 if j == self.rank else blk for j, blk in enumerate(self.blocks)]
+        send = self.send = torch.empty(sum(sizes), dtype=torch.uint8)
+        at = 0
+        for ((c0, c1), (s0, s1)), blk in zip(self.extents, sizes, strict=True):
+            if blk:
+                _put(send[at : at + blk], payload.codes[c0:c1], payload.scales[s0:s1])
+                at += blk
+        mine = [0 if r == self.rank else self.blocks[self.rank] for r in range(self.P)]
+        self.buf = torch.empty(sum(mine), dtype=torch.uint8)
+        self.work = dist.all_to_all_single(self.buf, send, mine, sizes, group=group, async_op=True)
+
+    def requantize_and_gather(self, flat: torch.Tensor, gen: torch.Generator, group: dist.ProcessGroup) -> None:
+        """Step 2: this rank's exact values plus the decoded P - 1 slices of its partition, re-quantized; start
+        the allgather."""
+        self._wait()
+        q, blk = self.q, self.blocks[self.rank]
+        (c0, c1), (s0, s1) = self.extents[self.rank]
+        lo, hi = self.parts[self.rank]
+        slices = [_get(self.buf[r * blk : (r + 1) * blk], c1 - c0, s1 - s0) for r in range(self.P - 1)]
+        mine = q.sum_requantize(slices, hi - lo, gen, flat[self.a + lo : self.a + hi])
+        send = self.send = torch.zeros(self.gather_block, dtype=torch.uint8)
+        _put(send, mine.codes, mine.scales, codes_room=self.gather_codes)
+        self.buf = torch.empty(self.P * self.gather_block, dtype=torch.uint8)
+        self.work = _all_gather_into_tensor(self.buf, send, group)
+
+    def decode(self, out: torch.Tensor, scale: float, ws: Workspace) -> None:
+        """Step 3: decode every rank's re-quantized partition into ``out``, scales times ``scale``."""
+        self._wait()
+        blk = self.gather_block
+        for j, ((lo, hi), ((c0, c1), (s0, s1))) in enumerate(zip(self.parts, self.extents, strict=True)):
+            if hi > lo:
+                part = _get(self.buf[j * blk : (j + 1) * blk], c1 - c0, s1 - s0, codes_room=self.gather_codes)
+                self.q.decode_into(_scaled(part, scale), out[self.a + lo : self.a + hi], ws)
+        self.send = self.buf = torch.empty(0, dtype=torch.uint8)
+
+    def _wait(self) -> None:
+        assert self.work is not None
+        self.work.wait()
+        self.work = None
+
+
+def _put(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, codes_room: int | None = None) -> None:
+    """Write a block: ``codes``, then from ``codes_room`` (default: the codes padded to 4 bytes) the scales."""
+    room = _pad4(codes.numel()) if codes_room is None else codes_room
+    dst[: codes.numel()].copy_(codes)
+    dst[room : room + 4 * scales.numel()].view(torch.float32).copy_(scales)
+
+
+def _get(block: torch.Tensor, ncodes: int, nscales: int, codes_room: int | None = None) -> QuantizedPayload:
+    """The payload of a block written by ``_put`` (views)."""
+    room = _pad4(ncodes) if codes_room is None else codes_room
+    return QuantizedPayload(block[:ncodes], block[room : room + 4 * nscales].view(torch.float32))
+
+
+def _pad4(nbytes: int) -> int:
+    return -(-nbytes // 4) * 4
+
+
+def _scaled(p: QuantizedPayload, scale: float) -> QuantizedPayload:
+    return p if scale == 1.0 else QuantizedPayload(p.codes, p.scales * scale)
 
 
 def _partition_buckets(q: QSGD, n: int, world_size: int) -> int:
@@ -138,6 +301,7 @@ def _partition_buckets(q: QSGD, n: int, world_size: int) -> int:
     return -(-buckets // step) * q.unit()
 
 
-def _all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> None:
+def _all_gather_into_tensor(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup) -> dist.Work:
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    gather(out, inp, group=group)
+    work: dist.Work = gather(out, inp, group=group, async_op=True)
+    return work

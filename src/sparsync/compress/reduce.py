@@ -33,7 +33,7 @@ from sparsync.compress.base import (
 )
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.compress.qsgd import QSGD
-from sparsync.compress.qsgd_allreduce import quantized_allreduce
+from sparsync.compress.qsgd_allreduce import encode_remote, local_estimate, quantized_allreduce, segments
 from sparsync.group import next_call, resolve_group
 from sparsync.handle import Work
 from sparsync.record import CommLog, CommRecord
@@ -136,9 +136,7 @@ def reduce(
     if x.is_sparse and not compressor.accepts_sparse:
         x = x.to_dense()  # documented O(numel) fallback; the result gets the input's layout back
     xspec = TensorSpec.of(x)
-    payload = compressor.compress(x.detach(), Context(name, dist.get_rank(g), P))
-    if memory is not None:
-        memory.update(name, x, compressor.decompress(payload, xspec))
+    ctx = Context(name, dist.get_rank(g), P)
 
     def finish(total: torch.Tensor, divide: bool = average) -> torch.Tensor:
         out = total
@@ -155,6 +153,29 @@ def reduce(
     # The call's fingerprint, checked across ranks by the metadata round (issue 14: shapes (2, 5) and (5, 2),
     # FP16 against BF16 bits, or payloads of other sizes were summed, or made gloo abort the process).
     layout = f"reduce/{type(compressor).__name__}/{'coo' if spec.is_sparse else 'strided'}/{spec.dtype}"
+    if isinstance(compressor, QSGD) and compressor.uses_reduce_scatter(P):
+        # qsgd_allreduce: a synchronous call encodes while it sends and updates the residual from the payload
+        # it returns; an asynchronous one encodes here, so that the residual is updated on the caller's thread
+        q, values, n = compressor, x.detach(), xspec.numel
+        sent = None if not async_op else encode_remote(q, values, n, ctx, P)
+        if memory is not None and sent is not None:
+            memory.update(name, x, q.finish(local_estimate(q, sent, values, P, ctx.rank), xspec))
+        scale = 1.0 / P if average else 1.0  # QSGD decodes linearly in its scales: the average from scales / P
+        seq_q = next_call(g)
+
+        def run_quantized() -> torch.Tensor:
+            _agree(g, seq_q, layout, spec, q.payload_nbytes(n), x if check_nan else None, timeout)
+            r = quantized_allreduce(q, values, n, ctx, g, scale, payload=sent)
+            msgs = 2 * (P - 1) * len(segments(q, n))
+            _record(log, "quantized_reduce_scatter", g, spec, r.payload.nbytes, r.sent, msgs, t0)
+            if memory is not None and sent is None:
+                memory.update(name, x, q.finish(local_estimate(q, r.payload, values, P, ctx.rank), xspec))
+            return finish(q.finish(r.total, xspec), divide=False)
+
+        return _submit(user, run_quantized, async_op)
+    payload = compressor.compress(x.detach(), ctx)
+    if memory is not None:
+        memory.update(name, x, compressor.decompress(payload, xspec))
     if isinstance(payload, SparsePayload):
         # sparse_allreduce's own metadata round checks the fingerprint (and NaN) on every rank
         kw: dict[str, Any] = {"algorithm": algorithm, "group": user, "log": log, "timeout": timeout,
@@ -178,14 +199,11 @@ def reduce(
     if isinstance(payload, QuantizedPayload) and isinstance(compressor, QSGD):
         # QSGD decodes linearly in its scales: the average is decoded from scales / P (n / bucket divisions,
         # not a pass over the n decoded values)
-        q, qp, ctx = compressor, payload, Context(name, dist.get_rank(g), P)
-        scale = 1.0 / P if average else 1.0
+        qp, inv = payload, 1.0 / P if average else 1.0
 
-        def run() -> QuantizedPayload | list[QuantizedPayload]:
+        def run() -> list[QuantizedPayload]:
             agree(qp.nbytes)
-            if q.uses_reduce_scatter(P):
-                return _scaled(_reduce_scatter(q, qp, ctx, g, log, xspec, t0), scale)
-            return [_scaled(p, scale) for p in _allgather(qp, g, log, xspec, t0)]
+            return [_scaled(p, inv) for p in _allgather(qp, g, log, xspec, t0)]
 
         return _then(_submit(user, run, async_op), compressor, xspec, lambda t: finish(t, divide=False))
     if isinstance(payload, QuantizedPayload):
@@ -312,22 +330,6 @@ def _allgather(
     dist.all_gather(parts, buf, group=g)
     _record(log, "allgather", g, spec, buf.numel(), (P - 1) * buf.numel(), P - 1, t0)
     return [payload.from_bytes(b) for b in parts]
-
-
-def _reduce_scatter(
-    q: QSGD,
-    payload: QuantizedPayload,
-    ctx: Context,
-    g: dist.ProcessGroup,
-    log: CommLog | None,
-    spec: TensorSpec,
-    t0: float,
-) -> QuantizedPayload:
-    """QSGD: decode-sum-requantize one partition per rank, then allgather the quantized partitions."""
-    total, sent = quantized_allreduce(q, payload, spec.numel, ctx, g)
-    P = dist.get_world_size(g)
-    _record(log, "quantized_reduce_scatter", g, spec, payload.nbytes, sent, 2 * (P - 1), t0)
-    return total
 
 
 def _scaled(p: QuantizedPayload, scale: float) -> QuantizedPayload:
