@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import sparsync
 from sparsync.compress import QSGD, ErrorFeedback, from_spec
+from sparsync.compress.qsgd_allreduce import SEGMENT
 from sparsync.hooks import compression_hook
 
 SPECS = (
@@ -200,7 +201,7 @@ def unbiased_worker(rank: int, draws: int, bits: int) -> dict[str, Any]:
     return {"sum": total.numpy(), "squares": squares.numpy(), "untouched": untouched, "small": small}
 
 
-PIPELINE_N = 2 * (1 << 21) + 3 * (1 << 17) + 777  # two and a bit segments of QSGD(bucket=512), a partial bucket
+PIPELINE_N = 2 * SEGMENT + 3 * (1 << 17) + 777  # two and a bit pipeline segments, a partial bucket
 
 
 def pipeline_input(rank: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from sparsync.compress import (
     TensorSpec,
     Threshold,
     TopK,
+    buffers,
     from_spec,
     make,
 )
@@ -593,3 +594,17 @@ def test_hook_needs_a_module_for_memory() -> None:
         compression_hook(TopK(0.1), ErrorFeedback())
     with pytest.raises(TypeError, match="Compressor"):
         compression_hook("topk")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("n", [5, buffers.HUGE_MIN // 4 + 3])
+def test_fresh_float32_is_a_plain_writable_tensor(n: int) -> None:
+    """Small: torch.empty; from HUGE_MIN bytes: a huge-page mapping. Either way a contiguous float32 tensor that
+    keeps its values, lives as long as a view of it does, and can be shared."""
+    t = buffers.fresh_float32(n)
+    assert t.shape == (n,) and t.dtype == torch.float32 and t.is_contiguous()
+    t.copy_(torch.arange(n, dtype=torch.float32))
+    assert float(t[-1]) == n - 1 and torch.equal(t * 2, torch.arange(n, dtype=torch.float32) * 2)
+    assert torch.equal(t.clone().share_memory_(), t)
+    view = t[1:].view(-1, 1)
+    del t
+    assert float(view[0, 0]) == 1.0  # the mapping lives as long as a view of it

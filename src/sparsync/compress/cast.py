@@ -23,6 +23,7 @@ from sparsync.compress.base import (
     TensorSpec,
     sparse_to_tensor,
 )
+from sparsync.compress.buffers import fresh_float32
 from sparsync.stream import SparseStream
 
 
@@ -46,7 +47,10 @@ class _Cast(Compressor):
         if isinstance(payload, SparsePayload):
             return sparse_to_tensor(payload, spec)
         assert isinstance(payload, DensePayload)
-        return payload.values.to(spec.dtype).reshape(spec.shape)
+        if spec.dtype != torch.float32:
+            return payload.values.to(spec.dtype).reshape(spec.shape)
+        out = fresh_float32(spec.numel)  # the widening copy writes fresh memory: huge pages make that cheap
+        return out.copy_(payload.values.reshape(-1)).view(spec.shape)
 
 
 @dataclass(frozen=True, eq=False)
