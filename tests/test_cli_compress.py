@@ -42,10 +42,10 @@ def test_bench_compress_tiny(tmp_path: Path) -> None:
     assert by["qsgd:bits=4"]["bytes_ratio"] == pytest.approx((10_000 + 40 * 4) / 80_000)
     assert all(r["dense_allreduce_s"] > 0 and r["reduce_s"] > 0 for r in rows)
     checks = check_targets(rows)
-    assert len(checks) == 2 and "10%" in checks[0][0]
+    assert len(checks) == 3 and "10%" in checks[0][0] and "every compressor" in checks[2][0]  # issue 3, then 15
     for ext in (".json", ".csv", ".png", ".md"):
         assert (tmp_path / "c").with_suffix(ext).stat().st_size > 0
     meta = json.loads((tmp_path / "c.json").read_text())["meta"]
-    assert meta["procs"] == 2 and len(meta["targets"]) == 2
+    assert meta["procs"] == 2 and len(meta["targets"]) == 3
     with (tmp_path / "c.csv").open() as f:
         assert len(list(csv.DictReader(f))) == len(specs)

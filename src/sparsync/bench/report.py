@@ -164,6 +164,8 @@ def check_targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
 
 
 def print_targets(checks: list[tuple[str, bool, str]], console: Console) -> None:
+    if not checks:  # nothing this run measured has a target
+        return
     table = Table(title="targets (side by side, this run)")
     table.add_column("target")
     table.add_column("measured", justify="right")
