@@ -11,6 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparsync import buffers
 from sparsync.compress import (
     BF16,
     COMPRESSORS,
@@ -27,12 +28,12 @@ from sparsync.compress import (
     TensorSpec,
     Threshold,
     TopK,
-    buffers,
     from_spec,
     make,
 )
 from sparsync.compress import qsgd as qsgd_mod
 from sparsync.compress import sketch as sk_mod
+from sparsync.compress import topk as topk_mod
 from sparsync.compress.qsgd_allreduce import concat_payloads, encode_remote, partitions, simulate, slice_payload
 
 ALL = {
@@ -597,10 +598,11 @@ def test_hook_needs_a_module_for_memory() -> None:
 
 
 @pytest.mark.parametrize("n", [5, buffers.HUGE_MIN // 4 + 3])
-def test_fresh_float32_is_a_plain_writable_tensor(n: int) -> None:
+def test_fresh_buffers_are_plain_writable_tensors(n: int) -> None:
     """Small: torch.empty; from HUGE_MIN bytes: a huge-page mapping. Either way a contiguous float32 tensor that
     keeps its values, lives as long as a view of it does, and can be shared."""
-    t = buffers.fresh_float32(n)
+    assert bool((buffers.fresh(n, torch.float64, zeros=True) == 0).all())
+    t = buffers.fresh(n)
     assert t.shape == (n,) and t.dtype == torch.float32 and t.is_contiguous()
     t.copy_(torch.arange(n, dtype=torch.float32))
     assert float(t[-1]) == n - 1 and torch.equal(t * 2, torch.arange(n, dtype=torch.float32) * 2)
@@ -608,3 +610,30 @@ def test_fresh_float32_is_a_plain_writable_tensor(n: int) -> None:
     view = t[1:].view(-1, 1)
     del t
     assert float(view[0, 0]) == 1.0  # the mapping lives as long as a view of it
+
+
+def _same_topk(mag: torch.Tensor, k: int) -> None:
+    got = topk_mod.largest(mag, k)
+    want = torch.topk(mag, k, sorted=False).indices
+    assert got.numel() == k and got.unique().numel() == k
+    # the same multiset of values (ties at the k-th value may pick other positions, as topk itself may)
+    assert torch.equal(mag[got].sort().values, mag[want].sort().values)
+
+
+@pytest.mark.parametrize("k", [1, 100, 10_000, 100_000])
+def test_largest_is_exact_top_k(k: int) -> None:
+    """The candidate path (threshold from a strided sample) returns exactly torch.topk's values, on Gaussian
+    magnitudes, on heavy ties, on data whose large values the strided sample misses (fallback), with NaN
+    (fallback: topk ranks NaN first) and on all zeros (too many candidates: fallback)."""
+    n = 1 << 20
+    g = torch.Generator().manual_seed(k)
+    _same_topk(torch.randn(n, generator=g).abs(), k)
+    _same_topk(torch.randint(0, 50, (n,), generator=g).float(), k)  # ~21K copies of each value
+    hidden = torch.zeros(n)
+    hidden[1 :: n // topk_mod.SAMPLE] = torch.rand(topk_mod.SAMPLE, generator=g) + 1  # off the sample's stride
+    _same_topk(hidden, min(k, topk_mod.SAMPLE))
+    nan = torch.randn(n, generator=g).abs()
+    nan[[5, n // 2]] = float("nan")
+    got = topk_mod.largest(nan, k)
+    assert len({5, n // 2} & set(got.tolist())) == min(k, 2)
+    _same_topk(torch.zeros(n), k)

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from sparsync.buffers import fresh
+
 _INT32_LIMIT = 2**31
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -195,7 +197,7 @@ class SparseStream:
     def to_dense(self) -> torch.Tensor:
         if self._indices is None:
             return self._values
-        out = torch.zeros(self._dim, dtype=self.dtype)
+        out = fresh(self._dim, self.dtype, zeros=True)  # large: huge pages, cheaper to fault in
         out.view(-1, self._row)[self._indices.to(torch.int64)] = self.rows2d
         return out
 

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 import torch
 
+from sparsync.buffers import fresh
 from sparsync.collectives.tensor import coo_to_stream
 from sparsync.compress.base import (
     NO_CONTEXT,
@@ -23,7 +24,6 @@ from sparsync.compress.base import (
     TensorSpec,
     sparse_to_tensor,
 )
-from sparsync.compress.buffers import fresh_float32
 from sparsync.stream import SparseStream
 
 
@@ -49,7 +49,7 @@ class _Cast(Compressor):
         assert isinstance(payload, DensePayload)
         if spec.dtype != torch.float32:
             return payload.values.to(spec.dtype).reshape(spec.shape)
-        out = fresh_float32(spec.numel)  # the widening copy writes fresh memory: huge pages make that cheap
+        out = fresh(spec.numel)  # the widening copy writes fresh memory: huge pages make that cheap
         return out.copy_(payload.values.reshape(-1)).view(spec.shape)
 
 

@@ -46,8 +46,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sparsync.buffers import fresh
 from sparsync.compress.base import Context, QuantizedPayload
-from sparsync.compress.buffers import fresh_float32
 from sparsync.compress.qsgd import QSGD, REQUANTIZE_STREAM, Workspace
 
 SEGMENT = (
@@ -167,7 +167,7 @@ def quantized_allreduce(
         return Reduced(total.mul_(scale) if scale != 1.0 else total, zero, 0)  # encode_remote's payload at P = 1
     encode = payload is None
     own = q.empty_payload(n) if payload is None else payload
-    out = fresh_float32(n)
+    out = fresh(n)
     ws = q.workspace(n)
     segs = [_Segment(q, a, b, P, rank) for a, b in segments(q, n)]
     gen, regen = q.generator(ctx), q.generator(ctx, REQUANTIZE_STREAM)

@@ -47,14 +47,37 @@ class TopK(Compressor):
         values, indices = flat_values(tensor)
         n = values.numel()
         if self.bucket is None or n <= self.bucket:
-            k = count_for(self.ratio, n)
-            pos = torch.topk(values.abs(), k, sorted=False).indices
+            pos = largest(values.abs(), count_for(self.ratio, n))
         else:
             pos = _bucket_topk(values.abs(), self.bucket, count_for(self.ratio, self.bucket))
         return selected(values, indices, pos, tensor.numel())
 
     def decompress(self, payload: SparsePayload, spec: TensorSpec) -> torch.Tensor:
         return sparse_to_tensor(payload, spec)
+
+
+SAMPLE = 1 << 16  # magnitudes sampled to pick the candidates' threshold (``largest``)
+
+
+def largest(mag: torch.Tensor, k: int) -> torch.Tensor:
+    """Positions of the k largest of ``mag`` (≥ 0, 1-D), unsorted: ``torch.topk``'s, found among candidates.
+
+    ``torch.topk`` of k = 1% of 25M values takes 1.5 s on this CPU (a heap over every value). Instead: a
+    threshold τ from a strided sample of SAMPLE magnitudes, at the sample's 1 - 2k/n quantile; the candidates
+    |x| ≥ τ (one vectorized pass, about 2k of them); ``torch.topk`` of the candidates. Exact whenever there
+    are at least k candidates, since then the k-th largest value is ≥ τ and every value above it is a
+    candidate; otherwise (an unlucky sample, or NaN, which compares false and which topk ranks first) the
+    full ``torch.topk``."""
+    n = mag.numel()
+    if n < 4 * SAMPLE or 8 * k > n:  # small, or a large k: the heap is cheap enough
+        return torch.topk(mag, k, sorted=False).indices
+    sample = mag[:: n // SAMPLE]
+    rank = max(1, int(sample.numel() * (1 - 2 * k / n)))  # kthvalue's k-th smallest: about 2k of n above it
+    tau = sample.kthvalue(rank).values
+    cand = torch.nonzero(mag >= tau, as_tuple=True)[0]
+    if cand.numel() < k or cand.numel() > n // 4 or not bool(torch.isfinite(mag.sum())):  # NaN: topk's order
+        return torch.topk(mag, k, sorted=False).indices
+    return cand[torch.topk(mag[cand], k, sorted=False).indices]
 
 
 def _bucket_topk(mag: torch.Tensor, bucket: int, k: int) -> torch.Tensor:
