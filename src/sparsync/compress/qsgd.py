@@ -33,6 +33,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from sparsync.buffers import fresh
 from sparsync.compress.base import (
     NO_CONTEXT,
     Compressor,
@@ -155,7 +156,7 @@ class QSGD(Compressor):
 
     def decode_sum(self, payloads: list[QuantizedPayload], n: int) -> torch.Tensor:
         """float32 sum of the decoded ``payloads`` (each of ``n`` values), accumulated per chunk in cache."""
-        out = torch.empty(n, dtype=torch.float32)
+        out = fresh(n)  # large: huge pages, cheaper to fault in
         ws = Workspace(self, n)
         for a, b in self._chunks(n):
             ws.decode_into(payloads, a, b, out[a:b])

@@ -52,7 +52,7 @@ from sparsync.compress.base import (
 from sparsync.stream import SparseStream
 
 FLAT_BLOCK = 64  # default block of a 1-D tensor (a 2-D+ tensor's default block is one row)
-CHUNK = 1 << 17  # indices per hashing pass (64K: 10% slower in dispatch; 512K: out of L2)
+CHUNK = 1 << 16  # indices per hashing pass
 _MASK64 = (1 << 64) - 1
 
 
