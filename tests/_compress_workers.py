@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 import sparsync
 from sparsync.compress import QSGD, ErrorFeedback, from_spec
+from sparsync.compress.cast_allreduce import CHUNK as CAST_CHUNK
 from sparsync.compress.qsgd_allreduce import SEGMENT
 from sparsync.hooks import compression_hook
 
@@ -242,4 +243,41 @@ def _residual(mem: ErrorFeedback) -> torch.Tensor:
     errors = mem.state_dict()["errors"]
     assert isinstance(errors, dict)
     out: torch.Tensor = errors["big"]
+    return out
+
+
+CAST_N = 3 * CAST_CHUNK + 12_345  # three chunks and a short one
+
+
+def cast_input(rank: int) -> torch.Tensor:
+    return torch.randn(CAST_N, generator=torch.Generator().manual_seed(500 + rank)) * (rank + 1)
+
+
+def cast_worker(rank: int) -> dict[str, Any]:
+    """FP16 and BF16 on a large tensor (cast_allreduce): sums (sync, async), the average, the residual, and the
+    reference: gloo's allreduce of each chunk's 16-bit values, widened."""
+    from sparsync.compress import BF16, FP16
+    from sparsync.compress.cast_allreduce import chunks
+
+    out: dict[str, Any] = {}
+    x = cast_input(rank)
+    for comp in (FP16(), BF16()):
+        mem, amem = ErrorFeedback(), ErrorFeedback()
+        total = sparsync.reduce(x, comp, memory=mem, name="big", average=False)
+        asy = sparsync.reduce(x, comp, memory=amem, name="big", average=False, async_op=True).wait()
+        mean = sparsync.reduce(x, comp, name="big")
+        ref = torch.empty(CAST_N)
+        for a, b in chunks(CAST_N):
+            h = x[a:b].to(comp.wire_dtype)
+            dist.all_reduce(h)
+            ref[a:b] = h.float()
+        out[comp.name] = {
+            "sum": total.numpy(),
+            "reference": ref.numpy(),
+            "async_equal": bool(torch.equal(asy, total)),
+            "mean": mean.numpy(),
+            "residual": _residual(mem).numpy(),
+            "residuals_equal": bool(torch.equal(_residual(mem), _residual(amem))),
+            "input_untouched": bool(torch.equal(x, cast_input(rank))),
+        }
     return out

@@ -8,6 +8,7 @@ from typing import Any
 import _compress_workers as cw
 import numpy as np
 import pytest
+import torch
 
 from sparsync import launch
 from sparsync.compress import (
@@ -21,6 +22,8 @@ from sparsync.compress import (
     TensorSpec,
     from_spec,
 )
+from sparsync.compress.cast_allreduce import MIN_VALUES
+from sparsync.compress.cast_allreduce import chunks as cast_chunks
 from sparsync.compress.qsgd_allreduce import encode_remote, local_estimate, partitions, segments, simulate
 from sparsync.stream import sum_streams
 
@@ -228,3 +231,27 @@ def test_qsgd_pipelined_reduce_scatter_over_segments(P: int) -> None:
     exact = sum(x.double() for x in xs).numpy()
     rel = np.linalg.norm(want - exact) / np.linalg.norm(exact)
     assert (rel == 0) if P == 1 else 0.01 < rel < 0.5, rel  # 4-bit noise (about 0.2 per rounding), not garbage
+
+
+@pytest.mark.parametrize("P", [2, 3, 5])
+def test_casts_chunked_allreduce(P: int) -> None:
+    """FP16/BF16 on tensors from ``cast_allreduce.MIN_VALUES`` up (cast, allreduced and widened chunk by chunk):
+    bitwise gloo's allreduce of each chunk's 16-bit values, the same on every rank, sync = async; the average is
+    the sum / P in float32; the residual is x - the 16-bit round trip; the input is left alone; and the sum is
+    within P - 1 roundings of the exact sum of the 16-bit values (numpy, float64)."""
+    assert cw.CAST_N >= MIN_VALUES and len(cast_chunks(cw.CAST_N)) == 4
+    res = launch(cw.cast_worker, nprocs=P, timeout=180)
+    xs = [cw.cast_input(r) for r in range(P)]
+    for name, wire in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
+        halves = [x.to(wire).double().numpy() for x in xs]
+        exact = np.sum(halves, axis=0)
+        bound = (P - 1) * torch.finfo(wire).eps * np.sum(np.abs(halves), axis=0)
+        for r, out in enumerate(res):
+            got = out[name]
+            assert np.array_equal(got["sum"], res[0][name]["reference"]), (name, r)
+            assert np.array_equal(got["reference"], res[0][name]["reference"]), (name, r)
+            assert got["async_equal"] and got["residuals_equal"] and got["input_untouched"], (name, r)
+            assert np.array_equal(got["mean"], got["sum"] / np.float32(P)), (name, r)
+            residual = xs[r] - xs[r].to(wire).float()
+            assert np.array_equal(got["residual"], residual.numpy()), (name, r)
+            assert np.all(np.abs(got["sum"] - exact) <= bound), (name, r, np.abs(got["sum"] - exact).max())

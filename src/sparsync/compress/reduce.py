@@ -4,6 +4,7 @@ memory.update -> send_receive): compensate -> compress -> update memory -> aggre
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Literal, overload
 
 import torch
@@ -21,6 +22,7 @@ from sparsync.collectives._meta import (
 )
 from sparsync.collectives.allreduce import _submit, comm_group, refuse, start_allreduce
 from sparsync.collectives.tensor import pack_bits, unpack_bits
+from sparsync.compress import cast_allreduce as cast_pipeline
 from sparsync.compress.base import (
     Compressor,
     Context,
@@ -31,6 +33,7 @@ from sparsync.compress.base import (
     SparsePayload,
     TensorSpec,
 )
+from sparsync.compress.cast import BF16, FP16
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.compress.qsgd import QSGD
 from sparsync.compress.qsgd_allreduce import encode_remote, local_estimate, quantized_allreduce, segments
@@ -153,26 +156,54 @@ def reduce(
     # The call's fingerprint, checked across ranks by the metadata round (issue 14: shapes (2, 5) and (5, 2),
     # FP16 against BF16 bits, or payloads of other sizes were summed, or made gloo abort the process).
     layout = f"reduce/{type(compressor).__name__}/{'coo' if spec.is_sparse else 'strided'}/{spec.dtype}"
+    n, values = xspec.numel, x.detach()
+    scale = 1.0 / P if average else 1.0  # the pipelines scale while they decode: no pass to divide
+
+    def pipelined(
+        nbytes: int, alg: str, msgs: int, body: Callable[[], tuple[torch.Tensor, int]]
+    ) -> torch.Tensor | Work[torch.Tensor]:
+        """Submit a pipelined reduce-scatter + allgather: the metadata round, ``body`` (the flat float32
+        result and the bytes sent; it updates a synchronous call's residual), the record, the result."""
+        seq_p = next_call(g)
+
+        def run() -> torch.Tensor:
+            _agree(g, seq_p, layout, spec, nbytes, x if check_nan else None, timeout)
+            total, sent = body()
+            _record(log, alg, g, spec, n, sent, msgs, t0)
+            return finish(total.view(xspec.shape).to(xspec.dtype), divide=False)
+
+        out: torch.Tensor | Work[torch.Tensor] = _submit(user, run, async_op)
+        return out
+
     if isinstance(compressor, QSGD) and compressor.uses_reduce_scatter(P):
         # qsgd_allreduce: a synchronous call encodes while it sends and updates the residual from the payload
         # it returns; an asynchronous one encodes here, so that the residual is updated on the caller's thread
-        q, values, n = compressor, x.detach(), xspec.numel
+        q = compressor
         sent = None if not async_op else encode_remote(q, values, n, ctx, P)
         if memory is not None and sent is not None:
             memory.update(name, x, q.finish(local_estimate(q, sent, values, P, ctx.rank), xspec))
-        scale = 1.0 / P if average else 1.0  # QSGD decodes linearly in its scales: the average from scales / P
-        seq_q = next_call(g)
 
-        def run_quantized() -> torch.Tensor:
-            _agree(g, seq_q, layout, spec, q.payload_nbytes(n), x if check_nan else None, timeout)
+        def quantized() -> tuple[torch.Tensor, int]:
             r = quantized_allreduce(q, values, n, ctx, g, scale, payload=sent)
-            msgs = 2 * (P - 1) * len(segments(q, n))
-            _record(log, "quantized_reduce_scatter", g, spec, r.payload.nbytes, r.sent, msgs, t0)
             if memory is not None and sent is None:
                 memory.update(name, x, q.finish(local_estimate(q, r.payload, values, P, ctx.rank), xspec))
-            return finish(q.finish(r.total, xspec), divide=False)
+            return r.total, r.sent
 
-        return _submit(user, run_quantized, async_op)
+        msgs = 2 * (P - 1) * len(segments(q, n))
+        return pipelined(q.payload_nbytes(n), "quantized_reduce_scatter", msgs, quantized)
+    big = x.dtype == torch.float32 and not x.is_sparse and P > 1 and n >= cast_pipeline.MIN_VALUES
+    if isinstance(compressor, FP16 | BF16) and big:
+        # cast_allreduce: cast, allreduced and widened chunk by chunk, overlapped; the residual is the whole
+        # path's (x - the 16-bit round trip), updated here on the caller's thread
+        if memory is not None:
+            memory.update(name, x, compressor.decompress(compressor.compress(values, ctx), xspec))
+        wire = compressor.wire_dtype
+        itemsize = torch.empty(0, dtype=wire).element_size()
+        msgs = 2 * (P - 1) * len(cast_pipeline.chunks(n))
+        divisor = P if average else 1
+        return pipelined(
+            n * itemsize, "allreduce", msgs, lambda: cast_pipeline.cast_allreduce(values, wire, g, divisor)
+        )
     payload = compressor.compress(x.detach(), ctx)
     if memory is not None:
         memory.update(name, x, compressor.decompress(payload, xspec))
