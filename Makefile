@@ -1,5 +1,5 @@
 # The two commands of the README. Both create .venv first (scripts/setup.sh).
-.PHONY: setup demo test lint bench-large reproduce
+.PHONY: setup demo test test-fast test-large reproduce
 setup:
 	@bash scripts/setup.sh
 
@@ -12,6 +12,10 @@ test: setup
 	.venv/bin/ruff format --check src tests
 	.venv/bin/mypy
 	.venv/bin/python -m pytest -q
+
+# Under a minute: no process groups, no server processes (the tests of single-process code).
+test-fast: setup
+	.venv/bin/python -m pytest -q -m "not multiprocess and not servers and not slow and not large and not netns"
 
 # The big grids, by hand.
 test-large: setup

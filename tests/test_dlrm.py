@@ -53,11 +53,11 @@ def test_the_reader_parses_by_hand_and_names_bad_lines(tmp_path: Path) -> None:
 
 def test_dlrm_shapes_and_learning(tmp_path: Path) -> None:
     rows = table_rows(1000)
+    torch.manual_seed(0)  # the model's initialisation too: not whatever earlier tests left in the global RNG
     m = DLRM(rows, 8, bottom=(13, 16, 8), top=(32, 1))
     assert len(m.tables) == 26 and m.top[0].in_features == 8 + 27 * 26 // 2
     assert all(t.sparse for t in m.tables)
     b = read_criteo(write_criteo(tmp_path / "c.txt", 6000, seed=1), max_rows=1000)
-    torch.manual_seed(0)
     opt = torch.optim.SGD(m.parameters(), lr=0.2)
     loss_fn = torch.nn.functional.binary_cross_entropy_with_logits
     with torch.no_grad():

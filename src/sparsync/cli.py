@@ -64,21 +64,52 @@ def _choices(valid: tuple[str, ...], what: str) -> Callable[[str], tuple[str, ..
     return parse
 
 
-def _add_embedding_parser(bsub: Any) -> None:
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every option's help ends with its default (a tuple as the comma list the option takes), unless the help
+    already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        d = action.default
+        if not action.option_strings or d in (None, False, [], argparse.SUPPRESS) or "default" in text:
+            return text
+        shown = ",".join(map(str, d)) if isinstance(d, tuple) else str(d)
+        return f"{text} (default: {shown.replace('%', '%%')})"
+
+
+def _parents() -> dict[str, argparse.ArgumentParser]:
+    """Option groups shared by several subcommands."""
+    net = argparse.ArgumentParser(add_help=False)
+    net.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit, 100mbit (needs root)")
+    net.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
+    progress = argparse.ArgumentParser(add_help=False)
+    progress.add_argument("--no-progress", action="store_true", help="no progress bar")
+    hosts = argparse.ArgumentParser(add_help=False)
+    hosts.add_argument("--hosts", type=int, default=None, help="emulated hosts (with --procs-per-host)")
+    hosts.add_argument("--procs-per-host", type=int, default=None, help="ranks per emulated host (shared link)")
+    return {"net": net, "progress": progress, "hosts": hosts}
+
+
+def _add_embedding_parser(bsub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
     from sparsync.bench.embedding import HOT
     from sparsync.bench.embedding import METHODS as EMB_METHODS
 
-    em = bsub.add_parser("embedding", help="nn.Embedding(sparse=True) gradients: torch vs sparsync (issue 13)")
+    em = bsub.add_parser(
+        "embedding",
+        help="nn.Embedding(sparse=True) gradients: torch's own paths vs sparsync",
+        parents=[parents["net"], parents["hosts"], parents["progress"]],
+        formatter_class=HelpFormatter,
+    )
     em.add_argument("--procs", type=_ints, default=(2, 4, 8), help="world sizes, e.g. 2,4,8")
     em.add_argument("--rows", type=parse_size, default=2**20, help="embedding rows (default 1M)")
     em.add_argument("--dims", type=_ints, default=(16, 64, 128), help="embedding widths, e.g. 16,64,128")
-    em.add_argument("--tokens", type=parse_size, default=8192, help="token ids per rank (default 8192)")
+    em.add_argument("--tokens", type=parse_size, default=8192, help="token ids per rank")
     em.add_argument("--zipf", type=_floats, default=(0.9, 1.1, 1.3), help="Zipf exponents, e.g. 0.9,1.1,1.3")
-    em.add_argument("--hot", type=_choices(HOT, "hot"), default=HOT, help="hot rows: low,permuted")
-    em.add_argument("--repeats", type=int, default=11)
-    em.add_argument("--methods", type=_choices((*EMB_METHODS, *HIERARCHICAL), "methods"), default=EMB_METHODS)
-    em.add_argument("--hosts", type=int, default=None, help="emulated hosts (with --procs-per-host; issue 18)")
-    em.add_argument("--procs-per-host", type=int, default=None, help="ranks per emulated host (shared link)")
+    em.add_argument("--hot", type=_choices(HOT, "hot"), default=HOT,
+                    help=f"where the hot rows are: {', '.join(HOT)} (comma-separated)")  # fmt: skip
+    em.add_argument("--repeats", type=int, default=11, help="timed calls per point (the median is reported)")
+    em.add_argument("--methods", type=_choices((*EMB_METHODS, *HIERARCHICAL), "methods"), default=EMB_METHODS,
+                    help=f"comma-separated; also {', '.join(HIERARCHICAL)} with --hosts")  # fmt: skip
     em.add_argument(
         "--sketch-lambda",
         type=_floats,
@@ -87,25 +118,28 @@ def _add_embedding_parser(bsub: Any) -> None:
         help="S2's λ for method 'sketch': one method sketch@λ per value, e.g. 0.5,1,2,4 (ratio = λ·α, α the "
         "expected row density)",
     )
-    em.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
-    em.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
     em.add_argument(
         "--out", type=Path, default=Path("results/embedding"), help="path stem for .csv/.json/.png/.md"
     )
-    em.add_argument("--no-progress", action="store_true")
+    em.set_defaults(func=_bench_embedding)
 
 
-def _add_dlrm_parser(bsub: Any) -> None:
+def _add_dlrm_parser(bsub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
     from sparsync.bench.dlrm_train import METHODS as DLRM_METHODS
     from sparsync.bench.dlrm_train import OPTIONAL as DLRM_OPTIONAL
 
-    dl = bsub.add_parser("dlrm", help="DLRM on Criteo-format data: DDP (dense, sparse) vs sparsync (issue 17)")
+    dl = bsub.add_parser(
+        "dlrm",
+        help="DLRM on Criteo-format data: torch DDP (dense, sparse) vs sparsync",
+        parents=[parents["net"]],
+        formatter_class=HelpFormatter,
+    )
     dl.add_argument("--procs", type=_ints, default=(4,), help="world sizes, e.g. 4,8")
     dl.add_argument("--data", type=Path, default=None, help="a Criteo-format file (default: generate one)")
-    dl.add_argument("--steps", type=int, default=30)
+    dl.add_argument("--steps", type=int, default=30, help="training steps per method")
     dl.add_argument("--batch", type=int, default=128, help="samples per rank per step")
     dl.add_argument("--max-rows", type=parse_size, default=100_000, help="rows per table at most")
-    dl.add_argument("--dim", type=int, default=16)
+    dl.add_argument("--dim", type=int, default=16, help="embedding width")
     dl.add_argument(
         "--mlp",
         choices=("small", "kaggle"),
@@ -113,89 +147,103 @@ def _add_dlrm_parser(bsub: Any) -> None:
         help="small, or kaggle (dlrm_s_pytorch.py's Kaggle MLPs 13-512-256-64, 512-256-1)",
     )
     dl.add_argument("--methods", type=_choices((*DLRM_METHODS, *DLRM_OPTIONAL), "methods"), default=DLRM_METHODS,
-                    help=f"default {','.join(DLRM_METHODS)}; also {','.join(DLRM_OPTIONAL)}")  # fmt: skip
-    dl.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
-    dl.add_argument("--latency", default=None)
+                    help=f"comma-separated; also {','.join(DLRM_OPTIONAL)}")  # fmt: skip
     dl.add_argument("--out", type=Path, default=Path("results/dlrm"), help="path stem for .json/.md")
+    dl.set_defaults(func=_bench_dlrm)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sparsync", description="Sparse collectives for PyTorch training.")
-    sub = p.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo",
-        help="train a sparse-embedding model on 4 local processes: dense allreduce vs sparsync's plans",
-    )
-    demo.add_argument("--out", type=Path, default=Path("results/demo_train"), help="path stem for .json/.md")
-    demo.add_argument("--steps", type=int, default=150)
-    demo.add_argument("--no-progress", action="store_true")
-    demo.add_argument("--net", default=None, help="shape each process's link, e.g. 1gbit (needs root)")
-    bench = sub.add_parser("bench", help="benchmarks")
+def _add_bench_parsers(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
+    from sparsync.bench.compress import DEFAULT_COMPRESSORS
+    from sparsync.bench.hybrid import METHODS as HYBRID_METHODS
+    from sparsync.compress.registry import COMPRESSORS
+
+    bench = sub.add_parser("bench", help="benchmarks", formatter_class=HelpFormatter)
     bsub = bench.add_subparsers(dest="bench", required=True)
-    ar = bsub.add_parser("allreduce", help="SparCML Fig. 4: time vs density per algorithm")
+    net, progress, hosts = parents["net"], parents["progress"], parents["hosts"]
+    ar = bsub.add_parser("allreduce", help="SparCML Fig. 4: time vs density per algorithm",
+                         parents=[net, hosts, progress], formatter_class=HelpFormatter)  # fmt: skip
     ar.add_argument("--n", type=parse_size, default=16 * 2**20, help="vector length N (default 16M)")
     ar.add_argument("--procs", type=_ints, default=(2, 4, 8), help="world sizes, e.g. 2,4,8")
-    ar.add_argument("--densities", type=_floats, default=BenchConfig().densities)
-    ar.add_argument("--repeats", type=int, default=5)
-    ar.add_argument("--methods", type=_methods, default=METHODS)
-    ar.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
-    ar.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
+    ar.add_argument("--densities", type=_floats, default=BenchConfig().densities,
+                    help="fractions of N stored per rank, comma-separated, each in (0, 1]")  # fmt: skip
+    ar.add_argument("--repeats", type=int, default=5, help="timed calls per point (median and quartiles)")
+    ar.add_argument("--methods", type=_methods, default=METHODS,
+                    help=f"comma-separated; also {', '.join((*QUANTIZED, *HIERARCHICAL))}")  # fmt: skip
     ar.add_argument("--out", type=Path, default=Path("results/allreduce"), help="path stem for .csv/.json/.png")
-    ar.add_argument("--hosts", type=int, default=None, help="emulated hosts (with --procs-per-host; issue 18)")
-    ar.add_argument("--procs-per-host", type=int, default=None, help="ranks per emulated host (shared link)")
-    ar.add_argument("--no-progress", action="store_true")
-    cp = bsub.add_parser("compress", help="compressors: time, bytes, error vs a dense allreduce (issue 3)")
+    ar.set_defaults(func=_bench_allreduce)
+    cp = bsub.add_parser("compress", help="compressors: time, bytes, error vs a dense allreduce",
+                         parents=[net, progress], formatter_class=HelpFormatter)  # fmt: skip
     cp.add_argument("--sizes", type=_sizes, default=(1_000_000, 25_000_000), help="N per rank, e.g. 1000000,25M")
-    cp.add_argument("--procs", type=int, default=4, help="world size P (default 4)")
-    cp.add_argument("--repeats", type=int, default=3)
+    cp.add_argument("--procs", type=int, default=4, help="world size P")
+    cp.add_argument("--repeats", type=int, default=3, help="timed calls per compressor (the median is reported)")
     cp.add_argument(
         "--compressor",
         action="append",
         dest="compressors",
-        help="a registry spec such as 'topk:ratio=0.01' (repeatable; default: the issue's list)",
+        help="a registry spec such as 'topk:ratio=0.01' (repeatable; names: "
+        f"{', '.join(sorted(COMPRESSORS))}; default: {' '.join(DEFAULT_COMPRESSORS)})",
     )
-    cp.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
-    cp.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
     cp.add_argument("--out", type=Path, default=Path("results/compress"), help="path stem for .csv/.json/.png")
-    cp.add_argument("--no-progress", action="store_true")
-    hy = bsub.add_parser("hybrid", help="Parallax Table 4: allreduce vs allgather vs PS vs hybrid training")
+    cp.set_defaults(func=_bench_compress)
+    hy = bsub.add_parser("hybrid", help="Parallax Table 4: allreduce vs allgather vs PS vs hybrid training",
+                         parents=[net, progress], formatter_class=HelpFormatter)  # fmt: skip
     hy.add_argument("--procs", type=_ints, default=(4,), help="world sizes (one server per rank)")
     hy.add_argument("--seq", type=_ints, default=(20,), help="sequence lengths: the α sweep, e.g. 5,20,80")
-    hy.add_argument("--vocab", type=parse_size, default=100_000)
-    hy.add_argument("--dim", type=int, default=128)
-    hy.add_argument("--hidden", type=int, default=256)
-    hy.add_argument("--batch", type=int, default=32)
-    hy.add_argument("--steps", type=int, default=10)
-    hy.add_argument("--warmup", type=int, default=3)
+    hy.add_argument("--vocab", type=parse_size, default=100_000, help="vocabulary (embedding rows)")
+    hy.add_argument("--dim", type=int, default=128, help="embedding width")
+    hy.add_argument("--hidden", type=int, default=256, help="LSTM width")
+    hy.add_argument("--batch", type=int, default=32, help="sequences per rank per step")
+    hy.add_argument("--steps", type=int, default=10, help="timed steps per method and round")
+    hy.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     hy.add_argument("--rounds", type=int, default=2, help="methods interleave in this many rounds")
-    hy.add_argument("--partitions", type=int, default=None)
-    hy.add_argument("--methods", default=None, help="comma-separated (default: all but hybrid_sketch, omnireduce)")
+    hy.add_argument("--partitions", type=int, default=None, help="PS partitions per table (default: the plan's)")
+    hy.add_argument("--methods", default=None,
+                    help=f"comma-separated subset of {','.join(HYBRID_METHODS)} (default: all but "
+                    "hybrid_sketch, omnireduce)")  # fmt: skip
     hy.add_argument("--text", type=Path, nargs="*", default=(), help="train on the words of these text files")
-    hy.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
-    hy.add_argument("--latency", default=None)
     hy.add_argument("--out", type=Path, default=Path("results/hybrid"), help="path stem for .csv/.json/.png")
-    hy.add_argument("--no-progress", action="store_true")
     hy.add_argument("--search-partitions", action="store_true", help="run Parallax's partition search first")
     hy.add_argument("--no-prefetch", action="store_true", help="PS methods: pull each step's rows in that step")
-    _add_embedding_parser(bsub)
-    _add_dlrm_parser(bsub)
+    hy.set_defaults(func=_bench_hybrid)
+    _add_embedding_parser(bsub, parents)
+    _add_dlrm_parser(bsub, parents)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sparsync", description="Sparse collectives for PyTorch training.",
+                                formatter_class=HelpFormatter)  # fmt: skip
+    sub = p.add_subparsers(dest="command", required=True)
+    parents = _parents()
+    demo = sub.add_parser(
+        "demo",
+        help="train a sparse-embedding model on 4 local processes: dense allreduce vs sparsync's plans",
+        parents=[parents["progress"]],
+        formatter_class=HelpFormatter,
+    )
+    demo.add_argument("--out", type=Path, default=Path("results/demo_train"), help="path stem for .json/.md")
+    demo.add_argument("--steps", type=int, default=150, help="training steps per plan")
+    demo.add_argument("--net", default=None, help="shape each process's link, e.g. 1gbit (needs root)")
+    demo.set_defaults(func=_demo)
+    _add_bench_parsers(sub, parents)
     cl = sub.add_parser(
         "cluster",
         help="run a script under torchrun on emulated hosts (one network namespace each, shaped links)",
         description="Run SCRIPT under `torchrun --nnodes HOSTS --nproc-per-node PROCS --rdzv-backend c10d` on "
         "every emulated host, as on a cluster (needs root). Example: sparsync cluster --hosts 2 "
         "--procs-per-host 2 -- examples/sparse_allreduce.py",
+        formatter_class=HelpFormatter,
     )
-    cl.add_argument("--hosts", type=int, default=2, help="emulated hosts (network namespaces), default 2")
+    cl.add_argument("--hosts", type=int, default=2, help="emulated hosts (network namespaces)")
     cl.add_argument("--procs-per-host", type=int, default=2, help="ranks per host (torchrun --nproc-per-node)")
-    cl.add_argument("--net", default="1gbit", help="each host's link, both directions (default 1gbit)")
+    cl.add_argument("--net", default="1gbit", help="each host's link, both directions")
     cl.add_argument("--latency", default=None, help="extra one-way delay per link, e.g. 0.5ms")
     cl.add_argument("--max-restarts", type=int, default=0, help="torchrun --max-restarts (elastic restarts)")
     cl.add_argument("--timeout", type=float, default=None, help="seconds before every host is stopped")
     cl.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...] (as given to torchrun)")
+    cl.set_defaults(func=_cluster)
     from sparsync.placement import cli_plan
 
-    cli_plan.add_parser(sub)
+    cli_plan.add_parser(sub, formatter_class=HelpFormatter)
     _add_reproduce_parser(sub)
     return p
 
@@ -208,6 +256,7 @@ def _add_reproduce_parser(sub: Any) -> None:
         help="each paper's headline experiment at laptop scale, one report (markdown + plots)",
         description="Runs SparCML Fig. 4, S2 vs OmniReduce, DCT on DLRM, Parallax Table 3/4 on a language model "
         "and TF-Replicator's one-script-any-scale, each beside torch's own path, and writes OUT/report.md.",
+        formatter_class=HelpFormatter,
     )
     rp.add_argument("--quick", action="store_true", help="minutes instead of an hour: smaller sizes and P")
     rp.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
@@ -216,6 +265,7 @@ def _add_reproduce_parser(sub: Any) -> None:
     rp.add_argument("--corpus", type=Path, default=None,
                     help="text for the language model (default GCIDE: apt-get install dict-gcide)")  # fmt: skip
     rp.add_argument("--out", type=Path, default=Path("results/reproduce"), help="directory for report.md")
+    rp.set_defaults(func=_reproduce)
 
 
 def _reproduce(args: argparse.Namespace, console: Console) -> int:
@@ -256,116 +306,103 @@ def _cluster(args: argparse.Namespace, console: Console) -> int:
     return 0 if res.ok else 1
 
 
+def _demo(args: argparse.Namespace, console: Console) -> int:
+    from sparsync.bench.train_demo import DemoConfig, print_demo, run_demo
+
+    demo_cfg = DemoConfig(steps=args.steps)
+    console.print(
+        f"[bold]sparsync demo[/]: {demo_cfg.replicas} local processes train a classifier with a sparse "
+        f"embedding (vocab {demo_cfg.vocab:,}, Zipf tokens), {demo_cfg.steps} steps, per gradient plan"
+    )
+    runs, diff, plan = run_demo(demo_cfg, show_progress=not args.no_progress, net=args.net)
+    print_demo(runs, diff, demo_cfg, console, args.out, args.net, plan)
+    return 0
+
+
+def _bench_hybrid(args: argparse.Namespace, console: Console) -> int:
+    from sparsync.bench.hybrid import METHODS as HYBRID_METHODS
+    from sparsync.bench.hybrid import HybridBenchConfig
+    from sparsync.bench.hybrid_run import run_hybrid_bench
+
+    hcfg = HybridBenchConfig(
+        vocab=args.vocab, dim=args.dim, hidden=args.hidden, batch=args.batch, steps=args.steps,
+        warmup=args.warmup, rounds=args.rounds, partitions=args.partitions, prefetch=not args.no_prefetch,
+        files=tuple(map(str, args.text)),
+        methods=tuple(args.methods.split(",")) if args.methods else HYBRID_METHODS,
+    )  # fmt: skip
+    if args.search_partitions:
+        from sparsync.bench.hybrid_run import search_hybrid_partitions
+
+        found = search_hybrid_partitions(hcfg, args.procs[0], console=console)
+        hcfg = HybridBenchConfig(**{**hcfg.__dict__, "partitions": found.best})
+    run_hybrid_bench(hcfg, args.procs, args.seq, out=args.out, net=args.net, latency=args.latency,
+                     console=console, progress=not args.no_progress)  # fmt: skip
+    return 0
+
+
+def _bench_allreduce(args: argparse.Namespace, console: Console) -> int:
+    from sparsync.bench import run_allreduce_bench
+
+    procs, per_host = _hosts(args, args.procs)
+    methods = args.methods
+    if per_host is not None and args.methods == METHODS:
+        methods = ("gloo_dense", "gloo_sparse_coo", "allgather", "auto", *HIERARCHICAL)
+    cfg = BenchConfig(dim=args.n, densities=args.densities, repeats=args.repeats, methods=methods)
+    run_allreduce_bench(cfg, procs, procs_per_host=per_host, out=args.out, net=args.net, latency=args.latency,
+                        console=console, progress=not args.no_progress)  # fmt: skip
+    return 0
+
+
+def _bench_embedding(args: argparse.Namespace, console: Console) -> int:
+    from sparsync.bench import EmbeddingBenchConfig, run_embedding_bench
+    from sparsync.bench.embedding import METHODS as EMB_METHODS
+
+    procs, per_host = _hosts(args, args.procs)
+    methods = args.methods
+    if per_host is not None and args.methods == EMB_METHODS:
+        methods = ("torch_coo", "torch_ddp", "allgather", "ssar_split_allgather", "auto", *HIERARCHICAL)
+    ecfg = EmbeddingBenchConfig(rows=args.rows, dims=args.dims, tokens=args.tokens, zipf=args.zipf,
+                                hot=args.hot, repeats=args.repeats, methods=methods,
+                                sketch_lambdas=args.sketch_lambdas)  # fmt: skip
+    run_embedding_bench(ecfg, procs, out=args.out, net=args.net, latency=args.latency, console=console,
+                        progress=not args.no_progress, procs_per_host=per_host)  # fmt: skip
+    return 0
+
+
+def _bench_dlrm(args: argparse.Namespace, console: Console) -> int:
+    from sparsync.bench.dlrm_train import DlrmBenchConfig, default_data, run_dlrm_bench
+
+    need = args.steps * args.batch * max(args.procs)
+    data = args.data or default_data(Path("results/criteo_synthetic.txt"), need)
+    dcfg = DlrmBenchConfig(str(data), steps=args.steps, batch=args.batch, max_rows=args.max_rows, dim=args.dim,
+                           methods=args.methods, mlp=args.mlp)  # fmt: skip
+    run_dlrm_bench(dcfg, args.procs, out=args.out, net=args.net, latency=args.latency, console=console)
+    return 0
+
+
+def _bench_compress(args: argparse.Namespace, console: Console) -> int:
+    from sparsync.bench import CompressBenchConfig, run_compress_bench
+
+    ccfg = CompressBenchConfig(sizes=args.sizes, repeats=args.repeats)
+    if args.compressors:
+        ccfg = CompressBenchConfig(sizes=args.sizes, repeats=args.repeats, compressors=tuple(args.compressors))
+    run_compress_bench(ccfg, procs=args.procs, out=args.out, net=args.net, latency=args.latency, console=console,
+                       progress=not args.no_progress)  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
-    from sparsync.bench import run_allreduce_bench
-
     try:
-        if args.command == "demo":
-            from sparsync.bench.train_demo import DemoConfig, print_demo, run_demo
-
-            demo_cfg = DemoConfig(steps=args.steps)
-            console.print(
-                f"[bold]sparsync demo[/]: {demo_cfg.replicas} local processes train a classifier with a sparse "
-                f"embedding (vocab {demo_cfg.vocab:,}, Zipf tokens), {demo_cfg.steps} steps, per gradient plan"
-            )
-            runs, diff, plan = run_demo(demo_cfg, show_progress=not args.no_progress, net=args.net)
-            print_demo(runs, diff, demo_cfg, console, args.out, args.net, plan)
-            return 0
-        if args.command == "bench" and args.bench == "hybrid":
-            from sparsync.bench.hybrid import METHODS as HYBRID_METHODS
-            from sparsync.bench.hybrid import HybridBenchConfig
-            from sparsync.bench.hybrid_run import run_hybrid_bench
-
-            hcfg = HybridBenchConfig(
-                vocab=args.vocab, dim=args.dim, hidden=args.hidden, batch=args.batch, steps=args.steps,
-                warmup=args.warmup, rounds=args.rounds, partitions=args.partitions, prefetch=not args.no_prefetch,
-                files=tuple(map(str, args.text)),
-                methods=tuple(args.methods.split(",")) if args.methods else HYBRID_METHODS,
-            )  # fmt: skip
-            if args.search_partitions:
-                from sparsync.bench.hybrid_run import search_hybrid_partitions
-
-                found = search_hybrid_partitions(hcfg, args.procs[0], console=console)
-                hcfg = HybridBenchConfig(**{**hcfg.__dict__, "partitions": found.best})
-            run_hybrid_bench(hcfg, args.procs, args.seq, out=args.out, net=args.net, latency=args.latency,
-                             console=console, progress=not args.no_progress)  # fmt: skip
-            return 0
-        if args.command == "cluster":
-            return _cluster(args, console)
-        if args.command == "reproduce":
-            return _reproduce(args, console)
-        if args.command == "plan":
-            from sparsync.placement import cli_plan
-
-            return cli_plan.run(args, console)
-        if args.command == "bench" and args.bench == "allreduce":
-            procs, per_host = _hosts(args, args.procs)
-            methods = args.methods
-            if per_host is not None and args.methods == METHODS:
-                methods = ("gloo_dense", "gloo_sparse_coo", "allgather", "auto", *HIERARCHICAL)
-            cfg = BenchConfig(dim=args.n, densities=args.densities, repeats=args.repeats, methods=methods)
-            run_allreduce_bench(
-                cfg,
-                procs,
-                procs_per_host=per_host,
-                out=args.out,
-                net=args.net,
-                latency=args.latency,
-                console=console,
-                progress=not args.no_progress,
-            )
-            return 0
-        if args.command == "bench" and args.bench == "embedding":
-            from sparsync.bench import EmbeddingBenchConfig, run_embedding_bench
-
-            procs, per_host = _hosts(args, args.procs)
-            methods = args.methods
-            from sparsync.bench.embedding import METHODS as EMB_METHODS
-
-            if per_host is not None and args.methods == EMB_METHODS:
-                methods = ("torch_coo", "torch_ddp", "allgather", "ssar_split_allgather", "auto", *HIERARCHICAL)
-            ecfg = EmbeddingBenchConfig(rows=args.rows, dims=args.dims, tokens=args.tokens, zipf=args.zipf,
-                                        hot=args.hot, repeats=args.repeats, methods=methods,
-                                        sketch_lambdas=args.sketch_lambdas)  # fmt: skip
-            run_embedding_bench(ecfg, procs, out=args.out, net=args.net, latency=args.latency, console=console,
-                                progress=not args.no_progress, procs_per_host=per_host)  # fmt: skip
-            return 0
-        if args.command == "bench" and args.bench == "dlrm":
-            from sparsync.bench.dlrm_train import DlrmBenchConfig, default_data, run_dlrm_bench
-
-            need = args.steps * args.batch * max(args.procs)
-            data = args.data or default_data(Path("results/criteo_synthetic.txt"), need)
-            dcfg = DlrmBenchConfig(str(data), steps=args.steps, batch=args.batch, max_rows=args.max_rows,
-                                   dim=args.dim, methods=args.methods, mlp=args.mlp)  # fmt: skip
-            run_dlrm_bench(dcfg, args.procs, out=args.out, net=args.net, latency=args.latency, console=console)
-            return 0
-        if args.command == "bench" and args.bench == "compress":
-            from sparsync.bench import CompressBenchConfig, run_compress_bench
-
-            ccfg = CompressBenchConfig(sizes=args.sizes, repeats=args.repeats)
-            if args.compressors:
-                ccfg = CompressBenchConfig(
-                    sizes=args.sizes, repeats=args.repeats, compressors=tuple(args.compressors)
-                )
-            run_compress_bench(
-                ccfg,
-                procs=args.procs,
-                out=args.out,
-                net=args.net,
-                latency=args.latency,
-                console=console,
-                progress=not args.no_progress,
-            )
-            return 0
+        code: int = args.func(args, console)
+        return code
     except KeyError as e:
         console.print(f"[red]error:[/] {escape(str(e.args[0] if e.args else e))}")
         return 2
     except (ValueError, OSError, RuntimeError) as e:
         console.print(f"[red]error:[/] {escape(str(e))}")
         return 2
-    return 1
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from rich.table import Table
 
 from sparsync.bench.allreduce import _timed
 from sparsync.compress import QSGD, Compressor, Context, Payload, TensorSpec, from_spec, reduce
+from sparsync.tables import show_table
 
 DEFAULT_COMPRESSORS = (
     "identity",
@@ -169,7 +170,7 @@ def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> Non
             f"{r['rel_error']:.3f}",
             f"{r['reduce_s'] * 1e3:.1f}",
         )
-    console.print(table)
+    show_table(console, table)
     console.print(
         "ns/el: (compress + decompress) per element; c+d/ar: (compress + decompress) / dense allreduce; bytes: "
         "payload per rank / dense float32 bytes; rel err: ‖x - D(C(x))‖/‖x‖ (mean over ranks); agg: ar = dense "

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from sparsync.bench.embedding_sketch import is_sketch
 from sparsync.costmodel import ALGORITHMS
+from sparsync.tables import show_table
 
 Point = tuple[int, int, float, str]  # (P, dim, zipf, hot)
 BYTES_TARGET = 1.2  # auto's bytes <= 1.2x min(allgather, balanced reduce-scatter + allgather), issue 13
@@ -59,7 +60,7 @@ def print_tables(rows: list[dict[str, Any]], console: Console, title: str) -> No
         t.add_row(str(r["world_size"]), str(r["dim"]), f"{r['zipf']:g}", r["hot"], r["method"], _ms(r["median_s"]),
                   spread, f"{r['bytes_sent_per_rank'] / 1e6:.3f}", _ms(r["predicted_s"]), _ratio(r["vs_coo"]),
                   "-" if imb is None else f"{imb:.2f} {r['partition']}", note)  # fmt: skip
-    console.print(t)
+    show_table(console, t)
     s = Table(title="per point: rows touched, bounds, auto")
     for col in ("P", "dim", "zipf", "hot", "k/rank", "U", "bound MB", "bound ms", "ideal MB", "auto MB / ideal",
                 "auto chose", "auto / coo", "ddp step ms", "ddp comm ms"):  # fmt: skip
@@ -72,7 +73,7 @@ def print_tables(rows: list[dict[str, Any]], console: Console, title: str) -> No
                   _ratio(auto["bytes_sent_per_rank"] / _ideal(any_r)) if auto and _ideal(any_r) else "-",
                   auto["chosen"] if auto else "-", _ratio(auto["vs_coo"]) if auto else "-",
                   _ms(ddp["ddp_step_s"]) if ddp else "-", _ms(ddp["median_s"]) if ddp else "-")  # fmt: skip
-    console.print(s)
+    show_table(console, s)
     if any(is_sketch(r["method"]) for r in rows):
         k = Table(title="S2 sketch: error, bytes, compress + decompress (full table in the .md)")
         keep = [i for i, col in enumerate(SKETCH_COLUMNS) if col not in SKETCH_MD_ONLY]
@@ -80,7 +81,7 @@ def print_tables(rows: list[dict[str, Any]], console: Console, title: str) -> No
             k.add_column(SKETCH_COLUMNS[i], justify="left" if SKETCH_COLUMNS[i] in ("hot", "method") else "right")
         for cells in _sketch_cells(rows):
             k.add_row(*(cells[i] for i in keep))
-        console.print(k)
+        show_table(console, k)
 
 
 SKETCH_COLUMNS = ("P", "dim", "zipf", "hot", "method", "α exp.", "k/rows", "U/rows", "λ·k/U", "cells r·c",

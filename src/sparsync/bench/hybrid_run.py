@@ -26,6 +26,7 @@ from sparsync.placement.partition import PartitionSearch, search_partitions
 from sparsync.placement.plan import Cluster, Plan, make_plan
 from sparsync.placement.process import ServerProcess
 from sparsync.placement.server import ServerConfig
+from sparsync.tables import show_table
 
 # method -> the plan placement of the embedding that describes it (dense parameters: dense allreduce)
 PLAN_OF = {
@@ -166,7 +167,7 @@ def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> Non
             f"{r['comm_ms']:.1f}", "-" if r.get("predicted_comm_ms") is None else f"{r['predicted_comm_ms']:.1f}",
             f"{r['loss']:.4f}",
         )  # fmt: skip
-    console.print(t)
+    show_table(console, t)
 
 
 BASELINES = {"allreduce": "dense allreduce", "ddp_sparse": "DDP (sparse grads)"}

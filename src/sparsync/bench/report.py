@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsync.bench.allreduce import BASELINES
+from sparsync.tables import show_table
 
 
 def _fmt(t: float | None) -> str:
@@ -49,7 +50,7 @@ def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> Non
             _fmt(r["lower_bound_s"]),
             r["chosen"] or r["note"],
         )
-    console.print(table)
+    show_table(console, table)
 
 
 def write_files(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> list[Path]:
@@ -172,4 +173,4 @@ def print_targets(checks: list[tuple[str, bool, str]], console: Console) -> None
     table.add_column("met")
     for name, ok, val in checks:
         table.add_row(name, val, "[green]yes[/]" if ok else "[red]no[/]")
-    console.print(table)
+    show_table(console, table)

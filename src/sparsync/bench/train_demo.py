@@ -32,6 +32,7 @@ from sparsync.bench.ddp_baseline import ddp_step_bytes
 from sparsync.bench.demo_plan import AUTO, measure_plan, train_hybrid
 from sparsync.placement.plan import Plan
 from sparsync.replicator import PER_REPLICA, DenseAllreduce, ReplicaContext, Replicator
+from sparsync.tables import show_table
 
 PLANS = ("dense allreduce", "sparsync plan")
 DDP_PLAN = "DDP (sparse grads)"
@@ -307,7 +308,7 @@ def print_demo(
             f"{r['final_loss']:.4f}",
             ", ".join(r["algorithms"]),
         )
-    console.print(table)
+    show_table(console, table)
     s = runs[-1]
     lines += compare_lines(runs)
     lines.append(

@@ -13,6 +13,7 @@ from rich.table import Table
 
 from sparsync.netem import parse_latency, parse_rate
 from sparsync.placement.plan import PLACEMENTS, Cluster, levels_from_json, lm_stats, make_plan, stats_from_json
+from sparsync.tables import show_table
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -34,18 +35,23 @@ def _override(text: str) -> tuple[str, str]:
     return name, pl
 
 
-def add_parser(sub: Any) -> None:
-    p = sub.add_parser("plan", help="placement plan + predicted step communication time for a cluster")
+def add_parser(sub: Any, formatter_class: type[argparse.HelpFormatter] = argparse.HelpFormatter) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="placement plan + predicted step communication time for a cluster",
+        formatter_class=formatter_class,
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--stats", type=Path, help="recorded statistics: JSON list of {name, shape, alpha, sparse}")
-    src.add_argument("--model", default="lm", choices=["lm"], help="built-in model description (default lm)")
-    p.add_argument("--vocab", type=int, default=100_000)
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--hidden", type=int, default=512)
+    src.add_argument("--model", default="lm", choices=["lm"], help="built-in model description")
+    p.add_argument("--vocab", type=int, default=100_000, help="--model lm: vocabulary (embedding rows)")
+    p.add_argument("--dim", type=int, default=128, help="--model lm: embedding width")
+    p.add_argument("--hidden", type=int, default=512, help="--model lm: LSTM width")
     p.add_argument("--tokens", type=int, default=64 * 20, help="tokens per worker per step (batch x sequence)")
     p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the token distribution")
-    p.add_argument("--machines", type=_ints, default=(8, 64, 512, 4096))
-    p.add_argument("--procs-per-machine", type=int, default=1)
+    p.add_argument("--machines", type=_ints, default=(8, 64, 512, 4096),
+                   help="cluster sizes to plan for, comma-separated, each >= 1")  # fmt: skip
+    p.add_argument("--procs-per-machine", type=int, default=1, help="ranks per machine (local aggregation)")
     p.add_argument("--bandwidth", default="10gbit", help="per machine link, e.g. 1gbit, 100gbit")
     p.add_argument("--latency", default="50us", help="per message, e.g. 50us, 1ms")
     p.add_argument(
@@ -63,6 +69,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--override", type=_override, action="append", default=[], help="NAME=PLACEMENT")
     p.add_argument("--allow-lossy", action="store_true", help="let the plan pick the sketch placement")
     p.add_argument("--json", type=Path, default=None, help="also write the plans to this file")
+    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
@@ -92,7 +99,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         speedup = f"{base / plan.seconds:.1f}x" if plan.seconds else "-"
         mb, ms = f"{plan.bytes_per_machine / 1e6:.2f}", f"{plan.seconds * 1e3:.2f}"
         summary.add_row(str(N), ", ".join(kinds), mb, ms, f"{base * 1e3:.2f}", speedup)
-    console.print(summary)
+    show_table(console, summary)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(plans, indent=1))

@@ -42,6 +42,7 @@ from sparsync.compress.sketch import SparseSketch
 from sparsync.costmodel import LinkModel, Problem, choose_robust, predict
 from sparsync.placement.detect import ParamStats
 from sparsync.stream import index_dtype_for
+from sparsync.tables import show_table
 
 PLACEMENTS = ("dense_allreduce", "sparse_allreduce", "sketch", "ps")
 
@@ -194,7 +195,7 @@ class Plan:
             )
         t.add_row("total", "", "", "", "", f"{self.bytes_per_machine / 1e6:.3f}", f"{self.seconds * 1e3:.3f}",
                   f"{self.baseline_seconds() * 1e3:.3f}")  # fmt: skip
-        (console or Console()).print(t)
+        show_table(console or Console(), t)
 
 
 def machine_alpha(s: ParamStats, procs: int) -> float:

@@ -1,0 +1,56 @@
+"""Every subcommand's help: each option explained, with its default; no issue numbers in user-facing text."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+import pytest
+
+from sparsync.cli import build_parser
+
+Parsers = list[tuple[str, argparse.ArgumentParser]]
+
+
+def _subparsers(p: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Parsers:
+    out = [(" ".join(path), p)]
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for name, sp in a.choices.items():
+                out += _subparsers(sp, (*path, name))
+    return out
+
+
+PARSERS = _subparsers(build_parser())
+
+
+def test_every_subcommand_is_listed() -> None:
+    names = {n for n, _ in PARSERS}
+    want = {"demo", "plan", "cluster", "reproduce", "bench"}
+    want |= {f"bench {b}" for b in ("allreduce", "compress", "embedding", "dlrm", "hybrid")}
+    assert want <= names
+
+
+@pytest.mark.parametrize("name,parser", PARSERS, ids=[n or "sparsync" for n, _ in PARSERS])
+def test_options_have_help_with_defaults(name: str, parser: argparse.ArgumentParser) -> None:
+    text = parser.format_help()
+    assert not re.search(r"\(issue \d+\)|issue \d+", text, re.I), f"{name}: an issue number in its help"
+    for a in parser._actions:
+        if isinstance(a, argparse._HelpAction | argparse._SubParsersAction):
+            continue
+        assert a.help, f"sparsync {name} {a.option_strings or a.dest}: no help text"
+        if a.option_strings and a.default not in (None, False, [], ()):
+            shown = parser._get_formatter()._get_help_string(a) or ""
+            assert "default" in shown, f"sparsync {name} {a.option_strings}: the default is not shown"
+
+
+def test_defaults_show_as_the_option_takes_them() -> None:
+    text = dict(PARSERS)["bench allreduce"].format_help()
+    assert re.search(r"\(default:\s+2,4,8\)", text)  # a tuple as its comma list
+
+
+def test_every_subcommand_dispatches_to_a_function() -> None:
+    for name, parser in PARSERS:
+        leaf = not any(isinstance(a, argparse._SubParsersAction) for a in parser._actions)
+        if leaf:
+            assert callable(parser.get_default("func")), name
