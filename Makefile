@@ -11,7 +11,7 @@ test: setup
 	.venv/bin/ruff check src tests
 	.venv/bin/ruff format --check src tests
 	.venv/bin/mypy
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q --durations=15
 
 # Under a minute: no process groups, no server processes (the tests of single-process code).
 test-fast: setup

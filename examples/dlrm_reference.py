@@ -34,7 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from sparsync.compress import ErrorFeedback, Identity, Threshold
-from sparsync.hooks import compression_hook
+from sparsync.compress.hooks import compression_hook
 from sparsync.record import CommLog
 
 

@@ -146,7 +146,7 @@ def gar(g: dist.ProcessGroup, ts: Any, **kw: Any) -> Any:
 
 
 def red(g: dist.ProcessGroup, t: Any, c: Any, **kw: Any) -> Any:
-    return _done(sparsync.reduce(t, c, group=g, timeout=CALL_TIMEOUT, average=False, **kw), kw)
+    return _done(sparsync.compressed_allreduce(t, c, group=g, timeout=CALL_TIMEOUT, average=False, **kw), kw)
 
 
 def sequence(g: dist.ProcessGroup, values: tuple[float, ...], named: bool = False) -> list[Any]:

@@ -17,8 +17,8 @@ import torch.distributed as dist
 import sparsync
 from sparsync.compress import QSGD, ErrorFeedback, from_spec
 from sparsync.compress.cast_allreduce import CHUNK as CAST_CHUNK
+from sparsync.compress.hooks import compression_hook
 from sparsync.compress.qsgd_allreduce import SEGMENT
-from sparsync.hooks import compression_hook
 
 SPECS = (
     "identity",
@@ -65,13 +65,17 @@ def reduce_worker(rank: int, steps: int) -> dict[str, Any]:
             res, ares = [], []
             for step in range(steps):
                 xs = rank_input(rank, step)
-                res.append(sparsync.reduce(xs, comp, memory=mem, name="w").numpy())
-                ares.append(sparsync.reduce(xs, acomp, memory=amem, name="w", async_op=True).wait().numpy())
-            summed = sparsync.reduce(rank_input(rank, 0), from_spec(spec), name="w", average=False).numpy()
+                res.append(sparsync.compressed_allreduce(xs, comp, memory=mem, name="w").numpy())
+                ares.append(
+                    sparsync.compressed_allreduce(xs, acomp, memory=amem, name="w", async_op=True).wait().numpy()
+                )
+            summed = sparsync.compressed_allreduce(
+                rank_input(rank, 0), from_spec(spec), name="w", average=False
+            ).numpy()
             g = rank_embedding_grad(rank)
-            sp = sparsync.reduce(g, from_spec(spec), name="emb")
+            sp = sparsync.compressed_allreduce(g, from_spec(spec), name="emb")
             inplace = rank_input(rank, 0)
-            back = sparsync.reduce(inplace, from_spec(spec), name="w", inplace=True)
+            back = sparsync.compressed_allreduce(inplace, from_spec(spec), name="w", inplace=True)
             out[spec] = {
                 "steps": res,
                 "async": ares,
@@ -157,7 +161,7 @@ def digits_worker(rank: int, specs: tuple[str, ...], steps: int, lr: float) -> d
             loss.backward()
             # one flat gradient per step (one reduce, not one per layer: keeps the test fast)
             flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
-            avg = sparsync.reduce(flat, comp, memory=mem, name="mlp")
+            avg = sparsync.compressed_allreduce(flat, comp, memory=mem, name="mlp")
             with torch.no_grad():
                 offset = 0
                 for p in model.parameters():
@@ -188,17 +192,19 @@ def unbiased_worker(rank: int, draws: int, bits: int) -> dict[str, Any]:
     squares = torch.zeros(UNBIASED_N, dtype=torch.float64)
     for seed in range(draws):
         q = QSGD(bits=bits, bucket=UNBIASED_BUCKET, seed=seed, aggregation="reduce_scatter")
-        y = sparsync.reduce(x, q, name="u", average=False).double()
+        y = sparsync.compressed_allreduce(x, q, name="u", average=False).double()
         total += y
         squares += y * y
     untouched = {}
     for spec, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16), ("identity", torch.float32)):
         for inp in (x.to(dtype), x.double()):
             keep = inp.clone()
-            sparsync.reduce(inp, from_spec(spec), name="c")
+            sparsync.compressed_allreduce(inp, from_spec(spec), name="c")
             untouched[f"{spec}/{inp.dtype}"] = torch.equal(inp, keep)
     # a tensor of 3 buckets: at P = 5 the last two partitions are empty
-    small = sparsync.reduce(x[:40], QSGD(bits=4, bucket=16, aggregation="reduce_scatter"), name="s").numpy()
+    small = sparsync.compressed_allreduce(
+        x[:40], QSGD(bits=4, bucket=16, aggregation="reduce_scatter"), name="s"
+    ).numpy()
     return {"sum": total.numpy(), "squares": squares.numpy(), "untouched": untouched, "small": small}
 
 
@@ -222,12 +228,12 @@ def pipeline_worker(rank: int) -> dict[str, Any]:
         return QSGD(bits=4, bucket=512, aggregation="reduce_scatter")
 
     sync_mem, async_mem = ErrorFeedback(), ErrorFeedback()
-    sync = sparsync.reduce(x, q(), memory=sync_mem, name="big", average=False)
-    asy = sparsync.reduce(x, q(), memory=async_mem, name="big", average=False, async_op=True).wait()
+    sync = sparsync.compressed_allreduce(x, q(), memory=sync_mem, name="big", average=False)
+    asy = sparsync.compressed_allreduce(x, q(), memory=async_mem, name="big", average=False, async_op=True).wait()
     q3, ctx = q(), Context("big", rank, P)
     payload = encode_remote(q3, x, PIPELINE_N, ctx, P)
     from_payload = quantized_allreduce(q3, x, PIPELINE_N, ctx, dist.group.WORLD, payload=payload)
-    mean = sparsync.reduce(x, q(), name="big")
+    mean = sparsync.compressed_allreduce(x, q(), name="big")
     return {
         "sync": sync.numpy(),
         "async_equal": bool(torch.equal(asy, sync)),
@@ -263,9 +269,9 @@ def cast_worker(rank: int) -> dict[str, Any]:
     x = cast_input(rank)
     for comp in (FP16(), BF16()):
         mem, amem = ErrorFeedback(), ErrorFeedback()
-        total = sparsync.reduce(x, comp, memory=mem, name="big", average=False)
-        asy = sparsync.reduce(x, comp, memory=amem, name="big", average=False, async_op=True).wait()
-        mean = sparsync.reduce(x, comp, name="big")
+        total = sparsync.compressed_allreduce(x, comp, memory=mem, name="big", average=False)
+        asy = sparsync.compressed_allreduce(x, comp, memory=amem, name="big", average=False, async_op=True).wait()
+        mean = sparsync.compressed_allreduce(x, comp, name="big")
         ref = torch.empty(CAST_N)
         for a, b in chunks(CAST_N):
             h = x[a:b].to(comp.wire_dtype)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import sparsync
 from sparsync import SparseStream, sparse_allreduce
 from sparsync.compress import Identity
-from sparsync.hooks import compression_hook
+from sparsync.compress.hooks import compression_hook
 from sparsync.replicator import ReplicaContext
 
 

@@ -1,5 +1,5 @@
-"""Every compressor through ``sparsync.reduce`` and the DDP hook on real gloo groups of 1, 3 and 4 ranks,
-checked against references computed here from every rank's (rebuilt) input."""
+"""Every compressor through ``sparsync.compressed_allreduce`` and the DDP hook on real gloo groups of 1, 3 and 4
+ranks, checked against references computed here from every rank's (rebuilt) input."""
 
 from __future__ import annotations
 

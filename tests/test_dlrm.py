@@ -77,12 +77,15 @@ def test_dlrm_shapes_and_learning(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_bench_methods_train_to_the_same_loss_and_sparsync_sends_less(tmp_path: Path) -> None:
+    from _optim_workers import dlrm_worker_nominal_link
+
     from sparsync import launch
-    from sparsync.bench.dlrm_train import DlrmBenchConfig, load, summarize, worker
+    from sparsync.bench.dlrm_train import DlrmBenchConfig, load, summarize
 
     cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", 2 * 6 * 32)), steps=6, batch=32, max_rows=2000,
                           dim=8, warmup=1, tail=3)  # fmt: skip
-    rows = {r["method"]: r for r in summarize(launch(worker, nprocs=2, args=(cfg, load(cfg, 2)))[0])}
+    res = launch(dlrm_worker_nominal_link, nprocs=2, args=(cfg, load(cfg, 2)))
+    rows = {r["method"]: r for r in summarize(res[0])}
     assert set(rows) == {"torch_ddp_dense", "torch_ddp_sparse", "sparsync", "sparsync_dct"}
     base = rows["torch_ddp_sparse"]
     for m in ("torch_ddp_dense", "sparsync"):  # the same SGD steps on the same means: rounding apart

@@ -22,8 +22,8 @@ from torch.distributed import HashStore  # type: ignore[attr-defined]  # re-expo
 
 from sparsync import LaunchError, launch
 from sparsync.compress import Identity
+from sparsync.compress.hooks import compression_hook
 from sparsync.group import background_group
-from sparsync.hooks import compression_hook
 from sparsync.launch import _host_store
 
 TESTS = Path(__file__).resolve().parent

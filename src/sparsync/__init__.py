@@ -8,7 +8,7 @@ from sparsync.calibrate import measure_link
 from sparsync.collectives import allreduce, grouped_allreduce, sparse_allgather, sparse_allreduce
 from sparsync.collectives._comm import PeerError
 from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce
-from sparsync.compress import Compressor, ErrorFeedback, reduce
+from sparsync.compress import Compressor, ErrorFeedback, compressed_allreduce, reduce
 from sparsync.costmodel import (
     ALGORITHMS,
     REFERENCE_LINK,
@@ -48,6 +48,7 @@ __all__ = [
     "background_group",
     "choose_fastest",
     "choose_robust",
+    "compressed_allreduce",
     "dense_threshold",
     "detect_topology",
     "grouped_allreduce",

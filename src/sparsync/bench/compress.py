@@ -3,9 +3,10 @@
 For every tensor size N and compressor, on P ranks at once (every rank compresses its own Gaussian tensor, as
 in training, so the compressors compete for the cores as the allreduce does): compress and decompress time
 (slowest rank, median of ``repeats`` after one warm-up), payload bytes, relative error
-‖x - D(C(x))‖ / ‖x‖, the end-to-end ``sparsync.reduce`` time, and a dense gloo allreduce of the same tensor in
-the same run. Threshold runs with lifespan 1 and 1000 (DCT Fig. 7a: recomputing τ every step costs more than
-it saves); the warm-up call computes τ, so the timed L=1000 calls reuse it, as 999 of 1000 training steps do.
+‖x - D(C(x))‖ / ‖x‖, the end-to-end ``sparsync.compressed_allreduce`` time, and a dense gloo allreduce of the
+same tensor in the same run. Threshold runs with lifespan 1 and 1000 (DCT Fig. 7a: recomputing τ every step costs
+more than it saves); the warm-up call computes τ, so the timed L=1000 calls reuse it, as 999 of 1000 training
+steps do.
 Target (issue 3): Threshold(L=1000) compress + decompress ≤ 10% of the dense allreduce. Issue 15's targets
 (``check_issue15``): every compressor's reduce faster than the dense allreduce, QSGD 4-bit ≥ 3x and 8-bit ≥ 1.8x
 faster, and a 16-bit cast's reduce at most half the dense allreduce (half the bytes, less than half the time).
@@ -26,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsync.bench.allreduce import _timed
-from sparsync.compress import QSGD, Compressor, Context, Payload, TensorSpec, from_spec, reduce
+from sparsync.compress import QSGD, Compressor, Context, Payload, TensorSpec, compressed_allreduce, from_spec
 from sparsync.tables import show_table
 
 DEFAULT_COMPRESSORS = (
@@ -82,7 +83,7 @@ def _measure(rank: int, P: int, n: int, spec: str, x: torch.Tensor, repeats: int
     err = torch.tensor([float((x - y).norm() / x.norm()), float(payload.nbytes)], dtype=torch.float64)
     dist.all_reduce(err)
     rcomp = from_spec(spec)
-    t_r = _median(lambda: reduce(x, rcomp, name="x"), repeats)
+    t_r = _median(lambda: compressed_allreduce(x, rcomp, name="x"), repeats)
     return {
         "n": n,
         "world_size": P,

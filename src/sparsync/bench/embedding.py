@@ -21,8 +21,8 @@ region), interleaved in a fresh order every round:
 - ``omnireduce``: S2's baseline, an OmniReduce-style block-sparse allreduce (non-zero blocks of 256 values,
   sharded aggregation; ``omnireduce.py``).
 - ``sketch``: the S2 sketch, one method ``sketch@λ`` per λ of ``sketch_lambdas`` (``embedding_sketch.py``:
-  ``sparsync.reduce`` with ``SparseSketch(ratio=λ·α)``, α the point's expected row density; its rows add the
-  aggregate's error, the bitmap's match and the compress/decompress time).
+  ``sparsync.compressed_allreduce`` with ``SparseSketch(ratio=λ·α)``, α the point's expected row density; its
+  rows add the aggregate's error, the bitmap's match and the compress/decompress time).
 
 A repeat's time is the slowest rank's (max-reduced outside the timed region, after a barrier); rows report the
 median and quartiles over ``repeats`` after one warm-up call.

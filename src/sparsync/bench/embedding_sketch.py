@@ -1,10 +1,10 @@
 """The S2 sketch as a method of ``sparsync bench embedding`` (issue 15, item 3: the sketch on its workload).
 
 ``sketch`` in the benchmark's methods runs one method ``sketch@λ`` per λ of ``--sketch-lambda`` (a sweep of S2's
-λ = m/(α·d), as its sensitivity study, App. B.3 of the extended version, does): ``sparsync.reduce(grad,
-SparseSketch(rows=3, ratio=λ·α), average=False)`` on the COO gradient, i.e. compress (bitmap of the touched rows
-+ 3 x c count sketch), one dense gloo allreduce of both, and the median query of the rows set in the summed
-bitmap, back to a COO tensor.
+λ = m/(α·d), as its sensitivity study, App. B.3 of the extended version, does):
+``sparsync.compressed_allreduce(grad, SparseSketch(rows=3, ratio=λ·α), average=False)`` on the COO gradient, i.e.
+compress (bitmap of the touched rows + 3 x c count sketch), one dense gloo allreduce of both, and the median
+query of the rows set in the summed bitmap, back to a COO tensor.
 
 α, the gradient's row density, must give the same ratio (the same c) on every rank before the one allreduce.
 It is the workload's *expected* density of one rank's gradient, E[k]/rows with E[k] = Σ_i 1 - (1 - p_i)^T for
@@ -80,7 +80,7 @@ def reduce_sum(
     grad: torch.Tensor, sk: SparseSketch, group: dist.ProcessGroup, log: CommLog | None
 ) -> torch.Tensor:
     """The sum over ``group`` of ``grad`` through the sketch (what the method times)."""
-    out: torch.Tensor = sparsync.reduce(grad, sk, group=group, log=log, average=False)
+    out: torch.Tensor = sparsync.compressed_allreduce(grad, sk, group=group, log=log, average=False)
     return out
 
 

@@ -1,8 +1,8 @@
 """Gradient compressors with error feedback (issue 3): S2 sparse sketch, DCT threshold, top-k, QSGD, ...
 
 Three axes (STYLE 1): a ``Compressor`` turns a tensor into a typed ``Payload`` (which names the collective
-that aggregates it), ``ErrorFeedback`` keeps residuals per name, and ``reduce`` joins them. See README,
-"Compressed reduction", and docs/architecture.md.
+that aggregates it), ``ErrorFeedback`` keeps residuals per name, and ``compressed_allreduce`` joins them. See
+README, "Compressed reduction", and docs/architecture.md.
 """
 
 from sparsync.compress.base import (
@@ -18,11 +18,12 @@ from sparsync.compress.base import (
 )
 from sparsync.compress.blocktopk import BlockTopK
 from sparsync.compress.cast import BF16, FP16
+from sparsync.compress.hooks import compression_hook
 from sparsync.compress.identity import Identity
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.compress.qsgd import QSGD
 from sparsync.compress.randomk import RandomK
-from sparsync.compress.reduce import reduce
+from sparsync.compress.reduce import compressed_allreduce, reduce
 from sparsync.compress.registry import COMPRESSORS, compressor_class, from_spec, make
 from sparsync.compress.sketch import SparseSketch
 from sparsync.compress.threshold import Threshold
@@ -49,6 +50,8 @@ __all__ = [
     "TensorSpec",
     "Threshold",
     "TopK",
+    "compressed_allreduce",
+    "compression_hook",
     "compressor_class",
     "from_spec",
     "make",

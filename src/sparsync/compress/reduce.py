@@ -1,9 +1,11 @@
-"""``reduce``: the template method joining the three axes (STYLE 1; GRACE's compensate -> compress ->
-memory.update -> send_receive): compensate -> compress -> update memory -> aggregate -> decompress."""
+"""``compressed_allreduce`` (formerly ``reduce``): the template method joining the three axes (STYLE 1; GRACE's
+compensate -> compress -> memory.update -> send_receive): compensate -> compress -> update memory -> aggregate ->
+decompress."""
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal, overload
 
@@ -43,7 +45,7 @@ from sparsync.record import CommLog, CommRecord
 
 
 @overload
-def reduce(
+def compressed_allreduce(
     tensor: torch.Tensor,
     compressor: Compressor,
     *,
@@ -59,7 +61,7 @@ def reduce(
     check_nan: bool = ...,
 ) -> torch.Tensor: ...
 @overload
-def reduce(
+def compressed_allreduce(
     tensor: torch.Tensor,
     compressor: Compressor,
     *,
@@ -75,7 +77,7 @@ def reduce(
     check_nan: bool = ...,
 ) -> Work[torch.Tensor]: ...
 @overload
-def reduce(
+def compressed_allreduce(
     tensor: torch.Tensor,
     compressor: Compressor,
     *,
@@ -90,7 +92,7 @@ def reduce(
     timeout: float | None = ...,
     check_nan: bool = ...,
 ) -> torch.Tensor | Work[torch.Tensor]: ...
-def reduce(
+def compressed_allreduce(
     tensor: torch.Tensor,
     compressor: Compressor,
     *,
@@ -124,7 +126,7 @@ def reduce(
 
         >>> memory = ErrorFeedback()
         >>> for name, p in model.named_parameters():
-        ...     p.grad = sparsync.reduce(p.grad, TopK(0.01), memory=memory, name=name)
+        ...     p.grad = sparsync.compressed_allreduce(p.grad, TopK(0.01), memory=memory, name=name)
     """
     try:
         _check_input(tensor, compressor, memory, name, inplace)
@@ -246,6 +248,17 @@ def reduce(
 
         return _then(_submit(user, gather, async_op), compressor, xspec, finish)
     raise TypeError(f"{type(compressor).__name__}.compress returned {type(payload).__name__}, not a Payload")
+
+
+def reduce(tensor: torch.Tensor, compressor: Compressor, **kwargs: Any) -> Any:
+    """Deprecated: the old name of ``compressed_allreduce`` (every rank gets the result: an allreduce, not a
+    reduce to one rank). Same arguments and result; warns ``DeprecationWarning``."""
+    warnings.warn(
+        "sparsync.reduce is deprecated; use sparsync.compressed_allreduce (same arguments)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return compressed_allreduce(tensor, compressor, **kwargs)
 
 
 def _check_input(tensor: Any, compressor: Any, memory: ErrorFeedback | None, name: str, inplace: bool) -> None:

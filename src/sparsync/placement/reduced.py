@@ -28,7 +28,7 @@ from torch import nn
 
 from sparsync.collectives.tensor import allreduce
 from sparsync.compress.memory import ErrorFeedback
-from sparsync.compress.reduce import reduce as compressed_reduce
+from sparsync.compress.reduce import compressed_allreduce
 from sparsync.compress.sketch import SparseSketch
 from sparsync.placement.feedback import load_optional_state
 from sparsync.placement.plan import PLACEMENTS, Plan
@@ -109,7 +109,7 @@ class Reduced:
                 assert isinstance(out, torch.Tensor)
                 p.grad = out / self.world if self.mean[n] else out
             else:
-                p.grad = compressed_reduce(
+                p.grad = compressed_allreduce(
                     g.detach(), sketch, memory=self.memory, name=n, group=self.group,
                     average=self.mean[n], log=self.log,
                 )  # fmt: skip

@@ -8,8 +8,8 @@ averages, §3.4; the sum is explicit, never implied).
 
 Placements here: ``DenseAllreduce`` (one bucketed allreduce per dtype), ``SparseAllreduce`` (SparCML's
 ``sparsync.allreduce`` per tensor, COO in, COO out), ``Compressed`` (a ``sparsync.compress`` compressor with error
-feedback through ``sparsync.reduce``: ``Threshold`` + ``ErrorFeedback`` is DCT-DP), ``CustomReduce`` (any
-``(grad, name, group) -> sum`` callable), ``Grouped`` (sparse and small dense gradients in one
+feedback through ``sparsync.compressed_allreduce``: ``Threshold`` + ``ErrorFeedback`` is DCT-DP), ``CustomReduce``
+(any ``(grad, name, group) -> sum`` callable), ``Grouped`` (sparse and small dense gradients in one
 ``grouped_allreduce``) and ``ByLayout`` (the default: sparse gradients to ``SparseAllreduce``, dense ones to
 ``DenseAllreduce``, both in one ``Grouped`` call when those two are the defaults). A
 parameter-server placement subclasses ``Placement`` the same way.
@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 
 from sparsync.collectives.grouped import grouped_allreduce
 from sparsync.collectives.tensor import allreduce
-from sparsync.compress import Compressor, ErrorFeedback, reduce
+from sparsync.compress import Compressor, ErrorFeedback, compressed_allreduce
 from sparsync.record import CommLog
 from sparsync.replicator import primitives as prim
 
@@ -124,9 +124,9 @@ class CustomReduce(Placement):
 
 @dataclass(frozen=True)
 class Compressed(Placement):
-    """A compressor from ``sparsync.compress`` with optional error feedback, through ``sparsync.reduce``
-    (issue 3): e.g. ``Compressed(Threshold(0.01, lifespan=1000), ErrorFeedback())`` is DCT-DP (DCT Alg. 1).
-    Residuals and the compressor's per-name state are keyed by the parameter's name."""
+    """A compressor from ``sparsync.compress`` with optional error feedback, through
+    ``sparsync.compressed_allreduce``: e.g. ``Compressed(Threshold(0.01, lifespan=1000), ErrorFeedback())`` is
+    DCT-DP (DCT Alg. 1). Residuals and the compressor's per-name state are keyed by the parameter's name."""
 
     compressor: Compressor
     memory: ErrorFeedback | None = None
@@ -151,7 +151,7 @@ class Compressed(Placement):
                 p.param.grad = piece.view_as(g)
 
     def _reduce(self, g: torch.Tensor, name: str, env: ReduceEnv) -> torch.Tensor:
-        out: torch.Tensor = reduce(
+        out: torch.Tensor = compressed_allreduce(
             g, self.compressor, memory=self.memory, name=name, group=env.group, average=False, log=env.log,
             timeout=env.timeout,
         )  # fmt: skip
