@@ -368,3 +368,23 @@ def test_server_exits_when_its_starter_dies() -> None:
         time.sleep(0.2)
     os.kill(pid, 9)
     pytest.fail(f"server {pid} outlived the process that started it")
+
+
+def test_server_optimizers_are_one_class_each_with_their_state_slots() -> None:
+    """The registry is the one list: names, torch's default eps, and the state a shard allocates (and counts
+    in its memory bound) all come from each optimizer's class."""
+    from sparsync.placement.optim import OPTIMIZERS, SERVER_OPTIMIZERS, SparseOptimizer
+    from sparsync.placement.shard import ShardConfig
+
+    assert OPTIMIZERS == tuple(SERVER_OPTIMIZERS) == ("sgd", "adagrad", "adam")
+    for name, slots in (("sgd", 0), ("adagrad", 1), ("adam", 2)):
+        cfg = OptimizerConfig(name, initial_accumulator_value=0.5)
+        opt = SparseOptimizer(cfg, 3, 2)
+        assert cfg.state_slots == len(opt.state) == slots
+        assert all(a.shape == (3, 2) and a.dtype == np.float32 for a in opt.state.values())
+        assert cfg.epsilon == {"sgd": 0.0, "adagrad": 1e-10, "adam": 1e-8}[name]
+        sc = ShardConfig(name="t", rows=3, lo=0, hi=3, dim=2, optimizer=cfg)
+        assert sc.nbytes - ShardConfig(name="t", rows=3, lo=0, hi=3, dim=2).nbytes == slots * 3 * 2 * 4
+    assert (
+        SparseOptimizer(OptimizerConfig("adagrad", initial_accumulator_value=0.5), 1, 1).state["sum"][0, 0] == 0.5
+    )

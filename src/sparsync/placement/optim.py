@@ -12,13 +12,101 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any
+from types import MappingProxyType
+from typing import Any, ClassVar
 
 import numpy as np
 
-OPTIMIZERS = ("sgd", "adagrad", "adam")
 _F32_MAX = float(np.finfo(np.float32).max)
+
+
+class ServerOptimizer:
+    """One server-side optimizer (issue 16: one class each, its state slots with it). ``slots``: the per-row
+    state arrays (name, initial value) a shard keeps beside its weights; ``default_eps``: torch's default;
+    ``update`` changes ``weights[rows]`` and the state's rows in place for the coalesced ``grad``, at the
+    shard's ``step``-th apply (1-based)."""
+
+    name: ClassVar[str]
+    default_eps: ClassVar[float] = 0.0
+
+    @staticmethod
+    def slots(cfg: OptimizerConfig) -> tuple[tuple[str, float], ...]:
+        return ()
+
+    @staticmethod
+    def update(
+        cfg: OptimizerConfig, step: int, state: dict[str, np.ndarray], weights: np.ndarray, rows: np.ndarray,
+        grad: np.ndarray,
+    ) -> None:  # fmt: skip
+        raise NotImplementedError
+
+
+class SGD(ServerOptimizer):
+    """``torch.optim.SGD`` without momentum."""
+
+    name = "sgd"
+
+    @staticmethod
+    def update(
+        cfg: OptimizerConfig, step: int, state: dict[str, np.ndarray], weights: np.ndarray, rows: np.ndarray,
+        grad: np.ndarray,
+    ) -> None:  # fmt: skip
+        weights[rows] -= np.float32(cfg.lr) * grad
+
+
+class Adagrad(ServerOptimizer):
+    """``torch.optim.Adagrad`` on a sparse gradient: accumulator and update on the touched rows only."""
+
+    name = "adagrad"
+    default_eps = 1e-10
+
+    @staticmethod
+    def slots(cfg: OptimizerConfig) -> tuple[tuple[str, float], ...]:
+        return (("sum", cfg.initial_accumulator_value),)
+
+    @staticmethod
+    def update(
+        cfg: OptimizerConfig, step: int, state: dict[str, np.ndarray], weights: np.ndarray, rows: np.ndarray,
+        grad: np.ndarray,
+    ) -> None:  # fmt: skip
+        s = state["sum"]
+        s[rows] += grad * grad
+        clr = cfg.lr / (1 + (step - 1) * cfg.lr_decay)
+        weights[rows] -= np.float32(clr) * (grad / (np.sqrt(s[rows]) + np.float32(cfg.epsilon)))
+
+
+class Adam(ServerOptimizer):
+    """``torch.optim.SparseAdam``: moments of the touched rows only, one step counter per shard."""
+
+    name = "adam"
+    default_eps = 1e-8
+
+    @staticmethod
+    def slots(cfg: OptimizerConfig) -> tuple[tuple[str, float], ...]:
+        return (("exp_avg", 0.0), ("exp_avg_sq", 0.0))
+
+    @staticmethod
+    def update(
+        cfg: OptimizerConfig, step: int, state: dict[str, np.ndarray], weights: np.ndarray, rows: np.ndarray,
+        grad: np.ndarray,
+    ) -> None:  # fmt: skip
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m_old, v_old = m[rows], v[rows]
+        m_new = m_old + (grad - m_old) * np.float32(1 - cfg.beta1)
+        v_new = v_old + (grad * grad - v_old) * np.float32(1 - cfg.beta2)
+        m[rows], v[rows] = m_new, v_new
+        bc1 = 1 - cfg.beta1**step
+        bc2 = 1 - cfg.beta2**step
+        step_size = cfg.lr * math.sqrt(bc2) / bc1
+        weights[rows] -= np.float32(step_size) * (m_new / (np.sqrt(v_new) + np.float32(cfg.epsilon)))
+
+
+SERVER_OPTIMIZERS: Mapping[str, type[ServerOptimizer]] = MappingProxyType(
+    {c.name: c for c in (SGD, Adagrad, Adam)}
+)
+OPTIMIZERS = tuple(SERVER_OPTIMIZERS)
 
 
 @dataclass(frozen=True)
@@ -34,7 +122,7 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         # Every field is checked for type too: a server must refuse {"lr_decay": "fast"} at CREATE, not crash
         # at the first APPLY (issue 14).
-        if not isinstance(self.name, str) or self.name not in OPTIMIZERS:
+        if not isinstance(self.name, str) or self.name not in SERVER_OPTIMIZERS:
             raise KeyError(f"unknown server optimizer {self.name!r}; valid: {', '.join(OPTIMIZERS)}")
         checked_real("lr", self.lr, low=0.0, strict=True)
         if self.eps is not None:
@@ -50,10 +138,17 @@ class OptimizerConfig:
                 object.__setattr__(self, f.name, float(v))
 
     @property
+    def kind(self) -> type[ServerOptimizer]:
+        return SERVER_OPTIMIZERS[self.name]
+
+    @property
     def epsilon(self) -> float:
-        if self.eps is not None:
-            return self.eps
-        return 1e-10 if self.name == "adagrad" else 1e-8
+        return self.eps if self.eps is not None else self.kind.default_eps
+
+    @property
+    def state_slots(self) -> int:
+        """Per-row state arrays a shard keeps beside its weights (for its memory bound)."""
+        return len(self.kind.slots(self))
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,36 +160,16 @@ class SparseOptimizer:
     def __init__(self, cfg: OptimizerConfig, rows: int, dim: int) -> None:
         self.cfg = cfg
         self.step = 0
-        self.state: dict[str, np.ndarray] = {}
-        if cfg.name == "adagrad":
-            self.state["sum"] = np.full((rows, dim), cfg.initial_accumulator_value, dtype=np.float32)
-        elif cfg.name == "adam":
-            self.state["exp_avg"] = np.zeros((rows, dim), dtype=np.float32)
-            self.state["exp_avg_sq"] = np.zeros((rows, dim), dtype=np.float32)
+        self.state: dict[str, np.ndarray] = {
+            k: np.full((rows, dim), v, dtype=np.float32) for k, v in cfg.kind.slots(cfg)
+        }
 
     def apply(self, weights: np.ndarray, rows: np.ndarray, grad: np.ndarray) -> None:
         """Update ``weights[rows]`` (mutated, with the optimizer state) by the coalesced gradient ``grad``."""
-        c = self.cfg
         self.step += 1
         if rows.size == 0:
             return
-        if c.name == "sgd":
-            weights[rows] -= np.float32(c.lr) * grad
-        elif c.name == "adagrad":
-            s = self.state["sum"]
-            s[rows] += grad * grad
-            clr = c.lr / (1 + (self.step - 1) * c.lr_decay)
-            weights[rows] -= np.float32(clr) * (grad / (np.sqrt(s[rows]) + np.float32(c.epsilon)))
-        else:
-            m, v = self.state["exp_avg"], self.state["exp_avg_sq"]
-            m_old, v_old = m[rows], v[rows]
-            m_new = m_old + (grad - m_old) * np.float32(1 - c.beta1)
-            v_new = v_old + (grad * grad - v_old) * np.float32(1 - c.beta2)
-            m[rows], v[rows] = m_new, v_new
-            bc1 = 1 - c.beta1**self.step
-            bc2 = 1 - c.beta2**self.step
-            step_size = c.lr * math.sqrt(bc2) / bc1
-            weights[rows] -= np.float32(step_size) * (m_new / (np.sqrt(v_new) + np.float32(c.epsilon)))
+        self.cfg.kind.update(self.cfg, self.step, self.state, weights, rows, grad)
 
 
 def coalesce(rows: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

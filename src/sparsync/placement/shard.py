@@ -32,7 +32,6 @@ MAX_PUSHERS = 2**16
 MAX_NAME = 256  # characters of a table name
 MAX_STEP = 2**62  # versions and step counters, in a checkpoint too
 SHARD_OVERHEAD = 4096  # bytes counted per partition besides its arrays, so many tiny tables are bounded too
-_STATES = {"sgd": 0, "adagrad": 1, "adam": 2}  # optimizer state arrays per row
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,7 @@ class ShardConfig:
     @property
     def nbytes(self) -> int:
         """Memory of the partition: weights, optimizer state, bookkeeping."""
-        return self.size * self.dim * 4 * (1 + _STATES[self.optimizer.name]) + SHARD_OVERHEAD
+        return self.size * self.dim * 4 * (1 + self.optimizer.state_slots) + SHARD_OVERHEAD
 
 
 class Shard:
