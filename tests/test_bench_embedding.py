@@ -106,7 +106,7 @@ def test_cli_tiny_run_writes_every_method(tmp_path: Path) -> None:
         assert "differ" not in r["note"], r  # every sparsync method's sum equals torch's
     assert by["auto"]["chosen"] and by["auto"]["vs_coo"] > 0
     md = out.with_suffix(".md").read_text()
-    assert "## Targets (issue 13)" in md and "torch_coo" in md
+    assert "## Targets (row-sparse embedding gradients)" in md and "torch_coo" in md
 
 
 # --- the S2 sketch on this workload (issue 15, item 3) -------------------------------------------------------
@@ -196,6 +196,6 @@ def test_cli_sketch_sweep_at_p1_and_p3(tmp_path: Path) -> None:
         # λ = 256: buckets for 256x one rank's values, fewer than 1% collide; λ = 0.5: far fewer buckets
         assert by["sketch@256"]["sketch_rel_error"] < 0.05 < by["sketch@0.5"]["sketch_rel_error"]
     md = out.with_suffix(".md").read_text()
-    assert "## Sketch targets (issue 15, item 3" in md
+    assert "## Sketch targets (stated at P = 8)" in md
     assert "P=3 dim=8 zipf=1.1 low: sketch@256 bytes <= 0.3x allgather's" in md
     assert "P=1 dim=8 zipf=1.1 low: sketch" not in md  # P = 1 sends nothing: no targets

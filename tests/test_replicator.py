@@ -329,7 +329,7 @@ def test_demo_trains_every_plan_to_the_same_model() -> None:
     assert "plan chose: parameter server for emb.weight" in md
     assert "| DDP (sparse grads) |" in md
     assert re.search(r"sparsync plan: step time [\d.]+x dense allreduce, [\d.]+x DDP \(sparse grads\)", md)
-    assert "target (issue 13): sparsync plan (sparse allreduce) faster per step" in md
+    assert "target: sparsync plan (sparse allreduce) faster per step" in md
     assert "plan chose: parameter server for emb.weight" in console.export_text()
 
 

@@ -236,10 +236,10 @@ def markdown(rows: list[dict[str, Any]], checks: list[tuple[str, bool, str]], ti
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     sk_names = {c[0] for c in sketch_targets(rows)}
-    lines += _targets_md("Targets (issue 13)", [c for c in checks if c[0] not in sk_names])
+    lines += _targets_md("Targets (row-sparse embedding gradients)", [c for c in checks if c[0] not in sk_names])
     sk_checks = [c for c in checks if c[0] in sk_names]
     if sk_checks:
-        lines += _targets_md("Sketch targets (issue 15, item 3; the issue states them at P = 8)", sk_checks)
+        lines += _targets_md("Sketch targets (stated at P = 8)", sk_checks)
     return "\n".join(lines) + "\n"
 
 

@@ -265,7 +265,7 @@ def compare_lines(runs: list[dict[str, Any]]) -> list[str]:
     sp = by.get(RUNS[2])
     if sp is not None and len(bases) == 2:
         ok = all(sp["step_ms"] < b["step_ms"] for b in bases)
-        out.append(f"target (issue 13): {sp['plan']} (sparse allreduce) faster per step than dense allreduce "
+        out.append(f"target: {sp['plan']} (sparse allreduce) faster per step than dense allreduce "
                    f"and {DDP_PLAN}: {'met' if ok else 'not met'} ({rel(sp, 'step_ms')})")  # fmt: skip
     return out
 
