@@ -286,6 +286,15 @@ def _hosts(args: argparse.Namespace, procs: tuple[int, ...]) -> tuple[tuple[int,
     return (args.hosts * args.procs_per_host,), args.procs_per_host
 
 
+def _hosts_and_methods(
+    args: argparse.Namespace, defaults: tuple[str, ...], on_hosts: tuple[str, ...]
+) -> tuple[tuple[int, ...], int | None, tuple[str, ...]]:
+    """``_hosts``, and the methods: ``on_hosts`` instead of the default list when hosts are emulated."""
+    procs, per_host = _hosts(args, args.procs)
+    methods = on_hosts if per_host is not None and args.methods == defaults else args.methods
+    return procs, per_host, methods
+
+
 def _cluster(args: argparse.Namespace, console: Console) -> int:
     from sparsync.cluster import run_cluster
     from sparsync.netem import net_spec
@@ -343,10 +352,8 @@ def _bench_hybrid(args: argparse.Namespace, console: Console) -> int:
 def _bench_allreduce(args: argparse.Namespace, console: Console) -> int:
     from sparsync.bench import run_allreduce_bench
 
-    procs, per_host = _hosts(args, args.procs)
-    methods = args.methods
-    if per_host is not None and args.methods == METHODS:
-        methods = ("gloo_dense", "gloo_sparse_coo", "allgather", "auto", *HIERARCHICAL)
+    on_hosts = ("gloo_dense", "gloo_sparse_coo", "allgather", "auto", *HIERARCHICAL)
+    procs, per_host, methods = _hosts_and_methods(args, METHODS, on_hosts)
     cfg = BenchConfig(dim=args.n, densities=args.densities, repeats=args.repeats, methods=methods)
     run_allreduce_bench(cfg, procs, procs_per_host=per_host, out=args.out, net=args.net, latency=args.latency,
                         console=console, progress=not args.no_progress)  # fmt: skip
@@ -357,10 +364,8 @@ def _bench_embedding(args: argparse.Namespace, console: Console) -> int:
     from sparsync.bench import EmbeddingBenchConfig, run_embedding_bench
     from sparsync.bench.embedding import METHODS as EMB_METHODS
 
-    procs, per_host = _hosts(args, args.procs)
-    methods = args.methods
-    if per_host is not None and args.methods == EMB_METHODS:
-        methods = ("torch_coo", "torch_ddp", "allgather", "ssar_split_allgather", "auto", *HIERARCHICAL)
+    on_hosts = ("torch_coo", "torch_ddp", "allgather", "ssar_split_allgather", "auto", *HIERARCHICAL)
+    procs, per_host, methods = _hosts_and_methods(args, EMB_METHODS, on_hosts)
     ecfg = EmbeddingBenchConfig(rows=args.rows, dims=args.dims, tokens=args.tokens, zipf=args.zipf,
                                 hot=args.hot, repeats=args.repeats, methods=methods,
                                 sketch_lambdas=args.sketch_lambdas)  # fmt: skip
@@ -394,6 +399,8 @@ def _bench_compress(args: argparse.Namespace, console: Console) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
+    if not console.is_terminal:  # a file or a CI log: lines as long as they are, not wrapped at 80 columns
+        console = Console(soft_wrap=True)
     try:
         code: int = args.func(args, console)
         return code
