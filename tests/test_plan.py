@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from sparsync.cli import main
-from sparsync.placement.detect import AlphaMeter, ParamStats, sparse_param_names
-from sparsync.placement.plan import Cluster, candidates, lm_stats, make_plan, zipf_alpha
+from sparsync.placement.detect import AlphaMeter, ParamStats, RowFractionMeter, sparse_param_names
+from sparsync.placement.plan import Cluster, candidates, lm_stats, make_plan, zipf_row_fraction
 
 
 class Model(nn.Module):
@@ -32,22 +32,23 @@ class Model(nn.Module):
 def test_detects_sparse_parameters_and_measures_alpha() -> None:
     m = Model()
     assert sparse_param_names(m) == ["emb.weight", "bag.weight"]
-    meter = AlphaMeter(m)
+    meter = RowFractionMeter(m)
+    assert AlphaMeter is RowFractionMeter  # the old name still works
     xs = [torch.tensor([[0, 1, 1, 2]]), torch.tensor([[3, 3, 3, 3]])]
     for x in xs:
         m(x).sum().backward()
         meter.end_step()
     meter.close()
     st = {s.name: s for s in meter.stats()}
-    assert st["emb.weight"].sparse and st["emb.weight"].alpha == pytest.approx((3 / 100 + 1 / 100) / 2)
-    assert st["bag.weight"].alpha == pytest.approx((3 / 50 + 1 / 50) / 2)
-    assert not st["fc.weight"].sparse and st["fc.weight"].alpha == 1.0
+    assert st["emb.weight"].sparse and st["emb.weight"].row_fraction == pytest.approx((3 / 100 + 1 / 100) / 2)
+    assert st["bag.weight"].row_fraction == pytest.approx((3 / 50 + 1 / 50) / 2)
+    assert not st["fc.weight"].sparse and st["fc.weight"].row_fraction == 1.0
     assert not st["dense_emb.weight"].sparse
 
 
 def test_table3_transfer_formulas() -> None:
     w_rows, dim, a, N = 10_000, 64, 0.01, 8
-    s = ParamStats("e", (w_rows, dim), a, True, alpha_machine=a)
+    s = ParamStats("e", (w_rows, dim), a, True, row_fraction_machine=a)
     c, alg = candidates(s, Cluster(N, 1, 1e9, 1e-5))
     w = w_rows * dim * 4
     assert c["dense_allreduce"][0] == pytest.approx(4 * w * (N - 1) / N)
@@ -84,14 +85,14 @@ def test_plan_picks_ps_for_sparse_and_allreduce_for_dense_and_honours_overrides(
     assert {e.placement for e in lossy.entries} <= {"sketch", "ps", "dense_allreduce", "sparse_allreduce"}
 
 
-def test_zipf_alpha_matches_sampling() -> None:
+def test_zipf_row_fraction_matches_sampling() -> None:
     V, draws = 5000, 400
     g = np.random.default_rng(0)
     p = 1 / np.arange(1, V + 1)
     p /= p.sum()
     sampled = np.mean([np.unique(g.choice(V, draws, p=p)).size / V for _ in range(50)])
-    assert zipf_alpha(V, draws) == pytest.approx(sampled, rel=0.03)
-    assert zipf_alpha(V, 0) == 0.0
+    assert zipf_row_fraction(V, draws) == pytest.approx(sampled, rel=0.03)
+    assert zipf_row_fraction(V, 0) == 0.0
 
 
 def test_cluster_validation() -> None:
@@ -99,7 +100,7 @@ def test_cluster_validation() -> None:
         Cluster(0)
     with pytest.raises(ValueError, match="bandwidth"):
         Cluster(4, bandwidth=0)
-    with pytest.raises(ValueError, match="alpha"):
+    with pytest.raises(ValueError, match="row_fraction"):
         ParamStats("x", (3,), 1.5, True)
 
 
@@ -115,7 +116,7 @@ def test_plan_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert [p["cluster"]["machines"] for p in plans] == [8, 4096]
     assert all(math.isfinite(p["seconds"]) for p in plans)
     stats = tmp_path / "stats.json"
-    stats.write_text(json.dumps([{"name": "t", "shape": [50000, 32], "alpha": 0.001, "sparse": True}]))
+    stats.write_text(json.dumps([{"name": "t", "shape": [50000, 32], "row_fraction": 0.001, "sparse": True}]))
     assert main(["plan", "--stats", str(stats), "--machines", "16", "--override", "t=sparse_allreduce"]) == 0
     assert "override" in capsys.readouterr().out
     stats.write_text("[{}]")
@@ -138,7 +139,7 @@ def test_sparse_allreduce_cost_counts_the_stream_allreduce_coo_sends() -> None:
     assert stream.indices is not None
     assert stream.row == dim and stream.nrows == k
     sent = stream.nbytes  # k int32 row indices and k·dim values
-    s = ParamStats("e", (rows, dim), k / rows, True, alpha_machine=k / rows)
+    s = ParamStats("e", (rows, dim), k / rows, True, row_fraction_machine=k / rows)
     c, alg = candidates(s, Cluster(2, 1, 1e9, 1e-5))
     assert alg == "allgather"  # 2 ranks, 1% of the rows: each sends its stream once and receives the other's
     assert c["sparse_allreduce"][0] == pytest.approx(2 * sent)

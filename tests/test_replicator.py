@@ -316,7 +316,7 @@ def test_demo_trains_every_plan_to_the_same_model() -> None:
     assert sparse["algorithms"] and "gloo" not in sparse["algorithms"]
     # The automatic plan: the embedding (measured α < 1%) on the parameter server, the MLP by dense allreduce.
     emb = next(e for e in plan.entries if e.name == "emb.weight")
-    assert 0 < emb.alpha < 0.05 and emb.placement == "ps"
+    assert 0 < emb.row_fraction < 0.05 and emb.placement == "ps"
     assert all(e.placement == "dense_allreduce" for e in plan.entries if e.name != "emb.weight")
     assert plan_summary(plan).startswith("plan chose: parameter server for emb.weight;")
     assert plan_summary(plan).endswith("(hybrid)")

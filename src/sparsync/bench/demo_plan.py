@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from sparsync.placement.detect import AlphaMeter
+from sparsync.placement.detect import RowFractionMeter
 from sparsync.placement.hybrid import HybridConfig, HybridTrainer
 from sparsync.placement.optim import OptimizerConfig
 from sparsync.placement.plan import Cluster, Plan, make_plan
@@ -31,7 +31,7 @@ AUTO = "auto plan"
 def measure_plan(ctx: Any, cfg: Any, model: torch.nn.Module, batches: list[Any]) -> Plan:
     """α of each sparse parameter over ``batches`` (forward passes only: α depends on the input alone),
     averaged over the replicas, and the plan for ``cfg.replicas`` machines on ``DEMO_LINK``."""
-    meter = AlphaMeter(model)
+    meter = RowFractionMeter(model)
     with torch.no_grad():
         for tok, _ in batches:
             model(tok)
@@ -40,8 +40,8 @@ def measure_plan(ctx: Any, cfg: Any, model: torch.nn.Module, batches: list[Any])
     stats = meter.stats()
     for s in stats:
         if s.sparse:
-            s.alpha = float(ctx.all_mean(torch.tensor([s.alpha], dtype=torch.float64))[0])
-            s.alpha_machine = s.alpha  # one process per machine
+            s.row_fraction = float(ctx.all_mean(torch.tensor([s.row_fraction], dtype=torch.float64))[0])
+            s.row_fraction_machine = s.row_fraction  # one process per machine
     return make_plan(stats, Cluster(cfg.replicas, bandwidth=DEMO_BANDWIDTH, latency=DEMO_LATENCY))
 
 

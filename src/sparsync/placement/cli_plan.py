@@ -42,7 +42,9 @@ def add_parser(sub: Any, formatter_class: type[argparse.HelpFormatter] = argpars
         formatter_class=formatter_class,
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--stats", type=Path, help="recorded statistics: JSON list of {name, shape, alpha, sparse}")
+    src.add_argument(
+        "--stats", type=Path, help="recorded statistics: JSON list of {name, shape, row_fraction, sparse}"
+    )
     src.add_argument("--model", default="lm", choices=["lm"], help="built-in model description")
     p.add_argument("--vocab", type=int, default=100_000, help="--model lm: vocabulary (embedding rows)")
     p.add_argument("--dim", type=int, default=128, help="--model lm: embedding width")

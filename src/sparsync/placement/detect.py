@@ -52,14 +52,14 @@ class ParamStats:
 
     name: str
     shape: tuple[int, ...]
-    alpha: float  # fraction of elements one worker touches per step (1 for dense)
+    row_fraction: float  # α (Parallax): fraction of the rows one worker touches per step (1 for dense)
     sparse: bool
-    alpha_machine: float | None = None  # fraction touched by the union of one machine's workers
+    row_fraction_machine: float | None = None  # fraction touched by the union of one machine's workers
     itemsize: int = 4
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.alpha <= 1.0:
-            raise ValueError(f"alpha of {self.name!r} must lie in [0, 1], got {self.alpha}")
+        if not 0.0 <= self.row_fraction <= 1.0:
+            raise ValueError(f"row_fraction of {self.name!r} must lie in [0, 1], got {self.row_fraction}")
         if not self.shape or any(d < 1 for d in self.shape):
             raise ValueError(f"shape of {self.name!r} must be non-empty positive, got {self.shape}")
 
@@ -75,8 +75,9 @@ class ParamStats:
         return self.numel * self.itemsize
 
 
-class AlphaMeter:
-    """Measures α of each sparse parameter over warm-up steps: attach, run forward passes, read ``stats()``.
+class RowFractionMeter:
+    """Measures α (the fraction of rows touched per step) of each sparse parameter over warm-up steps: attach,
+    run forward passes, read ``stats()``.
 
     Forward pre-hooks record the unique rows each embedding reads; call ``end_step()`` after each step.
     """
@@ -110,7 +111,7 @@ class AlphaMeter:
             fr = self._fractions.get(n)
             if fr is not None:
                 if not fr:
-                    raise ValueError("AlphaMeter saw no step: run forward passes and call end_step() first")
+                    raise ValueError("RowFractionMeter saw no step: run forward passes and call end_step() first")
                 out.append(ParamStats(n, tuple(p.shape), sum(fr) / len(fr), True))
             else:
                 out.append(ParamStats(n, tuple(p.shape), 1.0, False))
@@ -120,3 +121,6 @@ class AlphaMeter:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+AlphaMeter = RowFractionMeter  # the old name (α is the paper's symbol; the field is row_fraction)

@@ -109,8 +109,8 @@ class Cluster:
 class Entry:
     name: str
     shape: tuple[int, ...]
-    alpha: float  # per worker
-    alpha_machine: float  # per machine, after local aggregation
+    row_fraction: float  # α per worker
+    row_fraction_machine: float  # per machine, after local aggregation
     placement: str
     bytes_per_machine: float  # per step, sent + received
     seconds: float  # predicted communication time per step
@@ -186,8 +186,8 @@ class Plan:
             t.add_row(
                 e.name,
                 "x".join(map(str, e.shape)),
-                f"{e.alpha:.4g}",
-                f"{e.alpha_machine:.4g}",
+                f"{e.row_fraction:.4g}",
+                f"{e.row_fraction_machine:.4g}",
                 e.placement + (" (override)" if e.overridden else "") + (f" via {e.detail}" if e.detail else ""),
                 f"{e.bytes_per_machine / 1e6:.3f}",
                 f"{e.seconds * 1e3:.3f}",
@@ -198,12 +198,12 @@ class Plan:
         show_table(console or Console(), t)
 
 
-def machine_alpha(s: ParamStats, procs: int) -> float:
+def machine_row_fraction(s: ParamStats, procs: int) -> float:
     """α of a machine's workers together: recorded, else independent uniform rows 1-(1-α)^procs (an upper
     bound for skewed inputs such as Zipf tokens, whose workers overlap more)."""
-    if s.alpha_machine is not None:
-        return s.alpha_machine
-    return 1.0 - (1.0 - s.alpha) ** procs
+    if s.row_fraction_machine is not None:
+        return s.row_fraction_machine
+    return 1.0 - (1.0 - s.row_fraction) ** procs
 
 
 def _sparse_ar_bytes(alg: str, p: Problem) -> float:
@@ -240,7 +240,7 @@ def candidates(
     out["sketch"] = (4 * skb * share, predict("dense", Problem(N, sk, (sk,) * N, s.itemsize, 4), link))
     if not s.sparse or N == 1:
         return out, ""
-    am = machine_alpha(s, c.procs_per_machine)
+    am = machine_row_fraction(s, c.procs_per_machine)
     rows, per_row = s.shape[0], s.numel // s.shape[0]
     k = max(1, round(am * rows))  # touched rows: one index per row of per_row values (issue 13, coo_to_stream)
     itype = index_dtype_for(rows).itemsize
@@ -265,7 +265,7 @@ def _two_level(s: ParamStats, c: Cluster, machines: Problem) -> tuple[tuple[floa
 
     N, m = c.machines, c.procs_per_machine
     P, rows = N * m, machines.dim
-    worker = max(1, round(s.alpha * rows))
+    worker = max(1, round(s.row_fraction * rows))
     # Unions for the model: one machine's m ranks touch its α_machine (recorded, or the uniform bound); j
     # machines, independent of each other as in the one-level plan, 1 - (1 - α_machine)^j of the rows.
     am = min(1.0, machines.nnz[0] / rows)
@@ -316,14 +316,15 @@ def make_plan(
             allowed = [k for k in cand if allow_lossy or k != "sketch"]
             pl = min(allowed, key=lambda k: (cand[k][1], cand[k][0]))
         entries.append(
-            Entry(s.name, s.shape, s.alpha, machine_alpha(s, cluster.procs_per_machine) if s.sparse else 1.0, pl,
+            Entry(s.name, s.shape, s.row_fraction,
+                  machine_row_fraction(s, cluster.procs_per_machine) if s.sparse else 1.0, pl,
                   cand[pl][0], cand[pl][1], cand, s.name in overrides, alg if pl == "sparse_allreduce" else "")
         )  # fmt: skip
     return Plan(cluster, tuple(entries))
 
 
 # --- model descriptions -------------------------------------------------------------------------------------
-def zipf_alpha(vocab: int, draws: int, s: float = 1.0) -> float:
+def zipf_row_fraction(vocab: int, draws: int, s: float = 1.0) -> float:
     """Expected fraction of a vocabulary touched by ``draws`` Zipf(s) tokens: Σ 1-(1-p_i)^draws / V."""
     if vocab < 1 or draws < 0:
         raise ValueError(f"vocab must be >= 1 and draws >= 0, got {vocab}, {draws}")
@@ -339,8 +340,8 @@ def lm_stats(
 ) -> list[ParamStats]:
     """The benchmark's language model: a sparse embedding (vocab x dim, also the tied output layer) read by
     ``tokens`` Zipf tokens per worker per step, an LSTM (dim -> hidden) and a projection hidden -> dim."""
-    a = zipf_alpha(vocab, tokens, zipf)
-    am = zipf_alpha(vocab, tokens * procs_per_machine, zipf)
+    a = zipf_row_fraction(vocab, tokens, zipf)
+    am = zipf_row_fraction(vocab, tokens * procs_per_machine, zipf)
     return [
         ParamStats("emb.weight", (vocab, dim), a, True, am),
         ParamStats("lstm.weight_ih_l0", (4 * hidden, dim), 1.0, False),
@@ -353,18 +354,20 @@ def lm_stats(
 
 
 def stats_from_json(obj: Any) -> list[ParamStats]:
-    """Recorded statistics: a JSON list of {name, shape, alpha, sparse[, alpha_machine, itemsize]}."""
+    """Recorded statistics: a JSON list of {name, shape, row_fraction, sparse[, row_fraction_machine, itemsize]}
+    (``alpha`` and ``alpha_machine``, the keys before 2026-11-26, are read too)."""
     if not isinstance(obj, list):
         raise ValueError("stats must be a JSON list of parameter records")
     out = []
     for i, d in enumerate(obj):
-        if not isinstance(d, dict) or not {"name", "shape", "alpha", "sparse"} <= set(d):
-            raise ValueError(f"stats record {i} needs name, shape, alpha, sparse; got {d!r}")
+        if isinstance(d, dict) and "row_fraction" not in d and "alpha" in d:
+            d = {**d, "row_fraction": d["alpha"], "row_fraction_machine": d.get("alpha_machine")}
+        if not isinstance(d, dict) or not {"name", "shape", "row_fraction", "sparse"} <= set(d):
+            raise ValueError(f"stats record {i} needs name, shape, row_fraction, sparse; got {d!r}")
         shape = tuple(int(x) for x in d["shape"])
-        am = d.get("alpha_machine")
-        out.append(
-            ParamStats(str(d["name"]), shape, float(d["alpha"]), bool(d["sparse"]), am, int(d.get("itemsize", 4)))
-        )
+        am = d.get("row_fraction_machine")
+        rf, sparse, size = float(d["row_fraction"]), bool(d["sparse"]), int(d.get("itemsize", 4))
+        out.append(ParamStats(str(d["name"]), shape, rf, sparse, am, size))
     return out
 
 
