@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -144,3 +145,25 @@ def alltoall_training(rank: int, modes: tuple[str, ...], steps: int) -> dict[str
             opt.step()
         out[mode] = [p.detach().numpy().copy() for p in model.parameters()]
     return out
+
+
+@dataclass(frozen=True)
+class HostTag:
+    """A ``launch`` RankSetup that only sets an environment variable per host (no namespaces)."""
+
+    tags: tuple[str, ...]
+    store_host: str | None = None
+
+    @property
+    def hosts(self) -> int:
+        return len(self.tags)
+
+    def __call__(self, host: int) -> dict[str, str]:
+        return {"SPARSYNC_TEST_HOST_TAG": self.tags[host]}
+
+
+def host_tag(rank: int) -> tuple[str, str, int]:
+    """This rank's tag from its setup, its torchrun-style host index, and an allreduce over every rank."""
+    t = torch.ones(1) * (rank + 1)
+    dist.all_reduce(t)
+    return os.environ["SPARSYNC_TEST_HOST_TAG"], os.environ["GROUP_RANK"], int(t.item())

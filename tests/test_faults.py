@@ -182,3 +182,13 @@ def test_hook_uses_one_background_group_per_user_group() -> None:
         assert own._get_backend(torch.device("cpu")).options._timeout == timedelta(seconds=7)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_launch_runs_a_generic_per_host_setup_in_each_rank() -> None:
+    """``launch(setup=...)``: any picklable RankSetup (here an environment variable per emulated host) runs in
+    each rank before its group starts; a setup for another number of hosts is refused before any rank starts."""
+    out = launch(fw.host_tag, nprocs=4, procs_per_host=2, setup=fw.HostTag(("a", "b")))
+    assert out == [("a", "0", 10), ("a", "0", 10), ("b", "1", 10), ("b", "1", 10)]
+    with pytest.raises(ValueError, match="setup has 3 hosts for 2 hosts"):
+        launch(fw.host_tag, nprocs=4, procs_per_host=2, setup=fw.HostTag(("a", "b", "c")))

@@ -23,10 +23,10 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,24 @@ from sparsync.group import background_group, stop_queues
 
 if TYPE_CHECKING:
     from sparsync.netem import NetNamespaces
+
+
+class RankSetup(Protocol):
+    """Per-host set-up that ``launch`` runs in each rank before torch.distributed starts (a network namespace to
+    enter, environment variables): picklable, since it travels to the spawned ranks. ``hosts``: the hosts it
+    sets up (ranks are spread over them, ``procs_per_host`` each); ``store_host``: the address at which rank 0
+    serves the rendezvous store, or None for the launcher's own store on 127.0.0.1. Called as
+    ``setup(host)`` first thing in each rank of that host; returns the environment variables to set there.
+    ``sparsync.netem.NetNamespaces.rank_setup()`` is one."""
+
+    @property
+    def hosts(self) -> int: ...
+
+    @property
+    def store_host(self) -> str | None: ...
+
+    def __call__(self, host: int) -> Mapping[str, str]: ...
+
 
 _NETNS_PORT = 29517  # inside freshly made namespaces nothing else listens
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -73,20 +91,19 @@ def _child(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
-    namespace: str | None,
+    setup: RankSetup | None,
+    host_index: int,
     env: dict[str, str],
     parent: int,
 ) -> None:
     _die_with(parent)
     try:
-        if namespace is not None:
-            from sparsync.netem import enter_namespace
-
-            enter_namespace(namespace)  # before torch starts its threads: setns moves the calling thread only
+        if setup is not None:  # first: before torch starts threads (setns moves the calling thread only)
+            os.environ.update(setup(host_index))
         os.environ.update(env)
         # P processes share the host's cores: one intra-op thread pool each, not P oversubscribed ones.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // nprocs))
-        if namespace is not None and rank == 0:
+        if setup is not None and setup.store_host is not None and rank == 0:
             store = _host_store(host, port, nprocs, timeout)
         else:
             store = TCPStore(host, port, nprocs, is_master=False, timeout=timedelta(seconds=timeout))
@@ -178,16 +195,18 @@ def launch(
     timeout: float = 120.0,
     netns: NetNamespaces | None = None,
     procs_per_host: int | None = None,
+    setup: RankSetup | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``nprocs`` ranks joined in a process group; return their results in rank order.
 
     ``fn`` and ``args`` must be picklable (a module-level function). ``timeout`` (seconds) bounds every
-    collective: a dead or stuck peer makes the others fail with a message instead of hanging. ``netns`` runs
-    each rank inside its network namespace (see ``sparsync.netem``). Under torchrun, joins that group and
+    collective: a dead or stuck peer makes the others fail with a message instead of hanging. ``setup`` runs
+    in each rank first (``RankSetup``: e.g. ``NetNamespaces.rank_setup()`` puts each rank in its network
+    namespace; ``netns=ns`` is short for ``setup=ns.rank_setup()``). Under torchrun, joins that group and
     returns ``[fn(rank, *args)]`` for this process only. ``procs_per_host``: emulate hosts of that many ranks
     (ranks [h·k, (h+1)·k) on host h): each rank gets torchrun's ``GROUP_RANK``, ``LOCAL_RANK`` and
-    ``LOCAL_WORLD_SIZE`` (``collectives.hierarchical.detect_topology`` reads them), and with ``netns`` (one
-    namespace per host) the ranks of a host share its namespace and link.
+    ``LOCAL_WORLD_SIZE`` (``collectives.hierarchical.detect_topology`` reads them), and with ``setup`` (one
+    host each) the ranks of a host share its set-up (a namespace and its link).
 
     Failures raise ``LaunchError``: a rank that died without reporting, or is stopped, is named with its exit
     status ahead of the errors the others raise because of it. The ranks exit if this process dies (even by
@@ -205,8 +224,12 @@ def launch(
     hosts = nprocs if procs_per_host is None else nprocs // max(procs_per_host, 1)
     if procs_per_host is not None and (procs_per_host < 1 or nprocs % procs_per_host):
         raise ValueError(f"procs_per_host={procs_per_host} does not divide nprocs={nprocs}")
-    if netns is not None and netns.nprocs != hosts:
-        raise ValueError(f"netns has {netns.nprocs} namespaces for {hosts} hosts of {nprocs // hosts} ranks")
+    if netns is not None:
+        if setup is not None:
+            raise ValueError("give setup= or netns=, not both")
+        setup = netns.rank_setup()
+    if setup is not None and setup.hosts != hosts:
+        raise ValueError(f"setup has {setup.hosts} hosts for {hosts} hosts of {nprocs // hosts} ranks")
     if under_torchrun():
         owned = not dist.is_initialized()
         if owned:
@@ -225,7 +248,7 @@ def launch(
                 stop_queues(wait=finished)
     try:
         with _signals_raise(_TERMINATING):
-            return _spawn(fn, nprocs, backend, args, timeout, netns, procs_per_host)
+            return _spawn(fn, nprocs, backend, args, timeout, setup, procs_per_host)
     except _Terminated as t:
         # The ranks are gone (_spawn reaped them); now end as the signal asked, by the caller's own handler.
         signal.raise_signal(t.signum)
@@ -238,7 +261,7 @@ def _spawn(
     backend: str,
     args: tuple[Any, ...],
     timeout: float,
-    netns: NetNamespaces | None,
+    setup: RankSetup | None,
     procs_per_host: int | None = None,
 ) -> list[Any]:
     # Children inherit the environment at spawn: keep c10d's per-socket warnings (hostname lookups that fail
@@ -247,12 +270,12 @@ def _spawn(
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     store: TCPStore | None = None
-    if netns is None:
+    if setup is None or setup.store_host is None:
         host = "127.0.0.1"  # every rank is on this host: nothing needs the store from outside
         store = _host_store(host, 0, nprocs + 1, timeout)
         port = store.port
     else:
-        host, port = netns.master_addr, _NETNS_PORT  # rank 0 hosts it inside the namespaces
+        host, port = setup.store_host, _NETNS_PORT  # rank 0 hosts it (e.g. inside the namespaces)
     # gloo listens on the address the host name resolves to, which may face the network; every rank is on this
     # host, so loopback serves (unless the caller chose an interface).
     local = {"GLOO_SOCKET_IFNAME": "lo"} if sys.platform.startswith("linux") else {}
@@ -261,13 +284,26 @@ def _spawn(
     try:
         k = procs_per_host or 1
         for rank in range(nprocs):
-            ns = netns.namespace(rank // k) if netns is not None else None
-            env = dict(netns.env(rank // k)) if netns is not None else dict(local)
+            env = {} if setup is not None else dict(local)
             if procs_per_host is not None:
                 env.update(GROUP_RANK=str(rank // k), LOCAL_RANK=str(rank % k), LOCAL_WORLD_SIZE=str(k))
             p = ctx.Process(
                 target=_child,
-                args=(rank, nprocs, host, port, backend, timeout, fn, args, results, ns, env, os.getpid()),
+                args=(
+                    rank,
+                    nprocs,
+                    host,
+                    port,
+                    backend,
+                    timeout,
+                    fn,
+                    args,
+                    results,
+                    setup,
+                    rank // k,
+                    env,
+                    os.getpid(),
+                ),
                 daemon=False,
             )
             p.start()

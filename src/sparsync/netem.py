@@ -116,7 +116,7 @@ def describe(spec: NetSpec | None) -> str:
 @contextlib.contextmanager
 def shaped(nprocs: int, spec: NetSpec | None) -> Iterator[NetNamespaces | None]:
     """``NetNamespaces(nprocs, spec)`` for a shaped run, nothing (None) for loopback: pass the result on as
-    ``launch(..., netns=...)``."""
+    ``launch(..., setup=ns.rank_setup())`` (or ``netns=ns``)."""
     if spec is None:
         yield None
         return
@@ -166,6 +166,24 @@ def _run(*cmd: str) -> str:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise RuntimeError(f"command failed: {' '.join(cmd)}: {e}") from e
     return proc.stdout
+
+
+@dataclass(frozen=True)
+class NamespaceSetup:
+    """A ``launch`` per-rank set-up (``sparsync.launch.RankSetup``) for namespaces made by ``NetNamespaces``:
+    picklable, sent to each rank, which calls it first thing."""
+
+    namespaces: tuple[str, ...]
+    envs: tuple[dict[str, str], ...]
+    store_host: str  # rank 0's address: it serves the rendezvous store inside the namespaces
+
+    @property
+    def hosts(self) -> int:
+        return len(self.namespaces)
+
+    def __call__(self, host: int) -> dict[str, str]:
+        enter_namespace(self.namespaces[host])
+        return dict(self.envs[host])
 
 
 class NetNamespaces:
@@ -247,6 +265,14 @@ class NetNamespaces:
     def env(self, rank: int) -> dict[str, str]:
         """Environment variables rank's process needs for gloo over its veth."""
         return {"GLOO_SOCKET_IFNAME": self.ifname(rank), "MASTER_ADDR": self.master_addr}
+
+    def rank_setup(self) -> NamespaceSetup:
+        """What ``launch(..., setup=...)`` runs in each rank: enter its namespace, set its environment."""
+        return NamespaceSetup(
+            tuple(self.namespace(i) for i in range(self.nprocs)),
+            tuple(self.env(i) for i in range(self.nprocs)),
+            self.master_addr,
+        )
 
     def _pick_subnet(self) -> int:
         """A 10.x.0.0/24 with x in 200..250 seeded by the prefix and unused on the host."""
