@@ -322,3 +322,32 @@ def test_fixed_costs_are_validated_and_normalized() -> None:
     for bad in ((("nope", 1.0),), (("dense", -1.0),), (("dense", math.nan),)):
         with pytest.raises(ValueError, match=r"LinkModel\.fixed"):
             LinkModel(alpha=1e-4, beta=1e-9, fixed=bad)
+
+
+def test_registry_is_the_one_list_of_algorithms() -> None:
+    """Names, wire codes, tie order, runners and byte counts all come from ``costmodel.REGISTRY`` (issue 16)."""
+    from sparsync.collectives._meta import ALGORITHM_CODES
+    from sparsync.costmodel import REGISTRY, SIMPLICITY, algorithm
+
+    assert tuple(a.name for a in REGISTRY) == ALGORITHMS
+    assert sorted(SIMPLICITY) == sorted(ALGORITHMS) and SIMPLICITY[0] == "allgather"
+    p = Problem(4, 1 << 16, (100, 200, 300, 400), 4, 4)
+    for a in REGISTRY:
+        assert algorithm(a.name) is a and ALGORITHM_CODES[a.code] == a.name
+        assert callable(a.run()) and a.nbytes(p) > 0
+    with pytest.raises(KeyError, match="unknown algorithm 'bogus'"):
+        algorithm("bogus")
+
+
+def test_the_cost_model_imports_no_collective() -> None:
+    """The model sits below the collectives: its module-level imports name none of them (the registry's runners
+    are imported at first use), so the collectives can import it without a cycle."""
+    import ast
+    from pathlib import Path
+
+    import sparsync.costmodel as cm
+
+    tree = ast.parse(Path(cm.__file__).read_text())
+    names = [n.module or "" for n in tree.body if isinstance(n, ast.ImportFrom)]
+    names += [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
+    assert names and not [m for m in names if m.startswith("sparsync.")], names

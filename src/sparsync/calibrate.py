@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from sparsync.costmodel import ALGORITHMS, LinkModel, gather_steps
+from sparsync.costmodel import ALGORITHMS, LinkModel, algorithm, gather_steps
 from sparsync.group import resolve_group
 from sparsync.stream import SparseStream, add
 
@@ -147,7 +147,6 @@ def _fixed_costs(group: dist.ProcessGroup, reps: int) -> list[float]:
     Run on the algorithms' own code (no nested public call: calibration may itself run inside one)."""
     from sparsync.collectives._comm import Comm
     from sparsync.collectives._meta import PARTITION_CODES, exchange_meta
-    from sparsync.collectives.allreduce import _RUNNERS
     from sparsync.collectives.partition import resolve_partition
 
     stream = SparseStream(torch.zeros(1, dtype=torch.int32), torch.ones(FIXED_ROW), FIXED_ROWS * FIXED_ROW,
@@ -163,7 +162,7 @@ def _fixed_costs(group: dist.ProcessGroup, reps: int) -> list[float]:
             meta = exchange_meta(
                 comm, "sparse_allreduce", stream, alg, -1, True, partition=PARTITION_CODES.index(part)
             )
-            _RUNNERS[alg](comm, stream, meta, part)
+            algorithm(alg).run()(comm, stream, meta, part)
             if i:
                 times.append(time.perf_counter() - t0)
         out.append(sorted(times)[reps // 2])

@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-ALGORITHMS = ("ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather", "allgather", "dense")
+if TYPE_CHECKING:
+    from sparsync.stream import SparseStream
+
 # The ``dense`` algorithm on a sparse-stored input of at least DENSE_PIPELINE_MIN elements densifies and reduces
 # it in DENSE_CHUNKS pieces, each piece's allreduce started as soon as it is filled (collectives/allreduce.py).
 # (Chosen, not tuned: 4M elements. Measured to help at 16M, where the chunks' extra ring latencies hid under the
@@ -241,69 +245,168 @@ def gather_steps(P: int) -> int:
     return pof2.bit_length() - 1 + (2 if pof2 != P else 0)
 
 
-def _algorithm_time(algorithm: str, p: Problem, link: LinkModel) -> float:
-    P, N, a = p.world_size, p.dim, link.alpha
-    # b: our exchanges; b_ring: gloo's collectives (the dense allreduce, DSAR's dense allgather)
-    b_ring = link.beta
+def _common(p: Problem, link: LinkModel) -> tuple[int, float, float, float, float]:
+    """(P, N, α, β of gloo's collectives, β of our exchanges) of a prediction."""
     b = link.beta_exchange if link.beta_exchange is not None else link.beta
-    if P == 1:
-        return 0.0
+    return p.world_size, p.dim, link.alpha, link.beta, b
+
+
+def _pof2(P: int) -> tuple[int, int, bool]:
+    """(largest power of two <= P, its log2, whether P needs the MPICH fold)."""
     pof2 = 1 << (P.bit_length() - 1)
-    rounds = int(math.log2(pof2))
-    fold = pof2 != P
-    mean_bytes = sum(p.input_bytes(r) for r in range(P)) / P
-    if algorithm == "ssar_recursive_double":
-        t = 0.0
-        m = P / pof2
-        if fold:
-            t += 2 * (2 * a) + b * (p.stream_bytes(p.union(1)) + p.stream_bytes(p.union(P)))
-        for _ in range(rounds):
-            t += 2 * a + b * p.stream_bytes(p.union(m)) + _sum_cost(p, link, 2 * p.union(m), N)
-            m *= 2
-        return t
-    if algorithm in ("ssar_split_allgather", "dsar_split_allgather"):
-        # Each owner merges the P blocks of its partition: about sum(nnz)/P pairs on N/P entries.
-        a2a = link.alpha_a2a if link.alpha_a2a is not None else (P - 1) * a
-        # One all-to-all round of framed blocks (collectives/split_allgather.py).
-        split = a2a + b * mean_bytes * (P - 1) / P + _sum_cost(p, link, sum(p.nnz) / P, N / P)
-        if algorithm == "dsar_split_allgather":
-            # The gathered vector is fresh memory, and a row stream's stride partition (collectives/partition.py)
-            # reorders it into a second fresh vector.
-            fresh = (2 if p.row > 1 else 1) * _fresh(link) * N * p.row
-            return split + (P - 1) * a + b_ring * N * p.value_bytes * (P - 1) / P + fresh
-        gather_lat = gather_latency(P, link)
-        result = p.stream_bytes(p.union(P))
-        if p.union(P) >= p.delta:
-            concat = link.gamma_dense * N * p.row
-        else:
-            concat = p.per_row(link.gamma_scatter, link) * p.union(P)
-        return split + gather_lat + b * result * (P - 1) / P + concat
-    if algorithm == "allgather":
-        if p.eager:  # the gather already happened in the metadata round: only the local sum is left
-            return _sum_cost(p, link, sum(p.nnz), N)
-        received = sum(p.input_bytes(r) for r in range(P)) - min(p.input_bytes(r) for r in range(P))
-        latency = gather_latency(P, link)
-        if _allgather_inline(p):
-            # Priced in steady state: in a run of calls like this one, choosing allgather makes the next
-            # call's payloads ride in the metadata round every algorithm pays for, so its own rounds vanish.
-            latency = 0.0
-        return latency + b * received + _sum_cost(p, link, sum(p.nnz), N)
-    if algorithm == "dense":
-        # A rank whose input is stored sparse (nnz below delta) densifies it first: one scatter per pair, the
-        # slowest rank setting the pace. (Measured at 1 Gbit/s, P = 2, density 0.3 of 16M: 666 ms against 608 ms
-        # for gloo's allreduce of an already dense buffer; the scatter term predicts the difference.) From
-        # DENSE_PIPELINE_MIN elements the densify runs chunk by chunk under the transfers: the first chunk's shows.
-        exposed = 1 / DENSE_CHUNKS if N >= DENSE_PIPELINE_MIN else 1.0
-        densify = exposed * max(
-            (p.per_row(link.gamma_scatter, link) * n for n in p.nnz if n < p.delta), default=0.0
-        )
-        return (
-            2 * (P - 1) * a
-            + b_ring * 2 * (P - 1) / P * N * p.value_bytes
-            + (link.gamma_dense + _fresh(link)) * N * p.row  # a fresh buffer (densified or copied), one pass
-            + densify
-        )
-    raise KeyError(f"unknown algorithm {algorithm!r}; valid: {', '.join(ALGORITHMS)}")
+    return pof2, int(math.log2(pof2)), pof2 != P
+
+
+def _mean_bytes(p: Problem) -> float:
+    return sum(p.input_bytes(r) for r in range(p.world_size)) / p.world_size
+
+
+def _time_recursive_double(p: Problem, link: LinkModel) -> float:
+    P, N, a, _, b = _common(p, link)
+    pof2, rounds, fold = _pof2(P)
+    t = 0.0
+    m = P / pof2
+    if fold:
+        t += 2 * (2 * a) + b * (p.stream_bytes(p.union(1)) + p.stream_bytes(p.union(P)))
+    for _ in range(rounds):
+        t += 2 * a + b * p.stream_bytes(p.union(m)) + _sum_cost(p, link, 2 * p.union(m), N)
+        m *= 2
+    return t
+
+
+def _split_time(p: Problem, link: LinkModel) -> float:
+    """The split phase both split algorithms start with: one all-to-all round of framed blocks
+    (collectives/split_allgather.py); each owner merges the P blocks of its partition, about sum(nnz)/P pairs
+    on N/P entries."""
+    P, N, a, _, b = _common(p, link)
+    a2a = link.alpha_a2a if link.alpha_a2a is not None else (P - 1) * a
+    return a2a + b * _mean_bytes(p) * (P - 1) / P + _sum_cost(p, link, sum(p.nnz) / P, N / P)
+
+
+def _time_ssar_split(p: Problem, link: LinkModel) -> float:
+    P, N, _, _, b = _common(p, link)
+    result = p.stream_bytes(p.union(P))
+    if p.union(P) >= p.delta:
+        concat = link.gamma_dense * N * p.row
+    else:
+        concat = p.per_row(link.gamma_scatter, link) * p.union(P)
+    return _split_time(p, link) + gather_latency(P, link) + b * result * (P - 1) / P + concat
+
+
+def _time_dsar_split(p: Problem, link: LinkModel) -> float:
+    P, N, a, b_ring, _ = _common(p, link)
+    # The gathered vector is fresh memory, and a row stream's stride partition (collectives/partition.py)
+    # reorders it into a second fresh vector.
+    fresh = (2 if p.row > 1 else 1) * _fresh(link) * N * p.row
+    return _split_time(p, link) + (P - 1) * a + b_ring * N * p.value_bytes * (P - 1) / P + fresh
+
+
+def _time_allgather(p: Problem, link: LinkModel) -> float:
+    P, N, _, _, b = _common(p, link)
+    if p.eager:  # the gather already happened in the metadata round: only the local sum is left
+        return _sum_cost(p, link, sum(p.nnz), N)
+    received = sum(p.input_bytes(r) for r in range(P)) - min(p.input_bytes(r) for r in range(P))
+    latency = gather_latency(P, link)
+    if _allgather_inline(p):
+        # Priced in steady state: in a run of calls like this one, choosing allgather makes the next
+        # call's payloads ride in the metadata round every algorithm pays for, so its own rounds vanish.
+        latency = 0.0
+    return latency + b * received + _sum_cost(p, link, sum(p.nnz), N)
+
+
+def _time_dense(p: Problem, link: LinkModel) -> float:
+    P, N, a, b_ring, _ = _common(p, link)
+    # A rank whose input is stored sparse (nnz below delta) densifies it first: one scatter per pair, the
+    # slowest rank setting the pace. (Measured at 1 Gbit/s, P = 2, density 0.3 of 16M: 666 ms against 608 ms
+    # for gloo's allreduce of an already dense buffer; the scatter term predicts the difference.) From
+    # DENSE_PIPELINE_MIN elements the densify runs chunk by chunk under the transfers: the first chunk's shows.
+    exposed = 1 / DENSE_CHUNKS if N >= DENSE_PIPELINE_MIN else 1.0
+    densify = exposed * max((p.per_row(link.gamma_scatter, link) * n for n in p.nnz if n < p.delta), default=0.0)
+    return (
+        2 * (P - 1) * a
+        + b_ring * 2 * (P - 1) / P * N * p.value_bytes
+        + (link.gamma_dense + _fresh(link)) * N * p.row  # a fresh buffer (densified or copied), one pass
+        + densify
+    )
+
+
+def _bytes_recursive_double(p: Problem) -> float:
+    rounds, m, total = int(math.log2(p.world_size)) if p.world_size > 1 else 0, 1.0, 0.0
+    for _ in range(rounds):
+        total += 2 * p.stream_bytes(p.union(m))
+        m *= 2
+    return total
+
+
+def _share(p: Problem) -> float:
+    return (p.world_size - 1) / p.world_size
+
+
+def _bytes_ssar_split(p: Problem) -> float:
+    return 2 * _share(p) * (_mean_bytes(p) + p.stream_bytes(p.union(p.world_size)))
+
+
+def _bytes_dsar_split(p: Problem) -> float:
+    return 2 * _share(p) * (_mean_bytes(p) + p.dim * p.value_bytes)
+
+
+def _bytes_allgather(p: Problem) -> float:
+    return 2 * _mean_bytes(p) * (p.world_size - 1)
+
+
+def _bytes_dense(p: Problem) -> float:
+    return 4 * _share(p) * p.dim * p.value_bytes
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One SparCML sparse allreduce algorithm, everything sparsync knows of it in one object (issue 16): auto
+    (``predict`` and the policies), the plan (``nbytes``), the metadata round (``code``), calibration and the
+    collectives (``run``) all iterate over ``REGISTRY``. Adding an algorithm is one more entry there, its
+    ``time`` and ``nbytes`` here and its runner in its own module.
+
+    ``time``: α-β-γ seconds of its own phases (``predict`` adds the metadata round); ``nbytes``: sent +
+    received bytes per rank (expected sizes); ``code``: its value in the metadata row (0 is auto);
+    ``simplicity``: ``choose_robust``'s order among near-ties, fewer dependent phases first; ``runner``:
+    "module:function" of ``(comm, stream, meta, partition) -> summed stream``, imported at first use (the
+    collectives sit above this model)."""
+
+    name: str
+    code: int
+    simplicity: int
+    time: Callable[[Problem, LinkModel], float]
+    nbytes: Callable[[Problem], float]
+    runner: str
+
+    def run(self) -> Callable[..., SparseStream]:
+        module, fn = self.runner.split(":")
+        return getattr(importlib.import_module(module), fn)  # type: ignore[no-any-return]
+
+
+_C = "sparsync.collectives."
+REGISTRY = (  # SparCML §4.1's three cases, Horovod/DDP's allgather, and the dense switch (§3)
+    Algorithm("ssar_recursive_double", 1, 2, _time_recursive_double, _bytes_recursive_double,
+              _C + "recursive_double:run"),
+    Algorithm("ssar_split_allgather", 2, 3, _time_ssar_split, _bytes_ssar_split, _C + "split_allgather:run_ssar"),
+    Algorithm("dsar_split_allgather", 3, 4, _time_dsar_split, _bytes_dsar_split, _C + "split_allgather:run_dsar"),
+    Algorithm("allgather", 4, 0, _time_allgather, _bytes_allgather, _C + "allreduce:allgather_sum"),
+    Algorithm("dense", 5, 1, _time_dense, _bytes_dense, _C + "dense:run"),
+)  # fmt: skip
+ALGORITHMS = tuple(a.name for a in REGISTRY)
+_BY_NAME = {a.name: a for a in REGISTRY}
+
+
+def algorithm(name: str) -> Algorithm:
+    """The registry's entry for ``name``; ``KeyError`` listing the valid names."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"unknown algorithm {name!r}; valid: {', '.join(ALGORITHMS)}") from None
+
+
+def _algorithm_time(name: str, p: Problem, link: LinkModel) -> float:
+    a = algorithm(name)
+    return 0.0 if p.world_size == 1 else a.time(p, link)
 
 
 def lower_bound(p: Problem, link: LinkModel) -> float:
@@ -335,7 +438,7 @@ def choose_fastest(p: Problem, link: LinkModel, candidates: tuple[str, ...] = AL
 
 
 # Fewest dependent phases first: one gather, gloo's ring, log2 P exchanges, then the two-phase split algorithms.
-SIMPLICITY = ("allgather", "dense", "ssar_recursive_double", "ssar_split_allgather", "dsar_split_allgather")
+SIMPLICITY = tuple(a.name for a in sorted(REGISTRY, key=lambda a: a.simplicity))
 # Predictions within this fraction of the fastest count as a tie (chosen, not tuned; see choose_robust).
 TIE_MARGIN = 0.10
 

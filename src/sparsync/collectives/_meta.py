@@ -34,6 +34,7 @@ import torch
 from sparsync.collectives import _hll
 from sparsync.collectives._comm import Comm, payload_nbytes, payload_parts
 from sparsync.collectives._fold import allgather_var
+from sparsync.costmodel import REGISTRY
 from sparsync.group import EAGER_BYTES, group_state
 from sparsync.stream import FLOAT_DTYPES, SparseStream
 
@@ -52,15 +53,9 @@ OPS = (
     "reduce",
 )
 PARTITION_CODES = ("-", "stride", "range")  # the resolved partition of a call (collectives/partition.py)
-ALGORITHM_CODES = (
-    "auto",
-    "ssar_recursive_double",
-    "ssar_split_allgather",
-    "dsar_split_allgather",
-    "allgather",
-    "dense",
-    "-",
-)
+# The algorithm column: 0 auto, each registry entry its own code (costmodel.REGISTRY), "-" for calls with none.
+ALGORITHM_CODES = ("auto", *(a.name for a in sorted(REGISTRY, key=lambda a: a.code)), "-")
+assert [a.code for a in sorted(REGISTRY, key=lambda a: a.code)] == list(range(1, len(REGISTRY) + 1))
 # nnz: stored rows (indices); bad/bad_value: position and value of an out-of-range index (-1: none), in tensor
 # bad_tensor (-1: the call's only tensor; grouped_allreduce numbers its tensors) of bad_rows rows;
 # inline: payload bytes that follow the row (-1: not inlined). Callers may pass fewer columns (zero-padded).

@@ -25,10 +25,7 @@ from sparsync.collectives._meta import (
     report_refusal,
     update_eager,
 )
-from sparsync.collectives.dense import dense_allreduce
 from sparsync.collectives.partition import resolve_partition
-from sparsync.collectives.recursive_double import ssar_recursive_double
-from sparsync.collectives.split_allgather import dsar_split_allgather, ssar_split_allgather
 from sparsync.costmodel import (
     ALGORITHMS,
     Decision,
@@ -37,6 +34,7 @@ from sparsync.costmodel import (
     Problem,
     choose_robust,
 )
+from sparsync.costmodel import algorithm as algorithm_entry
 from sparsync.group import background_group, group_state, next_call, resolve_group
 from sparsync.handle import Work
 from sparsync.record import CommLog, CommRecord
@@ -59,20 +57,12 @@ def _gather_streams(comm: Comm, stream: SparseStream, meta: Meta) -> list[Sparse
     ]
 
 
-def _allgather_sum(comm: Comm, stream: SparseStream, meta: Meta) -> SparseStream:
-    """The Horovod/DDP way: gather every rank's stream, then sum locally."""
+def allgather_sum(comm: Comm, stream: SparseStream, meta: Meta, partition: str = "-") -> SparseStream:
+    """The ``allgather`` algorithm, the Horovod/DDP way: gather every rank's stream, then sum locally
+    (``costmodel.REGISTRY``'s runner; no partition)."""
     streams = _gather_streams(comm, stream, meta)
     with comm.phase("sum"):
         return sum_streams(streams)
-
-
-_RUNNERS: dict[str, Callable[[Comm, SparseStream, Meta, str], SparseStream]] = {
-    "ssar_recursive_double": lambda c, s, m, p: ssar_recursive_double(c, s),
-    "ssar_split_allgather": lambda c, s, m, p: ssar_split_allgather(c, s, m.nnz, p),
-    "dsar_split_allgather": lambda c, s, m, p: dsar_split_allgather(c, s, m.nnz, p),
-    "allgather": lambda c, s, m, p: _allgather_sum(c, s, m),
-    "dense": lambda c, s, m, p: dense_allreduce(c, s),
-}
 
 
 def comm_group(group: dist.ProcessGroup | None, async_op: bool) -> dist.ProcessGroup:
@@ -282,7 +272,7 @@ def start_allreduce(
             alg = decision.algorithm
         update_eager(comm, meta, alg)
         if quantize is None:
-            result = _RUNNERS[alg](comm, stream, meta, part)
+            result = algorithm_entry(alg).run()(comm, stream, meta, part)
         else:
             from sparsync.compress.dsar_quantized import dsar_quantized
 

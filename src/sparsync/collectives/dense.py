@@ -3,12 +3,17 @@ inputs (``costmodel.DENSE_PIPELINE_MIN``)."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 from sparsync.collectives._comm import Comm
 from sparsync.costmodel import DENSE_CHUNKS, DENSE_PIPELINE_MIN
 from sparsync.stream import SparseStream
+
+if TYPE_CHECKING:
+    from sparsync.collectives._meta import Meta
 
 
 def dense_allreduce(comm: Comm, stream: SparseStream) -> SparseStream:
@@ -47,3 +52,8 @@ def _pipelined_dense(comm: Comm, stream: SparseStream) -> torch.Tensor:
             works.append(comm.start_collective("dense all_reduce", dist.all_reduce, part))
         comm.wait_collectives("dense all_reduce", works)
     return buf
+
+
+def run(comm: Comm, stream: SparseStream, meta: Meta, partition: str) -> SparseStream:
+    """``costmodel.REGISTRY``'s runner: the metadata and partition are not needed."""
+    return dense_allreduce(comm, stream)

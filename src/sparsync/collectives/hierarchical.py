@@ -60,6 +60,7 @@ from sparsync.costmodel import (
     LinkModel,
     Policy,
     Problem,
+    algorithm,
     choose_robust,
     gather_latency,
     metadata_time,
@@ -274,7 +275,7 @@ def hierarchical_allreduce(
     receives one CommRecord for the whole call (algorithm ``hierarchical`` or the flat algorithm, bytes summed
     over the stages, each stage's time as a phase, the two predictions in ``decision``). Collective over the
     world: every rank calls it with the same ``mode``."""
-    from sparsync.collectives.allreduce import _RUNNERS, problem_of, sparse_allreduce
+    from sparsync.collectives.allreduce import problem_of, sparse_allreduce
 
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
@@ -294,7 +295,7 @@ def hierarchical_allreduce(
         chosen = policy(problem, _link(topology.world)).algorithm
         update_eager(comm, meta, chosen)
         with comm.phase(chosen):
-            result = _RUNNERS[chosen](comm, stream, meta, part_kind)
+            result = algorithm(chosen).run()(comm, stream, meta, part_kind)
     else:
         update_eager(comm, meta, "-")
         host_nnz = tuple(meta.nnz[r] for r in topology.members[topology.host])

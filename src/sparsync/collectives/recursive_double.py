@@ -10,9 +10,14 @@ adds the same two operands on both partners, and float addition of two operands 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from sparsync.collectives._comm import Comm, exchange_stream
 from sparsync.collectives._fold import Fold
 from sparsync.stream import SparseStream, add
+
+if TYPE_CHECKING:
+    from sparsync.collectives._meta import Meta
 
 
 def ssar_recursive_double(comm: Comm, stream: SparseStream) -> SparseStream:
@@ -48,3 +53,8 @@ def ssar_recursive_double(comm: Comm, stream: SparseStream) -> SparseStream:
         with comm.phase("fold"):
             exchange_stream(comm, rank - 1, acc, expect=False, dim=dim, dtype=dtype, row=row)
     return acc
+
+
+def run(comm: Comm, stream: SparseStream, meta: Meta, partition: str) -> SparseStream:
+    """``costmodel.REGISTRY``'s runner: the metadata and partition are not needed."""
+    return ssar_recursive_double(comm, stream)

@@ -17,6 +17,8 @@ rank never pays index bytes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
@@ -32,6 +34,9 @@ from sparsync.collectives._comm import (
 from sparsync.collectives._fold import allgather_var
 from sparsync.collectives.partition import Partition
 from sparsync.stream import SparseStream, dense_threshold, sum_streams
+
+if TYPE_CHECKING:
+    from sparsync.collectives._meta import Meta
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on older releases.
 _ALLGATHER_SINGLE = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
@@ -122,3 +127,13 @@ def dsar_split_allgather(
         nb = chunk * b * local.element_size() * (P - 1)
         comm.count_collective(nb, nb, P - 1)
     return SparseStream(None, part.gather_dense(out, chunk, b), dim, row=b, validate=False)
+
+
+def run_ssar(comm: Comm, stream: SparseStream, meta: Meta, partition: str) -> SparseStream:
+    """``costmodel.REGISTRY``'s runner of SSAR_Split_allgather."""
+    return ssar_split_allgather(comm, stream, meta.nnz, partition)
+
+
+def run_dsar(comm: Comm, stream: SparseStream, meta: Meta, partition: str) -> SparseStream:
+    """``costmodel.REGISTRY``'s runner of DSAR_Split_allgather."""
+    return dsar_split_allgather(comm, stream, meta.nnz, partition)

@@ -39,7 +39,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsync.compress.sketch import SparseSketch
-from sparsync.costmodel import LinkModel, Problem, choose_robust, predict
+from sparsync.costmodel import LinkModel, Problem, algorithm, choose_robust, predict
 from sparsync.placement.detect import ParamStats
 from sparsync.stream import index_dtype_for
 from sparsync.tables import show_table
@@ -208,21 +208,7 @@ def machine_row_fraction(s: ParamStats, procs: int) -> float:
 
 def _sparse_ar_bytes(alg: str, p: Problem) -> float:
     """Sent + received bytes per rank of SparCML ``alg`` (expected sizes, as ``costmodel.predict``)."""
-    P, share = p.world_size, (p.world_size - 1) / p.world_size
-    mean = sum(p.input_bytes(r) for r in range(P)) / P
-    if alg == "ssar_recursive_double":
-        rounds, m, total = int(math.log2(P)) if P > 1 else 0, 1.0, 0.0
-        for _ in range(rounds):
-            total += 2 * p.stream_bytes(p.union(m))
-            m *= 2
-        return total
-    if alg == "ssar_split_allgather":
-        return 2 * share * (mean + p.stream_bytes(p.union(P)))
-    if alg == "dsar_split_allgather":
-        return 2 * share * (mean + p.dim * p.value_bytes)
-    if alg == "allgather":
-        return 2 * mean * (P - 1)
-    return 4 * share * p.dim * p.value_bytes  # dense
+    return algorithm(alg).nbytes(p)
 
 
 def candidates(
