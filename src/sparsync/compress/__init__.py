@@ -14,6 +14,7 @@ from sparsync.compress.base import (
     QuantizedPayload,
     SketchPayload,
     SparsePayload,
+    Sparsifier,
     TensorSpec,
 )
 from sparsync.compress.blocktopk import BlockTopK
@@ -47,6 +48,7 @@ __all__ = [
     "SketchPayload",
     "SparsePayload",
     "SparseSketch",
+    "Sparsifier",
     "TensorSpec",
     "Threshold",
     "TopK",

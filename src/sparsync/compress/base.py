@@ -241,3 +241,18 @@ def check_ratio(ratio: float, what: str = "ratio") -> None:
 def check_positive_int(value: int, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{what} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True, eq=False)
+class Sparsifier(Compressor):
+    """A compressor that keeps part of the entries, ``ratio`` of them (or of blocks), and sends them as a sparse
+    stream through ``sparse_allreduce``: top-k, threshold, random-k, block top-k. Subclasses choose the entries
+    (``compress``); the ratio check and the decompression are theirs in common."""
+
+    ratio: float  # fraction kept, in (0, 1]
+
+    def __post_init__(self) -> None:
+        check_ratio(self.ratio)
+
+    def decompress(self, payload: SparsePayload, spec: TensorSpec) -> torch.Tensor:
+        return sparse_to_tensor(payload, spec)

@@ -13,29 +13,25 @@ import torch
 
 from sparsync.compress.base import (
     NO_CONTEXT,
-    Compressor,
     Context,
     SparsePayload,
-    TensorSpec,
+    Sparsifier,
     check_positive_int,
-    check_ratio,
     count_for,
     selected,
-    sparse_to_tensor,
 )
 
 
 @dataclass(frozen=True, eq=False)
-class BlockTopK(Compressor):
+class BlockTopK(Sparsifier):
     """Keep the blocks of largest ℓ2 norm."""
 
     name: ClassVar[str] = "blocktopk"
 
-    ratio: float  # fraction of blocks kept, in (0, 1]
     block: int = 64  # entries per block (the last block may be short)
 
     def __post_init__(self) -> None:
-        check_ratio(self.ratio)
+        super().__post_init__()  # ratio: the fraction of blocks kept
         check_positive_int(self.block, "block")
 
     def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> SparsePayload:
@@ -46,6 +42,3 @@ class BlockTopK(Compressor):
         top = torch.topk(sq.sum(1), count_for(self.ratio, nb), sorted=False).indices
         pos = (top.unsqueeze(1) * self.block + torch.arange(self.block)).reshape(-1)
         return selected(flat, None, pos[pos < n], n)
-
-    def decompress(self, payload: SparsePayload, spec: TensorSpec) -> torch.Tensor:
-        return sparse_to_tensor(payload, spec)

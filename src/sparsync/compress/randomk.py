@@ -20,32 +20,25 @@ import torch
 
 from sparsync.compress.base import (
     NO_CONTEXT,
-    Compressor,
     Context,
     SparsePayload,
-    TensorSpec,
-    check_ratio,
+    Sparsifier,
     count_for,
     selected,
-    sparse_to_tensor,
 )
 from sparsync.stream import SparseStream
 
 
 @dataclass(frozen=True, eq=False)
-class RandomK(Compressor):
-    """Unbiased random sparsification."""
+class RandomK(Sparsifier):
+    """Unbiased random sparsification: ``ratio`` is the fraction of coordinates sent."""
 
     name: ClassVar[str] = "randomk"
     unbiased: ClassVar[bool] = True
 
-    ratio: float  # fraction of coordinates sent, in (0, 1]
     seed: int = 0  # base seed; the same on every rank
     shared: bool = True  # same coordinates on every rank (True) or independent per rank
     _calls: dict[str, int] = field(default_factory=dict, init=False, repr=False)
-
-    def __post_init__(self) -> None:
-        check_ratio(self.ratio)
 
     def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> SparsePayload:
         flat = tensor.reshape(-1)
@@ -60,9 +53,6 @@ class RandomK(Compressor):
         pos, hits = torch.unique(torch.randint(0, n, (k,), generator=g), sorted=True, return_counts=True)
         vals = flat[pos] * (hits.to(flat.dtype) * (n / k))
         return SparsePayload(SparseStream(pos, vals, n, validate=False))
-
-    def decompress(self, payload: SparsePayload, spec: TensorSpec) -> torch.Tensor:
-        return sparse_to_tensor(payload, spec)
 
     def state_dict(self) -> dict[str, Any]:
         return {"calls": dict(self._calls)}

@@ -20,32 +20,28 @@ import torch
 
 from sparsync.compress.base import (
     NO_CONTEXT,
-    Compressor,
     Context,
     SparsePayload,
-    TensorSpec,
+    Sparsifier,
     check_positive_int,
-    check_ratio,
     count_for,
     flat_values,
     selected,
-    sparse_to_tensor,
 )
 
 
 @dataclass(frozen=True, eq=False)
-class Threshold(Compressor):
+class Threshold(Sparsifier):
     """Hard threshold with a threshold recomputed every ``lifespan`` calls per name."""
 
     name: ClassVar[str] = "threshold"
     accepts_sparse: ClassVar[bool] = True
 
-    ratio: float  # the paper's sparsity factor η: target fraction of entries kept when τ is recomputed
     lifespan: int = 1000  # L: calls between recomputations of τ (per name); 1 = every call
     _state: dict[str, list[Any]] = field(default_factory=dict, init=False, repr=False)  # name -> [calls, τ]
 
     def __post_init__(self) -> None:
-        check_ratio(self.ratio)
+        super().__post_init__()  # ratio: the paper's sparsity factor η, the fraction kept when τ is recomputed
         check_positive_int(self.lifespan, "lifespan")
 
     def threshold(self, name: str = "") -> float | None:
@@ -63,9 +59,6 @@ class Threshold(Compressor):
         st[0] += 1
         pos = _mask_positions(values, st[1])
         return selected(values, indices, pos, tensor.numel(), presorted=True)
-
-    def decompress(self, payload: SparsePayload, spec: TensorSpec) -> torch.Tensor:
-        return sparse_to_tensor(payload, spec)
 
     def state_dict(self) -> dict[str, Any]:
         return {name: {"calls": st[0], "tau": st[1]} for name, st in self._state.items()}

@@ -15,31 +15,27 @@ import torch
 
 from sparsync.compress.base import (
     NO_CONTEXT,
-    Compressor,
     Context,
     SparsePayload,
-    TensorSpec,
+    Sparsifier,
     check_positive_int,
-    check_ratio,
     count_for,
     flat_values,
     selected,
-    sparse_to_tensor,
 )
 
 
 @dataclass(frozen=True, eq=False)
-class TopK(Compressor):
+class TopK(Sparsifier):
     """Keep the largest-magnitude entries (of the stored entries, for a sparse COO input)."""
 
     name: ClassVar[str] = "topk"
     accepts_sparse: ClassVar[bool] = True
 
-    ratio: float  # fraction of entries kept, in (0, 1]
     bucket: int | None = None  # None: exact top-k over the whole tensor; else top ceil(ratio·bucket) per bucket
 
     def __post_init__(self) -> None:
-        check_ratio(self.ratio)
+        super().__post_init__()
         if self.bucket is not None:
             check_positive_int(self.bucket, "bucket")
 
@@ -51,9 +47,6 @@ class TopK(Compressor):
         else:
             pos = _bucket_topk(values.abs(), self.bucket, count_for(self.ratio, self.bucket))
         return selected(values, indices, pos, tensor.numel())
-
-    def decompress(self, payload: SparsePayload, spec: TensorSpec) -> torch.Tensor:
-        return sparse_to_tensor(payload, spec)
 
 
 SAMPLE = 1 << 16  # magnitudes sampled to pick the candidates' threshold (``largest``)
