@@ -124,6 +124,8 @@ def test_bench_hybrid_ddp_sparse_row(tmp_path: Path) -> None:
     ddp, dense = by["ddp_sparse"], by["allreduce"]
     assert ddp["step_s"] > 0 and ddp["words_per_s"] > 0
     assert 0 < ddp["bytes_per_step_per_machine"] < dense["bytes_per_step_per_machine"]
-    assert 0 < ddp["comm_ms"] <= 1e3 * ddp["step_s"] * 1.05, ddp
+    # A per-step figure (not the run's total): comm_ms is the ranks' mean and step_s rank 0's, so under load
+    # the mean span can pass rank 0's step by the ranks' spread (1.11x once in a CI run); the units check stays.
+    assert 0 < ddp["comm_ms"] <= 1e3 * ddp["step_s"] * 1.5, ddp
     assert ddp["loss"] == pytest.approx(dense["loss"], rel=1e-4)  # DDP averages: the same SGD updates
     assert ddp["predicted_bytes"] is None and ddp["forward_backward_ms"] is None
