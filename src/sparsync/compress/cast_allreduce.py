@@ -32,12 +32,18 @@ def chunks(n: int) -> list[tuple[int, int]]:
 
 
 def cast_allreduce(
-    values: torch.Tensor, wire: torch.dtype, group: dist.ProcessGroup, divisor: int = 1
+    values: torch.Tensor,
+    wire: torch.dtype,
+    group: dist.ProcessGroup,
+    divisor: int = 1,
+    *,
+    cast: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Sum over ``group`` of every rank's ``values`` sent and added in ``wire`` (float16 or bfloat16), widened
-    to float32 and divided by ``divisor``; flat. Returns it and the bytes this rank sent (the ring's). Collective:
-    every rank calls it with the same numel and ``wire``, in the same order."""
-    flat = values.reshape(-1)
+    to float32 and divided by ``divisor``; flat. Returns it and the bytes this rank sent (the ring's). ``cast``:
+    ``values`` already in ``wire``, a tensor of the caller's that the chunks' allreduces may sum into (not
+    cast again). Collective: every rank calls it with the same numel and ``wire``, in the same order."""
+    flat = values.reshape(-1) if cast is None else cast.reshape(-1)
     n, P = flat.numel(), dist.get_world_size(group)
     out = fresh(n)
     in_flight: list[tuple[int, int, torch.Tensor, dist.Work]] = []
@@ -50,7 +56,7 @@ def cast_allreduce(
             dst.div_(divisor)  # float32, as reduce's whole-tensor average
 
     for a, b in chunks(n):
-        buf = flat[a:b].to(wire)
+        buf = flat[a:b].to(wire)  # a fresh copy; a view where ``cast`` was given (already wire)
         work = dist.all_reduce(buf, group=group, async_op=True)
         assert work is not None
         in_flight.append((a, b, buf, work))
@@ -58,5 +64,4 @@ def cast_allreduce(
             widen()
     while in_flight:
         widen()
-    itemsize = torch.empty(0, dtype=wire).element_size()
-    return out, 2 * (P - 1) * n * itemsize // P
+    return out, 2 * (P - 1) * n * wire.itemsize // P

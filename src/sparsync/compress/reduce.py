@@ -162,16 +162,17 @@ def compressed_allreduce(
     scale = 1.0 / P if average else 1.0  # the pipelines scale while they decode: no pass to divide
 
     def pipelined(
-        nbytes: int, alg: str, msgs: int, body: Callable[[], tuple[torch.Tensor, int]]
+        nbytes: int, elements: int, alg: str, msgs: int, body: Callable[[], tuple[torch.Tensor, int]]
     ) -> torch.Tensor | Work[torch.Tensor]:
-        """Submit a pipelined reduce-scatter + allgather: the metadata round, ``body`` (the flat float32
-        result and the bytes sent; it updates a synchronous call's residual), the record, the result."""
+        """Submit a pipelined collective (QSGD's reduce-scatter + allgather, the casts' chunked allreduce): the
+        metadata round, ``body`` (the flat float32 result and the bytes sent; it may update a synchronous call's
+        residual), the record (``elements``: the payload's, as the other paths count them), the result."""
         seq_p = next_call(g)
 
         def run() -> torch.Tensor:
             _agree(g, seq_p, layout, spec, nbytes, x if check_nan else None, timeout)
             total, sent = body()
-            _record(log, alg, g, spec, n, sent, msgs, t0)
+            _record(log, alg, g, spec, elements, sent, msgs, t0)
             return finish(total.view(xspec.shape).to(xspec.dtype), divide=False)
 
         out: torch.Tensor | Work[torch.Tensor] = _submit(user, run, async_op)
@@ -192,20 +193,26 @@ def compressed_allreduce(
             return r.total, r.sent
 
         msgs = 2 * (P - 1) * len(segments(q, n))
-        return pipelined(q.payload_nbytes(n), "quantized_reduce_scatter", msgs, quantized)
+        nb = q.payload_nbytes(n)
+        return pipelined(nb, nb, "quantized_reduce_scatter", msgs, quantized)  # a byte payload
     big = x.dtype == torch.float32 and not x.is_sparse and P > 1 and n >= cast_pipeline.MIN_VALUES
     if isinstance(compressor, FP16 | BF16) and big:
-        # cast_allreduce: cast, allreduced and widened chunk by chunk, overlapped; the residual is the whole
-        # path's (x - the 16-bit round trip), updated here on the caller's thread
+        # cast_allreduce: cast, allreduced and widened chunk by chunk, overlapped. With error feedback the
+        # residual (x - the 16-bit round trip) needs the whole cast here, on the caller's thread: the pipeline
+        # then sends that cast instead of casting again.
+        wire, cast = compressor.wire_dtype, None
         if memory is not None:
-            memory.update(name, x, compressor.decompress(compressor.compress(values, ctx), xspec))
-        wire = compressor.wire_dtype
-        itemsize = torch.empty(0, dtype=wire).element_size()
+            cp = compressor.compress(values, ctx)
+            assert isinstance(cp, DensePayload)  # a dense float32 tensor's cast
+            memory.update(name, x, compressor.decompress(cp, xspec))
+            cast = cp.values
         msgs = 2 * (P - 1) * len(cast_pipeline.chunks(n))
         divisor = P if average else 1
-        return pipelined(
-            n * itemsize, "allreduce", msgs, lambda: cast_pipeline.cast_allreduce(values, wire, g, divisor)
-        )
+
+        def casts() -> tuple[torch.Tensor, int]:
+            return cast_pipeline.cast_allreduce(values, wire, g, divisor, cast=cast)
+
+        return pipelined(n * wire.itemsize, n, "allreduce", msgs, casts)
     payload = compressor.compress(x.detach(), ctx)
     if memory is not None:
         memory.update(name, x, compressor.decompress(payload, xspec))
