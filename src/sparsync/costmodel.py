@@ -251,24 +251,18 @@ def _common(p: Problem, link: LinkModel) -> tuple[int, float, float, float, floa
     return p.world_size, p.dim, link.alpha, link.beta, b
 
 
-def _pof2(P: int) -> tuple[int, int, bool]:
-    """(largest power of two <= P, its log2, whether P needs the MPICH fold)."""
-    pof2 = 1 << (P.bit_length() - 1)
-    return pof2, int(math.log2(pof2)), pof2 != P
-
-
 def _mean_bytes(p: Problem) -> float:
     return sum(p.input_bytes(r) for r in range(p.world_size)) / p.world_size
 
 
 def _time_recursive_double(p: Problem, link: LinkModel) -> float:
     P, N, a, _, b = _common(p, link)
-    pof2, rounds, fold = _pof2(P)
+    pof2 = 1 << (P.bit_length() - 1)  # the MPICH fold takes P - pof2 ranks out first
     t = 0.0
     m = P / pof2
-    if fold:
+    if pof2 != P:
         t += 2 * (2 * a) + b * (p.stream_bytes(p.union(1)) + p.stream_bytes(p.union(P)))
-    for _ in range(rounds):
+    for _ in range(pof2.bit_length() - 1):
         t += 2 * a + b * p.stream_bytes(p.union(m)) + _sum_cost(p, link, 2 * p.union(m), N)
         m *= 2
     return t

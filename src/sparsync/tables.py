@@ -18,8 +18,8 @@ def show_table(console: Console, table: Table) -> None:
         return
     title, table.title = table.title, None
     table.box = box.MARKDOWN
-    wide = Console(file=console.file, width=_UNBOUNDED, no_color=True, highlight=False)
-    flat = Console(width=wide.measure(table).maximum, no_color=True, highlight=False)
+    width = Console(width=_UNBOUNDED).measure(table).maximum
+    flat = Console(width=width, no_color=True, highlight=False)
     with flat.capture() as cap:
         flat.print(table)
     lines = [ln.rstrip() for ln in cap.get().splitlines() if ln.strip()]  # the markdown box's empty edges

@@ -54,8 +54,8 @@ OPS = (
 )
 PARTITION_CODES = ("-", "stride", "range")  # the resolved partition of a call (collectives/partition.py)
 # The algorithm column: 0 auto, each registry entry its own code (costmodel.REGISTRY), "-" for calls with none.
+# (test_costmodel checks that the codes run 1..n, so that ALGORITHM_CODES[code] is the name.)
 ALGORITHM_CODES = ("auto", *(a.name for a in sorted(REGISTRY, key=lambda a: a.code)), "-")
-assert [a.code for a in sorted(REGISTRY, key=lambda a: a.code)] == list(range(1, len(REGISTRY) + 1))
 # nnz: stored rows (indices); bad/bad_value: position and value of an out-of-range index (-1: none), in tensor
 # bad_tensor (-1: the call's only tensor; grouped_allreduce numbers its tensors) of bad_rows rows;
 # inline: payload bytes that follow the row (-1: not inlined). Callers may pass fewer columns (zero-padded).

@@ -206,11 +206,6 @@ def machine_row_fraction(s: ParamStats, procs: int) -> float:
     return 1.0 - (1.0 - s.row_fraction) ** procs
 
 
-def _sparse_ar_bytes(alg: str, p: Problem) -> float:
-    """Sent + received bytes per rank of SparCML ``alg`` (expected sizes, as ``costmodel.predict``)."""
-    return algorithm(alg).nbytes(p)
-
-
 def candidates(
     s: ParamStats, c: Cluster, *, sketch_ratio: float = 0.05, sketch: SparseSketch | None = None
 ) -> tuple[dict[str, tuple[float, float]], str]:
@@ -232,7 +227,7 @@ def candidates(
     itype = index_dtype_for(rows).itemsize
     p = Problem(N, rows, (k,) * N, s.itemsize * per_row, itype, row=per_row)
     d = choose_robust(p, link)  # what auto would run (its default policy)
-    out["sparse_allreduce"] = (_sparse_ar_bytes(d.algorithm, p), d.predictions[d.algorithm])
+    out["sparse_allreduce"] = (algorithm(d.algorithm).nbytes(p), d.predictions[d.algorithm])
     alg = d.algorithm
     if c.two_level:
         out["sparse_allreduce"], alg = _two_level(s, c, p)
@@ -269,8 +264,8 @@ def _two_level(s: ParamStats, c: Cluster, machines: Problem) -> tuple[tuple[floa
             machines, dim=max(1, -(-rows // m)), nnz=(round(p.union(m) / m),) * N, unions=()
         )
         cross = choose_robust(part, inter).algorithm
-        return (m * _sparse_ar_bytes(cross, part), preds["hierarchical"]), f"hierarchical: {cross} across; {both}"
-    return (m * share * _sparse_ar_bytes(flat_alg, p), preds["flat"]), f"flat: {flat_alg}; {both}"
+        return (m * algorithm(cross).nbytes(part), preds["hierarchical"]), f"hierarchical: {cross} across; {both}"
+    return (m * share * algorithm(flat_alg).nbytes(p), preds["flat"]), f"flat: {flat_alg}; {both}"
 
 
 def make_plan(
