@@ -22,8 +22,8 @@ from torch import nn
 
 from sparsync import launch
 from sparsync.compress import Compressor, Threshold
-from sparsync.placement import OptimizerConfig, start_servers
-from sparsync.placement.hybrid import HybridConfig, HybridTrainer
+from sparsync.hybrid import HybridConfig, HybridTrainer
+from sparsync.ps import OptimizerConfig, start_servers
 
 VOCAB, DIM, HIDDEN, CLASSES, SEQ, BATCH = 100, 16, 64, 8, 4, 32
 

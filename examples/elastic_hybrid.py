@@ -34,8 +34,8 @@ from torch import nn
 
 import sparsync
 from sparsync.compress import SparseSketch
-from sparsync.placement import OptimizerConfig, node_servers
-from sparsync.placement.hybrid import HybridConfig, HybridTrainer
+from sparsync.hybrid import HybridConfig, HybridTrainer
+from sparsync.ps import OptimizerConfig, node_servers
 
 VOCAB, DIM, CLASSES, BATCH = 20_000, 16, 4, 64
 

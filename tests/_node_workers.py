@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sparsync.placement import PSClient, PSError, PSTable, PSTimeoutError, node_servers
-from sparsync.placement.hybrid import HybridTrainer
-from sparsync.placement.wire import CurveKeys
+from sparsync.hybrid import HybridTrainer
+from sparsync.ps import PSClient, PSError, PSTable, PSTimeoutError, node_servers
+from sparsync.ps.wire import CurveKeys
 
 
 def serve_worker(rank: int, per_node: int) -> dict[str, Any]:

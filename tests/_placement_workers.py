@@ -9,9 +9,9 @@ import torch.distributed as dist
 from torch import nn
 
 from sparsync.compress import SparseSketch
-from sparsync.placement import OptimizerConfig
-from sparsync.placement.hybrid import HybridConfig, HybridTrainer
-from sparsync.placement.reduced import Reduced
+from sparsync.hybrid import HybridConfig, HybridTrainer
+from sparsync.placement import NamedParam, ReduceEnv, Sketch
+from sparsync.ps import OptimizerConfig
 from sparsync.record import CommLog
 
 VOCAB, DIM, CLASSES, SEQ, BATCH = 40, 6, 5, 5, 4
@@ -120,13 +120,14 @@ def sketch_worker(rank: int, sketch: SparseSketch, steps: int) -> dict[str, Any]
     out: dict[str, Any] = {}
     for ef in (False, True):
         p = nn.Parameter(torch.zeros(200, 16))
-        red = Reduced({"w": "sketch"}, {"w": True}, sparse_grads=["w"], sketch=sketch, error_feedback=ef)
+        red = Sketch(sketch, error_feedback=ef)
+        env = ReduceEnv(dist.group.WORLD, dist.get_world_size())  # type: ignore[arg-type]
         outs, residual = [], None
         for s in range(steps):
             p.grad = sketch_grad(rank)
-            red.reduce({"w": p})
+            red.aggregate([NamedParam("w", p)], env)
             assert p.grad is not None
-            outs.append(p.grad.to_dense().clone())
+            outs.append(p.grad.to_dense().clone() / dist.get_world_size())
             if s == 0 and red.memory is not None:
                 residual = red.memory.error("w")
         out[f"ef={ef}"] = {"outs": outs, "residual": residual}
@@ -153,11 +154,15 @@ def async_worker(rank: int, addresses: list[str], steps: int) -> dict[str, Any]:
             tr.close()
             again = HybridTrainer(TwoEmbLM(), addresses, cfg)  # a restarted worker, same servers
             again.load_state_dict(state)
-            assert tr.push is not None and again.push is not None and tr.push.memory is not None
+            assert (
+                tr.servers.push_feedback is not None
+                and again.servers.push_feedback is not None
+                and tr.servers.push_feedback.memory is not None
+            )
             out[key + "/restored"] = [
-                torch.equal(tr.push.memory.error(n), again.push.memory.error(n))  # type: ignore[arg-type]
-                and float(tr.push.memory.error(n).abs().sum()) > 0  # type: ignore[union-attr]
-                for n in tr.push.memory.names()
+                torch.equal(tr.servers.push_feedback.memory.error(n), again.servers.push_feedback.memory.error(n))  # type: ignore[arg-type]
+                and float(tr.servers.push_feedback.memory.error(n).abs().sum()) > 0  # type: ignore[union-attr]
+                for n in tr.servers.push_feedback.memory.names()
             ] or [key == "identity"]
             again.close()
         else:

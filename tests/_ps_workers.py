@@ -12,9 +12,9 @@ import torch.distributed as dist
 import zmq
 from torch import nn
 
-from sparsync.placement import OptimizerConfig, wire
-from sparsync.placement.hybrid import HybridConfig, HybridTrainer
-from sparsync.placement.wire import CurveKeys, Header
+from sparsync.hybrid import HybridConfig, HybridTrainer
+from sparsync.ps import OptimizerConfig, wire
+from sparsync.ps.wire import CurveKeys, Header
 
 VOCAB, DIM, CLASSES, SEQ, BATCH = 50, 8, 5, 6, 4
 

@@ -12,7 +12,7 @@ import pytest
 from sparsync.bench.ddp_baseline import WireBytes, ddp_step_bytes, gloo_sparse_allreduce_bytes, sparse_grad_params
 from sparsync.bench.lm import Corpus, SampledLM
 from sparsync.cli import main
-from sparsync.placement.hybrid import PHASES
+from sparsync.hybrid import PHASES
 
 
 def _tiny_run(out: Path, *extra: str) -> dict[str, Any]:

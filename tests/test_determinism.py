@@ -20,4 +20,4 @@ def test_two_sync_runs_are_bit_identical(world: int) -> None:
         digests = {r[name]["digest"] for r in first + second}
         assert len(digests) == 1, f"{name}: {len(digests)} different results over 2 runs x {world} ranks"
     # The plans really differ: the default groups everything into one sparse allreduce, "dense" runs gloo.
-    assert "gloo" not in first[0]["default"]["algorithms"] and first[0]["dense"]["algorithms"] == ["gloo"]
+    assert "dense" not in first[0]["default"]["algorithms"] and first[0]["dense"]["algorithms"] == ["dense"]

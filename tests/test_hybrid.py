@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from sparsync import launch
-from sparsync.placement import ServerProcess, start_servers
-from sparsync.placement.hybrid import PHASES
+from sparsync.hybrid import PHASES
+from sparsync.ps import ServerProcess, start_servers
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

@@ -11,9 +11,9 @@ import _node_workers as nw
 import pytest
 
 from sparsync import launch
-from sparsync.placement import node_servers
-from sparsync.placement.hybrid import HybridConfig
-from sparsync.placement.nodes import procs_per_machine_from_env
+from sparsync.hybrid import HybridConfig
+from sparsync.ps import node_servers
+from sparsync.ps.nodes import procs_per_machine_from_env
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 

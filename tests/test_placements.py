@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import _placement_workers as plw
 import numpy as np
@@ -18,11 +19,11 @@ import torch
 from sparsync import launch
 from sparsync.compress import SparseSketch, TensorSpec, Threshold
 from sparsync.costmodel import ALGORITHMS
-from sparsync.placement import ServerProcess, start_servers
-from sparsync.placement.detect import ParamStats
-from sparsync.placement.feedback import PushFeedback
-from sparsync.placement.plan import Cluster, make_plan
-from sparsync.placement.reduced import resolve_placements
+from sparsync.placement import DenseAllreduce, Placement, Sketch, SparseAllreduce, resolve
+from sparsync.plan.detect import ParamStats
+from sparsync.plan.planner import Cluster, make_plan
+from sparsync.ps import ServerProcess, start_servers
+from sparsync.ps.feedback import PushFeedback
 
 MIXED = {"words.weight": "ps", "tags.weight": "sparse_allreduce", "hidden.weight": "dense_allreduce",
          "hidden.bias": "dense_allreduce", "out.weight": "ps", "out.bias": "dense_allreduce"}  # fmt: skip
@@ -102,18 +103,46 @@ def test_sketch_payload_numel_is_what_compress_sends() -> None:
 def test_placements_resolve_plan_or_dict_and_name_bad_entries() -> None:
     params = ["a", "b", "c"]
     default = {"a": "ps", "b": "dense_allreduce", "c": "dense_allreduce"}
-    assert resolve_placements(params, default, {"c": "sketch"}) == {**default, "c": "sketch"}
+    assert resolve(params, default, {"c": "sketch"}) == {**default, "c": "sketch"}
     plan = make_plan(
         [ParamStats("a", (1000, 8), 0.01, True), ParamStats("b", (8,), 1.0, False)],
         Cluster(4),
         overrides={"a": "sparse_allreduce"},
     )
-    got = resolve_placements(params, default, plan)  # a Plan names a subset: the rest keep the default
+    got = resolve(params, default, plan.kinds)  # a Plan names a subset: the rest keep the default
     assert got == {"a": "sparse_allreduce", "b": "dense_allreduce", "c": "dense_allreduce"}
+    mine = SparseAllreduce(algorithm="allgather")  # an object stands for itself
+    assert resolve(params, default, {"b": mine})["b"] is mine
     with pytest.raises(KeyError, match="'zz'"):
-        resolve_placements(params, default, {"zz": "ps"})
+        resolve(params, default, {"zz": "ps"})
     with pytest.raises(KeyError, match="'allgather'"):
-        resolve_placements(params, default, {"a": "allgather"})
+        resolve(params, default, {"a": "allgather"})
+
+
+def test_plan_as_placement_objects() -> None:
+    """make_plan's kinds become sparsync.placement objects: one shared object per kind (the sketch's hash
+    counter and residuals are one per trainer), the plan's own sketch; a ps entry needs the servers' placement."""
+    sketch = SparseSketch(rows=3, ratio=0.1)
+    stats = [ParamStats("a", (1000, 8), 0.01, True), ParamStats("b", (8,), 1.0, False),
+             ParamStats("c", (500, 8), 0.01, True), ParamStats("d", (500, 8), 0.01, True)]  # fmt: skip
+    plan = make_plan(stats, Cluster(4), overrides={"a": "sparse_allreduce", "c": "sketch", "d": "sketch"},
+                     sketch=sketch)  # fmt: skip
+    objs = plan.placements()
+    assert isinstance(objs["a"], SparseAllreduce) and isinstance(objs["b"], DenseAllreduce)
+    assert isinstance(objs["c"], Sketch) and objs["c"] is objs["d"] and objs["c"].sketch == sketch
+    assert {n: o.kind for n, o in objs.items()} == plan.kinds
+    on_ps = make_plan(stats, Cluster(4), overrides={"a": "ps", "c": "sketch", "d": "sketch"})
+    with pytest.raises(ValueError, match=r"\['a'\] on the parameter server"):
+        on_ps.placements()
+
+    class Servers(Placement):
+        kind = "ps"
+
+        def aggregate(self, params: list[Any], env: Any) -> None:
+            raise AssertionError("not called here")
+
+    servers = Servers()
+    assert on_ps.placements(servers=servers)["a"] is servers
 
 
 @pytest.mark.multiprocess
@@ -221,7 +250,7 @@ def test_async_error_feedback_example() -> None:
 
 
 def test_load_optional_state_refuses_a_checkpoint_that_does_not_match() -> None:
-    from sparsync.placement.feedback import load_optional_state
+    from sparsync.ps.feedback import load_optional_state
 
     class Keeper:
         loaded: object = None

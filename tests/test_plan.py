@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from sparsync.cli import main
-from sparsync.placement.detect import AlphaMeter, ParamStats, RowFractionMeter, sparse_param_names
-from sparsync.placement.plan import Cluster, candidates, lm_stats, make_plan, zipf_row_fraction
+from sparsync.plan.detect import AlphaMeter, ParamStats, RowFractionMeter, sparse_param_names
+from sparsync.plan.planner import Cluster, candidates, lm_stats, make_plan, zipf_row_fraction
 
 
 class Model(nn.Module):
@@ -219,7 +219,7 @@ def test_levels_from_benchmark_json_and_the_cli(tmp_path: Path, capsys: pytest.C
     from dataclasses import asdict
 
     from sparsync.costmodel import LinkModel
-    from sparsync.placement.plan import levels_from_json
+    from sparsync.plan.planner import levels_from_json
 
     links = [LinkModel(alpha=a, beta=b, gamma_sparse=1e-8, gamma_dense=1e-9, gamma_scatter=1e-9)
              for a, b in ((1e-4, 1e-9), (2e-5, 5e-10), (3e-4, 3.2e-8))]  # fmt: skip

@@ -14,7 +14,7 @@ from _ps_workers import RawClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparsync.placement import (
+from sparsync.ps import (
     OptimizerConfig,
     PSClient,
     PSError,
@@ -27,7 +27,7 @@ from sparsync.placement import (
     start_servers,
     wire,
 )
-from sparsync.placement.wire import Header, Op
+from sparsync.ps.wire import Header, Op
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -323,8 +323,8 @@ def test_checkpoint_and_restart_resume_tables_and_optimizer_state(tmp_path: obje
 
 
 def test_config_validation_names_the_bad_value() -> None:
-    from sparsync.placement.hybrid import HybridConfig
-    from sparsync.placement.shard import ShardConfig
+    from sparsync.hybrid import HybridConfig
+    from sparsync.ps.shard import ShardConfig
 
     with pytest.raises(KeyError, match="unknown server optimizer 'rmsprop'"):
         OptimizerConfig("rmsprop")
@@ -354,7 +354,7 @@ def test_server_exits_when_its_starter_dies() -> None:
     import sys
 
     code = (
-        "import os\nfrom sparsync.placement import start_servers\n"
+        "import os\nfrom sparsync.ps import start_servers\n"
         "sv = start_servers(1)\nprint(sv[0]._proc.pid, flush=True)\nos._exit(0)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=os.environ)
@@ -373,8 +373,8 @@ def test_server_exits_when_its_starter_dies() -> None:
 def test_server_optimizers_are_one_class_each_with_their_state_slots() -> None:
     """The registry is the one list: names, torch's default eps, and the state a shard allocates (and counts
     in its memory bound) all come from each optimizer's class."""
-    from sparsync.placement.optim import OPTIMIZERS, SERVER_OPTIMIZERS, SparseOptimizer
-    from sparsync.placement.shard import ShardConfig
+    from sparsync.ps.optim import OPTIMIZERS, SERVER_OPTIMIZERS, SparseOptimizer
+    from sparsync.ps.shard import ShardConfig
 
     assert OPTIMIZERS == tuple(SERVER_OPTIMIZERS) == ("sgd", "adagrad", "adam")
     for name, slots in (("sgd", 0), ("adagrad", 1), ("adam", 2)):

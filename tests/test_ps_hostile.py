@@ -22,11 +22,11 @@ from _ps_workers import RawClient, rss_kib
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sparsync.placement import OptimizerConfig, PSClient, PSError, PSTable, PSTimeoutError, server_stats, wire
-from sparsync.placement.process import ServerProcess
-from sparsync.placement.server import Server, ServerConfig
-from sparsync.placement.shard import CheckpointError, Shard, ShardConfig
-from sparsync.placement.wire import CurveKeys, Header, Op
+from sparsync.ps import OptimizerConfig, PSClient, PSError, PSTable, PSTimeoutError, server_stats, wire
+from sparsync.ps.process import ServerProcess
+from sparsync.ps.server import Server, ServerConfig
+from sparsync.ps.shard import CheckpointError, Shard, ShardConfig
+from sparsync.ps.wire import CurveKeys, Header, Op
 
 pytestmark = [pytest.mark.timeout(120)]
 

@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--timeout", type=float, default=None, help="seconds before every host is stopped")
     cl.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...] (as given to torchrun)")
     cl.set_defaults(func=_cluster)
-    from sparsync.placement import cli_plan
+    from sparsync.plan import cli as cli_plan
 
     cli_plan.add_parser(sub, formatter_class=HelpFormatter)
     _add_reproduce_parser(sub)

@@ -1,5 +1,5 @@
 """``sparsync demo``'s automatic plan (issue 5): α of the embedding measured over warm-up steps, the Parallax
-placement plan (``sparsync.placement.make_plan``) for the demo's cluster, and training with that plan; if the
+placement plan (``sparsync.plan.make_plan``) for the demo's cluster, and training with that plan; if the
 plan puts the embedding on the parameter server, the hybrid (Parallax §3.1: dense parameters by dense
 allreduce, the embedding on one colocated server per process, sync mode) through ``HybridTrainer``.
 
@@ -16,10 +16,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-from sparsync.placement.detect import RowFractionMeter
-from sparsync.placement.hybrid import HybridConfig, HybridTrainer
-from sparsync.placement.optim import OptimizerConfig
-from sparsync.placement.plan import Cluster, Plan, make_plan
+from sparsync.hybrid import HybridConfig, HybridTrainer
+from sparsync.plan.detect import RowFractionMeter
+from sparsync.plan.planner import Cluster, Plan, make_plan
+from sparsync.ps.optim import OptimizerConfig
 from sparsync.record import CommLog
 
 DEMO_BANDWIDTH = 1.25e8  # bytes/s: 1 Gbit/s, an assumption (stated in the plan's title)
@@ -90,7 +90,7 @@ def train_hybrid(
         "bytes_per_step": statistics.mean(nbytes[cfg.warmup :]),
         "first_loss": mean_losses[0],
         "final_loss": statistics.mean(mean_losses[-10:]),
-        "algorithms": ["gloo" if not log.records else sorted({r.algorithm for r in log.records})[0], "ps"],
+        "algorithms": ["dense" if not log.records else sorted({r.algorithm for r in log.records})[0], "ps"],
         "params": params if me == 0 else None,
     }
 

@@ -154,8 +154,8 @@ def _large_table_plan(
 
 
 def _hybrid_trainer(method: str, model: DLRM, cfg: DlrmBenchConfig, addresses: list[str], log: CommLog) -> Any:
-    from sparsync.placement import OptimizerConfig
-    from sparsync.placement.hybrid import HybridConfig, HybridTrainer
+    from sparsync.hybrid import HybridConfig, HybridTrainer
+    from sparsync.ps import OptimizerConfig
 
     dense = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
     hc = HybridConfig(mode="sync", sparse_reduce="mean", dense_reduce="mean",

@@ -42,8 +42,8 @@ from sparsync.bench.omnireduce import block_allreduce
 from sparsync.calibrate import measure_link
 from sparsync.collectives.tensor import allreduce
 from sparsync.compress.sketch import SparseSketch
-from sparsync.placement.hybrid import PHASES, HybridConfig, HybridTrainer
-from sparsync.placement.optim import OptimizerConfig
+from sparsync.hybrid import PHASES, HybridConfig, HybridTrainer
+from sparsync.ps.optim import OptimizerConfig
 from sparsync.record import CommLog
 
 METHODS = ("allreduce", "allgather", "ddp_sparse", "sparse_ar", "ps", "ps_split", "hybrid", "hybrid_noagg")

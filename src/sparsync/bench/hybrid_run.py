@@ -21,11 +21,11 @@ from sparsync.bench.report import write_files
 from sparsync.costmodel import LinkModel
 from sparsync.launch import launch
 from sparsync.netem import NetNamespaces, describe, net_spec, shaped
-from sparsync.placement.detect import ParamStats
-from sparsync.placement.partition import PartitionSearch, search_partitions
-from sparsync.placement.plan import Cluster, Plan, make_plan
-from sparsync.placement.process import ServerProcess
-from sparsync.placement.server import ServerConfig
+from sparsync.plan.detect import ParamStats
+from sparsync.plan.partition import PartitionSearch, search_partitions
+from sparsync.plan.planner import Cluster, Plan, make_plan
+from sparsync.ps.process import ServerProcess
+from sparsync.ps.server import ServerConfig
 from sparsync.tables import show_table
 
 # method -> the plan placement of the embedding that describes it (dense parameters: dense allreduce)

@@ -30,7 +30,7 @@ from torch import nn
 
 from sparsync.bench.ddp_baseline import ddp_step_bytes
 from sparsync.bench.demo_plan import AUTO, measure_plan, train_hybrid
-from sparsync.placement.plan import Plan
+from sparsync.plan.planner import Plan
 from sparsync.replicator import PER_REPLICA, DenseAllreduce, ReplicaContext, Replicator
 from sparsync.tables import show_table
 

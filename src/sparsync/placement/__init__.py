@@ -1,28 +1,39 @@
-"""Placement: where each parameter is synchronised (Parallax): dense allreduce, sparse allreduce, sketch, or
-a parameter server; the parameter server itself (``PSTable`` over ``PSClient``, server processes); the plan;
-the partition search; and a hybrid training loop."""
+"""Placement: how each parameter's gradient is synchronised. One interface (``Placement.aggregate``: replace
+the gradients by their sum over the group) with one implementation per way: ``DenseAllreduce``,
+``SparseAllreduce`` (SparCML), ``Compressed`` (any compressor with error feedback, e.g. DCT-DP),
+``CustomReduce``, ``Grouped``, ``ByLayout``, ``Sketch`` (S2), and the parameter server
+(``sparsync.ps.ParameterServer``, Parallax). ``sparsync.plan`` chooses among them; the replicator's
+``wrap_optimizer``, ``DistributedOptimizer``, the DDP hook and ``HybridTrainer`` run them."""
 
-from sparsync.placement.client import PSClient, PSError, PSTimeoutError
-from sparsync.placement.nodes import NodeServers, node_servers
-from sparsync.placement.optim import OptimizerConfig
-from sparsync.placement.process import ServerProcess, start_servers
-from sparsync.placement.server import ServerConfig
-from sparsync.placement.table import PSTable, save_servers, server_stats
-from sparsync.placement.wire import CurveKeys, WireError
+from sparsync.placement.base import NamedParam, Placement, ReduceEnv, aggregate, load_optional_state
+from sparsync.placement.collective import (
+    ByLayout,
+    Compressed,
+    CustomReduce,
+    DenseAllreduce,
+    Grouped,
+    ReduceFn,
+    SparseAllreduce,
+)
+from sparsync.placement.kinds import KINDS, kind_of, objects, resolve
+from sparsync.placement.sketch import Sketch
 
 __all__ = [
-    "CurveKeys",
-    "NodeServers",
-    "OptimizerConfig",
-    "PSClient",
-    "PSError",
-    "PSTable",
-    "PSTimeoutError",
-    "ServerConfig",
-    "ServerProcess",
-    "WireError",
-    "node_servers",
-    "save_servers",
-    "server_stats",
-    "start_servers",
+    "KINDS",
+    "ByLayout",
+    "Compressed",
+    "CustomReduce",
+    "DenseAllreduce",
+    "Grouped",
+    "NamedParam",
+    "Placement",
+    "ReduceEnv",
+    "ReduceFn",
+    "Sketch",
+    "SparseAllreduce",
+    "aggregate",
+    "kind_of",
+    "load_optional_state",
+    "objects",
+    "resolve",
 ]

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from sparsync.placement import wire
-from sparsync.placement.wire import CurveKeys, Header, Op
+from sparsync.ps import wire
+from sparsync.ps.wire import CurveKeys, Header, Op
 
 # handshake outcomes that mean the server will not talk to us with these keys
 _REFUSED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from sparsync.placement.optim import OptimizerConfig, SparseOptimizer, checked_int, checked_real, coalesce
+from sparsync.ps.optim import OptimizerConfig, SparseOptimizer, checked_int, checked_real, coalesce
 
 MODES = ("sync", "async")
 MAX_ROWS = 2**48  # rows of one table: far below int64, so row arithmetic cannot wrap (issue 14: -2^63 did)

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from sparsync.placement import wire
-from sparsync.placement.process import ServerProcess
-from sparsync.placement.server import ServerConfig
-from sparsync.placement.wire import CurveKeys
+from sparsync.ps import wire
+from sparsync.ps.process import ServerProcess
+from sparsync.ps.server import ServerConfig
+from sparsync.ps.wire import CurveKeys
 
 NODE_ADDR_ENV = "SPARSYNC_NODE_ADDR"  # this node's address for its servers, where the route guess is wrong
 

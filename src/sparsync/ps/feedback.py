@@ -14,12 +14,13 @@ tensor, whatever goes over the wire.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from sparsync.compress.base import Compressor, Context, TensorSpec
 from sparsync.compress.memory import ErrorFeedback
+from sparsync.placement.base import load_optional_state
 
 
 class PushFeedback:
@@ -62,19 +63,3 @@ class PushFeedback:
             self.memory, state.get("memory"), "push error-feedback residuals", "push_error_feedback"
         )
         self.compressor.load_state_dict(dict(state.get("compressor", {})))
-
-
-class _Stateful(Protocol):
-    def load_state_dict(self, state: Any) -> None: ...
-
-
-def load_optional_state(target: _Stateful | None, state: Any, what: str, option: str) -> None:
-    """Restore optional per-worker state (residuals) from a checkpoint, refusing a checkpoint that has it when this
-    trainer keeps none (or the reverse): ``option`` names the setting that decides."""
-    if (state is None) != (target is None):
-        raise ValueError(
-            f"the checkpoint {'has no' if state is None else 'has'} {what}, this trainer "
-            f"{'keeps' if target is not None else 'does not keep'} it ({option})"
-        )
-    if target is not None and state is not None:
-        target.load_state_dict(state)

@@ -1,5 +1,5 @@
 """A parameter server in its own OS process: ``ServerProcess`` (start, kill, restart, stop), ``start_servers``
-and the process entry point (``python -m sparsync.placement.process``). The server itself is ``server.py``."""
+and the process entry point (``python -m sparsync.ps.process``). The server itself is ``server.py``."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import IO, Any
 
-from sparsync.placement import wire
-from sparsync.placement.server import ServerConfig, serve
-from sparsync.placement.shard import CheckpointError
-from sparsync.placement.wire import CurveKeys
+from sparsync.ps import wire
+from sparsync.ps.server import ServerConfig, serve
+from sparsync.ps.shard import CheckpointError
+from sparsync.ps.wire import CurveKeys
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m sparsync.placement.process '<ServerConfig JSON>'``. With auth (the default) the keys come as
+    """``python -m sparsync.ps.process '<ServerConfig JSON>'``. With auth (the default) the keys come as
     one JSON line on stdin, ``{"secret": <server secret key>, "clients": [<client public keys>]}``: not on the
     command line, which other users can read."""
     logging.basicConfig(format="sparsync parameter server: %(message)s")
@@ -80,7 +80,7 @@ class ServerProcess:
         # stderr to a file, not a pipe: a pipe no one drains would block a server that logs errors
         self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115  # closed by the next start or kill
         self._proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "sparsync.placement.process", json.dumps(fields)],
+            [*prefix, sys.executable, "-m", "sparsync.ps.process", json.dumps(fields)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,

@@ -40,11 +40,13 @@ from rich.table import Table
 
 from sparsync.compress.sketch import SparseSketch
 from sparsync.costmodel import LinkModel, Problem, algorithm, choose_robust, predict
-from sparsync.placement.detect import ParamStats
+from sparsync.placement.base import Placement
+from sparsync.placement.kinds import KINDS, objects
+from sparsync.plan.detect import ParamStats
 from sparsync.stream import index_dtype_for
 from sparsync.tables import show_table
 
-PLACEMENTS = ("dense_allreduce", "sparse_allreduce", "sketch", "ps")
+PLACEMENTS = KINDS  # the kinds of sparsync.placement a plan chooses among
 
 
 @dataclass(frozen=True)
@@ -123,10 +125,34 @@ class Entry:
 class Plan:
     cluster: Cluster
     entries: tuple[Entry, ...]
+    sketch: SparseSketch | None = None  # the sketch the ``sketch`` entries were priced with
 
     @property
     def bytes_per_machine(self) -> float:
         return sum(e.bytes_per_machine for e in self.entries)
+
+    @property
+    def kinds(self) -> dict[str, str]:
+        """Per parameter name its placement's kind (``sparsync.placement.KINDS``)."""
+        return {e.name: e.placement for e in self.entries}
+
+    def placements(
+        self, *, servers: Placement | None = None, sketch: SparseSketch | None = None
+    ) -> dict[str, Placement]:
+        """The plan as ``sparsync.placement`` objects, for ``DistributedOptimizer(plan=...)``,
+        ``wrap_optimizer`` or ``HybridTrainer(placements=...)``. ``sketch``: the compressor of the ``sketch``
+        entries (default: the one the plan was priced with when given to ``make_plan``, else
+        ``SparseSketch(ratio=0.05)``). ``servers``: the ``ParameterServer`` placement for ``ps`` entries
+        (required when the plan has any: the servers must exist first).
+
+        Raises ValueError when an entry is ``ps`` and ``servers`` is None."""
+        on_ps = [e.name for e in self.entries if e.placement == "ps"]
+        if on_ps and servers is None:
+            raise ValueError(
+                f"the plan places {on_ps} on the parameter server: pass servers= (a ParameterServer "
+                "placement) or use HybridTrainer(placements=plan), which starts the tables"
+            )
+        return objects(self.kinds, sketch=sketch if sketch is not None else self.sketch, servers=servers)
 
     @property
     def seconds(self) -> float:
@@ -301,7 +327,7 @@ def make_plan(
                   machine_row_fraction(s, cluster.procs_per_machine) if s.sparse else 1.0, pl,
                   cand[pl][0], cand[pl][1], cand, s.name in overrides, alg if pl == "sparse_allreduce" else "")
         )  # fmt: skip
-    return Plan(cluster, tuple(entries))
+    return Plan(cluster, tuple(entries), sketch if sketch is not None else SparseSketch(ratio=sketch_ratio))
 
 
 # --- model descriptions -------------------------------------------------------------------------------------

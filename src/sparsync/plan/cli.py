@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsync.netem import parse_latency, parse_rate
-from sparsync.placement.plan import PLACEMENTS, Cluster, levels_from_json, lm_stats, make_plan, stats_from_json
+from sparsync.plan.planner import PLACEMENTS, Cluster, levels_from_json, lm_stats, make_plan, stats_from_json
 from sparsync.tables import show_table
 
 

@@ -25,9 +25,9 @@ import numpy as np
 import zmq
 from zmq.utils import z85
 
-from sparsync.placement import wire
-from sparsync.placement.shard import Shard, ShardConfig, load_checkpoint, save_checkpoint
-from sparsync.placement.wire import CurveKeys, Header, Op
+from sparsync.ps import wire
+from sparsync.ps.shard import Shard, ShardConfig, load_checkpoint, save_checkpoint
+from sparsync.ps.wire import CurveKeys, Header, Op
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,12 @@ import numpy as np
 import torch
 
 from sparsync.handle import Work
-from sparsync.placement import wire
-from sparsync.placement.client import PSClient
-from sparsync.placement.optim import OptimizerConfig
-from sparsync.placement.optim import coalesce as coalesce_rows
-from sparsync.placement.shard import MODES, ShardConfig
-from sparsync.placement.wire import Header, Op
+from sparsync.ps import wire
+from sparsync.ps.client import PSClient
+from sparsync.ps.optim import OptimizerConfig
+from sparsync.ps.optim import coalesce as coalesce_rows
+from sparsync.ps.shard import MODES, ShardConfig
+from sparsync.ps.wire import Header, Op
 
 SPLITS = ("strided", "range")
 

@@ -1,0 +1,87 @@
+"""The one Placement interface: how a set of parameters' gradients is aggregated across the workers of a group.
+
+Every way sparsync synchronises a parameter is one ``Placement`` (Parallax §3.1 calls the choice per variable
+its placement; TF-Replicator §3.4's ``wrap_optimizer`` aggregates by one): the dense allreduce, SparCML's sparse
+allreduce, a compressor with error feedback, S2's sketch (``placement.collective``, ``placement.sketch``) and
+the parameter server (``sparsync.ps.placement``). The replicator's ``wrap_optimizer``, ``DistributedOptimizer``,
+the DDP hook's per-parameter plan and ``HybridTrainer`` all run them through ``aggregate``, the template
+method: group the parameters by placement object in the given order (the same on every worker), and let each
+placement replace its parameters' gradients by their *sum* over the group.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from sparsync.record import CommLog
+
+
+@dataclass(frozen=True)
+class NamedParam:
+    name: str
+    param: torch.nn.Parameter
+
+
+@dataclass(frozen=True)
+class ReduceEnv:
+    """What a placement may use: the group (one member per replica) and where to log bytes."""
+
+    group: dist.ProcessGroup
+    num_replicas: int
+    timeout: float | None = None
+    log: CommLog | None = None
+
+
+class Placement(ABC):
+    """How a set of parameters' gradients is aggregated across replicas. ``kind`` is the name a plan uses
+    (``sparsync.plan``'s placement strings: ``dense_allreduce``, ``sparse_allreduce``, ``sketch``, ``ps``)."""
+
+    kind: str = "placement"
+
+    @abstractmethod
+    def aggregate(self, params: list[NamedParam], env: ReduceEnv) -> None:
+        """Replace ``p.grad`` of every given parameter (all have a gradient) by its sum over replicas.
+        Mutates ``p.grad``; collective over ``env.group``: every replica calls it with the same parameters."""
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """Per-worker state a checkpoint must keep (residuals, counters); None when there is none."""
+        return None
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        del state  # stateless by default
+
+
+def aggregate(plan: Mapping[str, Placement], params: Iterable[NamedParam], env: ReduceEnv) -> None:
+    """The template method: every parameter with a gradient, grouped by its placement object (first
+    appearance in ``params`` order), replaced by its sum over ``env.group``. Parameters without a gradient are
+    skipped (they must lack it on every replica)."""
+    groups: dict[int, tuple[Placement, list[NamedParam]]] = {}
+    for p in params:
+        if p.param.grad is None:
+            continue
+        pl = plan[p.name]
+        groups.setdefault(id(pl), (pl, []))[1].append(p)
+    for pl, members in groups.values():
+        pl.aggregate(members, env)
+
+
+class _Stateful(Protocol):
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+def load_optional_state(target: _Stateful | None, state: Any, what: str, option: str) -> None:
+    """Restore optional per-worker state (residuals) from a checkpoint, refusing a checkpoint that has it when this
+    worker keeps none (or the reverse): ``option`` names the setting that decides."""
+    if (state is None) != (target is None):
+        raise ValueError(
+            f"the checkpoint {'has no' if state is None else 'has'} {what}, this trainer "
+            f"{'keeps' if target is not None else 'does not keep'} it ({option})"
+        )
+    if target is not None and state is not None:
+        target.load_state_dict(state)

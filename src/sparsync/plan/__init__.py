@@ -1,0 +1,32 @@
+"""Planning (Parallax §2.2, §3): which parameters are sparse and how many rows a step touches (``detect``), a
+placement per parameter by predicted communication time (``planner``: Table 3 with the α-β model), and the
+partition search for the parameter server (``partition``: §3.2)."""
+
+from sparsync.plan.detect import ParamStats, RowFractionMeter, embedding_modules, sparse_param_names
+from sparsync.plan.partition import PartitionSearch, fit_iteration_time, search_partitions
+from sparsync.plan.planner import (
+    PLACEMENTS,
+    Cluster,
+    Entry,
+    Plan,
+    machine_row_fraction,
+    make_plan,
+    zipf_row_fraction,
+)
+
+__all__ = [
+    "PLACEMENTS",
+    "Cluster",
+    "Entry",
+    "ParamStats",
+    "PartitionSearch",
+    "Plan",
+    "RowFractionMeter",
+    "embedding_modules",
+    "fit_iteration_time",
+    "machine_row_fraction",
+    "make_plan",
+    "search_partitions",
+    "sparse_param_names",
+    "zipf_row_fraction",
+]
