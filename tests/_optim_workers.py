@@ -11,8 +11,8 @@ from torch import nn
 
 from sparsync.compress import ErrorFeedback, TopK
 from sparsync.optim import DistributedOptimizer
+from sparsync.placement import Compressed
 from sparsync.record import CommLog
-from sparsync.replicator.optimizer import Compressed
 
 VOCAB, DIM, STEPS = 500, 6, 4
 

@@ -21,8 +21,9 @@ import torch
 import torch.distributed as dist
 
 from sparsync.group import resolve_group
+from sparsync.placement import Placement, ReduceEnv
 from sparsync.record import CommLog
-from sparsync.replicator.optimizer import Placement, PlanSpec, ReduceEnv, ReplicatedOptimizer
+from sparsync.replicator.optimizer import PlanSpec, ReplicatedOptimizer
 
 
 class DistributedOptimizer(torch.optim.Optimizer):

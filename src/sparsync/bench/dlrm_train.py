@@ -54,8 +54,8 @@ from sparsync.bench.hybrid import ps_remote_bytes
 from sparsync.bench.omnireduce import block_allreduce
 from sparsync.compress import ErrorFeedback, SparseSketch, Threshold
 from sparsync.optim import DistributedOptimizer
+from sparsync.placement import Compressed, CustomReduce, Placement
 from sparsync.record import CommLog
-from sparsync.replicator.optimizer import Compressed, CustomReduce, Placement
 
 METHODS = ("torch_ddp_dense", "torch_ddp_sparse", "sparsync", "sparsync_dct")
 PS_METHODS = ("sparsync_ps", "sparsync_ps_split", "sparsync_hybrid")

@@ -11,19 +11,11 @@ from typing import ClassVar
 
 import torch
 
-from sparsync.compress.base import (
-    NO_CONTEXT,
-    Context,
-    SparsePayload,
-    Sparsifier,
-    check_positive_int,
-    count_for,
-    selected,
-)
+from sparsync.compress import base
 
 
 @dataclass(frozen=True, eq=False)
-class BlockTopK(Sparsifier):
+class BlockTopK(base.Sparsifier):
     """Keep the blocks of largest ℓ2 norm."""
 
     name: ClassVar[str] = "blocktopk"
@@ -32,13 +24,13 @@ class BlockTopK(Sparsifier):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # ratio: the fraction of blocks kept
-        check_positive_int(self.block, "block")
+        base.check_positive_int(self.block, "block")
 
-    def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> SparsePayload:
+    def compress(self, tensor: torch.Tensor, ctx: base.Context = base.NO_CONTEXT) -> base.SparsePayload:
         flat = tensor.reshape(-1)
         n = flat.numel()
         nb = -(-n // self.block)
         sq = torch.nn.functional.pad(flat * flat, (0, nb * self.block - n)).reshape(nb, self.block)
-        top = torch.topk(sq.sum(1), count_for(self.ratio, nb), sorted=False).indices
+        top = torch.topk(sq.sum(1), base.count_for(self.ratio, nb), sorted=False).indices
         pos = (top.unsqueeze(1) * self.block + torch.arange(self.block)).reshape(-1)
-        return selected(flat, None, pos[pos < n], n)
+        return base.selected(flat, None, pos[pos < n], n)

@@ -14,39 +14,30 @@ import torch
 
 from sparsync.buffers import fresh
 from sparsync.collectives.tensor import coo_to_stream
-from sparsync.compress.base import (
-    NO_CONTEXT,
-    Compressor,
-    Context,
-    DensePayload,
-    Payload,
-    SparsePayload,
-    TensorSpec,
-    sparse_to_tensor,
-)
+from sparsync.compress import base
 from sparsync.stream import SparseStream
 
 
 @dataclass(frozen=True, eq=False)
-class _Cast(Compressor):
+class _Cast(base.Compressor):
     accepts_sparse: ClassVar[bool] = True
     wire_dtype: ClassVar[torch.dtype]
 
-    def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> Payload:
+    def compress(self, tensor: torch.Tensor, ctx: base.Context = base.NO_CONTEXT) -> base.Payload:
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"{self.name} compresses floating tensors, got {tensor.dtype}")
         if tensor.is_sparse:
             s = coo_to_stream(tensor)
-            return SparsePayload(
+            return base.SparsePayload(
                 SparseStream(s.indices, s.values.to(self.wire_dtype), s.dim, row=s.row, validate=False)
             )
         # a cast is a fresh tensor (unless already in the wire dtype): the allreduce sums into it, no copy
-        return DensePayload(tensor.to(self.wire_dtype), owned=tensor.dtype != self.wire_dtype)
+        return base.DensePayload(tensor.to(self.wire_dtype), owned=tensor.dtype != self.wire_dtype)
 
-    def decompress(self, payload: Payload, spec: TensorSpec) -> torch.Tensor:
-        if isinstance(payload, SparsePayload):
-            return sparse_to_tensor(payload, spec)
-        assert isinstance(payload, DensePayload)
+    def decompress(self, payload: base.Payload, spec: base.TensorSpec) -> torch.Tensor:
+        if isinstance(payload, base.SparsePayload):
+            return base.sparse_to_tensor(payload, spec)
+        assert isinstance(payload, base.DensePayload)
         if spec.dtype != torch.float32:
             return payload.values.to(spec.dtype).reshape(spec.shape)
         out = fresh(spec.numel)  # the widening copy writes fresh memory: huge pages make that cheap

@@ -9,33 +9,24 @@ from typing import ClassVar
 import torch
 
 from sparsync.collectives.tensor import coo_to_stream
-from sparsync.compress.base import (
-    NO_CONTEXT,
-    Compressor,
-    Context,
-    DensePayload,
-    Payload,
-    SparsePayload,
-    TensorSpec,
-    sparse_to_tensor,
-)
+from sparsync.compress import base
 
 
 @dataclass(frozen=True, eq=False)
-class Identity(Compressor):
+class Identity(base.Compressor):
     """Sends the tensor as it is."""
 
     name: ClassVar[str] = "identity"
     accepts_sparse: ClassVar[bool] = True
     unbiased: ClassVar[bool] = True
 
-    def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> Payload:
+    def compress(self, tensor: torch.Tensor, ctx: base.Context = base.NO_CONTEXT) -> base.Payload:
         if tensor.is_sparse:
-            return SparsePayload(coo_to_stream(tensor))
-        return DensePayload(tensor)
+            return base.SparsePayload(coo_to_stream(tensor))
+        return base.DensePayload(tensor)
 
-    def decompress(self, payload: Payload, spec: TensorSpec) -> torch.Tensor:
-        if isinstance(payload, SparsePayload):
-            return sparse_to_tensor(payload, spec)
-        assert isinstance(payload, DensePayload)
+    def decompress(self, payload: base.Payload, spec: base.TensorSpec) -> torch.Tensor:
+        if isinstance(payload, base.SparsePayload):
+            return base.sparse_to_tensor(payload, spec)
+        assert isinstance(payload, base.DensePayload)
         return payload.values.to(spec.dtype).reshape(spec.shape)

@@ -18,19 +18,12 @@ from typing import Any, ClassVar
 
 import torch
 
-from sparsync.compress.base import (
-    NO_CONTEXT,
-    Context,
-    SparsePayload,
-    Sparsifier,
-    count_for,
-    selected,
-)
+from sparsync.compress import base
 from sparsync.stream import SparseStream
 
 
 @dataclass(frozen=True, eq=False)
-class RandomK(Sparsifier):
+class RandomK(base.Sparsifier):
     """Unbiased random sparsification: ``ratio`` is the fraction of coordinates sent."""
 
     name: ClassVar[str] = "randomk"
@@ -40,19 +33,19 @@ class RandomK(Sparsifier):
     shared: bool = True  # same coordinates on every rank (True) or independent per rank
     _calls: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
-    def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> SparsePayload:
+    def compress(self, tensor: torch.Tensor, ctx: base.Context = base.NO_CONTEXT) -> base.SparsePayload:
         flat = tensor.reshape(-1)
         n = flat.numel()
-        k = count_for(self.ratio, n)
+        k = base.count_for(self.ratio, n)
         call = self._calls.get(ctx.name, 0)
         self._calls[ctx.name] = call + 1
         key = [self.seed, zlib.crc32(ctx.name.encode()), call, 0 if self.shared else ctx.rank + 1]
         g = torch.Generator().manual_seed(hash(tuple(key)) & 0x7FFF_FFFF_FFFF_FFFF)
         if k == n:
-            return selected(flat, None, torch.arange(n), n, presorted=True)
+            return base.selected(flat, None, torch.arange(n), n, presorted=True)
         pos, hits = torch.unique(torch.randint(0, n, (k,), generator=g), sorted=True, return_counts=True)
         vals = flat[pos] * (hits.to(flat.dtype) * (n / k))
-        return SparsePayload(SparseStream(pos, vals, n, validate=False))
+        return base.SparsePayload(SparseStream(pos, vals, n, validate=False))
 
     def state_dict(self) -> dict[str, Any]:
         return {"calls": dict(self._calls)}

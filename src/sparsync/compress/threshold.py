@@ -18,20 +18,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from sparsync.compress.base import (
-    NO_CONTEXT,
-    Context,
-    SparsePayload,
-    Sparsifier,
-    check_positive_int,
-    count_for,
-    flat_values,
-    selected,
-)
+from sparsync.compress import base
 
 
 @dataclass(frozen=True, eq=False)
-class Threshold(Sparsifier):
+class Threshold(base.Sparsifier):
     """Hard threshold with a threshold recomputed every ``lifespan`` calls per name."""
 
     name: ClassVar[str] = "threshold"
@@ -42,23 +33,23 @@ class Threshold(Sparsifier):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # ratio: the paper's sparsity factor η, the fraction kept when τ is recomputed
-        check_positive_int(self.lifespan, "lifespan")
+        base.check_positive_int(self.lifespan, "lifespan")
 
     def threshold(self, name: str = "") -> float | None:
         """Current τ for ``name`` (None before its first call)."""
         st = self._state.get(name)
         return None if st is None else float(st[1])
 
-    def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> SparsePayload:
-        values, indices = flat_values(tensor)
+    def compress(self, tensor: torch.Tensor, ctx: base.Context = base.NO_CONTEXT) -> base.SparsePayload:
+        values, indices = base.flat_values(tensor)
         st = self._state.setdefault(ctx.name, [0, 0.0])
         n = values.numel()
         if st[0] % self.lifespan == 0 and n:
-            k = count_for(self.ratio, n)
+            k = base.count_for(self.ratio, n)
             st[1] = float(torch.kthvalue(values.abs(), n - k + 1).values)
         st[0] += 1
         pos = _mask_positions(values, st[1])
-        return selected(values, indices, pos, tensor.numel(), presorted=True)
+        return base.selected(values, indices, pos, tensor.numel(), presorted=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {name: {"calls": st[0], "tau": st[1]} for name, st in self._state.items()}

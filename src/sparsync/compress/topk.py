@@ -13,20 +13,11 @@ from typing import ClassVar
 
 import torch
 
-from sparsync.compress.base import (
-    NO_CONTEXT,
-    Context,
-    SparsePayload,
-    Sparsifier,
-    check_positive_int,
-    count_for,
-    flat_values,
-    selected,
-)
+from sparsync.compress import base
 
 
 @dataclass(frozen=True, eq=False)
-class TopK(Sparsifier):
+class TopK(base.Sparsifier):
     """Keep the largest-magnitude entries (of the stored entries, for a sparse COO input)."""
 
     name: ClassVar[str] = "topk"
@@ -37,16 +28,16 @@ class TopK(Sparsifier):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.bucket is not None:
-            check_positive_int(self.bucket, "bucket")
+            base.check_positive_int(self.bucket, "bucket")
 
-    def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> SparsePayload:
-        values, indices = flat_values(tensor)
+    def compress(self, tensor: torch.Tensor, ctx: base.Context = base.NO_CONTEXT) -> base.SparsePayload:
+        values, indices = base.flat_values(tensor)
         n = values.numel()
         if self.bucket is None or n <= self.bucket:
-            pos = largest(values.abs(), count_for(self.ratio, n))
+            pos = largest(values.abs(), base.count_for(self.ratio, n))
         else:
-            pos = _bucket_topk(values.abs(), self.bucket, count_for(self.ratio, self.bucket))
-        return selected(values, indices, pos, tensor.numel())
+            pos = _bucket_topk(values.abs(), self.bucket, base.count_for(self.ratio, self.bucket))
+        return base.selected(values, indices, pos, tensor.numel())
 
 
 SAMPLE = 1 << 16  # magnitudes sampled to pick the candidates' threshold (``largest``)

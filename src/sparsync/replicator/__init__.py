@@ -2,11 +2,7 @@
 N local processes or under torchrun; cross-replica primitives; ``wrap_optimizer`` with a per-parameter plan;
 logical devices for model parallelism with DCT-MP at each split (DCT §2.2)."""
 
-from sparsync.replicator.context import ReplicaContext
-from sparsync.replicator.dctmp import DCTMP
-from sparsync.replicator.inputs import PER_REPLICA, PER_WORKER, InputReplication, split_batch
-from sparsync.replicator.logical import Remote, SplitRecord
-from sparsync.replicator.optimizer import (
+from sparsync.placement import (
     ByLayout,
     Compressed,
     CustomReduce,
@@ -15,9 +11,14 @@ from sparsync.replicator.optimizer import (
     NamedParam,
     Placement,
     ReduceEnv,
-    ReplicatedOptimizer,
+    Sketch,
     SparseAllreduce,
 )
+from sparsync.replicator.context import ReplicaContext
+from sparsync.replicator.dctmp import DCTMP
+from sparsync.replicator.inputs import PER_REPLICA, PER_WORKER, InputReplication, split_batch
+from sparsync.replicator.logical import Remote, SplitRecord
+from sparsync.replicator.optimizer import PlanSpec, ReplicatedOptimizer
 from sparsync.replicator.replicator import Replicator
 
 __all__ = [
@@ -32,11 +33,13 @@ __all__ = [
     "InputReplication",
     "NamedParam",
     "Placement",
+    "PlanSpec",
     "ReduceEnv",
     "Remote",
     "ReplicaContext",
     "ReplicatedOptimizer",
     "Replicator",
+    "Sketch",
     "SparseAllreduce",
     "SplitRecord",
     "split_batch",

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from sparsync.collectives.allreduce import refuse
+from sparsync.placement import Placement, ReduceEnv
 from sparsync.record import CommLog
 from sparsync.replicator import primitives as prim
 from sparsync.replicator.dctmp import DCTMP
@@ -24,7 +25,7 @@ from sparsync.replicator.inputs import (
     per_worker,
 )
 from sparsync.replicator.logical import LogicalDevices, Remote, SplitRecord
-from sparsync.replicator.optimizer import Placement, PlanSpec, ReduceEnv, ReplicatedOptimizer
+from sparsync.replicator.optimizer import PlanSpec, ReplicatedOptimizer
 
 OUTPUTS = ("local", "gather", "mean", "sum")
 

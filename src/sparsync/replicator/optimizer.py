@@ -8,7 +8,7 @@ averages, §3.4; the sum is explicit, never implied).
 
 The placements (``DenseAllreduce``, ``SparseAllreduce``, ``Compressed``, ``CustomReduce``, ``Grouped``,
 ``ByLayout``, ``Sketch``) are ``sparsync.placement``'s, the one interface ``HybridTrainer`` and the DDP hook use
-too; this module re-exports them.
+too (``sparsync.replicator`` re-exports them).
 """
 
 from __future__ import annotations
@@ -19,35 +19,9 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from sparsync.placement import (
-    ByLayout,
-    Compressed,
-    CustomReduce,
-    DenseAllreduce,
-    Grouped,
-    NamedParam,
-    Placement,
-    ReduceEnv,
-    Sketch,
-    SparseAllreduce,
-    aggregate,
-)
+from sparsync.placement import ByLayout, NamedParam, Placement, ReduceEnv, aggregate
 from sparsync.replicator import primitives as prim
 
-__all__ = [
-    "ByLayout",
-    "Compressed",
-    "CustomReduce",
-    "DenseAllreduce",
-    "Grouped",
-    "NamedParam",
-    "Placement",
-    "PlanSpec",
-    "ReduceEnv",
-    "ReplicatedOptimizer",
-    "Sketch",
-    "SparseAllreduce",
-]
 OPS = ("mean", "sum")
 
 
