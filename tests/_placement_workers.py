@@ -79,7 +79,7 @@ def trainer_worker(rank: int, addresses: list[str], cases: list[dict[str, Any]])
     out = []
     for i, c in enumerate(cases):
         model = TwoEmbLM()
-        placements: dict[str, str] = c["placements"]
+        placements: dict[str, Any] = c["placements"]
         local = [n for n, pl in placements.items() if pl != "ps"]
         o_d, o_s = optimizers(model, c["opt"], local)
         cfg = HybridConfig(

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from sparsync import launch
-from sparsync.compress import SparseSketch, TensorSpec, Threshold
+from sparsync.compress import Identity, SparseSketch, TensorSpec, Threshold
 from sparsync.costmodel import ALGORITHMS
-from sparsync.placement import DenseAllreduce, Placement, Sketch, SparseAllreduce, resolve
+from sparsync.placement import Compressed, DenseAllreduce, Placement, Sketch, SparseAllreduce, resolve
 from sparsync.plan.detect import ParamStats
 from sparsync.plan.planner import Cluster, make_plan
 from sparsync.ps import ServerProcess, start_servers
@@ -27,12 +27,15 @@ from sparsync.ps.feedback import PushFeedback
 
 MIXED = {"words.weight": "ps", "tags.weight": "sparse_allreduce", "hidden.weight": "dense_allreduce",
          "hidden.bias": "dense_allreduce", "out.weight": "ps", "out.bias": "dense_allreduce"}  # fmt: skip
+# placement objects, as wrap_optimizer takes them: a compressor (lossless here) and a fixed SparCML algorithm
+OBJECTS = {**MIXED, "hidden.weight": Compressed(Identity()), "tags.weight": SparseAllreduce(algorithm="allgather")}
 SGD_MEAN = {"opt": "sgd", "reduce": "mean", "steps": 3}
 CASES = [
     dict(placements=MIXED, opt="sgd", reduce="sum", steps=3),
     dict(placements=MIXED, one_machine=True, **SGD_MEAN),  # local aggregation of words, whole-table out.weight
     dict(placements={**MIXED, "out.weight": "dense_allreduce"}, opt="adam", reduce="mean", steps=3),
     dict(placements={**MIXED, "tags.weight": "sketch", "words.weight": "sketch"}, ef=True, **SGD_MEAN),
+    dict(placements=OBJECTS, **SGD_MEAN),
 ]
 
 
@@ -53,7 +56,7 @@ def test_mixed_placements_equal_single_process(servers: list[ServerProcess], wor
     init = dict(plw.TwoEmbLM().named_parameters())
     for i, c in enumerate(CASES):
         ref = plw.reference(world, int(c["steps"]), str(c["opt"]), str(c["reduce"]))  # type: ignore[call-overload]
-        placements: dict[str, str] = c["placements"]  # type: ignore[assignment]
+        placements: dict[str, Any] = c["placements"]  # type: ignore[assignment]
         for n, want in ref.items():
             assert (want - init[n]).abs().max() > 1e-4, n  # training moved every parameter
             ranks = [0] if placements[n] == "ps" else range(world)  # the servers' copy, or every replica
