@@ -3,7 +3,7 @@ the gradients by their sum over the group) with one implementation per way: ``De
 ``SparseAllreduce`` (SparCML), ``Compressed`` (any compressor with error feedback, e.g. DCT-DP),
 ``CustomReduce``, ``Grouped``, ``ByLayout``, ``Sketch`` (S2), and the parameter server
 (``sparsync.ps.ParameterServer``, Parallax). ``sparsync.plan`` chooses among them; the replicator's
-``wrap_optimizer``, ``DistributedOptimizer``, the DDP hook and ``HybridTrainer`` run them."""
+``wrap_optimizer``, ``DistributedOptimizer`` and ``HybridTrainer`` run them."""
 
 from sparsync.placement.base import NamedParam, Placement, ReduceEnv, aggregate, load_optional_state
 from sparsync.placement.collective import (
