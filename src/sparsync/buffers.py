@@ -1,4 +1,4 @@
-"""Fresh result buffers that are cheap to write the first time (issue 15: a decode into a fresh 100 MB result,
+"""Fresh result buffers that are cheap to write the first time (a decode into a fresh 100 MB result,
 or the scatter of a sparse result into one, spent more time in page faults than in its own work)."""
 
 from __future__ import annotations

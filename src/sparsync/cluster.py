@@ -1,4 +1,4 @@
-"""Emulated hosts: N network namespaces on one shaped bridge, each running k ranks under torchrun (issue 18).
+"""Emulated hosts: N network namespaces on one shaped bridge, each running k ranks under torchrun.
 
 Each host is one namespace of ``sparsync.netem`` (one veth onto a bridge, both directions shaped by tc tbf).
 Its k ranks share the namespace: traffic between them stays on the host's loopback, and traffic between hosts

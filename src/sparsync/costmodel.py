@@ -1,7 +1,7 @@
 """The α-β(-γ) cost model of SparCML §4 and the policy that picks an allreduce algorithm from it.
 
 Data (``LinkModel``, ``Problem``) is kept apart from the selection policy (``choose_fastest``), so a user can
-set a measured or assumed link, or replace the policy (STYLE 8).
+set a measured or assumed link, or replace the policy.
 
 Where the paper is vague we chose:
 - The paper gives each algorithm's time as a range between full overlap and no overlap of the index sets. To
@@ -111,7 +111,7 @@ class Problem:
     # Payloads up to this many bytes ride in the metadata round from the next call on, once this call has run
     # allgather (the adaptive eager region, collectives/_meta.py); 0: no such region.
     eager_limit: int = 0
-    # Values per entry (issue 13): a row-sparse stream is priced as R entries of ``value_bytes`` = b·isize each;
+    # Values per entry: a row-sparse stream is priced as R entries of ``value_bytes`` = b·isize each;
     # the γ terms charge a row as one index plus b - 1 more values moved (``per_row``).
     row: int = 1
     # (m, rows in the union of m ranks' inputs) estimated from the ranks' sketches (collectives/_hll.py), in
@@ -218,7 +218,7 @@ def _allgather_inline(p: Problem) -> bool:
 def metadata_time(p: Problem, link: LinkModel) -> float:
     """The metadata round (collectives/_meta.py): an allgather (``gather_latency``) of one row per rank, carrying
     every rank's payload when ``p.eager``. The same for every algorithm, so it never changes a choice; it is
-    counted so that predictions compare with measured call times (issue 13: leaving it out under-predicted
+    counted so that predictions compare with measured call times (leaving it out under-predicted
     small calls 2-15x)."""
     P = p.world_size
     if P == 1:
@@ -354,7 +354,7 @@ def _bytes_dense(p: Problem) -> float:
 
 @dataclass(frozen=True)
 class Algorithm:
-    """One SparCML sparse allreduce algorithm, everything sparsync knows of it in one object (issue 16): auto
+    """One SparCML sparse allreduce algorithm, everything sparsync knows of it in one object: auto
     (``predict`` and the policies), the plan (``nbytes``), the metadata round (``code``), calibration and the
     collectives (``run``) all iterate over ``REGISTRY``. Adding an algorithm is one more entry there, its
     ``time`` and ``nbytes`` here and its runner in its own module.
@@ -443,7 +443,7 @@ def choose_robust(
     """The default policy of ``sparse_allreduce``: the simplest candidate (``SIMPLICITY`` order) whose
     predicted time is within ``margin`` of the fastest prediction.
 
-    Why (issue 13): on this 2-core VM behind tc-shaped links the model's predictions miss measured times by
+    Why: on this 2-core VM behind tc-shaped links the model's predictions miss measured times by
     1.5-2x, mostly by the same factor for every algorithm, so clear wins are reliable but near-ties are not.
     In near-ties the algorithm with more dependent phases lost in every measured case: the split algorithms
     (an all-to-all, then an allgather) against allgather at P = 4 on embedding gradients (model 21.5 vs 22.2 ms,

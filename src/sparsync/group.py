@@ -2,7 +2,7 @@
 
 torch's ProcessGroup accepts no attributes, so the state lives in a WeakKeyDictionary keyed by the group: it
 is created on first use and dies with the group, the same lifetime as an attribute would have. This is the one
-module-level container in sparsync (STYLE 6): nothing in it outlives its group or is shared between groups.
+module-level container in sparsync: nothing in it outlives its group or is shared between groups.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def background_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGrou
     Work sparsync runs beside the caller's (DDP comm hooks, reductions on the queue thread) goes here, not on
     the caller's group: a model that issues collectives of its own in backward (DLRM's alltoall) would
     otherwise interleave them with sparsync's in a different order on each rank, which hangs or makes gloo
-    abort on a "collective mismatch" (issue 14, part 6). Collective on the first call for a group: every rank
+    abort on a "collective mismatch". Collective on the first call for a group: every rank
     of ``group`` calls it, in the same order relative to any other group creation (at hook registration,
     which every rank does). The new group has ``group``'s backend and timeout.
     """
@@ -121,7 +121,7 @@ def stop_queues(*, wait: bool = True) -> None:
     """Stop every group's queue thread, joining it with ``wait=True`` (after the queued work ran); with
     ``wait=False`` queued work not yet started is dropped. Part of an orderly teardown before
     ``destroy_process_group``: a gloo group torn down under a live queue thread, or left to interpreter exit,
-    aborts the process ("terminate called without an active exception", issue 14, part 6)."""
+    aborts the process ("terminate called without an active exception")."""
     for state in list(_STATES.values()):
         with state.lock:
             executor, state.executor = state.executor, None
@@ -132,7 +132,7 @@ def stop_queues(*, wait: bool = True) -> None:
 def set_deterministic(*, group: dist.ProcessGroup | None = None, link: LinkModel = REFERENCE_LINK) -> None:
     """Make "auto" on ``group`` choose from ``link`` (default ``REFERENCE_LINK``) instead of a link measured by
     timing, so that its choices, and with them the summation order, depend on the calls' data only: two runs
-    with the same seeds and data give the same bits (issue 14). Call it on every rank, before the first call.
+    with the same seeds and data give the same bits. Call it on every rank, before the first call.
 
     Example::
 

@@ -1,4 +1,4 @@
-"""The one async handle type (STYLE 5): ``wait()`` returns the result, ``then()`` chains a function."""
+"""The one async handle type: ``wait()`` returns the result, ``then()`` chains a function."""
 
 from __future__ import annotations
 

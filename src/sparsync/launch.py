@@ -4,8 +4,8 @@ Local mode spawns ``nprocs`` processes; the parent hosts the rendezvous ``TCPSto
 the OS picks (no probing race, nothing reachable from other hosts). A rank that raises makes ``launch`` raise
 ``LaunchError`` with that rank's traceback after the other ranks are terminated (then killed); a rank that dies
 or is stopped is named with its exit status, whichever rank's error arrives first. No orphans: SIGTERM to the
-launcher terminates the ranks first, and a rank exits when the launcher dies, even by SIGKILL (issue 14,
-part 3). Under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment) this process joins
+launcher terminates the ranks first, and a rank exits when the launcher dies, even by SIGKILL.
+Under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment) this process joins
 torchrun's group instead and runs ``fn`` once, so the same script scales from one machine to many.
 """
 
@@ -133,7 +133,7 @@ def _teardown(*, wait: bool) -> None:
     """Orderly end of a rank: fn's leftover objects in reference cycles (autograd graphs holding gloo work)
     are freed, sparsync's queue threads joined (``wait``) or dropped, then every group is destroyed. Left to
     interpreter exit, in whatever order, they aborted 4 of 24 torchrun runs of a ``wrap_optimizer`` training
-    ("terminate called without an active exception"; issue 14, part 6)."""
+    ("terminate called without an active exception")."""
     gc.collect()
     stop_queues(wait=wait)
     dist.destroy_process_group()
@@ -141,7 +141,7 @@ def _teardown(*, wait: bool) -> None:
 
 def _die_with(parent: int) -> None:
     """Make this rank exit when the launcher (pid ``parent``) dies, even by SIGKILL: a launcher killed while its
-    ranks ran left every rank running (3 of 3 runs, issue 14). On Linux the kernel sends SIGKILL
+    ranks ran left every rank running (3 of 3 runs). On Linux the kernel sends SIGKILL
     (PR_SET_PDEATHSIG) when the *thread* that spawned us exits; ``launch`` blocks in that thread until its ranks
     are reaped, so that is the launcher's death. Elsewhere, or if prctl fails, a daemon thread polls the
     parent pid."""
@@ -321,7 +321,7 @@ def _spawn(
 def _background() -> None:
     """sparsync's own group beside the world group, made now while every rank is at the same point: made
     later, at the first async call, its connection setup could meet a rank busy in a collective of the
-    caller's and wait for it (issue 14, part 6; ``collectives.allreduce.comm_group``)."""
+    caller's and wait for it (``collectives.allreduce.comm_group``)."""
     if dist.get_world_size() > 1:
         background_group()
 
@@ -403,7 +403,7 @@ def _read(
 def _failure(procs: list[Any], seen: set[int], errors: list[tuple[int, str]]) -> LaunchError | None:
     """The error to raise, naming the root cause whichever report came first: a rank that died without
     reporting (its exit code or signal) or one that is stopped goes before the errors its peers then raised,
-    which name it only sometimes (12 of 32 PeerErrors after a kill -9, issue 14); else the first error that
+    which name it only sometimes (12 of 32 PeerErrors after a kill -9); else the first error that
     is not a peer's failure, else the first error."""
     culprits: list[tuple[int, str, int | None]] = []
     for r, p in enumerate(procs):

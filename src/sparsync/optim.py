@@ -1,4 +1,4 @@
-"""``DistributedOptimizer``: drop sparsync into an existing training script in two lines (issue 17, item 3).
+"""``DistributedOptimizer``: drop sparsync into an existing training script in two lines.
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt = sparsync.DistributedOptimizer(opt, model)        # after dist.init_process_group(...)

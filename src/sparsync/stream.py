@@ -4,7 +4,7 @@ SparCML §3. A stream starts sparse and switches to the dense format once its st
 ``delta = N * isize / (c + isize)`` (c = index bytes, isize = value bytes): beyond that point the sparse
 encoding would put more bytes on the wire than the dense one.
 
-Row-sparse streams (issue 13; SparCML is element-granular, this is our extension): with ``row=b`` the vector
+Row-sparse streams (SparCML is element-granular, this is our extension): with ``row=b`` the vector
 is R = N / b rows of b contiguous values, and each index addresses a whole row (an embedding row, the
 gradient of ``nn.Embedding(sparse=True)``). A row costs one index for b values, so the switch to dense comes
 at ``delta = R * b * isize / (c + b * isize)`` stored rows, and merges sum whole rows at once. ``row=1`` is
@@ -52,7 +52,7 @@ def dense_threshold(dim: int, value_dtype: torch.dtype, row: int = 1) -> int:
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Sums of fp16/bf16 are accumulated in float32 and rounded once (issue 13)."""
+    """Sums of fp16/bf16 are accumulated in float32 and rounded once."""
     return torch.float32 if dtype in _HALF else dtype
 
 

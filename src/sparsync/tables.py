@@ -1,4 +1,4 @@
-"""Printing rich tables so that they stay readable wherever the output goes (issue 16, item 7)."""
+"""Printing rich tables so that they stay readable wherever the output goes."""
 
 from __future__ import annotations
 

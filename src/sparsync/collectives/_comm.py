@@ -53,7 +53,7 @@ class Comm:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Named timing scope (STYLE 10), so a benchmark can print where the time and the bytes went."""
+        """Named timing scope, so a benchmark can print where the time and the bytes went."""
         t0, outer = time.perf_counter(), self._phase
         self._phase = name
         try:

@@ -1,4 +1,4 @@
-"""A HyperLogLog sketch of each rank's row ids, carried in the metadata round (issue 13).
+"""A HyperLogLog sketch of each rank's row ids, carried in the metadata round.
 
 The cost model needs the size of sums of several ranks' streams (the union of their index sets) before any
 data moves. SparCML §4 gives each algorithm's time as a range between identical and disjoint index sets; our

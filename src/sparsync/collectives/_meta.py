@@ -12,7 +12,7 @@ the call needs no second round, which is what decides the latency-bound, very sp
 Blocks are self-delimiting (the row says how many payload bytes follow), and every receive is posted for the
 largest block a rank may send (``ROW_BYTES + EAGER_MAX``; gloo takes a shorter message into a longer posted
 receive). So each rank sends only its own row and payload: a small call never pays for an earlier large one
-(issue 13: a 19-element reduction after an embedding-sized allgather sent 102,464 bytes, now 2,112 at most),
+(a 19-element reduction after an embedding-sized allgather sent 102,464 bytes, now 2,112 at most),
 and ranks that disagree about a call still exchange well-formed messages and raise the same ValueError.
 
 How much payload a rank inlines: up to EAGER_BYTES by default. After a call that ran ``allgather`` (chosen by
@@ -193,7 +193,7 @@ def exchange_meta(
 ) -> Meta:
     """``bad``: an out-of-range index this rank found in its input; every rank then raises the same
     ValueError naming it (the stream passed is a placeholder). ``shape``: (layout, full shape) of the tensor
-    the caller was given, so tensors of one size but different shapes are refused (issue 14: (5, 2) and (2, 5)
+    the caller was given, so tensors of one size but different shapes are refused ((5, 2) and (2, 5)
     were summed). ``auto_key``: ``auto_fingerprint`` of the link model and policy auto will use."""
     nan_pos, kind = -1, 0
     # Issue 14: ±Inf is refused like NaN, since +Inf on one rank and -Inf on another would silently sum to NaN.
@@ -307,7 +307,7 @@ def first_nonfinite(values: torch.Tensor) -> int:
 def report_refusal(comm: Comm, op: str, seq: int, error: Exception) -> None:
     """This rank refused its input before its call (wrong type, dtype, option...): send a row saying so, with
     the message as its payload, into the metadata round the other ranks are in, so that they raise it too at
-    once instead of waiting for the timeout (issue 14). The caller raises ``error`` afterwards."""
+    once instead of waiting for the timeout. The caller raises ``error`` afterwards."""
     row = torch.zeros(_COL["refused"] + 1, dtype=torch.int64)
     row[0], row[1], row[_COL["refused"]] = seq, OPS.index(op), 1
     text = f"{type(error).__name__}: {error}".encode()[:4096]
@@ -344,7 +344,7 @@ def shape_fingerprint(layout: str, shape: tuple[int, ...]) -> int:
 
 def auto_fingerprint(link: object, policy: object) -> int:
     """A 62-bit key of auto's link model (None: not measured yet) and policy (by qualified name), so ranks
-    about to choose differently raise instead of running different algorithms (issue 14: gloo aborted)."""
+    about to choose differently raise instead of running different algorithms (gloo aborted)."""
     name = f"{getattr(policy, '__module__', '')}.{getattr(policy, '__qualname__', repr(policy))}"
     return _key(repr((link, name)))
 

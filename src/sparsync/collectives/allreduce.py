@@ -68,8 +68,8 @@ def allgather_sum(comm: Comm, stream: SparseStream, meta: Meta, partition: str =
 def comm_group(group: dist.ProcessGroup | None, async_op: bool) -> dist.ProcessGroup:
     """The group a call communicates on: the caller's, or for ``async_op=True`` sparsync's own group over the
     same ranks (``background_group``), since async work runs on the queue thread beside the caller's own
-    collectives, which would otherwise interleave with it in a different order on each rank (issue 14, part
-    6). ``launch`` makes it for the world group at start; for another group it is made at the first async
+    collectives, which would otherwise interleave with it in a different order on each rank.
+    ``launch`` makes it for the world group at start; for another group it is made at the first async
     call, in the caller's thread, so that call must come at the same point of every rank's own collectives on
     the group (as any collective must); ``sparsync.background_group(group)`` makes it ahead."""
     g = resolve_group(group)

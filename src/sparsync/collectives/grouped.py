@@ -6,7 +6,7 @@ each at its own row offset, and the dense tensors are packed behind them into ro
 zero-padded). Every rank holds every dense row, so their sum is the dense sum; each COO result keeps the union
 of its rows, as ``allreduce`` does.
 
-Why (issue 13, ``sparsync demo``): a model with an embedding and a small MLP paid two calls per step, each
+Why (``sparsync demo``): a model with an embedding and a small MLP paid two calls per step, each
 with its own metadata round, where DDP overlaps its buckets with the backward pass. Grouped, one call carries
 both, and when the payloads fit the eager protocol (``_meta``) the whole step's reduction is one allgather.
 The choice of algorithm (auto) prices the fused stream as one problem: dense rows count as rows every rank
@@ -169,7 +169,7 @@ def grouped_allreduce(
     try:
         lay = _layout(tensors)
         stream, mine, bad = _fuse(tensors, lay)
-    except (TypeError, ValueError) as e:  # every rank raises it, not only this one (issue 14)
+    except (TypeError, ValueError) as e:  # every rank raises it, not only this one
         refuse(group, "sparse_allreduce", e, kwargs.get("timeout"), async_op)
 
     def finish(comm: Comm, s: SparseStream) -> list[torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Hierarchical sparse allreduce for hosts of several ranks (issue 18; Horovod's hierarchical allreduce, Zen's
+"""Hierarchical sparse allreduce for hosts of several ranks (Horovod's hierarchical allreduce, Zen's
 hierarchical centralization), on sparsync's own collectives at each level.
 
 With H hosts of k ranks each, the k ranks of a host share one network link; a flat allreduce sends every rank's

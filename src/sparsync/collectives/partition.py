@@ -1,4 +1,4 @@
-"""How the split algorithms assign rows to owners (issue 13, "balanced partitions").
+"""How the split algorithms assign rows to owners (balanced partitions).
 
 SparCML §4.1 cuts the index space into P contiguous ranges. On embedding gradients that is a trap: Zipf-hot
 rows sit at low ids in most vocabularies, so the first owner receives nearly every rank's hot rows. We add
@@ -108,7 +108,7 @@ class Partition:
             return SparseStream.empty(dim, dtype, row=row)
         srt, order = torch.sort(torch.cat(rows))
         # Each owner's rows go straight to their sorted places: one pass over the values (a concatenation
-        # then a gather made two; at P = 8 on 2 cores the second cost ~8 ms per call, issue 13).
+        # then a gather made two; at P = 8 on 2 cores the second cost ~8 ms per call).
         place = torch.empty_like(order)
         place[order] = torch.arange(order.numel())
         vals = torch.empty(order.numel(), row, dtype=dtype)
@@ -124,7 +124,7 @@ class Partition:
         if self.kind == "range":
             return gathered[: self.rows * row]
         # Owner j's m-th row is global row m·P + j: transposing [P, chunk] to [chunk, P] puts it there.
-        # reshape copies (the view is not contiguous), so the slice owns fresh memory: no clone (issue 13: on
+        # reshape copies (the view is not contiguous), so the slice owns fresh memory: no clone (on
         # a 268 MB table each extra pass over fresh memory cost DSAR ~0.3 s).
         g = gathered.view(self.parts, chunk, row).transpose(0, 1).reshape(-1)
         return g[: self.rows * row] if self.parts > 1 and chunk > 1 else g[: self.rows * row].clone()

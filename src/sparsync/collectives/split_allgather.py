@@ -63,7 +63,7 @@ def split_reduce(comm: Comm, stream: SparseStream, part: Partition, nnz: tuple[i
     One all-to-all round: each block travels framed (its size in a 24-byte header), into a receive posted
     for the largest block the owner can get, its partition in the dense format (a block that fills up is sent
     dense, SparCML §3), and never more rows than the sender stores (``nnz``: every rank's stored rows, from
-    the metadata round). SparCML sends sizes first; here that round is saved (issue 13: at P = 8 on 2 cores a
+    the metadata round). SparCML sends sizes first; here that round is saved (at P = 8 on 2 cores a
     round of tiny messages costs milliseconds)."""
     P, rank, dtype, b = comm.size, comm.rank, stream.dtype, stream.row
     counts = part.counts()

@@ -1,7 +1,7 @@
 """``allreduce(tensor)``: dense tensors and torch sparse COO tensors in, the same kind out.
 
 A COO tensor with sparse dims S and dense dims D (``nn.Embedding(sparse=True)``: S = (rows,), D = (dim,)) is
-sent as a row-sparse stream (issue 13): one index per stored row of prod(D) values, built from the coalesced
+sent as a row-sparse stream: one index per stored row of prod(D) values, built from the coalesced
 tensor's indices and values without per-element work, and turned back into a coalesced COO tensor the same way.
 
 The result keeps every row any rank passed, zero or not, as torch's own sparse allreduce does (a row that
@@ -114,7 +114,7 @@ def unpack_bits(words: torch.Tensor, count: int) -> torch.Tensor:
 
 def _union_rows(comm: Comm, mine: torch.Tensor, result: SparseStream) -> torch.Tensor:
     """Rows of a dense result that any rank passed: one allreduce (BOR) of a bitmap of R bits. Cheaper than
-    scanning the dense result for non-zero rows (issue 13: a 268 MB table took 0.1-0.4 s to scan on 2 shared
+    scanning the dense result for non-zero rows (a 268 MB table took 0.1-0.4 s to scan on 2 shared
     cores, its bitmap 128 KB), and exact where a scan is not (rows that cancel, explicit zeros)."""
     R = result.num_rows
     touched = torch.zeros(R, dtype=torch.bool)
@@ -149,7 +149,7 @@ def allreduce(
     """
     try:
         stream, finish, bad, shape = _prepare(tensor)
-    except (TypeError, ValueError) as e:  # every rank raises it, not only this one (issue 14)
+    except (TypeError, ValueError) as e:  # every rank raises it, not only this one
         refuse(group, "sparse_allreduce", e, kwargs.get("timeout"), async_op)
     return start_allreduce(
         stream, finish, algorithm=algorithm, group=group, async_op=async_op, log=log, bad=bad, shape=shape,

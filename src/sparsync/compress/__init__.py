@@ -1,6 +1,6 @@
-"""Gradient compressors with error feedback (issue 3): S2 sparse sketch, DCT threshold, top-k, QSGD, ...
+"""Gradient compressors with error feedback: S2 sparse sketch, DCT threshold, top-k, QSGD, ...
 
-Three axes (STYLE 1): a ``Compressor`` turns a tensor into a typed ``Payload`` (which names the collective
+Three axes: a ``Compressor`` turns a tensor into a typed ``Payload`` (which names the collective
 that aggregates it), ``ErrorFeedback`` keeps residuals per name, and ``compressed_allreduce`` joins them. See
 README, "Compressed reduction", and docs/architecture.md.
 """

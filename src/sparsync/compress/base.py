@@ -1,10 +1,10 @@
-"""The compressor axis (STYLE 1): a compressor turns a tensor into a typed payload and back.
+"""The compressor axis: a compressor turns a tensor into a typed payload and back.
 
 A payload says how many bytes it puts on the wire (``nbytes``) and which collective aggregates it
 (``aggregation``): payloads that add up linearly (dense casts, sketch tables + bitmaps) go through one dense
 allreduce; sparse payloads (top-k, threshold) through ``sparse_allreduce``; quantized ones, which do not add
 up, through an allgather followed by a local decode-and-sum (SparCML §5, "Low-Precision Support"), or for QSGD
-at P > 2 a quantized reduce-scatter + allgather (``qsgd_allreduce.py``, issue 15).
+at P > 2 a quantized reduce-scatter + allgather (``qsgd_allreduce.py``).
 Error feedback is a separate axis (``memory.py``); ``reduce.py`` joins the axes in one template method.
 """
 
@@ -115,7 +115,7 @@ class SketchPayload(Payload):
     S2 sums both in one dense allreduce of their concatenation (``to_buffer``: the bitmap as counts in the
     table's dtype). ``reduce`` sends the bitmap packed instead, one bit per block OR-ed in a second allreduce
     started beside the table's (``nbytes``): on an embedding gradient the float bitmap was most of the payload
-    (issue 15: 4 MB of 5.5 MB per rank for 1M rows at P = 2, λ = 0.5); packed it is 128 KB."""
+    (4 MB of 5.5 MB per rank for 1M rows at P = 2, λ = 0.5); packed it is 128 KB."""
 
     aggregation: ClassVar[Aggregation] = "allreduce"
     bitmap: torch.Tensor  # (n_blocks,), same dtype as the table: non-zero where a block is set

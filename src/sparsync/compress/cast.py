@@ -2,7 +2,7 @@
 
 Works on sparse COO gradients too: their stored values are cast and the pairs go through ``sparse_allreduce``
 (torch DDP's ``fp16_compress_hook`` and Horovod's fp16 compression call dense-only ops on a COO tensor and
-crash on ``nn.Embedding(sparse=True)`` gradients; issue 3).
+crash on ``nn.Embedding(sparse=True)`` gradients).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""16-bit casts of large dense tensors, cast, allreduced and widened chunk by chunk (issue 15, item 4: half the
+"""16-bit casts of large dense tensors, cast, allreduced and widened chunk by chunk (half the
 bytes must cost less than half the time).
 
 A cast's payload is linear, so ``reduce`` sends it through gloo's dense allreduce of the 16-bit buffer (a ring:

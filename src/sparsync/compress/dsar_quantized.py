@@ -1,4 +1,4 @@
-"""DSAR_Split_AllGather with a low-precision dense phase (SparCML §5; issue 15, item 2 and its ★ target).
+"""DSAR_Split_AllGather with a low-precision dense phase (SparCML §5).
 
 ``sparse_allreduce(stream, algorithm="dsar_split_allgather", quantize=QSGD(bits=4))``.
 

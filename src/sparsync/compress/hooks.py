@@ -5,9 +5,9 @@ one built here ignores ``state`` and carries its settings in a closure. Each gra
 on its own, under its parameter's name (layer-wise, as DCT §2.1 applies its threshold; error-feedback
 residuals and DCT thresholds then survive DDP's bucket rebuild after the first iteration, which reorders
 buckets). Sparse gradients (``nn.Embedding(sparse=True)``) arrive as their own bucket holding the COO tensor
-and are reduced as COO: DDP's own fp16 and PowerSGD hooks crash or hang on them (issue 3).
+and are reduced as COO: DDP's own fp16 and PowerSGD hooks crash or hang on them.
 
-Per parameter (issue 17): ``plan`` maps parameter names to the compressor that reduces them; a sparse gradient
+Per parameter: ``plan`` maps parameter names to the compressor that reduces them; a sparse gradient
 no plan names goes by ``sparse`` (default ``Identity()``: the lossless row-sparse allreduce), since a lossy
 compressor with error feedback turns an embedding's row-sparse gradient dense (TopK + error feedback sent 1.5x
 the bytes of no compression on DLRM); dense ones by ``compressor``. Error feedback applies to lossy
@@ -15,7 +15,7 @@ compressors only. ``log`` receives one CommRecord per reduction, so the DDP rout
 
 The reductions run on sparsync's own process group over the same ranks (``sparsync.group.background_group``),
 made when the hook is built: a model whose backward issues collectives of its own on the user's group (DLRM's
-alltoall) cannot interleave them with the hook's in a different order per rank (issue 14, part 6).
+alltoall) cannot interleave them with the hook's in a different order per rank.
 
 Example::
 

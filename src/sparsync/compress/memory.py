@@ -1,4 +1,4 @@
-"""The error-feedback axis (STYLE 1): residuals keyed by parameter name.
+"""The error-feedback axis: residuals keyed by parameter name.
 
 ``reduce`` uses it as ``x = compensate(name, g)`` before compressing and ``update(name, x, local)`` after, where
 ``local = decompress(compress(x))`` on this rank, so that the invariant

@@ -11,7 +11,7 @@ n·S²/(4s²). ``scale="l2"`` is the QSGD paper's choice S = ‖v‖₂, with Le
 ``scale="max"`` (default) uses S = ‖v‖∞ ≤ ‖v‖₂, a tighter grid for the same bits: at 4 bits (s = 7) the l2
 grid leaves most values of a 512-bucket on level 0 or 1.
 
-Kernels (issue 15): vectorized torch over chunks of 512K values (``CHUNK``: a chunk's passes stay in L2/L3
+Kernels: vectorized torch over chunks of 512K values (``CHUNK``: a chunk's passes stay in L2/L3
 and no tensor-sized temporary is allocated, a fresh 100 MB buffer costing more in page faults than the
 arithmetic on it; 128K chunks paid 20% more in per-op dispatch). Rounding noise is 16 random bits per value,
 drawn as 64-bit words (``random_`` on int64: a few times cheaper per value than ``torch.rand``): the rounding

@@ -1,4 +1,4 @@
-"""Quantized reduce-scatter + allgather for QSGD (issue 15, item 2; SparCML §5's low-precision dense phase, the
+"""Quantized reduce-scatter + allgather for QSGD (SparCML §5's low-precision dense phase, the
 "reduce-scatter, then re-quantize" design of THC-style quantized allreduce).
 
 Allgather aggregation (``base.Compressor.decompress_gathered``) sends every rank's payload to every rank, and

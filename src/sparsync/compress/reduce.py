@@ -1,4 +1,4 @@
-"""``compressed_allreduce`` (formerly ``reduce``): the template method joining the three axes (STYLE 1; GRACE's
+"""``compressed_allreduce`` (formerly ``reduce``): the template method joining the three axes (GRACE's
 compensate -> compress -> memory.update -> send_receive): compensate -> compress -> update memory -> aggregate ->
 decompress."""
 
@@ -130,10 +130,10 @@ def compressed_allreduce(
     """
     try:
         _check_input(tensor, compressor, memory, name, inplace)
-    except (TypeError, ValueError) as e:  # every rank raises it, not only this one (issue 14)
+    except (TypeError, ValueError) as e:  # every rank raises it, not only this one
         refuse(group, "reduce", e, timeout, async_op)
     user = resolve_group(group)
-    g = comm_group(user, async_op)  # async work on sparsync's own group (issue 14, part 6)
+    g = comm_group(user, async_op)  # async work on sparsync's own group
     P = dist.get_world_size(g)
     t0 = time.perf_counter()
     spec = TensorSpec.of(tensor)
@@ -155,7 +155,7 @@ def compressed_allreduce(
             return tensor
         return out
 
-    # The call's fingerprint, checked across ranks by the metadata round (issue 14: shapes (2, 5) and (5, 2),
+    # The call's fingerprint, checked across ranks by the metadata round (shapes (2, 5) and (5, 2),
     # FP16 against BF16 bits, or payloads of other sizes were summed, or made gloo abort the process).
     layout = f"reduce/{type(compressor).__name__}/{'coo' if spec.is_sparse else 'strided'}/{spec.dtype}"
     n, values = xspec.numel, x.detach()

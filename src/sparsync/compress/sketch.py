@@ -8,7 +8,7 @@ in the reduced bitmap are queried, as the median over the r rows of s_j(i)·S[j,
 even r the mean of the two middle estimates, so the estimate stays symmetric about g(i) (S2 Thm. 1,
 unbiasedness). A COO input (an ``nn.Embedding(sparse=True)`` gradient) is read as its coalesced rows: with
 the default block (one row) the rows are the set blocks, so compress costs O(nnz) besides the zeroed bitmap
-and table, and decompress O(blocks) for the bitmap scan besides the queried rows (issue 15, item 3).
+and table, and decompress O(blocks) for the bitmap scan besides the queried rows.
 
 Unlike the authors' public code, the table is a fresh zero table on every call (theirs accumulates across
 steps) and ``reduce`` writes the queried result back into the gradient (theirs drops it).
@@ -18,14 +18,14 @@ S2's λ = m / (α·d) (m buckets, α the density of the gradient, d its size) re
 embedding gradient of density α, ``ratio = λ·α``. A fixed ratio (not a per-call α) keeps c identical on every
 rank without an extra exchange.
 
-Hashes (issue 15): row j's multiply-add-shift hash z = (a_j·i + b_j) mod 2^64, with (a_j, b_j) drawn from
+Hashes: row j's multiply-add-shift hash z = (a_j·i + b_j) mod 2^64, with (a_j, b_j) drawn from
 ``seed`` (the same on every rank). For indices i < 2^32 the top 32 bits of z are pairwise independent and
 uniform over random (a_j, b_j) (Dietzfelbinger 1996, strongly universal multiply-add-shift), so the sign
 s_j(i) = bit 63 and the bucket h_j(i) = ⌊c·(bits 32..62)/2^31⌋ are independent of each other, and the signs of
 two indices are pairwise independent: E[s_j(i)s_j(k)] = 0, which is all S2 Thm. 1's unbiasedness needs. Five
 int64 passes per row (for a run of positions an add replaces the multiply and add; for a run of whole blocks,
 one broadcast add of a per-block base and a_j·t), over chunks of 64K indices that stay in cache; the
-splitmix64 mix it replaces took 1.9 s per row at 25M indices (issue 15). The sign is applied by XOR-ing the
+splitmix64 mix it replaces took 1.9 s per row at 25M indices. The sign is applied by XOR-ing the
 value's sign bit; the median of r ≤ 8 rows is a min/max sorting network (torch.median over a short dim is much
 slower). Timings: docs/compress_results.md.
 """

@@ -3,10 +3,11 @@
 Every way sparsync synchronises a parameter is one ``Placement`` (Parallax §3.1 calls the choice per variable
 its placement; TF-Replicator §3.4's ``wrap_optimizer`` aggregates by one): the dense allreduce, SparCML's sparse
 allreduce, a compressor with error feedback, S2's sketch (``placement.collective``, ``placement.sketch``) and
-the parameter server (``sparsync.ps.placement``). The replicator's ``wrap_optimizer``, ``DistributedOptimizer`` and
-``HybridTrainer`` all run them through ``aggregate``, the template method (the DDP hook, which DDP calls per
-bucket and asynchronously, takes a compressor per parameter instead: ``Compressed``'s part): group the parameters by placement object in the given order (the same on every worker), and let each
-placement replace its parameters' gradients by their *sum* over the group.
+the parameter server (``sparsync.ps.placement``). The replicator's ``wrap_optimizer``, ``DistributedOptimizer``
+and ``HybridTrainer`` all run them through ``aggregate``, the template method: group the parameters by
+placement object in the given order (the same on every worker), and let each placement replace its parameters'
+gradients by their *sum* over the group. (The DDP hook, which DDP calls per bucket and asynchronously, takes a
+compressor per parameter instead: ``Compressed``'s part.)
 """
 
 from __future__ import annotations

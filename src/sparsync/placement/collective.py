@@ -184,7 +184,7 @@ class Grouped(Placement):
 class ByLayout(Placement):
     """The default: sparse (COO) gradients by ``sparse``, dense ones by ``dense``. With the default
     placements on both sides and ``fuse`` on, the two go together through ``Grouped`` (one call where there
-    were two, issue 13)."""
+    were two)."""
 
     dense: Placement = field(default_factory=DenseAllreduce)
     sparse: Placement = field(default_factory=SparseAllreduce)

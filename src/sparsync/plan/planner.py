@@ -9,10 +9,10 @@ workers touch together, i.e. after local aggregation):
 - parameter server: 4·α_m·w(N-1)/N (Table 3, partitions spread evenly over the N colocated servers): a machine
   pulls and pushes α_m·w(N-1)/N to remote servers, and its server serves the same to the others;
 - sparse allreduce: the SparCML algorithm ``auto`` would pick for N ranks each holding α_m of the rows, on the
-  row-sparse stream ``sparsync.allreduce(coo)`` sends (issue 13): one index per touched row (4 bytes below 2^31
+  row-sparse stream ``sparsync.allreduce(coo)`` sends: one index per touched row (4 bytes below 2^31
   rows, ``index_dtype_for``) and the row's values; allgather gives Table 3's 2·α_m·w(N-1) times
-  (1 + index bytes / row bytes). (Before issue 13 the stream carried an index per element, and so did this
-  count.)
+  (1 + index bytes / row bytes). (Before row-sparse streams the stream carried an index per element, and so
+  did this count.)
 - sketch: ring dense allreduces of the S2 payload, 4·``SparseSketch.payload_nbytes``·(N-1)/N: the bitmap (one
   bit per row or block, packed) plus the r x c table, c = ceil(``sketch_ratio``·numel / r) (lossy, so only on
   request). (Counting only ``sketch_ratio``·w left out the bitmap.)
@@ -57,7 +57,7 @@ class Cluster:
     latency: float = 50e-6  # seconds per message
     measured: LinkModel | None = None  # a measured link (α, β); overrides bandwidth and latency when given
     # the link between the ranks of one machine (shared memory or loopback); given with procs_per_machine > 1,
-    # sparse allreduce is priced on two levels: flat over every rank, or hierarchical (issue 18)
+    # sparse allreduce is priced on two levels: flat over every rank, or hierarchical
     intra_bandwidth: float | None = None  # bytes/s
     intra_latency: float = 5e-6  # seconds per message
     # measured (world, intra-machine, inter-machine) links of a two-level run (``bench allreduce --hosts``'s
@@ -249,7 +249,7 @@ def candidates(
         return out, ""
     am = machine_row_fraction(s, c.procs_per_machine)
     rows, per_row = s.shape[0], s.numel // s.shape[0]
-    k = max(1, round(am * rows))  # touched rows: one index per row of per_row values (issue 13, coo_to_stream)
+    k = max(1, round(am * rows))  # touched rows: one index per row of per_row values (coo_to_stream)
     itype = index_dtype_for(rows).itemsize
     p = Problem(N, rows, (k,) * N, s.itemsize * per_row, itype, row=per_row)
     d = choose_robust(p, link)  # what auto would run (its default policy)
@@ -264,7 +264,7 @@ def candidates(
 
 
 def _two_level(s: ParamStats, c: Cluster, machines: Problem) -> tuple[tuple[float, float], str]:
-    """Sparse allreduce over N machines of k ranks (issue 18): flat over all N·k ranks (each with the worker's
+    """Sparse allreduce over N machines of k ranks: flat over all N·k ranks (each with the worker's
     α) or hierarchical (``collectives.hierarchical.price_levels``: reduce-scatter inside the machine, allreduce
     of the machine sums' partitions across machines, allgather inside), whichever is predicted faster, as
     ``hierarchical_allreduce(mode="auto")`` runs it. Bytes per machine: what crosses the machine's NIC."""

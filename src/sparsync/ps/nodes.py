@@ -1,10 +1,10 @@
-"""Parameter servers per node, started by the training job itself (issue 18): under torchrun (or
+"""Parameter servers per node, started by the training job itself: under torchrun (or
 ``sparsync.launch``) every rank calls ``node_servers()``; the first rank of each node starts that node's servers,
 bound to the node's address, and every rank learns every address.
 
 - The node of a rank is torchrun's ``GROUP_RANK`` (``sparsync.launch(procs_per_host=)`` sets it too); without
   it every rank is on one node. The starter is the lowest rank of its node (torchrun's local rank 0).
-- Authentication (issue 14's CURVE): each rank keeps its own client keypair (``wire.run_client_keys``: the
+- Authentication (CURVE): each rank keeps its own client keypair (``wire.run_client_keys``: the
   one in the environment, else a fresh one) and sends only the public key; each server admits exactly the
   job's ranks. Public keys and server addresses (which carry the servers' public keys) are exchanged over the
   job's torch.distributed group; secrets never leave their process.

@@ -23,7 +23,7 @@ _F32_MAX = float(np.finfo(np.float32).max)
 
 
 class ServerOptimizer:
-    """One server-side optimizer (issue 16: one class each, its state slots with it). ``slots``: the per-row
+    """One server-side optimizer (one class each, its state slots with it). ``slots``: the per-row
     state arrays (name, initial value) a shard keeps beside its weights; ``default_eps``: torch's default;
     ``update`` changes ``weights[rows]`` and the state's rows in place for the coalesced ``grad``, at the
     shard's ``step``-th apply (1-based)."""
@@ -121,7 +121,7 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         # Every field is checked for type too: a server must refuse {"lr_decay": "fast"} at CREATE, not crash
-        # at the first APPLY (issue 14).
+        # at the first APPLY.
         if not isinstance(self.name, str) or self.name not in SERVER_OPTIMIZERS:
             raise KeyError(f"unknown server optimizer {self.name!r}; valid: {', '.join(OPTIMIZERS)}")
         checked_real("lr", self.lr, low=0.0, strict=True)

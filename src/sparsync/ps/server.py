@@ -5,7 +5,7 @@ requests are handled in arrival order, and the two requests that must wait (a sy
 its step arrived, a PULL until the table reached the version it asks for) are parked and answered later, or
 answered with an error after ``wait_timeout`` seconds, so a dead worker yields an error, never a hang.
 
-No message can stop the server (issue 14): every field is checked before use, and any exception while
+No message can stop the server: every field is checked before use, and any exception while
 handling one message becomes an error reply that says why. Memory is bounded before anything is read: libzmq
 drops a peer whose frame declares more than ``max_message_bytes`` (``MAXMSGSIZE``), CURVE drops peers without
 the run's client key in the handshake (``wire.py``), and tables, held pushes and parked requests have limits.
@@ -114,7 +114,7 @@ class Server:
         try:
             h, body = wire.decode(frame, max_bytes=self.cfg.max_message_bytes)
             out = self.handle(ident, h, body)
-        except Exception as e:  # issue 14: one message must not stop the server (KeyboardInterrupt still does)
+        except Exception as e:  # one message must not stop the server (KeyboardInterrupt still does)
             return self.refusal(wire.salvage(frame), e)
         return None if out is None else wire.encode(out[0], *out[1])
 
@@ -334,7 +334,7 @@ def serve(
     zap = ctx.socket(zmq.REP) if cfg.auth else None
     try:
         sock.setsockopt(zmq.LINGER, 1000)
-        # libzmq drops a peer whose frame declares more than this before buffering any of it (issue 14: a frame
+        # libzmq drops a peer whose frame declares more than this before buffering any of it (a frame
         # declaring 8 GiB grew the server by 2 GB); the same limit holds during the CURVE handshake.
         sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes + FRAME_SLACK)
         if zap is not None and keys is not None:

@@ -5,7 +5,7 @@ checkpoint file of a server's partitions.
 Sync mode is Parallax §5's chief-triggered update: every pusher's gradient for step s is accumulated, and
 the update is applied once, when the chief's APPLY(s) finds all ``pushers`` pushes of step s (the pushers are
 the machines with local aggregation, else the workers). The pushes are summed in worker order (by sender id),
-not arrival order, so two sync runs give identical bits (issue 14). The table's version counts applied steps;
+not arrival order, so two sync runs give identical bits. The table's version counts applied steps;
 a pull may wait for a version, which is how the other workers wait for the chief's update. Async mode
 (TF-Replicator's asynchronous PS replicator) applies every push at once, without waiting for anyone.
 """
@@ -26,7 +26,7 @@ import numpy as np
 from sparsync.ps.optim import OptimizerConfig, SparseOptimizer, checked_int, checked_real, coalesce
 
 MODES = ("sync", "async")
-MAX_ROWS = 2**48  # rows of one table: far below int64, so row arithmetic cannot wrap (issue 14: -2^63 did)
+MAX_ROWS = 2**48  # rows of one table: far below int64, so row arithmetic cannot wrap (-2^63 did)
 MAX_DIM = 2**20
 MAX_PUSHERS = 2**16
 MAX_NAME = 256  # characters of a table name
@@ -112,7 +112,7 @@ class Shard:
     def local(self, rows: np.ndarray) -> np.ndarray:
         """Global row ids -> local offsets; ValueError naming the first row outside this partition."""
         c = self.cfg
-        # Compare before subtracting: rows - lo wraps for rows near -2^63 (issue 14).
+        # Compare before subtracting: rows - lo wraps for rows near -2^63.
         wrong = (rows < c.lo) | (rows >= c.hi)
         off = np.where(wrong, 0, rows) - c.lo
         if c.stride > 1:
@@ -183,7 +183,7 @@ class Shard:
     @classmethod
     def from_arrays(cls, key: str, read: Reader, *, allow_nonfinite: bool = False) -> Shard:
         """The partition saved under ``key``; ``CheckpointError`` when an array's shape or dtype differs from
-        what its config implies (a 1-row weights array was broadcast to every row, issue 14) or, unless
+        what its config implies (a 1-row weights array was broadcast to every row) or, unless
         ``allow_nonfinite``, when it holds NaN or Inf."""
         cfg, version, opt_step = read_meta(key, read)
         s = cls(cfg)
@@ -221,7 +221,7 @@ def read_meta(key: str, read: Reader) -> tuple[ShardConfig, int, int]:
 
 def save_checkpoint(path: Path, shards: Mapping[tuple[int, int], Shard]) -> None:
     """Write every partition to ``path`` atomically: a temporary file, fsync'ed, renamed, the directory fsync'ed
-    (without the fsyncs a power cut after the rename can leave an empty file, issue 14)."""
+    (without the fsyncs a power cut after the rename can leave an empty file)."""
     arrays: dict[str, np.ndarray] = {}
     for (t, p), s in shards.items():
         arrays.update(s.arrays(f"t{t}p{p}"))

@@ -10,7 +10,7 @@ Header fields (``<4sBBBBQIIIQQIQ``): magic ``SPS1``, version, op, status (0 ok, 
 request id, table id, partition, sender (worker id), step (sync step, or the minimum table version a pull waits
 for), n (rows), dim (row width), body_len.
 
-Authentication is ZeroMQ CURVE, below this format (issue 14: version 1's token was a static digest sent in the
+Authentication is ZeroMQ CURVE, below this format (version 1's token was a static digest sent in the
 clear). A server started with ``auth=True`` (the default) has its own keypair and admits only clients holding
 the run's client key; anyone else is dropped in the handshake, before a frame of theirs is read. A server's
 address carries its public key (``tcp://127.0.0.1:5555#curve=<64 hex digits>``); the client keypair comes from
@@ -37,7 +37,7 @@ VERSION = 2  # 2: no token field (CURVE authenticates the connection instead)
 HEADER = struct.Struct("<4sBBBBQIIIQQIQ")
 DEFAULT_MAX_MESSAGE = 256 * 2**20  # bytes; a push of 1M rows x 64 floats fits
 MAX_JSON_BYTES = 64 * 2**10  # a table config is < 1 KiB
-MAX_JSON_DEPTH = 8  # a table config nests 2 levels; 100,000 levels overflowed json's recursion (issue 14)
+MAX_JSON_DEPTH = 8  # a table config nests 2 levels; 100,000 levels overflowed json's recursion
 REPLY_BIT = 0x80
 CLIENT_KEY_ENV = "SPARSYNC_PS_CLIENT_KEY"
 _CURVE = "#curve="

@@ -87,7 +87,7 @@ class ReplicaContext:
             leaves, spec = prim.flatten(value, skip=Remote)
             pos = [i for i, x in enumerate(leaves) if not isinstance(x, Remote)]
             check([leaves[i] for i in pos])
-        except (TypeError, ValueError) as e:  # every replica raises it, not only this one (issue 14)
+        except (TypeError, ValueError) as e:  # every replica raises it, not only this one
             refuse(self.dp_group, name, e, self.timeout)
         if pos:
             tensors = [leaves[i] for i in pos]

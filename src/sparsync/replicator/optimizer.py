@@ -1,6 +1,6 @@
 """``wrap_optimizer``: aggregate gradients across replicas before ``step()``, by a per-parameter plan.
 
-A plan maps each parameter (by name) to a ``Placement``: one small class per way of aggregating (STYLE 1), all
+A plan maps each parameter (by name) to a ``Placement``: one small class per way of aggregating, all
 joined by one template method, ``ReplicatedOptimizer.aggregate``: group the parameters by placement (in plan
 order, the same on every replica), let each placement replace its parameters' gradients by their *sum* over
 replicas, then divide by the number of replicas when ``op="mean"`` (TF-Replicator's ``wrap_optimizer``

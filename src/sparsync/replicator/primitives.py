@@ -99,7 +99,7 @@ def agree(
     check_nan: bool = False,
 ) -> None:
     """The metadata exchange: raise the same ValueError on every replica unless all issued the same call, and,
-    with ``check_nan``, when any replica holds NaN or ±Inf (issue 14: a sum silently gave NaN everywhere)."""
+    with ``check_nan``, when any replica holds NaN or ±Inf (a sum silently gave NaN everywhere)."""
     row = torch.tensor(
         [
             seq,

@@ -146,7 +146,7 @@ def _entry(rank: int, repl: Replicator, R: int, fn: Callable[..., Any], args: tu
     finally:
         # Subgroups go before the default group is torn down, after fn's objects in reference cycles (autograd
         # graphs holding gloo work) and sparsync's queue threads: left to interpreter exit, they abort the
-        # process ("terminate called without an active exception"), which torchrun reports (issue 14).
+        # process ("terminate called without an active exception"), which torchrun reports.
         gc.collect()
         stop_queues(wait=finished)  # after a failure, queued work may wait on a dead peer: drop it
         for g in made:
