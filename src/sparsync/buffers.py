@@ -17,8 +17,8 @@ def fresh(n: int, dtype: torch.dtype = torch.float32, zeros: bool = False) -> to
 
     From ``HUGE_MIN`` bytes up it is an anonymous mapping advised onto transparent huge pages, where the kernel
     grants them (``madvise`` mode, the default on most Linux distributions): the first write of fresh memory
-    then costs 3-4x less (measured with 4 processes on this 2-core VM: 0.6-0.9 ns per float32 against 3 ns
-    with 4 KiB pages), and a fresh mapping is zero already, so ``zeros`` costs nothing more. Elsewhere, or
+    then costs several times less than with 4 KiB pages (docs/results_design.md), and a fresh mapping is
+    zero already, so ``zeros`` costs nothing more. Elsewhere, or
     smaller, ``torch.zeros``/``torch.empty``. The tensor (and any view of it) holds the mapping alive."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     nbytes = n * itemsize

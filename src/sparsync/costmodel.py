@@ -42,8 +42,7 @@ DENSE_PIPELINE_MIN = 1 << 22
 DENSE_CHUNKS = 4
 # Allgathers of sparsync's own blocks (the metadata round, allgather's payloads, the split's second phase) on
 # up to this many ranks send each block to every peer in one round (collectives/_fold.py), beyond it by
-# recursive doubling. Issue 13: at P = 8 on 2 shared cores each round costs milliseconds of scheduling, and
-# one round instead of three made a tiny call 1.4-1.6x faster and allgather of an embedding gradient 1.3-1.5x.
+# recursive doubling: on few shared cores each round costs milliseconds of scheduling (docs/results_design.md).
 # (Chosen, not tuned: P - 1 concurrent messages per rank stay cheap at this size.)
 DIRECT_GATHER_MAX = 16
 
@@ -57,19 +56,16 @@ class LinkModel:
     gamma_scatter: float = 5e-9  # seconds per (index, value) pair scatter-added into a dense buffer
     alpha_a2a: float | None = None  # seconds of one all-to-all round of tiny messages; None: (P-1)·alpha
     # Seconds per byte of sparsync's own point-to-point exchange phases (recursive doubling rounds, the split's
-    # all-to-all), measured on such a phase; None: beta. Issue 13: behind 1 Gbit/s tc-shaped links these
-    # phases moved a byte in about 2x the time of gloo's pipelined ring (beta), which every sparse algorithm's
-    # prediction then missed by 1.5-2.2x.
+    # all-to-all), measured on such a phase; None: beta. Behind shaped links these phases move a byte
+    # slower than gloo's pipelined ring (beta) does (docs/results_design.md).
     beta_exchange: float | None = None
     # Seconds per element written into freshly allocated memory (page faults included); None: gamma_dense.
-    # Issue 13: DSAR on a 268 MB embedding table spent ~0.4 s (P = 4, 2 cores) filling its fresh output and
-    # the stride partition's reordered copy, where one dense add per element predicted 0.03 s.
+    # Page faults make it an order of magnitude above a dense add (docs/results_design.md).
     gamma_fresh: float | None = None
     # Measured seconds of a call that moves next to nothing, per algorithm (``calibrate._fixed_costs``): its
     # rounds, their software overhead and, on a shared host, the scheduling of every rank. Given for an
-    # algorithm, it replaces that algorithm's α terms. Issue 13: on 2 cores the α-β-γ terms alone under-predicted
-    # few-ms calls 1.6-2.8x at P = 2 (Python per call) and the split algorithms 1.7-3.4x at P = 8 (8 ranks
-    # sharing the cores in each of their rounds).
+    # algorithm, it replaces that algorithm's α terms, which alone under-predict few-ms calls (Python per
+    # call) and, on a shared host, every round's scheduling (docs/results_design.md).
     fixed: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -95,7 +91,7 @@ class LinkModel:
 
 
 # The link "auto" assumes under ``sparsync.set_deterministic`` instead of measuring one: a small cluster's
-# 1 Gbit/s Ethernet, 50 µs per message (the demo's assumed link), the γ defaults above. Issue 14: a measured
+# 1 Gbit/s Ethernet, 50 µs per message (the demo's assumed link), the γ defaults above. A measured
 # link differs run to run, so auto could pick another algorithm, and a different summation order, per run.
 REFERENCE_LINK = LinkModel(alpha=50e-6, beta=8e-9)
 
@@ -311,8 +307,8 @@ def _time_allgather(p: Problem, link: LinkModel) -> float:
 def _time_dense(p: Problem, link: LinkModel) -> float:
     P, N, a, b_ring, _ = _common(p, link)
     # A rank whose input is stored sparse (nnz below delta) densifies it first: one scatter per pair, the
-    # slowest rank setting the pace. (Measured at 1 Gbit/s, P = 2, density 0.3 of 16M: 666 ms against 608 ms
-    # for gloo's allreduce of an already dense buffer; the scatter term predicts the difference.) From
+    # slowest rank setting the pace (the scatter term predicts the measured difference to gloo's allreduce of
+    # an already dense buffer: docs/results_design.md). From
     # DENSE_PIPELINE_MIN elements the densify runs chunk by chunk under the transfers: the first chunk's shows.
     exposed = 1 / DENSE_CHUNKS if N >= DENSE_PIPELINE_MIN else 1.0
     densify = exposed * max((p.per_row(link.gamma_scatter, link) * n for n in p.nnz if n < p.delta), default=0.0)
@@ -446,9 +442,8 @@ def choose_robust(
     Why: on this 2-core VM behind tc-shaped links the model's predictions miss measured times by
     1.5-2x, mostly by the same factor for every algorithm, so clear wins are reliable but near-ties are not.
     In near-ties the algorithm with more dependent phases lost in every measured case: the split algorithms
-    (an all-to-all, then an allgather) against allgather at P = 4 on embedding gradients (model 21.5 vs 22.2 ms,
-    measured 35-41 vs 31-33 ms), and against sparsync's dense at P = 8, density 0.3 of 16M (model 967 vs
-    1,057 ms, measured 1,343 vs 1,145 ms; docs/results.md).
+    (an all-to-all, then an allgather) against allgather on embedding gradients, and against sparsync's dense
+    at density 0.3 (figures: docs/results_design.md).
     """
     preds = {alg: predict(alg, p, link) for alg in candidates}
     fastest = min(preds.values())

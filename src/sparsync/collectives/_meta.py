@@ -196,7 +196,7 @@ def exchange_meta(
     the caller was given, so tensors of one size but different shapes are refused ((5, 2) and (2, 5)
     were summed). ``auto_key``: ``auto_fingerprint`` of the link model and policy auto will use."""
     nan_pos, kind = -1, 0
-    # Issue 14: ±Inf is refused like NaN, since +Inf on one rank and -Inf on another would silently sum to NaN.
+    # ±Inf is refused like NaN, since +Inf on one rank and -Inf on another would silently sum to NaN.
     pos = first_nonfinite(stream.values) if check_nan else -1
     if pos >= 0:
         v = float(stream.values[pos])

@@ -72,9 +72,8 @@ from sparsync.stream import SparseStream, index_dtype_for
 
 MODES = ("auto", "flat", "hierarchical")
 # mode="auto" runs the hierarchical allreduce only when predicted this much faster than the flat one (chosen, as
-# choose_robust's margin: three dependent stages are a bigger bet than one algorithm). Measured (2 hosts x 4,
-# 1 Gbit/s, 16M): density 1e-3 predicted 40 vs 50 ms, measured 52 vs 31 (flat wins); 1e-2 predicted 227 vs
-# 382 ms, measured 218 vs 247-277 (hierarchical wins).
+# choose_robust's margin: three dependent stages are a bigger bet than one algorithm; predictions against
+# measured times: docs/results_design.md).
 HIER_MARGIN = 0.3
 # torch 2.13 renamed all_gather_into_tensor; keep working on older releases.
 _ALLGATHER = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)

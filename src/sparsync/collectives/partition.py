@@ -108,7 +108,7 @@ class Partition:
             return SparseStream.empty(dim, dtype, row=row)
         srt, order = torch.sort(torch.cat(rows))
         # Each owner's rows go straight to their sorted places: one pass over the values (a concatenation
-        # then a gather made two; at P = 8 on 2 cores the second cost ~8 ms per call).
+        # then a gather made two).
         place = torch.empty_like(order)
         place[order] = torch.arange(order.numel())
         vals = torch.empty(order.numel(), row, dtype=dtype)

@@ -18,7 +18,7 @@ drawn as 64-bit words (``random_`` on int64: a few times cheaper per value than 
 is unbiased up to 2^-17 of a quantization step (the float32 ``torch.rand`` it replaces was unbiased up to
 2^-24). Codes are packed with integer shifts on int32 / int64 views of int16 codes (little-endian layout, as
 on every platform torch runs on) and decoded by one ``index_select`` per byte from a 256-entry table of that
-byte's ``8 // bits`` levels (4x faster than unpacking with shifts). Timings: docs/compress_results.md.
+byte's ``8 // bits`` levels (faster than unpacking with shifts). Timings: docs/compress_results.md.
 
 Aggregation: see ``qsgd_allreduce.py`` (``aggregation="reduce_scatter"``, the default for P > 2) and
 ``base.py`` (allgather).

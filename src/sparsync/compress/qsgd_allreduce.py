@@ -50,9 +50,8 @@ from sparsync.buffers import fresh
 from sparsync.compress.base import Context, QuantizedPayload
 from sparsync.compress.qsgd import QSGD, REQUANTIZE_STREAM, Workspace
 
-SEGMENT = (
-    1 << 22
-)  # values per pipeline segment (whole kernel chunks): 2 MB of 4-bit codes; 2M: 1.5x slower at P = 8
+# values per pipeline segment (whole kernel chunks): 2 MB of 4-bit codes (2M was slower: docs/results_design.md)
+SEGMENT = 1 << 22
 
 
 def partitions(q: QSGD, n: int, world_size: int) -> list[tuple[int, int]]:

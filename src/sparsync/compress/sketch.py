@@ -25,7 +25,7 @@ s_j(i) = bit 63 and the bucket h_j(i) = ⌊c·(bits 32..62)/2^31⌋ are independ
 two indices are pairwise independent: E[s_j(i)s_j(k)] = 0, which is all S2 Thm. 1's unbiasedness needs. Five
 int64 passes per row (for a run of positions an add replaces the multiply and add; for a run of whole blocks,
 one broadcast add of a per-block base and a_j·t), over chunks of 64K indices that stay in cache; the
-splitmix64 mix it replaces took 1.9 s per row at 25M indices. The sign is applied by XOR-ing the
+splitmix64 mix it replaces was two orders of magnitude slower. The sign is applied by XOR-ing the
 value's sign bit; the median of r ≤ 8 rows is a min/max sorting network (torch.median over a short dim is much
 slower). Timings: docs/compress_results.md.
 """

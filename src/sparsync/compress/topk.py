@@ -46,7 +46,7 @@ SAMPLE = 1 << 16  # magnitudes sampled to pick the candidates' threshold (``larg
 def largest(mag: torch.Tensor, k: int) -> torch.Tensor:
     """Positions of the k largest of ``mag`` (≥ 0, 1-D), unsorted: ``torch.topk``'s, found among candidates.
 
-    ``torch.topk`` of k = 1% of 25M values takes 1.5 s on this CPU (a heap over every value). Instead: a
+    ``torch.topk`` of a large k is slow on CPU (a heap over every value; docs/results_design.md). Instead: a
     threshold τ from a strided sample of SAMPLE magnitudes, at the sample's 1 - 2k/n quantile; the candidates
     |x| ≥ τ (one vectorized pass, about 2k of them); ``torch.topk`` of the candidates. Exact whenever there
     are at least k candidates, since then the k-th largest value is ≥ τ and every value above it is a

@@ -138,8 +138,8 @@ class Grouped(Placement):
     """Sparse and small dense gradients together in one ``grouped_allreduce`` (one metadata round, and one
     allgather in all when the payloads fit the eager protocol): COO gradients grouped by (row width, dtype),
     one call per group, the dense gradients of a group's dtype packed into the first such call while their
-    total is at most ``max_dense`` elements. Dense gradients left over go to ``DenseAllreduce``. Issue 13:
-    the demo's embedding + MLP paid two calls with a metadata round each, and lost to DDP."""
+    total is at most ``max_dense`` elements. Dense gradients left over go to ``DenseAllreduce``. Why: the
+    demo's embedding + MLP paid two calls with a metadata round each, and lost to DDP."""
 
     algorithm: str = "auto"
     # Above this many dense elements a ring allreduce of the dense part (2(P-1)/P of it per rank) is left to
