@@ -99,6 +99,17 @@ def trainer_worker(rank: int, addresses: list[str], cases: list[dict[str, Any]])
         if rank == 0:
             params.update({n: t.read_all().reshape(params[n].shape) for n, t in tr.tables.items()})
         algs = sorted({r.algorithm for r in log.records})
+        if c.get("ef"):  # the sketch's state round-trips, also from the format before placement objects
+            sk = next(pl for pl in tr.plan.values() if isinstance(pl, Sketch))
+            st = tr.state_dict()
+            assert st["placements"]["sketch"]["calls"] == c["steps"] and st["push"] is None
+            assert sk.memory is not None
+            saved = {n: sk.memory.error(n) for n in sk.memory.names()}
+            sk.calls = 0
+            sk.memory.reset()
+            tr.load_state_dict({"reduced": st["placements"]["sketch"], "push": None})
+            assert sk.calls == c["steps"] and saved
+            assert all(torch.equal(sk.memory.error(n), e) for n, e in saved.items())  # type: ignore[arg-type]
         tr.close()
         records = [(r.op, r.dim, r.bytes_sent + r.bytes_recv) for r in log.records]
         out.append({"params": params, "algorithms": algs, "records": records})

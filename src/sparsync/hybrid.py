@@ -250,8 +250,10 @@ class HybridTrainer:
         return {"placements": local, "push": self.servers.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        # checkpoints written before the placements were objects kept the sketch's state under "reduced"
+        local = state["placements"] if "placements" in state else {"sketch": state["reduced"]}
         for pl in {id(pl): pl for pl in self.plan.values()}.values():
-            pl.load_state_dict(state["placements"].get(pl.kind, {}))
+            pl.load_state_dict(local.get(pl.kind, {}))
         self.servers.load_state_dict(state.get("push"))
 
     def close(self) -> None:
