@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from sparsync.cli import build_parser
+from sparsync_bench.cli import build_parser
 
 Parsers = list[tuple[str, argparse.ArgumentParser]]
 

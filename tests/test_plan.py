@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from sparsync.cli import main
+from sparsync_bench.cli import main
 from sparsync.plan.detect import AlphaMeter, ParamStats, RowFractionMeter, sparse_param_names
 from sparsync.plan.planner import Cluster, candidates, lm_stats, make_plan, zipf_row_fraction
 

@@ -35,7 +35,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-expor
 from sparsync.group import background_group, stop_queues
 
 if TYPE_CHECKING:
-    from sparsync.netem import NetNamespaces
+    from sparsync_bench.netem import NetNamespaces
 
 
 class RankSetup(Protocol):
@@ -44,7 +44,7 @@ class RankSetup(Protocol):
     sets up (ranks are spread over them, ``procs_per_host`` each); ``store_host``: the address at which rank 0
     serves the rendezvous store, or None for the launcher's own store on 127.0.0.1. Called as
     ``setup(host)`` first thing in each rank of that host; returns the environment variables to set there.
-    ``sparsync.netem.NetNamespaces.rank_setup()`` is one."""
+    ``sparsync_bench.netem.NetNamespaces.rank_setup()`` is one."""
 
     @property
     def hosts(self) -> int: ...

@@ -44,7 +44,7 @@ from sparsync.placement.base import Placement
 from sparsync.placement.kinds import KINDS, objects
 from sparsync.plan.detect import ParamStats
 from sparsync.stream import index_dtype_for
-from sparsync.tables import show_table
+from sparsync_bench.tables import show_table
 
 PLACEMENTS = KINDS  # the kinds of sparsync.placement a plan chooses among
 

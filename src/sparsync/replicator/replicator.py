@@ -26,7 +26,7 @@ from sparsync.replicator.dctmp import DCTMP
 from sparsync.replicator.inputs import PER_WORKER, InputReplication, SplitFn, per_replica_batch_size, split_batch
 
 if TYPE_CHECKING:
-    from sparsync.netem import NetNamespaces
+    from sparsync_bench.netem import NetNamespaces
 
 ENV_REPLICAS = "SPARSYNC_NUM_REPLICAS"
 
@@ -94,7 +94,7 @@ class Replicator:
     def start(self, fn: Callable[..., Any], *args: Any, netns: NetNamespaces | None = None) -> list[Any]:
         """Run ``fn(ctx, *args)`` on every process; return the results by global rank (this process's only,
         under torchrun). ``fn`` must be a module-level function when processes are spawned. ``netns`` puts
-        each local process in its bandwidth-shaped network namespace (``sparsync.netem``)."""
+        each local process in its bandwidth-shaped network namespace (``sparsync_bench.netem``)."""
         R = self.resolved_replicas()
         W = R * self.devices_per_replica
         if under_torchrun():

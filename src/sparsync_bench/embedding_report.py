@@ -14,9 +14,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from sparsync.bench.embedding_sketch import is_sketch
+from sparsync_bench.embedding_sketch import is_sketch
 from sparsync.costmodel import ALGORITHMS
-from sparsync.tables import show_table
+from sparsync_bench.tables import show_table
 
 Point = tuple[int, int, float, str]  # (P, dim, zipf, hot)
 BYTES_TARGET = 1.2  # auto's bytes <= 1.2x min(allgather, balanced reduce-scatter + allgather), issue 13

@@ -26,9 +26,9 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from sparsync.bench.allreduce import _timed
+from sparsync_bench.allreduce import _timed
 from sparsync.compress import QSGD, Compressor, Context, Payload, TensorSpec, compressed_allreduce, from_spec
-from sparsync.tables import show_table
+from sparsync_bench.tables import show_table
 
 DEFAULT_COMPRESSORS = (
     "identity",

@@ -13,8 +13,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from sparsync.bench.allreduce import BASELINES
-from sparsync.tables import show_table
+from sparsync_bench.allreduce import BASELINES
+from sparsync_bench.tables import show_table
 
 
 def _fmt(t: float | None) -> str:

@@ -39,7 +39,7 @@ class SampledLM(nn.Module):
 
 class Corpus:
     """Token stream: Zipf(s) over ``vocab`` ids, the words of text files (the ``vocab - 1`` most frequent
-    words, the rest mapped to id vocab-1), or ``.npy`` token ids from ``sparsync.bench.corpus``."""
+    words, the rest mapped to id vocab-1), or ``.npy`` token ids from ``sparsync_bench.corpus``."""
 
     def __init__(self, vocab: int, *, files: Sequence[Path] = (), zipf: float = 1.0, seed: int = 0) -> None:
         if vocab < 2:
@@ -48,7 +48,7 @@ class Corpus:
         self.rng = np.random.default_rng(seed)
         self.stream: np.ndarray | None = None
         if files and all(Path(f).suffix == ".npy" for f in files):
-            # token ids prepared by ``sparsync.bench.corpus.prepare_corpus``; ids past this vocab share the last
+            # token ids prepared by ``sparsync_bench.corpus.prepare_corpus``; ids past this vocab share the last
             self.stream = np.minimum(np.concatenate([np.load(f).astype(np.int64) for f in files]), vocab - 1)
             if self.stream.size < 2 or self.stream.min() < 0:
                 raise ValueError(f"token files {list(map(str, files))}: need >= 2 non-negative ids")

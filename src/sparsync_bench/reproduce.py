@@ -179,7 +179,7 @@ def sparcml_markdown(rows: list[dict[str, Any]], scale: Scale, where: str) -> st
 
 
 def section_sparcml(ctx: Ctx) -> str:
-    from sparsync.bench import BenchConfig, run_allreduce_bench
+    from sparsync_bench import BenchConfig, run_allreduce_bench
 
     s = ctx.scale
     cfg = BenchConfig(dim=s.ar_n, densities=s.ar_densities, repeats=s.ar_repeats)
@@ -237,8 +237,8 @@ def sketch_bias(
     unbiased estimator)."""
     import torch
 
-    from sparsync.bench.embedding import zipf_tokens
-    from sparsync.bench.embedding_sketch import expected_density
+    from sparsync_bench.embedding import zipf_tokens
+    from sparsync_bench.embedding_sketch import expected_density
     from sparsync.compress import SparseSketch, TensorSpec
 
     gen = torch.Generator().manual_seed(0)
@@ -292,7 +292,7 @@ def plot_s2(rows: list[dict[str, Any]], png: Path, title: str) -> Path:
 
 
 def section_s2(ctx: Ctx) -> str:
-    from sparsync.bench import EmbeddingBenchConfig, run_embedding_bench
+    from sparsync_bench import EmbeddingBenchConfig, run_embedding_bench
 
     s = ctx.scale
     cfg = EmbeddingBenchConfig(
@@ -397,7 +397,7 @@ def run_dctmp(ctx: Ctx) -> str:
 
 
 def section_dct(ctx: Ctx) -> str:
-    from sparsync.bench.dlrm_train import METHODS, OPTIONAL, DlrmBenchConfig, default_data, run_dlrm_bench
+    from sparsync_bench.dlrm_train import METHODS, OPTIONAL, DlrmBenchConfig, default_data, run_dlrm_bench
 
     s = ctx.scale
     data = default_data(ctx.out / "criteo_synthetic.txt", s.dlrm_steps * s.dlrm_batch * s.dlrm_procs)
@@ -463,7 +463,7 @@ def table3_bytes(method: str, P: int, alpha: float, w_dense: float, w_sparse: fl
 
 def _lm_bytes(vocab: int, dim: int, hidden: int) -> tuple[float, float]:
     """(dense, sparse) parameter bytes of the benchmark's language model."""
-    from sparsync.bench.lm import SampledLM
+    from sparsync_bench.lm import SampledLM
 
     model = SampledLM(vocab, dim, hidden)
     sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
@@ -498,7 +498,7 @@ def lm_alpha(path: Path, vocab: int, batch: int, seq: int, negatives: int = 256,
     samples), the mean over ``draws`` batches of the corpus: S2's α for the sketch's ratio."""
     import torch
 
-    from sparsync.bench.lm import Corpus
+    from sparsync_bench.lm import Corpus
 
     c = Corpus(vocab, files=[path], seed=12345)
     seen = [torch.unique(torch.cat([c.batch(batch, seq).reshape(-1), c.negatives(negatives)])).numel()
@@ -524,9 +524,9 @@ def parallax_dlrm_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def section_parallax(ctx: Ctx) -> str:
-    from sparsync.bench.corpus import prepare_corpus
-    from sparsync.bench.hybrid import HybridBenchConfig
-    from sparsync.bench.hybrid_run import run_hybrid_bench
+    from sparsync_bench.corpus import prepare_corpus
+    from sparsync_bench.hybrid import HybridBenchConfig
+    from sparsync_bench.hybrid_run import run_hybrid_bench
 
     s = ctx.scale
     corpus = prepare_corpus(ctx.corpus, s.lm_vocab, ctx.out / "corpus" / f"{ctx.corpus.stem}-{s.lm_vocab}.npy")
@@ -675,7 +675,7 @@ def run_reproduce(
     console: Console | None = None,
 ) -> Path:
     """Run the sections, writing ``out/report.md`` after each; returns its path."""
-    from sparsync.bench.corpus import GCIDE
+    from sparsync_bench.corpus import GCIDE
 
     bad = [x for x in sections if x not in SECTION_RUNNERS]
     if bad or not sections:

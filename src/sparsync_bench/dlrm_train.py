@@ -47,11 +47,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from sparsync.bench.criteo import CriteoBatch, read_criteo, table_rows
-from sparsync.bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
-from sparsync.bench.dlrm import DLRM
-from sparsync.bench.hybrid import ps_remote_bytes
-from sparsync.bench.omnireduce import block_allreduce
+from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows
+from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
+from sparsync_bench.dlrm import DLRM
+from sparsync_bench.hybrid import ps_remote_bytes
+from sparsync_bench.omnireduce import block_allreduce
 from sparsync.compress import ErrorFeedback, SparseSketch, Threshold
 from sparsync.optim import DistributedOptimizer
 from sparsync.record import CommLog
@@ -69,7 +69,7 @@ MLPS = {"small": ((13, 64), (64, 1)), "kaggle": ((13, 512, 256, 64), (512, 256, 
 
 @dataclass(frozen=True)
 class DlrmBenchConfig:
-    data: str  # a Criteo-format file (``sparsync.bench.criteo``)
+    data: str  # a Criteo-format file (``sparsync_bench.criteo``)
     steps: int = 30  # training steps per method
     batch: int = 128  # samples per rank per step
     max_rows: int = 100_000  # rows per table at most (DLRM's --max-ind-range)
@@ -284,7 +284,7 @@ def config_dict(cfg: DlrmBenchConfig) -> dict[str, Any]:
 
 def default_data(path: Path, samples: int) -> Path:
     """A generated Criteo-format file at ``path`` (written once; reused when it already holds enough lines)."""
-    from sparsync.bench.criteo import write_criteo
+    from sparsync_bench.criteo import write_criteo
 
     if path.exists():
         with path.open() as f:
@@ -310,7 +310,7 @@ def run_dlrm_bench(
     from rich.console import Console
 
     from sparsync.launch import launch
-    from sparsync.netem import describe, net_spec, shaped
+    from sparsync_bench.netem import describe, net_spec, shaped
 
     console = console or Console()
     spec = net_spec(net, latency)
@@ -323,7 +323,7 @@ def run_dlrm_bench(
         with shaped(P, spec) as ns, contextlib.ExitStack() as stack:
             addrs = None
             if any(m in PS_METHODS for m in cfg.methods):
-                from sparsync.bench.hybrid_run import bench_servers
+                from sparsync_bench.hybrid_run import bench_servers
 
                 addrs = stack.enter_context(bench_servers(P, ns))
             got = launch(worker, nprocs=P, args=(cfg, data, addrs), timeout=timeout, netns=ns)

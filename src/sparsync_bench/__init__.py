@@ -9,12 +9,12 @@ from typing import Any
 
 from rich.console import Console
 
-from sparsync.bench.allreduce import BenchConfig, worker
-from sparsync.bench.compress import CompressBenchConfig
-from sparsync.bench.embedding import EmbeddingBenchConfig
-from sparsync.bench.report import check_targets, markdown, plot, print_table, print_targets, write_files
+from sparsync_bench.allreduce import BenchConfig, worker
+from sparsync_bench.compress import CompressBenchConfig
+from sparsync_bench.embedding import EmbeddingBenchConfig
+from sparsync_bench.report import check_targets, markdown, plot, print_table, print_targets, write_files
 from sparsync.launch import launch
-from sparsync.netem import NetSpec, describe, net_spec, shaped
+from sparsync_bench.netem import NetSpec, describe, net_spec, shaped
 
 
 def _per_world_size(
@@ -124,7 +124,7 @@ def run_compress_bench(
 ) -> list[dict[str, Any]]:
     """Run ``sparsync bench compress`` on ``procs`` ranks (in shaped namespaces with ``net``); print, save,
     plot. Returns the rows."""
-    from sparsync.bench import compress as cb
+    from sparsync_bench import compress as cb
 
     console = console or Console()
     spec = net_spec(net, latency)
@@ -166,8 +166,8 @@ def run_embedding_bench(
     """Run ``sparsync bench embedding`` (issue 13, item 4) for each world size in ``procs`` (in shaped
     namespaces with ``net``; hosts of ``procs_per_host`` ranks sharing one, issue 18); print, save, plot.
     Returns the rows."""
-    from sparsync.bench import embedding as eb
-    from sparsync.bench import embedding_report as er
+    from sparsync_bench import embedding as eb
+    from sparsync_bench import embedding_report as er
 
     console = console or Console()
     spec = net_spec(net, latency)

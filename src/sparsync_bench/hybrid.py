@@ -36,9 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsync.bench.ddp_baseline import ddp_step_bytes
-from sparsync.bench.lm import Corpus, SampledLM
-from sparsync.bench.omnireduce import block_allreduce
+from sparsync_bench.ddp_baseline import ddp_step_bytes
+from sparsync_bench.lm import Corpus, SampledLM
+from sparsync_bench.omnireduce import block_allreduce
 from sparsync.calibrate import measure_link
 from sparsync.collectives.tensor import allreduce
 from sparsync.compress.sketch import SparseSketch

@@ -11,9 +11,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from sparsync.netem import parse_latency, parse_rate
+from sparsync_bench.netem import parse_latency, parse_rate
 from sparsync.plan.planner import PLACEMENTS, Cluster, levels_from_json, lm_stats, make_plan, stats_from_json
-from sparsync.tables import show_table
+from sparsync_bench.tables import show_table
 
 
 def _ints(text: str) -> tuple[int, ...]:

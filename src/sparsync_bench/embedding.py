@@ -59,10 +59,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import sparsync
-from sparsync.bench import embedding_sketch as es
-from sparsync.bench.allreduce import COO_MACHINE_SHARE, HIERARCHICAL, coo_too_big
-from sparsync.bench.ddp_baseline import gloo_sparse_allreduce_bytes, ring_allreduce_bytes
-from sparsync.bench.omnireduce import block_allreduce
+from sparsync_bench import embedding_sketch as es
+from sparsync_bench.allreduce import COO_MACHINE_SHARE, HIERARCHICAL, coo_too_big
+from sparsync_bench.ddp_baseline import gloo_sparse_allreduce_bytes, ring_allreduce_bytes
+from sparsync_bench.omnireduce import block_allreduce
 from sparsync.collectives._meta import EAGER_LIMIT
 from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce
 from sparsync.collectives.tensor import coo_to_stream, stream_to_coo

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import sparsync
-from sparsync.bench.allreduce import _timed
+from sparsync_bench.allreduce import _timed
 from sparsync.compress import SketchPayload, SparseSketch, TensorSpec
 from sparsync.record import CommLog
 

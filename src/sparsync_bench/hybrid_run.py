@@ -15,18 +15,18 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from sparsync.bench.hybrid import HybridBenchConfig, config_dict, worker
-from sparsync.bench.lm import SampledLM
-from sparsync.bench.report import write_files
+from sparsync_bench.hybrid import HybridBenchConfig, config_dict, worker
+from sparsync_bench.lm import SampledLM
+from sparsync_bench.report import write_files
 from sparsync.costmodel import LinkModel
 from sparsync.launch import launch
-from sparsync.netem import NetNamespaces, describe, net_spec, shaped
+from sparsync_bench.netem import NetNamespaces, describe, net_spec, shaped
 from sparsync.plan.detect import ParamStats
 from sparsync.plan.partition import PartitionSearch, search_partitions
 from sparsync.plan.planner import Cluster, Plan, make_plan
 from sparsync.ps.process import ServerProcess
 from sparsync.ps.server import ServerConfig
-from sparsync.tables import show_table
+from sparsync_bench.tables import show_table
 
 # method -> the plan placement of the embedding that describes it (dense parameters: dense allreduce)
 PLAN_OF = {
