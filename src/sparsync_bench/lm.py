@@ -11,6 +11,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from sparsync.plan.detect import ParamStats
+from sparsync.plan.planner import zipf_row_fraction
+
 
 class SampledLM(nn.Module):
     """emb (vocab x dim, sparse gradient) -> LSTM (dim -> hidden) -> proj (hidden -> dim); logits against the
@@ -76,3 +79,22 @@ class Corpus:
 
     def negatives(self, k: int) -> torch.Tensor:
         return torch.from_numpy(self.rng.integers(0, self.vocab, k))
+
+
+def lm_stats(
+    vocab: int, dim: int, hidden: int, tokens: int, procs_per_machine: int = 1, zipf: float = 1.0
+) -> list[ParamStats]:
+    """``SampledLM``'s parameters as the planner sees them (``sparsync plan --model lm``): a sparse embedding
+    (vocab x dim, also the tied output layer) read by ``tokens`` Zipf tokens per worker per step, an LSTM
+    (dim -> hidden) and a projection hidden -> dim."""
+    a = zipf_row_fraction(vocab, tokens, zipf)
+    am = zipf_row_fraction(vocab, tokens * procs_per_machine, zipf)
+    return [
+        ParamStats("emb.weight", (vocab, dim), a, True, am),
+        ParamStats("lstm.weight_ih_l0", (4 * hidden, dim), 1.0, False),
+        ParamStats("lstm.weight_hh_l0", (4 * hidden, hidden), 1.0, False),
+        ParamStats("lstm.bias_ih_l0", (4 * hidden,), 1.0, False),
+        ParamStats("lstm.bias_hh_l0", (4 * hidden,), 1.0, False),
+        ParamStats("proj.weight", (dim, hidden), 1.0, False),
+        ParamStats("proj.bias", (dim,), 1.0, False),
+    ]
