@@ -16,10 +16,10 @@ import torch
 from sparsync import launch
 from sparsync_bench import corpus as corpus_mod
 from sparsync_bench import reproduce as rp
+from sparsync_bench.cli import build_parser
 from sparsync_bench.corpus import prepare_corpus, read_words
 from sparsync_bench.lm import Corpus
 from sparsync_bench.omnireduce import from_blocks, to_blocks
-from sparsync_bench.cli import build_parser
 
 TEXT = "The cat sat. The cat ran!  A dog's bone \\A*buse\"\\ [1913 Webster]\nthe END"
 

@@ -34,6 +34,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-expor
 
 from sparsync.group import background_group, stop_queues
 
+
 class RankSetup(Protocol):
     """Per-host set-up that ``launch`` runs in each rank before torch.distributed starts (a network namespace to
     enter, environment variables): picklable, since it travels to the spawned ranks. ``hosts``: the hosts it

@@ -8,12 +8,12 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.markup import escape
+if TYPE_CHECKING:
+    from rich.console import Console
 
-from sparsync_bench.allreduce import HIERARCHICAL, METHODS, QUANTIZED, BenchConfig
+BENCH_EXTRA = "the sparsync command needs the bench extra: pip install 'sparsync[bench]'"
 
 _SIZE = re.compile(r"^(\d+)([kKmMgG]?)$")
 
@@ -45,6 +45,8 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def _methods(text: str) -> tuple[str, ...]:
+    from sparsync_bench.allreduce import HIERARCHICAL, METHODS, QUANTIZED
+
     out = tuple(text.split(","))
     valid = [*METHODS, *QUANTIZED, *HIERARCHICAL]
     bad = [m for m in out if m not in valid]
@@ -91,6 +93,7 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
 
 
 def _add_embedding_parser(bsub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
+    from sparsync_bench.allreduce import HIERARCHICAL
     from sparsync_bench.embedding import HOT
     from sparsync_bench.embedding import METHODS as EMB_METHODS
 
@@ -153,9 +156,10 @@ def _add_dlrm_parser(bsub: Any, parents: dict[str, argparse.ArgumentParser]) -> 
 
 
 def _add_bench_parsers(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
+    from sparsync.compress.registry import COMPRESSORS
+    from sparsync_bench.allreduce import HIERARCHICAL, METHODS, QUANTIZED, BenchConfig
     from sparsync_bench.compress import DEFAULT_COMPRESSORS
     from sparsync_bench.hybrid import METHODS as HYBRID_METHODS
-    from sparsync.compress.registry import COMPRESSORS
 
     bench = sub.add_parser("bench", help="benchmarks", formatter_class=HelpFormatter)
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -331,7 +335,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
 def _bench_hybrid(args: argparse.Namespace, console: Console) -> int:
     from sparsync_bench.hybrid import METHODS as HYBRID_METHODS
     from sparsync_bench.hybrid import HybridBenchConfig
-    from sparsync_bench.hybrid_run import run_hybrid_bench
+    from sparsync_bench.runner import run_hybrid_bench
 
     hcfg = HybridBenchConfig(
         vocab=args.vocab, dim=args.dim, hidden=args.hidden, batch=args.batch, steps=args.steps,
@@ -340,7 +344,7 @@ def _bench_hybrid(args: argparse.Namespace, console: Console) -> int:
         methods=tuple(args.methods.split(",")) if args.methods else HYBRID_METHODS,
     )  # fmt: skip
     if args.search_partitions:
-        from sparsync_bench.hybrid_run import search_hybrid_partitions
+        from sparsync_bench.runner import search_hybrid_partitions
 
         found = search_hybrid_partitions(hcfg, args.procs[0], console=console)
         hcfg = HybridBenchConfig(**{**hcfg.__dict__, "partitions": found.best})
@@ -350,7 +354,8 @@ def _bench_hybrid(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_allreduce(args: argparse.Namespace, console: Console) -> int:
-    from sparsync_bench import run_allreduce_bench
+    from sparsync_bench.allreduce import HIERARCHICAL, METHODS, BenchConfig
+    from sparsync_bench.runner import run_allreduce_bench
 
     on_hosts = ("gloo_dense", "gloo_sparse_coo", "allgather", "auto", *HIERARCHICAL)
     procs, per_host, methods = _hosts_and_methods(args, METHODS, on_hosts)
@@ -361,8 +366,10 @@ def _bench_allreduce(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_embedding(args: argparse.Namespace, console: Console) -> int:
-    from sparsync_bench import EmbeddingBenchConfig, run_embedding_bench
+    from sparsync_bench.allreduce import HIERARCHICAL
     from sparsync_bench.embedding import METHODS as EMB_METHODS
+    from sparsync_bench.embedding import EmbeddingBenchConfig
+    from sparsync_bench.runner import run_embedding_bench
 
     on_hosts = ("torch_coo", "torch_ddp", "allgather", "ssar_split_allgather", "auto", *HIERARCHICAL)
     procs, per_host, methods = _hosts_and_methods(args, EMB_METHODS, on_hosts)
@@ -375,7 +382,8 @@ def _bench_embedding(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_dlrm(args: argparse.Namespace, console: Console) -> int:
-    from sparsync_bench.dlrm_train import DlrmBenchConfig, default_data, run_dlrm_bench
+    from sparsync_bench.dlrm_train import DlrmBenchConfig, default_data
+    from sparsync_bench.runner import run_dlrm_bench
 
     need = args.steps * args.batch * max(args.procs)
     data = args.data or default_data(Path("results/criteo_synthetic.txt"), need)
@@ -386,7 +394,8 @@ def _bench_dlrm(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_compress(args: argparse.Namespace, console: Console) -> int:
-    from sparsync_bench import CompressBenchConfig, run_compress_bench
+    from sparsync_bench.compress import CompressBenchConfig
+    from sparsync_bench.runner import run_compress_bench
 
     ccfg = CompressBenchConfig(sizes=args.sizes, repeats=args.repeats)
     if args.compressors:
@@ -397,6 +406,13 @@ def _bench_compress(args: argparse.Namespace, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # the library does without them; the command's tables, progress bars and plots do not
+        import matplotlib  # noqa: F401
+        from rich.console import Console
+        from rich.markup import escape
+    except ImportError as e:
+        print(f"{BENCH_EXTRA} (missing: {(e.name or str(e)).split('.')[0]})", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     console = Console()
     if not console.is_terminal:  # a file or a CI log: lines as long as they are, not wrapped at 80 columns

@@ -35,7 +35,6 @@ only float rounding separates them; DCT's lossy MLP gradients may move it).
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -47,15 +46,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from sparsync.compress import ErrorFeedback, SparseSketch, Threshold
+from sparsync.optim import DistributedOptimizer
+from sparsync.record import CommLog
+from sparsync.replicator.optimizer import Compressed, CustomReduce, Placement
 from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows
 from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
 from sparsync_bench.dlrm import DLRM
 from sparsync_bench.hybrid import ps_remote_bytes
 from sparsync_bench.omnireduce import block_allreduce
-from sparsync.compress import ErrorFeedback, SparseSketch, Threshold
-from sparsync.optim import DistributedOptimizer
-from sparsync.record import CommLog
-from sparsync.replicator.optimizer import Compressed, CustomReduce, Placement
 
 METHODS = ("torch_ddp_dense", "torch_ddp_sparse", "sparsync", "sparsync_dct")
 PS_METHODS = ("sparsync_ps", "sparsync_ps_split", "sparsync_hybrid")
@@ -292,48 +291,3 @@ def default_data(path: Path, samples: int) -> Path:
                 return path
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_criteo(path, samples)
-
-
-def run_dlrm_bench(
-    cfg: DlrmBenchConfig,
-    procs: tuple[int, ...],
-    *,
-    out: Path,
-    net: str | None = None,
-    latency: str | None = None,
-    console: Any = None,
-    timeout: float = 1800.0,
-) -> list[dict[str, Any]]:
-    """Every method at every world size in ``procs`` (shaped namespaces with ``net``); writes out.md/.json."""
-    import json
-
-    from rich.console import Console
-
-    from sparsync.launch import launch
-    from sparsync_bench.netem import describe, net_spec, shaped
-
-    console = console or Console()
-    spec = net_spec(net, latency)
-    where = describe(spec)
-    rows: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-    for P in procs:
-        console.print(f"[bold]P = {P}[/], DLRM on {cfg.data}, {where}: {', '.join(cfg.methods)}")
-        data = load(cfg, P)
-        with shaped(P, spec) as ns, contextlib.ExitStack() as stack:
-            addrs = None
-            if any(m in PS_METHODS for m in cfg.methods):
-                from sparsync_bench.hybrid_run import bench_servers
-
-                addrs = stack.enter_context(bench_servers(P, ns))
-            got = launch(worker, nprocs=P, args=(cfg, data, addrs), timeout=timeout, netns=ns)
-        rows += got[0]
-    summarize(rows)
-    text = markdown(rows, cfg, where)
-    console.print(text)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"config": config_dict(cfg), "procs": list(procs), "net": net, "seconds": time.perf_counter() - t0}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(text)
-    console.print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}")
-    return rows
