@@ -189,6 +189,11 @@ def test_replicator_markdown_compares_curves() -> None:
     assert "| torchrun | 1 | 2.0000 | 2.0000 | - |" in md  # a different length is shown, not compared
 
 
+def test_root_is_the_checkout_with_the_examples_the_sections_run() -> None:
+    assert (rp.ROOT / "examples" / "dlrm_hybrid.py").is_file()
+    assert (rp.ROOT / "examples" / "replicator_digits_cnn.py").is_file()
+
+
 def test_cli_parses_and_rejects_unknown_sections(tmp_path: Path) -> None:
     args = build_parser().parse_args(["reproduce", "--quick", "--sections", "s2,dct", "--out", str(tmp_path)])
     assert args.quick and args.sections == ("s2", "dct") and args.out == tmp_path
