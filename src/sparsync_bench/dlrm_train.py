@@ -14,7 +14,7 @@ beside sparsync's, in one run, from the same initial weights, on the same sample
 Two more on request (``--methods``), for S2's comparison (``sparsync reproduce``): the large tables (at least
 ``large_table_rows`` rows; the small ones stay on the row-sparse allreduce) by
 
-- ``sparsync_omnireduce``: the OmniReduce-style block-sparse allreduce (``bench/omnireduce.py``, exact);
+- ``sparsync_omnireduce``: the OmniReduce-style block-sparse allreduce (``omnireduce.py``, exact);
 - ``sparsync_sketch``: S2's sketch (``Compressed(SparseSketch(ratio=λ·α_t))``, lossy, no error feedback, as
   S2), α_t the largest share of table t's rows one rank's first batch touches (max over ranks, so every rank
   builds the same sketch), λ = ``sketch_lambda``.
@@ -28,7 +28,7 @@ symmetry what the rank's machine, client and colocated server together, sends on
 
 Per method: median seconds per training step (forward, backward, aggregation, SGD) after ``warmup`` steps, the
 slowest rank's; bytes sent per rank per step (sparsync's ``CommLog``; DDP's computed from what gloo sends,
-``bench/ddp_baseline.py``); the mean training loss over the last ``tail`` steps averaged over ranks, and its
+``ddp_baseline.py``); the mean training loss over the last ``tail`` steps averaged over ranks, and its
 relative difference to ``torch_ddp_sparse``'s (DDP and sparsync take the same SGD steps on the same means, so
 only float rounding separates them; DCT's lossy MLP gradients may move it).
 """

@@ -74,7 +74,7 @@ from sparsync_bench.report import progress
 
 SPLIT_RANGE = ("ssar_split_allgather/range", "dsar_split_allgather/range")
 TORCH_METHODS = ("torch_dense", "torch_coo", "torch_ddp")
-OMNIREDUCE = "omnireduce"  # S2's baseline: non-zero blocks of 256 values only (bench/omnireduce.py)
+OMNIREDUCE = "omnireduce"  # S2's baseline: non-zero blocks of 256 values only (omnireduce.py)
 METHODS = (*TORCH_METHODS, *ALGORITHMS, *SPLIT_RANGE, "auto", es.SKETCH, OMNIREDUCE)
 HOT = ("low", "permuted")
 DENSE_COPIES = 3  # torch_dense holds the dense gradient, its per-repeat copy and gloo's buffer on every rank
@@ -320,7 +320,7 @@ def _torch_bytes(method: str, ctx: _Context, dim: int, stats: _Stats) -> float:
     P = ctx.P
     if method == "torch_dense":
         return ring_allreduce_bytes(ctx.cfg.rows * dim * 4, P).sent
-    # Mean over ranks of what gloo's sparse allreduce sends (bench/ddp_baseline.py has the derivation).
+    # Mean over ranks of what gloo's sparse allreduce sends (ddp_baseline.py has the derivation).
     return sum(gloo_sparse_allreduce_bytes(stats.k, dim * 4, r).sent for r in range(P)) / P
 
 

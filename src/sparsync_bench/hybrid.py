@@ -50,7 +50,7 @@ from sparsync_bench.report import progress
 
 METHODS = ("allreduce", "allgather", "ddp_sparse", "sparse_ar", "ps", "ps_split", "hybrid", "hybrid_noagg")
 # run only when named: hybrid_sketch (lossy, so not in the equal-loss comparison) and omnireduce (S2's baseline:
-# the embedding by the OmniReduce-style block-sparse allreduce, bench/omnireduce.py; for sparsync reproduce)
+# the embedding by the OmniReduce-style block-sparse allreduce, omnireduce.py; for sparsync reproduce)
 OPTIONAL_METHODS = ("hybrid_sketch", "omnireduce")
 PS_METHODS = ("ps", "ps_split", "hybrid", "hybrid_noagg")
 

@@ -306,7 +306,7 @@ def section_s2(ctx: Ctx) -> str:
         "gradients: 81% less communication time than OmniReduce on ResNet-50 and 1.8x end to end on GNMT-8.\n\n"
         "**Here**, one embedding gradient of a Zipf token batch (the workload of DLRM's tables and of a language "
         f"model's input embedding), {ctx.where}; OmniReduce = non-zero blocks of 256 values reduced by a sharded "
-        "aggregation on sparsync's collectives (`bench/omnireduce.py`); sketch@λ is S2's sketch with "
+        "aggregation on sparsync's collectives (`sparsync_bench/omnireduce.py`); sketch@λ is S2's sketch with "
         "ratio λ·α:\n\n"
         + s2_markdown(rows)
         + "\n"
