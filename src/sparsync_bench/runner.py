@@ -171,7 +171,9 @@ def run_allreduce_bench(
         _print_link(rows, console)
         return rows
 
-    header = lambda P: f"[bold]P = {P}[/], N = {cfg.dim:,} float32, {where}, {cfg.repeats} repeats"  # noqa: E731
+    def header(P: int) -> str:
+        return f"[bold]P = {P}[/], N = {cfg.dim:,} float32, {where}, {cfg.repeats} repeats"
+
     rows = sweep(procs, point, header=header, out=out, meta=meta, console=console)
     title = f"sparse allreduce, N={cfg.dim:,}, {where}"
     ar.print_table(rows, console, title)
