@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Make .venv with everything sparsync needs; idempotent, quick when already done.
+# Make .venv with everything sparsync needs, the `sparsync` command's bench extra and the dev tools
+# (pip install -e '.[dev]', which includes '.[bench]'); idempotent, quick when already done.
 # torch: the CPU build 2.13.0 (a bare `torch` requirement would pull a multi-GB CUDA build), only when no torch
 # is importable in the venv already.
 set -euo pipefail
@@ -12,9 +13,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   echo "setup: installing torch==2.13.0 (CPU build)"
   .venv/bin/pip install -q torch==2.13.0
 fi
-if ! .venv/bin/python -c "import sparsync, pytest, hypothesis, ruff, mypy" 2>/dev/null \
+if ! .venv/bin/python -c "import sparsync, sparsync_bench, rich, matplotlib, pytest, hypothesis, ruff, mypy" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.sparsync-installed ]; then
-  echo "setup: installing sparsync and its dev tools into .venv"
+  echo "setup: installing sparsync, its bench tools and its dev tools into .venv"
   .venv/bin/pip install -q -e '.[dev]'
   touch .venv/.sparsync-installed
 fi

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sparsync.bench.omnireduce import block_allreduce
 from sparsync.record import CommLog
+from sparsync_bench.omnireduce import block_allreduce
 
 ROWS = 257  # not a multiple of the 4 rows a block of 256 holds at dim 64: the last block is short
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-from sparsync.bench import embedding_sketch as es
-from sparsync.bench.embedding import METHODS, TORCH_METHODS, EmbeddingBenchConfig, zipf_tokens
-from sparsync.bench.embedding_report import check_targets
-from sparsync.cli import main
+from sparsync_bench import embedding_sketch as es
+from sparsync_bench.cli import main
+from sparsync_bench.embedding import METHODS, TORCH_METHODS, EmbeddingBenchConfig, zipf_tokens
+from sparsync_bench.embedding_report import check_targets
 
 
 @pytest.mark.parametrize("s", [0.9, 1.1, 1.3])

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from sparsync.bench.ddp_baseline import WireBytes, ddp_step_bytes, gloo_sparse_allreduce_bytes, sparse_grad_params
-from sparsync.bench.lm import Corpus, SampledLM
-from sparsync.cli import main
 from sparsync.hybrid import PHASES
+from sparsync_bench.cli import main
+from sparsync_bench.ddp_baseline import WireBytes, ddp_step_bytes, gloo_sparse_allreduce_bytes, sparse_grad_params
+from sparsync_bench.lm import Corpus, SampledLM
 
 
 def _tiny_run(out: Path, *extra: str) -> dict[str, Any]:

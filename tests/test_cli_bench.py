@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from sparsync.bench import BenchConfig, run_allreduce_bench
-from sparsync.bench.allreduce import METHODS, coo_too_big
-from sparsync.bench.report import check_targets
-from sparsync.cli import main, parse_size
 from sparsync.collectives._meta import EAGER_BYTES, ROW_BYTES
+from sparsync_bench.allreduce import METHODS, BenchConfig, coo_too_big
+from sparsync_bench.allreduce_report import check_targets
+from sparsync_bench.cli import main, parse_size
+from sparsync_bench.runner import run_allreduce_bench
 
 
 def test_parse_size() -> None:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import re
+import subprocess
+import sys
 
 import pytest
 
-from sparsync.cli import build_parser
+from sparsync_bench.cli import build_parser
 
 Parsers = list[tuple[str, argparse.ArgumentParser]]
 
@@ -54,3 +56,12 @@ def test_every_subcommand_dispatches_to_a_function() -> None:
         leaf = not any(isinstance(a, argparse._SubParsersAction) for a in parser._actions)
         if leaf:
             assert callable(parser.get_default("func")), name
+
+
+def test_without_the_bench_extra_the_command_says_what_to_install() -> None:
+    """The library needs neither rich nor matplotlib; the command names the extra that brings them instead of
+    failing with a traceback (here rich is made unimportable)."""
+    code = "import sys; sys.modules['rich'] = None; from sparsync_bench.cli import main; sys.exit(main(['-h']))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2, done.stderr
+    assert "pip install 'sparsync[bench]'" in done.stderr and "Traceback" not in done.stderr

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from test_netem import CAN_NETNS
 
-from sparsync.cluster import run_cluster
-from sparsync.netem import NetSpec
+from sparsync_bench.cluster import run_cluster
+from sparsync_bench.netem import NetSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from sparsync.cli import main
-from sparsync.cluster import run_cluster, torchrun_argv
-from sparsync.netem import NetSpec
+from sparsync_bench.cli import main
+from sparsync_bench.cluster import run_cluster, torchrun_argv
+from sparsync_bench.netem import NetSpec
 
 
 @pytest.mark.parametrize(

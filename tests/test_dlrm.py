@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from sparsync.bench.criteo import KAGGLE_CARDINALITIES, read_criteo, table_rows, write_criteo
-from sparsync.bench.dlrm import DLRM
+from sparsync_bench.criteo import KAGGLE_CARDINALITIES, read_criteo, table_rows, write_criteo
+from sparsync_bench.dlrm import DLRM
 
 
 def test_the_generator_writes_criteo_lines_with_kaggle_cardinalities_and_skewed_categories(tmp_path: Path) -> None:
@@ -80,7 +80,7 @@ def test_bench_methods_train_to_the_same_loss_and_sparsync_sends_less(tmp_path: 
     from _optim_workers import dlrm_worker_nominal_link
 
     from sparsync import launch
-    from sparsync.bench.dlrm_train import DlrmBenchConfig, load, summarize
+    from sparsync_bench.dlrm_train import DlrmBenchConfig, load, summarize
 
     cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", 2 * 6 * 32)), steps=6, batch=32, max_rows=2000,
                           dim=8, warmup=1, tail=3)  # fmt: skip
@@ -101,7 +101,7 @@ def test_omnireduce_and_sketch_methods_on_the_large_tables(tmp_path: Path) -> No
     """S2's comparison on DLRM (sparsync reproduce): the OmniReduce-style allreduce is exact, so it trains to
     sparsync's loss; the sketch is lossy but trains, and sends bytes."""
     from sparsync import launch
-    from sparsync.bench.dlrm_train import DlrmBenchConfig, load, summarize, worker
+    from sparsync_bench.dlrm_train import DlrmBenchConfig, load, summarize, worker
 
     cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", 3 * 6 * 32)), steps=6, batch=32, max_rows=2000,
                           dim=8, warmup=1, tail=3, large_table_rows=500,
@@ -121,7 +121,8 @@ def test_omnireduce_and_sketch_methods_on_the_large_tables(tmp_path: Path) -> No
 def test_parameter_server_methods_train_to_the_same_loss(tmp_path: Path) -> None:
     """Parallax's PS, OptPS and HYB placements on DLRM (servers started by run_dlrm_bench, server-side SGD at
     the same lr, sync, mean): the same SGD steps as sparsync's allreduce, so the same loss to rounding."""
-    from sparsync.bench.dlrm_train import DlrmBenchConfig, run_dlrm_bench
+    from sparsync_bench.dlrm_train import DlrmBenchConfig
+    from sparsync_bench.runner import run_dlrm_bench
 
     cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", 3 * 6 * 32)), steps=6, batch=32, max_rows=2000,
                           dim=8, warmup=1, tail=3,

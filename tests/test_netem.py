@@ -1,4 +1,4 @@
-"""Tests for sparsync.netem: parsing everywhere, real namespaces only as root with iproute2."""
+"""Tests for sparsync_bench.netem: parsing everywhere, real namespaces only as root with iproute2."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from multiprocessing.queues import Queue
 
 import pytest
 
-from sparsync.netem import (
+from sparsync_bench.netem import (
     NetNamespaces,
     NetSpec,
     enter_namespace,

@@ -12,9 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from sparsync.cli import main
 from sparsync.plan.detect import AlphaMeter, ParamStats, RowFractionMeter, sparse_param_names
-from sparsync.plan.planner import Cluster, candidates, lm_stats, make_plan, zipf_row_fraction
+from sparsync.plan.planner import Cluster, candidates, make_plan, zipf_row_fraction
+from sparsync_bench.cli import main
+from sparsync_bench.lm import lm_stats
 
 
 class Model(nn.Module):
@@ -60,6 +61,14 @@ def test_table3_transfer_formulas() -> None:
     assert c["sparse_allreduce"][0] == pytest.approx(2 * a * w * (N - 1) * (1 + 4 / (4 * dim)))
     ag = candidates(s, Cluster(N, 1, 1e9, 1e-5))[0]
     assert ag["ps"][0] < ag["dense_allreduce"][0]
+
+
+def test_lm_stats_describe_the_benchmark_model() -> None:
+    """``sparsync plan --model lm`` plans the benchmark's SampledLM: the same parameter names and shapes."""
+    from sparsync_bench.lm import SampledLM
+
+    model = {n: tuple(p.shape) for n, p in SampledLM(1000, 8, 16).named_parameters()}
+    assert {s.name: s.shape for s in lm_stats(1000, 8, 16, 64)} == model
 
 
 def test_plan_picks_ps_for_sparse_and_allreduce_for_dense_and_honours_overrides() -> None:

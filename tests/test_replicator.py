@@ -296,7 +296,7 @@ def test_demo_trains_every_plan_to_the_same_model() -> None:
 
     from rich.console import Console
 
-    from sparsync.bench.train_demo import DemoConfig, plan_summary, print_demo, run_demo
+    from sparsync_bench.train_demo import DemoConfig, plan_summary, print_demo, run_demo
 
     cfg = DemoConfig(steps=12, warmup=2)
     runs, diff, plan = run_demo(cfg, show_progress=False)

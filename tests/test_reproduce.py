@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from sparsync import launch
-from sparsync.bench import corpus as corpus_mod
-from sparsync.bench import reproduce as rp
-from sparsync.bench.corpus import prepare_corpus, read_words
-from sparsync.bench.lm import Corpus
-from sparsync.bench.omnireduce import from_blocks, to_blocks
-from sparsync.cli import build_parser
+from sparsync_bench import corpus as corpus_mod
+from sparsync_bench import reproduce as rp
+from sparsync_bench.cli import build_parser
+from sparsync_bench.corpus import prepare_corpus, read_words
+from sparsync_bench.lm import Corpus
+from sparsync_bench.omnireduce import from_blocks, to_blocks
 
 TEXT = "The cat sat. The cat ran!  A dog's bone \\A*buse\"\\ [1913 Webster]\nthe END"
 
@@ -187,6 +187,11 @@ def test_replicator_markdown_compares_curves() -> None:
                                  "torchrun": [2.0]})  # fmt: skip
     assert "| 2 local replicas | 2 | 2.0000 | 1.0000 | 1.00e-06 |" in md
     assert "| torchrun | 1 | 2.0000 | 2.0000 | - |" in md  # a different length is shown, not compared
+
+
+def test_root_is_the_checkout_with_the_examples_the_sections_run() -> None:
+    assert (rp.ROOT / "examples" / "dlrm_hybrid.py").is_file()
+    assert (rp.ROOT / "examples" / "replicator_digits_cnn.py").is_file()
 
 
 def test_cli_parses_and_rejects_unknown_sections(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ import io
 from rich.console import Console
 from rich.table import Table
 
-from sparsync.tables import show_table
+from sparsync_bench.tables import show_table
 
 LONG = "1,234,567.89 ms (p25-p75 1,000,000.00-2,000,000.00)"
 

@@ -26,16 +26,13 @@ import traceback
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from C++
 
 from sparsync.group import background_group, stop_queues
-
-if TYPE_CHECKING:
-    from sparsync.netem import NetNamespaces
 
 
 class RankSetup(Protocol):
@@ -44,7 +41,7 @@ class RankSetup(Protocol):
     sets up (ranks are spread over them, ``procs_per_host`` each); ``store_host``: the address at which rank 0
     serves the rendezvous store, or None for the launcher's own store on 127.0.0.1. Called as
     ``setup(host)`` first thing in each rank of that host; returns the environment variables to set there.
-    ``sparsync.netem.NetNamespaces.rank_setup()`` is one."""
+    The benchmarks' network namespaces (``NetNamespaces.rank_setup()``, outside the library) are one."""
 
     @property
     def hosts(self) -> int: ...
@@ -193,7 +190,6 @@ def launch(
     backend: str = "gloo",
     args: tuple[Any, ...] = (),
     timeout: float = 120.0,
-    netns: NetNamespaces | None = None,
     procs_per_host: int | None = None,
     setup: RankSetup | None = None,
 ) -> list[Any]:
@@ -201,12 +197,12 @@ def launch(
 
     ``fn`` and ``args`` must be picklable (a module-level function). ``timeout`` (seconds) bounds every
     collective: a dead or stuck peer makes the others fail with a message instead of hanging. ``setup`` runs
-    in each rank first (``RankSetup``: e.g. ``NetNamespaces.rank_setup()`` puts each rank in its network
-    namespace; ``netns=ns`` is short for ``setup=ns.rank_setup()``). Under torchrun, joins that group and
-    returns ``[fn(rank, *args)]`` for this process only. ``procs_per_host``: emulate hosts of that many ranks
-    (ranks [h·k, (h+1)·k) on host h): each rank gets torchrun's ``GROUP_RANK``, ``LOCAL_RANK`` and
-    ``LOCAL_WORLD_SIZE`` (``collectives.hierarchical.detect_topology`` reads them), and with ``setup`` (one
-    host each) the ranks of a host share its set-up (a namespace and its link).
+    in each rank first (``RankSetup``: e.g. an environment per emulated host, or a network namespace to enter).
+    Under torchrun, joins that group and returns ``[fn(rank, *args)]`` for this process only.
+    ``procs_per_host``: emulate hosts of that many ranks (ranks [h·k, (h+1)·k) on host h): each rank gets
+    torchrun's ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
+    (``collectives.hierarchical.detect_topology`` reads them), and with ``setup`` (one host each) the ranks of
+    a host share its set-up (a namespace and its link).
 
     Failures raise ``LaunchError``: a rank that died without reporting, or is stopped, is named with its exit
     status ahead of the errors the others raise because of it. The ranks exit if this process dies (even by
@@ -224,10 +220,6 @@ def launch(
     hosts = nprocs if procs_per_host is None else nprocs // max(procs_per_host, 1)
     if procs_per_host is not None and (procs_per_host < 1 or nprocs % procs_per_host):
         raise ValueError(f"procs_per_host={procs_per_host} does not divide nprocs={nprocs}")
-    if netns is not None:
-        if setup is not None:
-            raise ValueError("give setup= or netns=, not both")
-        setup = netns.rank_setup()
     if setup is not None and setup.hosts != hosts:
         raise ValueError(f"setup has {setup.hosts} hosts for {hosts} hosts of {nprocs // hosts} ranks")
     if under_torchrun():

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import lsq_linear
+import numpy.typing as npt
 
 
 @dataclass(frozen=True)
@@ -32,13 +32,25 @@ class PartitionSearch:
 
 
 def fit_iteration_time(ps: Sequence[float], times: Sequence[float]) -> tuple[float, float, float]:
-    """Least-squares θ of t(P) = θ0 + θ1/P + θ2·P with θ1, θ2 >= 0 (scipy ``lsq_linear``)."""
+    """Least-squares θ of t(P) = θ0 + θ1/P + θ2·P with θ1, θ2 >= 0.
+
+    Two bounds give four active sets: the optimum of this convex problem is the unconstrained least-squares fit
+    over the free columns of one of them ({θ1, θ2}, {θ1}, {θ2}, neither, the rest at 0), so the best feasible
+    fit of the four is it (exact, no iterative solver)."""
     if len(ps) != len(times) or len(ps) < 3:
         raise ValueError(f"need >= 3 (P, time) samples of equal count, got {len(ps)} and {len(times)}")
     p = np.asarray(ps, dtype=float)
+    t = np.asarray(times, dtype=float)
     A = np.stack([np.ones_like(p), 1.0 / p, p], axis=1)
-    res = lsq_linear(A, np.asarray(times, dtype=float), bounds=([-np.inf, 0.0, 0.0], [np.inf, np.inf, np.inf]))
-    t0, t1, t2 = (float(x) for x in res.x)
+    fits: list[tuple[float, npt.NDArray[np.float64]]] = []
+    for free in ((), (1,), (2,), (1, 2)):  # the first is always feasible
+        cols = [0, *free]
+        x = np.zeros(3)
+        x[cols] = np.linalg.lstsq(A[:, cols], t, rcond=None)[0]
+        if x[1] >= 0 and x[2] >= 0:
+            fits.append((float(np.sum((A @ x - t) ** 2)), x))
+    best = min(fits, key=lambda f: f[0])
+    t0, t1, t2 = (float(v) for v in best[1])
     return t0, t1, t2
 
 

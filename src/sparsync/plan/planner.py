@@ -35,16 +35,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
 from sparsync.compress.sketch import SparseSketch
 from sparsync.costmodel import LinkModel, Problem, algorithm, choose_robust, predict
 from sparsync.placement.base import Placement
 from sparsync.placement.kinds import KINDS, objects
 from sparsync.plan.detect import ParamStats
 from sparsync.stream import index_dtype_for
-from sparsync.tables import show_table
 
 PLACEMENTS = KINDS  # the kinds of sparsync.placement a plan chooses among
 
@@ -190,39 +186,6 @@ class Plan:
             ],
         }
 
-    def print(self, console: Console | None = None, title: str | None = None) -> None:
-        c = self.cluster
-        t = Table(
-            title=title
-            or f"plan: {c.machines} machines x {c.procs_per_machine} procs, {c.bandwidth * 8 / 1e9:g} Gbit/s, "
-            f"{c.latency * 1e6:g} µs"
-        )
-        for col in (
-            "parameter",
-            "shape",
-            "α",
-            "α machine",
-            "placement",
-            "MB/machine/step",
-            "ms/step",
-            "all-AR ms",
-        ):
-            t.add_column(col, justify="left" if col in ("parameter", "placement") else "right")
-        for e in self.entries:
-            t.add_row(
-                e.name,
-                "x".join(map(str, e.shape)),
-                f"{e.row_fraction:.4g}",
-                f"{e.row_fraction_machine:.4g}",
-                e.placement + (" (override)" if e.overridden else "") + (f" via {e.detail}" if e.detail else ""),
-                f"{e.bytes_per_machine / 1e6:.3f}",
-                f"{e.seconds * 1e3:.3f}",
-                f"{e.candidates['dense_allreduce'][1] * 1e3:.3f}",
-            )
-        t.add_row("total", "", "", "", "", f"{self.bytes_per_machine / 1e6:.3f}", f"{self.seconds * 1e3:.3f}",
-                  f"{self.baseline_seconds() * 1e3:.3f}")  # fmt: skip
-        show_table(console or Console(), t)
-
 
 def machine_row_fraction(s: ParamStats, procs: int) -> float:
     """α of a machine's workers together: recorded, else independent uniform rows 1-(1-α)^procs (an upper
@@ -340,24 +303,6 @@ def zipf_row_fraction(vocab: int, draws: int, s: float = 1.0) -> float:
     p = 1.0 / np.arange(1, vocab + 1, dtype=float) ** s
     p /= p.sum()
     return float(np.sum(-np.expm1(draws * np.log1p(-p))) / vocab)
-
-
-def lm_stats(
-    vocab: int, dim: int, hidden: int, tokens: int, procs_per_machine: int = 1, zipf: float = 1.0
-) -> list[ParamStats]:
-    """The benchmark's language model: a sparse embedding (vocab x dim, also the tied output layer) read by
-    ``tokens`` Zipf tokens per worker per step, an LSTM (dim -> hidden) and a projection hidden -> dim."""
-    a = zipf_row_fraction(vocab, tokens, zipf)
-    am = zipf_row_fraction(vocab, tokens * procs_per_machine, zipf)
-    return [
-        ParamStats("emb.weight", (vocab, dim), a, True, am),
-        ParamStats("lstm.weight_ih_l0", (4 * hidden, dim), 1.0, False),
-        ParamStats("lstm.weight_hh_l0", (4 * hidden, hidden), 1.0, False),
-        ParamStats("lstm.bias_ih_l0", (4 * hidden,), 1.0, False),
-        ParamStats("lstm.bias_hh_l0", (4 * hidden,), 1.0, False),
-        ParamStats("proj.weight", (dim, hidden), 1.0, False),
-        ParamStats("proj.bias", (dim,), 1.0, False),
-    ]
 
 
 def stats_from_json(obj: Any) -> list[ParamStats]:

@@ -54,7 +54,7 @@ class ServerProcess:
         admit: Sequence[str] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.netns = netns  # run inside this network namespace (sparsync.netem), e.g. colocated with a rank
+        self.netns = netns  # run inside this network namespace (`ip netns exec`), e.g. colocated with a rank
         self.keys = CurveKeys.generate() if cfg.auth else None
         self.client_keys = (client_keys or wire.run_client_keys()) if cfg.auth else None
         # public keys (Z85) admitted: given (every rank of a job, each with its own keypair), else the run's key

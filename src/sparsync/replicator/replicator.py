@@ -14,19 +14,16 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import HashStore  # type: ignore[attr-defined]  # re-exported from C++
 
 from sparsync.group import stop_queues
-from sparsync.launch import launch, under_torchrun
+from sparsync.launch import RankSetup, launch, under_torchrun
 from sparsync.replicator.context import ReplicaContext
 from sparsync.replicator.dctmp import DCTMP
 from sparsync.replicator.inputs import PER_WORKER, InputReplication, SplitFn, per_replica_batch_size, split_batch
-
-if TYPE_CHECKING:
-    from sparsync.netem import NetNamespaces
 
 ENV_REPLICAS = "SPARSYNC_NUM_REPLICAS"
 
@@ -91,10 +88,10 @@ class Replicator:
         """``global_batch / num_replicas``; ValueError when it does not divide."""
         return per_replica_batch_size(global_batch, self.resolved_replicas())
 
-    def start(self, fn: Callable[..., Any], *args: Any, netns: NetNamespaces | None = None) -> list[Any]:
+    def start(self, fn: Callable[..., Any], *args: Any, setup: RankSetup | None = None) -> list[Any]:
         """Run ``fn(ctx, *args)`` on every process; return the results by global rank (this process's only,
-        under torchrun). ``fn`` must be a module-level function when processes are spawned. ``netns`` puts
-        each local process in its bandwidth-shaped network namespace (``sparsync.netem``)."""
+        under torchrun). ``fn`` must be a module-level function when processes are spawned. ``setup`` runs
+        first in each local process, as ``launch``'s (e.g. entering a bandwidth-shaped network namespace)."""
         R = self.resolved_replicas()
         W = R * self.devices_per_replica
         if under_torchrun():
@@ -105,10 +102,10 @@ class Replicator:
                     f"devices_per_replica = {R} x {self.devices_per_replica} = {W}"
                 )
             return launch(_entry, nprocs=W, backend=self.backend, args=(self, R, fn, args), timeout=self.timeout)
-        if W == 1 and netns is None:
+        if W == 1 and setup is None:
             return [_inline(self, fn, args)]
         return launch(
-            _entry, nprocs=W, backend=self.backend, args=(self, R, fn, args), timeout=self.timeout, netns=netns
+            _entry, nprocs=W, backend=self.backend, args=(self, R, fn, args), timeout=self.timeout, setup=setup
         )
 
 

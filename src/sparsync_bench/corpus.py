@@ -5,7 +5,7 @@ file works the same way (``prepare_corpus(path, ...)``).
 
 The text is turned into token ids once and cached as ``.npy`` (id = frequency rank among the ``vocab - 1``
 most frequent words, ``vocab - 1`` for the rest), so P ranks do not each re-tokenize 40 MB;
-``sparsync.bench.lm.Corpus`` reads such a file directly.
+``sparsync_bench.lm.Corpus`` reads such a file directly.
 """
 
 from __future__ import annotations

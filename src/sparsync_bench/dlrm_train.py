@@ -14,7 +14,7 @@ beside sparsync's, in one run, from the same initial weights, on the same sample
 Two more on request (``--methods``), for S2's comparison (``sparsync reproduce``): the large tables (at least
 ``large_table_rows`` rows; the small ones stay on the row-sparse allreduce) by
 
-- ``sparsync_omnireduce``: the OmniReduce-style block-sparse allreduce (``bench/omnireduce.py``, exact);
+- ``sparsync_omnireduce``: the OmniReduce-style block-sparse allreduce (``omnireduce.py``, exact);
 - ``sparsync_sketch``: S2's sketch (``Compressed(SparseSketch(ratio=λ·α_t))``, lossy, no error feedback, as
   S2), α_t the largest share of table t's rows one rank's first batch touches (max over ranks, so every rank
   builds the same sketch), λ = ``sketch_lambda``.
@@ -28,14 +28,13 @@ symmetry what the rank's machine, client and colocated server together, sends on
 
 Per method: median seconds per training step (forward, backward, aggregation, SGD) after ``warmup`` steps, the
 slowest rank's; bytes sent per rank per step (sparsync's ``CommLog``; DDP's computed from what gloo sends,
-``bench/ddp_baseline.py``); the mean training loss over the last ``tail`` steps averaged over ranks, and its
+``ddp_baseline.py``); the mean training loss over the last ``tail`` steps averaged over ranks, and its
 relative difference to ``torch_ddp_sparse``'s (DDP and sparsync take the same SGD steps on the same means, so
 only float rounding separates them; DCT's lossy MLP gradients may move it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -47,15 +46,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from sparsync.bench.criteo import CriteoBatch, read_criteo, table_rows
-from sparsync.bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
-from sparsync.bench.dlrm import DLRM
-from sparsync.bench.hybrid import ps_remote_bytes
-from sparsync.bench.omnireduce import block_allreduce
 from sparsync.compress import ErrorFeedback, SparseSketch, Threshold
 from sparsync.optim import DistributedOptimizer
 from sparsync.placement import Compressed, CustomReduce, Placement
 from sparsync.record import CommLog
+from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows
+from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
+from sparsync_bench.dlrm import DLRM
+from sparsync_bench.hybrid import ps_remote_bytes
+from sparsync_bench.omnireduce import block_allreduce
 
 METHODS = ("torch_ddp_dense", "torch_ddp_sparse", "sparsync", "sparsync_dct")
 PS_METHODS = ("sparsync_ps", "sparsync_ps_split", "sparsync_hybrid")
@@ -69,7 +68,7 @@ MLPS = {"small": ((13, 64), (64, 1)), "kaggle": ((13, 512, 256, 64), (512, 256, 
 
 @dataclass(frozen=True)
 class DlrmBenchConfig:
-    data: str  # a Criteo-format file (``sparsync.bench.criteo``)
+    data: str  # a Criteo-format file (``sparsync_bench.criteo``)
     steps: int = 30  # training steps per method
     batch: int = 128  # samples per rank per step
     max_rows: int = 100_000  # rows per table at most (DLRM's --max-ind-range)
@@ -284,7 +283,7 @@ def config_dict(cfg: DlrmBenchConfig) -> dict[str, Any]:
 
 def default_data(path: Path, samples: int) -> Path:
     """A generated Criteo-format file at ``path`` (written once; reused when it already holds enough lines)."""
-    from sparsync.bench.criteo import write_criteo
+    from sparsync_bench.criteo import write_criteo
 
     if path.exists():
         with path.open() as f:
@@ -292,48 +291,3 @@ def default_data(path: Path, samples: int) -> Path:
                 return path
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_criteo(path, samples)
-
-
-def run_dlrm_bench(
-    cfg: DlrmBenchConfig,
-    procs: tuple[int, ...],
-    *,
-    out: Path,
-    net: str | None = None,
-    latency: str | None = None,
-    console: Any = None,
-    timeout: float = 1800.0,
-) -> list[dict[str, Any]]:
-    """Every method at every world size in ``procs`` (shaped namespaces with ``net``); writes out.md/.json."""
-    import json
-
-    from rich.console import Console
-
-    from sparsync.launch import launch
-    from sparsync.netem import describe, net_spec, shaped
-
-    console = console or Console()
-    spec = net_spec(net, latency)
-    where = describe(spec)
-    rows: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-    for P in procs:
-        console.print(f"[bold]P = {P}[/], DLRM on {cfg.data}, {where}: {', '.join(cfg.methods)}")
-        data = load(cfg, P)
-        with shaped(P, spec) as ns, contextlib.ExitStack() as stack:
-            addrs = None
-            if any(m in PS_METHODS for m in cfg.methods):
-                from sparsync.bench.hybrid_run import bench_servers
-
-                addrs = stack.enter_context(bench_servers(P, ns))
-            got = launch(worker, nprocs=P, args=(cfg, data, addrs), timeout=timeout, netns=ns)
-        rows += got[0]
-    summarize(rows)
-    text = markdown(rows, cfg, where)
-    console.print(text)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"config": config_dict(cfg), "procs": list(procs), "net": net, "seconds": time.perf_counter() - t0}
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(text)
-    console.print(f"wrote {out.with_suffix('.json')}, {out.with_suffix('.md')}")
-    return rows

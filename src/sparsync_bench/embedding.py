@@ -47,7 +47,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, cast
 
@@ -59,10 +59,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import sparsync
-from sparsync.bench import embedding_sketch as es
-from sparsync.bench.allreduce import COO_MACHINE_SHARE, HIERARCHICAL, coo_too_big
-from sparsync.bench.ddp_baseline import gloo_sparse_allreduce_bytes, ring_allreduce_bytes
-from sparsync.bench.omnireduce import block_allreduce
 from sparsync.collectives._meta import EAGER_LIMIT
 from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce
 from sparsync.collectives.tensor import coo_to_stream, stream_to_coo
@@ -70,10 +66,15 @@ from sparsync.compress import SparseSketch
 from sparsync.costmodel import ALGORITHMS, LinkModel, predict
 from sparsync.group import EAGER_BYTES
 from sparsync.record import CommLog
+from sparsync_bench import embedding_sketch as es
+from sparsync_bench.allreduce import COO_MACHINE_SHARE, HIERARCHICAL, coo_too_big
+from sparsync_bench.ddp_baseline import gloo_sparse_allreduce_bytes, ring_allreduce_bytes
+from sparsync_bench.omnireduce import block_allreduce
+from sparsync_bench.report import progress
 
 SPLIT_RANGE = ("ssar_split_allgather/range", "dsar_split_allgather/range")
 TORCH_METHODS = ("torch_dense", "torch_coo", "torch_ddp")
-OMNIREDUCE = "omnireduce"  # S2's baseline: non-zero blocks of 256 values only (bench/omnireduce.py)
+OMNIREDUCE = "omnireduce"  # S2's baseline: non-zero blocks of 256 values only (omnireduce.py)
 METHODS = (*TORCH_METHODS, *ALGORITHMS, *SPLIT_RANGE, "auto", es.SKETCH, OMNIREDUCE)
 HOT = ("low", "permuted")
 DENSE_COPIES = 3  # torch_dense holds the dense gradient, its per-repeat copy and gloo's buffer on every rank
@@ -319,7 +320,7 @@ def _torch_bytes(method: str, ctx: _Context, dim: int, stats: _Stats) -> float:
     P = ctx.P
     if method == "torch_dense":
         return ring_allreduce_bytes(ctx.cfg.rows * dim * 4, P).sent
-    # Mean over ranks of what gloo's sparse allreduce sends (bench/ddp_baseline.py has the derivation).
+    # Mean over ranks of what gloo's sparse allreduce sends (ddp_baseline.py has the derivation).
     return sum(gloo_sparse_allreduce_bytes(stats.k, dim * 4, r).sent for r in range(P)) / P
 
 
@@ -488,19 +489,6 @@ def _min_memory() -> int:
     return int(memory)
 
 
-@contextlib.contextmanager
-def _progress(show: bool, title: str, total: int) -> Iterator[Callable[[str, int], None]]:
-    """``update(description, advance)`` of a rich progress bar, or a no-op."""
-    if not show:
-        yield lambda _desc, _adv: None
-        return
-    from rich.progress import Progress
-
-    with Progress(transient=True) as prog:
-        task = prog.add_task(title, total=total)
-        yield lambda desc, adv: prog.update(task, description=desc, advance=adv)
-
-
 def worker(rank: int, cfg: EmbeddingBenchConfig, show_progress: bool) -> list[dict[str, Any]]:
     """Runs on every rank; rank 0 returns the rows."""
     P = dist.get_world_size()
@@ -511,7 +499,7 @@ def worker(rank: int, cfg: EmbeddingBenchConfig, show_progress: bool) -> list[di
     ctx.topos = {m: detect_topology(group=groups[m]) for m in cfg.method_names if m in HIERARCHICAL}
     rows: list[dict[str, Any]] = []
     points = [(d, s, h) for d in cfg.dims for s in cfg.zipf for h in cfg.hot]
-    with _progress(show_progress and rank == 0, f"P={P}", len(points)) as update:
+    with progress(show_progress and rank == 0, f"P={P}", len(points)) as update:
         model: EmbeddingLoss | None = None
         ddp: DistributedDataParallel | None = None
         for point, (dim, s, hot) in enumerate(points):

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 import sparsync
-from sparsync.bench.allreduce import _timed
 from sparsync.compress import SketchPayload, SparseSketch, TensorSpec
 from sparsync.record import CommLog
+from sparsync_bench.allreduce import _timed
 
 SKETCH = "sketch"  # the method name in --methods; it runs as one method per λ
 SKETCH_ROWS = 3  # r: hash rows of the count sketch (S2's and SparseSketch's default)

@@ -26,9 +26,10 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from sparsync.bench.allreduce import _timed
 from sparsync.compress import QSGD, Compressor, Context, Payload, TensorSpec, compressed_allreduce, from_spec
-from sparsync.tables import show_table
+from sparsync_bench.allreduce import _timed
+from sparsync_bench.report import Check, progress, pyplot, save_figure, targets_markdown
+from sparsync_bench.tables import show_table
 
 DEFAULT_COMPRESSORS = (
     "identity",
@@ -110,30 +111,18 @@ def worker(rank: int, cfg: CompressBenchConfig, show_progress: bool) -> list[dic
     """Runs on every rank; rank 0 returns the rows."""
     P = dist.get_world_size()
     rows: list[dict[str, Any]] = []
-    progress = None
-    if show_progress and rank == 0:
-        from rich.progress import Progress
-
-        progress = Progress(transient=True)
-        progress.start()
-        task = progress.add_task(f"P={P}", total=len(cfg.sizes) * (len(cfg.compressors) + 1))
-    try:
+    with progress(show_progress and rank == 0, f"P={P}", len(cfg.sizes) * (len(cfg.compressors) + 1)) as update:
         for n in cfg.sizes:
             x = torch.randn(n, generator=torch.Generator().manual_seed(cfg.seed * 1009 + rank))
             dense = _median(lambda x=x: dist.all_reduce(x.clone()), cfg.repeats)
-            if progress is not None:
-                progress.advance(task)
+            update(None, 1)
             for spec in cfg.compressors:
                 row = _measure(rank, P, n, spec, x, cfg.repeats)
                 row["dense_allreduce_s"] = dense
                 row["cd_over_dense"] = row["cd_s"] / dense
                 row["reduce_over_dense"] = row["reduce_s"] / dense
                 rows.append(row)
-                if progress is not None:
-                    progress.advance(task)
-    finally:
-        if progress is not None:
-            progress.stop()
+                update(None, 1)
     return rows if rank == 0 else []
 
 
@@ -182,14 +171,14 @@ def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> Non
 _AGG = {"allreduce": "ar", "sparse_allreduce": "sparse", "allgather": "ag", "reduce_scatter": "rs"}
 
 
-def check_targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
+def check_targets(rows: list[dict[str, Any]]) -> list[Check]:
     """Issue 3's (Threshold(L=1000) compress + decompress ≤ 10% of the dense allreduce; L=1000 cheaper than
     L=1) where Threshold(L=1000) ran, then issue 15's (``check_issue15``)."""
     return _check_threshold(rows) + check_issue15(rows)
 
 
-def _check_threshold(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
-    out: list[tuple[str, bool, str]] = []
+def _check_threshold(rows: list[dict[str, Any]]) -> list[Check]:
+    out: list[Check] = []
     by_n: dict[int, dict[str, dict[str, Any]]] = defaultdict(dict)
     for r in rows:
         by_n[r["n"]][r["compressor"]] = r
@@ -216,11 +205,11 @@ def _check_threshold(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
     return out
 
 
-def check_issue15(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
+def check_issue15(rows: list[dict[str, Any]]) -> list[Check]:
     """Issue 15's targets, per N: every compressor's (identity aside) reduce faster than the dense allreduce; QSGD
     4-bit (8-bit) ≥ 3x (1.8x) faster; a 16-bit cast's reduce ≤ half the dense allreduce (item 4: half the
     bytes must cost less than half the time)."""
-    out: list[tuple[str, bool, str]] = []
+    out: list[Check] = []
     by_n: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_n[r["n"]].append(r)
@@ -260,11 +249,7 @@ def check_issue15(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
 
 
 def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     sizes = sorted({r["n"] for r in rows})
     fig, axes = plt.subplots(2, len(sizes), figsize=(6.5 * len(sizes), 9), squeeze=False)
     for j, n in enumerate(sizes):
@@ -287,11 +272,7 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
         for ax in axes[:, j]:
             ax.grid(True, which="both", alpha=0.3)
     fig.suptitle(title)
-    fig.tight_layout()
-    png = out.with_suffix(".png")
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return save_figure(fig, out.with_suffix(".png"), dpi=110)
 
 
 def _short(spec: str) -> str:
@@ -307,7 +288,7 @@ def _short(spec: str) -> str:
     )
 
 
-def markdown(rows: list[dict[str, Any]], checks: list[tuple[str, bool, str]], title: str) -> str:
+def markdown(rows: list[dict[str, Any]], checks: list[Check], title: str) -> str:
     lines = [f"### {title}", ""]
     lines.append(
         "| N | compressor | aggregation | compress ms | decompress ms | c+d ns/el | (c+d)/dense | bytes ratio "
@@ -321,7 +302,4 @@ def markdown(rows: list[dict[str, Any]], checks: list[tuple[str, bool, str]], ti
             f"{r['bytes_ratio']:.4f} | "
             f"{r['rel_error']:.3f} | {r['reduce_s'] * 1e3:.1f} | {r['dense_allreduce_s'] * 1e3:.1f} |"
         )
-    met = sum(ok for _, ok, _ in checks)
-    lines += ["", f"Targets met: {met} of {len(checks)}.", "", "| target | measured | met |", "|---|---|---|"]
-    lines += [f"| {name} | {val} | {'yes' if ok else '**no**'} |" for name, ok, val in checks]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + targets_markdown(checks)) + "\n"

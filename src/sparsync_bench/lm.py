@@ -11,6 +11,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from sparsync.plan.detect import ParamStats
+from sparsync.plan.planner import zipf_row_fraction
+
 
 class SampledLM(nn.Module):
     """emb (vocab x dim, sparse gradient) -> LSTM (dim -> hidden) -> proj (hidden -> dim); logits against the
@@ -39,7 +42,7 @@ class SampledLM(nn.Module):
 
 class Corpus:
     """Token stream: Zipf(s) over ``vocab`` ids, the words of text files (the ``vocab - 1`` most frequent
-    words, the rest mapped to id vocab-1), or ``.npy`` token ids from ``sparsync.bench.corpus``."""
+    words, the rest mapped to id vocab-1), or ``.npy`` token ids from ``sparsync_bench.corpus``."""
 
     def __init__(self, vocab: int, *, files: Sequence[Path] = (), zipf: float = 1.0, seed: int = 0) -> None:
         if vocab < 2:
@@ -48,7 +51,7 @@ class Corpus:
         self.rng = np.random.default_rng(seed)
         self.stream: np.ndarray | None = None
         if files and all(Path(f).suffix == ".npy" for f in files):
-            # token ids prepared by ``sparsync.bench.corpus.prepare_corpus``; ids past this vocab share the last
+            # token ids prepared by ``sparsync_bench.corpus.prepare_corpus``; ids past this vocab share the last
             self.stream = np.minimum(np.concatenate([np.load(f).astype(np.int64) for f in files]), vocab - 1)
             if self.stream.size < 2 or self.stream.min() < 0:
                 raise ValueError(f"token files {list(map(str, files))}: need >= 2 non-negative ids")
@@ -76,3 +79,22 @@ class Corpus:
 
     def negatives(self, k: int) -> torch.Tensor:
         return torch.from_numpy(self.rng.integers(0, self.vocab, k))
+
+
+def lm_stats(
+    vocab: int, dim: int, hidden: int, tokens: int, procs_per_machine: int = 1, zipf: float = 1.0
+) -> list[ParamStats]:
+    """``SampledLM``'s parameters as the planner sees them (``sparsync plan --model lm``): a sparse embedding
+    (vocab x dim, also the tied output layer) read by ``tokens`` Zipf tokens per worker per step, an LSTM
+    (dim -> hidden) and a projection hidden -> dim."""
+    a = zipf_row_fraction(vocab, tokens, zipf)
+    am = zipf_row_fraction(vocab, tokens * procs_per_machine, zipf)
+    return [
+        ParamStats("emb.weight", (vocab, dim), a, True, am),
+        ParamStats("lstm.weight_ih_l0", (4 * hidden, dim), 1.0, False),
+        ParamStats("lstm.weight_hh_l0", (4 * hidden, hidden), 1.0, False),
+        ParamStats("lstm.bias_ih_l0", (4 * hidden,), 1.0, False),
+        ParamStats("lstm.bias_hh_l0", (4 * hidden,), 1.0, False),
+        ParamStats("proj.weight", (dim, hidden), 1.0, False),
+        ParamStats("proj.bias", (dim,), 1.0, False),
+    ]

@@ -33,8 +33,10 @@ from typing import Any
 
 from rich.console import Console
 
+from sparsync_bench.report import pyplot, save_figure
+
 SECTIONS = ("sparcml", "s2", "dct", "parallax", "replicator")
-ROOT = Path(__file__).resolve().parents[3]  # the checkout (src layout); examples/ lives there
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (src layout); examples/ lives there
 SKETCH_LAMBDA = 2.0  # S2's λ of the sketch placements in the DLRM and LM runs (ratio = λ·α)
 
 
@@ -179,7 +181,8 @@ def sparcml_markdown(rows: list[dict[str, Any]], scale: Scale, where: str) -> st
 
 
 def section_sparcml(ctx: Ctx) -> str:
-    from sparsync.bench import BenchConfig, run_allreduce_bench
+    from sparsync_bench.allreduce import BenchConfig
+    from sparsync_bench.runner import run_allreduce_bench
 
     s = ctx.scale
     cfg = BenchConfig(dim=s.ar_n, densities=s.ar_densities, repeats=s.ar_repeats)
@@ -237,9 +240,9 @@ def sketch_bias(
     unbiased estimator)."""
     import torch
 
-    from sparsync.bench.embedding import zipf_tokens
-    from sparsync.bench.embedding_sketch import expected_density
     from sparsync.compress import SparseSketch, TensorSpec
+    from sparsync_bench.embedding import zipf_tokens
+    from sparsync_bench.embedding_sketch import expected_density
 
     gen = torch.Generator().manual_seed(0)
     idx = torch.cat([torch.from_numpy(zipf_tokens(rows, 1.1, tokens, "low", seed=0, rank=r)) for r in range(P)])
@@ -264,11 +267,7 @@ def sketch_bias(
 
 def plot_s2(rows: list[dict[str, Any]], png: Path, title: str) -> Path:
     """Bytes and time per method side by side (bars), the sketches' error over their bars."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = [r["method"] for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, key, scale, label in ((axes[0], "bytes_sent_per_rank", 1e-6, "MB sent per rank"),
@@ -285,14 +284,12 @@ def plot_s2(rows: list[dict[str, Any]], png: Path, title: str) -> Path:
                 ax.annotate(f"err {r['sketch_rel_error']:.2f}", (i, vals[i]), ha="center", va="bottom", fontsize=7)
     fig.suptitle(title + " (orange: torch; blue: sparsync exact; gray: OmniReduce-style; purple: S2 sketch)",
                  fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return save_figure(fig, png, dpi=110)
 
 
 def section_s2(ctx: Ctx) -> str:
-    from sparsync.bench import EmbeddingBenchConfig, run_embedding_bench
+    from sparsync_bench.embedding import EmbeddingBenchConfig
+    from sparsync_bench.runner import run_embedding_bench
 
     s = ctx.scale
     cfg = EmbeddingBenchConfig(
@@ -309,7 +306,7 @@ def section_s2(ctx: Ctx) -> str:
         "gradients: 81% less communication time than OmniReduce on ResNet-50 and 1.8x end to end on GNMT-8.\n\n"
         "**Here**, one embedding gradient of a Zipf token batch (the workload of DLRM's tables and of a language "
         f"model's input embedding), {ctx.where}; OmniReduce = non-zero blocks of 256 values reduced by a sharded "
-        "aggregation on sparsync's collectives (`bench/omnireduce.py`); sketch@λ is S2's sketch with "
+        "aggregation on sparsync's collectives (`sparsync_bench/omnireduce.py`); sketch@λ is S2's sketch with "
         "ratio λ·α:\n\n"
         + s2_markdown(rows)
         + "\n"
@@ -397,7 +394,8 @@ def run_dctmp(ctx: Ctx) -> str:
 
 
 def section_dct(ctx: Ctx) -> str:
-    from sparsync.bench.dlrm_train import METHODS, OPTIONAL, DlrmBenchConfig, default_data, run_dlrm_bench
+    from sparsync_bench.dlrm_train import METHODS, OPTIONAL, DlrmBenchConfig, default_data
+    from sparsync_bench.runner import run_dlrm_bench
 
     s = ctx.scale
     data = default_data(ctx.out / "criteo_synthetic.txt", s.dlrm_steps * s.dlrm_batch * s.dlrm_procs)
@@ -463,7 +461,7 @@ def table3_bytes(method: str, P: int, alpha: float, w_dense: float, w_sparse: fl
 
 def _lm_bytes(vocab: int, dim: int, hidden: int) -> tuple[float, float]:
     """(dense, sparse) parameter bytes of the benchmark's language model."""
-    from sparsync.bench.lm import SampledLM
+    from sparsync_bench.lm import SampledLM
 
     model = SampledLM(vocab, dim, hidden)
     sizes = {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
@@ -498,7 +496,7 @@ def lm_alpha(path: Path, vocab: int, batch: int, seq: int, negatives: int = 256,
     samples), the mean over ``draws`` batches of the corpus: S2's α for the sketch's ratio."""
     import torch
 
-    from sparsync.bench.lm import Corpus
+    from sparsync_bench.lm import Corpus
 
     c = Corpus(vocab, files=[path], seed=12345)
     seen = [torch.unique(torch.cat([c.batch(batch, seq).reshape(-1), c.negatives(negatives)])).numel()
@@ -524,9 +522,9 @@ def parallax_dlrm_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def section_parallax(ctx: Ctx) -> str:
-    from sparsync.bench.corpus import prepare_corpus
-    from sparsync.bench.hybrid import HybridBenchConfig
-    from sparsync.bench.hybrid_run import run_hybrid_bench
+    from sparsync_bench.corpus import prepare_corpus
+    from sparsync_bench.hybrid import HybridBenchConfig
+    from sparsync_bench.runner import run_hybrid_bench
 
     s = ctx.scale
     corpus = prepare_corpus(ctx.corpus, s.lm_vocab, ctx.out / "corpus" / f"{ctx.corpus.stem}-{s.lm_vocab}.npy")
@@ -619,11 +617,7 @@ def replicator_markdown(curves: dict[str, list[float]]) -> str:
 
 
 def plot_curves(curves: dict[str, list[float]], png: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for (name, c), style in zip(curves.items(), ("-", "--", ":", "-."), strict=False):
         ax.plot(c, style, label=name)
@@ -631,10 +625,7 @@ def plot_curves(curves: dict[str, list[float]], png: Path) -> Path:
     ax.set_ylabel("training loss (mean over replicas)")
     ax.set_title(f"one TF-Replicator script, {len(curves)} ways of running it")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return save_figure(fig, png, dpi=110)
 
 
 def section_replicator(ctx: Ctx) -> str:
@@ -675,7 +666,7 @@ def run_reproduce(
     console: Console | None = None,
 ) -> Path:
     """Run the sections, writing ``out/report.md`` after each; returns its path."""
-    from sparsync.bench.corpus import GCIDE
+    from sparsync_bench.corpus import GCIDE
 
     bad = [x for x in sections if x not in SECTION_RUNNERS]
     if bad or not sections:

@@ -116,7 +116,7 @@ def describe(spec: NetSpec | None) -> str:
 @contextlib.contextmanager
 def shaped(nprocs: int, spec: NetSpec | None) -> Iterator[NetNamespaces | None]:
     """``NetNamespaces(nprocs, spec)`` for a shaped run, nothing (None) for loopback: pass the result on as
-    ``launch(..., setup=ns.rank_setup())`` (or ``netns=ns``)."""
+    ``launch(..., setup=ns.rank_setup())``."""
     if spec is None:
         yield None
         return

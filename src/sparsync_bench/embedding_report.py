@@ -14,9 +14,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from sparsync.bench.embedding_sketch import is_sketch
 from sparsync.costmodel import ALGORITHMS
-from sparsync.tables import show_table
+from sparsync_bench.embedding_sketch import is_sketch
+from sparsync_bench.report import Check, pyplot, save_figure, targets_markdown
+from sparsync_bench.tables import show_table
 
 Point = tuple[int, int, float, str]  # (P, dim, zipf, hot)
 BYTES_TARGET = 1.2  # auto's bytes <= 1.2x min(allgather, balanced reduce-scatter + allgather), issue 13
@@ -129,11 +130,11 @@ def _allgather_bytes(by: dict[str, dict[str, Any]], r: dict[str, Any]) -> tuple[
     return float(r["allgather_bytes"]), "counted (P-1)·k rows"
 
 
-def sketch_targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
+def sketch_targets(rows: list[dict[str, Any]]) -> list[Check]:
     """Issue 15 (item 3), per sketch method and point with P > 1 (the issue states them at P = 8): compress +
     decompress <= 10% of torch_dense's time, bytes <= 0.3x allgather's, time <= auto's. A baseline that did not
     run makes its target "no data", not met."""
-    out: list[tuple[str, bool, str]] = []
+    out: list[Check] = []
     for (P, dim, z, hot), by in by_point(rows).items():
         for m, r in by.items():
             if P < 2 or not is_sketch(m) or math.isnan(r["median_s"]):
@@ -157,12 +158,12 @@ def sketch_targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
     return out
 
 
-def check_targets(rows: list[dict[str, Any]], *, loopback: bool) -> list[tuple[str, bool, str]]:
+def check_targets(rows: list[dict[str, Any]], *, loopback: bool) -> list[Check]:
     """Issue 13's targets on one run's side-by-side medians: (a) auto <= 1.0x torch_coo at every point (the
     issue allows 1.2x on loopback: both are listed there); (b) auto's bytes <= 1.2x min(allgather, balanced
     reduce-scatter + allgather), counted from the rows touched; (c) partition max/mean <= 1.2 for stride
     partitions; and the issue's P = 8, dim 64, Zipf 1.3, 65,536-token point: auto >= 1.25x faster."""
-    out: list[tuple[str, bool, str]] = []
+    out: list[Check] = []
     limits = (1.0, 1.2) if loopback else (1.0,)
     for (P, dim, z, hot), by in by_point(rows).items():
         name = f"P={P} dim={dim} zipf={z:g} {hot}"
@@ -191,7 +192,7 @@ def check_targets(rows: list[dict[str, Any]], *, loopback: bool) -> list[tuple[s
     return out + sketch_targets(rows)
 
 
-def markdown(rows: list[dict[str, Any]], checks: list[tuple[str, bool, str]], title: str) -> str:
+def markdown(rows: list[dict[str, Any]], checks: list[Check], title: str) -> str:
     """Medians per point and method, bytes, the model's predictions against measured, and the targets."""
     pts = by_point(rows)
     methods = list(dict.fromkeys(r["method"] for r in rows))
@@ -236,29 +237,20 @@ def markdown(rows: list[dict[str, Any]], checks: list[tuple[str, bool, str]], ti
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
     sk_names = {c[0] for c in sketch_targets(rows)}
-    lines += _targets_md("Targets (row-sparse embedding gradients)", [c for c in checks if c[0] not in sk_names])
+    lines += targets_markdown(
+        [c for c in checks if c[0] not in sk_names], "Targets (row-sparse embedding gradients)"
+    )
     sk_checks = [c for c in checks if c[0] in sk_names]
     if sk_checks:
-        lines += _targets_md("Sketch targets (stated at P = 8)", sk_checks)
+        lines += targets_markdown(sk_checks, "Sketch targets (stated at P = 8)")
     return "\n".join(lines) + "\n"
-
-
-def _targets_md(title: str, checks: list[tuple[str, bool, str]]) -> list[str]:
-    met = sum(ok for _, ok, _ in checks)
-    lines = ["", f"## {title}", "", f"Targets met: {met} of {len(checks)}.", "", "| target | measured | met |",
-             "|---|---|---|"]  # fmt: skip
-    return lines + [f"| {name} | {val} | {'yes' if ok else '**no**'} |" for name, ok, val in checks]
 
 
 def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
     """One panel per P, stacked: each method's median time relative to torch_coo's at the same point (log y;
     below the line at 1 = faster than torch's own path), at every (dim, zipf, hot) point; auto thick red, the
     lower bound dotted gray."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     by_p: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_p[r["world_size"]].append(r)
@@ -293,8 +285,4 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    png = out.with_suffix(".png")
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    return save_figure(fig, out.with_suffix(".png"), dpi=100)

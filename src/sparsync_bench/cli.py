@@ -8,12 +8,12 @@ import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rich.console import Console
-from rich.markup import escape
+if TYPE_CHECKING:
+    from rich.console import Console
 
-from sparsync.bench.allreduce import HIERARCHICAL, METHODS, QUANTIZED, BenchConfig
+BENCH_EXTRA = "the sparsync command needs the bench extra: pip install 'sparsync[bench]'"
 
 _SIZE = re.compile(r"^(\d+)([kKmMgG]?)$")
 
@@ -45,6 +45,8 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def _methods(text: str) -> tuple[str, ...]:
+    from sparsync_bench.allreduce import HIERARCHICAL, METHODS, QUANTIZED
+
     out = tuple(text.split(","))
     valid = [*METHODS, *QUANTIZED, *HIERARCHICAL]
     bad = [m for m in out if m not in valid]
@@ -91,8 +93,9 @@ def _parents() -> dict[str, argparse.ArgumentParser]:
 
 
 def _add_embedding_parser(bsub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
-    from sparsync.bench.embedding import HOT
-    from sparsync.bench.embedding import METHODS as EMB_METHODS
+    from sparsync_bench.allreduce import HIERARCHICAL
+    from sparsync_bench.embedding import HOT
+    from sparsync_bench.embedding import METHODS as EMB_METHODS
 
     em = bsub.add_parser(
         "embedding",
@@ -125,8 +128,8 @@ def _add_embedding_parser(bsub: Any, parents: dict[str, argparse.ArgumentParser]
 
 
 def _add_dlrm_parser(bsub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
-    from sparsync.bench.dlrm_train import METHODS as DLRM_METHODS
-    from sparsync.bench.dlrm_train import OPTIONAL as DLRM_OPTIONAL
+    from sparsync_bench.dlrm_train import METHODS as DLRM_METHODS
+    from sparsync_bench.dlrm_train import OPTIONAL as DLRM_OPTIONAL
 
     dl = bsub.add_parser(
         "dlrm",
@@ -153,9 +156,10 @@ def _add_dlrm_parser(bsub: Any, parents: dict[str, argparse.ArgumentParser]) -> 
 
 
 def _add_bench_parsers(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
-    from sparsync.bench.compress import DEFAULT_COMPRESSORS
-    from sparsync.bench.hybrid import METHODS as HYBRID_METHODS
     from sparsync.compress.registry import COMPRESSORS
+    from sparsync_bench.allreduce import HIERARCHICAL, METHODS, QUANTIZED, BenchConfig
+    from sparsync_bench.compress import DEFAULT_COMPRESSORS
+    from sparsync_bench.hybrid import METHODS as HYBRID_METHODS
 
     bench = sub.add_parser("bench", help="benchmarks", formatter_class=HelpFormatter)
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -241,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--timeout", type=float, default=None, help="seconds before every host is stopped")
     cl.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...] (as given to torchrun)")
     cl.set_defaults(func=_cluster)
-    from sparsync.plan import cli as cli_plan
+    from sparsync_bench import plan_cli as cli_plan
 
     cli_plan.add_parser(sub, formatter_class=HelpFormatter)
     _add_reproduce_parser(sub)
@@ -249,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_reproduce_parser(sub: Any) -> None:
-    from sparsync.bench.reproduce import SECTIONS
+    from sparsync_bench.reproduce import SECTIONS
 
     rp = sub.add_parser(
         "reproduce",
@@ -269,7 +273,7 @@ def _add_reproduce_parser(sub: Any) -> None:
 
 
 def _reproduce(args: argparse.Namespace, console: Console) -> int:
-    from sparsync.bench.reproduce import FULL, QUICK, run_reproduce
+    from sparsync_bench.reproduce import FULL, QUICK, run_reproduce
 
     report = run_reproduce(args.out, scale=QUICK if args.quick else FULL, net=args.net, sections=args.sections,
                            corpus=args.corpus, console=console)  # fmt: skip
@@ -296,8 +300,8 @@ def _hosts_and_methods(
 
 
 def _cluster(args: argparse.Namespace, console: Console) -> int:
-    from sparsync.cluster import run_cluster
-    from sparsync.netem import net_spec
+    from sparsync_bench.cluster import run_cluster
+    from sparsync_bench.netem import net_spec
 
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     spec = net_spec(args.net, args.latency)
@@ -316,7 +320,7 @@ def _cluster(args: argparse.Namespace, console: Console) -> int:
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
-    from sparsync.bench.train_demo import DemoConfig, print_demo, run_demo
+    from sparsync_bench.train_demo import DemoConfig, print_demo, run_demo
 
     demo_cfg = DemoConfig(steps=args.steps)
     console.print(
@@ -329,9 +333,9 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_hybrid(args: argparse.Namespace, console: Console) -> int:
-    from sparsync.bench.hybrid import METHODS as HYBRID_METHODS
-    from sparsync.bench.hybrid import HybridBenchConfig
-    from sparsync.bench.hybrid_run import run_hybrid_bench
+    from sparsync_bench.hybrid import METHODS as HYBRID_METHODS
+    from sparsync_bench.hybrid import HybridBenchConfig
+    from sparsync_bench.runner import run_hybrid_bench
 
     hcfg = HybridBenchConfig(
         vocab=args.vocab, dim=args.dim, hidden=args.hidden, batch=args.batch, steps=args.steps,
@@ -340,7 +344,7 @@ def _bench_hybrid(args: argparse.Namespace, console: Console) -> int:
         methods=tuple(args.methods.split(",")) if args.methods else HYBRID_METHODS,
     )  # fmt: skip
     if args.search_partitions:
-        from sparsync.bench.hybrid_run import search_hybrid_partitions
+        from sparsync_bench.runner import search_hybrid_partitions
 
         found = search_hybrid_partitions(hcfg, args.procs[0], console=console)
         hcfg = HybridBenchConfig(**{**hcfg.__dict__, "partitions": found.best})
@@ -350,7 +354,8 @@ def _bench_hybrid(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_allreduce(args: argparse.Namespace, console: Console) -> int:
-    from sparsync.bench import run_allreduce_bench
+    from sparsync_bench.allreduce import HIERARCHICAL, METHODS, BenchConfig
+    from sparsync_bench.runner import run_allreduce_bench
 
     on_hosts = ("gloo_dense", "gloo_sparse_coo", "allgather", "auto", *HIERARCHICAL)
     procs, per_host, methods = _hosts_and_methods(args, METHODS, on_hosts)
@@ -361,8 +366,10 @@ def _bench_allreduce(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_embedding(args: argparse.Namespace, console: Console) -> int:
-    from sparsync.bench import EmbeddingBenchConfig, run_embedding_bench
-    from sparsync.bench.embedding import METHODS as EMB_METHODS
+    from sparsync_bench.allreduce import HIERARCHICAL
+    from sparsync_bench.embedding import METHODS as EMB_METHODS
+    from sparsync_bench.embedding import EmbeddingBenchConfig
+    from sparsync_bench.runner import run_embedding_bench
 
     on_hosts = ("torch_coo", "torch_ddp", "allgather", "ssar_split_allgather", "auto", *HIERARCHICAL)
     procs, per_host, methods = _hosts_and_methods(args, EMB_METHODS, on_hosts)
@@ -375,7 +382,8 @@ def _bench_embedding(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_dlrm(args: argparse.Namespace, console: Console) -> int:
-    from sparsync.bench.dlrm_train import DlrmBenchConfig, default_data, run_dlrm_bench
+    from sparsync_bench.dlrm_train import DlrmBenchConfig, default_data
+    from sparsync_bench.runner import run_dlrm_bench
 
     need = args.steps * args.batch * max(args.procs)
     data = args.data or default_data(Path("results/criteo_synthetic.txt"), need)
@@ -386,7 +394,8 @@ def _bench_dlrm(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_compress(args: argparse.Namespace, console: Console) -> int:
-    from sparsync.bench import CompressBenchConfig, run_compress_bench
+    from sparsync_bench.compress import CompressBenchConfig
+    from sparsync_bench.runner import run_compress_bench
 
     ccfg = CompressBenchConfig(sizes=args.sizes, repeats=args.repeats)
     if args.compressors:
@@ -397,6 +406,13 @@ def _bench_compress(args: argparse.Namespace, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:  # the library does without them; the command's tables, progress bars and plots do not
+        import matplotlib  # noqa: F401
+        from rich.console import Console
+        from rich.markup import escape
+    except ImportError as e:
+        print(f"{BENCH_EXTRA} (missing: {(e.name or str(e)).split('.')[0]})", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     console = Console()
     if not console.is_terminal:  # a file or a CI log: lines as long as they are, not wrapped at 80 columns

@@ -1,6 +1,6 @@
 """Emulated hosts: N network namespaces on one shaped bridge, each running k ranks under torchrun.
 
-Each host is one namespace of ``sparsync.netem`` (one veth onto a bridge, both directions shaped by tc tbf).
+Each host is one namespace of ``sparsync_bench.netem`` (one veth onto a bridge, both directions shaped by tc tbf).
 Its k ranks share the namespace: traffic between them stays on the host's loopback, and traffic between hosts
 crosses the host's shaped link, which its k ranks share as a real node's ranks share its NIC. On host i the
 command runs exactly as an operator would start it on node i of a cluster::
@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from sparsync.netem import NetNamespaces, NetSpec
+from sparsync_bench.netem import NetNamespaces, NetSpec
 
 __all__ = ["ClusterResult", "run_cluster", "torchrun_argv"]
 

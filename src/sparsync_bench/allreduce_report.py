@@ -1,10 +1,8 @@
-"""Benchmark output: a rich table on screen, CSV + JSON files, a log-log PNG like SparCML Fig. 4, and the
-side-by-side target checks of the foundation issue."""
+"""What ``sparsync bench allreduce`` shows: a table on screen, a markdown summary, a log-log PNG like SparCML
+Fig. 4, and the side-by-side target checks of the foundation issue (files and target tables: ``report``)."""
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -13,8 +11,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from sparsync.bench.allreduce import BASELINES
-from sparsync.tables import show_table
+from sparsync_bench.allreduce import BASELINES
+from sparsync_bench.report import Check, pyplot, save_figure, targets_markdown
+from sparsync_bench.tables import show_table
 
 
 def _fmt(t: float | None) -> str:
@@ -53,20 +52,7 @@ def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> Non
     show_table(console, table)
 
 
-def write_files(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> list[Path]:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    js = out.with_suffix(".json")
-    js.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    cs = out.with_suffix(".csv")
-    keys = [k for k in rows[0] if k not in ("times_s", "link")]
-    with cs.open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=keys, extrasaction="ignore")
-        w.writeheader()
-        w.writerows(rows)
-    return [js, cs]
-
-
-def markdown(rows: list[dict[str, Any]], checks: list[tuple[str, bool, str]], title: str) -> str:
+def markdown(rows: list[dict[str, Any]], checks: list[Check], title: str) -> str:
     """Medians (ms) as a P x density by method table, auto's choice, and the target checks."""
     methods = list(dict.fromkeys(r["method"] for r in rows))
     pts: dict[tuple[int, float], dict[str, dict[str, Any]]] = defaultdict(dict)
@@ -79,18 +65,11 @@ def markdown(rows: list[dict[str, Any]], checks: list[tuple[str, bool, str]], ti
         cells = [_fmt(by[m]["median_s"]) if m in by else "-" for m in methods]
         chose = by["auto"]["chosen"] if "auto" in by else ""
         lines.append(f"| {P} | {d:g} | " + " | ".join(cells) + f" | {chose} |")
-    met = sum(ok for _, ok, _ in checks)
-    lines += ["", f"Targets met: {met} of {len(checks)}.", "", "| target | measured | met |", "|---|---|---|"]
-    lines += [f"| {name} | {val} | {'yes' if ok else '**no**'} |" for name, ok, val in checks]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + targets_markdown(checks)) + "\n"
 
 
 def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     by_p: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_p[r["world_size"]].append(r)
@@ -133,20 +112,16 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
         ax.grid(True, which="both", alpha=0.3)
     axes[0][-1].legend(fontsize=7, loc="upper left")
     fig.suptitle(title)
-    fig.tight_layout()
-    png = out.with_suffix(".png")
-    fig.savefig(png, dpi=110)
-    plt.close(fig)
-    return png
+    return save_figure(fig, out.with_suffix(".png"), dpi=110)
 
 
-def check_targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
+def check_targets(rows: list[dict[str, Any]]) -> list[Check]:
     """The foundation issue's targets, evaluated on one run's side-by-side medians."""
     pts: dict[tuple[int, float], dict[str, float]] = defaultdict(dict)
     for r in rows:
         if not math.isnan(r["median_s"]):
             pts[(r["world_size"], r["density"])][r["method"]] = r["median_s"]
-    out: list[tuple[str, bool, str]] = []
+    out: list[Check] = []
     for (P, d), m in sorted(pts.items()):
         if "auto" not in m:
             continue
@@ -162,15 +137,3 @@ def check_targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
             ratio = m["auto"] / m["gloo_dense"]
             out.append((f"P={P} d={d:g}: auto within 1.2x of gloo dense", ratio <= 1.2, f"{ratio:.2f}x"))
     return out
-
-
-def print_targets(checks: list[tuple[str, bool, str]], console: Console) -> None:
-    if not checks:  # nothing this run measured has a target
-        return
-    table = Table(title="targets (side by side, this run)")
-    table.add_column("target")
-    table.add_column("measured", justify="right")
-    table.add_column("met")
-    for name, ok, val in checks:
-        table.add_row(name, val, "[green]yes[/]" if ok else "[red]no[/]")
-    show_table(console, table)

@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
-from sparsync.bench.ddp_baseline import ddp_step_bytes
-from sparsync.bench.demo_plan import AUTO, measure_plan, train_hybrid
 from sparsync.plan.planner import Plan
 from sparsync.replicator import PER_REPLICA, DenseAllreduce, ReplicaContext, Replicator
-from sparsync.tables import show_table
+from sparsync_bench.ddp_baseline import ddp_step_bytes
+from sparsync_bench.demo_plan import AUTO, measure_plan, train_hybrid
+from sparsync_bench.tables import show_table
 
 PLANS = ("dense allreduce", "sparsync plan")
 DDP_PLAN = "DDP (sparse grads)"
@@ -219,13 +219,12 @@ def run_demo(
     local processes, with one parameter server per process (each process and its server in a namespace
     with ``net``-shaped links when given, e.g. "1gbit"); returns their summaries, the largest parameter
     difference between any run's final model and the dense run's, and the automatic plan."""
-    from sparsync.bench.hybrid_run import bench_servers
-    from sparsync.netem import net_spec, shaped
+    from sparsync_bench.netem import net_spec
+    from sparsync_bench.runner import ranks
 
-    spec = net_spec(net)
     repl = Replicator(num_replicas=cfg.replicas, record=True)
-    with shaped(cfg.replicas, spec) as ns, bench_servers(cfg.replicas, ns) as addrs:
-        runs, plan = repl.start(demo_program, cfg, show_progress, addrs, netns=ns)[0]
+    with ranks(cfg.replicas, net_spec(net), servers=True) as where:
+        runs, plan = repl.start(demo_program, cfg, show_progress, where.servers, setup=where.setup)[0]
     ref = runs[0]["params"]
     for r in runs:
         p = r.pop("params")
@@ -284,13 +283,15 @@ def print_demo(
 
     from rich.table import Table
 
-    from sparsync.bench.demo_plan import DEMO_LINK
+    from sparsync_bench.demo_plan import DEMO_LINK
+    from sparsync_bench.report import print_plan
 
     lines: list[str] = []
     if plan is not None:
         c = plan.cluster
         link = f"an assumed {c.bandwidth * 8 / 1e9:g} Gbit/s link, {c.latency * 1e6:g} µs"
-        plan.print(
+        print_plan(
+            plan,
             console,
             title=f"automatic plan: α measured over {cfg.warmup} warm-up steps; {c.machines} machines on {link}",
         )

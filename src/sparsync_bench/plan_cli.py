@@ -11,9 +11,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from sparsync.netem import parse_latency, parse_rate
-from sparsync.plan.planner import PLACEMENTS, Cluster, levels_from_json, lm_stats, make_plan, stats_from_json
-from sparsync.tables import show_table
+from sparsync.plan.planner import PLACEMENTS, Cluster, levels_from_json, make_plan, stats_from_json
+from sparsync_bench.lm import lm_stats
+from sparsync_bench.netem import parse_latency, parse_rate
+from sparsync_bench.report import print_plan
+from sparsync_bench.tables import show_table
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
                           intra_latency=parse_latency(args.intra_latency) or 0.0)  # fmt: skip
         plan = make_plan(stats, cluster, overrides=dict(args.override),
                          allow_lossy=args.allow_lossy)  # fmt: skip
-        plan.print(console)
+        print_plan(plan, console)
         plans.append(plan.as_dict())
         kinds = sorted({e.placement for e in plan.entries})
         base = plan.baseline_seconds()

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,19 +37,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsync.bench.ddp_baseline import ddp_step_bytes
-from sparsync.bench.lm import Corpus, SampledLM
-from sparsync.bench.omnireduce import block_allreduce
 from sparsync.calibrate import measure_link
 from sparsync.collectives.tensor import allreduce
 from sparsync.compress.sketch import SparseSketch
 from sparsync.hybrid import PHASES, HybridConfig, HybridTrainer
 from sparsync.ps.optim import OptimizerConfig
 from sparsync.record import CommLog
+from sparsync_bench.ddp_baseline import ddp_step_bytes
+from sparsync_bench.lm import Corpus, SampledLM
+from sparsync_bench.omnireduce import block_allreduce
+from sparsync_bench.report import progress
 
 METHODS = ("allreduce", "allgather", "ddp_sparse", "sparse_ar", "ps", "ps_split", "hybrid", "hybrid_noagg")
 # run only when named: hybrid_sketch (lossy, so not in the equal-loss comparison) and omnireduce (S2's baseline:
-# the embedding by the OmniReduce-style block-sparse allreduce, bench/omnireduce.py; for sparsync reproduce)
+# the embedding by the OmniReduce-style block-sparse allreduce, omnireduce.py; for sparsync reproduce)
 OPTIONAL_METHODS = ("hybrid_sketch", "omnireduce")
 PS_METHODS = ("ps", "ps_split", "hybrid", "hybrid_noagg")
 
@@ -208,7 +210,7 @@ class _MethodRun:
     def _batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.corpus.batch(self.cfg.batch, self.cfg.seq), self.corpus.negatives(self.cfg.negatives)
 
-    def run(self, n: int, *, measured: bool, progress: Any) -> None:
+    def run(self, n: int, *, measured: bool, update: Callable[[str | None, int], None]) -> None:
         self.log.clear()
         ps0 = ps_remote_bytes(self.trainer, self.rank)
         hybrid = isinstance(self.trainer, HybridTrainer)
@@ -234,8 +236,7 @@ class _MethodRun:
                 self.losses.append(self.trainer.step(closure))
             if measured:
                 self.step_times.append(time.perf_counter() - ts)
-            if progress is not None:
-                progress[0].advance(progress[1])
+            update(None, 1)
         dist.barrier()
         if measured:
             sec = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
@@ -319,31 +320,23 @@ def ps_remote_bytes(trainer: Any, rank: int) -> int:
     return sum(per) - per[rank % len(per)]  # server i is colocated with rank i
 
 
-def worker(rank: int, cfg: HybridBenchConfig, addresses: list[str], show_progress: bool) -> list[dict[str, Any]]:
-    progress = None
-    if show_progress and rank == 0:
-        from rich.progress import Progress
-
-        bar = Progress(transient=True)
-        bar.start()
-        total = len(cfg.methods) * (cfg.warmup + max(1, cfg.steps // cfg.rounds) * cfg.rounds)
-        progress = (bar, bar.add_task(f"P={dist.get_world_size()} seq={cfg.seq}", total=total))
-    try:
-        link = asdict(measure_link())  # the group's α, β: the plan's predicted time uses them (hybrid_run)
+def worker(rank: int, cfg: HybridBenchConfig, show_progress: bool, addresses: list[str]) -> list[dict[str, Any]]:
+    """Runs on every rank (``addresses``: the servers, one per rank); rank 0 returns the rows."""
+    total = len(cfg.methods) * (cfg.warmup + max(1, cfg.steps // cfg.rounds) * cfg.rounds)
+    title = f"P={dist.get_world_size()} seq={cfg.seq}"
+    with progress(show_progress and rank == 0, title, total) as update:
+        link = asdict(measure_link())  # the group's α, β: the plan's predicted time uses them (hybrid_report)
         runs = {m: _MethodRun(rank, cfg, m, addresses) for m in cfg.methods}
         for r in runs.values():
-            r.run(cfg.warmup, measured=False, progress=progress)
+            r.run(cfg.warmup, measured=False, update=update)
         # Rounds of every method in a fresh order (same seed on every rank): drift in the shared machine's load
         # hits all methods alike.
         order = random.Random(cfg.seed)
         per_round = max(1, cfg.steps // cfg.rounds)
         for _ in range(cfg.rounds):
             for m in order.sample(list(runs), len(runs)):
-                runs[m].run(per_round, measured=True, progress=progress)
+                runs[m].run(per_round, measured=True, update=update)
         rows = [{**runs[m].result(), "link": link} for m in cfg.methods]
-    finally:
-        if progress is not None:
-            progress[0].stop()
     return rows if rank == 0 else []
 
 

@@ -1,32 +1,23 @@
-"""Running ``sparsync bench hybrid``: servers (one per rank, inside its namespace with ``--net``), the ranks,
-then the table, CSV/JSON/PNG, the targets of the hybrid issue and the plan's predictions next to the
-measurements (``sparsync plan`` validation): bytes per machine per step, and communication time per step priced
-with the link each run measured (``Cluster(measured=...)``, the dense allreduce fused as the trainers send it)."""
+"""What ``sparsync bench hybrid`` shows (run by ``runner.run_hybrid_bench``): the table, the targets of the
+hybrid issue, the speeds relative to the baselines, and the plan's predictions next to the measurements
+(``sparsync plan`` validation): bytes per machine per step, and communication time per step priced with the link
+each run measured (``Cluster(measured=...)``, the dense allreduce fused as the trainers send it)."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from sparsync.bench.hybrid import HybridBenchConfig, config_dict, worker
-from sparsync.bench.lm import SampledLM
-from sparsync.bench.report import write_files
 from sparsync.costmodel import LinkModel
-from sparsync.launch import launch
-from sparsync.netem import NetNamespaces, describe, net_spec, shaped
 from sparsync.plan.detect import ParamStats
-from sparsync.plan.partition import PartitionSearch, search_partitions
 from sparsync.plan.planner import Cluster, Plan, make_plan
-from sparsync.ps.process import ServerProcess
-from sparsync.ps.server import ServerConfig
-from sparsync.tables import show_table
+from sparsync_bench.hybrid import HybridBenchConfig
+from sparsync_bench.lm import SampledLM
+from sparsync_bench.report import Check, pyplot, save_figure
+from sparsync_bench.tables import show_table
 
 # method -> the plan placement of the embedding that describes it (dense parameters: dense allreduce)
 PLAN_OF = {
@@ -35,25 +26,6 @@ PLAN_OF = {
     "hybrid": "ps",
     "hybrid_sketch": "sketch",
 }
-
-
-@contextmanager
-def bench_servers(P: int, ns: NetNamespaces | None) -> Iterator[list[str]]:
-    """One server per rank (in rank i's namespace with ``ns``), as the benchmarks and the demo colocate them;
-    yields their addresses and kills them on exit."""
-    out: list[ServerProcess] = []
-    addrs: list[str] = []
-    try:
-        for i in range(P):
-            host = ns.address(i) if ns is not None else "127.0.0.1"
-            sp = ServerProcess(ServerConfig(server_id=i, host=host, wait_timeout=300.0),
-                               netns=ns.namespace(i) if ns is not None else None)  # fmt: skip
-            out.append(sp)
-            addrs.append(sp.start())
-        yield addrs
-    finally:
-        for sp in out:
-            sp.kill()
 
 
 def method_plan(
@@ -76,80 +48,16 @@ def _error(pred: float | None, measured: float) -> float | None:
     return None if pred is None or measured <= 0 else (pred - measured) / measured
 
 
-def run_hybrid_bench(
-    cfg: HybridBenchConfig,
-    procs: tuple[int, ...],
-    seqs: tuple[int, ...],
-    *,
-    out: Path,
-    net: str | None = None,
-    latency: str | None = None,
-    console: Console | None = None,
-    progress: bool = True,
-    timeout: float = 1800.0,
-) -> list[dict[str, Any]]:
-    console = console or Console()
-    if console.width < 130:  # ten columns
-        console = Console(width=130, file=console.file)
-    spec = net_spec(net, latency)
-    where = describe(spec)
-    rows: list[dict[str, Any]] = []
-    t0 = time.perf_counter()
-    for P in procs:
-        for seq in seqs:
-            c = replace(cfg, seq=seq)
-            console.print(f"[bold]P = {P}[/], seq = {seq}, vocab {c.vocab:,} x {c.dim}, LSTM {c.hidden}, {where}")
-            with shaped(P, spec) as ns, bench_servers(P, ns) as addrs:
-                res = launch(worker, nprocs=P, args=(c, addrs, progress), timeout=timeout, netns=ns)
-            for r in res[0]:
-                plan = method_plan(c, P, r["alpha"], r["method"], LinkModel(**r["link"]))
-                r["net"] = net or "loopback"
-                r["predicted_bytes"] = None if plan is None else plan.bytes_per_machine
-                r["bytes_error"] = _error(r["predicted_bytes"], r["bytes_per_step_per_machine"])
-                r["predicted_comm_ms"] = None if plan is None else 1e3 * plan.fused_seconds
-                r["comm_error"] = _error(r["predicted_comm_ms"], r["comm_ms"])
-                rows.append(r)
-    title = f"hybrid training, vocab {cfg.vocab:,} x {cfg.dim}, batch {cfg.batch}, {where}"
-    print_table(rows, console, title)
-    for line in compare_lines(rows):
-        console.print(line)
-    checks = check_targets(rows)
-    for name, ok, detail in checks:
-        console.print(f"{'[green]PASS' if ok else '[red]MISS'}[/] {name}: {detail}")
-    meta = {"config": config_dict(cfg), "procs": list(procs), "seqs": list(seqs), "net": net,
-            "seconds": time.perf_counter() - t0, "targets": [list(x) for x in checks],
-            "speedup_vs_baselines": relative_speed(rows)}  # fmt: skip
-    errors = plan_time_errors(rows)
-    for m, e in errors.items():
-        console.print(f"plan's communication time vs measured, {m}: mean |error| {100 * e:.1f}%")
-    meta["plan_time_mean_abs_error"] = errors
-    files = write_files(rows, meta, out)
-    files.append(plot(rows, out, title))
-    if errors:
-        files.append(plot_plan_time(rows, out, title))
-    console.print("wrote " + ", ".join(str(f) for f in files))
-    return rows
-
-
-def search_hybrid_partitions(
-    cfg: HybridBenchConfig, P: int, *, console: Console, max_partitions: int = 256, timeout: float = 900.0
-) -> PartitionSearch:
-    """Parallax §3.2 for real: iteration times of the hybrid method on loopback for sampled partition counts,
-    the fit, and the chosen count."""
-
-    def measure(parts: int) -> list[float]:
-        c = replace(cfg, partitions=parts, methods=("hybrid",))
-        with bench_servers(P, None) as addrs:
-            res = launch(worker, nprocs=P, args=(c, addrs, False), timeout=timeout)
-        times: list[float] = res[0][0]["times_s"]
-        console.print(f"  partitions = {parts}: {1e3 * sum(times) / len(times):.1f} ms/step")
-        return times
-
-    console.print(f"[bold]partition search[/] (Parallax §3.2), hybrid, P = {P}, loopback")
-    res = search_partitions(measure, P, max_partitions=max_partitions, servers=P)  # one server per rank
-    t0, t1, t2 = res.theta
-    console.print(f"  fit t(P) = {t0 * 1e3:.2f} + {t1 * 1e3:.2f}/P + {t2 * 1e3:.4f}·P ms; chosen P = {res.best}")
-    return res
+def add_predictions(rows: list[dict[str, Any]], cfg: HybridBenchConfig, P: int, net: str | None) -> None:
+    """Give each row of one run (P ranks) its plan's bytes and communication time, priced with the link the
+    run measured, and their errors against the measurements (changes ``rows``)."""
+    for r in rows:
+        plan = method_plan(cfg, P, r["alpha"], r["method"], LinkModel(**r["link"]))
+        r["net"] = net or "loopback"
+        r["predicted_bytes"] = None if plan is None else plan.bytes_per_machine
+        r["bytes_error"] = _error(r["predicted_bytes"], r["bytes_per_step_per_machine"])
+        r["predicted_comm_ms"] = None if plan is None else 1e3 * plan.fused_seconds
+        r["comm_error"] = _error(r["predicted_comm_ms"], r["comm_ms"])
 
 
 def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> None:
@@ -194,7 +102,7 @@ def compare_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def check_targets(rows: list[dict[str, Any]]) -> list[tuple[str, bool, str]]:
+def check_targets(rows: list[dict[str, Any]]) -> list[Check]:
     """Per (P, seq): hybrid >= 3x all-dense allreduce, >= 1.5x allgather and >= 1.5x DDP with sparse
     gradients (torch's own allgather way, issue 13) in words/s; AR < PS < hybrid."""
     out = []
@@ -231,11 +139,7 @@ def plan_time_errors(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 def plot_plan_time(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
     """Predicted (dashed) and measured (solid) communication ms per step against P, one colour per method."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     planned = [r for r in rows if r.get("predicted_comm_ms") is not None]
     for k, m in enumerate(dict.fromkeys(r["method"] for r in planned)):
@@ -250,19 +154,11 @@ def plot_plan_time(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
     ax.set_yscale("log")
     ax.legend(fontsize=7)
     ax.set_title("sparsync plan vs measured: " + title, fontsize=8)
-    fig.tight_layout()
-    png = out.with_name(out.name + "_plan_time.png")
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
+    return save_figure(fig, out.with_name(out.name + "_plan_time.png"), dpi=120)
 
 
 def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     methods = list(dict.fromkeys(r["method"] for r in rows))
     groups = list(dict.fromkeys((r["P"], r["seq"]) for r in rows))
@@ -279,8 +175,4 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
         ax.set_yscale("log")
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    png = out.with_suffix(".png")
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
+    return save_figure(fig, out.with_suffix(".png"), dpi=120)

@@ -39,6 +39,7 @@ from sparsync.compress import QSGD
 from sparsync.costmodel import ALGORITHMS, LinkModel, Problem, lower_bound, predict
 from sparsync.record import CommLog
 from sparsync.stream import SparseStream, index_dtype_for
+from sparsync_bench.report import progress
 
 METHODS = ("gloo_dense", "gloo_sparse_coo", *ALGORITHMS, "auto")
 # DSAR with its dense phase quantized by QSGD at 4 or 8 bits (compress/dsar_quantized.py; issue 15): lossy, so
@@ -173,21 +174,10 @@ def worker(rank: int, cfg: BenchConfig, show_progress: bool) -> list[dict[str, A
     # The hierarchical methods get subgroups of their own, for the same reason.
     topos = {m: detect_topology(group=groups[m]) for m in cfg.methods if m in HIERARCHICAL}
     rows: list[dict[str, Any]] = []
-    progress = None
-    if show_progress and rank == 0:
-        from rich.progress import Progress
-
-        progress = Progress(transient=True)
-        progress.start()
-        task = progress.add_task(f"P={P} N={cfg.dim}", total=len(cfg.densities))
-    try:
+    with progress(show_progress and rank == 0, f"P={P} N={cfg.dim}", len(cfg.densities)) as update:
         for point, density in enumerate(cfg.densities):
             rows.extend(_measure_point(rank, P, cfg, density, point, link, groups, topos))
-            if progress is not None:
-                progress.advance(task)
-    finally:
-        if progress is not None:
-            progress.stop()
+            update(None, 1)
     return rows if rank == 0 else []
 
 
