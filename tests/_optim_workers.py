@@ -230,8 +230,8 @@ def dlrm_worker_nominal_link(rank: int, cfg: Any, data: Any) -> Any:
     loaded machine: measured under a full test run's load, the merge costs made auto densify DLRM's small
     tables once (the same sums, dense bytes), which is a timing choice, not what the test checks."""
     from sparsync.bench.dlrm_train import worker
+    from sparsync.collectives.group import set_link
     from sparsync.costmodel import REFERENCE_LINK
-    from sparsync.group import set_link
 
     set_link(REFERENCE_LINK)
     return worker(rank, cfg, data)

@@ -14,7 +14,7 @@ from sparsync.bench import BenchConfig, run_allreduce_bench
 from sparsync.bench.allreduce import METHODS, coo_too_big
 from sparsync.bench.report import check_targets
 from sparsync.cli import main, parse_size
-from sparsync.collectives._meta import EAGER_BYTES, ROW_BYTES
+from sparsync.collectives.meta import EAGER_BYTES, ROW_BYTES
 
 
 def test_parse_size() -> None:

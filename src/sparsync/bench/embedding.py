@@ -63,12 +63,12 @@ from sparsync.bench import embedding_sketch as es
 from sparsync.bench.allreduce import COO_MACHINE_SHARE, HIERARCHICAL, coo_too_big
 from sparsync.bench.ddp_baseline import gloo_sparse_allreduce_bytes, ring_allreduce_bytes
 from sparsync.bench.omnireduce import block_allreduce
-from sparsync.collectives._meta import EAGER_LIMIT
+from sparsync.collectives.group import EAGER_BYTES
 from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce
+from sparsync.collectives.meta import EAGER_LIMIT
 from sparsync.collectives.tensor import coo_to_stream, stream_to_coo
 from sparsync.compress import SparseSketch
 from sparsync.costmodel import ALGORITHMS, LinkModel, predict
-from sparsync.group import EAGER_BYTES
 from sparsync.record import CommLog
 
 SPLIT_RANGE = ("ssar_split_allgather/range", "dsar_split_allgather/range")
@@ -454,7 +454,7 @@ def _predictions(ctx: _Context) -> dict[str, float]:
     largest = max(p.input_bytes(r) for r in range(p.world_size))
     out = {"auto": dec.predictions[dec.algorithm]}
     for m in ALGORITHMS:
-        # Forced allgather grows its signature's inline limit (collectives/_meta.py); the others inline only
+        # Forced allgather grows its signature's inline limit (collectives/meta.py); the others inline only
         # payloads up to the default EAGER_BYTES.
         eager = largest <= (EAGER_LIMIT if m == "allgather" else EAGER_BYTES)
         out[m] = predict(m, replace(p, eager=eager), dec.link)

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from sparsync.bench.ddp_baseline import ddp_step_bytes
 from sparsync.bench.lm import Corpus, SampledLM
 from sparsync.bench.omnireduce import block_allreduce
-from sparsync.calibrate import measure_link
+from sparsync.collectives.calibrate import measure_link
 from sparsync.collectives.tensor import allreduce
 from sparsync.compress.sketch import SparseSketch
 from sparsync.hybrid import PHASES, HybridConfig, HybridTrainer
