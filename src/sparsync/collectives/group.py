@@ -2,7 +2,9 @@
 
 torch's ProcessGroup accepts no attributes, so the state lives in a WeakKeyDictionary keyed by the group: it
 is created on first use and dies with the group, the same lifetime as an attribute would have. This is the one
-module-level container in sparsync (STYLE 6): nothing in it outlives its group or is shared between groups.
+module-level container of runtime state in sparsync (STYLE 6; ``ops``' names of op codes are filled at import):
+nothing in it outlives its group or is shared between groups. ``submit`` runs every sparsync operation of a group
+through the group's FIFO queue.
 """
 
 from __future__ import annotations
