@@ -38,6 +38,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from sparsync.collectives.hierarchical import HIER_MARGIN, flat_link, price_levels
 from sparsync.compress.sketch import SparseSketch
 from sparsync.costmodel import LinkModel, Problem, algorithm, choose_robust, predict
 from sparsync.placement.base import Placement
@@ -268,8 +269,6 @@ def _two_level(s: ParamStats, c: Cluster, machines: Problem) -> tuple[tuple[floa
     α) or hierarchical (``collectives.hierarchical.price_levels``: reduce-scatter inside the machine, allreduce
     of the machine sums' partitions across machines, allgather inside), whichever is predicted faster, as
     ``hierarchical_allreduce(mode="auto")`` runs it. Bytes per machine: what crosses the machine's NIC."""
-    from sparsync.collectives.hierarchical import HIER_MARGIN, flat_link, price_levels
-
     N, m = c.machines, c.procs_per_machine
     P, rows = N * m, machines.dim
     worker = max(1, round(s.row_fraction * rows))
