@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 from sparsync import CommLog, SparseStream
+from sparsync.collectives.group import set_link
 from sparsync.collectives.hierarchical import MODES, detect_topology, hierarchical_allreduce, predict_levels
 from sparsync.costmodel import LinkModel, Problem
-from sparsync.group import set_link
 
 ROWS = 97  # prime: no host size divides it
 DENSITIES = (0.0, "one", 0.05, 0.3, 1.0)

@@ -229,8 +229,8 @@ def dlrm_worker_nominal_link(rank: int, cfg: Any, data: Any) -> Any:
     """``bench.dlrm_train.worker`` with auto priced on the nominal reference link instead of one measured on a
     loaded machine: measured under a full test run's load, the merge costs made auto densify DLRM's small
     tables once (the same sums, dense bytes), which is a timing choice, not what the test checks."""
+    from sparsync.collectives.group import set_link
     from sparsync.costmodel import REFERENCE_LINK
-    from sparsync.group import set_link
     from sparsync_bench.dlrm_train import worker
 
     set_link(REFERENCE_LINK)

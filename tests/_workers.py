@@ -490,7 +490,7 @@ def _eager_checks(rank: int, world: int) -> dict[str, Any]:
 
 def _adaptive_eager_checks(rank: int) -> dict[str, Any]:
     """A group's eager region grows to fit the payloads of an allgather-run call, so the next call of that
-    size finishes in the metadata round; another algorithm shrinks it back (collectives._meta)."""
+    size finishes in the metadata round; another algorithm shrinks it back (collectives.meta)."""
     group = dist.new_group()
     link = sparsync.LinkModel(alpha=1e-4, beta=1e-9)  # latency-bound: auto picks allgather for 12 kB
     s = eager_inputs("one_too_big", rank)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from sparsync.collectives._meta import EAGER_BYTES, ROW_BYTES
+from sparsync.collectives.meta import EAGER_BYTES, ROW_BYTES
 from sparsync_bench.allreduce import METHODS, BenchConfig, coo_too_big
 from sparsync_bench.allreduce_report import check_targets
 from sparsync_bench.cli import main, parse_size

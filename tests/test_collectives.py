@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from sparsync import ALGORITHMS, LinkModel, launch
-from sparsync.collectives._meta import ROW_BYTES
+from sparsync.collectives.meta import ROW_BYTES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
@@ -212,7 +212,7 @@ def test_sparse_sends_fewer_bytes_than_dense(run: tuple[int, list[dict[str, Any]
     for i, (alg, case) in enumerate(GRID):
         if (case.dim, case.density, case.pattern, case.dtype) == (20011, 1e-4, "random", "float32"):
             # Every algorithm starts with the same metadata round (which may carry small payloads,
-            # collectives._meta): compare what each algorithm sends after it.
+            # collectives.meta): compare what each algorithm sends after it.
             logs = [r["grid"][i]["log"] for r in results]
             sent[alg] = max(lg["bytes_sent"] - lg["phase_bytes"].get("meta", 0) for lg in logs)
             assert all(lg["phase_bytes"].get("meta", 0) > 0 for lg in logs) or world == 1

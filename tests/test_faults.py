@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch.distributed import HashStore  # type: ignore[attr-defined]  # re-exported from C++
 
 from sparsync import LaunchError, launch
+from sparsync.collectives.group import background_group
 from sparsync.compress import Identity
 from sparsync.compress.hooks import compression_hook
-from sparsync.group import background_group
 from sparsync.launch import _host_store
 
 TESTS = Path(__file__).resolve().parent

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sparsync import SparseStream, launch
-from sparsync.collectives._meta import EAGER_BYTES, ROW_BYTES
+from sparsync.collectives.meta import EAGER_BYTES, ROW_BYTES
 from sparsync.collectives.partition import Partition
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]

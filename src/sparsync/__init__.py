@@ -4,9 +4,10 @@ Layers: transport (torch.distributed) -> collectives (SparCML) -> compressors ->
 See docs/architecture.md.
 """
 
-from sparsync.calibrate import measure_link
 from sparsync.collectives import allreduce, grouped_allreduce, sparse_allgather, sparse_allreduce
-from sparsync.collectives._comm import PeerError
+from sparsync.collectives.calibrate import measure_link
+from sparsync.collectives.comm import PeerError
+from sparsync.collectives.group import background_group, set_deterministic, set_link
 from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce
 from sparsync.compress import Compressor, ErrorFeedback, compressed_allreduce, reduce
 from sparsync.costmodel import (
@@ -20,7 +21,6 @@ from sparsync.costmodel import (
     lower_bound,
     predict,
 )
-from sparsync.group import background_group, set_deterministic, set_link
 from sparsync.handle import Work
 from sparsync.launch import LaunchError, launch
 from sparsync.optim import DistributedOptimizer

@@ -13,7 +13,7 @@ Where the paper is vague we chose:
 - Reduction work is not free on CPUs (§4 notes the lower bound ignores it), so the model adds γ terms: seconds
   per sparse pair merged and per dense element added, measured with the link.
 - Every prediction includes the metadata round all algorithms share (``metadata_time``). When that round
-  already carried every payload (the eager protocol, ``collectives/_meta.py``), "allgather" adds only its
+  already carried every payload (the eager protocol, ``collectives/meta.py``), "allgather" adds only its
   local sum.
 - Latency terms follow the message pattern we actually run: two messages (header, payload) per recursive
   doubling round of ``ssar_recursive_double``, one per round of framed blocks (the split algorithms' all-to-all
@@ -62,10 +62,11 @@ class LinkModel:
     # Seconds per element written into freshly allocated memory (page faults included); None: gamma_dense.
     # Page faults make it an order of magnitude above a dense add (docs/results_design.md).
     gamma_fresh: float | None = None
-    # Measured seconds of a call that moves next to nothing, per algorithm (``calibrate._fixed_costs``): its
-    # rounds, their software overhead and, on a shared host, the scheduling of every rank. Given for an
-    # algorithm, it replaces that algorithm's α terms, which alone under-predict few-ms calls (Python per
-    # call) and, on a shared host, every round's scheduling (docs/results_design.md).
+    # Measured seconds of a call that moves next to nothing, per algorithm
+    # (``collectives.calibrate._fixed_costs``): its rounds, their software overhead and, on a shared host, the
+    # scheduling of every rank. Given for an algorithm, it replaces that algorithm's α terms, which alone
+    # under-predict few-ms calls (Python per call) and, on a shared host, every round's scheduling
+    # (docs/results_design.md).
     fixed: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
@@ -103,9 +104,9 @@ class Problem:
     nnz: tuple[int, ...]  # stored entries per rank (dim for a rank whose stream is dense)
     value_bytes: int  # isize
     index_bytes: int  # c
-    eager: bool = False  # every rank's payload already arrived with the metadata (collectives/_meta.py)
+    eager: bool = False  # every rank's payload already arrived with the metadata (collectives/meta.py)
     # Payloads up to this many bytes ride in the metadata round from the next call on, once this call has run
-    # allgather (the adaptive eager region, collectives/_meta.py); 0: no such region.
+    # allgather (the adaptive eager region, collectives/meta.py); 0: no such region.
     eager_limit: int = 0
     # Values per entry: a row-sparse stream is priced as R entries of ``value_bytes`` = b·isize each;
     # the γ terms charge a row as one index plus b - 1 more values moved (``per_row``).
@@ -212,7 +213,7 @@ def _allgather_inline(p: Problem) -> bool:
 
 
 def metadata_time(p: Problem, link: LinkModel) -> float:
-    """The metadata round (collectives/_meta.py): an allgather (``gather_latency``) of one row per rank, carrying
+    """The metadata round (collectives/meta.py): an allgather (``gather_latency``) of one row per rank, carrying
     every rank's payload when ``p.eager``. The same for every algorithm, so it never changes a choice; it is
     counted so that predictions compare with measured call times (leaving it out under-predicted
     small calls 2-15x)."""

@@ -38,7 +38,7 @@ from torch import nn
 from sparsync.compress.base import Compressor
 from sparsync.compress.sketch import SparseSketch
 from sparsync.placement import NamedParam, Placement, ReduceEnv, aggregate, kind_of, objects, resolve
-from sparsync.plan.detect import embedding_modules
+from sparsync.placement.embeddings import embedding_modules
 from sparsync.plan.planner import Plan
 from sparsync.ps.aggregate import MachineAggregator
 from sparsync.ps.client import PSClient

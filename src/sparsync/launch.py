@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from C++
 
-from sparsync.group import background_group, stop_queues
+from sparsync.collectives.group import background_group, stop_queues
 
 
 class RankSetup(Protocol):

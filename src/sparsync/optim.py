@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsync.group import resolve_group
+from sparsync.collectives.group import resolve_group
 from sparsync.placement import Placement, ReduceEnv
 from sparsync.record import CommLog
 from sparsync.replicator.optimizer import PlanSpec, ReplicatedOptimizer

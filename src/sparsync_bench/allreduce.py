@@ -25,9 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsync.calibrate import measure_link
-from sparsync.collectives._meta import EAGER_LIMIT
 from sparsync.collectives.allreduce import sparse_allreduce
+from sparsync.collectives.calibrate import measure_link
 from sparsync.collectives.hierarchical import (
     Topology,
     detect_topology,
@@ -35,6 +34,7 @@ from sparsync.collectives.hierarchical import (
     measured_levels,
     predict_levels,
 )
+from sparsync.collectives.meta import EAGER_LIMIT
 from sparsync.compress import QSGD
 from sparsync.costmodel import ALGORITHMS, LinkModel, Problem, lower_bound, predict
 from sparsync.record import CommLog
@@ -169,7 +169,7 @@ def worker(rank: int, cfg: BenchConfig, show_progress: bool) -> list[dict[str, A
     P = dist.get_world_size()
     link = measure_link()
     # One group per method, as each would be in its own training job: a group carries state from call to
-    # call (the metadata round's eager region, sparsync.collectives._meta), which must not leak between methods.
+    # call (the metadata round's eager region, sparsync.collectives.meta), which must not leak between methods.
     groups = {m: dist.new_group(backend="gloo") for m in cfg.methods}
     # The hierarchical methods get subgroups of their own, for the same reason.
     topos = {m: detect_topology(group=groups[m]) for m in cfg.methods if m in HIERARCHICAL}

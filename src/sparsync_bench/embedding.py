@@ -59,12 +59,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import sparsync
-from sparsync.collectives._meta import EAGER_LIMIT
+from sparsync.collectives.group import EAGER_BYTES
 from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce
+from sparsync.collectives.meta import EAGER_LIMIT
 from sparsync.collectives.tensor import coo_to_stream, stream_to_coo
 from sparsync.compress import SparseSketch
 from sparsync.costmodel import ALGORITHMS, LinkModel, predict
-from sparsync.group import EAGER_BYTES
 from sparsync.record import CommLog
 from sparsync_bench import embedding_sketch as es
 from sparsync_bench.allreduce import COO_MACHINE_SHARE, HIERARCHICAL, coo_too_big
@@ -455,7 +455,7 @@ def _predictions(ctx: _Context) -> dict[str, float]:
     largest = max(p.input_bytes(r) for r in range(p.world_size))
     out = {"auto": dec.predictions[dec.algorithm]}
     for m in ALGORITHMS:
-        # Forced allgather grows its signature's inline limit (collectives/_meta.py); the others inline only
+        # Forced allgather grows its signature's inline limit (collectives/meta.py); the others inline only
         # payloads up to the default EAGER_BYTES.
         eager = largest <= (EAGER_LIMIT if m == "allgather" else EAGER_BYTES)
         out[m] = predict(m, replace(p, eager=eager), dec.link)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsync.calibrate import measure_link
+from sparsync.collectives.calibrate import measure_link
 from sparsync.collectives.tensor import allreduce
 from sparsync.compress.sketch import SparseSketch
 from sparsync.hybrid import PHASES, HybridConfig, HybridTrainer

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsync.collectives._comm import Comm
+from sparsync.collectives.comm import Comm
 from sparsync.costmodel import DIRECT_GATHER_MAX
 
 

@@ -4,27 +4,27 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Literal, NoReturn, TypeVar, overload
+from typing import Literal, NoReturn, Protocol, TypeVar, overload, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from sparsync.calibrate import measure_link
-from sparsync.collectives._comm import Comm, PeerError, payload_of
-from sparsync.collectives._comm import stream_from_payload as _decode
 from sparsync.collectives._fold import allgather_blocks
-from sparsync.collectives._meta import (
+from sparsync.collectives.calibrate import measure_link
+from sparsync.collectives.comm import Comm, PeerError, payload_of
+from sparsync.collectives.comm import stream_from_payload as _decode
+from sparsync.collectives.group import background_group, group_state, next_call, resolve_group, submit
+from sparsync.collectives.meta import (
     EAGER_LIMIT,
     PARTITION_CODES,
     BadIndex,
     Meta,
     auto_fingerprint,
     exchange_meta,
-    meta_key,
     report_refusal,
     update_eager,
 )
+from sparsync.collectives.ops import text_key
 from sparsync.collectives.partition import resolve_partition
 from sparsync.costmodel import (
     ALGORITHMS,
@@ -35,19 +35,39 @@ from sparsync.costmodel import (
     choose_robust,
 )
 from sparsync.costmodel import algorithm as algorithm_entry
-from sparsync.group import background_group, group_state, next_call, resolve_group
 from sparsync.handle import Work
-from sparsync.record import CommLog, CommRecord
+from sparsync.record import CommLog
 from sparsync.stream import SparseStream, index_dtype_for, sum_streams
-
-if TYPE_CHECKING:
-    from sparsync.compress.qsgd import QSGD
 
 T = TypeVar("T")
 
 
+@runtime_checkable
+class DenseQuantizer(Protocol):
+    """What ``sparse_allreduce(quantize=...)`` needs: a quantizer of DSAR's dense phase (``sparsync.compress.QSGD``
+    is one, ``compress/dsar_quantized.py``). Defined here so that the collectives call up into a compressor
+    they are handed, without importing the compressors' layer."""
+
+    def quantize_key(self) -> str:
+        """The settings every rank must share (the metadata round compares a hash of it)."""
+        ...
+
+    def dsar_allreduce(
+        self,
+        comm: Comm,
+        stream: SparseStream,
+        nnz: tuple[int, ...],
+        dense: tuple[bool, ...],
+        partition: str,
+        name: str,
+    ) -> SparseStream:
+        """DSAR_Split_AllGather of ``stream`` with its dense phase quantized; ``nnz``/``dense``: every rank's
+        stored rows and format from the metadata round. The same bits on every rank."""
+        ...
+
+
 def _gather_streams(comm: Comm, stream: SparseStream, meta: Meta) -> list[SparseStream]:
-    if meta.eager is not None:  # every payload already came with the metadata (see _meta's eager protocol)
+    if meta.eager is not None:  # every payload already came with the metadata (see meta.py's eager protocol)
         blocks = list(meta.eager)
     else:
         with comm.phase("allgather_payload"):
@@ -80,7 +100,7 @@ def refuse(
     group: dist.ProcessGroup | None, op: str, error: Exception, timeout: float | None, async_op: bool = False
 ) -> NoReturn:
     """Raise ``error`` (this rank's input is invalid) after telling the other ranks in the metadata round of
-    the call they are making (``_meta.report_refusal``): every rank raises at once, none waits for the
+    the call they are making (``meta.report_refusal``): every rank raises at once, none waits for the
     timeout. Queued behind the group's async work like any call, so it meets the call the others make."""
     if not dist.is_available() or not dist.is_initialized():
         raise error  # no group: nobody else to tell
@@ -93,37 +113,12 @@ def refuse(
         report_refusal(comm, op, seq, error)
 
     try:
-        _submit(resolve_group(group), run, False)  # behind the caller's queued work, like the others' call
+        submit(resolve_group(group), run, False)  # behind the caller's queued work, like the others' call
     except (TypeError, ValueError) as others:  # other ranks refused too: name them
         raise others from error
     except PeerError:  # the others are gone or elsewhere: this rank's own error is the one to report
         pass
     raise error
-
-
-def _submit(group: dist.ProcessGroup, fn: Callable[[], T], async_op: bool) -> T | Work[T]:
-    """Run ``fn`` now, or on the group's FIFO worker. Once a group has async work in flight, blocking calls
-    queue behind it too, so every rank issues the group's transfers in the same order."""
-    state = group_state(group)
-    with state.lock:
-        busy = state.pending > 0
-        if async_op or busy:
-            if state.executor is None:
-                state.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsync")
-            state.pending += 1
-            fut = state.executor.submit(fn)
-        else:
-            fut = None
-    if fut is None:
-        return fn()
-
-    def _done(_: object) -> None:
-        with state.lock:
-            state.pending -= 1
-
-    fut.add_done_callback(_done)
-    work = Work(fut)
-    return work if async_op else work.wait()
 
 
 @overload
@@ -140,7 +135,7 @@ def sparse_allreduce(
     check_nan: bool = ...,
     partition: str = ...,
     name: str | None = ...,
-    quantize: QSGD | None = ...,
+    quantize: DenseQuantizer | None = ...,
 ) -> SparseStream: ...
 @overload
 def sparse_allreduce(
@@ -156,7 +151,7 @@ def sparse_allreduce(
     check_nan: bool = ...,
     partition: str = ...,
     name: str | None = ...,
-    quantize: QSGD | None = ...,
+    quantize: DenseQuantizer | None = ...,
 ) -> Work[SparseStream]: ...
 def sparse_allreduce(
     stream: SparseStream,
@@ -171,7 +166,7 @@ def sparse_allreduce(
     check_nan: bool = True,
     partition: str = "auto",
     name: str | None = None,
-    quantize: QSGD | None = None,
+    quantize: DenseQuantizer | None = None,
 ) -> SparseStream | Work[SparseStream]:
     """Sum of every rank's ``stream``, on every rank (bitwise identical everywhere).
 
@@ -183,8 +178,9 @@ def sparse_allreduce(
     Zipf-skewed rows), ``range`` (contiguous, SparCML §4.1) or ``auto`` (stride for row streams, range for
     element streams; ``collectives/partition.py``). ``log`` collects a CommRecord (bytes, time, phases,
     decision, bytes per partition). ``name``: a label compared across ranks (a skipped or reordered call of the
-    same signature raises on every rank). ``quantize``: a ``QSGD`` for ``dsar_split_allgather``'s dense phase
-    in low precision (lossy, unbiased; ``compress/dsar_quantized.py``). Does not modify ``stream``.
+    same signature raises on every rank). ``quantize``: a ``QSGD`` (any ``DenseQuantizer``) for
+    ``dsar_split_allgather``'s dense phase in low precision (lossy, unbiased; ``compress/dsar_quantized.py``).
+    Does not modify ``stream``.
     Collective: all ranks of ``group`` call it.
 
     Example::
@@ -229,7 +225,7 @@ def start_allreduce(
     bad: BadIndex | None = None,
     shape: tuple[str, tuple[int, ...]] | None = None,
     name: str | None = None,
-    quantize: QSGD | None = None,
+    quantize: DenseQuantizer | None = None,
 ) -> T | Work[T]:
     """``sparse_allreduce`` whose result goes through ``finish(comm, result)`` inside the same queued job
     (``allreduce`` of a COO tensor may need one more collective there). ``bad``: an out-of-range index on
@@ -241,10 +237,7 @@ def start_allreduce(
         if algorithm != "auto" and algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; valid: auto, {', '.join(ALGORITHMS)}")
         part = resolve_partition(partition, stream.row)
-        if quantize is not None:
-            from sparsync.compress.dsar_quantized import check_quantize  # late: sparsync.compress imports us
-
-            check_quantize(quantize, algorithm)
+        _check_quantize(quantize, algorithm)
     except (TypeError, ValueError) as e:
         refuse(group, "sparse_allreduce", e, timeout, async_op)
     user = resolve_group(group)
@@ -274,44 +267,31 @@ def start_allreduce(
         if quantize is None:
             result = algorithm_entry(alg).run()(comm, stream, meta, part)
         else:
-            from sparsync.compress.dsar_quantized import dsar_quantized
-
-            result = dsar_quantized(comm, stream, meta.nnz, meta.dense, part, quantize, name or "dsar")
+            result = quantize.dsar_allreduce(comm, stream, meta.nnz, meta.dense, part, name or "dsar")
         out = finish(comm, result)
         if log is not None:
-            tr = comm.traffic
             log.append(
-                CommRecord(
-                    "sparse_allreduce",
-                    alg,
-                    comm.rank,
-                    comm.size,
-                    stream.dim,
-                    stream.nnz,
-                    result.nnz,
-                    tr.bytes_sent,
-                    tr.bytes_recv,
-                    tr.messages,
-                    time.perf_counter() - t0,
-                    dict(tr.phases),
-                    decision,
-                    dict(tr.phase_bytes),
-                    row=stream.row,
-                    partition=part if "split" in alg else "",
-                    partition_bytes=tuple(tr.partition_bytes),
+                comm.record(
+                    "sparse_allreduce", alg, t0, dim=stream.dim, nnz_in=stream.nnz, nnz_out=result.nnz,
+                    decision=decision, row=stream.row, partition=part if "split" in alg else "",
                 )
-            )
+            )  # fmt: skip
         return out
 
-    return _submit(user, run, async_op)
+    return submit(user, run, async_op)
 
 
-def _quantize_key(quantize: QSGD | None) -> int:
+def _check_quantize(quantize: object, algorithm: str) -> None:
     if quantize is None:
-        return 0
-    from sparsync.compress.dsar_quantized import quantize_key
+        return
+    if not isinstance(quantize, DenseQuantizer):
+        raise TypeError(f"quantize must be a sparsync.compress.QSGD or None, got {type(quantize).__name__}")
+    if algorithm != "dsar_split_allgather":
+        raise ValueError(f"quantize= needs algorithm='dsar_split_allgather', got algorithm={algorithm!r}")
 
-    return meta_key(quantize_key(quantize))
+
+def _quantize_key(quantize: DenseQuantizer | None) -> int:
+    return 0 if quantize is None else text_key(quantize.quantize_key())
 
 
 def problem_of(stream: SparseStream, meta: Meta, world_size: int) -> Problem:
@@ -365,24 +345,12 @@ def sparse_allgather(
         update_eager(comm, meta, "allgather")
         out = _gather_streams(comm, stream, meta)
         if log is not None:
-            tr = comm.traffic
+            nnz_out = sum(s.nnz for s in out)
             log.append(
-                CommRecord(
-                    "sparse_allgather",
-                    "recursive_double",
-                    comm.rank,
-                    comm.size,
-                    stream.dim,
-                    stream.nnz,
-                    sum(s.nnz for s in out),
-                    tr.bytes_sent,
-                    tr.bytes_recv,
-                    tr.messages,
-                    time.perf_counter() - t0,
-                    dict(tr.phases),
-                    phase_bytes=dict(tr.phase_bytes),
+                comm.record(
+                    "sparse_allgather", "recursive_double", t0, dim=stream.dim, nnz_in=stream.nnz, nnz_out=nnz_out
                 )
             )
         return out
 
-    return _submit(user, run, async_op)
+    return submit(user, run, async_op)

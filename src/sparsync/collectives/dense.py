@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives._comm import Comm
+from sparsync.collectives.comm import Comm
 from sparsync.costmodel import DENSE_CHUNKS, DENSE_PIPELINE_MIN
 from sparsync.stream import SparseStream
 
 if TYPE_CHECKING:
-    from sparsync.collectives._meta import Meta
+    from sparsync.collectives.meta import Meta
 
 
 def dense_allreduce(comm: Comm, stream: SparseStream) -> SparseStream:

@@ -8,7 +8,7 @@ of its rows, as ``allreduce`` does.
 
 Why (``sparsync demo``): a model with an embedding and a small MLP paid two calls per step, each
 with its own metadata round, where DDP overlaps its buckets with the backward pass. Grouped, one call carries
-both, and when the payloads fit the eager protocol (``_meta``) the whole step's reduction is one allgather.
+both, and when the payloads fit the eager protocol (``meta``) the whole step's reduction is one allgather.
 The choice of algorithm (auto) prices the fused stream as one problem: dense rows count as rows every rank
 touched, so a large dense part pushes auto toward the split algorithms (whose bytes for it equal a ring
 allreduce's), never toward densifying the embeddings.
@@ -24,9 +24,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives._comm import Comm
-from sparsync.collectives._meta import BadIndex
 from sparsync.collectives.allreduce import refuse, start_allreduce
+from sparsync.collectives.comm import Comm
+from sparsync.collectives.meta import BadIndex
 from sparsync.collectives.tensor import _coo_rows, _union_rows, stream_to_coo
 from sparsync.handle import Work
 from sparsync.record import CommLog

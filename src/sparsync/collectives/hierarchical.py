@@ -2,7 +2,7 @@
 hierarchical centralization), on sparsync's own collectives at each level.
 
 With H hosts of k ranks each, the k ranks of a host share one network link; a flat allreduce sends every rank's
-stream across it. One metadata round over the world (``_meta.exchange_meta``: every rank's input checked on
+stream across it. One metadata round over the world (``meta.exchange_meta``: every rank's input checked on
 every rank, every rank's rows known), then three stages:
 
 1. **inside each host, a reduce-scatter**: the rows are partitioned over the host's k ranks (``Partition``:
@@ -40,18 +40,21 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sparsync.calibrate import measure_link
-from sparsync.collectives._comm import (
+from sparsync.collectives._fold import allgather_var
+from sparsync.collectives.allreduce import problem_of, sparse_allreduce
+from sparsync.collectives.calibrate import measure_link
+from sparsync.collectives.comm import (
     FRAME_BYTES,
     Comm,
+    Traffic,
     frame_length,
     framed,
     max_framed_payload,
     payload_nbytes,
     unframe,
 )
-from sparsync.collectives._fold import allgather_var
-from sparsync.collectives._meta import exchange_meta, update_eager
+from sparsync.collectives.group import group_state, next_call, resolve_group
+from sparsync.collectives.meta import exchange_meta, update_eager
 from sparsync.collectives.partition import Partition, resolve_partition
 from sparsync.collectives.split_allgather import frame_cap, split_reduce
 from sparsync.costmodel import (
@@ -66,8 +69,7 @@ from sparsync.costmodel import (
     metadata_time,
     predict,
 )
-from sparsync.group import group_state, next_call, resolve_group
-from sparsync.record import CommLog, CommRecord
+from sparsync.record import CommLog
 from sparsync.stream import SparseStream, index_dtype_for
 
 MODES = ("auto", "flat", "hierarchical")
@@ -274,8 +276,6 @@ def hierarchical_allreduce(
     receives one CommRecord for the whole call (algorithm ``hierarchical`` or the flat algorithm, bytes summed
     over the stages, each stage's time as a phase, the two predictions in ``decision``). Collective over the
     world: every rank calls it with the same ``mode``."""
-    from sparsync.collectives.allreduce import problem_of, sparse_allreduce
-
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     t0 = time.perf_counter()
@@ -304,12 +304,16 @@ def hierarchical_allreduce(
         local.op = comm.op
         with comm.phase("host_reduce_scatter"):
             mine = split_reduce(local, stream, part, host_nnz) if counts[topology.local_rank] else None
+            _absorb(comm, local)
         # Every partition travels in the largest partition's row space, so that the ranks of a host, whose
         # partitions differ by a row, exchange streams of one dimension (the metadata rounds check it).
         width = max(counts) * b
         with comm.phase("cross_allreduce"):
             total = sparse_allreduce(_resized(mine, width, stream), group=topology.cross, log=inner,
                                      timeout=timeout, check_nan=False)  # fmt: skip
+            recs = inner.records
+            comm.count_collective(sum(r.bytes_sent for r in recs), sum(r.bytes_recv for r in recs),
+                                  sum(r.messages for r in recs))  # fmt: skip
         with comm.phase("host_allgather"):
             # One round: framed blocks into receives posted for the largest partition result there can be (the
             # split algorithms' allgather, split_allgather.py), instead of a sizes round and a data round.
@@ -317,28 +321,30 @@ def hierarchical_allreduce(
             cap = max(frame_cap(min(sum(meta.nnz), max(counts)), width, stream.dtype, b),
                       FRAME_BYTES + max_framed_payload(payload_nbytes(True, 0, width, stream.dtype)))  # fmt: skip
             blocks = allgather_var(local, framed(total), cap, frame_length)
+            _absorb(comm, local)
         with comm.phase("assemble"):
             parts = [unframe(blk, width, stream.dtype, b) for blk in blocks]
             result = part.assemble(
                 [_resized(p, counts[j] * b, stream) if counts[j] else None for j, p in enumerate(parts)],
                 stream.dim, b, stream.dtype,
             )  # fmt: skip
-        for tr in (local.traffic,):
-            comm.traffic.bytes_sent += tr.bytes_sent
-            comm.traffic.bytes_recv += tr.bytes_recv
-            comm.traffic.messages += tr.messages
     if log is not None:
-        tr = comm.traffic
-        recs = inner.records
         log.append(
-            CommRecord(
-                "sparse_allreduce", chosen, comm.rank, topology.size, stream.dim, stream.nnz, result.nnz,
-                tr.bytes_sent + sum(r.bytes_sent for r in recs), tr.bytes_recv + sum(r.bytes_recv for r in recs),
-                tr.messages + sum(r.messages for r in recs), time.perf_counter() - t0, dict(tr.phases),
-                Decision(chosen, preds) if preds else None, row=stream.row,
+            comm.record(
+                "sparse_allreduce", chosen, t0, dim=stream.dim, nnz_in=stream.nnz, nnz_out=result.nnz,
+                decision=Decision(chosen, preds) if preds else None, row=stream.row,
+                partition=part_kind if "split" in chosen else "",
             )
         )  # fmt: skip
     return result
+
+
+def _absorb(comm: Comm, stage: Comm) -> None:
+    """Count what ``stage`` (a Comm of a host's group) moved since the last call as ``comm``'s traffic, in
+    ``comm``'s current phase, so that the call's record holds every stage's bytes."""
+    tr = stage.traffic
+    comm.count_collective(tr.bytes_sent, tr.bytes_recv, tr.messages)
+    stage.traffic = Traffic()
 
 
 def _resized(s: SparseStream | None, dim: int, like: SparseStream) -> SparseStream:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sparsync.collectives._comm import Comm, exchange_stream
 from sparsync.collectives._fold import Fold
+from sparsync.collectives.comm import Comm, exchange_stream
 from sparsync.stream import SparseStream, add
 
 if TYPE_CHECKING:
-    from sparsync.collectives._meta import Meta
+    from sparsync.collectives.meta import Meta
 
 
 def ssar_recursive_double(comm: Comm, stream: SparseStream) -> SparseStream:

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives._comm import (
+from sparsync.collectives._fold import allgather_var
+from sparsync.collectives.comm import (
     FRAME_BYTES,
     Comm,
     frame_length,
@@ -31,12 +32,11 @@ from sparsync.collectives._comm import (
     payload_nbytes,
     unframe,
 )
-from sparsync.collectives._fold import allgather_var
 from sparsync.collectives.partition import Partition
 from sparsync.stream import SparseStream, dense_threshold, sum_streams
 
 if TYPE_CHECKING:
-    from sparsync.collectives._meta import Meta
+    from sparsync.collectives.meta import Meta
 
 # torch 2.13 renamed all_gather_into_tensor; keep working on older releases.
 _ALLGATHER_SINGLE = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)

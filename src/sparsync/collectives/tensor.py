@@ -20,9 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives._comm import Comm
-from sparsync.collectives._meta import BadIndex
 from sparsync.collectives.allreduce import refuse, start_allreduce
+from sparsync.collectives.comm import Comm
+from sparsync.collectives.meta import BadIndex
 from sparsync.handle import Work
 from sparsync.record import CommLog
 from sparsync.stream import SparseStream, index_dtype_for, merge_rows

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives._comm import Comm
+from sparsync.collectives.comm import Comm
 from sparsync.collectives.partition import Partition
 from sparsync.collectives.split_allgather import split_reduce
 from sparsync.compress.base import Context, QuantizedPayload
@@ -39,20 +39,6 @@ from sparsync.compress.qsgd_allreduce import quantized_allreduce, segments
 from sparsync.stream import SparseStream, dense_threshold
 
 _ALLGATHER_SINGLE = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # renamed in torch 2.13
-
-
-def quantize_key(q: QSGD) -> str:
-    """What every rank must agree on (the metadata round compares its hash)."""
-    return f"qsgd(bits={q.bits}, bucket={q.bucket}, scale={q.scale!r}, seed={q.seed})"
-
-
-def check_quantize(quantize: object, algorithm: str) -> None:
-    if quantize is None:
-        return
-    if not isinstance(quantize, QSGD):
-        raise TypeError(f"quantize must be a sparsync.compress.QSGD or None, got {type(quantize).__name__}")
-    if algorithm != "dsar_split_allgather":
-        raise ValueError(f"quantize= needs algorithm='dsar_split_allgather', got algorithm={algorithm!r}")
 
 
 def dsar_quantized(

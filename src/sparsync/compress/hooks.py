@@ -13,9 +13,10 @@ compressor with error feedback turns an embedding's row-sparse gradient dense (T
 the bytes of no compression on DLRM); dense ones by ``compressor``. Error feedback applies to lossy
 compressors only. ``log`` receives one CommRecord per reduction, so the DDP route reports its bytes too.
 
-The reductions run on sparsync's own process group over the same ranks (``sparsync.group.background_group``),
-made when the hook is built: a model whose backward issues collectives of its own on the user's group (DLRM's
-alltoall) cannot interleave them with the hook's in a different order per rank.
+The reductions run on sparsync's own process group over the same ranks
+(``sparsync.collectives.group.background_group``), made when the hook is built: a model whose backward issues
+collectives of its own on the user's group (DLRM's alltoall) cannot interleave them with the hook's in a
+different order per rank.
 
 Example::
 
@@ -31,11 +32,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sparsync.collectives.group import background_group
 from sparsync.compress.base import Compressor
 from sparsync.compress.identity import Identity
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.compress.reduce import compressed_allreduce
-from sparsync.group import background_group
 from sparsync.handle import Work
 from sparsync.record import CommLog
 

@@ -34,6 +34,7 @@ from typing import ClassVar, Literal
 import torch
 
 from sparsync.buffers import fresh
+from sparsync.collectives.comm import Comm
 from sparsync.compress.base import (
     NO_CONTEXT,
     Compressor,
@@ -42,6 +43,7 @@ from sparsync.compress.base import (
     TensorSpec,
     check_positive_int,
 )
+from sparsync.stream import SparseStream
 
 CHUNK = 1 << 19  # values per kernel pass (module doc)
 _NOISE_STREAM = 0  # generator streams of one (name, rank): the compressor's own rounding ...
@@ -86,6 +88,25 @@ class QSGD(Compressor):
         if self.aggregation == "auto":
             return world_size > 2
         return self.aggregation == "reduce_scatter"
+
+    # --- the quantizer of DSAR's dense phase (``sparse_allreduce(quantize=...)``, collectives.DenseQuantizer)
+    def quantize_key(self) -> str:
+        """The settings every rank must share (the metadata round compares a hash of it)."""
+        return f"qsgd(bits={self.bits}, bucket={self.bucket}, scale={self.scale!r}, seed={self.seed})"
+
+    def dsar_allreduce(
+        self,
+        comm: Comm,
+        stream: SparseStream,
+        nnz: tuple[int, ...],
+        dense: tuple[bool, ...],
+        partition: str,
+        name: str,
+    ) -> SparseStream:
+        """DSAR with its dense phase in this precision (``compress/dsar_quantized.py``)."""
+        from sparsync.compress.dsar_quantized import dsar_quantized  # late: it builds on this module
+
+        return dsar_quantized(comm, stream, nnz, dense, partition, self, name)
 
     def generator(self, ctx: Context, stream: int = _NOISE_STREAM) -> torch.Generator:
         """The rounding noise of (ctx.name, ctx.rank): one generator per stream, seeded by (seed, name, rank,

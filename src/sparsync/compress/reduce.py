@@ -12,9 +12,10 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives._comm import Comm
-from sparsync.collectives._meta import (
-    OPS,
+from sparsync.collectives.allreduce import comm_group, refuse, start_allreduce
+from sparsync.collectives.comm import Comm
+from sparsync.collectives.group import next_call, resolve_group, submit
+from sparsync.collectives.meta import (
     allgather_rows,
     first_differing,
     first_nonfinite,
@@ -22,7 +23,7 @@ from sparsync.collectives._meta import (
     raise_refusals,
     shape_fingerprint,
 )
-from sparsync.collectives.allreduce import _submit, comm_group, refuse, start_allreduce
+from sparsync.collectives.ops import register_op
 from sparsync.collectives.tensor import pack_bits, unpack_bits
 from sparsync.compress import cast_allreduce as cast_pipeline
 from sparsync.compress.base import (
@@ -39,9 +40,12 @@ from sparsync.compress.cast import BF16, FP16
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.compress.qsgd import QSGD
 from sparsync.compress.qsgd_allreduce import encode_remote, local_estimate, quantized_allreduce, segments
-from sparsync.group import next_call, resolve_group
 from sparsync.handle import Work
-from sparsync.record import CommLog, CommRecord
+from sparsync.record import CommLog
+
+# The metadata row's "op" code of compressed_allreduce's own rounds (collectives/ops.py); its sparse payloads go
+# through sparse_allreduce, whose rounds carry that op.
+REDUCE_OP = register_op("reduce")
 
 
 @overload
@@ -175,7 +179,7 @@ def compressed_allreduce(
             _record(log, alg, g, spec, elements, sent, msgs, t0)
             return finish(total.view(xspec.shape).to(xspec.dtype), divide=False)
 
-        out: torch.Tensor | Work[torch.Tensor] = _submit(user, run, async_op)
+        out: torch.Tensor | Work[torch.Tensor] = submit(user, run, async_op)
         return out
 
     if isinstance(compressor, QSGD) and compressor.uses_reduce_scatter(P):
@@ -235,7 +239,7 @@ def compressed_allreduce(
             agree(payload.nbytes)
             return _allreduce(payload, g, log, xspec, t0)
 
-        return _then(_submit(user, dense, async_op), compressor, xspec, finish)
+        return _then(submit(user, dense, async_op), compressor, xspec, finish)
     if isinstance(payload, QuantizedPayload) and isinstance(compressor, QSGD):
         # QSGD decodes linearly in its scales: the average is decoded from scales / P (n / bucket divisions,
         # not a pass over the n decoded values)
@@ -245,7 +249,7 @@ def compressed_allreduce(
             agree(qp.nbytes)
             return [_scaled(p, inv) for p in _allgather(qp, g, log, xspec, t0)]
 
-        return _then(_submit(user, run, async_op), compressor, xspec, lambda t: finish(t, divide=False))
+        return _then(submit(user, run, async_op), compressor, xspec, lambda t: finish(t, divide=False))
     if isinstance(payload, QuantizedPayload):
         qpay = payload
 
@@ -253,7 +257,7 @@ def compressed_allreduce(
             agree(qpay.nbytes)
             return _allgather(qpay, g, log, xspec, t0)
 
-        return _then(_submit(user, gather, async_op), compressor, xspec, finish)
+        return _then(submit(user, gather, async_op), compressor, xspec, finish)
     raise TypeError(f"{type(compressor).__name__}.compress returned {type(payload).__name__}, not a Payload")
 
 
@@ -300,7 +304,7 @@ def _agree(
     (``x`` given) none holds NaN or ±Inf; a rank whose input was refused is reported here too."""
     nonfinite = first_nonfinite(x) if x is not None and not x.is_sparse else -1
     row = torch.tensor(
-        [seq, OPS.index("reduce"), shape_fingerprint(layout, tuple(spec.shape)), nbytes, nonfinite],
+        [seq, REDUCE_OP, shape_fingerprint(layout, tuple(spec.shape)), nbytes, nonfinite],
         dtype=torch.int64,
     )
     comm = Comm(g, timeout)
@@ -408,18 +412,6 @@ def _record(
 ) -> None:
     if log is None:
         return
-    log.append(
-        CommRecord(
-            "reduce",
-            alg,
-            dist.get_rank(g),
-            dist.get_world_size(g),
-            spec.numel,
-            n,
-            n,
-            nbytes,
-            nbytes,
-            msgs,
-            time.perf_counter() - t0,
-        )
-    )
+    comm = Comm(g)  # the counts of a torch collective run on ``g`` (gloo: ring)
+    comm.count_collective(nbytes, nbytes, msgs)
+    log.append(comm.record("reduce", alg, t0, dim=spec.numel, nnz_in=n, nnz_out=n))

@@ -2,7 +2,8 @@
 placement per parameter by predicted communication time (``planner``: Table 3 with the α-β model), and the
 partition search for the parameter server (``partition``: §3.2)."""
 
-from sparsync.plan.detect import ParamStats, RowFractionMeter, embedding_modules, sparse_param_names
+from sparsync.placement.embeddings import embedding_modules
+from sparsync.plan.detect import ParamStats, RowFractionMeter, sparse_param_names
 from sparsync.plan.partition import PartitionSearch, fit_iteration_time, search_partitions
 from sparsync.plan.planner import (
     PLACEMENTS,

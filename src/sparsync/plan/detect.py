@@ -1,9 +1,7 @@
 """Which parameters are sparse, and how sparse (Parallax §2.2, §5).
 
-Parallax tells sparse from dense variables by the type of their gradient (TensorFlow's IndexedSlices); the
-PyTorch equivalent is a sparse COO gradient, which ``nn.Embedding(sparse=True)`` and
-``nn.EmbeddingBag(sparse=True)`` produce. An ``nn.EmbeddingBag`` without ``sparse=True`` has a dense gradient
-but touches only the rows of its input, so it counts as sparse as well (its rows are known from the input).
+Sparse parameters are the weights of sparsely read embeddings (``placement.embeddings``: Parallax's
+IndexedSlices are PyTorch's sparse COO gradients) plus any parameter whose gradient is sparse.
 
 α of a variable (§2.2) is the average, over steps, of the fraction of its elements one worker uses in a step;
 for an embedding that is (unique rows in the step's input) / rows.
@@ -11,20 +9,11 @@ for an embedding that is (unique rows in the step's input) / rows.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
-SPARSE_MODULES = (nn.Embedding, nn.EmbeddingBag)
-
-
-def embedding_modules(model: nn.Module) -> Iterator[tuple[str, nn.Embedding | nn.EmbeddingBag]]:
-    """(parameter name of the weight, module) for every embedding whose rows are read sparsely."""
-    for mname, m in model.named_modules():
-        if isinstance(m, nn.EmbeddingBag) or (isinstance(m, nn.Embedding) and m.sparse):
-            yield (f"{mname}.weight" if mname else "weight"), m
+from sparsync.placement.embeddings import embedding_modules, rows_of_input
 
 
 def sparse_param_names(model: nn.Module) -> list[str]:
@@ -35,15 +24,6 @@ def sparse_param_names(model: nn.Module) -> list[str]:
         if p.grad is not None and p.grad.is_sparse and n not in names:
             names.append(n)
     return names
-
-
-def rows_of_input(m: nn.Module, args: tuple[object, ...]) -> torch.Tensor:
-    """Unique rows an embedding's forward reads, from its positional input."""
-    x = args[0]
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"embedding input must be a tensor, got {type(x).__name__}")
-    out: torch.Tensor = torch.unique(x.reshape(-1))
-    return out
 
 
 @dataclass

@@ -35,6 +35,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sparsync.collectives.hierarchical import HIER_MARGIN, flat_link, price_levels
 from sparsync.compress.sketch import SparseSketch
 from sparsync.costmodel import LinkModel, Problem, algorithm, choose_robust, predict
 from sparsync.placement.base import Placement
@@ -231,8 +232,6 @@ def _two_level(s: ParamStats, c: Cluster, machines: Problem) -> tuple[tuple[floa
     α) or hierarchical (``collectives.hierarchical.price_levels``: reduce-scatter inside the machine, allreduce
     of the machine sums' partitions across machines, allgather inside), whichever is predicted faster, as
     ``hierarchical_allreduce(mode="auto")`` runs it. Bytes per machine: what crosses the machine's NIC."""
-    from sparsync.collectives.hierarchical import HIER_MARGIN, flat_link, price_levels
-
     N, m = c.machines, c.procs_per_machine
     P, rows = N * m, machines.dim
     worker = max(1, round(s.row_fraction * rows))

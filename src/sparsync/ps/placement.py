@@ -23,7 +23,7 @@ from torch import nn
 
 from sparsync.handle import Work
 from sparsync.placement.base import NamedParam, Placement, ReduceEnv, load_optional_state
-from sparsync.plan.detect import rows_of_input
+from sparsync.placement.embeddings import rows_of_input
 from sparsync.ps.aggregate import MachineAggregator
 from sparsync.ps.client import PSClient
 from sparsync.ps.feedback import PushFeedback

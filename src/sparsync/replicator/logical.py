@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from sparsync.collectives._comm import Comm
+from sparsync.collectives.comm import Comm
 from sparsync.replicator import dctmp
 from sparsync.replicator.dctmp import DCTMP
 

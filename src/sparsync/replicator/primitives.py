@@ -1,7 +1,7 @@
 """Cross-replica primitives on nested structures of tensors (TF-Replicator §3.4): all_reduce, all_gather,
 broadcast, and their gradients.
 
-Every call starts with the foundation's metadata exchange (``collectives/_meta.py``'s row layout: call number,
+Every call starts with the foundation's metadata exchange (``collectives/meta.py``'s row layout: call number,
 collective, then our own fields) over the data-parallel group, sharing the group's call counter with the sparse
 collectives. Every replica checks the whole table, so a call issued in a different order, or with a different
 structure, shape or dtype, raises the same ``ValueError`` on every replica instead of hanging. Leaves of one dtype
@@ -24,18 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from sparsync.collectives._comm import Comm
-from sparsync.collectives._meta import (
-    OPS,
-    allgather_rows,
-    first_differing,
-    first_nonfinite,
-    first_rank,
-    raise_refusals,
-)
-from sparsync.collectives.allreduce import _submit
-from sparsync.group import next_call
-from sparsync.record import CommLog, CommRecord
+from sparsync.collectives.comm import Comm
+from sparsync.collectives.group import next_call, submit
+from sparsync.collectives.meta import allgather_rows, first_differing, first_nonfinite, first_rank, raise_refusals
+from sparsync.collectives.ops import op_code, op_name, register_op
+from sparsync.record import CommLog
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
 _TORCH_OPS = {
@@ -45,6 +38,12 @@ _TORCH_OPS = {
     "min": dist.ReduceOp.MIN,
 }
 _F = ("seq", "op", "numel", "dtypes", "leaves", "structure", "shapes", "arg")
+# The primitives' codes in the metadata row's "op" column (collectives/ops.py), so that a primitive on one
+# replica against another primitive or a sparse collective on another is a "collective mismatch" on every replica.
+OP_CODES = tuple(
+    register_op(name)
+    for name in ("all_reduce", "all_gather", "broadcast", "all_reduce_grad", "all_gather_grad", "broadcast_grad")
+)
 
 
 @dataclass(frozen=True)
@@ -103,7 +102,7 @@ def agree(
     row = torch.tensor(
         [
             seq,
-            OPS.index(op),
+            op_code(op),
             sum(t.numel() for t in tensors),
             _crc(",".join(f"{t.dtype}/{t.requires_grad}" for t in tensors)),
             len(tensors),
@@ -120,10 +119,7 @@ def agree(
         r = first_differing(table, col)
         if r is not None:
             a, b = int(table[0, col]), int(table[r, col])
-            if col == 1:
-                a_s, b_s = OPS[a], OPS[b]
-            else:
-                a_s, b_s = str(a), str(b)
+            a_s, b_s = (op_name(a), op_name(b)) if col == 1 else (str(a), str(b))
             raise ValueError(
                 f"{what} mismatch across replicas: replica 0 called {a_s}, replica {r} called {b_s} "
                 f"(seen on replica {comm.rank}, in {op}); every replica must issue the same primitives in the "
@@ -148,13 +144,7 @@ def agree(
 
 def _record(env: Env, op: str, comm: Comm, numel: int, t0: float) -> None:
     if env.log is not None:
-        tr = comm.traffic
-        env.log.append(
-            CommRecord(
-                op, "gloo", comm.rank, comm.size, numel, numel, numel, tr.bytes_sent, tr.bytes_recv,
-                tr.messages, time.perf_counter() - t0, dict(tr.phases),
-            )
-        )  # fmt: skip
+        env.log.append(comm.record(op, "gloo", t0, dim=numel, nnz_in=numel, nnz_out=numel))
 
 
 def _buckets(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
@@ -210,7 +200,7 @@ def raw_all_reduce(
         _record(env, name, comm, sum(t.numel() for t in tensors), t0)
         return out
 
-    return _submit(env.group, run, False)  # type: ignore[return-value]
+    return submit(env.group, run, False)  # type: ignore[return-value]
 
 
 def raw_all_gather(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, name: str) -> list[Any]:
@@ -241,7 +231,7 @@ def raw_all_gather(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec,
         _record(env, name, comm, sum(t.numel() for t in tensors), t0)
         return out
 
-    return _submit(env.group, run, False)  # type: ignore[return-value]
+    return submit(env.group, run, False)  # type: ignore[return-value]
 
 
 def raw_broadcast(
@@ -272,7 +262,7 @@ def raw_broadcast(
         _record(env, name, comm, sum(t.numel() for t in tensors), t0)
         return out
 
-    return _submit(env.group, run, False)  # type: ignore[return-value]
+    return submit(env.group, run, False)  # type: ignore[return-value]
 
 
 # --- autograd ----------------------------------------------------------------------------------------------

@@ -2,23 +2,30 @@
 
 torch's ProcessGroup accepts no attributes, so the state lives in a WeakKeyDictionary keyed by the group: it
 is created on first use and dies with the group, the same lifetime as an attribute would have. This is the one
-module-level container in sparsync: nothing in it outlives its group or is shared between groups.
+module-level container of runtime state in sparsync (``ops``' names of op codes are filled at import):
+nothing in it outlives its group or is shared between groups. ``submit`` runs every sparsync operation of a group
+through the group's FIFO queue.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from sparsync.costmodel import REFERENCE_LINK, LinkModel
+from sparsync.handle import Work
 
-EAGER_BYTES = 2048  # default payload bytes a metadata row carries inline (see sparsync.collectives._meta)
+T = TypeVar("T")
+
+EAGER_BYTES = 2048  # default payload bytes a metadata row carries inline (see sparsync.collectives.meta)
 
 
 @dataclass
@@ -28,7 +35,7 @@ class GroupState:
     link: LinkModel | None = None  # α-β model measured at first use of "auto" (or set by the user)
     calls: int = 0  # collectives issued on this group, to detect ranks that diverge
     # Inline payload limits per call signature (dim, row, dtype code) grown by allgather calls
-    # (collectives._meta); a signature not in it inlines up to EAGER_BYTES.
+    # (collectives.meta); a signature not in it inlines up to EAGER_BYTES.
     eager_limits: dict[tuple[int, int, int], int] = field(default_factory=dict)
     executor: ThreadPoolExecutor | None = None  # FIFO queue for async_op=True calls
     pending: int = 0
@@ -70,6 +77,33 @@ def next_call(group: dist.ProcessGroup) -> int:
     seq = state.calls
     state.calls += 1
     return seq
+
+
+def submit(group: dist.ProcessGroup, fn: Callable[[], T], async_op: bool) -> T | Work[T]:
+    """Run ``fn`` now, or (``async_op=True``) on the group's FIFO worker and return its ``Work``. Once a group
+    has async work in flight, blocking calls queue behind it too (and wait for their turn), so every rank issues
+    the group's transfers in the same order. Every sparsync operation on a group runs through here: the sparse
+    collectives, the compressed reductions, the replicator's primitives."""
+    state = group_state(group)
+    with state.lock:
+        busy = state.pending > 0
+        if async_op or busy:
+            if state.executor is None:
+                state.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsync")
+            state.pending += 1
+            fut = state.executor.submit(fn)
+        else:
+            fut = None
+    if fut is None:
+        return fn()
+
+    def _done(_: object) -> None:
+        with state.lock:
+            state.pending -= 1
+
+    fut.add_done_callback(_done)
+    work = Work(fut)
+    return work if async_op else work.wait()
 
 
 def set_link(link: LinkModel | None, *, group: dist.ProcessGroup | None = None) -> None:

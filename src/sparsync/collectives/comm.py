@@ -1,8 +1,10 @@
-"""Point-to-point plumbing shared by the collectives: byte exchange, traffic counters, group state.
+"""The communicator every sparsync operation runs on: byte exchanges, traffic counters, the call's record, and
+the wire format of a stream.
 
 Everything goes through torch.distributed (gloo on CPU): ``isend``/``irecv`` for the exchanges we schedule
-ourselves, torch collectives where torch has the right one. Per-group state (the measured link model, the
-async queue, the call counter) lives on the ProcessGroup object itself, not in module globals.
+ourselves, torch collectives where torch has the right one; a transport failure becomes a ``PeerError``
+naming the operation and the peer. Per-group state (the measured link model, the async queue, the call
+counter) lives in ``collectives/group.py``, not here.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sparsync.costmodel import Decision
+from sparsync.record import CommRecord
 from sparsync.stream import SparseStream, index_dtype_for
 
 HEADER_WORDS = 2  # [is_dense, nnz] as int64
@@ -61,6 +65,43 @@ class Comm:
         finally:
             self._phase = outer
             self.traffic.phases[name] = self.traffic.phases.get(name, 0.0) + time.perf_counter() - t0
+
+    def record(
+        self,
+        op: str,
+        algorithm: str,
+        t0: float,
+        *,
+        dim: int,
+        nnz_in: int,
+        nnz_out: int,
+        decision: Decision | None = None,
+        row: int = 1,
+        partition: str = "",
+    ) -> CommRecord:
+        """This call as a ``CommRecord``: this Comm's counters (bytes each way, messages, the time and bytes of
+        each named phase, the bytes sent to each partition owner) and the wall time since ``t0``
+        (``time.perf_counter()`` at the call's start). Every operation's record is built here."""
+        tr = self.traffic
+        return CommRecord(
+            op,
+            algorithm,
+            self.rank,
+            self.size,
+            dim,
+            nnz_in,
+            nnz_out,
+            tr.bytes_sent,
+            tr.bytes_recv,
+            tr.messages,
+            time.perf_counter() - t0,
+            dict(tr.phases),
+            decision,
+            dict(tr.phase_bytes),
+            row=row,
+            partition=partition,
+            partition_bytes=tuple(tr.partition_bytes),
+        )
 
     def _sent(self, nbytes: int, messages: int = 1) -> None:
         tr = self.traffic

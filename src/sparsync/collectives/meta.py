@@ -26,32 +26,21 @@ inlined its payload.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
 import torch
 
 from sparsync.collectives import _hll
-from sparsync.collectives._comm import Comm, payload_nbytes, payload_parts
 from sparsync.collectives._fold import allgather_var
+from sparsync.collectives.comm import Comm, payload_nbytes, payload_parts
+from sparsync.collectives.group import EAGER_BYTES, group_state
+from sparsync.collectives.ops import op_code, op_name, register_op, text_key
 from sparsync.costmodel import REGISTRY
-from sparsync.group import EAGER_BYTES, group_state
 from sparsync.stream import FLOAT_DTYPES, SparseStream
 
-# The replicator's primitives (sparsync.replicator.primitives) share this table's first two columns (call
-# number, collective) and the group's call counter, so a sparse collective issued on one replica while another
-# issues a primitive is reported as a collective mismatch on every rank instead of misreading the other's row.
-OPS = (
-    "sparse_allreduce",
-    "sparse_allgather",
-    "all_reduce",
-    "all_gather",
-    "broadcast",
-    "all_reduce_grad",
-    "all_gather_grad",
-    "broadcast_grad",
-    "reduce",
-)
+# The "op" column: the sparse collectives' own ops (collectives/ops.py; the layers above register theirs).
+SPARSE_ALLREDUCE = register_op("sparse_allreduce")
+SPARSE_ALLGATHER = register_op("sparse_allgather")
 PARTITION_CODES = ("-", "stride", "range")  # the resolved partition of a call (collectives/partition.py)
 # The algorithm column: 0 auto, each registry entry its own code (costmodel.REGISTRY), "-" for calls with none.
 # (test_costmodel checks that the codes run 1..n, so that ALGORITHM_CODES[code] is the name.)
@@ -210,7 +199,7 @@ def exchange_meta(
     row = torch.tensor(
         [
             seq,
-            OPS.index(op),
+            op_code(op),
             stream.dim,
             sig[2],
             stream.nrows,
@@ -228,7 +217,7 @@ def exchange_meta(
             int(check_nan),
             partition,
             0,
-            0 if name is None else _key(name),
+            0 if name is None else text_key(name),
             quantize,
         ],
         dtype=torch.int64,
@@ -309,7 +298,7 @@ def report_refusal(comm: Comm, op: str, seq: int, error: Exception) -> None:
     the message as its payload, into the metadata round the other ranks are in, so that they raise it too at
     once instead of waiting for the timeout. The caller raises ``error`` afterwards."""
     row = torch.zeros(_COL["refused"] + 1, dtype=torch.int64)
-    row[0], row[1], row[_COL["refused"]] = seq, OPS.index(op), 1
+    row[0], row[1], row[_COL["refused"]] = seq, op_code(op), 1
     text = f"{type(error).__name__}: {error}".encode()[:4096]
     table, _ = allgather_rows(comm, row, [torch.frombuffer(bytearray(text), dtype=torch.uint8)])
     others = [r for r in range(comm.size) if r != comm.rank and int(table[r, _COL["refused"]])]
@@ -327,33 +316,23 @@ def raise_refusals(table: torch.Tensor, blocks: list[torch.Tensor], me: int) -> 
         raise kind(f"rank {r} refused its input: {text} (seen on rank {me})")
 
 
-def meta_key(text: str) -> int:
-    """A 62-bit key of ``text`` for a metadata column (``_key``)."""
-    return _key(text)
-
-
-def _key(text: str) -> int:
-    """A 62-bit key of ``text``, the same on every rank and run (no Python hash seed), never 0."""
-    return (int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2) | 1
-
-
 def shape_fingerprint(layout: str, shape: tuple[int, ...]) -> int:
     """A 62-bit key of (layout, shape)."""
-    return _key(repr((layout, tuple(int(d) for d in shape))))
+    return text_key(repr((layout, tuple(int(d) for d in shape))))
 
 
 def auto_fingerprint(link: object, policy: object) -> int:
     """A 62-bit key of auto's link model (None: not measured yet) and policy (by qualified name), so ranks
     about to choose differently raise instead of running different algorithms (gloo aborted)."""
     name = f"{getattr(policy, '__module__', '')}.{getattr(policy, '__qualname__', repr(policy))}"
-    return _key(repr((link, name)))
+    return text_key(repr((link, name)))
 
 
 def _check(table: torch.Tensor, me: int) -> None:
     def names(col: int, r: int) -> str:
         v = int(table[r, col])
         if _F[col] == "op":
-            return OPS[v]
+            return op_name(v)
         if _F[col] == "dtype":
             return str(FLOAT_DTYPES[v])
         if _F[col] == "algorithm":

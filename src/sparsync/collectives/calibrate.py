@@ -14,8 +14,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from sparsync.collectives._fold import allgather_blocks, allgather_fixed
+from sparsync.collectives.comm import Comm
+from sparsync.collectives.group import resolve_group
+from sparsync.collectives.meta import PARTITION_CODES, exchange_meta
+from sparsync.collectives.partition import resolve_partition
 from sparsync.costmodel import ALGORITHMS, LinkModel, algorithm, gather_steps
-from sparsync.group import resolve_group
 from sparsync.stream import SparseStream, add
 
 
@@ -70,8 +74,6 @@ def _collective_latencies(group: dist.ProcessGroup, reps: int) -> tuple[float, f
     A lone ping-pong under-reports α when P processes share few cores: a round is only over when every
     rank has been scheduled, and on this VM thread wake-ups alone take up to milliseconds.
     """
-    from sparsync.collectives._comm import Comm  # late: the collectives package imports this module
-    from sparsync.collectives._fold import allgather_fixed
 
     comm = Comm(group)
     steps = gather_steps(comm.size)
@@ -119,8 +121,6 @@ def _exchange_beta(group: dist.ProcessGroup, nbytes: int, reps: int, alpha_step:
     """Seconds per byte of sparsync's own exchanges: a recursive-doubling allgather of ``nbytes`` per rank
     after a barrier, as the sparse algorithms run it (not back to back: each phase of a sparse collective
     starts on connections that were idle), minus its latency, over the (P-1)·nbytes each rank receives."""
-    from sparsync.collectives._comm import Comm
-    from sparsync.collectives._fold import allgather_blocks
 
     comm = Comm(group)
     P = comm.size
@@ -145,9 +145,6 @@ def _fixed_costs(group: dist.ProcessGroup, reps: int) -> list[float]:
     """Median seconds of each algorithm (``costmodel.ALGORITHMS`` order) on a stream of one stored row: its
     metadata round, its rounds and the software around them, everything but β and γ (``LinkModel.fixed``).
     Run on the algorithms' own code (no nested public call: calibration may itself run inside one)."""
-    from sparsync.collectives._comm import Comm
-    from sparsync.collectives._meta import PARTITION_CODES, exchange_meta
-    from sparsync.collectives.partition import resolve_partition
 
     stream = SparseStream(torch.zeros(1, dtype=torch.int32), torch.ones(FIXED_ROW), FIXED_ROWS * FIXED_ROW,
                           row=FIXED_ROW)  # fmt: skip
