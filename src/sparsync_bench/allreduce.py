@@ -42,10 +42,10 @@ from sparsync.stream import SparseStream, index_dtype_for
 from sparsync_bench.report import progress
 
 METHODS = ("gloo_dense", "gloo_sparse_coo", *ALGORITHMS, "auto")
-# DSAR with its dense phase quantized by QSGD at 4 or 8 bits (compress/dsar_quantized.py; issue 15): lossy, so
+# DSAR with its dense phase quantized by QSGD at 4 or 8 bits (compress/dsar_quantized.py): lossy, so
 # only when asked for (``--methods``), and never auto's choice.
 QUANTIZED = {"dsar_split_allgather/q4": 4, "dsar_split_allgather/q8": 8}
-# Hosts of several ranks (``--hosts``/``--procs-per-host``, issue 18): ``hierarchical`` always runs the three
+# Hosts of several ranks (``--hosts``/``--procs-per-host``): ``hierarchical`` always runs the three
 # stages of collectives/hierarchical.py (auto inside each level), ``auto_2level`` chooses flat or hierarchical
 # per call from the two-level model. Without hosts they equal a flat auto.
 HIERARCHICAL = {"hierarchical": "hierarchical", "auto_2level": "auto"}

@@ -7,10 +7,10 @@ in training, so the compressors compete for the cores as the allreduce does): co
 same tensor in the same run. Threshold runs with lifespan 1 and 1000 (DCT Fig. 7a: recomputing τ every step costs
 more than it saves); the warm-up call computes τ, so the timed L=1000 calls reuse it, as 999 of 1000 training
 steps do.
-Target (issue 3): Threshold(L=1000) compress + decompress ≤ 10% of the dense allreduce. Issue 15's targets
+Target: Threshold(L=1000) compress + decompress ≤ 10% of the dense allreduce. Issue 15's targets
 (``check_issue15``): every compressor's reduce faster than the dense allreduce, QSGD 4-bit ≥ 3x and 8-bit ≥ 1.8x
 faster, and a 16-bit cast's reduce at most half the dense allreduce (half the bytes, less than half the time).
-The ``ns/el`` column is compress + decompress per tensor element (issue 15, item 1).
+The ``ns/el`` column is compress + decompress per tensor element.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ DEFAULT_COMPRESSORS = (
 )
 TARGET = "threshold:ratio=0.01,lifespan=1000"
 TARGET_FRACTION = 0.10
-QSGD_SPEEDUP = {"qsgd:bits=4,bucket=512": 3.0, "qsgd:bits=8,bucket=512": 1.8}  # issue 15: dense / reduce
+QSGD_SPEEDUP = {"qsgd:bits=4,bucket=512": 3.0, "qsgd:bits=8,bucket=512": 1.8}  # dense / reduce
 CASTS = ("fp16", "bf16")
 
 

@@ -1,4 +1,4 @@
-"""A real word-level text corpus for the language-model benchmarks (issue 17), available offline from a
+"""A real word-level text corpus for the language-model benchmarks, available offline from a
 package registry: GCIDE, the GNU Collaborative International Dictionary of English (Debian package
 ``dict-gcide``: 40 MB of English definitions and quotations, 4.8M words, 216k word types). Any other text
 file works the same way (``prepare_corpus(path, ...)``).

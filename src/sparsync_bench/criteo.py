@@ -1,5 +1,5 @@
 """Criteo's click-log text format (Kaggle Display Advertising Challenge and Terabyte), read and generated
-(issue 17): one sample per line, tab-separated: the label (0/1), 13 integer features, 26 categorical
+: one sample per line, tab-separated: the label (0/1), 13 integer features, 26 categorical
 features as 8-digit hex hashes; any feature may be empty.
 
 The data sets cannot be downloaded here, so ``write_criteo`` writes files in that format whose categorical

@@ -1,4 +1,4 @@
-"""``sparsync demo``'s automatic plan (issue 5): α of the embedding measured over warm-up steps, the Parallax
+"""``sparsync demo``'s automatic plan: α of the embedding measured over warm-up steps, the Parallax
 placement plan (``sparsync.plan.make_plan``) for the demo's cluster, and training with that plan; if the
 plan puts the embedding on the parameter server, the hybrid (Parallax §3.1: dense parameters by dense
 allreduce, the embedding on one colocated server per process, sync mode) through ``HybridTrainer``.

@@ -1,5 +1,5 @@
 """DLRM, the reference architecture (Naumov et al. 2019; facebookresearch/dlrm ``dlrm_s_pytorch.py``), the
-model DCT and S2 train (issue 17): a bottom MLP over the 13 dense features, one embedding table per
+model DCT and S2 train: a bottom MLP over the 13 dense features, one embedding table per
 categorical feature (``nn.EmbeddingBag(sparse=True)``, sum pooling, one index per sample as in Criteo), the
 dot interaction (the pairwise dot products of the bottom MLP's output and the 26 embeddings, lower triangle
 without the diagonal, concatenated with the bottom output), and a top MLP to one logit.

@@ -1,4 +1,4 @@
-"""``sparsync bench dlrm`` (issue 17): DLRM trained data-parallel on Criteo-format data, torch's own paths
+"""``sparsync bench dlrm``: DLRM trained data-parallel on Criteo-format data, torch's own paths
 beside sparsync's, in one run, from the same initial weights, on the same samples:
 
 - ``torch_ddp_dense``: ``DistributedDataParallel`` with dense embedding gradients (``sparse=False``): every

@@ -1,4 +1,4 @@
-"""``sparsync bench embedding``: the real embedding-gradient workload (issue 13, item 4).
+"""``sparsync bench embedding``: the real embedding-gradient workload.
 
 Workload, per point (P, dim, Zipf exponent s, hot-row placement): every rank builds the same
 ``nn.Embedding(rows, dim, sparse=True)`` (same seed), draws ``tokens`` ids from a Zipf(s) law over the finite
@@ -278,7 +278,7 @@ class _Context:
     memory: int  # bytes of the smallest machine (min over ranks)
     logs: dict[str, CommLog] = field(default_factory=dict)
     sketches: dict[str, SparseSketch] = field(default_factory=dict)  # this point's, by method
-    topos: dict[str, Topology] = field(default_factory=dict)  # the hierarchical methods' (issue 18)
+    topos: dict[str, Topology] = field(default_factory=dict)  # the hierarchical methods'
 
 
 @dataclass(frozen=True)

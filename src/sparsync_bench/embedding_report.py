@@ -1,4 +1,4 @@
-"""Output of ``sparsync bench embedding`` (issue 13, item 4): rich tables, a Markdown report with the issue's
+"""Output of ``sparsync bench embedding``: rich tables, a Markdown report with the issue's
 targets, and a plot of ms per method at every point. Rows are ``embedding.Row`` dicts. The S2 sketch's rows
 (``sketch@λ``) get their own table and issue 15's targets (item 3), stated there at P = 8: compress +
 decompress ≤ 10% of the dense allreduce (torch_dense) on an embedding gradient of density 1%, bytes ≤ 0.3x
@@ -23,8 +23,8 @@ Point = tuple[int, int, float, str]  # (P, dim, zipf, hot)
 BYTES_TARGET = 1.2  # auto's bytes <= 1.2x min(allgather, balanced reduce-scatter + allgather), issue 13
 IMBALANCE_TARGET = 1.2  # partition max/mean, issue 13
 STRIDE_LABELS = ("stride", "default")  # partitions target (c) applies to ("default": the build's own choice)
-SKETCH_CD_TARGET = 0.10  # issue 15: sketch compress + decompress <= 10% of the dense allreduce's time
-SKETCH_BYTES_TARGET = 0.3  # issue 15: sketch bytes <= 0.3x allgather's
+SKETCH_CD_TARGET = 0.10  # sketch compress + decompress <= 10% of the dense allreduce's time
+SKETCH_BYTES_TARGET = 0.3  # sketch bytes <= 0.3x allgather's
 
 
 def _ms(t: float | None) -> str:

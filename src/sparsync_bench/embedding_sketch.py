@@ -1,4 +1,4 @@
-"""The S2 sketch as a method of ``sparsync bench embedding`` (issue 15, item 3: the sketch on its workload).
+"""The S2 sketch as a method of ``sparsync bench embedding`` (the sketch on its workload).
 
 ``sketch`` in the benchmark's methods runs one method ``sketch@λ`` per λ of ``--sketch-lambda`` (a sweep of S2's
 λ = m/(α·d), as its sensitivity study, App. B.3 of the extended version, does):

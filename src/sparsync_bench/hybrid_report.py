@@ -104,7 +104,7 @@ def compare_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 def check_targets(rows: list[dict[str, Any]]) -> list[Check]:
     """Per (P, seq): hybrid >= 3x all-dense allreduce, >= 1.5x allgather and >= 1.5x DDP with sparse
-    gradients (torch's own allgather way, issue 13) in words/s; AR < PS < hybrid."""
+    gradients (torch's own allgather way) in words/s; AR < PS < hybrid."""
     out = []
     groups: dict[tuple[int, int], dict[str, float]] = {}
     for r in rows:

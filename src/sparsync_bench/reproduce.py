@@ -1,4 +1,4 @@
-"""``sparsync reproduce``: each paper's headline experiment at laptop scale, in one report (issue 17).
+"""``sparsync reproduce``: each paper's headline experiment at laptop scale, in one report.
 
 One section per paper, each run by the benchmark that already measures it, at a scale chosen by ``Scale``
 (``QUICK`` for ``--quick``, ``FULL`` otherwise), each table with torch's own path (gloo's sparse COO allreduce /

@@ -11,7 +11,7 @@ Between them, the baseline a PyTorch user would pick (issue 13 item 5): the same
 torch's ``DistributedDataParallel`` on gloo, the embedding's COO gradient reduced by gloo's sparse allreduce
 (an allgather of every rank's rows), no sparsync involved; its bytes come from ``ddp_baseline``.
 
-A third run follows the automatic plan (issue 5, ``demo_plan``): α of the embedding measured over the warm-up
+A third run follows the automatic plan : α of the embedding measured over the warm-up
 steps' inputs, Parallax's placement plan for the demo's cluster (an assumed 1 Gbit/s link), and training with
 that plan: for the demo model the parameter server for the embedding and dense allreduce for the rest (the
 hybrid), on one colocated server per process.
