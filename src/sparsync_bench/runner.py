@@ -4,17 +4,19 @@ benchmark asks), ``run_ranks`` launches a worker there and returns rank 0's rows
 after point (a world size, or a world size and a sequence length), saving the rows so far after each point, so
 a failure at a later point keeps the earlier ones.
 
-Every ``run_*_bench`` below has that one shape: the links, a sweep, then the tables, the target checks and the
-files of ``report`` (``out.json``, ``out.csv``, figures, ``out.md``). What each benchmark measures is in its
-worker (``allreduce``, ``compress``, ``embedding``, ``hybrid``, ``dlrm_train``); what it shows, in its report
-functions (``allreduce_report``, ``compress``, ``embedding_report``, ``hybrid_report``, ``dlrm_train``)."""
+Every ``run_*_bench`` below has that one shape, kept once in ``_Run``: the links (``_Run.start``), a sweep, then
+the tables, the target checks and the files of ``report`` (``out.json``, ``out.csv``, figures, ``out.md``:
+``_Run.show`` and ``_Run.finish``). What each benchmark measures is in its worker (``allreduce``, ``compress``,
+``embedding``, ``hybrid``, ``dlrm_train``); what it shows, in its report functions (``allreduce_report``,
+``compress``, ``embedding_report``, ``hybrid_report``, ``dlrm_train``)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -25,6 +27,7 @@ from sparsync.ps.process import ServerProcess
 from sparsync.ps.server import ServerConfig
 from sparsync_bench import report
 from sparsync_bench.netem import NetNamespaces, NetSpec, describe, net_spec, shaped
+from sparsync_bench.report import Check
 
 if TYPE_CHECKING:
     from sparsync.plan.partition import PartitionSearch
@@ -140,6 +143,91 @@ def _wide(console: Console, width: int) -> Console:
     return console if console.width >= width else Console(width=width, file=console.file)
 
 
+@dataclass
+class _Run:
+    """One benchmark run, from its links to its files: where it prints, its links and how a title names them,
+    the ``out`` its files go to, the meta they carry and when it started. ``_Run.start`` is every benchmark's
+    head, ``finish`` its tail (``show``: the tail of those whose report is tables, targets, a figure and
+    markdown)."""
+
+    console: Console
+    spec: NetSpec | None
+    where: str
+    out: Path
+    meta: dict[str, Any]
+    t0: float = field(default_factory=time.perf_counter)
+
+    @classmethod
+    def start(
+        cls,
+        out: Path,
+        meta: dict[str, Any],
+        *,
+        net: str | None,
+        latency: str | None,
+        console: Console | None,
+        procs_per_host: int | None = None,
+        width: int = 0,
+    ) -> _Run:
+        """The links checked (before any work starts), the console (at least ``width`` wide), the clock."""
+        spec, where = links(net, latency, procs_per_host)
+        return cls(_wide(console or Console(), width), spec, where, out, meta)
+
+    def sweep(
+        self, points: Sequence[Point], run_point: Callable[[Point], Rows], header: Callable[[Point], str]
+    ) -> Rows:
+        return sweep(points, run_point, header=header, out=self.out, meta=self.meta, console=self.console)
+
+    def linked_point(
+        self, worker: Callable[..., Any], args: tuple[Any, ...], *, timeout: float, procs_per_host: int | None
+    ) -> Callable[[int], Rows]:
+        """A point of a sweep over world sizes that runs ``worker(rank, *args)`` and prints the link measured."""
+
+        def point(P: int) -> Rows:
+            rows: Rows = run_ranks(worker, P, args, spec=self.spec, timeout=timeout, procs_per_host=procs_per_host)
+            _print_link(rows, self.console)
+            return rows
+
+        return point
+
+    def show(
+        self,
+        rows: Rows,
+        title: str,
+        *,
+        tables: Callable[[Rows, Console, str], None],
+        check: Callable[[Rows], list[Check]],
+        plot: Callable[[Rows, Path, str], Path],
+        markdown: Callable[[Rows, list[Check], str], str],
+        width: int = 0,
+        show_targets: bool = True,
+    ) -> Rows:
+        """The tables (on a console at least ``width`` wide), the target checks, then ``finish`` with the
+        figure and the markdown."""
+        tables(rows, _wide(self.console, width), title)
+        checks = check(rows)
+        if show_targets:
+            report.print_targets(checks, self.console)
+        return self.finish(rows, checks, pngs=[plot(rows, self.out, title)], md=markdown(rows, checks, title))
+
+    def finish(
+        self,
+        rows: Rows,
+        checks: list[Check] | None,
+        *,
+        pngs: Sequence[Path] = (),
+        md: str | None = None,
+        **more: Any,
+    ) -> Rows:
+        """The meta completed (the seconds taken, the target checks, ``more``) and the files written."""
+        self.meta.update(seconds=time.perf_counter() - self.t0)
+        if checks is not None:
+            self.meta.update(targets=[list(c) for c in checks])
+        self.meta.update(more)
+        report.write_report(rows, self.meta, self.out, self.console, pngs=pngs, md=md)
+        return rows
+
+
 def run_allreduce_bench(
     cfg: BenchConfig,
     procs: tuple[int, ...],
@@ -158,32 +246,17 @@ def run_allreduce_bench(
     from sparsync_bench import allreduce_report as ar
     from sparsync_bench.allreduce import worker
 
-    console = console or Console()
-    spec, where = links(net, latency, procs_per_host)
-    t0 = time.perf_counter()
     meta: dict[str, Any] = {"config": {**cfg.__dict__}, "procs": list(procs), "net": net, "latency": latency,
                             "procs_per_host": procs_per_host}  # fmt: skip
-
-    def point(P: int) -> Rows:
-        rows: Rows = run_ranks(
-            worker, P, (cfg, progress), spec=spec, timeout=timeout, procs_per_host=procs_per_host
-        )
-        _print_link(rows, console)
-        return rows
-
-    def header(P: int) -> str:
-        return f"[bold]P = {P}[/], N = {cfg.dim:,} float32, {where}, {cfg.repeats} repeats"
-
-    rows = sweep(procs, point, header=header, out=out, meta=meta, console=console)
-    title = f"sparse allreduce, N={cfg.dim:,}, {where}"
-    ar.print_table(rows, console, title)
-    checks = ar.check_targets(rows)
-    if show_targets:
-        report.print_targets(checks, console)
-    meta.update(seconds=time.perf_counter() - t0, targets=[list(c) for c in checks])
-    report.write_report(rows, meta, out, console, pngs=[ar.plot(rows, out, title)],
-                        md=ar.markdown(rows, checks, title))  # fmt: skip
-    return rows
+    run = _Run.start(out, meta, net=net, latency=latency, console=console, procs_per_host=procs_per_host)
+    rows = run.sweep(
+        procs,
+        run.linked_point(worker, (cfg, progress), timeout=timeout, procs_per_host=procs_per_host),
+        lambda P: f"[bold]P = {P}[/], N = {cfg.dim:,} float32, {run.where}, {cfg.repeats} repeats",
+    )
+    title = f"sparse allreduce, N={cfg.dim:,}, {run.where}"
+    return run.show(rows, title, tables=ar.print_table, check=ar.check_targets, plot=ar.plot, markdown=ar.markdown,
+                    show_targets=show_targets)  # fmt: skip
 
 
 def run_compress_bench(
@@ -200,27 +273,18 @@ def run_compress_bench(
     """``sparsync bench compress`` on ``procs`` ranks; print, save, plot. Returns the rows."""
     from sparsync_bench import compress as cb
 
-    console = console or Console()
-    spec, where = links(net, latency)
-    t0 = time.perf_counter()
     meta: dict[str, Any] = {"config": {**cfg.__dict__}, "procs": procs, "net": net, "latency": latency}
+    run = _Run.start(out, meta, net=net, latency=latency, console=console)
     sizes = ", ".join(f"{n:,}" for n in cfg.sizes)
-    rows = sweep(
+    rows = run.sweep(
         (procs,),
-        lambda P: run_ranks(cb.worker, P, (cfg, progress), spec=spec, timeout=timeout),
-        header=lambda P: f"[bold]P = {P}[/], N = {sizes} float32, {where}",
-        out=out,
-        meta=meta,
-        console=console,
+        lambda P: run_ranks(cb.worker, P, (cfg, progress), spec=run.spec, timeout=timeout),
+        lambda P: f"[bold]P = {P}[/], N = {sizes} float32, {run.where}",
     )
-    title = f"compressors, P={procs}, {where}"
-    cb.print_table(rows, _wide(console, 150), title)  # nine numeric columns
-    checks = cb.check_targets(rows)
-    report.print_targets(checks, console)
-    meta.update(seconds=time.perf_counter() - t0, targets=[list(c) for c in checks])
-    report.write_report(rows, meta, out, console, pngs=[cb.plot(rows, out, title)],
-                        md=cb.markdown(rows, checks, title))  # fmt: skip
-    return rows
+    title = f"compressors, P={procs}, {run.where}"
+    return run.show(  # nine numeric columns: at least 150 wide
+        rows, title, tables=cb.print_table, check=cb.check_targets, plot=cb.plot, markdown=cb.markdown, width=150
+    )
 
 
 def run_embedding_bench(
@@ -240,32 +304,22 @@ def run_embedding_bench(
     from sparsync_bench import embedding_report as er
     from sparsync_bench.embedding import worker
 
-    console = console or Console()
-    spec, where = links(net, latency, procs_per_host)
-    t0 = time.perf_counter()
     meta: dict[str, Any] = {"config": {**cfg.__dict__}, "procs": list(procs), "net": net, "latency": latency,
                             "procs_per_host": procs_per_host}  # fmt: skip
-
-    def point(P: int) -> Rows:
-        rows: Rows = run_ranks(
-            worker, P, (cfg, progress), spec=spec, timeout=timeout, procs_per_host=procs_per_host
-        )
-        _print_link(rows, console)
-        return rows
+    run = _Run.start(out, meta, net=net, latency=latency, console=console, procs_per_host=procs_per_host)
 
     def header(P: int) -> str:
         return (f"[bold]P = {P}[/], embedding {cfg.rows:,} rows x {', '.join(map(str, cfg.dims))} fp32, "
-                f"{cfg.tokens:,} Zipf tokens per rank, {where}, {cfg.repeats} repeats")  # fmt: skip
+                f"{cfg.tokens:,} Zipf tokens per rank, {run.where}, {cfg.repeats} repeats")  # fmt: skip
 
-    rows = sweep(procs, point, header=header, out=out, meta=meta, console=console)
-    title = f"embedding gradients, {cfg.rows:,} rows, {cfg.tokens:,} tokens/rank, {where}"
-    er.print_tables(rows, _wide(console, 170), title)
-    checks = er.check_targets(rows, loopback=spec is None)
-    report.print_targets(checks, console)
-    meta.update(seconds=time.perf_counter() - t0, targets=[list(c) for c in checks])
-    report.write_report(rows, meta, out, console, pngs=[er.plot(rows, out, title)],
-                        md=er.markdown(rows, checks, title))  # fmt: skip
-    return rows
+    rows = run.sweep(
+        procs, run.linked_point(worker, (cfg, progress), timeout=timeout, procs_per_host=procs_per_host), header
+    )
+    title = f"embedding gradients, {cfg.rows:,} rows, {cfg.tokens:,} tokens/rank, {run.where}"
+    check = partial(er.check_targets, loopback=run.spec is None)
+    return run.show(
+        rows, title, tables=er.print_tables, check=check, plot=er.plot, markdown=er.markdown, width=170
+    )
 
 
 def run_hybrid_bench(
@@ -285,24 +339,24 @@ def run_hybrid_bench(
     from sparsync_bench import hybrid_report as hr
     from sparsync_bench.hybrid import config_dict, worker
 
-    console = _wide(console or Console(), 130)  # ten columns
-    spec, where = links(net, latency)
-    t0 = time.perf_counter()
     meta: dict[str, Any] = {"config": config_dict(cfg), "procs": list(procs), "seqs": list(seqs), "net": net}
+    run = _Run.start(out, meta, net=net, latency=latency, console=console, width=130)  # ten columns
+    console = run.console
 
     def point(at: tuple[int, int]) -> Rows:
         P, seq = at
         c = replace(cfg, seq=seq)
-        rows: Rows = run_ranks(worker, P, (c, progress), spec=spec, timeout=timeout, servers=True)
+        rows: Rows = run_ranks(worker, P, (c, progress), spec=run.spec, timeout=timeout, servers=True)
         hr.add_predictions(rows, c, P, net)
         return rows
 
     def header(at: tuple[int, int]) -> str:
-        return f"[bold]P = {at[0]}[/], seq = {at[1]}, vocab {cfg.vocab:,} x {cfg.dim}, LSTM {cfg.hidden}, {where}"
+        return (
+            f"[bold]P = {at[0]}[/], seq = {at[1]}, vocab {cfg.vocab:,} x {cfg.dim}, LSTM {cfg.hidden}, {run.where}"
+        )
 
-    points = [(P, seq) for P in procs for seq in seqs]
-    rows = sweep(points, point, header=header, out=out, meta=meta, console=console)
-    title = f"hybrid training, vocab {cfg.vocab:,} x {cfg.dim}, batch {cfg.batch}, {where}"
+    rows = run.sweep([(P, seq) for P in procs for seq in seqs], point, header)
+    title = f"hybrid training, vocab {cfg.vocab:,} x {cfg.dim}, batch {cfg.batch}, {run.where}"
     hr.print_table(rows, console, title)
     for line in hr.compare_lines(rows):
         console.print(line)
@@ -311,11 +365,9 @@ def run_hybrid_bench(
     errors = hr.plan_time_errors(rows)
     for m, e in errors.items():
         console.print(f"plan's communication time vs measured, {m}: mean |error| {100 * e:.1f}%")
-    meta.update(seconds=time.perf_counter() - t0, targets=[list(x) for x in checks],
-                speedup_vs_baselines=hr.relative_speed(rows), plan_time_mean_abs_error=errors)  # fmt: skip
     pngs = [hr.plot(rows, out, title), *([hr.plot_plan_time(rows, out, title)] if errors else [])]
-    report.write_report(rows, meta, out, console, pngs=pngs)
-    return rows
+    return run.finish(rows, checks, pngs=pngs, speedup_vs_baselines=hr.relative_speed(rows),
+                      plan_time_mean_abs_error=errors)  # fmt: skip
 
 
 def search_hybrid_partitions(
@@ -355,22 +407,15 @@ def run_dlrm_bench(
     parameter-server method runs); prints and writes the markdown table. Returns the rows."""
     from sparsync_bench import dlrm_train as dt
 
-    console = console or Console()
-    spec, where = links(net, latency)
-    t0 = time.perf_counter()
     meta: dict[str, Any] = {"config": dt.config_dict(cfg), "procs": list(procs), "net": net}
+    run = _Run.start(out, meta, net=net, latency=latency, console=console)
     servers = any(m in dt.PS_METHODS for m in cfg.methods)
-    rows = sweep(
+    rows = run.sweep(
         procs,
-        lambda P: run_ranks(dt.worker, P, (cfg, dt.load(cfg, P)), spec=spec, timeout=timeout, servers=servers),
-        header=lambda P: f"[bold]P = {P}[/], DLRM on {cfg.data}, {where}: {', '.join(cfg.methods)}",
-        out=out,
-        meta=meta,
-        console=console,
+        lambda P: run_ranks(dt.worker, P, (cfg, dt.load(cfg, P)), spec=run.spec, timeout=timeout, servers=servers),
+        lambda P: f"[bold]P = {P}[/], DLRM on {cfg.data}, {run.where}: {', '.join(cfg.methods)}",
     )
     dt.summarize(rows)
-    text = dt.markdown(rows, cfg, where)
-    console.print(text)
-    meta.update(seconds=time.perf_counter() - t0)
-    report.write_report(rows, meta, out, console, md=text)
-    return rows
+    text = dt.markdown(rows, cfg, run.where)
+    run.console.print(text)
+    return run.finish(rows, None, md=text)
