@@ -29,23 +29,17 @@ import torch
 import sparsync
 from sparsync import LaunchError, SparseStream, launch, sparse_allreduce
 
+# The rank pid files of tests/test_faults.py (standard library only, so an older sparsync can be measured too).
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+sys.path.insert(0, str(TESTS))
+from _pids import read_pids, running, write_pid  # noqa: E402
+
 ALGORITHMS = ("ssar_recursive_double", "ssar_split_allgather", "allgather", "dense")
-
-
-def _write_pid(pid_dir: str, rank: int) -> None:
-    tmp = Path(pid_dir) / f".rank{rank}.pid"
-    tmp.write_text(str(os.getpid()))
-    tmp.rename(Path(pid_dir) / f"rank{rank}.pid")
-
-
-def sleeper(rank: int, pid_dir: str) -> None:
-    _write_pid(pid_dir, rank)
-    time.sleep(600)
 
 
 def looper(rank: int, algorithm: str, pid_dir: str) -> None:
     """Collectives back to back until a peer fails (per-call timeout 5 s; ``dense``: launch's timeout)."""
-    _write_pid(pid_dir, rank)
+    write_pid(pid_dir, rank)
     x = torch.arange(4096, dtype=torch.float32)
     while True:
         if algorithm == "dense":
@@ -57,35 +51,25 @@ def looper(rank: int, algorithm: str, pid_dir: str) -> None:
 def _pids(pid_dir: str, n: int, limit: float = 120.0) -> list[int]:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
-        files = [Path(pid_dir) / f"rank{r}.pid" for r in range(n)]
-        if all(f.exists() for f in files):
-            return [int(f.read_text()) for f in files]
+        if (pids := read_pids(pid_dir, n)) is not None:
+            return pids
         time.sleep(0.05)
     raise TimeoutError("ranks did not start")
 
 
-def _running(pid: int) -> bool:
-    try:
-        state = re.search(r"^State:\s+(\S)", Path(f"/proc/{pid}/status").read_text(), re.M)
-    except OSError:
-        return False
-    return state is not None and state.group(1) != "Z"
-
-
 def probe_launcher(runs: int) -> None:
-    here = Path(__file__).resolve()
     for how, sig in itertools.product(("launch", "replicator"), (signal.SIGTERM, signal.SIGKILL)):
         orphans = 0
         for _ in range(runs):
             with tempfile.TemporaryDirectory() as d:
                 main = Path(d) / "main.py"
                 call = (
-                    f"launch(fp.sleeper, nprocs=3, args=({d!r},))"
+                    f"launch(_pids.sleep_forever, nprocs=3, args=({d!r},))"
                     if how == "launch"
-                    else f"Replicator(num_replicas=3).start(fp.replica_sleeper, {d!r})"
+                    else f"Replicator(num_replicas=3).start(_pids.replica_sleep_forever, {d!r})"
                 )
                 main.write_text(
-                    f"import sys; sys.path.insert(0, {str(here.parent)!r})\nimport fault_probe as fp\n"
+                    f"import sys; sys.path.insert(0, {str(TESTS)!r})\nimport _pids\n"
                     "from sparsync import launch\nfrom sparsync.replicator import Replicator\n"
                     f"if __name__ == '__main__':\n    {call}\n"
                 )
@@ -94,15 +78,11 @@ def probe_launcher(runs: int) -> None:
                 proc.send_signal(sig)
                 proc.wait()
                 time.sleep(5.0)
-                left = [p for p in pids if _running(p)]
+                left = [p for p in pids if running(p)]
                 orphans += len(left)
                 for p in left:
                     os.kill(p, signal.SIGKILL)
         print(f"{how:10s} {sig.name}: {orphans} of {3 * runs} ranks still running 5 s later", flush=True)
-
-
-def replica_sleeper(ctx: object, pid_dir: str) -> None:
-    sleeper(ctx.replica_id, pid_dir)  # type: ignore[attr-defined]
 
 
 def _fault_run(

@@ -11,38 +11,19 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from _pids import write_pid
 
 import sparsync
 from sparsync import SparseStream, sparse_allreduce
 from sparsync.compress import Identity
 from sparsync.compress.hooks import compression_hook
-from sparsync.replicator import ReplicaContext
-
-
-def _write_pid(pid_dir: str, rank: int) -> None:
-    # Written whole, then renamed: the test never reads a half-written pid.
-    tmp = Path(pid_dir) / f".rank{rank}.pid"
-    tmp.write_text(str(os.getpid()))
-    tmp.rename(Path(pid_dir) / f"rank{rank}.pid")
-
-
-def sleep_forever(rank: int, pid_dir: str) -> int:
-    """A rank that is busy (sleeping) until it is killed; its launcher is the one the test kills."""
-    _write_pid(pid_dir, rank)
-    for _ in range(600):
-        time.sleep(0.2)
-    return rank
-
-
-def replica_sleep_forever(ctx: ReplicaContext, pid_dir: str) -> int:
-    return sleep_forever(ctx.replica_id, pid_dir)
 
 
 def signal_self_in_loop(rank: int, bad: int, sig: int, algorithm: str, pid_dir: str) -> int:
     """Every rank runs collectives in a loop; at the fourth, rank ``bad`` sends itself ``sig`` (SIGKILL: it
     dies without a report; SIGSTOP: it stays alive and never answers). The others wait on it: with a per-call
     timeout for sparse algorithms, the launch timeout alone for ``dense``."""
-    _write_pid(pid_dir, rank)
+    write_pid(pid_dir, rank)
     x = torch.arange(16, dtype=torch.float32)
     for step in range(8):
         if step == 3 and rank == bad:

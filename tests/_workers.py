@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from _pids import write_pid
 
 import sparsync
 from sparsync import CommLog, SparseStream, sparse_allgather, sparse_allreduce
@@ -562,7 +563,7 @@ def errors_worker(rank: int) -> dict[str, tuple[str, str] | Any]:
 
 
 def raise_on_rank(rank: int, bad: int, message: str, pid_dir: str) -> int:
-    _write_pid(pid_dir, rank)
+    write_pid(pid_dir, rank)
     if rank == bad:
         raise RuntimeError(message)
     # The good ranks block in a collective the bad rank never joins; launch must terminate them.
@@ -571,7 +572,7 @@ def raise_on_rank(rank: int, bad: int, message: str, pid_dir: str) -> int:
 
 
 def die_before_collective(rank: int, bad: int, code: int, pid_dir: str) -> int:
-    _write_pid(pid_dir, rank)
+    write_pid(pid_dir, rank)
     if rank == bad:
         os._exit(code)  # no report, no destroy_process_group: a crashed peer
     sparse_allreduce(SparseStream.empty(16), algorithm="ssar_recursive_double", timeout=5)
@@ -581,17 +582,12 @@ def die_before_collective(rank: int, bad: int, code: int, pid_dir: str) -> int:
 def stall_before_collective(rank: int, bad: int, pid_dir: str) -> int:
     """The bad rank is alive but never joins; the others pass no per-call timeout, so only the process
     group's timeout (launch's ``timeout``) can end their wait."""
-    _write_pid(pid_dir, rank)
+    write_pid(pid_dir, rank)
     if rank == bad:
         time.sleep(300)
         return rank
     sparse_allreduce(SparseStream.empty(16), algorithm="dense")
     return rank
-
-
-def _write_pid(pid_dir: str, rank: int) -> None:
-    with open(os.path.join(pid_dir, f"rank{rank}.pid"), "w") as f:
-        f.write(str(os.getpid()))
 
 
 def doubling_worker(rank: int) -> dict[str, Any]:

@@ -13,6 +13,7 @@ import _workers as w
 import numpy as np
 import pytest
 import torch
+from _pids import running
 
 import sparsync
 from sparsync import ALGORITHMS, LaunchError, SparseStream, launch, sparse_allgather, sparse_allreduce
@@ -135,16 +136,7 @@ def _assert_no_children_left(pid_dir: Path, nprocs: int) -> None:
     assert multiprocessing.active_children() == []
     pids = [int((pid_dir / f"rank{r}.pid").read_text()) for r in range(nprocs)]
     assert len(set(pids)) == nprocs and os.getpid() not in pids
-    alive = []
-    for pid in pids:
-        status = Path(f"/proc/{pid}/status")
-        if status.exists():
-            try:
-                state = re.search(r"^State:\s+(\S)", status.read_text(), re.M)
-            except FileNotFoundError:  # exited between the two checks
-                continue
-            if state and state.group(1) != "Z":
-                alive.append(pid)
+    alive = [pid for pid in pids if running(pid)]
     assert not alive, f"rank processes still running: {alive}"
     own_children = [
         p.name

@@ -5,7 +5,6 @@ on a group of its own so a model with collectives in its backward neither hangs 
 from __future__ import annotations
 
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _pids import read_pids, running
 from torch.distributed import HashStore  # type: ignore[attr-defined]  # re-exported from C++
 
 from sparsync import LaunchError, launch
@@ -30,21 +30,11 @@ TESTS = Path(__file__).resolve().parent
 WORLD = 3
 
 
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie (a zombie has exited; only its parent has not reaped it)."""
-    try:
-        state = re.search(r"^State:\s+(\S)", Path(f"/proc/{pid}/status").read_text(), re.M)
-    except OSError:
-        return False
-    return state is not None and state.group(1) != "Z"
-
-
 def _wait_for_pids(pid_dir: Path, n: int, proc: subprocess.Popen[str], limit: float = 90.0) -> list[int]:
     deadline = time.monotonic() + limit
     while time.monotonic() < deadline:
-        files = [pid_dir / f"rank{r}.pid" for r in range(n)]
-        if all(f.exists() for f in files):
-            return [int(f.read_text()) for f in files]
+        if (pids := read_pids(pid_dir, n)) is not None:
+            return pids
         if proc.poll() is not None:
             pytest.fail(f"launcher exited early ({proc.returncode}): {proc.communicate()[1][-3000:]}")
         time.sleep(0.1)
@@ -53,8 +43,8 @@ def _wait_for_pids(pid_dir: Path, n: int, proc: subprocess.Popen[str], limit: fl
 
 
 _LAUNCHERS = {
-    "launch": "launch(fw.sleep_forever, nprocs={n}, args=({d!r},), timeout=60)",
-    "replicator": "Replicator(num_replicas={n}, timeout=60).start(fw.replica_sleep_forever, {d!r})",
+    "launch": "launch(_pids.sleep_forever, nprocs={n}, args=({d!r},), timeout=60)",
+    "replicator": "Replicator(num_replicas={n}, timeout=60).start(_pids.replica_sleep_forever, {d!r})",
 }
 
 
@@ -69,7 +59,7 @@ def test_killed_launcher_leaves_no_rank_running(tmp_path: Path, how: str, sig: s
     """Before issue 14 every rank kept running after either signal (3 of 3 runs)."""
     script = (
         f"import sys; sys.path.insert(0, {str(TESTS)!r})\n"
-        "import _fault_workers as fw\n"
+        "import _pids\n"
         "from sparsync import launch\n"
         "from sparsync.replicator import Replicator\n"
         "if __name__ == '__main__':\n"
@@ -84,9 +74,9 @@ def test_killed_launcher_leaves_no_rank_running(tmp_path: Path, how: str, sig: s
     proc.send_signal(sig)
     proc.wait(timeout=30)
     deadline = time.monotonic() + 5.0
-    while time.monotonic() < deadline and any(_running(p) for p in pids):
+    while time.monotonic() < deadline and any(running(p) for p in pids):
         time.sleep(0.05)
-    left = [p for p in pids if _running(p)]
+    left = [p for p in pids if running(p)]
     for p in left:  # don't leave them to the next test
         os.kill(p, signal.SIGKILL)
     assert not left, f"ranks still running 5 s after {sig.name} to the launcher: {left}"
@@ -127,7 +117,7 @@ def test_stopped_rank_is_named_within_the_timeout(tmp_path: Path) -> None:
     assert "then rank" in str(ei.value)  # a survivor's timeout is what ended the wait
     # The survivors' timeout, then reading the last reports and reaping (slack for a loaded host).
     assert timeout - 0.5 < waited < timeout + 5, waited
-    assert not [p for p in pids if _running(p)]
+    assert not [p for p in pids if running(p)]
 
 
 def test_store_listens_on_loopback_only() -> None:
