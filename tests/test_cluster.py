@@ -60,38 +60,44 @@ def test_copies_splits_interleaved_prints() -> None:
     assert _copies("1.11") == ["1.11"] and _copies("0.5") == ["0.5"]
 
 
-def test_readme_replicator_example_on_two_hosts_equals_one_process(tmp_path: Path) -> None:
-    block = next(b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "PER_WORKER" in b)
-    script = tmp_path / "replica.py"
+def _readme_on_two_hosts_and_alone(
+    tmp_path: Path, marker: str, one: tuple[str, str]
+) -> tuple[list[float], float, list[str]]:
+    """The README's python block that holds ``marker``, run as 2 hosts x 2 ranks: the numbers its processes print
+    (rank by rank), then the last number it prints as one process (``one``: the replacement that makes it one),
+    and the hosts' output."""
+    block = next(b for b in re.findall(r"```python\n(.*?)```", README, re.S) if marker in b)
+    script = tmp_path / "readme.py"
     script.write_text(block)
     out = _cluster([str(script)], tmp_path)
     # Two processes of a host share its stdout, and print() writes a value and its newline in two calls, so
     # their lines can interleave as "vv\n\n": every process prints the same value, so a token is k copies.
-    losses = [float(x) for tok in re.findall(r"^([-\d.e]+)$", "\n".join(out), re.M) for x in _copies(tok)]
-    assert len(losses) == 4, out  # one line per torchrun process
-    one = tmp_path / "one.py"
-    one.write_text(block.replace("num_replicas=4", "num_replicas=1"))
-    alone = subprocess.run([sys.executable, str(one)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    printed = [float(x) for tok in re.findall(r"^([-\d.e]+)$", "\n".join(out), re.M) for x in _copies(tok)]
+    alone_script = tmp_path / "one.py"
+    alone_script.write_text(block.replace(*one))
+    alone = subprocess.run(
+        [sys.executable, str(alone_script)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
     assert alone.returncode == 0, alone.stderr[-3000:]
+    return printed, float(alone.stdout.split()[-1]), out
+
+
+def test_readme_replicator_example_on_two_hosts_equals_one_process(tmp_path: Path) -> None:
+    losses, alone, out = _readme_on_two_hosts_and_alone(
+        tmp_path, "PER_WORKER", ("num_replicas=4", "num_replicas=1")
+    )
+    assert len(losses) == 4, out  # one line per torchrun process
     # Two hosts run input_fn each (PER_WORKER) and split its batch over their 2 replicas: the mean gradient over
     # the 4 replicas is the full batch's, as in one process.
-    assert losses == pytest.approx([float(alone.stdout.split()[-1])] * 4, rel=1e-4)
+    assert losses == pytest.approx([alone] * 4, rel=1e-4)
 
 
 def test_readme_hybrid_example_on_two_hosts_equals_one_process(tmp_path: Path) -> None:
-    block = next(b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "node_servers() as" in b)
-    script = tmp_path / "hybrid.py"
-    script.write_text(block)
-    out = _cluster([str(script)], tmp_path)
-    norms = [float(x) for tok in re.findall(r"^([-\d.e]+)$", "\n".join(out), re.M) for x in _copies(tok)]
+    norms, alone, out = _readme_on_two_hosts_and_alone(tmp_path, "node_servers() as", ("nprocs=4", "nprocs=1"))
     assert len(norms) == 4 and len(set(norms)) == 1, out  # every rank holds the same dense weights
-    one = tmp_path / "one.py"
-    one.write_text(block.replace("nprocs=4", "nprocs=1"))
-    alone = subprocess.run([sys.executable, str(one)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert alone.returncode == 0, alone.stderr[-3000:]
     # 4 ranks on 2 nodes, each node's server started by its local rank 0, pushes summed per node (local
     # aggregation from LOCAL_WORLD_SIZE): the mean gradient of the 4 shares is the full batch's, as in 1 process.
-    assert norms[0] == pytest.approx(float(alone.stdout.split()[-1]), rel=1e-4)
+    assert norms[0] == pytest.approx(alone, rel=1e-4)
 
 
 def _final(text: str) -> list[tuple[str, str, str, str]]:
