@@ -336,23 +336,12 @@ def test_demo_trains_every_plan_to_the_same_model() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_same_script_under_torchrun() -> None:
-    import os
     import re
-    import shutil
-    import subprocess
-    import sys
     from pathlib import Path
 
-    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
-    if torchrun is None:
-        pytest.skip("torchrun not found")
-    script = Path(__file__).with_name("_replicator_torchrun.py")
-    env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
-    proc = subprocess.run(
-        [torchrun, "--standalone", "--nproc-per-node", "3", str(script)],
-        capture_output=True, text=True, timeout=170, env=env, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = re.findall(r"replica (\d)/(\d) sum=(\d+) w=(-?\d+\.\d{6})", proc.stdout)  # lines may interleave
-    assert sorted(g[:3] for g in got) == [("0", "3", "3"), ("1", "3", "3"), ("2", "3", "3")], proc.stdout
+    from test_torchrun import run_torchrun
+
+    stdout = run_torchrun(Path(__file__).with_name("_replicator_torchrun.py"))
+    got = re.findall(r"replica (\d)/(\d) sum=(\d+) w=(-?\d+\.\d{6})", stdout)  # lines may interleave
+    assert sorted(g[:3] for g in got) == [("0", "3", "3"), ("1", "3", "3"), ("2", "3", "3")], stdout
     assert len({g[3] for g in got}) == 1  # the same parameters on every replica after the step
