@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal, NoReturn, Protocol, TypeVar, overload, runtime_checkable
 
 import torch
@@ -42,6 +43,20 @@ from sparsync.stream import SparseStream, index_dtype_for, sum_streams
 T = TypeVar("T")
 
 
+@dataclass(frozen=True)
+class DsarCall:
+    """One DSAR_Split_AllGather call as a ``DenseQuantizer`` gets it: the communicator, this rank's stream,
+    every rank's stored rows and format from the metadata round (``nnz``, ``dense``), the partition kind, and
+    the call's name (the quantizer's noise is drawn per name and rank)."""
+
+    comm: Comm
+    stream: SparseStream
+    nnz: tuple[int, ...]
+    dense: tuple[bool, ...]
+    partition: str
+    name: str
+
+
 @runtime_checkable
 class DenseQuantizer(Protocol):
     """What ``sparse_allreduce(quantize=...)`` needs: a quantizer of DSAR's dense phase (``sparsync.compress.QSGD``
@@ -52,17 +67,8 @@ class DenseQuantizer(Protocol):
         """The settings every rank must share (the metadata round compares a hash of it)."""
         ...
 
-    def dsar_allreduce(
-        self,
-        comm: Comm,
-        stream: SparseStream,
-        nnz: tuple[int, ...],
-        dense: tuple[bool, ...],
-        partition: str,
-        name: str,
-    ) -> SparseStream:
-        """DSAR_Split_AllGather of ``stream`` with its dense phase quantized; ``nnz``/``dense``: every rank's
-        stored rows and format from the metadata round. The same bits on every rank."""
+    def dsar_allreduce(self, call: DsarCall) -> SparseStream:
+        """DSAR_Split_AllGather of ``call.stream`` with its dense phase quantized. The same bits on every rank."""
         ...
 
 
@@ -267,7 +273,7 @@ def start_allreduce(
         if quantize is None:
             result = algorithm_entry(alg).run()(comm, stream, meta, part)
         else:
-            result = quantize.dsar_allreduce(comm, stream, meta.nnz, meta.dense, part, name or "dsar")
+            result = quantize.dsar_allreduce(DsarCall(comm, stream, meta.nnz, meta.dense, part, name or "dsar"))
         out = finish(comm, result)
         if log is not None:
             log.append(

@@ -293,6 +293,18 @@ def first_nonfinite(values: torch.Tensor) -> int:
     return -1 if pos is None else pos
 
 
+def raise_nonfinite(op: str, positions: torch.Tensor, seen_on: int, *, who: str, where: str, hint: str) -> None:
+    """Raise the same ValueError on every rank of a metadata round whose ``positions`` column (each rank's first
+    non-finite position, -1: none) shows NaN or ±Inf anywhere; ``who``: "rank" or "replica", ``where``: what the
+    position counts ("at index", "in leaf"), ``hint``: how to let non-finite values through."""
+    r = first_rank(positions >= 0)
+    if r is not None:
+        raise ValueError(
+            f"{op}: {who} {r} holds NaN or ±Inf {where} {int(positions[r])} (seen on {who} {seen_on}); refusing "
+            f"to reduce it ({hint})"
+        )
+
+
 def report_refusal(comm: Comm, op: str, seq: int, error: Exception) -> None:
     """This rank refused its input before its call (wrong type, dtype, option...): send a row saying so, with
     the message as its payload, into the metadata round the other ranks are in, so that they raise it too at

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives.comm import Comm
+from sparsync.collectives.allreduce import DsarCall
 from sparsync.collectives.partition import Partition
 from sparsync.collectives.split_allgather import split_reduce
 from sparsync.compress.base import Context, QuantizedPayload
@@ -41,17 +41,12 @@ from sparsync.stream import SparseStream, dense_threshold
 _ALLGATHER_SINGLE = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # renamed in torch 2.13
 
 
-def dsar_quantized(
-    comm: Comm,
-    stream: SparseStream,
-    nnz: tuple[int, ...],
-    dense: tuple[bool, ...],
-    partition: str,
-    q: QSGD,
-    name: str,
-) -> SparseStream:
-    """DSAR with its dense phase in ``q``'s precision (module doc). ``nnz``/``dense``: every rank's stored
-    rows and format, from the metadata round. Returns a dense stream, the same bits on every rank."""
+def dsar_quantized(call: DsarCall, q: QSGD) -> SparseStream:
+    """DSAR with its dense phase in ``q``'s precision (module doc). Returns a dense stream, the same bits on
+    every rank."""
+    comm, stream, nnz, dense, partition, name = (
+        call.comm, call.stream, call.nnz, call.dense, call.partition, call.name
+    )  # fmt: skip
     P, rank, dim, b = comm.size, comm.rank, stream.dim, stream.row
     if P == 1:
         return stream.densified()

@@ -34,7 +34,7 @@ from typing import ClassVar, Literal
 import torch
 
 from sparsync.buffers import fresh
-from sparsync.collectives.comm import Comm
+from sparsync.collectives.allreduce import DsarCall
 from sparsync.compress.base import (
     NO_CONTEXT,
     Compressor,
@@ -94,19 +94,11 @@ class QSGD(Compressor):
         """The settings every rank must share (the metadata round compares a hash of it)."""
         return f"qsgd(bits={self.bits}, bucket={self.bucket}, scale={self.scale!r}, seed={self.seed})"
 
-    def dsar_allreduce(
-        self,
-        comm: Comm,
-        stream: SparseStream,
-        nnz: tuple[int, ...],
-        dense: tuple[bool, ...],
-        partition: str,
-        name: str,
-    ) -> SparseStream:
+    def dsar_allreduce(self, call: DsarCall) -> SparseStream:
         """DSAR with its dense phase in this precision (``compress/dsar_quantized.py``)."""
         from sparsync.compress.dsar_quantized import dsar_quantized  # late: it builds on this module
 
-        return dsar_quantized(comm, stream, nnz, dense, partition, self, name)
+        return dsar_quantized(call, self)
 
     def generator(self, ctx: Context, stream: int = _NOISE_STREAM) -> torch.Generator:
         """The rounding noise of (ctx.name, ctx.rank): one generator per stream, seeded by (seed, name, rank,

@@ -19,23 +19,14 @@ from sparsync.collectives.meta import (
     allgather_rows,
     first_differing,
     first_nonfinite,
-    first_rank,
+    raise_nonfinite,
     raise_refusals,
     shape_fingerprint,
 )
 from sparsync.collectives.ops import register_op
 from sparsync.collectives.tensor import pack_bits, unpack_bits
+from sparsync.compress import base
 from sparsync.compress import cast_allreduce as cast_pipeline
-from sparsync.compress.base import (
-    Compressor,
-    Context,
-    DensePayload,
-    Payload,
-    QuantizedPayload,
-    SketchPayload,
-    SparsePayload,
-    TensorSpec,
-)
 from sparsync.compress.cast import BF16, FP16
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.compress.qsgd import QSGD
@@ -51,7 +42,7 @@ REDUCE_OP = register_op("reduce")
 @overload
 def compressed_allreduce(
     tensor: torch.Tensor,
-    compressor: Compressor,
+    compressor: base.Compressor,
     *,
     memory: ErrorFeedback | None = ...,
     name: str = ...,
@@ -67,7 +58,7 @@ def compressed_allreduce(
 @overload
 def compressed_allreduce(
     tensor: torch.Tensor,
-    compressor: Compressor,
+    compressor: base.Compressor,
     *,
     memory: ErrorFeedback | None = ...,
     name: str = ...,
@@ -83,7 +74,7 @@ def compressed_allreduce(
 @overload
 def compressed_allreduce(
     tensor: torch.Tensor,
-    compressor: Compressor,
+    compressor: base.Compressor,
     *,
     memory: ErrorFeedback | None = ...,
     name: str = ...,
@@ -98,7 +89,7 @@ def compressed_allreduce(
 ) -> torch.Tensor | Work[torch.Tensor]: ...
 def compressed_allreduce(
     tensor: torch.Tensor,
-    compressor: Compressor,
+    compressor: base.Compressor,
     *,
     memory: ErrorFeedback | None = None,
     name: str = "",
@@ -140,12 +131,12 @@ def compressed_allreduce(
     g = comm_group(user, async_op)  # async work on sparsync's own group
     P = dist.get_world_size(g)
     t0 = time.perf_counter()
-    spec = TensorSpec.of(tensor)
+    spec = base.TensorSpec.of(tensor)
     x = memory.compensate(name, tensor) if memory is not None else tensor
     if x.is_sparse and not compressor.accepts_sparse:
         x = x.to_dense()  # documented O(numel) fallback; the result gets the input's layout back
-    xspec = TensorSpec.of(x)
-    ctx = Context(name, dist.get_rank(g), P)
+    xspec = base.TensorSpec.of(x)
+    ctx = base.Context(name, dist.get_rank(g), P)
 
     def finish(total: torch.Tensor, divide: bool = average) -> torch.Tensor:
         out = total
@@ -207,7 +198,7 @@ def compressed_allreduce(
         wire, cast = compressor.wire_dtype, None
         if memory is not None:
             cp = compressor.compress(values, ctx)
-            assert isinstance(cp, DensePayload)  # a dense float32 tensor's cast
+            assert isinstance(cp, base.DensePayload)  # a dense float32 tensor's cast
             memory.update(name, x, compressor.decompress(cp, xspec))
             cast = cp.values
         msgs = 2 * (P - 1) * len(cast_pipeline.chunks(n))
@@ -220,40 +211,40 @@ def compressed_allreduce(
     payload = compressor.compress(x.detach(), ctx)
     if memory is not None:
         memory.update(name, x, compressor.decompress(payload, xspec))
-    if isinstance(payload, SparsePayload):
+    if isinstance(payload, base.SparsePayload):
         # sparse_allreduce's own metadata round checks the fingerprint (and NaN) on every rank
         kw: dict[str, Any] = {"algorithm": algorithm, "group": user, "log": log, "timeout": timeout,
                               "shape": (layout, tuple(spec.shape)), "check_nan": check_nan}  # fmt: skip
         res = start_allreduce(payload.stream, lambda c, s: s, async_op=async_op, **kw)
         if isinstance(res, Work):
-            return res.then(lambda s: finish(compressor.decompress(SparsePayload(s), xspec)))
-        return finish(compressor.decompress(SparsePayload(res), xspec))
+            return res.then(lambda s: finish(compressor.decompress(base.SparsePayload(s), xspec)))
+        return finish(compressor.decompress(base.SparsePayload(res), xspec))
     seq = next_call(g)
 
     def agree(nbytes: int) -> None:
         _agree(g, seq, layout, spec, nbytes, x if check_nan else None, timeout)
 
-    if isinstance(payload, DensePayload | SketchPayload):
+    if isinstance(payload, base.DensePayload | base.SketchPayload):
 
-        def dense() -> Payload:
+        def dense() -> base.Payload:
             agree(payload.nbytes)
             return _allreduce(payload, g, log, xspec, t0)
 
         return _then(submit(user, dense, async_op), compressor, xspec, finish)
-    if isinstance(payload, QuantizedPayload) and isinstance(compressor, QSGD):
+    if isinstance(payload, base.QuantizedPayload) and isinstance(compressor, QSGD):
         # QSGD decodes linearly in its scales: the average is decoded from scales / P (n / bucket divisions,
         # not a pass over the n decoded values)
         qp, inv = payload, 1.0 / P if average else 1.0
 
-        def run() -> list[QuantizedPayload]:
+        def run() -> list[base.QuantizedPayload]:
             agree(qp.nbytes)
             return [_scaled(p, inv) for p in _allgather(qp, g, log, xspec, t0)]
 
         return _then(submit(user, run, async_op), compressor, xspec, lambda t: finish(t, divide=False))
-    if isinstance(payload, QuantizedPayload):
+    if isinstance(payload, base.QuantizedPayload):
         qpay = payload
 
-        def gather() -> list[QuantizedPayload]:
+        def gather() -> list[base.QuantizedPayload]:
             agree(qpay.nbytes)
             return _allgather(qpay, g, log, xspec, t0)
 
@@ -261,7 +252,7 @@ def compressed_allreduce(
     raise TypeError(f"{type(compressor).__name__}.compress returned {type(payload).__name__}, not a Payload")
 
 
-def reduce(tensor: torch.Tensor, compressor: Compressor, **kwargs: Any) -> Any:
+def reduce(tensor: torch.Tensor, compressor: base.Compressor, **kwargs: Any) -> Any:
     """Deprecated: the old name of ``compressed_allreduce`` (every rank gets the result: an allreduce, not a
     reduce to one rank). Same arguments and result; warns ``DeprecationWarning``."""
     warnings.warn(
@@ -276,7 +267,7 @@ def _check_input(tensor: Any, compressor: Any, memory: ErrorFeedback | None, nam
     """The checks of reduce's arguments that need no other rank."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"reduce takes a torch.Tensor, got {type(tensor).__name__}")
-    if not isinstance(compressor, Compressor):
+    if not isinstance(compressor, base.Compressor):
         raise TypeError(f"compressor must be a sparsync Compressor, got {type(compressor).__name__}")
     if tensor.layout not in (torch.strided, torch.sparse_coo):
         raise ValueError(f"reduce supports strided and sparse COO tensors, got layout {tensor.layout}")
@@ -294,7 +285,7 @@ def _agree(
     g: dist.ProcessGroup,
     seq: int,
     layout: str,
-    spec: TensorSpec,
+    spec: base.TensorSpec,
     nbytes: int,
     x: torch.Tensor | None,
     timeout: float | None,
@@ -320,21 +311,17 @@ def _agree(
                 f"reduce: {what} mismatch across ranks: rank {r} differs from rank 0 (seen on rank {comm.rank})"
                 f"{detail}; every rank must reduce the same shape with the same compressor settings"
             )
-    r = first_rank(table[:, 4] >= 0)
-    if r is not None:
-        raise ValueError(
-            f"reduce: rank {r} holds NaN or ±Inf at index {int(table[r, 4])} (seen on rank {comm.rank}); refusing "
-            "to reduce it (check_nan=False to let it through)"
-        )
+    raise_nonfinite("reduce", table[:, 4], comm.rank, who="rank", where="at index",
+                    hint="check_nan=False to let it through")  # fmt: skip
 
 
 def _then(
     res: Any,
-    compressor: Compressor,
-    spec: TensorSpec,
+    compressor: base.Compressor,
+    spec: base.TensorSpec,
     finish: Any,
 ) -> torch.Tensor | Work[torch.Tensor]:
-    def decode(p: Payload | list[Payload]) -> torch.Tensor:
+    def decode(p: base.Payload | list[base.Payload]) -> torch.Tensor:
         total = compressor.decompress_gathered(p, spec) if isinstance(p, list) else compressor.decompress(p, spec)
         out: torch.Tensor = finish(total)
         return out
@@ -345,11 +332,15 @@ def _then(
 
 
 def _allreduce(
-    payload: DensePayload | SketchPayload, g: dist.ProcessGroup, log: CommLog | None, spec: TensorSpec, t0: float
-) -> Payload:
+    payload: base.DensePayload | base.SketchPayload,
+    g: dist.ProcessGroup,
+    log: CommLog | None,
+    spec: base.TensorSpec,
+    t0: float,
+) -> base.Payload:
     """Linear payloads: one dense allreduce of the payload's flat buffer; a sketch's table, and its bitmap
     packed and OR-ed in a second allreduce started beside it (``SketchPayload``)."""
-    if isinstance(payload, SketchPayload):
+    if isinstance(payload, base.SketchPayload):
         return _sketch_allreduce(payload, g, log, spec, t0)
     buf = payload.to_buffer()
     dist.all_reduce(buf, group=g)
@@ -360,8 +351,8 @@ def _allreduce(
 
 
 def _sketch_allreduce(
-    payload: SketchPayload, g: dist.ProcessGroup, log: CommLog | None, spec: TensorSpec, t0: float
-) -> SketchPayload:
+    payload: base.SketchPayload, g: dist.ProcessGroup, log: CommLog | None, spec: base.TensorSpec, t0: float
+) -> base.SketchPayload:
     table, words = payload.table.clone(), pack_bits(payload.bitmap != 0)
     works = [
         dist.all_reduce(table, group=g, async_op=True),
@@ -372,12 +363,12 @@ def _sketch_allreduce(
     P = dist.get_world_size(g)
     nb = 2 * (P - 1) * payload.nbytes // P  # two ring allreduces, per rank
     _record(log, "allreduce", g, spec, table.numel() + words.numel(), nb, 4 * (P - 1), t0)
-    return SketchPayload(unpack_bits(words, payload.bitmap.numel()).to(table.dtype), table)
+    return base.SketchPayload(unpack_bits(words, payload.bitmap.numel()).to(table.dtype), table)
 
 
 def _allgather(
-    payload: QuantizedPayload, g: dist.ProcessGroup, log: CommLog | None, spec: TensorSpec, t0: float
-) -> list[QuantizedPayload]:
+    payload: base.QuantizedPayload, g: dist.ProcessGroup, log: CommLog | None, spec: base.TensorSpec, t0: float
+) -> list[base.QuantizedPayload]:
     """Non-linear payloads: everyone's bytes to everyone (equal sizes: same shape and settings everywhere)."""
     buf = payload.to_bytes()
     P = dist.get_world_size(g)
@@ -387,8 +378,8 @@ def _allgather(
     return [payload.from_bytes(b) for b in parts]
 
 
-def _scaled(p: QuantizedPayload, scale: float) -> QuantizedPayload:
-    return p if scale == 1.0 else QuantizedPayload(p.codes, p.scales * scale)
+def _scaled(p: base.QuantizedPayload, scale: float) -> base.QuantizedPayload:
+    return p if scale == 1.0 else base.QuantizedPayload(p.codes, p.scales * scale)
 
 
 def _private(out: torch.Tensor, *inputs: torch.Tensor) -> bool:
@@ -404,7 +395,7 @@ def _record(
     log: CommLog | None,
     alg: str,
     g: dist.ProcessGroup,
-    spec: TensorSpec,
+    spec: base.TensorSpec,
     n: int,
     nbytes: int,
     msgs: int,

@@ -26,7 +26,13 @@ import torch.utils._pytree as pytree
 
 from sparsync.collectives.comm import Comm
 from sparsync.collectives.group import next_call, submit
-from sparsync.collectives.meta import allgather_rows, first_differing, first_nonfinite, first_rank, raise_refusals
+from sparsync.collectives.meta import (
+    allgather_rows,
+    first_differing,
+    first_nonfinite,
+    raise_nonfinite,
+    raise_refusals,
+)
 from sparsync.collectives.ops import op_code, op_name, register_op
 from sparsync.record import CommLog
 
@@ -134,12 +140,8 @@ def agree(
             f"{op}: mismatched structure/shape/dtype across replicas: replica 0 has [{descr[0]}], "
             f"replica {r} has [{descr[r]}]"
         )
-    r = first_rank(table[:, 8] >= 0)
-    if r is not None:
-        raise ValueError(
-            f"{op}: replica {r} holds NaN or ±Inf in leaf {int(table[r, 8])} (seen on replica {comm.rank}); "
-            "refusing to reduce it (pass check_nan=False to sum non-finite values as IEEE 754 does)"
-        )
+    raise_nonfinite(op, table[:, 8], comm.rank, who="replica", where="in leaf",
+                    hint="pass check_nan=False to sum non-finite values as IEEE 754 does")  # fmt: skip
 
 
 def _record(env: Env, op: str, comm: Comm, numel: int, t0: float) -> None:

@@ -133,6 +133,11 @@ def _new_group(made: list[dist.ProcessGroup], ranks: list[int]) -> Any:
     return g
 
 
+def _one_of(made: list[dist.ProcessGroup], groups: list[list[int]], mine: int) -> Any:
+    """Create every group of ``groups`` (every rank, in the same order) and return number ``mine``."""
+    return [_new_group(made, ranks) for ranks in groups][mine]
+
+
 def _entry(rank: int, repl: Replicator, R: int, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     made: list[dist.ProcessGroup] = []
     finished = False
@@ -160,18 +165,10 @@ def build_context(rank: int, repl: Replicator, R: int, made: list[dist.ProcessGr
     replica, device = divmod(rank, k)
     world = dist.group.WORLD
     assert isinstance(world, dist.ProcessGroup)
-    dp_group = world
-    if k > 1:
-        for d in range(k):
-            g = _new_group(made, [r * k + d for r in range(R)])
-            if d == device:
-                dp_group = g
-    mp_group = None
-    if k > 1:
-        for r in range(R):
-            g = _new_group(made, [r * k + d for d in range(k)])
-            if r == replica:
-                mp_group = g
+    # one data-parallel group per device index (that device of every replica), one model-parallel group per
+    # replica (its k devices)
+    dp_group = _one_of(made, [[r * k + d for r in range(R)] for d in range(k)], device) if k > 1 else world
+    mp_group = _one_of(made, [[r * k + d for d in range(k)] for r in range(R)], replica) if k > 1 else None
     # Workers (machines) from torchrun's GROUP_RANK; one worker when spawned locally.
     node = int(os.environ.get("GROUP_RANK", "0")) if "GROUP_RANK" in os.environ else 0
     nodes: list[Any] = [None] * W
