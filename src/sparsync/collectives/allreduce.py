@@ -198,40 +198,35 @@ def sparse_allreduce(
     if not isinstance(stream, SparseStream):
         err = TypeError(f"sparse_allreduce takes a SparseStream, got {type(stream).__name__} (see allreduce())")
         refuse(group, "sparse_allreduce", err, timeout, async_op)
-    return start_allreduce(
-        stream,
-        lambda comm, s: s,
-        algorithm=algorithm,
-        group=group,
-        async_op=async_op,
-        log=log,
-        link=link,
-        policy=policy,
-        timeout=timeout,
-        check_nan=check_nan,
-        partition=partition,
-        name=name,
-        quantize=quantize,
-    )
+    opts = CallOptions(algorithm, link, policy, timeout, check_nan, partition, name, quantize)
+    return start_allreduce(stream, lambda comm, s: s, opts, group=group, async_op=async_op, log=log)
+
+
+@dataclass(frozen=True)
+class CallOptions:
+    """The options of one ``sparse_allreduce`` call that every rank must agree on (``sparse_allreduce``'s doc),
+    as ``start_allreduce`` takes them from the public entry points."""
+
+    algorithm: str = "auto"
+    link: LinkModel | None = None
+    policy: Policy = choose_robust
+    timeout: float | None = None
+    check_nan: bool = True
+    partition: str = "auto"
+    name: str | None = None
+    quantize: DenseQuantizer | None = None
 
 
 def start_allreduce(
     stream: SparseStream,
     finish: Callable[[Comm, SparseStream], T],
+    opts: CallOptions,
     *,
-    algorithm: str = "auto",
     group: dist.ProcessGroup | None = None,
     async_op: bool = False,
     log: CommLog | None = None,
-    link: LinkModel | None = None,
-    policy: Policy = choose_robust,
-    timeout: float | None = None,
-    check_nan: bool = True,
-    partition: str = "auto",
     bad: BadIndex | None = None,
     shape: tuple[str, tuple[int, ...]] | None = None,
-    name: str | None = None,
-    quantize: DenseQuantizer | None = None,
 ) -> T | Work[T]:
     """``sparse_allreduce`` whose result goes through ``finish(comm, result)`` inside the same queued job
     (``allreduce`` of a COO tensor may need one more collective there). ``bad``: an out-of-range index on
@@ -239,6 +234,8 @@ def start_allreduce(
     placeholder of the right dimension). ``shape``: (layout, shape) of the caller's tensor, checked across
     ranks. ``name``: a label every rank gives the same call (e.g. the parameter's name), compared across ranks, so
     a call skipped or reordered among calls of one signature raises instead of pairing with another."""
+    algorithm, link, policy, timeout = opts.algorithm, opts.link, opts.policy, opts.timeout
+    check_nan, partition, name, quantize = opts.check_nan, opts.partition, opts.name, opts.quantize
     try:
         if algorithm != "auto" and algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r}; valid: auto, {', '.join(ALGORITHMS)}")

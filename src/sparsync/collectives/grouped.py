@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives.allreduce import refuse, start_allreduce
+from sparsync.collectives.allreduce import CallOptions, refuse, start_allreduce
 from sparsync.collectives.comm import Comm
 from sparsync.collectives.meta import BadIndex
 from sparsync.collectives.tensor import _coo_rows, _union_rows, stream_to_coo
@@ -176,7 +176,6 @@ def grouped_allreduce(
         return _split(comm, s, mine, tensors, lay)
 
     shapes = repr([("sparse_coo" if t.is_sparse else "strided", tuple(t.shape)) for t in tensors])
-    return start_allreduce(
-        stream, finish, algorithm=algorithm, group=group, async_op=async_op, log=log, bad=bad,
-        shape=(shapes, (len(tensors),)), **kwargs,
-    )  # fmt: skip
+    opts = CallOptions(algorithm=algorithm, **kwargs)
+    shape = (shapes, (len(tensors),))
+    return start_allreduce(stream, finish, opts, group=group, async_op=async_op, log=log, bad=bad, shape=shape)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives.allreduce import refuse, start_allreduce
+from sparsync.collectives.allreduce import CallOptions, refuse, start_allreduce
 from sparsync.collectives.comm import Comm
 from sparsync.collectives.meta import BadIndex
 from sparsync.handle import Work
@@ -151,10 +151,8 @@ def allreduce(
         stream, finish, bad, shape = _prepare(tensor)
     except (TypeError, ValueError) as e:  # every rank raises it, not only this one
         refuse(group, "sparse_allreduce", e, kwargs.get("timeout"), async_op)
-    return start_allreduce(
-        stream, finish, algorithm=algorithm, group=group, async_op=async_op, log=log, bad=bad, shape=shape,
-        **kwargs,
-    )  # fmt: skip
+    opts = CallOptions(algorithm=algorithm, **kwargs)
+    return start_allreduce(stream, finish, opts, group=group, async_op=async_op, log=log, bad=bad, shape=shape)
 
 
 Finish = Callable[[Comm, SparseStream], torch.Tensor]

@@ -12,7 +12,7 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives.allreduce import comm_group, refuse, start_allreduce
+from sparsync.collectives.allreduce import CallOptions, comm_group, refuse, start_allreduce
 from sparsync.collectives.comm import Comm
 from sparsync.collectives.group import next_call, resolve_group, submit
 from sparsync.collectives.meta import (
@@ -213,9 +213,9 @@ def compressed_allreduce(
         memory.update(name, x, compressor.decompress(payload, xspec))
     if isinstance(payload, base.SparsePayload):
         # sparse_allreduce's own metadata round checks the fingerprint (and NaN) on every rank
-        kw: dict[str, Any] = {"algorithm": algorithm, "group": user, "log": log, "timeout": timeout,
-                              "shape": (layout, tuple(spec.shape)), "check_nan": check_nan}  # fmt: skip
-        res = start_allreduce(payload.stream, lambda c, s: s, async_op=async_op, **kw)
+        opts = CallOptions(algorithm=algorithm, timeout=timeout, check_nan=check_nan)
+        res = start_allreduce(payload.stream, lambda c, s: s, opts, group=user, async_op=async_op, log=log,
+                              shape=(layout, tuple(spec.shape)))  # fmt: skip
         if isinstance(res, Work):
             return res.then(lambda s: finish(compressor.decompress(base.SparsePayload(s), xspec)))
         return finish(compressor.decompress(base.SparsePayload(res), xspec))
