@@ -148,7 +148,7 @@ def allreduce(
         >>> g_sum = allreduce(g)                 # sparse COO, summed over ranks
     """
     try:
-        stream, finish, bad, shape = _prepare(tensor)
+        stream, finish, bad, shape = _prepare(tensor, dense=algorithm == "dense")
     except (TypeError, ValueError) as e:  # every rank raises it, not only this one
         refuse(group, "sparse_allreduce", e, kwargs.get("timeout"), async_op)
     opts = CallOptions(algorithm=algorithm, **kwargs)
@@ -159,10 +159,12 @@ Finish = Callable[[Comm, SparseStream], torch.Tensor]
 
 
 def _prepare(
-    tensor: torch.Tensor,
+    tensor: torch.Tensor, *, dense: bool = False
 ) -> tuple[SparseStream, Finish, BadIndex | None, tuple[str, tuple[int, ...]]]:
     """The stream ``allreduce`` sends for ``tensor``, how to turn the sum back into a tensor, this rank's first
-    out-of-range index, and the (layout, shape) checked across ranks. Raises for input no rank could send."""
+    out-of-range index, and the (layout, shape) checked across ranks. Raises for input no rank could send.
+    ``dense`` (the caller forced the dense algorithm): a strided tensor is taken as a dense stream as it is,
+    without the scan for its non-zeros (which the dense algorithm would only undo)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"allreduce takes a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_sparse:
@@ -181,7 +183,7 @@ def _prepare(
         raise ValueError(f"allreduce of an empty tensor (shape {tuple(tensor.shape)})")
     if not tensor.is_floating_point():
         raise ValueError(f"allreduce needs a floating dtype, got {tensor.dtype} (shape {tuple(tensor.shape)})")
-    dstream = SparseStream.from_dense(tensor)
+    dstream = SparseStream(None, tensor.reshape(-1), tensor.numel()) if dense else SparseStream.from_dense(tensor)
     dshape = tensor.shape
 
     def back(comm: Comm, s: SparseStream) -> torch.Tensor:

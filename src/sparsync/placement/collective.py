@@ -44,8 +44,10 @@ class DenseAllreduce(Placement):
                 name="dense:" + ",".join(p.name for p in members),
             )  # fmt: skip
             assert isinstance(out, torch.Tensor)
+            # views of the result's fresh buffer (the allreduce never aliases its input), as DDP's
+            # gradient_as_bucket_view: no copy per parameter
             for p, piece in zip(members, torch.split(out, [g.numel() for g in grads]), strict=True):
-                p.param.grad = piece.view(p.param.shape).clone()
+                p.param.grad = piece.view(p.param.shape)
 
 
 @dataclass(frozen=True)
