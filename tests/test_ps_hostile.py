@@ -282,6 +282,23 @@ def test_unauthenticated_clients_are_refused_in_the_handshake(server: ServerProc
         assert server.keys.secret.encode() not in Path(f"/proc/{server.pid}/{f}").read_bytes()
 
 
+@pytest.mark.timeout(120)
+def test_a_refused_client_never_blocks_in_send(server: ServerProcess) -> None:
+    """After a failed CURVE handshake a DEALER has no connection until it reconnects, and a blocking send there
+    waits for ever: the client's I/O thread hung in one run of six of the node-servers test (its impostor
+    client). Back-to-back requests of a client with another run's key all fail, and the client closes."""
+    address = server.address
+    assert address is not None
+    t0 = time.monotonic()
+    with PSClient([address], keys=CurveKeys.generate(), timeout=2.0) as c:
+        for rnd in range(5):  # rounds of requests that meet the socket in its reconnect window
+            works = [PSTable(c, f"imp{rnd}.{i}", 10, 2, mode="async").create() for i in range(40)]
+            for w in works:
+                with pytest.raises((PSError, PSTimeoutError)):
+                    w.wait()
+    assert time.monotonic() - t0 < 60
+
+
 def test_client_without_keys_gets_a_clear_error(server: ServerProcess, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(wire.CLIENT_KEY_ENV)
     assert server.address is not None

@@ -11,6 +11,7 @@ import itertools
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -166,10 +167,16 @@ class PSClient:
             if mon is not None:
                 poller.register(mon, zmq.POLLIN)
         pending: dict[int, _Pending] = {}
+        # Frames a socket has not taken yet, per server. A DEALER blocks a send while it has no connection to
+        # queue into (a server not up yet, or one whose CURVE handshake just failed and is being retried), so
+        # sends never block: a frame waits here, and its request times out like any other.
+        outbox: dict[int, deque[tuple[int, bytes]]] = {}
         running = True
         while running or pending:
             now = time.monotonic()
             wait = min((p.deadline for p in pending.values()), default=now + 1.0) - now
+            if any(outbox.values()):
+                wait = min(wait, 0.005)  # retry the held frames soon
             events = dict(poller.poll(max(1, min(1000, int(wait * 1000) + 1))))
             if self._wake_rx in events:
                 while self._wake_rx.poll(0):
@@ -181,9 +188,9 @@ class PSClient:
                         continue
                     server, frame, rid, p = item
                     pending[rid] = p
-                    socks[server][0].send(frame, copy=False)
-                    self.bytes_sent += len(frame)
-                    self.bytes_per_server[server] += len(frame)
+                    outbox.setdefault(server, deque()).append((rid, frame))
+            for server, held in outbox.items():
+                self._flush(socks[server][0], held, pending, server)
             refused: set[int] = set()
             for i, (s, mon) in enumerate(socks):
                 if s in events:
@@ -210,6 +217,7 @@ class PSClient:
                     )
             # drop whatever is still queued for these; a restarted server must not see stale requests
             for i in dead | refused:
+                outbox.pop(i, None)
                 _close(poller, *socks[i])
                 socks[i] = self._dealer(i)
                 poller.register(socks[i][0], zmq.POLLIN)
@@ -222,6 +230,22 @@ class PSClient:
         for s, mon in socks:
             _close(poller, s, mon)
         self._wake_rx.close(0)
+
+    def _flush(
+        self, sock: zmq.Socket[bytes], held: deque[tuple[int, bytes]], pending: dict[int, _Pending], server: int
+    ) -> None:
+        """Hand ``held`` frames to ``sock`` in order, without blocking, until it takes no more; frames of
+        requests that already failed (timed out) are dropped."""
+        while held:
+            rid, frame = held[0]
+            if rid in pending:
+                try:
+                    sock.send(frame, zmq.DONTWAIT, copy=False)
+                except zmq.Again:
+                    return
+                self.bytes_sent += len(frame)
+                self.bytes_per_server[server] += len(frame)
+            held.popleft()
 
     def _deliver(self, frame: bytes, pending: dict[int, _Pending], server: int) -> None:
         self.bytes_recv += len(frame)

@@ -5,6 +5,7 @@ devices."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import torch
@@ -30,46 +31,38 @@ from sparsync.replicator.optimizer import PlanSpec, ReplicatedOptimizer
 OUTPUTS = ("local", "gather", "mean", "sum")
 
 
+@dataclass(eq=False, kw_only=True)
 class ReplicaContext:
     """One process's view of its replica. Primitives are collective over the replicas (every replica calls
     them in the same order); with ``devices_per_replica > 1`` each logical device reduces the values it owns
-    with the same device of the other replicas, and leaves that live elsewhere (``Remote``) pass through."""
+    with the same device of the other replicas, and leaves that live elsewhere (``Remote``) pass through.
+    ``build_context`` (``replicator.py``) makes it from the process grid."""
 
-    def __init__(
-        self,
-        *,
-        replica_id: int,
-        num_replicas: int,
-        device_id: int,
-        devices_per_replica: int,
-        dp_group: dist.ProcessGroup,
-        mp_group: dist.ProcessGroup | None,
-        worker_id: int,
-        worker_group: dist.ProcessGroup,
-        worker_slots: list[int],
-        input_replication: InputReplication,
-        input_split_fn: SplitFn,
-        split_compression: DCTMP | None,
-        timeout: float | None,
-        record: bool = False,
-    ) -> None:
-        self.replica_id = replica_id
-        self.num_replicas = num_replicas
-        self.device_id = device_id
-        self.devices_per_replica = devices_per_replica
-        self.dp_group = dp_group
-        self.mp_group = mp_group
-        self.worker_id = worker_id
-        self._worker_group = worker_group
-        self._worker_slots = worker_slots
-        self.input_replication = input_replication
-        self.input_split_fn = input_split_fn
-        self.timeout = timeout
-        # With record=True: a CommRecord of every primitive and gradient reduction of this process (bytes,
-        # time, algorithm) and a SplitRecord of every transfer across a split. Off by default: both lists grow
-        # by a few entries per step. Per-split byte totals (``split_bytes``) are always kept.
-        self.log: CommLog | None = CommLog() if record else None
-        self.devices = LogicalDevices(mp_group, device_id, devices_per_replica, timeout, split_compression, record)
+    replica_id: int
+    num_replicas: int
+    device_id: int
+    devices_per_replica: int
+    dp_group: dist.ProcessGroup
+    mp_group: dist.ProcessGroup | None
+    worker_id: int
+    worker_group: dist.ProcessGroup = field(repr=False)  # this worker's processes: PER_WORKER inputs
+    worker_slots: list[int] = field(repr=False)  # each of them: its replica's slot among the worker's replicas
+    input_replication: InputReplication
+    input_split_fn: SplitFn
+    split_compression: InitVar[DCTMP | None]
+    timeout: float | None
+    record: InitVar[bool] = False
+    # With record=True: a CommRecord of every primitive and gradient reduction of this process (bytes, time,
+    # algorithm) and a SplitRecord of every transfer across a split. Off by default: both lists grow by a few
+    # entries per step. Per-split byte totals (``split_bytes``) are always kept.
+    log: CommLog | None = field(init=False, repr=False)
+    devices: LogicalDevices = field(init=False, repr=False)
+
+    def __post_init__(self, split_compression: DCTMP | None, record: bool) -> None:
+        self.log = CommLog() if record else None
+        self.devices = LogicalDevices(
+            self.mp_group, self.device_id, self.devices_per_replica, self.timeout, split_compression, record
+        )
 
     @property
     def _env(self) -> prim.Env:
@@ -155,8 +148,8 @@ class ReplicaContext:
                 input_fn,
                 self.input_split_fn,
                 worker_id=self.worker_id,
-                group=self._worker_group,
-                slot=self._worker_slots,
+                group=self.worker_group,
+                slot=self.worker_slots,
             )
         return iterate(input_fn(self.replica_id))
 
