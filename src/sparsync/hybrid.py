@@ -243,7 +243,7 @@ class HybridTrainer:
         counter) and the compressed pushes' residuals and compressor state. Save one per rank, next to
         ``save()``."""
         local = {}
-        for pl in {id(pl): pl for pl in self.plan.values()}.values():
+        for pl in self._distinct_placements():
             state = pl.state_dict()
             if state is not None:
                 local[pl.kind] = state
@@ -252,9 +252,13 @@ class HybridTrainer:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         # checkpoints written before the placements were objects kept the sketch's state under "reduced"
         local = state["placements"] if "placements" in state else {"sketch": state["reduced"]}
-        for pl in {id(pl): pl for pl in self.plan.values()}.values():
+        for pl in self._distinct_placements():
             pl.load_state_dict(local.get(pl.kind, {}))
         self.servers.load_state_dict(state.get("push"))
+
+    def _distinct_placements(self) -> list[Placement]:
+        """Each collective placement object once (parameters of one kind share it)."""
+        return list({id(pl): pl for pl in self.plan.values()}.values())
 
     def close(self) -> None:
         self.servers.close()

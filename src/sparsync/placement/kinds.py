@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 
 from sparsync.compress.sketch import SparseSketch
 from sparsync.placement.base import Placement
+from sparsync.placement.collective import DenseAllreduce, SparseAllreduce
+from sparsync.placement.sketch import Sketch
 
 # dense allreduce, sparse allreduce (SparCML), sketch (S2), parameter server (Parallax)
 KINDS = ("dense_allreduce", "sparse_allreduce", "sketch", "ps")
@@ -47,9 +49,6 @@ def objects(
     """Placement objects for ``placed`` (a kind or an object per parameter): one shared object per kind (the
     sketch keeps one hash counter and one residual store for all its parameters), ``servers`` for ``ps``
     (parameters placed ``ps`` are left out when it is None), objects given as they are."""
-    from sparsync.placement.collective import DenseAllreduce, SparseAllreduce
-    from sparsync.placement.sketch import Sketch
-
     shared: dict[str, Placement] = {
         "dense_allreduce": DenseAllreduce(),
         "sparse_allreduce": SparseAllreduce(),
@@ -57,5 +56,5 @@ def objects(
     }
     if servers is not None:
         shared["ps"] = servers
-    return {n: pl if isinstance(pl, Placement) else shared[pl] for n, pl in placed.items() if pl in shared or
-            isinstance(pl, Placement)}  # fmt: skip
+    given = {n: shared.get(pl) if isinstance(pl, str) else pl for n, pl in placed.items()}
+    return {n: pl for n, pl in given.items() if pl is not None}
