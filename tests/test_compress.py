@@ -33,6 +33,7 @@ from sparsync.compress import (
 )
 from sparsync.compress import qsgd as qsgd_mod
 from sparsync.compress import sketch as sk_mod
+from sparsync.compress import sketch_hash
 from sparsync.compress import topk as topk_mod
 from sparsync.compress.qsgd_allreduce import concat_payloads, encode_remote, partitions, simulate, slice_payload
 
@@ -107,6 +108,9 @@ def test_bad_settings_raise_value_errors_naming_them(factory: object, match: str
 
 
 # --- S2 sketch ----------------------------------------------------------------------------------------------
+MODES = pytest.mark.parametrize("mode", sk_mod.HASHES)
+
+
 def _int_grad(seed: int, n: int = 4000, density: float = 0.05) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(-50, 51, (n,), generator=g).to(torch.float32)
@@ -114,9 +118,10 @@ def _int_grad(seed: int, n: int = 4000, density: float = 0.05) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_sketch_is_linear_exactly(dtype: torch.dtype) -> None:
+@MODES
+def test_sketch_is_linear_exactly(dtype: torch.dtype, mode: str) -> None:
     """S2 §3.1: sketch(g1) + sketch(g2) == sketch(g1 + g2) (integer values: every sum is exact)."""
-    c = SparseSketch(rows=3, cols=97, block=8, seed=5)
+    c = SparseSketch(rows=3, cols=97, block=8, seed=5, hash=mode)
     gs = [_int_grad(s).to(dtype) for s in range(4)]
     parts = [c.compress(g) for g in gs]
     whole = c.compress(sum(gs))  # type: ignore[arg-type]
@@ -127,25 +132,28 @@ def test_sketch_is_linear_exactly(dtype: torch.dtype) -> None:
     assert torch.equal(support, union)
 
 
-def test_sketch_of_coo_rows_equals_sketch_of_dense() -> None:
+@MODES
+def test_sketch_of_coo_rows_equals_sketch_of_dense(mode: str) -> None:
     emb = torch.zeros(50, 6)
     emb[[3, 7, 9]] = torch.arange(18, dtype=torch.float32).reshape(3, 6) - 8
-    c = SparseSketch(rows=3, cols=40)
+    c = SparseSketch(rows=3, cols=40, hash=mode)
     a, b = c.compress(emb), c.compress(emb.to_sparse(1))
     assert torch.equal(a.table, b.table) and torch.equal(a.bitmap, b.bitmap)
     out = c.decompress(b, TensorSpec.of(emb.to_sparse(1)))
     assert out.is_sparse and set(out.coalesce().indices()[0].tolist()) == {3, 7, 9}
 
 
-def test_sketch_without_collisions_is_exact() -> None:
+@MODES
+def test_sketch_without_collisions_is_exact(mode: str) -> None:
     g = torch.zeros(1000)
     g[[5, 400, 999]] = torch.tensor([1.5, -2.0, 3.25])
-    out = roundtrip(SparseSketch(rows=3, cols=100_000, block=1), g)
+    out = roundtrip(SparseSketch(rows=3, cols=100_000, block=1, hash=mode), g)
     assert torch.equal(out, g)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4])
-def test_sketch_query_is_unbiased(rows: int) -> None:
+@MODES
+def test_sketch_query_is_unbiased(rows: int, mode: str) -> None:
     """S2 Thm. 1: E[ĝ] = g over the random hashes. Mean of the error over 400 seeds, per coordinate, within 5
     standard errors (with the per-coordinate spread measured from the same runs)."""
     g = torch.zeros(256)
@@ -153,7 +161,7 @@ def test_sketch_query_is_unbiased(rows: int) -> None:
     nz = torch.randperm(256, generator=gen)[:64]
     g[nz] = torch.randn(64, generator=gen) * 3
     runs = torch.stack(
-        [roundtrip(SparseSketch(rows=rows, cols=24, block=1, seed=s), g)[nz] for s in range(400)]
+        [roundtrip(SparseSketch(rows=rows, cols=24, block=1, seed=s, hash=mode), g)[nz] for s in range(400)]
     ).double()
     err = runs - g[nz].double()
     se = err.std(0) / math.sqrt(runs.shape[0])
@@ -169,12 +177,40 @@ def test_sketch_ratio_sets_width() -> None:
     assert SparseSketch(rows=3, cols=7).width(10**9) == 7
 
 
-def test_sketch_dense_and_index_paths_agree_across_chunks() -> None:
+def test_sketch_block_hash_rounds_the_table_to_whole_blocks() -> None:
+    assert SparseSketch(rows=2, ratio=0.01).table_cols((10_000,)) == 64  # width 50, one bucket of 64
+    assert SparseSketch(rows=2, ratio=0.01, hash="element").table_cols((10_000,)) == 50
+    assert SparseSketch(rows=3, cols=100).table_cols((500, 48)) == 144  # three buckets of one 48-wide row
+    sk = SparseSketch(rows=3, cols=100)
+    assert sk.compress(torch.randn(500, 48)).table.shape == (3, 144)
+    with pytest.raises(ValueError, match="hash must be one of .* got 'row'"):
+        SparseSketch(cols=10, hash="row")
+    with pytest.raises(ValueError, match="150 columns are not whole blocks of 48"):
+        sk.decompress(SketchPayload(torch.ones(500), torch.zeros(3, 150)), TensorSpec.of(torch.zeros(500, 48)))
+
+
+@MODES
+@pytest.mark.parametrize("n", [1000, 64 * 5, 1])  # a short last block, whole blocks, a tensor shorter than one
+def test_sketch_short_last_block_and_element_coo_are_exact_without_collisions(mode: str, n: int) -> None:
+    g = torch.zeros(n)
+    g[torch.randperm(n, generator=torch.Generator().manual_seed(n))[: max(1, n // 7)]] = 1.5
+    g[-1] = -2.0  # the short last block is set
+    big = SparseSketch(rows=3, cols=1 << 22, seed=3, hash=mode)
+    assert torch.equal(roundtrip(big, g), g)
+    assert torch.equal(roundtrip(big, g.to_sparse()).to_dense(), g)  # element COO: blocks regrouped
+    m = torch.zeros(40, 6)
+    m[[1, 7, 39], [0, 5, 2]] = torch.tensor([1.0, -3.0, 4.5])
+    out = roundtrip(big, m.to_sparse())  # a 2-D COO of elements (sparse_dim 2), blocks of one row
+    assert out.is_sparse and torch.equal(out.to_dense(), m)
+
+
+@MODES
+def test_sketch_dense_and_index_paths_agree_across_chunks(mode: str) -> None:
     """The hashes of a run of positions (a dense tensor with every block set) and of an index list (COO, or
     a bitmap with gaps) are the same function: equal tables, and equal queries where both are queried."""
     n = 2 * sk_mod.CHUNK + 1234
     x = torch.randn(n, generator=torch.Generator().manual_seed(2))
-    c = SparseSketch(rows=3, cols=5000, seed=9)
+    c = SparseSketch(rows=3, cols=5000, seed=9, hash=mode)
     dense, coo = c.compress(x), c.compress(x.to_sparse())
     assert torch.equal(dense.table, coo.table) and torch.equal(dense.bitmap, coo.bitmap)
     spec = TensorSpec.of(x)
@@ -194,8 +230,8 @@ def test_sketch_hash_signs_and_buckets_are_pairwise_independent() -> None:
     idx = torch.tensor([0, 1, 2, 3, 1 << 20, (1 << 20) + 1, 1 << 31, 12345], dtype=torch.int64)
     signs, buckets = [], []
     for seed in range(seeds):
-        h = sk_mod._Hasher(SparseSketch(rows=1, cols=c, seed=seed), c, torch.float32)
-        b, sign = h._row(idx, idx.numel(), 0)
+        h = sketch_hash.Hasher(1, seed, c, torch.float32)
+        b, sign = h.row(idx, idx.numel(), 0)
         buckets.append(b.clone())
         signs.append(torch.where(sign < 0, -1.0, 1.0))
     s, bk = torch.stack(signs), torch.stack(buckets)
@@ -227,18 +263,19 @@ def test_sketch_row_runs_hash_like_element_indices() -> None:
     blocks = torch.tensor([0, 3, 7, 1000, (1 << 25) + 5], dtype=torch.int64)
     w = 96
     idx = (blocks[:, None] * w + torch.arange(w)).reshape(-1)
-    h = sk_mod._Hasher(SparseSketch(rows=4, cols=777, seed=3), 777, torch.float32)
+    h = sketch_hash.Hasher(4, 3, 777, torch.float32)
     for j in range(4):
-        b1, s1 = (t.clone() for t in h._row(sk_mod._RowRun(blocks, w), idx.numel(), j))
-        b2, s2 = h._row(idx, idx.numel(), j)
+        b1, s1 = (t.clone() for t in h.row(sketch_hash.RowRun(blocks, w), idx.numel(), j))
+        b2, s2 = h.row(idx, idx.numel(), j)
         assert torch.equal(b1, b2) and torch.equal(s1, s2)
 
 
 @pytest.mark.parametrize("dim", [64, 20])  # 64: CHUNK // dim rows per run; 20: runs that do not divide CHUNK
-def test_sketch_of_embedding_gradient_matches_dense_across_chunks(dim: int) -> None:
+@MODES
+def test_sketch_of_embedding_gradient_matches_dense_across_chunks(dim: int, mode: str) -> None:
     grad = _embedding_grad(3000, dim, 5000, seed=dim)  # ~750 rows x dim > one CHUNK of indices
     dense = grad.to_dense()
-    c = SparseSketch(rows=3, cols=4000, seed=1)
+    c = SparseSketch(rows=3, cols=4000, seed=1, hash=mode)
     a, b = c.compress(dense), c.compress(grad)
     assert torch.equal(a.bitmap, b.bitmap)
     torch.testing.assert_close(a.table, b.table, rtol=1e-5, atol=1e-5)  # summation order of repeated ids
@@ -248,16 +285,17 @@ def test_sketch_of_embedding_gradient_matches_dense_across_chunks(dim: int) -> N
     assert torch.equal(out.indices()[0], rows)  # exactly the set rows, in order
     torch.testing.assert_close(out.to_dense(), c.decompress(b, TensorSpec.of(dense)))
     # and no collisions: exact
-    big = SparseSketch(rows=3, cols=1 << 22, seed=1)
+    big = SparseSketch(rows=3, cols=1 << 22, seed=1, hash=mode)
     torch.testing.assert_close(roundtrip(big, grad).to_dense(), dense, rtol=1e-5, atol=1e-5)
 
 
-def test_sketch_dense_gap_path_uses_row_runs() -> None:
+@MODES
+def test_sketch_dense_gap_path_uses_row_runs(mode: str) -> None:
     """A dense tensor of whole blocks with a gap: the row-run path queries the same values as the full path."""
     n = 2 * sk_mod.CHUNK + 20 * sk_mod.FLAT_BLOCK
     x = torch.randn(n, generator=torch.Generator().manual_seed(4))
     x[7 * sk_mod.FLAT_BLOCK : 8 * sk_mod.FLAT_BLOCK] = 0
-    c = SparseSketch(rows=3, cols=5000, seed=2)
+    c = SparseSketch(rows=3, cols=5000, seed=2, hash=mode)
     p = c.compress(x)
     assert int(p.bitmap.sum()) == n // sk_mod.FLAT_BLOCK - 1
     full = c.decompress(SketchPayload(torch.ones_like(p.bitmap), p.table), TensorSpec.of(x))
@@ -266,11 +304,12 @@ def test_sketch_dense_gap_path_uses_row_runs() -> None:
     assert torch.equal(part[keep], full[keep]) and not part[~keep].any()
 
 
-def test_sketch_query_of_embedding_rows_is_unbiased() -> None:
+@MODES
+def test_sketch_query_of_embedding_rows_is_unbiased(mode: str) -> None:
     """S2 Thm. 1 on the COO path: E[ĝ] = g over the hashes, for the rows of an embedding gradient."""
     grad = _embedding_grad(64, 4, 40, seed=0)
     want = grad.coalesce().values().double()
-    runs = torch.stack([roundtrip(SparseSketch(rows=3, cols=16, seed=s), grad).values() for s in range(400)])
+    runs = torch.stack([roundtrip(SparseSketch(rows=3, cols=16, seed=s, hash=mode), grad).values() for s in range(400)])
     err = runs.double() - want
     se = err.std(0) / math.sqrt(runs.shape[0])
     z = err.mean(0) / se.clamp_min(1e-12)
@@ -285,7 +324,7 @@ def test_median_of_rows(r: int) -> None:
     srt = est.sort(0).values
     want = srt[r // 2] if r % 2 else (srt[r // 2 - 1] + srt[r // 2]) / 2
     out = torch.empty(1001)
-    sk_mod._median_rows(est.clone(), out)
+    sketch_hash.median_rows(est.clone(), out)
     assert torch.allclose(out, want, rtol=0, atol=1e-6)
 
 

@@ -45,6 +45,7 @@ DEFAULT_COMPRESSORS = (
     "qsgd:bits=8,bucket=512",
     "blocktopk:ratio=0.01,block=64",
     "sketch:rows=3,ratio=0.01",
+    "sketch:rows=3,ratio=0.01,hash=element",
 )
 TARGET = "threshold:ratio=0.01,lifespan=1000"
 TARGET_FRACTION = 0.10

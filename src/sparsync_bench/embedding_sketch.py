@@ -118,7 +118,7 @@ def measure(
     for m, sk in sketches.items():
         err, match = accuracy(reduce_sum(grad, sk, groups[m], None), exact)
         c, d = codec_times(sk, grad, groups[m], repeats)
-        cells = sk.rows * sk.width(grad.numel())
+        cells = sk.rows * sk.table_cols(grad.shape)
         out[m] = SketchStats(lambda_of(m), alpha, cells, err, match, c, d)
     return out
 

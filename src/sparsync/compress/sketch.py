@@ -18,16 +18,16 @@ S2's λ = m / (α·d) (m buckets, α the density of the gradient, d its size) re
 embedding gradient of density α, ``ratio = λ·α``. A fixed ratio (not a per-call α) keeps c identical on every
 rank without an extra exchange.
 
-Hashes: row j's multiply-add-shift hash z = (a_j·i + b_j) mod 2^64, with (a_j, b_j) drawn from
-``seed`` (the same on every rank). For indices i < 2^32 the top 32 bits of z are pairwise independent and
-uniform over random (a_j, b_j) (Dietzfelbinger 1996, strongly universal multiply-add-shift), so the sign
-s_j(i) = bit 63 and the bucket h_j(i) = ⌊c·(bits 32..62)/2^31⌋ are independent of each other, and the signs of
-two indices are pairwise independent: E[s_j(i)s_j(k)] = 0, which is all S2 Thm. 1's unbiasedness needs. Five
-int64 passes per row (for a run of positions an add replaces the multiply and add; for a run of whole blocks,
-one broadcast add of a per-block base and a_j·t), over chunks of 64K indices that stay in cache; the
-splitmix64 mix it replaces was two orders of magnitude slower. The sign is applied by XOR-ing the
-value's sign bit; the median of r ≤ 8 rows is a min/max sorting network (torch.median over a short dim is much
-slower). Timings: docs/compress_results.md.
+Hashing (``hash=``): S2 Alg. 1 hashes every element i to its own bucket h_j(i) and sign s_j(i)
+(``"element"``). The default ``"block"`` hashes each block B once and adds its b values to the b cells of bucket
+h_j(B) with sign s_j(B) (the table read as c/b buckets of b cells; c rounded up to whole blocks). Each element's
+estimate is still s_j(B)·S[j, h_j(B)·b + t] = g(B, t) + Σ over the other blocks K in its bucket of
+s_j(B)s_j(K)·g(K, t), so the pairwise independent signs keep it unbiased (S2 Thm. 1); a bucket holds b/c of the
+other blocks' entries at the same offset where the element hash holds 1/c of all the entries, so the expected
+squared error is the same when the gradient's energy is spread over the b offsets, and the collisions of a
+block's entries are shared (correlated) instead of independent. It costs one hash per block instead of one per
+element and moves whole rows: on an embedding gradient of dim 64, 64x fewer hashes (docs/compress_results.md).
+The paper is silent on the hash family; the hashes and kernels are in ``sketch_hash``.
 """
 
 from __future__ import annotations
@@ -49,11 +49,12 @@ from sparsync.compress.base import (
     check_positive_int,
     packed_bitmap_bytes,
 )
+from sparsync.compress.sketch_hash import CHUNK, Hasher, Index, RowRun
 from sparsync.stream import SparseStream
 
 FLAT_BLOCK = 64  # default block of a 1-D tensor (a 2-D+ tensor's default block is one row)
-CHUNK = 1 << 16  # indices per hashing pass
-_MASK64 = (1 << 64) - 1
+BLOCK_CHUNK = 1 << 18  # values per pass of the block hash (at least one block)
+HASHES = ("block", "element")
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,6 +70,7 @@ class SparseSketch(Compressor):
     ratio: float | None = None  # r·c / numel, i.e. S2's λ times the gradient's density α
     block: int | None = None  # entries per bitmap bit; None: one row of a 2-D+ tensor, FLAT_BLOCK for 1-D
     seed: int = 0  # hash seed: must be the same on every rank
+    hash: str = "block"  # "block": one hash per block (the default); "element": one per element (S2 Alg. 1)
 
     def __post_init__(self) -> None:
         check_positive_int(self.rows, "rows")
@@ -84,26 +86,38 @@ class SparseSketch(Compressor):
             raise ValueError(f"ratio must be > 0, got {self.ratio!r}")
         if self.block is not None:
             check_positive_int(self.block, "block")
+        if self.hash not in HASHES:
+            raise ValueError(f"hash must be one of {HASHES}, got {self.hash!r}")
 
     def width(self, numel: int) -> int:
-        """c for a tensor of ``numel`` entries."""
+        """c for a tensor of ``numel`` entries, before the block hash rounds it up (``table_cols``)."""
         if self.cols is not None:
             return self.cols
         assert self.ratio is not None
         return max(1, math.ceil(self.ratio * numel / self.rows))
 
+    def table_cols(self, shape: Sequence[int]) -> int:
+        """Columns of the r x c table for a tensor of ``shape``: ``width``, rounded up to whole blocks for the
+        block hash."""
+        spec = TensorSpec(torch.Size(shape), torch.float32)
+        c = self.width(spec.numel)
+        if self.hash == "element":
+            return c
+        b = self.block_size(spec)
+        return -(-c // b) * b
+
     def payload_numel(self, shape: Sequence[int]) -> int:
         """Entries of the payload (bitmap + r x c table) for a tensor of ``shape`` in S2's one-allreduce form
         (``SketchPayload.to_buffer``, S2 Alg. 1 line 8), whatever the gradient's density."""
         spec = TensorSpec(torch.Size(shape), torch.float32)
-        return -(-spec.numel // self.block_size(spec)) + self.rows * self.width(spec.numel)
+        return -(-spec.numel // self.block_size(spec)) + self.rows * self.table_cols(shape)
 
     def payload_nbytes(self, shape: Sequence[int], itemsize: int = 4) -> int:
         """Bytes every rank allreduces for a tensor of ``shape`` (``SketchPayload.nbytes``): the packed bitmap
         and the r x c table of ``itemsize``-byte entries, whatever the gradient's density."""
         spec = TensorSpec(torch.Size(shape), torch.float32)
         blocks = -(-spec.numel // self.block_size(spec))
-        return packed_bitmap_bytes(blocks) + self.rows * self.width(spec.numel) * itemsize
+        return packed_bitmap_bytes(blocks) + self.rows * self.table_cols(shape) * itemsize
 
     def block_size(self, spec: TensorSpec) -> int:
         if self.block is not None:
@@ -119,9 +133,13 @@ class SparseSketch(Compressor):
         dtype = tensor.dtype
         work = torch.float64 if dtype == torch.float64 else torch.float32
         bitmap = torch.zeros(nblocks, dtype=dtype)  # the one O(blocks) structure of a call (S2 Alg. 1 line 2)
-        c = self.width(n)
+        c = self.table_cols(spec.shape)
         table = torch.zeros(self.rows, c, dtype=work)
-        hasher = _Hasher(self, c, work)
+        if self.hash == "block":
+            hasher = Hasher(self.rows, self.seed, c // b, work, max(BLOCK_CHUNK, b))
+            _compress_blocks(hasher, table, bitmap, tensor, b)
+            return SketchPayload(bitmap, table.to(dtype))
+        hasher = Hasher(self.rows, self.seed, c, work)
         if tensor.is_sparse:
             s = coo_to_stream(tensor)  # coalesced rows, O(nnz): a COO input is never densified
             assert s.indices is not None
@@ -155,9 +173,18 @@ class SparseSketch(Compressor):
         blocks = torch.nonzero(payload.bitmap > 0, as_tuple=True)[0]
         c = payload.table.shape[1]
         work = torch.float64 if payload.table.dtype == torch.float64 else torch.float32
-        table = payload.table.to(work)
-        hasher = _Hasher(self, c, work)
-        if spec.sparse_dim is None and blocks.numel() == -(-n // b):  # every block set: write in place
+        table = payload.table.to(work).contiguous()
+        every = blocks.numel() == -(-n // b)
+        if self.hash == "block":
+            if c % b:
+                raise ValueError(f"a block-hash table's {c} columns are not whole blocks of {b}")
+            hasher = Hasher(self.rows, self.seed, c // b, work, max(BLOCK_CHUNK, b))
+            vals = _query_blocks(hasher, table, blocks, b, n)
+            if spec.sparse_dim is None and every:  # every block set: the values are the tensor
+                return vals.to(spec.dtype).reshape(spec.shape)
+            return _assemble(vals.to(spec.dtype), blocks, b, spec)
+        hasher = Hasher(self.rows, self.seed, c, work)
+        if spec.sparse_dim is None and every:  # every block set: write in place
             out = torch.empty(n, dtype=work)
             for a in range(0, n, CHUNK):
                 hasher.query(table, a, out[a : a + CHUNK])
@@ -165,44 +192,97 @@ class SparseSketch(Compressor):
         vals = torch.empty(_block_numel(blocks, b, n), dtype=work)
         for h, lo, hi in _runs(blocks, b, n):
             hasher.query(table, h, vals[lo:hi])
-        vals = vals.to(spec.dtype)
-        if spec.sparse_dim is not None:
-            if math.prod(spec.shape[spec.sparse_dim :]) == b:  # blocks are COO rows: no per-element regrouping
-                return stream_to_coo(
-                    SparseStream(blocks, vals, n, row=b, validate=False), spec.shape, spec.sparse_dim
-                )
-            idx = _block_elements(blocks, b, n)
-            return stream_to_coo(SparseStream(idx, vals, n, validate=False), spec.shape, spec.sparse_dim)
-        out = torch.zeros(n, dtype=spec.dtype)
-        if n % b == 0:
-            out.view(-1, b)[blocks] = vals.view(-1, b)
-        else:
-            out[_block_elements(blocks, b, n)] = vals
-        return out.reshape(spec.shape)
+        return _assemble(vals.to(spec.dtype), blocks, b, spec)
 
 
-@dataclass(frozen=True)
-class _RowRun:
-    """The element indices of whole blocks: ``blocks[i]·width + t`` for t < width, block by block (ascending
-    when ``blocks`` is): the hashes of a run cost one broadcast add per sketch row (``_Hasher._z``)."""
+def _assemble(vals: torch.Tensor, blocks: torch.Tensor, b: int, spec: TensorSpec) -> torch.Tensor:
+    """The tensor of ``spec`` whose set ``blocks`` (ascending) hold ``vals`` (their entries, block after block)
+    and whose other entries are zero (a COO tensor of the set blocks for a COO ``spec``)."""
+    n = spec.numel
+    if spec.sparse_dim is not None:
+        if math.prod(spec.shape[spec.sparse_dim :]) == b:  # blocks are COO rows: no per-element regrouping
+            return stream_to_coo(SparseStream(blocks, vals, n, row=b, validate=False), spec.shape, spec.sparse_dim)
+        idx = _block_elements(blocks, b, n)
+        return stream_to_coo(SparseStream(idx, vals, n, validate=False), spec.shape, spec.sparse_dim)
+    out = torch.zeros(n, dtype=spec.dtype)
+    if n % b == 0:
+        out.view(-1, b)[blocks] = vals.view(-1, b)
+    else:
+        out[_block_elements(blocks, b, n)] = vals
+    return out.reshape(spec.shape)
 
-    blocks: torch.Tensor  # int64
-    width: int
+
+def _compress_blocks(h: Hasher, table: torch.Tensor, bitmap: torch.Tensor, tensor: torch.Tensor, b: int) -> None:
+    """Block hash: set the bitmap and add every set block's values to ``table`` (one hash per block)."""
+    n, work = tensor.numel(), table.dtype
+    if tensor.is_sparse:
+        s = coo_to_stream(tensor)  # coalesced rows, O(nnz): a COO input is never densified
+        assert s.indices is not None
+        if s.row == b:  # a block is one COO row (an embedding row)
+            keys = s.indices.to(torch.int64)
+            bitmap[keys] = 1
+            _insert_rows(h, table, keys, s.values.view(-1, b), None)
+            return
+        e = s.elements()
+        assert e.indices is not None
+        idx = e.indices.to(torch.int64)
+        keys, inv = torch.unique(idx // b, return_inverse=True)
+        rows = torch.zeros(keys.numel(), b, dtype=work)
+        rows[inv, idx % b] = e.values.to(work)
+        bitmap[keys] = 1
+        _insert_rows(h, table, keys, rows, None)
+        return
+    flat = tensor.reshape(-1)
+    full = n // b
+    blocks = _nonzero_blocks(flat, b)
+    bitmap[blocks] = 1
+    whole = flat[: full * b].view(full, b)
+    if blocks.numel() == bitmap.numel():  # every block set: no gather
+        _insert_rows(h, table, None, whole, None)
+    else:
+        sel = blocks[: int(torch.searchsorted(blocks, full))]
+        _insert_rows(h, table, sel, whole, sel)
+    if full * b < n and blocks.numel() and int(blocks[-1]) == full:  # the short last block, zero-padded
+        pad = torch.zeros(1, b, dtype=work)
+        pad[0, : n - full * b] = flat[full * b :]
+        h.insert_blocks(table, blocks[-1:], pad)
 
 
-Index = torch.Tensor | int | _RowRun  # element indices, the first of a run of positions, or whole blocks
+def _insert_rows(
+    h: Hasher, table: torch.Tensor, keys: torch.Tensor | None, rows: torch.Tensor, sel: torch.Tensor | None
+) -> None:
+    """Insert the blocks ``keys`` (None: 0, 1, ...) whose values are ``rows[sel]`` (None: ``rows``), in passes."""
+    m = rows.shape[0] if sel is None else sel.numel()
+    b = rows.shape[1]
+    step = max(1, h.z.numel() // b)
+    for a in range(0, m, step):
+        hi = min(m, a + step)
+        part = torch.arange(a, hi) if keys is None else keys[a:hi]
+        vals = rows[a:hi] if sel is None else rows[sel[a:hi]]
+        h.insert_blocks(table, part, vals.to(table.dtype))
+
+
+def _query_blocks(h: Hasher, table: torch.Tensor, blocks: torch.Tensor, b: int, n: int) -> torch.Tensor:
+    """Block hash: the estimates of the set ``blocks`` (ascending), block after block, the tensor's short last
+    block cut short."""
+    m = blocks.numel()
+    vals = torch.empty(m, b, dtype=table.dtype)
+    step = max(1, h.z.numel() // b)
+    for a in range(0, m, step):
+        h.query_blocks(table, blocks[a : a + step], vals[a : a + step])
+    return vals.view(-1)[: _block_numel(blocks, b, n)]
 
 
 def _runs(blocks: torch.Tensor, b: int, n: int) -> Iterator[tuple[Index, int, int]]:
     """(indices, lo, hi): the element indices of the set ``blocks`` in chunks of at most CHUNK, with their
-    offsets [lo, hi) into the concatenated values of those blocks. Whole blocks as ``_RowRun``s; an index list
+    offsets [lo, hi) into the concatenated values of those blocks. Whole blocks as ``RowRun``s; an index list
     where a block is wider than a chunk or the tensor's short last block is set."""
     short = blocks.numel() > 0 and int(blocks[-1]) * b + b > n
     if b <= CHUNK and not short:
         step = CHUNK // b
         for a in range(0, blocks.numel(), step):
             part = blocks[a : a + step]
-            yield _RowRun(part, b), a * b, (a + part.numel()) * b
+            yield RowRun(part, b), a * b, (a + part.numel()) * b
         return
     idx = _block_elements(blocks, b, n)
     for a in range(0, idx.numel(), CHUNK):
@@ -245,113 +325,3 @@ def _block_elements(blocks: torch.Tensor, b: int, n: int) -> torch.Tensor:
     if blocks.numel() and int(blocks[-1]) * b + b > n:  # only the tensor's last block can be short
         idx = idx[: idx.numel() - (int(blocks[-1]) * b + b - n)]
     return idx
-
-
-class _Hasher:
-    """Row hashes of one call (see the module docstring) and their scratch buffers, sized for one chunk."""
-
-    def __init__(self, sk: SparseSketch, c: int, work: torch.dtype) -> None:
-        self.c, self.rows = c, sk.rows
-        base = _splitmix_int(sk.seed)
-        self.ab = [
-            (_signed(_splitmix_int(base ^ (2 * j))), _signed(_splitmix_int(base ^ (2 * j + 1))))
-            for j in range(sk.rows)
-        ]
-        self.itype = torch.int64 if work == torch.float64 else torch.int32  # the value's bits, for the sign
-        self.z = torch.empty(CHUNK, dtype=torch.int64)
-        self.base = torch.empty(CHUNK, dtype=torch.int64)  # a _RowRun's per-block a_j·w·block + b_j
-        self.sign = torch.empty(CHUNK, dtype=self.itype)
-        self.signed = torch.empty(CHUNK, dtype=self.itype)
-        self.est = torch.empty(sk.rows, CHUNK, dtype=work)
-        self._steps: list[torch.Tensor] = []
-
-    def _z(self, idx: Index, k: int, j: int) -> torch.Tensor:
-        """z = a_j·i + b_j mod 2^64 (int64 arithmetic wraps) for the indices ``idx``, for start + 0..k-1, or for
-        a run of whole blocks: a_j·(block·w + t) + b_j = (a_j·w·block + b_j) + a_j·t."""
-        a, b = self.ab[j]
-        z = self.z[:k]
-        if isinstance(idx, torch.Tensor):
-            return torch.mul(idx, a, out=z).add_(b)
-        if not self._steps:  # a_j·0..CHUNK-1, once per call: a chunk of positions then costs one add
-            self._steps = [torch.arange(CHUNK, dtype=torch.int64).mul_(aj) for aj, _ in self.ab]
-        if isinstance(idx, _RowRun):
-            m, w = idx.blocks.numel(), idx.width
-            base = torch.mul(idx.blocks, _signed(a * w), out=self.base[:m]).add_(b)
-            torch.add(base.unsqueeze(1), self._steps[j][:w], out=z.view(m, w))
-            return z
-        return torch.add(self._steps[j][:k], _signed(a * idx + b), out=z)
-
-    def _row(self, idx: Index, k: int, j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(h_j(i) ∈ [0, c), sign mask: the value type's sign bit where s_j(i) = -1)."""
-        z = self._z(idx, k, j).bitwise_right_shift_(32)  # the top 32 bits, sign-extended
-        sign = self.sign[:k]
-        if self.itype == torch.int64:
-            torch.bitwise_and(z, -(2**63), out=sign)  # bit 63
-        else:
-            sign.copy_(z).bitwise_and_(-(2**31))  # bits 32..63 as int32: its sign bit is bit 63
-        return z.bitwise_and_(0x7FFF_FFFF).mul_(self.c).bitwise_right_shift_(31), sign
-
-    def insert(self, table: torch.Tensor, idx: Index, vals: torch.Tensor) -> None:
-        """table[j, h_j(i)] += s_j(i)·v(i) for every row j (S2 Alg. 1 line 5). ``idx``: the indices of ``vals``,
-        the first of a run of consecutive ones, or a run of whole blocks."""
-        k = vals.numel()
-        bits = vals.view(self.itype)
-        for j in range(self.rows):
-            h, sign = self._row(idx, k, j)
-            signed = torch.bitwise_xor(bits, sign, out=self.signed[:k])
-            table[j].index_add_(0, h, signed.view(table.dtype))
-
-    def query(self, table: torch.Tensor, idx: Index, out: torch.Tensor) -> None:
-        """out(i) = median over rows of s_j(i)·table[j, h_j(i)] (S2 Alg. 1 lines 11-14)."""
-        k = out.numel()
-        est = self.est[:, :k]
-        for j in range(self.rows):
-            h, sign = self._row(idx, k, j)
-            torch.index_select(table[j], 0, h, out=est[j])
-            est[j].view(self.itype).bitwise_xor_(sign)
-        _median_rows(est, out)
-
-
-def _median_rows(est: torch.Tensor, out: torch.Tensor) -> None:
-    """Median over dim 0 of a (r, k) tensor into ``out``; for an even r the mean of the two middle values.
-    Destroys ``est``. r ≤ 8: odd-even transposition sort by min/max (in place, vectorized over k)."""
-    r = est.shape[0]
-    if r == 1:
-        out.copy_(est[0])
-    elif r == 3:  # the default: the middle of three in four passes
-        e0, e1, e2 = est
-        lo = torch.minimum(e0, e1)
-        torch.maximum(e0, e1, out=out)
-        torch.minimum(out, e2, out=out)
-        torch.maximum(lo, out, out=out)
-    elif r <= 8:
-        tmp = torch.empty_like(est[0])
-        for rnd in range(r):
-            for i in range(rnd % 2, r - 1, 2):
-                torch.minimum(est[i], est[i + 1], out=tmp)
-                torch.maximum(est[i], est[i + 1], out=est[i + 1])
-                est[i].copy_(tmp)
-        _middle(est, out)
-    else:
-        _middle(est.sort(0).values, out)
-
-
-def _middle(srt: torch.Tensor, out: torch.Tensor) -> None:
-    r = srt.shape[0]
-    if r % 2:
-        out.copy_(srt[r // 2])
-    else:
-        torch.add(srt[r // 2 - 1], srt[r // 2], out=out).mul_(0.5)
-
-
-def _signed(x: int) -> int:
-    x &= _MASK64
-    return x - (1 << 64) if x >= 1 << 63 else x
-
-
-def _splitmix_int(x: int) -> int:
-    """splitmix64 finaliser on a Python int: derives each row's (a, b) from the seed."""
-    z = (x + 0x9E3779B97F4A7C15) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return z ^ (z >> 31)
