@@ -30,10 +30,10 @@ from sparsync.compress import (
     TopK,
     from_spec,
     make,
+    sketch_hash,
 )
 from sparsync.compress import qsgd as qsgd_mod
 from sparsync.compress import sketch as sk_mod
-from sparsync.compress import sketch_hash
 from sparsync.compress import topk as topk_mod
 from sparsync.compress.qsgd_allreduce import concat_payloads, encode_remote, partitions, simulate, slice_payload
 
@@ -183,7 +183,7 @@ def test_sketch_block_hash_rounds_the_table_to_whole_blocks() -> None:
     assert SparseSketch(rows=3, cols=100).table_cols((500, 48)) == 144  # three buckets of one 48-wide row
     sk = SparseSketch(rows=3, cols=100)
     assert sk.compress(torch.randn(500, 48)).table.shape == (3, 144)
-    with pytest.raises(ValueError, match="hash must be one of .* got 'row'"):
+    with pytest.raises(ValueError, match=r"hash must be one of .* got 'row'"):
         SparseSketch(cols=10, hash="row")
     with pytest.raises(ValueError, match="150 columns are not whole blocks of 48"):
         sk.decompress(SketchPayload(torch.ones(500), torch.zeros(3, 150)), TensorSpec.of(torch.zeros(500, 48)))
@@ -309,7 +309,9 @@ def test_sketch_query_of_embedding_rows_is_unbiased(mode: str) -> None:
     """S2 Thm. 1 on the COO path: E[ĝ] = g over the hashes, for the rows of an embedding gradient."""
     grad = _embedding_grad(64, 4, 40, seed=0)
     want = grad.coalesce().values().double()
-    runs = torch.stack([roundtrip(SparseSketch(rows=3, cols=16, seed=s, hash=mode), grad).values() for s in range(400)])
+    runs = torch.stack(
+        [roundtrip(SparseSketch(rows=3, cols=16, seed=s, hash=mode), grad).values() for s in range(400)]
+    )
     err = runs.double() - want
     se = err.std(0) / math.sqrt(runs.shape[0])
     z = err.mean(0) / se.clamp_min(1e-12)

@@ -208,7 +208,8 @@ def test_cli_parses_and_rejects_unknown_sections(tmp_path: Path) -> None:
 TINY = replace(
     rp.QUICK, name="tiny", ar_procs=3, ar_n=4096, ar_densities=(1e-2, 1.0), ar_repeats=1, emb_procs=3,
     emb_rows=5000, emb_tokens=256, emb_lambdas=(1.0,), emb_repeats=1, dlrm_procs=2, dlrm_steps=12, dlrm_batch=16,
-    dlrm_rows=1000, lifespan_n=10000, lifespan_calls=5, dctmp=False, bias_seeds=20, lm_procs=2, lm_vocab=2000,
+    dlrm_rows=1000, dct_wall_procs=(2,), dct_wall_mlp="small", dct_wall_dim=16, lifespan_n=10000, lifespan_calls=5,
+    dctmp=False, bias_seeds=20, lm_procs=2, lm_vocab=2000,
     lm_seq=5, lm_steps=4, lm_warmup=1, lm_dim=16, lm_hidden=16, lm_batch=4, replicas=(1, 2), torchrun_procs=2,
 )  # fmt: skip
 

@@ -145,9 +145,10 @@ def _add_dlrm_parser(bsub: Any, parents: dict[str, argparse.ArgumentParser]) -> 
     dl.add_argument("--dim", type=int, default=16, help="embedding width")
     dl.add_argument(
         "--mlp",
-        choices=("small", "kaggle"),
+        choices=("small", "kaggle", "terabyte", "mlperf"),
         default="small",
-        help="small, or kaggle (dlrm_s_pytorch.py's Kaggle MLPs 13-512-256-64, 512-256-1)",
+        help="small, or dlrm_s_pytorch.py's MLPs: kaggle (13-512-256-64-dim, 512-256-1; its dim is 16), "
+        "terabyte (13-512-256-dim, 512-512-256-1; dim 64), mlperf (13-512-256-dim, 1024-1024-512-256-1; dim 128)",
     )
     dl.add_argument("--methods", type=_choices((*DLRM_METHODS, *DLRM_OPTIONAL), "methods"), default=DLRM_METHODS,
                     help=f"comma-separated; also {','.join(DLRM_OPTIONAL)}")  # fmt: skip
