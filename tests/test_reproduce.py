@@ -12,6 +12,7 @@ import _reproduce_workers as rw
 import numpy as np
 import pytest
 import torch
+from rich.console import Console
 
 from sparsync import launch
 from sparsync_bench import corpus as corpus_mod
@@ -259,3 +260,21 @@ def test_parallax_ordering_on_dlrm_from_the_dct_rows() -> None:
     assert "AR 1.00 < PS 2.00 < OptPS 4.00 < HYB 5.00: **holds** (beside them: sparsync 10.00)" in md
     assert "does not hold" in rp.parallax_dlrm_markdown([*rows[:3], row("sparsync_hybrid", 2.0)])
     assert rp.parallax_dlrm_markdown(rows[:2]) == ""  # a run without the PS methods says nothing
+
+
+def test_replicator_commands_name_the_script_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every way of running the digits script passes it once (torchrun once got it twice: argparse refused)."""
+    seen: list[list[str]] = []
+
+    def fake(cmd: list[str], path: Path, env: dict[str, str] | None = None) -> list[float]:
+        seen.append(cmd)
+        return [1.0]
+
+    monkeypatch.setattr(rp, "_curve", fake)
+    ctx = rp.Ctx(tmp_path, replace(TINY, replicas=(1, 2)), None, tmp_path / "c.txt", Console(quiet=True))
+    curves = rp.replicator_curves(ctx)
+    assert len(seen) == len(curves) == 4
+    script = str(rp.ROOT / "examples" / "replicator_digits_cnn.py")
+    for cmd in seen:
+        assert cmd.count(script) == 1, cmd
+    assert any("--nproc-per-node=2" in c and "--ddp" in c for c in seen)

@@ -615,7 +615,6 @@ def replicator_curves(ctx: Ctx) -> dict[str, list[float]]:
         "torch.distributed.run",
         "--standalone",
         f"--nproc-per-node={n}",
-        str(script),
     ]
     for label, stem, extra in ((f"torchrun --nproc-per-node {n}", "torchrun", []),
                                (f"torch DDP, torchrun --nproc-per-node {n}", "ddp", ["--ddp"])):  # fmt: skip
