@@ -575,6 +575,31 @@ def test_error_feedback_invariant(key: str) -> None:
             assert bool(((g + e_old) - (sent + e_new)).abs().le(slack).all())
 
 
+@pytest.mark.parametrize("key", sorted(SPARSIFIERS))
+@pytest.mark.parametrize("owned", [True, False])
+def test_error_feedback_update_selected_is_update_bit_for_bit(key: str, owned: bool) -> None:
+    """The sparsifiers' residual from the payload's entries equals update(x, decompress(payload)) bit for bit
+    (signed zeros included), and leaves a tensor it does not own alone."""
+    c = ALL[key]
+    gen = torch.Generator().manual_seed(7)
+    dense, selected = ErrorFeedback(), ErrorFeedback()
+    for step in range(4):
+        g = torch.randn(3000, generator=gen)
+        g[::97] = -0.0
+        xa, xb = dense.compensate("p", g), selected.compensate("p", g)
+        assert torch.equal(xa, xb)
+        p = c.compress(xb, Context("p"))
+        assert isinstance(p, SparsePayload) and p.stream.indices is not None
+        dense.update("p", xa, c.decompress(p, TensorSpec.of(xa)))
+        before = xb.clone()
+        selected.update_selected("p", xb, p.stream.indices, p.stream.values, owned=owned)
+        ea, eb = dense.error("p"), selected.error("p")
+        assert ea is not None and eb is not None
+        assert torch.equal(ea, eb) and torch.equal(ea.signbit(), eb.signbit()), step
+        if not owned:
+            assert torch.equal(xb, before) and eb.data_ptr() != xb.data_ptr()
+
+
 def test_error_feedback_state_dict_round_trip() -> None:
     mem = ErrorFeedback()
     mem.update("a", torch.ones(3), torch.zeros(3))

@@ -40,6 +40,22 @@ class ErrorFeedback:
         t = transmitted.to_dense() if transmitted.is_sparse else transmitted
         self._errors[name] = (c - t).detach()
 
+    def update_selected(
+        self, name: str, compensated: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, owned: bool
+    ) -> None:
+        """``update(name, compensated, t)`` for a ``t`` that is zero but ``values`` at the flat ``indices``
+        (unique; a sparsifier's payload), without building t: e = compensated, then e[indices] -= values,
+        bit for bit the residual ``update`` stores (c - 0 is c). ``owned``: ``compensated`` is a tensor no one
+        else holds, which becomes the residual, written in place; otherwise it is copied first. Dense
+        ``compensated`` only."""
+        if compensated.is_sparse:
+            raise ValueError("update_selected needs a dense compensated tensor; use update")
+        e = compensated.detach() if owned else compensated.detach().clone()
+        self._errors[name] = e
+        flat = e.view(-1)
+        idx = indices.to(torch.int64)
+        flat[idx] = flat[idx] - values.to(e.dtype)
+
     def error(self, name: str) -> torch.Tensor | None:
         return self._errors.get(name)
 

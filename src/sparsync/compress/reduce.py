@@ -210,7 +210,12 @@ def compressed_allreduce(
         return pipelined(n * wire.itemsize, n, "allreduce", msgs, casts)
     payload = compressor.compress(x.detach(), ctx)
     if memory is not None:
-        memory.update(name, x, compressor.decompress(payload, xspec))
+        st = payload.stream if isinstance(payload, base.SparsePayload) else None
+        if st is not None and st.indices is not None and st.row == 1 and not x.is_sparse and x.is_contiguous():
+            # a sparsifier's residual is x with the sent entries taken out: no dense decompress, no x - t pass
+            memory.update_selected(name, x, st.indices, st.values, owned=x is not tensor)
+        else:
+            memory.update(name, x, compressor.decompress(payload, xspec))
     if isinstance(payload, base.SparsePayload):
         # sparse_allreduce's own metadata round checks the fingerprint (and NaN) on every rank
         opts = CallOptions(algorithm=algorithm, timeout=timeout, check_nan=check_nan)
