@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from torch.nn import functional
 
 import sparsync
 
@@ -56,7 +56,7 @@ def work(rank: int, ckpt: str, steps: int, kill_rank: int, kill_step: int) -> st
             os.kill(os.getpid(), signal.SIGKILL)
         tokens, y = batch(step, rank)
         opt.zero_grad()
-        loss = F.cross_entropy(model["head"](model["emb"](tokens)), y)
+        loss = functional.cross_entropy(model["head"](model["emb"](tokens)), y)
         loss.backward()
         for p in model.parameters():
             assert p.grad is not None
