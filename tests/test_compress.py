@@ -598,6 +598,12 @@ def test_error_feedback_update_selected_is_update_bit_for_bit(key: str, owned: b
         assert torch.equal(ea, eb) and torch.equal(ea.signbit(), eb.signbit()), step
         if not owned:
             assert torch.equal(xb, before) and eb.data_ptr() != xb.data_ptr()
+    # a non-contiguous compensated tensor (a transposed gradient) is copied, even when owned
+    t = torch.randn(60, 50, generator=gen).t()
+    p = c.compress(t, Context("t"))
+    dense.update("t", t, c.decompress(p, TensorSpec.of(t)))
+    selected.update_selected("t", t, p.stream.indices, p.stream.values, owned=owned)
+    assert torch.equal(dense.error("t"), selected.error("t"))  # type: ignore[arg-type]
 
 
 def test_error_feedback_state_dict_round_trip() -> None:

@@ -46,11 +46,12 @@ class ErrorFeedback:
         """``update(name, compensated, t)`` for a ``t`` that is zero but ``values`` at the flat ``indices``
         (unique; a sparsifier's payload), without building t: e = compensated, then e[indices] -= values,
         bit for bit the residual ``update`` stores (c - 0 is c). ``owned``: ``compensated`` is a tensor no one
-        else holds, which becomes the residual, written in place; otherwise it is copied first. Dense
-        ``compensated`` only."""
+        else holds, which becomes the residual, written in place (if contiguous); otherwise it is copied first.
+        Dense ``compensated`` only."""
         if compensated.is_sparse:
             raise ValueError("update_selected needs a dense compensated tensor; use update")
-        e = compensated.detach() if owned else compensated.detach().clone()
+        c = compensated.detach()
+        e = c if owned and c.is_contiguous() else c.clone(memory_format=torch.contiguous_format)
         self._errors[name] = e
         flat = e.view(-1)
         idx = indices.to(torch.int64)

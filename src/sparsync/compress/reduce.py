@@ -211,7 +211,7 @@ def compressed_allreduce(
     payload = compressor.compress(x.detach(), ctx)
     if memory is not None:
         st = payload.stream if isinstance(payload, base.SparsePayload) else None
-        if st is not None and st.indices is not None and st.row == 1 and not x.is_sparse and x.is_contiguous():
+        if st is not None and st.indices is not None and st.row == 1 and not x.is_sparse:
             # a sparsifier's residual is x with the sent entries taken out: no dense decompress, no x - t pass
             memory.update_selected(name, x, st.indices, st.values, owned=x is not tensor)
         else:

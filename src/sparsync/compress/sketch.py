@@ -221,7 +221,7 @@ def _compress_blocks(h: Hasher, table: torch.Tensor, bitmap: torch.Tensor, tenso
         if s.row == b:  # a block is one COO row (an embedding row)
             keys = s.indices.to(torch.int64)
             bitmap[keys] = 1
-            _insert_rows(h, table, keys, s.values.view(-1, b), None)
+            _insert_rows(h, table, s.values.view(-1, b), keys)
             return
         e = s.elements()
         assert e.indices is not None
@@ -230,7 +230,7 @@ def _compress_blocks(h: Hasher, table: torch.Tensor, bitmap: torch.Tensor, tenso
         rows = torch.zeros(keys.numel(), b, dtype=work)
         rows[inv, idx % b] = e.values.to(work)
         bitmap[keys] = 1
-        _insert_rows(h, table, keys, rows, None)
+        _insert_rows(h, table, rows, keys)
         return
     flat = tensor.reshape(-1)
     full = n // b
@@ -238,10 +238,9 @@ def _compress_blocks(h: Hasher, table: torch.Tensor, bitmap: torch.Tensor, tenso
     bitmap[blocks] = 1
     whole = flat[: full * b].view(full, b)
     if blocks.numel() == bitmap.numel():  # every block set: no gather
-        _insert_rows(h, table, None, whole, None)
+        _insert_rows(h, table, whole, None)
     else:
-        sel = blocks[: int(torch.searchsorted(blocks, full))]
-        _insert_rows(h, table, sel, whole, sel)
+        _insert_rows(h, table, whole, blocks[: int(torch.searchsorted(blocks, full))], gather=True)
     if full * b < n and blocks.numel() and int(blocks[-1]) == full:  # the short last block, zero-padded
         pad = torch.zeros(1, b, dtype=work)
         pad[0, : n - full * b] = flat[full * b :]
@@ -249,16 +248,16 @@ def _compress_blocks(h: Hasher, table: torch.Tensor, bitmap: torch.Tensor, tenso
 
 
 def _insert_rows(
-    h: Hasher, table: torch.Tensor, keys: torch.Tensor | None, rows: torch.Tensor, sel: torch.Tensor | None
+    h: Hasher, table: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor | None, *, gather: bool = False
 ) -> None:
-    """Insert the blocks ``keys`` (None: 0, 1, ...) whose values are ``rows[sel]`` (None: ``rows``), in passes."""
-    m = rows.shape[0] if sel is None else sel.numel()
-    b = rows.shape[1]
-    step = max(1, h.z.numel() // b)
+    """Insert, in passes, the blocks ``keys`` (None: 0, 1, ... for every row of ``rows``) with the values
+    ``rows[keys]`` (``gather``) or the rows of ``rows`` in order."""
+    m = rows.shape[0] if keys is None else keys.numel()
+    step = max(1, h.z.numel() // rows.shape[1])
     for a in range(0, m, step):
         hi = min(m, a + step)
         part = torch.arange(a, hi) if keys is None else keys[a:hi]
-        vals = rows[a:hi] if sel is None else rows[sel[a:hi]]
+        vals = rows[part] if gather else rows[a:hi]
         h.insert_blocks(table, part, vals.to(table.dtype))
 
 
