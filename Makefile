@@ -8,8 +8,8 @@ demo: setup
 
 # Lint, type-check, then the default test run (multi-process gloo groups included; `large` grids excluded).
 test: setup
-	.venv/bin/ruff check src tests examples
-	.venv/bin/ruff format --check src tests examples
+	.venv/bin/ruff check src tests examples setup.py
+	.venv/bin/ruff format --check src tests examples setup.py
 	.venv/bin/mypy
 	.venv/bin/python -m pytest -q --durations=15
 

@@ -33,6 +33,7 @@ from sparsync.compress import (
     sketch_hash,
 )
 from sparsync.compress import qsgd as qsgd_mod
+from sparsync.compress import qsgd_kernels as qk
 from sparsync.compress import sketch as sk_mod
 from sparsync.compress import topk as topk_mod
 from sparsync.compress.qsgd_allreduce import concat_payloads, encode_remote, partitions, simulate, slice_payload
@@ -95,6 +96,7 @@ def test_registry_has_every_compressor_and_rejects_unknown_names() -> None:
         (lambda: RandomK(-1), "ratio"),
         (lambda: QSGD(bits=3), "bits"),
         (lambda: QSGD(scale="l1"), "scale"),  # type: ignore[arg-type]
+        (lambda: QSGD(kernels="asm"), "kernels"),  # type: ignore[arg-type]
         (lambda: SparseSketch(), "cols"),
         (lambda: SparseSketch(cols=10, ratio=0.1), "cols"),
         (lambda: SparseSketch(rows=0, cols=10), "rows"),
@@ -462,6 +464,64 @@ def test_qsgd_rounding_differs_between_ranks() -> None:
     a = c.decompress(c.compress(x, Context("w", 0, 2)), TensorSpec.of(x))
     b = c.decompress(c.compress(x, Context("w", 1, 2)), TensorSpec.of(x))
     assert not torch.equal(a, b)
+
+
+def test_qsgd_c_kernels_are_built() -> None:
+    """`pip install -e .` (make setup) compiles them; without them QSGD falls back to the torch kernels, and the
+    tests below would compare torch with itself."""
+    assert qk.native_available(), "sparsync.compress._qsgd_c is not built: run `make setup` (needs gcc)"
+
+
+def test_qsgd_noise_words_are_splitmix64_of_the_counter() -> None:
+    """The torch stream (int64 arithmetic, arithmetic shifts masked) against splitmix64 in Python integers."""
+    mask = (1 << 64) - 1
+
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    for seed in (0, 1, 2**63 + 12345, mask):
+        got = [w & mask for w in qk.noise_words(seed, 9).tolist()]
+        assert got == [mix((seed + (w + 1) * 0x9E3779B97F4A7C15) & mask) for w in range(9)]
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize(
+    ("bucket", "n"), [(512, 2 * qsgd_mod.CHUNK + 777), (100, 1001), (7, 12345), (1, 33), (3, 1)]
+)
+def test_qsgd_c_and_torch_kernels_give_the_same_bits(bits: int, bucket: int, n: int) -> None:
+    """Encode, decode-sum of three payloads, and the re-quantization of an exact term plus two payloads: the C
+    kernels give bit for bit the torch kernels' result (zero buckets, a short last bucket, buckets that do not
+    start on a byte, several chunks, a bf16 and a strided input)."""
+    g = torch.Generator().manual_seed(bits * 1000 + bucket)
+    x = torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(4) * 1e3
+    x[: 2 * bucket] = 0.0
+    qc = QSGD(bits=bits, bucket=bucket, kernels="c")
+    qt = QSGD(bits=bits, bucket=bucket, kernels="torch")
+    strided = torch.randn(2 * n, generator=g)[::2]
+    for inp in (x, x.to(torch.bfloat16), strided):
+        pc, pt = qc.compress(inp, Context("w", 1, 3)), qt.compress(inp, Context("w", 1, 3))
+        assert torch.equal(pc.codes, pt.codes) and torch.equal(pc.scales, pt.scales)
+    p2 = qc.compress(x.flip(0), Context("v", 0, 3))
+    for q in (qc, qt):  # each decodes what the other encoded: both sums the same bits
+        assert torch.equal(q.decode_sum([pc, pt, p2], n), qt.decode_sum([pc, pt, p2], n))
+    exact = torch.randn(n, generator=g)
+    rc = qc.sum_requantize([pc, p2], n, qc.generator(Context("w", 0, 3), 1), exact)
+    rt = qt.sum_requantize([pc, p2], n, qt.generator(Context("w", 0, 3), 1), exact)
+    assert torch.equal(rc.codes, rt.codes) and torch.equal(rc.scales, rt.scales)
+
+
+@pytest.mark.parametrize("kernels", ["c", "torch"])
+def test_qsgd_non_finite_values_give_a_non_finite_scale(kernels: str) -> None:
+    """NaN and inf reach the result through their bucket's scale (the codes of such a bucket are not defined);
+    the other buckets are untouched."""
+    q = QSGD(bits=4, bucket=8, kernels=kernels)  # type: ignore[arg-type]
+    x = torch.linspace(-1, 1, 32)
+    x[3], x[20] = float("nan"), float("inf")
+    p = q.compress(x)
+    assert math.isnan(float(p.scales[0])) and math.isinf(float(p.scales[2]))
+    assert torch.equal(p.scales[[1, 3]], x.view(4, 8)[[1, 3]].abs().amax(1))
 
 
 # --- sparsifiers --------------------------------------------------------------------------------------------

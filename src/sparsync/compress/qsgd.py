@@ -11,14 +11,10 @@ n·S²/(4s²). ``scale="l2"`` is the QSGD paper's choice S = ‖v‖₂, with Le
 ``scale="max"`` (default) uses S = ‖v‖∞ ≤ ‖v‖₂, a tighter grid for the same bits: at 4 bits (s = 7) the l2
 grid leaves most values of a 512-bucket on level 0 or 1.
 
-Kernels: vectorized torch over chunks of 512K values (``CHUNK``: a chunk's passes stay in L2/L3
-and no tensor-sized temporary is allocated, a fresh 100 MB buffer costing more in page faults than the
-arithmetic on it; 128K chunks paid 20% more in per-op dispatch). Rounding noise is 16 random bits per value,
-drawn as 64-bit words (``random_`` on int64: a few times cheaper per value than ``torch.rand``): the rounding
-is unbiased up to 2^-17 of a quantization step (the float32 ``torch.rand`` it replaces was unbiased up to
-2^-24). Codes are packed with integer shifts on int32 / int64 views of int16 codes (little-endian layout, as
-on every platform torch runs on) and decoded by one ``index_select`` per byte from a 256-entry table of that
-byte's ``8 // bits`` levels (faster than unpacking with shifts). Timings: docs/compress_results.md.
+Kernels (``qsgd_kernels.py``): in C where the extension is built, in vectorized torch otherwise, the same
+bits either way; chunks of 512K values. Rounding noise is 16 bits per value from a counter-based stream
+(splitmix64) seeded by one draw of the generator per chunk: the rounding is unbiased up to 2^-17 of a
+quantization step. Timings: docs/compress_results.md.
 
 Aggregation: see ``qsgd_allreduce.py`` (``aggregation="reduce_scatter"``, the default for P > 2) and
 ``base.py`` (allgather).
@@ -43,9 +39,11 @@ from sparsync.compress.base import (
     TensorSpec,
     check_positive_int,
 )
+from sparsync.compress.qsgd_kernels import CHUNK, Workspace, chunk_values
 from sparsync.stream import SparseStream
 
-CHUNK = 1 << 19  # values per kernel pass (module doc)
+__all__ = ["CHUNK", "QSGD", "REQUANTIZE_STREAM", "Workspace"]
+
 _NOISE_STREAM = 0  # generator streams of one (name, rank): the compressor's own rounding ...
 REQUANTIZE_STREAM = 1  # ... and the re-quantization of a partition sum (qsgd_allreduce.py)
 
@@ -66,6 +64,9 @@ class QSGD(Compressor):
     # §5's dense phase), or "auto": reduce_scatter when P > 2 (at P = 2 it moves the same bytes and only adds
     # the re-quantization's variance)
     aggregation: Literal["auto", "allgather", "reduce_scatter"] = "auto"
+    # the encode/decode kernels: "auto" (C where built, else torch), "c" (raise if not built), "torch". The
+    # same bits either way (qsgd_kernels.py).
+    kernels: Literal["auto", "c", "torch"] = "auto"
     _gens: dict[tuple[str, int, int], torch.Generator] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -78,6 +79,8 @@ class QSGD(Compressor):
             raise ValueError(
                 f"aggregation must be 'auto', 'allgather' or 'reduce_scatter', got {self.aggregation!r}"
             )
+        if self.kernels not in ("auto", "c", "torch"):
+            raise ValueError(f"kernels must be 'auto', 'c' or 'torch', got {self.kernels!r}")
 
     @property
     def levels(self) -> int:
@@ -134,8 +137,8 @@ class QSGD(Compressor):
         ``chunk_step()``: encoding [0, n) in consecutive ranges gives the bits of one ``compress`` call with the
         same generator state (the chunks, and so the noise draws, are the same)."""
         for c0, c1 in self._chunks(b, a):
-            ws.encode(flat[c0:c1], out.scales[c0 // self.bucket : -(-c1 // self.bucket)], gen)
-            ws.pack(c1 - c0, out.codes[c0 * self.bits // 8 : -(-c1 * self.bits // 8)])
+            scales = out.scales[c0 // self.bucket : -(-c1 // self.bucket)]
+            ws.quantize(flat[c0:c1], scales, out.codes[c0 * self.bits // 8 : -(-c1 * self.bits // 8)], gen)
 
     def decode_into(self, payload: QuantizedPayload, out: torch.Tensor, ws: Workspace) -> None:
         """out (float32, the payload's values) = decode(payload), chunk by chunk with ``ws``'s scratch."""
@@ -148,7 +151,7 @@ class QSGD(Compressor):
 
     def chunk_step(self) -> int:
         """Values per kernel pass: whole buckets, a whole number of aligned units (codes start on a byte)."""
-        return _chunk_values(self.bucket, self.unit())
+        return chunk_values(self.bucket, self.unit())
 
     def decompress(self, payload: QuantizedPayload, spec: TensorSpec) -> torch.Tensor:
         return self.finish(self.decode_sum([payload], spec.numel), spec)
@@ -185,8 +188,8 @@ class QSGD(Compressor):
         acc = torch.empty(min(n, ws.chunk), dtype=torch.float32)
         for a, b in self._chunks(n):
             ws.decode_into(payloads, a, b, acc[: b - a], None if exact is None else exact[a:b])
-            ws.encode(acc[: b - a], out.scales[a // self.bucket : -(-b // self.bucket)], gen)
-            ws.pack(b - a, out.codes[a * self.bits // 8 : -(-b * self.bits // 8)])
+            scales = out.scales[a // self.bucket : -(-b // self.bucket)]
+            ws.quantize(acc[: b - a], scales, out.codes[a * self.bits // 8 : -(-b * self.bits // 8)], gen)
         return out
 
     def _chunks(self, n: int, start: int = 0) -> list[tuple[int, int]]:
@@ -199,111 +202,3 @@ class QSGD(Compressor):
         """The tensor ``spec`` describes from decoded float32 values (dtype, shape, layout)."""
         out = out.to(spec.dtype).reshape(spec.shape)
         return out.to_sparse(spec.sparse_dim) if spec.sparse_dim is not None else out
-
-
-def _chunk_values(bucket: int, unit: int) -> int:
-    return max(unit, CHUNK // bucket // unit * unit) * bucket
-
-
-class Workspace:
-    """Scratch buffers of one call, sized for one chunk and reused by every chunk."""
-
-    def __init__(self, q: QSGD, n: int) -> None:
-        self.bits, self.bucket, self.s, self.l2 = q.bits, q.bucket, q.levels, q.scale == "l2"
-        self.chunk = min(n, _chunk_values(q.bucket, q.unit()))
-        words = -(-self.chunk // 4)
-        self.noise = torch.empty(words, dtype=torch.int64)  # 4 x 16 random bits per word
-        self.codes = torch.empty(words * 4, dtype=torch.int16)  # room to pad a chunk to whole int64 words
-        self.f = torch.empty(self.chunk, dtype=torch.float32)
-        self.wide = torch.empty(words * 2, dtype=torch.int64)
-        per = 8 // self.bits  # decode: the levels of every byte value, per codes a byte (first in the low bits)
-        byte = torch.arange(256, dtype=torch.int32).unsqueeze(1)
-        codes = byte.bitwise_right_shift(torch.arange(per, dtype=torch.int32) * self.bits) & ((1 << self.bits) - 1)
-        lut = (codes - self.s).to(torch.float32)  # (256, per)
-        self.lut = lut.view(256) if per == 1 else lut
-        self.idx = torch.empty(-(-self.chunk * self.bits // 8), dtype=torch.int32)
-        self.lvl = torch.empty(self.idx.numel() * per, dtype=torch.float32)
-
-    def encode(self, x: torch.Tensor, scales: torch.Tensor, gen: torch.Generator) -> None:
-        """Codes q + s of the chunk ``x`` into ``self.codes`` and its bucket scales into ``scales``."""
-        k, B = x.numel(), self.bucket
-        full = k // B * B
-        if full:
-            self._round(x[:full].view(-1, B), scales[: full // B], self.codes[:full].view(-1, B), gen)
-        if full < k:  # the tensor's last, partial bucket
-            self._round(x[full:].view(1, -1), scales[full // B :], self.codes[full:k].view(1, -1), gen)
-
-    def _round(self, x: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, gen: torch.Generator) -> None:
-        xf = x if x.dtype == torch.float32 else x.to(torch.float32)
-        s = self.s
-        k = xf.numel()
-        t = self.f[:k].view_as(xf)  # scratch: |x| here, then the rounded levels (no fresh chunk-sized temporary)
-        S = torch.linalg.vector_norm(xf, dim=1) if self.l2 else torch.abs(xf, out=t).amax(1)
-        scales.copy_(S)
-        inv = torch.where(S > 0, s / S, torch.zeros_like(S)).unsqueeze(1)  # a zero bucket: code s, value 0
-        noise = self.noise[: -(-k // 4)].random_(-(2**63), None, generator=gen).view(torch.int16)[:k]
-        # code = floor(v·s/S + s + u) with u = (r + 32768.5) / 2^16 ∈ (0, 1), r a uniform int16: rounds up
-        # with probability frac(v·s/S) ± 2^-17. t ≥ 0, so the float -> int16 conversion's truncation floors.
-        t.copy_(noise.view_as(xf)).mul_(2.0**-16).add_(s + 0.5 + 2.0**-17)
-        t.addcmul_(xf, inv).clamp_(0, 2 * s)  # clamp: float rounding at ±S must not leave [0, 2s]
-        codes.copy_(t)
-
-    def pack(self, k: int, out: torch.Tensor) -> None:
-        """Pack the first ``k`` codes of ``self.codes``, ``8 // bits`` to a byte (first in the low bits)."""
-        per = 8 // self.bits
-        if per == 1:
-            out.copy_(self.codes[:k])
-            return
-        m = -(-k // per)
-        self.codes[k : m * per] = 0
-        # An int32 (int64) word holds 2 (4) int16 codes c_j at bit 16j; shifting it right by j·(16 - bits)
-        # brings c_j to bit j·bits. OR the shifted copies; the narrowing to uint8 keeps the low byte.
-        word = self.codes[: m * per].view(torch.int32 if per == 2 else torch.int64)
-        tmp = self.wide[:m] if per == 4 else self.wide.view(torch.int32)[:m]
-        for j in range(1, per):
-            word.bitwise_or_(torch.bitwise_right_shift(word, j * (16 - self.bits), out=tmp))
-        out.copy_(word)
-
-    def levels(self, packed: torch.Tensor, k: int, dst: torch.Tensor) -> None:
-        """dst (float32, k values) = the levels q = code - s of ``packed`` bytes, exact small integers: one
-        table lookup per byte (``index_select`` of the byte's ``8 // bits`` levels, read as one 4-, 8- or
-        16-byte word), the inverse of ``pack``."""
-        per, m = 8 // self.bits, packed.numel()
-        idx = self.idx[:m]
-        idx.copy_(packed)
-        aligned = k == m * per and dst.storage_offset() % per == 0  # dst viewed as words of per levels
-        lvl = dst if aligned else self.lvl[: m * per]
-        if per == 1:
-            torch.index_select(self.lut, 0, idx, out=lvl)
-        elif per == 2:
-            torch.index_select(self.lut.view(torch.int64).view(-1), 0, idx, out=lvl.view(torch.int64))
-        else:
-            torch.index_select(self.lut.view(torch.int64), 0, idx, out=lvl.view(torch.int64).view(m, 2))
-        if not aligned:
-            dst.copy_(lvl[:k])
-
-    def decode_into(
-        self,
-        payloads: list[QuantizedPayload],
-        a: int,
-        b: int,
-        out: torch.Tensor,
-        first: torch.Tensor | None = None,
-    ) -> None:
-        """out = first + Σ_p decode(p)[a:b] (float32; ``first``, if given: values [a, b) of an exact term);
-        [a, b) a chunk of ``QSGD._chunks``."""
-        B, bits = self.bucket, self.bits
-        nb = -(-(b - a) // B)
-        full = (b - a) // B * B
-        if first is not None:
-            out.copy_(first)
-        for i, p in enumerate(payloads):
-            step = p.scales[a // B : a // B + nb] / self.s
-            dst = out if i == 0 and first is None else self.f[: b - a]
-            self.levels(p.codes[a * bits // 8 : -(-b * bits // 8)], b - a, dst)  # exact q; one rounding: q·(S/s)
-            if full:
-                dst[:full].view(-1, B).mul_(step[: full // B].unsqueeze(1))
-            if full < b - a:
-                dst[full:].mul_(step[-1])
-            if dst is not out:
-                out.add_(dst)
