@@ -1,18 +1,22 @@
-"""The C kernels of QSGD (src/sparsync/compress/_qsgd_c.c). Everything else is in pyproject.toml.
+"""The C kernels of QSGD and of the S2 sketch (src/sparsync/compress/_qsgd_c.c, _sketch_c.c). Everything else
+is in pyproject.toml.
 
-optional=True: without a C compiler the install still succeeds and QSGD runs its torch kernels (the same bits).
--ffp-contract=off: no fused multiply-add, so the C kernels round exactly as the torch ones do.
+optional=True: without a C compiler the install still succeeds and the compressors run their torch kernels (the
+same results). -ffp-contract=off: no fused multiply-add, so the C kernels round exactly as the torch ones do.
 """
 
 from setuptools import Extension, setup
 
+FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c11"]
+
 setup(
     ext_modules=[
         Extension(
-            "sparsync.compress._qsgd_c",
-            ["src/sparsync/compress/_qsgd_c.c"],
-            extra_compile_args=["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c11"],
+            f"sparsync.compress._{name}_c",
+            [f"src/sparsync/compress/_{name}_c.c"],
+            extra_compile_args=FLAGS,
             optional=True,
         )
+        for name in ("qsgd", "sketch")
     ]
 )

@@ -15,7 +15,8 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 if ! .venv/bin/python -c "import sparsync, sparsync_bench, rich, matplotlib, pytest, hypothesis, ruff, mypy" 2>/dev/null \
    || [ pyproject.toml -nt .venv/.sparsync-installed ] || [ setup.py -nt .venv/.sparsync-installed ] \
-   || [ src/sparsync/compress/_qsgd_c.c -nt .venv/.sparsync-installed ]; then
+   || [ src/sparsync/compress/_qsgd_c.c -nt .venv/.sparsync-installed ] \
+   || [ src/sparsync/compress/_sketch_c.c -nt .venv/.sparsync-installed ]; then
   echo "setup: installing sparsync, its bench tools and its dev tools into .venv"
   .venv/bin/pip install -q -e '.[dev]'
   touch .venv/.sparsync-installed

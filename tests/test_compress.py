@@ -100,6 +100,7 @@ def test_registry_has_every_compressor_and_rejects_unknown_names() -> None:
         (lambda: SparseSketch(), "cols"),
         (lambda: SparseSketch(cols=10, ratio=0.1), "cols"),
         (lambda: SparseSketch(rows=0, cols=10), "rows"),
+        (lambda: SparseSketch(cols=10, kernels="asm"), "kernels"),
         (lambda: BlockTopK(0.1, block=0), "block"),
         (lambda: ErrorFeedback(decay=2.0), "decay"),
     ],
@@ -320,6 +321,39 @@ def test_sketch_query_of_embedding_rows_is_unbiased(mode: str) -> None:
     assert float(err.abs().max()) > 0.1  # collisions: not trivially exact
     assert float(z.abs().max()) < 5.0, f"max |z| = {float(z.abs().max()):.2f}"
     assert abs(float(z.mean())) * math.sqrt(z.numel()) < 5.0
+
+
+def test_sketch_c_kernels_are_built() -> None:
+    assert sketch_hash.native_available(), "sparsync.compress._sketch_c is not built: run `make setup` (needs gcc)"
+
+
+@MODES
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
+def test_sketch_c_and_torch_kernels_agree(mode: str, rows: int) -> None:
+    """The same table (bitwise: the same sums in the same order) and the same estimates from the C kernels as
+    from the torch ones, on every path: dense (every block set, gaps, a short last block), COO rows of an
+    embedding gradient, COO elements (rows wider than a block), float64; odd and even row counts (median)."""
+    g = torch.Generator().manual_seed(rows)
+    gap = torch.randn(3 * sk_mod.CHUNK + 77, generator=g)
+    gap[1000:90_000] = 0
+    inputs = [
+        torch.randn(2 * sk_mod.CHUNK + 5, generator=g),
+        gap,
+        torch.randn(300, 20, generator=g).double(),
+        _embedding_grad(3000, 64, 5000, seed=rows),
+        _embedding_grad(3000, 20, 2000, seed=rows + 1),
+    ]
+    for x in inputs:
+        for kw in ({"ratio": 0.05}, {"ratio": 0.05, "block": 7}):
+            c = SparseSketch(rows=rows, seed=3, hash=mode, kernels="c", **kw)  # type: ignore[arg-type]
+            t = SparseSketch(rows=rows, seed=3, hash=mode, kernels="torch", **kw)  # type: ignore[arg-type]
+            pc, pt = c.compress(x), t.compress(x)
+            assert torch.equal(pc.bitmap, pt.bitmap) and torch.equal(pc.table, pt.table), (x.shape, kw)
+            yc, yt = c.decompress(pc, TensorSpec.of(x)), t.decompress(pc, TensorSpec.of(x))
+            if x.is_sparse:
+                assert torch.equal(yc.indices(), yt.indices())
+                yc, yt = yc.values(), yt.values()
+            assert torch.equal(yc, yt), (x.shape, kw)
 
 
 @pytest.mark.parametrize("r", range(1, 11))

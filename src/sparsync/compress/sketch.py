@@ -71,6 +71,9 @@ class SparseSketch(Compressor):
     block: int | None = None  # entries per bitmap bit; None: one row of a 2-D+ tensor, FLAT_BLOCK for 1-D
     seed: int = 0  # hash seed: must be the same on every rank
     hash: str = "block"  # "block": one hash per block (the default); "element": one per element (S2 Alg. 1)
+    # the insert/query kernels: "auto" (C where built, else torch), "c" (raise if not built), "torch"; the same
+    # table sums and estimates either way (sketch_hash.py)
+    kernels: str = "auto"
 
     def __post_init__(self) -> None:
         check_positive_int(self.rows, "rows")
@@ -88,6 +91,14 @@ class SparseSketch(Compressor):
             check_positive_int(self.block, "block")
         if self.hash not in HASHES:
             raise ValueError(f"hash must be one of {HASHES}, got {self.hash!r}")
+        if self.kernels not in ("auto", "c", "torch"):
+            raise ValueError(f"kernels must be 'auto', 'c' or 'torch', got {self.kernels!r}")
+
+    def _hasher(self, c: int, work: torch.dtype, size: int | None = None) -> Hasher:
+        native = None if self.kernels == "auto" else self.kernels == "c"
+        if size is None:
+            return Hasher(self.rows, self.seed, c, work, native=native)
+        return Hasher(self.rows, self.seed, c, work, size, native=native)
 
     def width(self, numel: int) -> int:
         """c for a tensor of ``numel`` entries, before the block hash rounds it up (``table_cols``)."""
@@ -136,10 +147,10 @@ class SparseSketch(Compressor):
         c = self.table_cols(spec.shape)
         table = torch.zeros(self.rows, c, dtype=work)
         if self.hash == "block":
-            hasher = Hasher(self.rows, self.seed, c // b, work, max(BLOCK_CHUNK, b))
+            hasher = self._hasher(c // b, work, max(BLOCK_CHUNK, b))
             _compress_blocks(hasher, table, bitmap, tensor, b)
             return SketchPayload(bitmap, table.to(dtype))
-        hasher = Hasher(self.rows, self.seed, c, work)
+        hasher = self._hasher(c, work)
         if tensor.is_sparse:
             s = coo_to_stream(tensor)  # coalesced rows, O(nnz): a COO input is never densified
             assert s.indices is not None
@@ -178,12 +189,12 @@ class SparseSketch(Compressor):
         if self.hash == "block":
             if c % b:
                 raise ValueError(f"a block-hash table's {c} columns are not whole blocks of {b}")
-            hasher = Hasher(self.rows, self.seed, c // b, work, max(BLOCK_CHUNK, b))
+            hasher = self._hasher(c // b, work, max(BLOCK_CHUNK, b))
             vals = _query_blocks(hasher, table, blocks, b, n)
             if spec.sparse_dim is None and every:  # every block set: the values are the tensor
                 return vals.to(spec.dtype).reshape(spec.shape)
             return _assemble(vals.to(spec.dtype), blocks, b, spec)
-        hasher = Hasher(self.rows, self.seed, c, work)
+        hasher = self._hasher(c, work)
         if spec.sparse_dim is None and every:  # every block set: write in place
             out = torch.empty(n, dtype=work)
             for a in range(0, n, CHUNK):
