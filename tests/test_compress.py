@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import mmap
 
 import numpy as np
 import pytest
@@ -792,6 +793,34 @@ def test_fresh_buffers_are_plain_writable_tensors(n: int) -> None:
     view = t[1:].view(-1, 1)
     del t
     assert float(view[0, 0]) == 1.0  # the mapping lives as long as a view of it
+
+
+def test_fresh_mappings_are_reused_only_once_no_tensor_holds_them() -> None:
+    """The pool of huge-page mappings: a mapping comes back from ``fresh`` only after every tensor, view and
+    numpy array of it is gone; reused memory is zeroed on request; free ones beyond the limit are unmapped."""
+    n = buffers.HUGE_MIN // 4 + 3
+    x = buffers.fresh(n)
+    ptr = x.data_ptr()
+    x.fill_(7.0)
+    view = x[10:20]
+    del x
+    held = buffers.fresh(n)
+    assert held.data_ptr() != ptr and float(view[0]) == 7.0  # a view alive: not reused
+    del view
+    again = buffers.fresh(n)
+    assert again.data_ptr() == ptr  # free: reused, uninitialized
+    arr = again.numpy()
+    del again
+    assert buffers.fresh(n).data_ptr() != ptr  # a numpy array of it alive: not reused
+    del arr
+    zeroed = buffers.fresh(n, zeros=True)
+    assert zeroed.data_ptr() == ptr and not zeroed.any()
+    del zeroed, held
+    pool = buffers._Pool(limit=0)  # nothing free is kept
+    m = mmap.mmap(-1, buffers.HUGE_PAGE)
+    pool.hand_out(m, torch.frombuffer(m, dtype=torch.uint8))  # the tensor dies at once: free
+    pool.hand_out(mmap.mmap(-1, buffers.HUGE_PAGE), keep := torch.zeros(1))
+    assert len(pool.maps) == 1 and pool.maps[0][1].expired() is False and keep.numel() == 1
 
 
 def _same_topk(mag: torch.Tensor, k: int) -> None:
