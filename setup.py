@@ -1,5 +1,5 @@
-"""The C kernels of QSGD and of the S2 sketch (src/sparsync/compress/_qsgd_c.c, _sketch_c.c). Everything else
-is in pyproject.toml.
+"""The C kernels of QSGD, of the S2 sketch and of DCT-DP's threshold (src/sparsync/compress/_*_c.c). Everything
+else is in pyproject.toml.
 
 optional=True: without a C compiler the install still succeeds and the compressors run their torch kernels (the
 same results). -ffp-contract=off: no fused multiply-add, so the C kernels round exactly as the torch ones do.
@@ -17,6 +17,6 @@ setup(
             extra_compile_args=FLAGS,
             optional=True,
         )
-        for name in ("qsgd", "sketch")
+        for name in ("qsgd", "sketch", "threshold")
     ]
 )

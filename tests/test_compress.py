@@ -36,6 +36,7 @@ from sparsync.compress import (
 from sparsync.compress import qsgd as qsgd_mod
 from sparsync.compress import qsgd_kernels as qk
 from sparsync.compress import sketch as sk_mod
+from sparsync.compress import threshold as threshold_mod
 from sparsync.compress import topk as topk_mod
 from sparsync.compress.qsgd_allreduce import concat_payloads, encode_remote, partitions, simulate, slice_payload
 
@@ -102,6 +103,7 @@ def test_registry_has_every_compressor_and_rejects_unknown_names() -> None:
         (lambda: SparseSketch(cols=10, ratio=0.1), "cols"),
         (lambda: SparseSketch(rows=0, cols=10), "rows"),
         (lambda: SparseSketch(cols=10, kernels="asm"), "kernels"),
+        (lambda: Threshold(0.1, kernels="asm"), "kernels"),
         (lambda: BlockTopK(0.1, block=0), "block"),
         (lambda: ErrorFeedback(decay=2.0), "decay"),
     ],
@@ -636,6 +638,27 @@ def test_threshold_is_recomputed_every_lifespan_calls() -> None:
     y = roundtrip(th, x, Context("layer"))
     tau = th.threshold("layer")
     assert tau is not None and torch.equal(y != 0, x.abs() >= tau)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_threshold_c_and_torch_mask_passes_give_the_same_positions(dtype: torch.dtype) -> None:
+    """Across chunks, at τ > 0 and τ = 0, with NaN, ±inf, signed zeros and values equal to τ (bf16: torch's pass
+    only)."""
+    n = 2 * threshold_mod.CHUNK + 12_345
+    g = torch.Generator().manual_seed(5)
+    v = (torch.randn(n, generator=g) * (torch.rand(n, generator=g) < 0.3)).to(dtype)
+    v[[3, 77, n - 1]] = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
+    v[[10, 11]] = torch.tensor([-0.0, 0.0], dtype=dtype)
+    tau = float(v[100:200].abs().max())
+    v[[5, threshold_mod.CHUNK + 1]] = torch.tensor([tau, -tau], dtype=dtype)
+    for t in (tau, 0.0):
+        want = threshold_mod._mask_positions(v, t, native=False)
+        got = threshold_mod._mask_positions(v, t, native=True)
+        assert torch.equal(got, want) and bool((want[1:] > want[:-1]).all())
+    c, t = Threshold(0.01, kernels="c"), Threshold(0.01, kernels="torch")
+    pc, pt = c.compress(v, Context("w")), t.compress(v, Context("w"))
+    assert isinstance(pc, SparsePayload) and isinstance(pt, SparsePayload)
+    assert torch.equal(pc.stream.indices, pt.stream.indices) and torch.equal(pc.stream.values, pt.stream.values)
 
 
 def test_threshold_of_zeros_sends_nothing() -> None:

@@ -20,6 +20,11 @@ import torch
 
 from sparsync.compress import base
 
+try:  # built by `pip install` (setup.py); optional: the torch pass is the fallback
+    from sparsync.compress import _threshold_c as _native
+except ImportError:  # pragma: no cover - only without a C compiler
+    _native = None  # type: ignore[assignment]
+
 
 @dataclass(frozen=True, eq=False)
 class Threshold(base.Sparsifier):
@@ -29,11 +34,19 @@ class Threshold(base.Sparsifier):
     accepts_sparse: ClassVar[bool] = True
 
     lifespan: int = 1000  # L: calls between recomputations of τ (per name); 1 = every call
+    # the mask pass: "auto" (C where built, else torch), "c" (raise if not built), "torch"; the same positions
+    kernels: str = "auto"
     _state: dict[str, list[Any]] = field(default_factory=dict, init=False, repr=False)  # name -> [calls, τ]
 
     def __post_init__(self) -> None:
         super().__post_init__()  # ratio: the paper's sparsity factor η, the fraction kept when τ is recomputed
         base.check_positive_int(self.lifespan, "lifespan")
+        if self.kernels not in ("auto", "c", "torch"):
+            raise ValueError(f"kernels must be 'auto', 'c' or 'torch', got {self.kernels!r}")
+        if self.kernels == "c" and _native is None:
+            raise RuntimeError(
+                "Threshold(kernels='c'): the C extension sparsync.compress._threshold_c is not built"
+            )
 
     def threshold(self, name: str = "") -> float | None:
         """Current τ for ``name`` (None before its first call)."""
@@ -48,7 +61,7 @@ class Threshold(base.Sparsifier):
             k = base.count_for(self.ratio, n)
             st[1] = float(torch.kthvalue(values.abs(), n - k + 1).values)
         st[0] += 1
-        pos = _mask_positions(values, st[1])
+        pos = _mask_positions(values, st[1], native=self.kernels != "torch")
         return base.selected(values, indices, pos, tensor.numel(), presorted=True)
 
     def state_dict(self) -> dict[str, Any]:
@@ -63,11 +76,19 @@ class Threshold(base.Sparsifier):
 CHUNK = 1 << 20  # entries per pass of the mask: |g|, the mask and its positions stay in cache
 
 
-def _mask_positions(values: torch.Tensor, tau: float) -> torch.Tensor:
+def _mask_positions(values: torch.Tensor, tau: float, native: bool = True) -> torch.Tensor:
     """Sorted positions of |v| >= τ (|v| > 0 when τ = 0), one cache-sized chunk at a time: the calls between
     recomputations are this pass only, and on a large layer a whole-tensor |v| costs a 4-byte-per-entry
-    temporary plus a second trip through memory (DCT §2.1: the compression overhead must stay small)."""
+    temporary plus a second trip through memory (DCT §2.1: the compression overhead must stay small). In C
+    (``_threshold_c.c``: one pass writing only the positions) where built, for float32 and float64."""
     n = values.numel()
+    if (
+        native
+        and _native is not None
+        and values.dtype in (torch.float32, torch.float64)
+        and values.is_contiguous()
+    ):
+        return _native_positions(values, tau)
     buf = torch.empty(min(CHUNK, n), dtype=values.dtype)
     mask = torch.empty(min(CHUNK, n), dtype=torch.bool)
     parts = []
@@ -80,4 +101,18 @@ def _mask_positions(values: torch.Tensor, tau: float) -> torch.Tensor:
         else:
             torch.gt(buf[:m], 0, out=mask[:m])
         parts.append(torch.nonzero(mask[:m], as_tuple=True)[0] + start)
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+
+
+def _native_positions(values: torch.Tensor, tau: float) -> torch.Tensor:
+    n = values.numel()
+    assert _native is not None
+    buf = torch.empty(min(CHUNK, n), dtype=torch.int64)
+    parts = []
+    dbl = int(values.dtype == torch.float64)
+    item = values.element_size()
+    for start in range(0, n, CHUNK):
+        m = min(CHUNK, n - start)
+        k = _native.select(values.data_ptr() + start * item, m, tau, start, buf.data_ptr(), dbl)
+        parts.append(buf[:k].clone())
     return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)

@@ -1,0 +1,3 @@
+# The C extension's signature (_threshold_c.c): pointers are tensor.data_ptr() ints.
+
+def select(values: int, n: int, tau: float, offset: int, out: int, is_double: int, /) -> int: ...
