@@ -332,10 +332,12 @@ def test_sketch_c_kernels_are_built() -> None:
 
 @MODES
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 9])
-def test_sketch_c_and_torch_kernels_agree(mode: str, rows: int) -> None:
+def test_sketch_c_and_torch_kernels_agree(mode: str, rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same table (bitwise: the same sums in the same order) and the same estimates from the C kernels as
     from the torch ones, on every path: dense (every block set, gaps, a short last block), COO rows of an
-    embedding gradient, COO elements (rows wider than a block), float64; odd and even row counts (median)."""
+    embedding gradient, COO elements (rows wider than a block), float64; odd and even row counts (median).
+    A spy checks that the C kernels did run."""
+    used = _spy(monkeypatch, sketch_hash)
     g = torch.Generator().manual_seed(rows)
     gap = torch.randn(3 * sk_mod.CHUNK + 77, generator=g)
     gap[1000:90_000] = 0
@@ -357,6 +359,21 @@ def test_sketch_c_and_torch_kernels_agree(mode: str, rows: int) -> None:
                 assert torch.equal(yc.indices(), yt.indices())
                 yc, yt = yc.values(), yt.values()
             assert torch.equal(yc, yt), (x.shape, kw)
+    want = {"insert_blocks", "query_blocks"} if mode == "block" else {"insert", "query"}
+    assert want <= used
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch, module: object) -> set[str]:
+    """Replace ``module._native`` (a C extension) by a proxy recording which of its functions were called."""
+    real, used = module._native, set()  # type: ignore[attr-defined]
+
+    class Spy:
+        def __getattr__(self, name: str) -> object:
+            used.add(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(module, "_native", Spy())
+    return used
 
 
 @pytest.mark.parametrize("r", range(1, 11))
@@ -527,10 +544,13 @@ def test_qsgd_noise_words_are_splitmix64_of_the_counter() -> None:
 @pytest.mark.parametrize(
     ("bucket", "n"), [(512, 2 * qsgd_mod.CHUNK + 777), (100, 1001), (7, 12345), (1, 33), (3, 1)]
 )
-def test_qsgd_c_and_torch_kernels_give_the_same_bits(bits: int, bucket: int, n: int) -> None:
+def test_qsgd_c_and_torch_kernels_give_the_same_bits(
+    bits: int, bucket: int, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Encode, decode-sum of three payloads, and the re-quantization of an exact term plus two payloads: the C
     kernels give bit for bit the torch kernels' result (zero buckets, a short last bucket, buckets that do not
     start on a byte, several chunks, a bf16 and a strided input)."""
+    used = _spy(monkeypatch, qk)
     g = torch.Generator().manual_seed(bits * 1000 + bucket)
     x = torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(4) * 1e3
     x[: 2 * bucket] = 0.0
@@ -547,6 +567,7 @@ def test_qsgd_c_and_torch_kernels_give_the_same_bits(bits: int, bucket: int, n: 
     rc = qc.sum_requantize([pc, p2], n, qc.generator(Context("w", 0, 3), 1), exact)
     rt = qt.sum_requantize([pc, p2], n, qt.generator(Context("w", 0, 3), 1), exact)
     assert torch.equal(rc.codes, rt.codes) and torch.equal(rc.scales, rt.scales)
+    assert used == {"encode", "decode_sum"}  # the C kernels ran
 
 
 @pytest.mark.parametrize("kernels", ["c", "torch"])
@@ -641,7 +662,9 @@ def test_threshold_is_recomputed_every_lifespan_calls() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_threshold_c_and_torch_mask_passes_give_the_same_positions(dtype: torch.dtype) -> None:
+def test_threshold_c_and_torch_mask_passes_give_the_same_positions(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Across chunks, at τ > 0 and τ = 0, with NaN, ±inf, signed zeros and values equal to τ (bf16: torch's pass
     only)."""
     n = 2 * threshold_mod.CHUNK + 12_345
@@ -651,6 +674,7 @@ def test_threshold_c_and_torch_mask_passes_give_the_same_positions(dtype: torch.
     v[[10, 11]] = torch.tensor([-0.0, 0.0], dtype=dtype)
     tau = float(v[100:200].abs().max())
     v[[5, threshold_mod.CHUNK + 1]] = torch.tensor([tau, -tau], dtype=dtype)
+    used = _spy(monkeypatch, threshold_mod)
     for t in (tau, 0.0):
         want = threshold_mod._mask_positions(v, t, native=False)
         got = threshold_mod._mask_positions(v, t, native=True)
@@ -659,6 +683,7 @@ def test_threshold_c_and_torch_mask_passes_give_the_same_positions(dtype: torch.
     pc, pt = c.compress(v, Context("w")), t.compress(v, Context("w"))
     assert isinstance(pc, SparsePayload) and isinstance(pt, SparsePayload)
     assert torch.equal(pc.stream.indices, pt.stream.indices) and torch.equal(pc.stream.values, pt.stream.values)
+    assert used == (set() if dtype == torch.bfloat16 else {"select"})  # the C pass ran (not for bf16)
 
 
 def test_threshold_of_zeros_sends_nothing() -> None:

@@ -72,7 +72,6 @@ class Workspace:
         self.native = q.kernels != "torch" and _native is not None
         if q.kernels == "c" and _native is None:
             raise RuntimeError("QSGD(kernels='c'): the C extension sparsync.compress._qsgd_c is not built")
-        self.f = torch.empty(self.chunk, dtype=torch.float32)
         self.tmp = torch.empty(self.chunk, dtype=torch.uint8)  # C encode's unpacked codes
         self._torch: _TorchBuffers | None = None
         self._draw = torch.empty(1, dtype=torch.int64)
@@ -109,9 +108,11 @@ class Workspace:
         nb = -(-k // B)
         codes = [p.codes[a * bits // 8 : -(-b * bits // 8)] for p in payloads]
         scales = [p.scales[a // B : a // B + nb] for p in payloads]
-        if self.native and out.is_contiguous() and out.dtype == torch.float32:
+        if self.native and out.is_contiguous() and out.dtype == torch.float32 and out.numel() >= k:
             if first is not None and (first.dtype != torch.float32 or not first.is_contiguous()):
                 first = first.to(torch.float32).contiguous()
+            if first is not None:
+                _check(first, torch.float32, k)
             for c, s in zip(codes, scales, strict=True):
                 _check(c, torch.uint8, -(-k * bits // 8))
                 _check(s, torch.float32, nb)

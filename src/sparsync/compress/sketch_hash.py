@@ -108,7 +108,7 @@ class Hasher:
         """table[j, h_j(i)] += s_j(i)·v(i) for every row j (S2 Alg. 1 line 5). ``idx``: the element indices of
         ``vals``, the first of a run of consecutive ones, or a run of whole blocks."""
         k = vals.numel()
-        if self._c_ok(table, vals):
+        if self._c_ok(table, vals, self.rows * self.c) and _covers(idx, k):
             mode, keys, start, width = _keys(idx)
             assert _native is not None
             _native.insert(
@@ -125,7 +125,7 @@ class Hasher:
     def query(self, table: torch.Tensor, idx: Index, out: torch.Tensor) -> None:
         """out(i) = median over rows of s_j(i)·table[j, h_j(i)] (S2 Alg. 1 lines 11-14)."""
         k = out.numel()
-        if self._c_ok(table, out):
+        if self._c_ok(table, out, self.rows * self.c) and _covers(idx, k):
             mode, keys, start, width = _keys(idx)
             assert _native is not None
             _native.query(
@@ -144,7 +144,7 @@ class Hasher:
         """Block hashing: table[j, h_j(B)·b + t] += s_j(B)·v(B, t) for each block B of ``blocks`` and its
         values ``vals`` (m, b): one hash per block, the table read as c buckets of b cells."""
         m, b = vals.shape
-        if self._c_ok(table, vals) and blocks.dtype == torch.int64 and blocks.is_contiguous():
+        if self._c_ok(table, vals, self.rows * self.c * b) and _block_keys_ok(blocks, m):
             assert _native is not None
             _native.insert_blocks(
                 table.data_ptr(), self.rows, self.c, self.ab_tensor.data_ptr(), blocks.data_ptr(), m, b,
@@ -160,7 +160,7 @@ class Hasher:
     def query_blocks(self, table: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> None:
         """out(B, t) = median over rows of s_j(B)·table[j, h_j(B)·b + t] for ``out`` of shape (m, b)."""
         m, b = out.shape
-        if self._c_ok(table, out) and blocks.dtype == torch.int64 and blocks.is_contiguous():
+        if self._c_ok(table, out, self.rows * self.c * b) and _block_keys_ok(blocks, m):
             assert _native is not None
             _native.query_blocks(
                 table.data_ptr(), self.rows, self.c, self.ab_tensor.data_ptr(), blocks.data_ptr(), m, b,
@@ -174,20 +174,32 @@ class Hasher:
             est[j].view(self.itype).bitwise_xor_(sign.unsqueeze(1))
         median_rows(est.view(self.rows, m * b), out.view(-1))
 
-    def _c_ok(self, table: torch.Tensor, vals: torch.Tensor) -> bool:
+    def _c_ok(self, table: torch.Tensor, vals: torch.Tensor, cells: int) -> bool:
         """Whether the C kernels take this call: built, chosen, and buffers as they assume them (contiguous, the
-        table's dtype, c cells per row times the block)."""
+        table's dtype, ``cells`` = rows x c cells, times the block for the block kernels): the C side indexes
+        the table by the hash alone."""
         return (
             self.native
             and table.is_contiguous()
             and vals.is_contiguous()
             and vals.dtype == table.dtype
             and table.dtype in (torch.float32, torch.float64)
-            and table.shape[0] == self.rows
+            and table.numel() == cells
         )
 
 
 _EMPTY = torch.zeros(1, dtype=torch.int64)
+
+
+def _covers(idx: Index, k: int) -> bool:
+    """Whether ``idx`` names at least ``k`` keys (what the C kernels read)."""
+    if isinstance(idx, RowRun):
+        return idx.blocks.numel() * idx.width >= k
+    return not isinstance(idx, torch.Tensor) or idx.numel() >= k
+
+
+def _block_keys_ok(blocks: torch.Tensor, m: int) -> bool:
+    return blocks.dtype == torch.int64 and blocks.is_contiguous() and blocks.numel() >= m
 
 
 def _keys(idx: Index) -> tuple[int, torch.Tensor, int, int]:
