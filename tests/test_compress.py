@@ -526,6 +526,29 @@ def test_qsgd_c_kernels_are_built() -> None:
     assert qk.native_available(), "sparsync.compress._qsgd_c is not built: run `make setup` (needs gcc)"
 
 
+def test_without_the_c_kernels_auto_falls_back_and_c_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on a machine where `pip install` found no compiler: `kernels="auto"` gives what the C kernels give,
+    `kernels="c"` raises naming the extension."""
+    x = torch.randn(20_000, generator=torch.Generator().manual_seed(2))
+    runs = [  # fresh compressors each time: the same generator state and threshold schedule
+        lambda: QSGD(bits=4).compress(x, Context("w", 0, 2)).codes,
+        lambda: SparseSketch(ratio=0.1).compress(x).table,
+        lambda: Threshold(0.01).compress(x, Context("w")).stream.indices,
+    ]
+    with_c = [run() for run in runs]
+    for module in (qk, sketch_hash, threshold_mod):
+        monkeypatch.setattr(module, "_native", None)
+    for run, want in zip(runs, with_c, strict=True):
+        assert torch.equal(run(), want)
+    for build, ext in (
+        (lambda: QSGD(kernels="c"), "_qsgd_c"),
+        (lambda: SparseSketch(ratio=0.1, kernels="c"), "_sketch_c"),
+        (lambda: Threshold(0.01, kernels="c"), "_threshold_c"),
+    ):
+        with pytest.raises(RuntimeError, match=ext):
+            build()
+
+
 def test_qsgd_noise_words_are_splitmix64_of_the_counter() -> None:
     """The torch stream (int64 arithmetic, arithmetic shifts masked) against splitmix64 in Python integers."""
     mask = (1 << 64) - 1

@@ -39,7 +39,7 @@ from sparsync.compress.base import (
     TensorSpec,
     check_positive_int,
 )
-from sparsync.compress.qsgd_kernels import CHUNK, Workspace, chunk_values
+from sparsync.compress.qsgd_kernels import CHUNK, Workspace, chunk_values, native_available
 from sparsync.stream import SparseStream
 
 __all__ = ["CHUNK", "QSGD", "REQUANTIZE_STREAM", "Workspace"]
@@ -81,6 +81,8 @@ class QSGD(Compressor):
             )
         if self.kernels not in ("auto", "c", "torch"):
             raise ValueError(f"kernels must be 'auto', 'c' or 'torch', got {self.kernels!r}")
+        if self.kernels == "c" and not native_available():
+            raise RuntimeError("QSGD(kernels='c'): the C extension sparsync.compress._qsgd_c is not built")
 
     @property
     def levels(self) -> int:

@@ -49,7 +49,7 @@ from sparsync.compress.base import (
     check_positive_int,
     packed_bitmap_bytes,
 )
-from sparsync.compress.sketch_hash import CHUNK, Hasher, Index, RowRun
+from sparsync.compress.sketch_hash import CHUNK, Hasher, Index, RowRun, native_available
 from sparsync.stream import SparseStream
 
 FLAT_BLOCK = 64  # default block of a 1-D tensor (a 2-D+ tensor's default block is one row)
@@ -93,6 +93,10 @@ class SparseSketch(Compressor):
             raise ValueError(f"hash must be one of {HASHES}, got {self.hash!r}")
         if self.kernels not in ("auto", "c", "torch"):
             raise ValueError(f"kernels must be 'auto', 'c' or 'torch', got {self.kernels!r}")
+        if self.kernels == "c" and not native_available():
+            raise RuntimeError(
+                "SparseSketch(kernels='c'): the C extension sparsync.compress._sketch_c is not built"
+            )
 
     def _hasher(self, c: int, work: torch.dtype, size: int | None = None) -> Hasher:
         native = None if self.kernels == "auto" else self.kernels == "c"
