@@ -149,8 +149,8 @@ static int check_common(int rows, long long c, int is_double) {
     return 1;
 }
 
-/* insert(table, rows, c, ab, mode, keys, start, width, vals, k, is_double) */
-static PyObject *py_insert(PyObject *self, PyObject *args) {
+/* insert(table, rows, c, ab, mode, keys, start, width, vals, k, is_double) and query(..., out, k, is_double) */
+static PyObject *keys_call(PyObject *args, int query) {
     unsigned long long table, ab, keys, vals;
     long long c, start, width, k;
     int rows, mode, dbl;
@@ -158,38 +158,23 @@ static PyObject *py_insert(PyObject *self, PyObject *args) {
                           &dbl))
         return NULL;
     if (!check_common(rows, c, dbl) || mode < KEYS || mode > RUN || k < 0 || (mode == RUN && width < 1))
-        return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "insert: bad keys (mode=%d)", mode);
+        return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "keys: bad keys (mode=%d)", mode);
+    const int64_t *kp = (const int64_t *)keys, *abp = (const int64_t *)ab;
     Py_BEGIN_ALLOW_THREADS
-    if (dbl)
-        insert_double((double *)table, rows, (uint64_t)c, (const int64_t *)ab, mode, (const int64_t *)keys, start,
-                      width, (const double *)vals, k);
+    if (query && dbl)
+        query_double((const double *)table, rows, (uint64_t)c, abp, mode, kp, start, width, (double *)vals, k);
+    else if (query)
+        query_float((const float *)table, rows, (uint64_t)c, abp, mode, kp, start, width, (float *)vals, k);
+    else if (dbl)
+        insert_double((double *)table, rows, (uint64_t)c, abp, mode, kp, start, width, (const double *)vals, k);
     else
-        insert_float((float *)table, rows, (uint64_t)c, (const int64_t *)ab, mode, (const int64_t *)keys, start,
-                     width, (const float *)vals, k);
+        insert_float((float *)table, rows, (uint64_t)c, abp, mode, kp, start, width, (const float *)vals, k);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
-/* query(table, rows, c, ab, mode, keys, start, width, out, k, is_double) */
-static PyObject *py_query(PyObject *self, PyObject *args) {
-    unsigned long long table, ab, keys, out;
-    long long c, start, width, k;
-    int rows, mode, dbl;
-    if (!PyArg_ParseTuple(args, "KiLKiKLLKLi", &table, &rows, &c, &ab, &mode, &keys, &start, &width, &out, &k,
-                          &dbl))
-        return NULL;
-    if (!check_common(rows, c, dbl) || mode < KEYS || mode > RUN || k < 0 || (mode == RUN && width < 1))
-        return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "query: bad keys (mode=%d)", mode);
-    Py_BEGIN_ALLOW_THREADS
-    if (dbl)
-        query_double((const double *)table, rows, (uint64_t)c, (const int64_t *)ab, mode, (const int64_t *)keys,
-                     start, width, (double *)out, k);
-    else
-        query_float((const float *)table, rows, (uint64_t)c, (const int64_t *)ab, mode, (const int64_t *)keys,
-                    start, width, (float *)out, k);
-    Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
-}
+static PyObject *py_insert(PyObject *self, PyObject *args) { return keys_call(args, 0); }
+static PyObject *py_query(PyObject *self, PyObject *args) { return keys_call(args, 1); }
 
 /* insert_blocks(table, rows, c, ab, blocks, m, b, vals, is_double) and query_blocks(..., out, is_double) */
 static PyObject *blocks_call(PyObject *args, int query) {

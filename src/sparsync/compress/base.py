@@ -238,6 +238,15 @@ def check_ratio(ratio: float, what: str = "ratio") -> None:
         raise ValueError(f"{what} must lie in (0, 1], got {ratio!r}")
 
 
+def check_kernels(owner: str, kernels: str, built: bool, extension: str) -> None:
+    """A compressor's ``kernels=`` setting: "auto" (C where built, else torch), "c" (the C extension
+    ``extension`` must be built) or "torch"."""
+    if kernels not in ("auto", "c", "torch"):
+        raise ValueError(f"kernels must be 'auto', 'c' or 'torch', got {kernels!r}")
+    if kernels == "c" and not built:
+        raise RuntimeError(f"{owner}(kernels='c'): the C extension sparsync.compress.{extension} is not built")
+
+
 def check_positive_int(value: int, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{what} must be a positive int, got {value!r}")

@@ -37,6 +37,7 @@ from sparsync.compress.base import (
     Context,
     QuantizedPayload,
     TensorSpec,
+    check_kernels,
     check_positive_int,
 )
 from sparsync.compress.qsgd_kernels import CHUNK, Workspace, chunk_values, native_available
@@ -79,10 +80,7 @@ class QSGD(Compressor):
             raise ValueError(
                 f"aggregation must be 'auto', 'allgather' or 'reduce_scatter', got {self.aggregation!r}"
             )
-        if self.kernels not in ("auto", "c", "torch"):
-            raise ValueError(f"kernels must be 'auto', 'c' or 'torch', got {self.kernels!r}")
-        if self.kernels == "c" and not native_available():
-            raise RuntimeError("QSGD(kernels='c'): the C extension sparsync.compress._qsgd_c is not built")
+        check_kernels("QSGD", self.kernels, native_available(), "_qsgd_c")
 
     @property
     def levels(self) -> int:

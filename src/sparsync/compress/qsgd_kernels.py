@@ -69,9 +69,7 @@ class Workspace:
     def __init__(self, q: Any, n: int) -> None:  # q: a QSGD (typed Any: qsgd.py imports this module)
         self.bits, self.bucket, self.s, self.l2 = q.bits, q.bucket, q.levels, q.scale == "l2"
         self.chunk = min(n, chunk_values(q.bucket, q.unit()))
-        self.native = q.kernels != "torch" and _native is not None
-        if q.kernels == "c" and _native is None:
-            raise RuntimeError("QSGD(kernels='c'): the C extension sparsync.compress._qsgd_c is not built")
+        self.native = q.kernels != "torch" and _native is not None  # "c" was checked when q was made
         self.tmp = torch.empty(self.chunk, dtype=torch.uint8)  # C encode's unpacked codes
         self._torch: _TorchBuffers | None = None
         self._draw = torch.empty(1, dtype=torch.int64)

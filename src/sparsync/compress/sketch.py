@@ -46,6 +46,7 @@ from sparsync.compress.base import (
     Context,
     SketchPayload,
     TensorSpec,
+    check_kernels,
     check_positive_int,
     packed_bitmap_bytes,
 )
@@ -91,18 +92,10 @@ class SparseSketch(Compressor):
             check_positive_int(self.block, "block")
         if self.hash not in HASHES:
             raise ValueError(f"hash must be one of {HASHES}, got {self.hash!r}")
-        if self.kernels not in ("auto", "c", "torch"):
-            raise ValueError(f"kernels must be 'auto', 'c' or 'torch', got {self.kernels!r}")
-        if self.kernels == "c" and not native_available():
-            raise RuntimeError(
-                "SparseSketch(kernels='c'): the C extension sparsync.compress._sketch_c is not built"
-            )
+        check_kernels("SparseSketch", self.kernels, native_available(), "_sketch_c")
 
-    def _hasher(self, c: int, work: torch.dtype, size: int | None = None) -> Hasher:
-        native = None if self.kernels == "auto" else self.kernels == "c"
-        if size is None:
-            return Hasher(self.rows, self.seed, c, work, native=native)
-        return Hasher(self.rows, self.seed, c, work, size, native=native)
+    def _hasher(self, c: int, work: torch.dtype, size: int = CHUNK) -> Hasher:
+        return Hasher(self.rows, self.seed, c, work, size, native=self.kernels != "torch" and native_available())
 
     def width(self, numel: int) -> int:
         """c for a tensor of ``numel`` entries, before the block hash rounds it up (``table_cols``)."""

@@ -109,13 +109,7 @@ class Hasher:
         """table[j, h_j(i)] += s_j(i)·v(i) for every row j (S2 Alg. 1 line 5). ``idx``: the element indices of
         ``vals``, the first of a run of consecutive ones, or a run of whole blocks."""
         k = vals.numel()
-        if self._c_ok(table, vals, self.rows * self.c) and _covers(idx, k):
-            mode, keys, start, width = _keys(idx)
-            assert _native is not None
-            _native.insert(
-                table.data_ptr(), self.rows, self.c, self.ab_tensor.data_ptr(),
-                mode, keys.data_ptr(), start, width, vals.data_ptr(), k, int(table.dtype == torch.float64),
-            )  # fmt: skip
+        if self._c_keys("insert", table, idx, vals):
             return
         bits = vals.view(self.itype)
         for j in range(self.rows):
@@ -126,13 +120,7 @@ class Hasher:
     def query(self, table: torch.Tensor, idx: Index, out: torch.Tensor) -> None:
         """out(i) = median over rows of s_j(i)·table[j, h_j(i)] (S2 Alg. 1 lines 11-14)."""
         k = out.numel()
-        if self._c_ok(table, out, self.rows * self.c) and _covers(idx, k):
-            mode, keys, start, width = _keys(idx)
-            assert _native is not None
-            _native.query(
-                table.data_ptr(), self.rows, self.c, self.ab_tensor.data_ptr(),
-                mode, keys.data_ptr(), start, width, out.data_ptr(), k, int(table.dtype == torch.float64),
-            )  # fmt: skip
+        if self._c_keys("query", table, idx, out):
             return
         est = self.est[:, :k]
         for j in range(self.rows):
@@ -145,12 +133,7 @@ class Hasher:
         """Block hashing: table[j, h_j(B)·b + t] += s_j(B)·v(B, t) for each block B of ``blocks`` and its
         values ``vals`` (m, b): one hash per block, the table read as c buckets of b cells."""
         m, b = vals.shape
-        if self._c_ok(table, vals, self.rows * self.c * b) and _block_keys_ok(blocks, m):
-            assert _native is not None
-            _native.insert_blocks(
-                table.data_ptr(), self.rows, self.c, self.ab_tensor.data_ptr(), blocks.data_ptr(), m, b,
-                vals.data_ptr(), int(table.dtype == torch.float64),
-            )  # fmt: skip
+        if self._c_blocks("insert_blocks", table, blocks, vals):
             return
         bits = vals.view(self.itype)
         for j in range(self.rows):
@@ -161,12 +144,7 @@ class Hasher:
     def query_blocks(self, table: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor) -> None:
         """out(B, t) = median over rows of s_j(B)·table[j, h_j(B)·b + t] for ``out`` of shape (m, b)."""
         m, b = out.shape
-        if self._c_ok(table, out, self.rows * self.c * b) and _block_keys_ok(blocks, m):
-            assert _native is not None
-            _native.query_blocks(
-                table.data_ptr(), self.rows, self.c, self.ab_tensor.data_ptr(), blocks.data_ptr(), m, b,
-                out.data_ptr(), int(table.dtype == torch.float64),
-            )  # fmt: skip
+        if self._c_blocks("query_blocks", table, blocks, out):
             return
         est = self.est[:, : m * b].view(self.rows, m, b)
         for j in range(self.rows):
@@ -174,6 +152,32 @@ class Hasher:
             torch.index_select(table[j].view(-1, b), 0, h, out=est[j])
             est[j].view(self.itype).bitwise_xor_(sign.unsqueeze(1))
         median_rows(est.view(self.rows, m * b), out.view(-1))
+
+    def _c_keys(self, kernel: str, table: torch.Tensor, idx: Index, buf: torch.Tensor) -> bool:
+        """Run ``_sketch_c``'s ``insert`` or ``query`` (``kernel``) for the keys ``idx`` and the values ``buf``
+        (read or written) if the C kernels take the call; whether they did."""
+        k = buf.numel()
+        if not (self._c_ok(table, buf, self.rows * self.c) and _covers(idx, k)):
+            return False
+        mode, keys, start, width = _keys(idx)
+        getattr(_native, kernel)(
+            table.data_ptr(), self.rows, self.c, self.ab_tensor.data_ptr(),
+            mode, keys.data_ptr(), start, width, buf.data_ptr(), k, int(table.dtype == torch.float64),
+        )  # fmt: skip
+        return True
+
+    def _c_blocks(self, kernel: str, table: torch.Tensor, blocks: torch.Tensor, buf: torch.Tensor) -> bool:
+        """Run ``insert_blocks`` or ``query_blocks`` for ``blocks`` and their (m, b) values ``buf`` if the C
+        kernels take the call; whether they did."""
+        m, b = buf.shape
+        ok = blocks.dtype == torch.int64 and blocks.is_contiguous() and blocks.numel() >= m
+        if not (ok and self._c_ok(table, buf, self.rows * self.c * b)):
+            return False
+        getattr(_native, kernel)(
+            table.data_ptr(), self.rows, self.c, self.ab_tensor.data_ptr(), blocks.data_ptr(), m, b,
+            buf.data_ptr(), int(table.dtype == torch.float64),
+        )  # fmt: skip
+        return True
 
     def _c_ok(self, table: torch.Tensor, vals: torch.Tensor, cells: int) -> bool:
         """Whether the C kernels take this call: built, chosen, and buffers as they assume them (contiguous, the
@@ -197,10 +201,6 @@ def _covers(idx: Index, k: int) -> bool:
     if isinstance(idx, RowRun):
         return idx.blocks.numel() * idx.width >= k
     return not isinstance(idx, torch.Tensor) or idx.numel() >= k
-
-
-def _block_keys_ok(blocks: torch.Tensor, m: int) -> bool:
-    return blocks.dtype == torch.int64 and blocks.is_contiguous() and blocks.numel() >= m
 
 
 def _keys(idx: Index) -> tuple[int, torch.Tensor, int, int]:

@@ -41,12 +41,7 @@ class Threshold(base.Sparsifier):
     def __post_init__(self) -> None:
         super().__post_init__()  # ratio: the paper's sparsity factor η, the fraction kept when τ is recomputed
         base.check_positive_int(self.lifespan, "lifespan")
-        if self.kernels not in ("auto", "c", "torch"):
-            raise ValueError(f"kernels must be 'auto', 'c' or 'torch', got {self.kernels!r}")
-        if self.kernels == "c" and _native is None:
-            raise RuntimeError(
-                "Threshold(kernels='c'): the C extension sparsync.compress._threshold_c is not built"
-            )
+        base.check_kernels("Threshold", self.kernels, _native is not None, "_threshold_c")
 
     def threshold(self, name: str = "") -> float | None:
         """Current τ for ``name`` (None before its first call)."""
