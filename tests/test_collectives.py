@@ -19,8 +19,12 @@ from sparsync.collectives.meta import ROW_BYTES
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(420)]
 
-# P = 4 and 8: `-m large` (CI time; P = 2 covers the power-of-two paths of recursive doubling)
-WORLD_SIZES = (1, 2, 3, 5, pytest.param(4, marks=pytest.mark.large), pytest.param(8, marks=pytest.mark.large))
+# P = 4 and 8: `-m large` (CI time; P = 2 covers the power-of-two paths of recursive doubling). "-nccl": the
+# same run with the payload under NCCL's rules on gloo (tests/_nccl_rules.py), at P = 1, 3, 5.
+WORLD_SIZES = (
+    1, 2, 3, 5, "1-nccl", "3-nccl", "5-nccl",
+    pytest.param(4, marks=pytest.mark.large), pytest.param(8, marks=pytest.mark.large),
+)  # fmt: skip
 TOL = {"float32": {"rtol": 1e-6, "atol": 1e-5}, "float64": {"rtol": 1e-13, "atol": 1e-13}}
 GRID = w.grid_cases(full=False)
 
@@ -28,8 +32,9 @@ GRID = w.grid_cases(full=False)
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda p: f"P{p}")
 def run(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
     """All ranks' results for one world size (one launch, shared by every test of this module)."""
-    world = request.param
-    results = launch(w.collectives_worker, nprocs=world, args=(False,), timeout=120)
+    world = int(str(request.param).split("-")[0])
+    worker = w.nccl_rules_worker if "nccl" in str(request.param) else w.collectives_worker
+    results = launch(worker, nprocs=world, args=(False,), timeout=120)
     assert [r["world"] for r in results] == [world] * world
     assert len({r["pid"] for r in results}) == world
     return world, results
@@ -439,3 +444,17 @@ def test_recursive_doubling_gathers_give_the_same_sums(world: int) -> None:
             want = exact["big" if i == "2" else "s"].reshape(-1)
             assert np.array_equal(got, want), key
             assert np.array_equal(got, out[f"direct/{alg}/{i}"]), key
+
+
+def test_nccl_rules_refuse_nothing(run: tuple[int, list[dict[str, Any]]]) -> None:
+    """Under NCCL's rules every algorithm ran (the grid above passed on the same results) without one call NCCL
+    would refuse; the payload went through batched p2p transfers whose sizes matched exactly."""
+    world, results = run
+    if "nccl_rules" not in results[0]:
+        pytest.skip("this run is not under NCCL's rules")
+    for rank, r in enumerate(results):
+        rules = r["nccl_rules"]
+        assert rules["refused"] == [], f"rank {rank}: {rules['refused'][:5]}"
+        if world > 1:
+            assert rules["calls"].get("batch_isend_irecv", 0) > 100, rules["calls"]
+            assert rules["calls"].get("all_reduce", 0) > 0, rules["calls"]

@@ -97,6 +97,8 @@ class SparseStream:
             self._dense = True
             return
         _check_pairs(indices, values, row)
+        if indices.device != values.device:
+            raise ValueError(f"indices on {indices.device} but values on {values.device}: put both on one device")
         if validate:
             _check_indices(indices, dim // row, sorted_unique=True)
         self._indices = indices.to(index_dtype_for(dim // row))
@@ -128,8 +130,11 @@ class SparseStream:
         return cls(nz.to(index_dtype_for(dim)), flat[nz], dim, validate=False)
 
     @classmethod
-    def empty(cls, dim: int, dtype: torch.dtype = torch.float32, *, row: int = 1) -> SparseStream:
-        return cls(torch.empty(0, dtype=index_dtype_for(dim // row)), torch.empty(0, dtype=dtype), dim, row=row)
+    def empty(
+        cls, dim: int, dtype: torch.dtype = torch.float32, *, row: int = 1, device: torch.device | None = None
+    ) -> SparseStream:
+        idx = torch.empty(0, dtype=index_dtype_for(dim // row), device=device)
+        return cls(idx, torch.empty(0, dtype=dtype, device=device), dim, row=row)
 
     # --- properties -----------------------------------------------------------------------------------------
     @property
@@ -165,6 +170,11 @@ class SparseStream:
         return self._values.dtype
 
     @property
+    def device(self) -> torch.device:
+        """Where the values (and indices) live; every collective returns its result there."""
+        return self._values.device
+
+    @property
     def is_dense(self) -> bool:
         return self._dense
 
@@ -197,7 +207,10 @@ class SparseStream:
     def to_dense(self) -> torch.Tensor:
         if self._indices is None:
             return self._values
-        out = fresh(self._dim, self.dtype, zeros=True)  # large: huge pages, cheaper to fault in
+        if self.device.type == "cpu":
+            out = fresh(self._dim, self.dtype, zeros=True)  # large: huge pages, cheaper to fault in
+        else:
+            out = torch.zeros(self._dim, dtype=self.dtype, device=self.device)
         out.view(-1, self._row)[self._indices.to(torch.int64)] = self.rows2d
         return out
 
@@ -211,7 +224,8 @@ class SparseStream:
             return self
         if self._indices is None:
             return SparseStream(None, self._values, self._dim)
-        lin = (self._indices.to(torch.int64)[:, None] * self._row + torch.arange(self._row)).reshape(-1)
+        cols = torch.arange(self._row, device=self.device)
+        lin = (self._indices.to(torch.int64)[:, None] * self._row + cols).reshape(-1)
         return SparseStream(lin.to(index_dtype_for(self._dim)), self._values, self._dim, validate=False)
 
     def slice(self, start: int, stop: int) -> SparseStream:
@@ -221,7 +235,8 @@ class SparseStream:
         b = self._row
         if self._indices is None:
             return SparseStream(None, self._values[start * b : stop * b], (stop - start) * b, row=b)
-        lo, hi = torch.searchsorted(self._indices, torch.tensor([start, stop], dtype=self._indices.dtype)).tolist()
+        cut = torch.tensor([start, stop], dtype=self._indices.dtype, device=self.device)
+        lo, hi = torch.searchsorted(self._indices, cut).tolist()
         idx = self._indices[lo:hi] - start
         return SparseStream(idx, self._values[lo * b : hi * b], (stop - start) * b, row=b, validate=False)
 
@@ -238,6 +253,8 @@ def _same_kind(a: SparseStream, b: SparseStream, what: str) -> None:
         raise ValueError(f"cannot {what} streams of row widths {a.row} and {b.row}")
     if a.dtype != b.dtype:
         raise ValueError(f"cannot {what} streams of dtypes {a.dtype} and {b.dtype}")
+    if a.device != b.device:
+        raise ValueError(f"cannot {what} streams on devices {a.device} and {b.device}")
 
 
 def add(a: SparseStream, b: SparseStream, *, inplace: bool = False) -> SparseStream:
@@ -276,13 +293,13 @@ def sum_streams(streams: list[SparseStream]) -> SparseStream:
     acc = accumulation_dtype(dtype)
     total = sum(s.nrows for s in streams)
     if any(s.is_dense for s in streams) or total >= dense_threshold(dim, dtype, row):
-        buf = torch.zeros(dim, dtype=acc)
+        buf = torch.zeros(dim, dtype=acc, device=first.device)
         for s in streams:
             accumulate(buf, s)
         return SparseStream(None, buf.to(dtype), dim, row=row)
     nonempty = [s for s in streams if s.nrows]
     if not nonempty:
-        return SparseStream.empty(dim, dtype, row=row)
+        return SparseStream.empty(dim, dtype, row=row, device=first.device)
     if len(nonempty) == 1:
         return nonempty[0]
     idx = torch.cat([_i64(s) for s in nonempty])
@@ -300,7 +317,7 @@ def concat_disjoint(parts: list[SparseStream], offsets: list[int], dim: int) -> 
         raise ValueError(f"{len(parts)} parts but {len(offsets)} offsets")
     dtype, row = parts[0].dtype, parts[0].row
     if any(p.is_dense for p in parts) or sum(p.nrows for p in parts) >= dense_threshold(dim, dtype, row):
-        out = torch.zeros(dim, dtype=dtype)
+        out = torch.zeros(dim, dtype=dtype, device=parts[0].device)
         for p, off in zip(parts, offsets, strict=True):
             accumulate(
                 out[off * row : off * row + p.dim], p
@@ -346,10 +363,10 @@ def merge_rows(indices: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor,
     uniq, inverse = torch.unique(indices, sorted=True, return_inverse=True)
     if uniq.numel() == indices.numel():  # no duplicates: a permutation suffices (no rounding either)
         order = torch.empty_like(inverse)
-        order[inverse] = torch.arange(inverse.numel())
+        order[inverse] = torch.arange(inverse.numel(), device=inverse.device)
         return uniq, rows[order]
     acc = accumulation_dtype(rows.dtype)
-    out = torch.zeros(uniq.numel(), rows.shape[1], dtype=acc)
+    out = torch.zeros(uniq.numel(), rows.shape[1], dtype=acc, device=rows.device)
     out.index_add_(0, inverse, rows.to(acc))
     return uniq, out.to(rows.dtype)
 

@@ -72,12 +72,12 @@ def allgather_blocks(
     if fold.is_folded_away(rank):
         comm.send(rank + 1, block)
         others = [r for r in range(P) if r != rank]
-        buf = torch.empty(sum(sizes[r] for r in others), dtype=torch.uint8)
+        buf = comm.empty(sum(sizes[r] for r in others))
         comm.recv(rank + 1, buf)
         held.update(_split(buf, others, sizes))
         return [held[r] for r in range(P)]
     if rank < 2 * fold.rem:
-        buf = torch.empty(sizes[rank - 1], dtype=torch.uint8)
+        buf = comm.empty(sizes[rank - 1])
         comm.recv(rank - 1, buf)
         held[rank - 1] = buf
     v = fold.virtual(rank)
@@ -86,7 +86,7 @@ def allgather_blocks(
         pv = v ^ mask
         theirs = fold.covered_range(pv & ~(mask - 1), mask)
         mine = sorted(held)
-        buf = torch.empty(sum(sizes[r] for r in theirs), dtype=torch.uint8)
+        buf = comm.empty(sum(sizes[r] for r in theirs))
         comm.exchange(fold.real(pv), torch.cat([held[r] for r in mine]), buf)
         held.update(_split(buf, theirs, sizes))
         mask <<= 1
@@ -107,6 +107,8 @@ def allgather_var(
     receive, never a longer one), and each rank sends only what it holds, so ranks that disagree about a call
     exchange well-formed messages and can report the disagreement instead of aborting inside gloo.
     """
+    if comm.exact:  # receives longer than the message: gloo's semantics only (transport.py)
+        raise RuntimeError(f"{comm.op}: allgather_var needs a group that accepts short messages (gloo)")
     if block.numel() > max_block:
         raise ValueError(f"block of {block.numel()} bytes exceeds the {max_block}-byte limit")
     P, rank = comm.size, comm.rank
@@ -114,7 +116,7 @@ def allgather_var(
         return [block]
 
     def receive(peer: int, ranks: list[int], send: torch.Tensor | None) -> None:
-        buf = torch.empty(len(ranks) * max_block, dtype=torch.uint8)
+        buf = comm.empty(len(ranks) * max_block)
         comm.exchange(peer, send, buf)
         off = 0
         for r in ranks:

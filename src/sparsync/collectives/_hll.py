@@ -42,10 +42,11 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def registers(ids: torch.Tensor) -> torch.Tensor:
-    """The 128 uint8 registers of a set of ids (duplicates do not matter)."""
-    out = torch.zeros(REGISTERS, dtype=torch.int64)
+    """The 128 uint8 registers of a set of ids (duplicates do not matter), on the host (computed where the ids
+    are: one copy of 128 bytes)."""
+    out = torch.zeros(REGISTERS, dtype=torch.int64, device=ids.device)
     if ids.numel() == 0:
-        return out.to(torch.uint8)
+        return out.to(torch.uint8).cpu()
     h = _mix(ids)
     bucket = _shr(h, _REST_BITS)
     rest = h & ((1 << _REST_BITS) - 1)
@@ -53,7 +54,7 @@ def registers(ids: torch.Tensor) -> torch.Tensor:
     lz = torch.where(rest > 0, torch.floor(torch.log2(rest.to(torch.float64).clamp(min=1))), torch.tensor(-1.0))
     rho = (_REST_BITS - lz).to(torch.int64)
     out.scatter_reduce_(0, bucket, rho, reduce="amax")
-    return out.to(torch.uint8)
+    return out.to(torch.uint8).cpu()
 
 
 def words(regs: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,7 @@ class DenseQuantizer(Protocol):
 
 def _gather_streams(comm: Comm, stream: SparseStream, meta: Meta) -> list[SparseStream]:
     if meta.eager is not None:  # every payload already came with the metadata (see meta.py's eager protocol)
-        blocks = list(meta.eager)
+        blocks = [b.to(comm.device) for b in meta.eager]
     else:
         with comm.phase("allgather_payload"):
             blocks = allgather_blocks(comm, payload_of(stream), list(meta.sizes))
@@ -114,7 +114,7 @@ def refuse(
     seq = next_call(g)
 
     def run() -> None:
-        comm = Comm(g, timeout)
+        comm = Comm(g, timeout)  # metadata only: the host
         comm.op = f"{op} (refused input)"
         report_refusal(comm, op, seq, error)
 
@@ -249,7 +249,7 @@ def start_allreduce(
 
     def run() -> T:
         t0 = time.perf_counter()
-        comm = Comm(g, timeout)
+        comm = Comm(g, timeout, stream.device)
         comm.op = f"sparse_allreduce(algorithm={algorithm!r})"
         key = auto_fingerprint(link or group_state(user).link, policy) if algorithm == "auto" else 0
         pcode = PARTITION_CODES.index(part)
@@ -342,7 +342,7 @@ def sparse_allgather(
 
     def run() -> list[SparseStream]:
         t0 = time.perf_counter()
-        comm = Comm(g, timeout)
+        comm = Comm(g, timeout, stream.device)
         comm.op = "sparse_allgather"
         meta = exchange_meta(comm, "sparse_allgather", stream, "-", seq, check_nan)
         update_eager(comm, meta, "allgather")

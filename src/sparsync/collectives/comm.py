@@ -1,10 +1,11 @@
 """The communicator every sparsync operation runs on: byte exchanges, traffic counters, the call's record, and
 the wire format of a stream.
 
-Everything goes through torch.distributed (gloo on CPU): ``isend``/``irecv`` for the exchanges we schedule
-ourselves, torch collectives where torch has the right one; a transport failure becomes a ``PeerError``
-naming the operation and the peer. Per-group state (the measured link model, the async queue, the call
-counter) lives in ``collectives/group.py``, not here.
+Everything goes through torch.distributed (gloo on CPU, NCCL or gloo on CUDA): ``isend``/``irecv`` for the
+exchanges we schedule ourselves (``batch_isend_irecv`` under NCCL's rules), torch collectives where torch has the
+right one; a transport failure becomes a ``PeerError`` naming the operation and the peer. Payload lives on the
+device of the call's input (``Comm.device``); metadata on the host, over ``Comm.meta`` (collectives/transport.py).
+Per-group state (the measured link model, the async queue, the call counter) lives in ``collectives/group.py``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
+from sparsync.collectives.transport import transport
 from sparsync.costmodel import Decision
 from sparsync.record import CommRecord
 from sparsync.stream import SparseStream, index_dtype_for
@@ -46,24 +49,55 @@ class Traffic:
 class Comm:
     """One rank's view of a group for the duration of one collective: peers by group rank, counters."""
 
-    def __init__(self, group: dist.ProcessGroup, timeout: float | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, timeout: float | None = None, device: torch.device | None = None
+    ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.traffic = Traffic()
         self.timeout = timedelta(seconds=timeout) if timeout is not None else None
         self.op = "collective"
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        rules = transport(group, self.device)
+        self.exact = rules.exact  # receives of exactly the bytes sent, p2p in batches (NCCL)
+        self.stage = rules.stage  # p2p through host memory (CUDA tensors on gloo)
+        self._meta_group = rules.meta
+        self._meta: Comm | None = None
+        self._root = self  # the Comm whose phase a metadata Comm's bytes are counted in
         self._phase = ""
+
+    @property
+    def meta(self) -> Comm:
+        """This call's communicator for CPU metadata (rows, sizes, headers): the same group on gloo, the CPU side
+        of the group otherwise (transport.py); the same traffic counters and phases."""
+        if self._meta is None:
+            if self.device.type == "cpu" and self._meta_group is self.group and not self.exact:
+                self._meta = self
+            else:
+                m = Comm.__new__(Comm)
+                m.group, m.rank, m.size, m.traffic = self._meta_group, self.rank, self.size, self.traffic
+                m.timeout, m.op, m.device = self.timeout, self.op, torch.device("cpu")
+                m.exact, m.stage, m._meta_group, m._root, m._phase = False, False, self._meta_group, self, ""
+                m._meta = m
+                self._meta = m
+        self._meta.op = self.op
+        return self._meta
+
+    def empty(self, n: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """A receive buffer on this call's device."""
+        return torch.empty(n, dtype=dtype, device=self.device)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Named timing scope, so a benchmark can print where the time and the bytes went."""
-        t0, outer = time.perf_counter(), self._phase
-        self._phase = name
+        root = self._root
+        t0, outer = time.perf_counter(), root._phase
+        root._phase = name
         try:
             yield
         finally:
-            self._phase = outer
+            root._phase = outer
             self.traffic.phases[name] = self.traffic.phases.get(name, 0.0) + time.perf_counter() - t0
 
     def record(
@@ -107,10 +141,10 @@ class Comm:
         tr = self.traffic
         tr.bytes_sent += nbytes
         tr.messages += messages
-        key = self._phase or "other"
+        key = self._root._phase or "other"
         tr.phase_bytes[key] = tr.phase_bytes.get(key, 0) + nbytes
 
-    def _wait(self, works: list[Any], peers: list[int]) -> None:
+    def _wait(self, works: list[Any], peers: list[int | str]) -> None:
         for w, peer in zip(works, peers, strict=True):
             try:
                 if self.timeout is None:
@@ -136,20 +170,43 @@ class Comm:
 
     def _transfer(self, recvs: list[tuple[int, torch.Tensor]], sends: list[tuple[int, torch.Tensor]]) -> None:
         """Post every receive, then every send (so no schedule can deadlock), then wait for all of them.
-        Empty tensors are skipped: gloo needs no message for them and the peer posts none."""
-        works: list[Any] = []
-        peers: list[int] = []
-        for peer, t in recvs:
-            if t.numel():
-                works.append(self._post(dist.irecv, t, group_src=peer))
-                peers.append(peer)
-        for peer, t in sends:
-            if t.numel():
-                works.append(self._post(dist.isend, t.contiguous(), group_dst=peer))
-                peers.append(peer)
-                self._sent(t.numel() * t.element_size())
+        Empty tensors are skipped: the transport needs no message for them and the peer posts none.
+        Under NCCL's rules the transfers go as one ``batch_isend_irecv``; CUDA tensors on gloo through host
+        memory (transport.py)."""
+        recvs = [(p, t) for p, t in recvs if t.numel()]
+        sends = [(p, t.contiguous()) for p, t in sends if t.numel()]
+        landing = recvs
+        if self.stage:  # gloo's p2p takes CPU tensors only
+            landing = [(p, torch.empty(t.shape, dtype=t.dtype)) for p, t in recvs]
+            sends = [(p, t.cpu()) for p, t in sends]
+        peers: list[int | str] = [*(p for p, _ in landing), *(p for p, _ in sends)]
+        if self.exact and peers:
+            # torch's own isend/irecv: P2POp accepts no other function
+            ops = [dist.P2POp(c10d.irecv, t, group=self.group, group_peer=p) for p, t in landing]
+            ops += [dist.P2POp(c10d.isend, t, group=self.group, group_peer=p) for p, t in sends]
+            works: list[Any] = self._post_batch(ops, peers)
+            # A batch may give one work for all of its transfers (NCCL): name every peer in its error.
+            peers = [", ".join(str(p) for p in sorted(set(peers), key=str))] * len(works)
+        else:
+            works = [self._post(dist.irecv, t, group_src=p) for p, t in landing]
+            works += [self._post(dist.isend, t, group_dst=p) for p, t in sends]
+        for _, t in sends:
+            self._sent(t.numel() * t.element_size())
         self._wait(works, peers)
+        if self.stage:
+            for (_, dst), (_, src) in zip(recvs, landing, strict=True):
+                dst.copy_(src)
         self.traffic.bytes_recv += sum(t.numel() * t.element_size() for _, t in recvs)
+
+    def _post_batch(self, ops: list[Any], peers: list[int | str]) -> list[Any]:
+        try:
+            return list(dist.batch_isend_irecv(ops))
+        except RuntimeError as e:
+            raise PeerError(
+                f"{self.op}: rank {self.rank} cannot reach peer rank(s) {sorted(set(peers), key=str)} of the "
+                "group "
+                f"(timed out or the peer died): {e}"
+            ) from e
 
     def exchange(self, peer: int, send: torch.Tensor | None, recv: torch.Tensor | None) -> None:
         """Send ``send`` to ``peer`` and receive into ``recv`` from it, concurrently. None or empty skips."""
@@ -164,7 +221,7 @@ class Comm:
         SparCML §4's direct sends with non-blocking calls. (gloo's own all_to_all stalled here behind
         tc-shaped links with multi-MB blocks.)
         """
-        out = [torch.empty(n, dtype=dtype) for n in recv_sizes]
+        out = [self.empty(n, dtype) for n in recv_sizes]
         out[self.rank] = blocks[self.rank]
         order = [(self.rank + i) % self.size for i in range(1, self.size)]
         self._transfer([(j, out[j]) for j in order], [(j, blocks[j]) for j in order])
@@ -175,6 +232,18 @@ class Comm:
 
     def recv(self, peer: int, tensor: torch.Tensor) -> None:
         self.exchange(peer, None, tensor)
+
+    def all_gather_into(self, what: str, out: torch.Tensor, local: torch.Tensor) -> None:
+        """``out`` = every rank's ``local`` (same size everywhere) in rank order: torch's
+        ``all_gather_into_tensor`` (gloo: through host memory for CUDA tensors, transport.py)."""
+        # torch 2.13 renamed all_gather_into_tensor; keep working on older releases. (Looked up per call.)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        if self.stage:
+            host = torch.empty(out.shape, dtype=out.dtype)
+            self.run_collective(what, gather, host, local.cpu())
+            out.copy_(host)
+        else:
+            self.run_collective(what, gather, out, local)
 
     def count_collective(self, sent: int, received: int, messages: int) -> None:
         """Account for a torch collective whose traffic we compute from its algorithm (gloo: ring)."""
@@ -259,7 +328,7 @@ def framed(stream: SparseStream | None) -> torch.Tensor:
     """A self-delimiting block: a 24-byte frame header, then the payload padded to 8 bytes (so blocks can be
     concatenated and stay aligned), in whichever format is smaller. None frames an absent block (nrows -1)."""
     if stream is None:
-        return torch.tensor([0, -1, 0], dtype=torch.int64).view(torch.uint8)
+        return torch.tensor([0, -1, 0], dtype=torch.int64).view(torch.uint8)  # CPU: ``to`` the call's device
     dense_bytes = payload_nbytes(True, 0, stream.dim, stream.dtype, stream.row)
     if not stream.is_dense and dense_bytes <= stream.nbytes:
         # The smaller format always (SparCML §3's switch, exact): a frame of a stream of at most m stored rows
@@ -267,8 +336,10 @@ def framed(stream: SparseStream | None) -> torch.Tensor:
         stream = stream.densified()
     parts = payload_parts(stream)
     n = sum(int(p.numel()) for p in parts)
-    out = torch.zeros(FRAME_BYTES + max_framed_payload(n), dtype=torch.uint8)
-    out[:FRAME_BYTES] = torch.tensor([int(stream.is_dense), stream.nrows, n], dtype=torch.int64).view(torch.uint8)
+    device = stream.values.device
+    out = torch.zeros(FRAME_BYTES + max_framed_payload(n), dtype=torch.uint8, device=device)
+    head = torch.tensor([int(stream.is_dense), stream.nrows, n], dtype=torch.int64)
+    out[:FRAME_BYTES] = head.view(torch.uint8).to(device)
     off = FRAME_BYTES
     for p in parts:  # one copy of the payload, into the frame
         out[off : off + p.numel()] = p
@@ -285,7 +356,7 @@ def frame_length(buf: torch.Tensor) -> int:
     """Bytes of the frame starting at ``buf[0]`` (-1 when malformed), for ``allgather_var``."""
     if buf.numel() < FRAME_BYTES or buf.storage_offset() % 8:
         return -1
-    n = int(buf[:FRAME_BYTES].view(torch.int64)[2])
+    n = int(buf[:FRAME_BYTES].view(torch.int64)[2])  # a device sync on CUDA: gloo's path only
     return FRAME_BYTES + max_framed_payload(n) if n >= 0 else -1
 
 
@@ -294,7 +365,8 @@ def unframe(buf: torch.Tensor, dim: int, dtype: torch.dtype, row: int) -> Sparse
     if buf.numel() < FRAME_BYTES:
         raise ValueError(f"truncated frame of {buf.numel()} bytes")
     hdr = (buf[:FRAME_BYTES].clone() if buf.storage_offset() % 8 else buf[:FRAME_BYTES]).view(torch.int64)
-    is_dense, nrows, n = bool(hdr[0]), int(hdr[1]), int(hdr[2])
+    dense_flag, nrows, n = (int(x) for x in hdr.tolist())  # one device sync on CUDA
+    is_dense = bool(dense_flag)
     if nrows < 0:
         return None
     if not 0 <= nrows <= dim // row or n != payload_nbytes(is_dense, nrows, dim, dtype, row):
@@ -326,11 +398,11 @@ def exchange_stream(
     receiver cannot know the size of a partial sum in advance (the union of index sets is data dependent).
     """
     hdr_in = torch.empty(HEADER_WORDS, dtype=torch.int64) if expect else None
-    comm.exchange(peer, header_of(stream) if stream is not None else None, hdr_in)
+    comm.meta.exchange(peer, header_of(stream) if stream is not None else None, hdr_in)
     buf: torch.Tensor | None = None
     if hdr_in is not None:
         is_dense, nrows = bool(hdr_in[0]), int(hdr_in[1])
-        buf = torch.empty(payload_nbytes(is_dense, nrows, dim, dtype, row), dtype=torch.uint8)
+        buf = comm.empty(payload_nbytes(is_dense, nrows, dim, dtype, row))
     comm.exchange(peer, payload_of(stream) if stream is not None else None, buf)
     if hdr_in is None or buf is None:
         return None

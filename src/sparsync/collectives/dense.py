@@ -38,10 +38,10 @@ def _pipelined_dense(comm: Comm, stream: SparseStream) -> torch.Tensor:
     docs/results_design.md."""
     R, b, idx, vals = stream.num_rows, stream.row, stream.indices, stream.rows2d
     assert idx is not None
-    buf = torch.empty(stream.dim, dtype=stream.dtype)
+    buf = torch.empty(stream.dim, dtype=stream.dtype, device=stream.device)
     rows2d = buf.view(R, b)
     bounds = [R * c // DENSE_CHUNKS for c in range(DENSE_CHUNKS + 1)]  # in rows
-    cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype)).tolist()
+    cuts = torch.searchsorted(idx, torch.tensor(bounds, dtype=idx.dtype, device=idx.device)).tolist()
     works = []
     with comm.phase("dense_allreduce"):
         for c in range(DENSE_CHUNKS):

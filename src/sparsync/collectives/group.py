@@ -44,6 +44,10 @@ class GroupState:
     # (intra-host, inter-host) link models agreed by every rank of the world, held by a host's group
     # (collectives/hierarchical.py)
     levels: tuple[LinkModel, LinkModel] | None = None
+    # The gloo side group of a pure NCCL group, for CPU metadata (collectives/transport.py).
+    meta: dist.ProcessGroup | None = None
+    # Set by transport.use_nccl_rules: this group's payload follows NCCL's rules, its metadata goes here.
+    nccl_rules: dist.ProcessGroup | None = None
 
 
 _STATES: weakref.WeakKeyDictionary[dist.ProcessGroup, GroupState] = weakref.WeakKeyDictionary()
@@ -127,17 +131,30 @@ def background_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGrou
     g = resolve_group(group)
     state = group_state(g)
     if state.background is None:
-        ranks = dist.get_process_group_ranks(g)
-        # Only the members of a subgroup get here, so they must synchronise among themselves; for the whole
-        # world every rank is a member and the ordinary (global) creation applies.
-        local = len(ranks) != dist.get_world_size()
-        bg = dist.new_group(
-            ranks, timeout=_timeout_of(g), backend=dist.get_backend(g), use_local_synchronization=local
-        )
-        assert isinstance(bg, dist.ProcessGroup)  # this rank is in ``ranks``
+        bg = new_group_like(g)
         state.background = bg
-        group_state(bg).background = bg  # already sparsync's own: async calls on it stay on it
+        bg_state = group_state(bg)
+        bg_state.background = bg  # already sparsync's own: async calls on it stay on it
+        if state.nccl_rules is not None:  # the same rules, the metadata on its own side group
+            bg_state.nccl_rules = new_group_like(state.nccl_rules)
     return state.background
+
+
+def new_group_like(group: dist.ProcessGroup, backend: str | None = None) -> dist.ProcessGroup:
+    """A new group over ``group``'s ranks, with its timeout and its backend configuration (or ``backend``).
+    Collective over ``group``'s ranks."""
+    ranks = dist.get_process_group_ranks(group)
+    # Only the members of a subgroup get here, so they must synchronise among themselves; for the whole
+    # world every rank is a member and the ordinary (global) creation applies.
+    local = len(ranks) != dist.get_world_size()
+    new = dist.new_group(
+        ranks,
+        timeout=_timeout_of(group),
+        backend=backend or dist.get_backend_config(group),
+        use_local_synchronization=local,
+    )
+    assert isinstance(new, dist.ProcessGroup)  # this rank is in ``ranks``
+    return new
 
 
 def _timeout_of(group: dist.ProcessGroup) -> timedelta | None:
@@ -145,7 +162,8 @@ def _timeout_of(group: dist.ProcessGroup) -> timedelta | None:
     as it fails the caller's own collectives (``launch(timeout=...)``)."""
     try:
         # Private in torch 2.13; without it the new group gets torch's default (30 min for gloo).
-        timeout: timedelta = group._get_backend(torch.device("cpu")).options._timeout
+        device = torch.device("cpu") if "cpu" in dist.get_backend_config(group) else torch.device("cuda")
+        timeout: timedelta = group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
         return None
     return timeout

@@ -59,6 +59,9 @@ def _layout(tensors: Sequence[torch.Tensor]) -> _Layout:
     for i, t in enumerate(tensors):
         if not t.is_floating_point():
             raise ValueError(f"grouped_allreduce: tensor {i} has dtype {t.dtype}; floating tensors only")
+    devices = sorted({str(t.device) for t in tensors})
+    if len(devices) > 1:
+        raise ValueError(f"grouped_allreduce: tensors are on devices {devices}; group tensors of one device")
     dtypes = sorted({str(t.dtype) for t in tensors})
     if len(dtypes) > 1:
         raise ValueError(f"grouped_allreduce: tensors have dtypes {dtypes}; group tensors of one dtype")
@@ -81,24 +84,24 @@ def _layout(tensors: Sequence[torch.Tensor]) -> _Layout:
 
 def _fuse(tensors: Sequence[torch.Tensor], lay: _Layout) -> tuple[SparseStream, torch.Tensor, BadIndex | None]:
     """The fused stream, its row ids (int64), and the first out-of-range index of any sparse tensor."""
-    b, dtype = lay.row, tensors[0].dtype
+    b, dtype, device = lay.row, tensors[0].dtype, tensors[0].device
     idx: list[torch.Tensor] = []
     vals: list[torch.Tensor] = []
     for i, off in zip(lay.sparse, lay.offsets, strict=True):
         s, bad = _coo_rows(tensors[i], tensor=i)
         if bad is not None:
-            placeholder = SparseStream.empty(lay.total_rows * b, dtype, row=b)
-            return placeholder, torch.empty(0, dtype=torch.int64), bad
+            placeholder = SparseStream.empty(lay.total_rows * b, dtype, row=b, device=device)
+            return placeholder, torch.empty(0, dtype=torch.int64, device=device), bad
         assert s.indices is not None  # _coo_rows returns sparse streams
         idx.append(s.indices.to(torch.int64) + off)
         vals.append(s.values)
     if lay.dense:
         flat = [tensors[i].detach().reshape(-1) for i in lay.dense]
         pad = lay.dense_rows * b - sum(f.numel() for f in flat)
-        vals += [*flat, torch.zeros(pad, dtype=dtype)] if pad else flat
-        idx.append(torch.arange(lay.dense_base, lay.total_rows, dtype=torch.int64))
-    rows = torch.cat(idx) if idx else torch.empty(0, dtype=torch.int64)  # sorted: offsets increase
-    values = torch.cat(vals) if vals else torch.empty(0, dtype=dtype)
+        vals += [*flat, torch.zeros(pad, dtype=dtype, device=device)] if pad else flat
+        idx.append(torch.arange(lay.dense_base, lay.total_rows, dtype=torch.int64, device=device))
+    rows = torch.cat(idx) if idx else torch.empty(0, dtype=torch.int64, device=device)  # sorted: offsets increase
+    values = torch.cat(vals) if vals else torch.empty(0, dtype=dtype, device=device)
     stream = SparseStream(
         rows.to(index_dtype_for(lay.total_rows)), values, lay.total_rows * b, row=b, validate=False
     )
@@ -125,7 +128,8 @@ def _split(
         assert s.indices is not None
         ids = s.indices.to(torch.int64)
         r2 = s.rows2d
-        cuts = torch.searchsorted(ids, torch.tensor([*lay.offsets, lay.dense_base, lay.total_rows])).tolist()
+        bounds = torch.tensor([*lay.offsets, lay.dense_base, lay.total_rows], device=ids.device)
+        cuts = torch.searchsorted(ids, bounds).tolist()
         for k, (i, lo, hi) in enumerate(zip(lay.sparse, lay.offsets, ends, strict=True)):
             a, z = cuts[k], cuts[k + 1]
             sub = SparseStream(
@@ -135,7 +139,7 @@ def _split(
             t = tensors[i]
             out[i] = stream_to_coo(sub, t.shape, t.sparse_dim())
         a, z = cuts[-2], cuts[-1]
-        dense_block = torch.zeros(lay.dense_rows, b, dtype=s.dtype)
+        dense_block = torch.zeros(lay.dense_rows, b, dtype=s.dtype, device=s.device)
         dense_block[ids[a:z] - lay.dense_base] = r2[a:z]
         block = dense_block.reshape(-1)
     at = 0

@@ -40,14 +40,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives._fold import allgather_var
 from sparsync.collectives.allreduce import problem_of, sparse_allreduce
 from sparsync.collectives.calibrate import measure_link
 from sparsync.collectives.comm import (
     FRAME_BYTES,
     Comm,
     Traffic,
-    frame_length,
     framed,
     max_framed_payload,
     payload_nbytes,
@@ -56,7 +54,7 @@ from sparsync.collectives.comm import (
 from sparsync.collectives.group import group_state, next_call, resolve_group
 from sparsync.collectives.meta import exchange_meta, update_eager
 from sparsync.collectives.partition import Partition, resolve_partition
-from sparsync.collectives.split_allgather import frame_cap, split_reduce
+from sparsync.collectives.split_allgather import frame_cap, gather_frames, split_reduce
 from sparsync.costmodel import (
     ALGORITHMS,
     Decision,
@@ -280,7 +278,7 @@ def hierarchical_allreduce(
         raise ValueError(f"unknown mode {mode!r}; valid: {', '.join(MODES)}")
     t0 = time.perf_counter()
     part_kind = resolve_partition(partition, stream.row)
-    comm = Comm(topology.world, timeout)
+    comm = Comm(topology.world, timeout, stream.device)
     comm.op = f"hierarchical_allreduce(mode={mode!r})"
     meta = exchange_meta(comm, "sparse_allreduce", stream, "auto", next_call(topology.world), check_nan)
     problem = problem_of(stream, meta, topology.size)
@@ -300,7 +298,7 @@ def hierarchical_allreduce(
         host_nnz = tuple(meta.nnz[r] for r in topology.members[topology.host])
         part = Partition(part_kind, stream.num_rows, topology.local_size)
         counts, b = part.counts(), stream.row
-        local = Comm(topology.local, timeout)
+        local = Comm(topology.local, timeout, stream.device)
         local.op = comm.op
         with comm.phase("host_reduce_scatter"):
             mine = split_reduce(local, stream, part, host_nnz) if counts[topology.local_rank] else None
@@ -320,13 +318,13 @@ def hierarchical_allreduce(
             # The cross allreduce may return its result dense whatever its rows (its algorithm's choice).
             cap = max(frame_cap(min(sum(meta.nnz), max(counts)), width, stream.dtype, b),
                       FRAME_BYTES + max_framed_payload(payload_nbytes(True, 0, width, stream.dtype)))  # fmt: skip
-            blocks = allgather_var(local, framed(total), cap, frame_length)
+            blocks = gather_frames(local, framed(total), cap)
             _absorb(comm, local)
         with comm.phase("assemble"):
             parts = [unframe(blk, width, stream.dtype, b) for blk in blocks]
             result = part.assemble(
                 [_resized(p, counts[j] * b, stream) if counts[j] else None for j, p in enumerate(parts)],
-                stream.dim, b, stream.dtype,
+                stream.dim, b, stream.dtype, stream.device,
             )  # fmt: skip
     if log is not None:
         log.append(

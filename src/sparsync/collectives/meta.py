@@ -55,14 +55,16 @@ ALGORITHM_CODES = ("auto", *(a.name for a in sorted(REGISTRY, key=lambda a: a.co
 # check_nan and partition: the call's options, which every rank must share; refused: 1 when this rank's input
 # was refused before its call (the row then carries the error message as its payload, ``report_refusal``);
 # name_key: a hash of the call's ``name=`` (0: unnamed), which tells apart calls of one signature; quantize: a
-# hash of DSAR's ``quantize=`` settings (0: none).
+# hash of DSAR's ``quantize=`` settings (0: none); device: where the payload lives (DEVICE_CODES), which every
+# rank must share (a CPU rank and a CUDA rank cannot meet in one NCCL call).
 _F = (
     "seq", "op", "dim", "dtype", "nnz", "dense", "nan", "algorithm", "row", "bad", "bad_value", "bad_tensor",
     "bad_rows", "shape_key", "ndim", "s0", "s1", "s2", "s3", "auto_key", "nonfinite", "check_nan", "partition",
-    "refused", "name_key", "quantize", "inline",
+    "refused", "name_key", "quantize", "device", "inline",
 )  # fmt: skip
 _COL = {name: i for i, name in enumerate(_F)}
 _NONFINITE = ("", "NaN", "+Inf", "-Inf")
+DEVICE_CODES = ("cpu", "cuda")  # the device column; any other device type is len(DEVICE_CODES)
 _INLINE = _F.index("inline")
 _WORDS = len(_F) + _hll.WORDS
 ROW_BYTES = 8 * _WORDS
@@ -159,7 +161,7 @@ def allgather_rows(
         buf[off : off + piece.numel()] = piece
         off += piece.numel()
     with comm.phase("meta"):
-        blocks = allgather_var(comm, buf, ROW_BYTES + EAGER_MAX, _block_length)
+        blocks = allgather_var(comm.meta, buf, ROW_BYTES + EAGER_MAX, _block_length)
     # Each block is a slice at a multiple of 8 bytes (blocks are padded to 8): int64-aligned.
     table = torch.stack([b[:ROW_BYTES].view(torch.int64) for b in blocks])
     payloads = [b[ROW_BYTES : ROW_BYTES + max(int(t[_INLINE]), 0)] for b, t in zip(blocks, table, strict=True)]
@@ -219,6 +221,7 @@ def exchange_meta(
             0,
             0 if name is None else text_key(name),
             quantize,
+            device_code(stream.device),
         ],
         dtype=torch.int64,
     )
@@ -229,7 +232,10 @@ def exchange_meta(
     sketch = None
     if algorithm == "auto" and stream.row > 1 and stream.indices is not None and comm.size > 2:
         sketch = _hll.registers(stream.indices)
-    table, blocks = allgather_rows(comm, row, payload_parts(stream) if mine <= limit else None, sketch)
+    # A device payload small enough to ride along is copied to the host with the row (at most EAGER_MAX bytes:
+    # the row's own round trip dominates such a call anyway; transport.py).
+    inline = [p.cpu() for p in payload_parts(stream)] if mine <= limit else None
+    table, blocks = allgather_rows(comm, row, inline, sketch)
     if not _all_clear(table):  # one vectorized test; the detailed checks name what went wrong
         raise_refusals(table, blocks, comm.rank)
         _check(table, comm.rank)
@@ -257,7 +263,7 @@ def exchange_meta(
 
 # Columns every rank must hold the same value in, and columns that flag a problem when >= 0 (or != 0).
 _AGREE = tuple(_COL[c] for c in ("op", "seq", "algorithm", "dim", "row", "dtype", "check_nan", "partition",
-                                  "shape_key", "auto_key", "quantize"))  # fmt: skip
+                                  "shape_key", "auto_key", "quantize", "device"))  # fmt: skip
 _FLAGS = (_COL["bad"], _COL["nan"])
 
 
@@ -328,6 +334,11 @@ def raise_refusals(table: torch.Tensor, blocks: list[torch.Tensor], me: int) -> 
         raise kind(f"rank {r} refused its input: {text} (seen on rank {me})")
 
 
+def device_code(device: torch.device) -> int:
+    """The device column's code of ``device`` (its type: every rank's own GPU is "cuda")."""
+    return DEVICE_CODES.index(device.type) if device.type in DEVICE_CODES else len(DEVICE_CODES)
+
+
 def shape_fingerprint(layout: str, shape: tuple[int, ...]) -> int:
     """A 62-bit key of (layout, shape)."""
     return text_key(repr((layout, tuple(int(d) for d in shape))))
@@ -353,6 +364,8 @@ def _check(table: torch.Tensor, me: int) -> None:
             return PARTITION_CODES[v]
         if _F[col] == "check_nan":
             return str(bool(v))
+        if _F[col] == "device":
+            return DEVICE_CODES[v] if v < len(DEVICE_CODES) else "other"
         return str(v)
 
     def shape(r: int) -> str:
@@ -370,6 +383,7 @@ def _check(table: torch.Tensor, me: int) -> None:
         (_COL["check_nan"], "check_nan"),
         (_COL["partition"], "partition"),
         (_COL["quantize"], "quantize= setting"),
+        (_COL["device"], "device"),
     ):
         r = first_differing(table, col)
         if r is not None:

@@ -85,7 +85,9 @@ class Partition:
             )
         return out
 
-    def assemble(self, parts: list[SparseStream | None], dim: int, row: int, dtype: torch.dtype) -> SparseStream:
+    def assemble(
+        self, parts: list[SparseStream | None], dim: int, row: int, dtype: torch.dtype, device: torch.device
+    ) -> SparseStream:
         """The stream of ``dim`` values from every owner's disjoint result (None: an owner with no rows).
         SparCML §3: sums of disjoint index sets are concatenations."""
         if self.kind == "range":
@@ -95,7 +97,7 @@ class Partition:
         P = self.parts
         live = [(j, p) for j, p in enumerate(parts) if p is not None]
         if any(p.is_dense for _, p in live) or sum(p.nrows for _, p in live) >= dense_threshold(dim, dtype, row):
-            out = torch.zeros(dim, dtype=dtype)
+            out = torch.zeros(dim, dtype=dtype, device=device)
             out2d = out.view(-1, row)
             for j, p in live:
                 if p.indices is None:
@@ -105,13 +107,13 @@ class Partition:
             return SparseStream(None, out, dim, row=row)
         rows = [p.indices.to(torch.int64) * P + j for j, p in live if p.indices is not None]
         if not rows:
-            return SparseStream.empty(dim, dtype, row=row)
+            return SparseStream.empty(dim, dtype, row=row, device=device)
         srt, order = torch.sort(torch.cat(rows))
         # Each owner's rows go straight to their sorted places: one pass over the values (a concatenation
         # then a gather made two).
         place = torch.empty_like(order)
-        place[order] = torch.arange(order.numel())
-        vals = torch.empty(order.numel(), row, dtype=dtype)
+        place[order] = torch.arange(order.numel(), device=device)
+        vals = torch.empty(order.numel(), row, dtype=dtype, device=device)
         off = 0
         for _, p in live:
             vals[place[off : off + p.nrows]] = p.rows2d

@@ -20,9 +20,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
-from sparsync.collectives._fold import allgather_var
+from sparsync.collectives._fold import allgather_blocks, allgather_fixed, allgather_var
 from sparsync.collectives.comm import (
     FRAME_BYTES,
     Comm,
@@ -37,9 +36,6 @@ from sparsync.stream import SparseStream, dense_threshold, sum_streams
 
 if TYPE_CHECKING:
     from sparsync.collectives.meta import Meta
-
-# torch 2.13 renamed all_gather_into_tensor; keep working on older releases.
-_ALLGATHER_SINGLE = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 def partition_bounds(dim: int, parts: int) -> list[int]:
@@ -64,14 +60,22 @@ def split_reduce(comm: Comm, stream: SparseStream, part: Partition, nnz: tuple[i
     for the largest block the owner can get, its partition in the dense format (a block that fills up is sent
     dense, SparCML §3), and never more rows than the sender stores (``nnz``: every rank's stored rows, from
     the metadata round). SparCML sends sizes first; here that round is saved (at P = 8 on 2 cores a
-    round of tiny messages costs milliseconds)."""
+    round of tiny messages costs milliseconds). Under NCCL's rules (``comm.exact``: a receive must be posted for
+    exactly the bytes sent) the sizes do go first, as SparCML sends them, in one allgather of P sizes per rank
+    over the host metadata group."""
     P, rank, dtype, b = comm.size, comm.rank, stream.dtype, stream.row
     counts = part.counts()
     blocks = part.split(stream)
     n = counts[rank] * b
-    caps = [frame_cap(min(nnz[j], counts[rank]), n, dtype, b) if n else 0 for j in range(P)]
-    out_frames = [framed(blk) if counts[j] else torch.empty(0, dtype=torch.uint8) for j, blk in enumerate(blocks)]
+    empty = torch.empty(0, dtype=torch.uint8, device=comm.device)
+    out_frames = [framed(blk) if counts[j] else empty for j, blk in enumerate(blocks)]
     comm.traffic.partition_bytes = [int(f.numel()) for f in out_frames]
+    if comm.exact:
+        with comm.phase("split_sizes"):
+            table = allgather_fixed(comm.meta, torch.tensor(comm.traffic.partition_bytes, dtype=torch.int64))
+        caps = [int(x) for x in table[:, rank]]
+    else:
+        caps = [frame_cap(min(nnz[j], counts[rank]), n, dtype, b) if n else 0 for j in range(P)]
     with comm.phase("split_payload"):
         received = comm.alltoallv(out_frames, caps, torch.uint8)
     if not n:
@@ -82,10 +86,20 @@ def split_reduce(comm: Comm, stream: SparseStream, part: Partition, nnz: tuple[i
             got = unframe(received[j], n, dtype, b)
             if got is None:
                 raise ValueError(f"{comm.op}: rank {j} sent no block for partition {rank}")
-            if j != rank:
+            if j != rank and not comm.exact:
                 comm.traffic.bytes_recv -= caps[j] - frame_length(received[j])
             parts.append(got)
         return sum_streams(parts)
+
+
+def gather_frames(comm: Comm, frame: torch.Tensor, cap: int) -> list[torch.Tensor]:
+    """Every rank's ``frame`` (at most ``cap`` bytes) on every rank: one round into receives of ``cap`` bytes on
+    gloo; under NCCL's rules (``comm.exact``) the frames' sizes first, over the host metadata group."""
+    frame = frame.to(comm.device)
+    if not comm.exact:
+        return allgather_var(comm, frame, cap, frame_length)
+    sizes = [int(x) for x in allgather_fixed(comm.meta, torch.tensor([frame.numel()]))[:, 0]]
+    return allgather_blocks(comm, frame, sizes)
 
 
 def ssar_split_allgather(
@@ -101,10 +115,10 @@ def ssar_split_allgather(
     # Each owner's result travels framed, received into the largest frame any owner's result can take.
     cap = max(frame_cap(min(sum(nnz), c), c * b, dtype, b) for c in counts)
     with comm.phase("allgather_payload"):
-        blocks = allgather_var(comm, framed(mine), cap, frame_length)
+        blocks = gather_frames(comm, framed(mine), cap)
     with comm.phase("concat"):
         parts = [unframe(blocks[j], counts[j] * b, dtype, b) if counts[j] else None for j in range(P)]
-        return part.assemble(parts, dim, b, dtype)
+        return part.assemble(parts, dim, b, dtype, stream.device)
 
 
 def dsar_split_allgather(
@@ -116,14 +130,14 @@ def dsar_split_allgather(
     part = Partition(partition, stream.num_rows, P)
     mine = split_reduce(comm, stream, part, nnz)
     chunk = max(part.counts())
-    local = torch.zeros(chunk * b, dtype=dtype)
+    local = torch.zeros(chunk * b, dtype=dtype, device=comm.device)
     if mine is not None and mine.indices is None:
         local[: mine.dim] = mine.values
     elif mine is not None and mine.indices is not None:  # in place: to_dense() fills a second fresh N/P buffer
         local.view(chunk, b)[mine.indices.to(torch.int64)] = mine.rows2d
-    out = torch.empty(chunk * b * P, dtype=dtype)
+    out = torch.empty(chunk * b * P, dtype=dtype, device=comm.device)
     with comm.phase("dense_allgather"):
-        comm.run_collective("dense allgather", _ALLGATHER_SINGLE, out, local)
+        comm.all_gather_into("dense allgather", out, local)
         nb = chunk * b * local.element_size() * (P - 1)
         comm.count_collective(nb, nb, P - 1)
     return SparseStream(None, part.gather_dense(out, chunk, b), dim, row=b, validate=False)

@@ -54,11 +54,13 @@ def _coo_rows(t: torch.Tensor, tensor: int = -1) -> tuple[SparseStream, BadIndex
         bad = torch.nonzero((raw[d] < 0) | (raw[d] >= shape[d]), as_tuple=True)[0]
         if bad.numel():
             pos, value = int(bad[0]), int(raw[d, bad[0]])
-            return SparseStream.empty(t.numel(), t.dtype, row=b), BadIndex(pos, value, shape[d], tensor)
+            placeholder = SparseStream.empty(t.numel(), t.dtype, row=b, device=t.device)
+            return placeholder, BadIndex(pos, value, shape[d], tensor)
     if sd == 1:
         rows = raw[0]
     else:
-        strides = torch.tensor([math.prod(shape[i + 1 : sd]) for i in range(sd)], dtype=torch.int64)
+        steps = [math.prod(shape[i + 1 : sd]) for i in range(sd)]
+        strides = torch.tensor(steps, dtype=torch.int64, device=t.device)
         rows = (raw * strides[:, None]).sum(0)  # linear row index over the sparse dims
     vals = t._values().reshape(-1, b)
     if not t.is_coalesced():
@@ -86,14 +88,14 @@ def stream_to_coo(
         assert lin is not None
         lin = lin.to(torch.int64)
         rows, inverse = torch.unique(lin // b, return_inverse=True)
-        vals = torch.zeros(rows.numel(), b, dtype=s.dtype)
+        vals = torch.zeros(rows.numel(), b, dtype=s.dtype, device=s.device)
         vals[inverse, lin % b] = s.values
     if sparse_dim == 1:
         idx = rows.to(torch.int64).reshape(1, -1)
     elif rows.numel():
         idx = torch.stack(torch.unravel_index(rows.to(torch.int64), tuple(shape[:sparse_dim])))
     else:
-        idx = torch.empty(sparse_dim, 0, dtype=torch.int64)
+        idx = torch.empty(sparse_dim, 0, dtype=torch.int64, device=s.device)
     return torch.sparse_coo_tensor(
         idx, vals.reshape(-1, *dense_shape), shape, is_coalesced=True, check_invariants=False
     )
@@ -115,16 +117,25 @@ def unpack_bits(words: torch.Tensor, count: int) -> torch.Tensor:
 def _union_rows(comm: Comm, mine: torch.Tensor, result: SparseStream) -> torch.Tensor:
     """Rows of a dense result that any rank passed: one allreduce (BOR) of a bitmap of R bits. Cheaper than
     scanning the dense result for non-zero rows (a 268 MB table's bitmap is 128 KB), and exact
-    where a scan is not (rows that cancel, explicit zeros)."""
+    where a scan is not (rows that cancel, explicit zeros). NCCL has no BOR (transport.py): there one byte
+    per row reduced with MAX, on the device (8x the bytes of the bitmap, no host round trip)."""
     R = result.num_rows
+    if comm.exact:
+        flags = torch.zeros(R, dtype=torch.uint8, device=comm.device)
+        flags[mine.to(torch.int64)] = 1
+        with comm.phase("union_rows"):
+            comm.run_collective("union of rows", dist.all_reduce, flags, op=dist.ReduceOp.MAX)
+        nb = 2 * (comm.size - 1) * R // comm.size
+        comm.count_collective(nb, nb, 2 * (comm.size - 1))
+        return torch.nonzero(flags, as_tuple=True)[0]
     touched = torch.zeros(R, dtype=torch.bool)
-    touched[mine.to(torch.int64)] = True
-    bits = pack_bits(touched)  # R/8 bytes (one int32 per packed byte sent R/2 before)
+    touched[mine.to(torch.int64).cpu()] = True
+    bits = pack_bits(touched)  # R/8 bytes (one int32 per packed byte sent R/2 before); gloo: on the host
     with comm.phase("union_rows"):
         comm.run_collective("union of rows", dist.all_reduce, bits, op=dist.ReduceOp.BOR)
     nb = 2 * (comm.size - 1) * bits.numel() * 4 // comm.size
     comm.count_collective(nb, nb, 2 * (comm.size - 1))
-    return torch.nonzero(unpack_bits(bits, R), as_tuple=True)[0]
+    return torch.nonzero(unpack_bits(bits, R), as_tuple=True)[0].to(comm.device)
 
 
 def allreduce(
@@ -170,7 +181,11 @@ def _prepare(
     if tensor.is_sparse:
         stream, bad = _coo_rows(tensor)
         shape, sd = tensor.shape, tensor.sparse_dim()
-        mine = stream.indices.to(torch.int64) if stream.indices is not None else torch.empty(0, dtype=torch.int64)
+        mine = (
+            stream.indices.to(torch.int64)
+            if stream.indices is not None
+            else torch.empty(0, dtype=torch.int64, device=tensor.device)
+        )
 
         def finish(comm: Comm, s: SparseStream) -> torch.Tensor:
             rows = _union_rows(comm, mine, s) if s.is_dense else None

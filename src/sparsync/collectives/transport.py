@@ -1,0 +1,87 @@
+"""Which rules a group's transport imposes on the payload of one device, and where the metadata travels.
+
+gloo (CPU) accepts a message shorter than the receive posted for it, which the metadata round and the split
+phase rely on (receives posted for the largest block a peer may send, ``meta.py``). NCCL does not: every
+receive must be posted for exactly the bytes sent, p2p transfers between two ranks must be posted together
+(``batch_isend_irecv``: a receive posted alone on NCCL's per-pair stream blocks the send behind it), and its
+reductions are SUM, PROD, MIN, MAX and AVG only (no BOR). gloo takes CUDA tensors only in ``all_reduce`` and
+``broadcast``: its p2p transfers and gathers of CUDA tensors go through host memory ("staging").
+
+Metadata (int64 rows, sizes, headers) always travels as CPU tensors on a group that carries CPU tensors: the
+group itself when its backend has a CPU part (``gloo``, or torch's ``"cpu:gloo,cuda:nccl"`` convention, which
+``sparsync.launch(backend="nccl")`` uses), else a gloo side group over the same ranks made at first use. Every
+metadata value is needed on the host anyway (sizes of receives, auto's choice), so sending it from the host
+saves the device-to-host copy of its result; payload stays on the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from sparsync.collectives.group import group_state, new_group_like
+
+
+@dataclass(frozen=True)
+class Transport:
+    """How one group carries payload tensors of one device (module doc)."""
+
+    exact: bool  # receives posted for exactly the bytes sent; p2p posted in batches (NCCL's rules)
+    stage: bool  # p2p transfers and gathers copy through host memory (CUDA tensors on gloo)
+    meta: dist.ProcessGroup  # the group CPU metadata travels on
+
+
+def backends(group: dist.ProcessGroup) -> dict[str, str]:
+    """Device type -> backend name of ``group`` (``{"cpu": "gloo", "cuda": "gloo"}`` for a gloo group,
+    ``{"cuda": "nccl"}`` for an NCCL one, ``{"cpu": "gloo", "cuda": "nccl"}`` for ``"cpu:gloo,cuda:nccl"``)."""
+    config = dist.get_backend_config(group)
+    if ":" not in config:  # a bare backend name: torch's capability table says which devices it serves
+        name = config.lower()
+        return dict.fromkeys(dist.Backend.backend_capability.get(name, ["cpu", "cuda"]), name)
+    out: dict[str, str] = {}
+    for pair in config.lower().split(","):
+        device, _, name = pair.partition(":")
+        out[device.strip()] = name.strip()
+    return out
+
+
+def transport(group: dist.ProcessGroup, device: torch.device) -> Transport:
+    """The rules for payload on ``device`` over ``group`` (module doc); ``use_nccl_rules`` overrides them."""
+    state = group_state(group)
+    if state.nccl_rules is not None:  # a gloo group told to behave as NCCL (tests, use_nccl_rules)
+        return Transport(exact=True, stage=False, meta=state.nccl_rules)
+    served = backends(group)
+    payload = served.get(device.type)
+    if payload is None:
+        raise ValueError(
+            f"the process group's backend ({dist.get_backend_config(group)}) does not serve {device.type} "
+            f"tensors; init torch.distributed with a backend for {device.type} (e.g. 'cpu:gloo,cuda:nccl')"
+        )
+    return Transport(
+        exact=payload == "nccl",
+        stage=device.type != "cpu" and payload == "gloo",
+        meta=meta_group(group),
+    )
+
+
+def meta_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """The group CPU metadata of ``group``'s calls travels on (module doc). Collective on the first call for a
+    pure NCCL group (every rank of ``group`` gets here at its first sparsync call on it, in the same order)."""
+    if "cpu" in backends(group):
+        return group
+    state = group_state(group)
+    if state.meta is None:
+        state.meta = new_group_like(group, backend="gloo")
+    return state.meta
+
+
+def use_nccl_rules(group: dist.ProcessGroup, meta: dist.ProcessGroup) -> None:
+    """Run ``group``'s payload under NCCL's rules (exact receive sizes, batched p2p, no BOR) and its metadata on
+    ``meta``, whatever ``group``'s backend: how the test suite proves on gloo, without a GPU, that the
+    algorithms ask nothing of NCCL that it refuses (tests/_nccl_rules.py records and refuses the calls).
+    Call it on every rank, before the group's first sparsync call."""
+    if dist.get_process_group_ranks(meta) != dist.get_process_group_ranks(group):
+        raise ValueError("use_nccl_rules: the metadata group must span the same ranks as the group")
+    group_state(group).nccl_rules = meta
