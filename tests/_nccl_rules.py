@@ -193,3 +193,20 @@ class NcclRules:
             posted = t.numel() * t.element_size()
             if sent != posted:
                 self._refuse("recv", f"a receive of {posted} bytes for a send of {sent} from rank {peer}")
+
+
+def under_nccl_rules(rank: int, worker: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    """``worker(rank, *args)`` with the world group under NCCL's rules (a ``launch`` target: pass the worker and
+    its arguments). Returns ``{"result": ..., "nccl_rules": {"calls": ..., "refused": [...]}}``."""
+    with NcclRules() as rules:
+        out = worker(rank, *args)
+    return {"result": out, "nccl_rules": rules.summary()}
+
+
+def check_clean(summaries: list[dict[str, Any]], *, min_batches: int = 1) -> None:
+    """Assert that no rank made a call NCCL would refuse and that (beyond one rank) the payload did travel
+    under the rules (``min_batches`` batched p2p transfers at least, or collectives)."""
+    for rank, s in enumerate(summaries):
+        assert s["refused"] == [], f"rank {rank}: {s['refused'][:5]}"
+    if len(summaries) > 1:
+        assert all(sum(s["calls"].values()) >= min_batches for s in summaries), [s["calls"] for s in summaries]

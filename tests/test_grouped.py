@@ -10,16 +10,22 @@ import _grouped_workers as gw
 import numpy as np
 import pytest
 import torch
+from _nccl_rules import check_clean, under_nccl_rules
 
 from sparsync import grouped_allreduce, launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(scope="module", params=(1, 3, 5), ids=lambda p: f"P{p}")
+@pytest.fixture(scope="module", params=(1, 3, 5, "1-nccl", "3-nccl", "5-nccl"), ids=lambda p: f"P{p}")
 def run(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
-    world = request.param
-    return world, launch(gw.grouped_worker, nprocs=world, timeout=240)
+    """Every rank's results; "-nccl": under NCCL's rules on gloo (tests/_nccl_rules.py), checked clean here."""
+    world = int(str(request.param).split("-")[0])
+    if "nccl" not in str(request.param):
+        return world, launch(gw.grouped_worker, nprocs=world, timeout=240)
+    out = launch(under_nccl_rules, nprocs=world, args=(gw.grouped_worker,), timeout=240)
+    check_clean([o["nccl_rules"] for o in out])
+    return world, [o["result"] for o in out]
 
 
 def _expected(pattern: str, dtype: torch.dtype, world: int) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ import _optim_workers as ow
 import numpy as np
 import pytest
 import torch
+from _nccl_rules import check_clean, under_nccl_rules
 
 from sparsync import launch
 from sparsync.optim import DistributedOptimizer
@@ -24,6 +25,16 @@ def test_equals_the_exact_average_and_ddp_with_sparse_gradients(P: int) -> None:
     by_density = launch(ow.exact_worker, nprocs=P, args=(DENSITIES,))
     for density in DENSITIES:
         _check_exact([r[density] for r in by_density])
+
+
+@pytest.mark.parametrize("P", [1, 3, 5])
+def test_exact_under_nccl_rules(P: int) -> None:
+    """The same training under NCCL's rules on gloo (tests/_nccl_rules.py): the same results, and not one call
+    that NCCL would refuse."""
+    out = launch(under_nccl_rules, nprocs=P, args=(ow.exact_worker, DENSITIES))
+    check_clean([o["nccl_rules"] for o in out])
+    for density in DENSITIES:
+        _check_exact([o["result"][density] for o in out])
 
 
 def _check_exact(res: list[dict[str, list[np.ndarray]]]) -> None:
