@@ -1,5 +1,6 @@
 """Test tiers (README, "Tests"): a test that starts parameter-server processes is marked ``servers``, so that
-``make test-fast`` (no process groups, no servers) can leave it out."""
+``make test-fast`` (no process groups, no servers) can leave it out; a test marked ``cuda`` is skipped where no
+GPU is (CI), and runs wherever one is (scripts/gpu_check.sh)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ _SERVER_FIXTURES = {"two", "server", "raw"}  # test_ps.py's and test_ps_hostile.
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    import torch
+
+    no_gpu = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in items:
+        if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
         fn = getattr(item, "function", None)
         src = inspect.getsource(fn) if fn is not None else ""
         if _SERVER_FIXTURES & set(getattr(item, "fixturenames", ())) or any(s in src for s in _STARTS):

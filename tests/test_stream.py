@@ -362,3 +362,18 @@ def test_round_trips(spec: tuple[SparseStream, np.ndarray]) -> None:
         mid = s.dim // 2
         left, right = s.slice(0, mid), s.slice(mid, s.dim)
         np.testing.assert_array_equal(np.concatenate([left.to_dense().numpy(), right.to_dense().numpy()]), v)
+
+
+@pytest.mark.parametrize("n", [0, 1, 10, 1000])
+def test_device_merge_adds_duplicates_in_input_order(n: int) -> None:
+    """The device path of ``merge_rows`` (``_add_in_order``: unique targets per pass) gives the CPU kernel's
+    bits, so a sum of P streams on a GPU has the same bits on every rank and as on the CPU."""
+    from sparsync.stream import _add_in_order
+
+    g = torch.Generator().manual_seed(n)
+    inverse = torch.randint(0, 7, (n,), generator=g)
+    rows = torch.randn(n, 3, generator=g)
+    want = torch.zeros(7, 3).index_add_(0, inverse, rows)
+    got = torch.zeros(7, 3)
+    _add_in_order(got, inverse, rows)
+    assert torch.equal(got, want)

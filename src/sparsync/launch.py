@@ -74,6 +74,24 @@ class LaunchError(RuntimeError):
         self.exitcode = exitcode
 
 
+def group_backend(backend: str) -> str:
+    """The backend string ``launch`` initialises with: ``nccl`` becomes ``"cpu:gloo,cuda:nccl"`` (torch's
+    convention), so that CUDA payload travels on NCCL and sparsync's metadata rows (host tensors) on gloo over the
+    same group (collectives/transport.py); anything else as given."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def use_device(backend: str, rank: int) -> None:
+    """One GPU per rank for NCCL (it refuses two ranks on one GPU): the local rank's, as torchrun's
+    ``LOCAL_RANK`` says (else ``rank``), modulo the GPUs present. Before ``init_process_group``."""
+    if "nccl" not in backend:
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"backend={backend!r} needs CUDA, and torch.cuda.is_available() is False here")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local % torch.cuda.device_count())
+
+
 def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
@@ -104,8 +122,9 @@ def _child(
             store = _host_store(host, port, nprocs, timeout)
         else:
             store = TCPStore(host, port, nprocs, is_master=False, timeout=timedelta(seconds=timeout))
+        use_device(backend, rank)
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout)
+            group_backend(backend), store=store, rank=rank, world_size=nprocs, timeout=timedelta(seconds=timeout)
         )
         _background()
         try:
@@ -195,7 +214,9 @@ def launch(
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``nprocs`` ranks joined in a process group; return their results in rank order.
 
-    ``fn`` and ``args`` must be picklable (a module-level function). ``timeout`` (seconds) bounds every
+    ``fn`` and ``args`` must be picklable (a module-level function). ``backend``: ``"gloo"`` (CPU tensors, and
+    CUDA tensors through host memory) or ``"nccl"`` (one GPU per rank, ``torch.cuda.set_device`` done; the group
+    is ``"cpu:gloo,cuda:nccl"``, so host tensors still work). ``timeout`` (seconds) bounds every
     collective: a dead or stuck peer makes the others fail with a message instead of hanging. ``setup`` runs
     in each rank first (``RankSetup``: e.g. an environment per emulated host, or a network namespace to enter).
     Under torchrun, joins that group and returns ``[fn(rank, *args)]`` for this process only.
@@ -225,7 +246,8 @@ def launch(
     if under_torchrun():
         owned = not dist.is_initialized()
         if owned:
-            dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
+            use_device(backend, int(os.environ["RANK"]))
+            dist.init_process_group(group_backend(backend), timeout=timedelta(seconds=timeout))
             _background()
         finished = False
         try:

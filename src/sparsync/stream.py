@@ -367,8 +367,38 @@ def merge_rows(indices: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor,
         return uniq, rows[order]
     acc = accumulation_dtype(rows.dtype)
     out = torch.zeros(uniq.numel(), rows.shape[1], dtype=acc, device=rows.device)
-    out.index_add_(0, inverse, rows.to(acc))
+    if rows.device.type == "cpu":
+        out.index_add_(0, inverse, rows.to(acc))  # sequential: each row's duplicates added in input order
+    else:
+        _add_in_order(out, inverse, rows.to(acc))
     return uniq, out.to(rows.dtype)
+
+
+ORDERED_MAX = 256  # duplicates of one index up to which a device merge adds them in input order (below)
+
+
+def _add_in_order(out: torch.Tensor, inverse: torch.Tensor, rows: torch.Tensor) -> None:
+    """``out.index_add_(0, inverse, rows)`` with each target's rows added in input order, as the CPU kernel
+    does, on a device whose ``index_add_`` adds duplicates by atomics in an unspecified order: the k-th
+    occurrences of every index are added in pass k, each pass with unique targets. So a sum of P streams
+    (at most P duplicates) has the same bits on every rank and as on the CPU. Beyond ``ORDERED_MAX``
+    duplicates (a local COO gradient of a very hot row) the atomic kernel is used: the sum is exact up to
+    rounding, but its last bits may vary run to run."""
+    order = torch.argsort(inverse, stable=True)
+    srt = inverse[order]
+    n = srt.numel()
+    pos = torch.arange(n, device=srt.device)
+    first = torch.ones(n, dtype=torch.bool, device=srt.device)
+    first[1:] = srt[1:] != srt[:-1]
+    start = torch.cummax(torch.where(first, pos, torch.zeros_like(pos)), 0).values  # segment start per element
+    occurrence = pos - start
+    passes = int(occurrence.max()) + 1 if n else 0
+    if passes > ORDERED_MAX:
+        out.index_add_(0, inverse, rows)
+        return
+    for k in range(passes):
+        sel = order[occurrence == k]
+        out.index_add_(0, inverse[sel], rows[sel])
 
 
 def _check_indices(indices: torch.Tensor, dim: int, *, sorted_unique: bool) -> None:
