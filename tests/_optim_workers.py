@@ -110,9 +110,13 @@ def plan_worker(rank: int) -> dict[str, Any]:
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, plan=plan, log=log)
     opt.zero_grad()
     model(_batch(0, rank, 1.0)).square().mean().backward()
+    before = {
+        n: (p.detach().numpy().copy(), p.grad.to_dense().numpy().copy()) for n, p in model.named_parameters()
+    }
     opt.step()
-    return {"ops": sorted({r.op for r in log.records}), "bytes": sum(r.bytes_sent for r in log.records),
-            "params": [p.detach().numpy().copy() for p in model.parameters()]}  # fmt: skip
+    calls = [(r.op, r.dim, r.nnz_in) for r in log.records]
+    return {"calls": calls, "bytes": sum(r.bytes_sent for r in log.records),
+            "params": [p.detach().numpy().copy() for p in model.parameters()], "before": before}  # fmt: skip
 
 
 def errors_worker(rank: int) -> list[str]:

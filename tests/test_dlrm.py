@@ -91,6 +91,9 @@ def test_bench_methods_train_to_the_same_loss_and_sparsync_sends_less(tmp_path: 
     for m in ("torch_ddp_dense", "sparsync"):  # the same SGD steps on the same means: rounding apart
         assert rows[m]["loss"] == pytest.approx(base["loss"], rel=1e-5), (m, rows[m]["loss"], base["loss"])
         assert rows[m]["param_abs_sum"] == pytest.approx(base["param_abs_sum"], rel=1e-5), m
+    for m in ("torch_ddp_dense", "sparsync"):
+        assert rows[m]["tables_moved"] == pytest.approx(base["tables_moved"], rel=1e-6), (m, rows[m], base)
+    assert base["tables_moved"] > 0
     assert rows["sparsync"]["bytes_per_step"] < rows["torch_ddp_dense"]["bytes_per_step"] / 5
     assert all(r["bytes_per_step"] > 0 and r["step_s"] > 0 for r in rows.values())
     assert rows["sparsync_dct"]["bytes_per_step"] < rows["sparsync"]["bytes_per_step"]
@@ -110,6 +113,7 @@ def test_omnireduce_and_sketch_methods_on_the_large_tables(tmp_path: Path) -> No
     base, omni, sk = rows["sparsync"], rows["sparsync_omnireduce"], rows["sparsync_sketch"]
     assert omni["loss"] == pytest.approx(base["loss"], rel=1e-5)
     assert omni["param_abs_sum"] == pytest.approx(base["param_abs_sum"], rel=1e-5)
+    assert omni["tables_moved"] == pytest.approx(base["tables_moved"], rel=1e-6) and base["tables_moved"] > 0
     assert omni["bytes_per_step"] != base["bytes_per_step"]  # the large tables went another way
     assert sk["bytes_per_step"] > 0 and math.isfinite(sk["loss"]) and sk["param_abs_sum"] != base["param_abs_sum"]
     with pytest.raises(KeyError, match="unknown methods"):
@@ -133,3 +137,6 @@ def test_parameter_server_methods_train_to_the_same_loss(tmp_path: Path) -> None
         assert rows[m]["loss"] == pytest.approx(base["loss"], rel=1e-5), m
         assert rows[m]["param_abs_sum"] == pytest.approx(base["param_abs_sum"], rel=1e-5), m
         assert rows[m]["bytes_per_step"] > 0 and rows[m]["step_s"] > 0, m
+    assert base["tables_moved"] > 0
+    for m in ("sparsync_ps", "sparsync_ps_split", "sparsync_hybrid"):  # the servers' tables, read at the end
+        assert rows[m]["tables_moved"] == pytest.approx(base["tables_moved"], rel=1e-6), (m, rows[m], base)

@@ -180,7 +180,11 @@ def test_parallax_markdown_ordering_verdict() -> None:
     # Table 3: 4·1000·3/4 + 4·0.01·1e6·3/4 = 33,000 bytes against 80,000 measured
     assert "| hybrid | 5 | 2.50x | 0.08 | 0.03 | +142.4% | 5.0000 |" in md
     bad = [row("allreduce", 9), row("ps", 3), row("hybrid", 5)]
-    assert "**does not hold**" in rp.parallax_markdown(bad, 1000.0, 1e6)
+    assert "AR 9 < PS 3 < HYB 5: **does not hold** (without OptPS)" in rp.parallax_markdown(bad, 1000.0, 1e6)
+    # no ordering is claimed over fewer than two measured methods
+    for few in ([], [row("ddp_sparse", 2)], [row("hybrid", 5)]):
+        md = rp.parallax_markdown(few, 1000.0, 1e6)
+        assert "holds" not in md and "**not checked**" in md, md
 
 
 def test_replicator_markdown_compares_curves() -> None:

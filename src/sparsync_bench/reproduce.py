@@ -26,7 +26,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -499,14 +499,23 @@ def parallax_markdown(rows: list[dict[str, Any]], w_dense: float, w_sparse: floa
         ])  # fmt: skip
     text = _table(["method", "words/s", "vs DDP sparse", "MB/step/machine", "Table 3 MB", "measured vs Table 3",
                    "loss"], body)  # fmt: skip
-    order = _ordering([(name, by[m]["words_per_s"]) for name, m in PARALLAX_ORDER if m in by], "{:,.0f}")
+    got = [(name, by[m]["words_per_s"]) for name, m in PARALLAX_ORDER if m in by]
+    order = _ordering(got, "{:,.0f}", [name for name, _ in PARALLAX_ORDER])
     return text + f"\nTable 4's ordering AR < PS < OptPS < HYB: {order}.\n"
 
 
-def _ordering(got: list[tuple[str, float]], fmt: str) -> str:
-    """'A 1 < B 2 ...: **holds**' when the rates increase along ``got``, else '**does not hold**'."""
+def _ordering(got: list[tuple[str, float]], fmt: str, want: Sequence[str]) -> str:
+    """'A 1 < B 2 ...: **holds**' when the rates increase along ``got``, else '**does not hold**'; with fewer
+    than two of ``want`` measured there is no ordering to check (**not checked**), and a partial one names the
+    methods it lacks."""
+    missing = [n for n in want if n not in {name for name, _ in got}]
+    if len(got) < 2:
+        return f"**not checked**: {len(got)} of {', '.join(want)} measured"
     ok = all(a[1] < b[1] for a, b in itertools.pairwise(got))
-    return " < ".join(f"{n} {fmt.format(r)}" for n, r in got) + f": **{'holds' if ok else 'does not hold'}**"
+    lacks = f" (without {', '.join(missing)})" if missing else ""
+    return (
+        " < ".join(f"{n} {fmt.format(r)}" for n, r in got) + f": **{'holds' if ok else 'does not hold'}**{lacks}"
+    )
 
 
 def lm_alpha(path: Path, vocab: int, batch: int, seq: int, negatives: int = 256, draws: int = 8) -> float:
@@ -535,7 +544,7 @@ def parallax_dlrm_markdown(rows: list[dict[str, Any]]) -> str:
     extra = ", ".join(f"{m} {1.0 / by[m]['step_s']:.2f}" for m in ("torch_ddp_sparse", "sparsync") if m in by)
     return (
         f"\nOn DLRM (the DCT section's run, steps/s; AR = DDP without sparse gradients): "
-        f"{_ordering(got, '{:.2f}')} (beside them: {extra}).\n"
+        f"{_ordering(got, '{:.2f}', [name for name, _ in DLRM_ORDER])} (beside them: {extra}).\n"
     )
 
 
