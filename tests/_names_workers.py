@@ -131,7 +131,7 @@ def swapped_primitive(kind: str) -> Callable[..., Any]:
         for name in order:
             if kind == "all_sum":
                 out.append(c.all_sum(vals[name], name=name).tolist())
-            elif kind == "all_reduce_grad":
+            elif kind == "all_reduce_autograd":  # the differentiable path
                 t = vals[name].clone().requires_grad_()
                 c.all_reduce(t, "sum", name=name).sum().backward()
                 out.append(t.grad.tolist() if t.grad is not None else None)
@@ -168,7 +168,7 @@ CASES: dict[str, Callable[..., Any]] = {
     "optimizer_compressed": swapped_optimizer("compressed"),
     "optimizer_compressed_bucket": swapped_optimizer("bucket"),
     "primitive_all_sum": swapped_primitive("all_sum"),
-    "primitive_all_reduce_grad": swapped_primitive("all_reduce_grad"),
+    "primitive_all_reduce_autograd": swapped_primitive("all_reduce_autograd"),
     "primitive_all_gather": swapped_primitive("all_gather"),
     "primitive_broadcast": swapped_primitive("broadcast"),
     "nan_reduce_identity": nan_reduce(Identity),
