@@ -219,7 +219,7 @@ def exchange_meta(
             int(check_nan),
             partition,
             0,
-            0 if name is None else text_key(name),
+            name_key(name),
             quantize,
             device_code(stream.device),
         ],
@@ -239,12 +239,7 @@ def exchange_meta(
     if not _all_clear(table):  # one vectorized test; the detailed checks name what went wrong
         raise_refusals(table, blocks, comm.rank)
         _check(table, comm.rank)
-    r = first_differing(table, _COL["name_key"])
-    if r is not None:
-        raise ValueError(
-            f"call name mismatch across ranks: rank {r}'s call is not rank 0's (this rank, "
-            f"{comm.rank}, called name={name!r}): a call skipped or issued in another order on some rank"
-        )
+    raise_name_mismatch(table[:, _COL["name_key"]], comm.rank, name)
     nnz = tuple(int(x) for x in table[:, 4])
     dense = tuple(bool(x) for x in table[:, 5])
     sizes = [payload_nbytes(dense[r], nnz[r], stream.dim, stream.dtype, stream.row) for r in range(comm.size)]
@@ -297,6 +292,35 @@ def first_nonfinite(values: torch.Tensor) -> int:
         return -1
     pos = first_rank(~torch.isfinite(values.reshape(-1)))
     return -1 if pos is None else pos
+
+
+def name_key(name: str | None) -> int:
+    """The metadata column of a call's ``name=`` (0: unnamed)."""
+    return 0 if not name else text_key(name)
+
+
+def raise_name_mismatch(keys: torch.Tensor, me: int, name: str | None, who: str = "rank") -> None:
+    """Raise the same ValueError on every rank of a metadata round whose ``keys`` column (each rank's
+    ``name_key``) differs: calls of one signature are told apart only by their names, so a call skipped or
+    swapped on one rank would otherwise be summed with another."""
+    r = first_rank(keys != keys[0])
+    if r is not None:
+        shown = repr(name) if name is None or len(name) <= 200 else repr(name[:200]) + "..."  # a bucket's names
+        raise ValueError(
+            f"call name mismatch across {who}s: {who} {r}'s call is not {who} 0's (this {who}, {me}, called "
+            f"name={shown}): a call skipped or issued in another order on some {who}"
+        )
+
+
+def raise_check_nan_mismatch(flags: torch.Tensor, me: int, who: str = "rank") -> None:
+    """Raise the same ValueError on every rank of a metadata round whose ``flags`` column (each rank's
+    ``check_nan``) differs: a rank that skipped the check could send NaN to one that asked for it."""
+    r = first_rank(flags != flags[0])
+    if r is not None:
+        raise ValueError(
+            f"check_nan mismatch across {who}s: {who} 0 has check_nan={bool(flags[0])}, {who} {r} has "
+            f"check_nan={bool(flags[r])} (seen on {who} {me}); every {who} must pass the same check_nan"
+        )
 
 
 def raise_nonfinite(op: str, positions: torch.Tensor, seen_on: int, *, who: str, where: str, hint: str) -> None:

@@ -19,6 +19,9 @@ from sparsync.collectives.meta import (
     allgather_rows,
     first_differing,
     first_nonfinite,
+    name_key,
+    raise_check_nan_mismatch,
+    raise_name_mismatch,
     raise_nonfinite,
     raise_refusals,
     shape_fingerprint,
@@ -113,9 +116,11 @@ def compressed_allreduce(
     Mutates: ``memory`` (the residual of ``name``) and the compressor's per-name state, on the caller's thread
     before this returns, also with ``async_op=True``; ``tensor`` only with ``inplace=True`` (dense only: the
     result is written into it, e.g. back into a gradient). Collective: every rank of ``group`` calls it with
-    the same compressor settings and shape, in the same order; a rank whose shape, dtype, compressor or payload
-    size differs, or whose input holds NaN or ±Inf (unless ``check_nan=False``), makes every rank raise the
-    same ValueError. ``log`` collects a CommRecord per call.
+    the same compressor settings and shape, in the same order; a rank whose shape, dtype, compressor, payload
+    size, ``name`` or ``check_nan`` differs, or whose input holds NaN or ±Inf (unless ``check_nan=False`` on
+    every rank), makes every rank raise the same ValueError. ``name`` also tells apart calls of one shape: two
+    same-shape gradients reduced in another order on one rank raise instead of being summed with each other.
+    ``log`` collects a CommRecord per call.
 
     Example::
 
@@ -165,7 +170,7 @@ def compressed_allreduce(
         seq_p = next_call(g)
 
         def run() -> torch.Tensor:
-            _agree(g, seq_p, layout, spec, nbytes, x if check_nan else None, timeout)
+            _agree(g, seq_p, layout, spec, nbytes, x, check_nan, name, timeout)
             total, sent = body()
             _record(log, alg, g, spec, elements, sent, msgs, t0)
             return finish(total.view(xspec.shape).to(xspec.dtype), divide=False)
@@ -217,8 +222,8 @@ def compressed_allreduce(
         else:
             memory.update(name, x, compressor.decompress(payload, xspec))
     if isinstance(payload, base.SparsePayload):
-        # sparse_allreduce's own metadata round checks the fingerprint (and NaN) on every rank
-        opts = CallOptions(algorithm=algorithm, timeout=timeout, check_nan=check_nan)
+        # sparse_allreduce's own metadata round checks the fingerprint, name and NaN on every rank
+        opts = CallOptions(algorithm=algorithm, timeout=timeout, check_nan=check_nan, name=name or None)
         res = start_allreduce(payload.stream, lambda c, s: s, opts, group=user, async_op=async_op, log=log,
                               shape=(layout, tuple(spec.shape)))  # fmt: skip
         if isinstance(res, Work):
@@ -227,7 +232,7 @@ def compressed_allreduce(
     seq = next_call(g)
 
     def agree(nbytes: int) -> None:
-        _agree(g, seq, layout, spec, nbytes, x if check_nan else None, timeout)
+        _agree(g, seq, layout, spec, nbytes, x, check_nan, name, timeout)
 
     if isinstance(payload, base.DensePayload | base.SketchPayload):
 
@@ -292,17 +297,23 @@ def _agree(
     layout: str,
     spec: base.TensorSpec,
     nbytes: int,
-    x: torch.Tensor | None,
+    x: torch.Tensor,
+    check_nan: bool,
+    name: str,
     timeout: float | None,
 ) -> None:
     """The metadata round of the dense, allgather and quantized paths: raise the same ValueError on every rank
-    unless all passed the same shape, layout, dtype and compressor and will send payloads of one size, and
-    (``x`` given) none holds NaN or ±Inf; a rank whose input was refused is reported here too."""
-    nonfinite = first_nonfinite(x) if x is not None and not x.is_sparse else -1
+    unless all passed the same shape, layout, dtype, compressor, ``name`` and ``check_nan`` and will send
+    payloads of one size, and (``check_nan``) none holds NaN or ±Inf; a rank whose input was refused is
+    reported here too. The name tells apart calls of one shape (two layers' gradients swapped on one rank were
+    summed with each other), and check_nan is agreed because a rank that skips the check would hand its NaN to
+    the ranks that asked for it."""
+    nonfinite = first_nonfinite(x) if check_nan and not x.is_sparse else -1
     row = torch.tensor(
-        [seq, REDUCE_OP, shape_fingerprint(layout, tuple(spec.shape)), nbytes, nonfinite],
+        [seq, REDUCE_OP, shape_fingerprint(layout, tuple(spec.shape)), nbytes, nonfinite, int(check_nan),
+         name_key(name)],
         dtype=torch.int64,
-    )
+    )  # fmt: skip
     comm = Comm(g, timeout)
     comm.op = "reduce"
     table, blocks = allgather_rows(comm, row)
@@ -316,6 +327,8 @@ def _agree(
                 f"reduce: {what} mismatch across ranks: rank {r} differs from rank 0 (seen on rank {comm.rank})"
                 f"{detail}; every rank must reduce the same shape with the same compressor settings"
             )
+    raise_name_mismatch(table[:, 6], comm.rank, name or None)
+    raise_check_nan_mismatch(table[:, 5], comm.rank)
     raise_nonfinite("reduce", table[:, 4], comm.rank, who="rank", where="at index",
                     hint="check_nan=False to let it through")  # fmt: skip
 

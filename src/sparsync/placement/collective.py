@@ -102,8 +102,9 @@ class Compressed(Placement):
     compressor: Compressor
     memory: ErrorFeedback | None = None
     # One compression and one collective for all the dense gradients of a dtype, flattened in plan order under
-    # the name "bucket:<first name>" (DCT Alg. 1 thresholds the gradient as one vector; per tensor, a model of
-    # many small layers pays a collective per layer). Sparse (COO) gradients are always reduced one by one.
+    # the name "bucket:<name>,<name>,..." (DCT Alg. 1 thresholds the gradient as one vector; per tensor, a model
+    # of many small layers pays a collective per layer). Every member's name is in it, so two same-shape members
+    # in another order on one rank raise on every rank. Sparse (COO) gradients are always reduced one by one.
     bucket: bool = False
     kind = "compressed"
 
@@ -117,7 +118,8 @@ class Compressed(Placement):
                 p.param.grad = self._reduce(g, p.name, env)
         for group in buckets.values():
             grads = [_grad(p) for p in group]
-            out = self._reduce(torch.cat([g.reshape(-1) for g in grads]), f"bucket:{group[0].name}", env)
+            name = "bucket:" + ",".join(p.name for p in group)
+            out = self._reduce(torch.cat([g.reshape(-1) for g in grads]), name, env)
             for p, g, piece in zip(group, grads, torch.split(out, [g.numel() for g in grads]), strict=True):
                 p.param.grad = piece.view_as(g)
 
