@@ -94,6 +94,11 @@ def _describe(tensors: list[torch.Tensor], spec: pytree.TreeSpec) -> str:
     return f"{spec}: " + ", ".join(f"{tuple(t.shape)}/{str(t.dtype).removeprefix('torch.')}" for t in tensors)
 
 
+def device_of(tensors: list[torch.Tensor]) -> torch.device:
+    """Where a primitive's payload lives: its leaves' device (the host for none)."""
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
 def first_nonfinite_leaf(tensors: list[torch.Tensor]) -> int:
     """Index of the first leaf holding NaN or ±Inf, or -1."""
     return next((i for i, t in enumerate(tensors) if first_nonfinite(t) >= 0), -1)
@@ -144,7 +149,7 @@ def agree(
     if bool((table[:, 2:7] != table[0, 2:7]).any()):
         # Everyone saw the same table, so everyone takes this branch: a second exchange names the difference.
         descr: list[Any] = [None] * comm.size
-        dist.all_gather_object(descr, _describe(tensors, spec), group=env.group)
+        dist.all_gather_object(descr, _describe(tensors, spec), group=comm.meta.group)  # host side (NCCL)
         r = next(i for i in range(comm.size) if descr[i] != descr[0])
         raise ValueError(
             f"{op}: mismatched structure/shape/dtype across replicas: replica 0 has [{descr[0]}], "
@@ -205,7 +210,7 @@ def raw_all_reduce(
 
     def run() -> list[Any]:
         t0 = time.perf_counter()
-        comm = Comm(env.group, env.timeout)
+        comm = Comm(env.group, env.timeout, device_of(tensors))
         comm.op = name
         agree(env, name, tensors, spec, REDUCE_OPS.index(op), comm, seq, check_nan, label)
         out: list[Any] = [None] * len(tensors)
@@ -235,7 +240,7 @@ def raw_all_gather(
 
     def run() -> list[Any]:
         t0 = time.perf_counter()
-        comm = Comm(env.group, env.timeout)
+        comm = Comm(env.group, env.timeout, device_of(tensors))
         comm.op = name
         agree(env, name, tensors, spec, 0, comm, seq, label=label)
         P = comm.size
@@ -244,7 +249,7 @@ def raw_all_gather(
             buf = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
             parts = [torch.empty_like(buf) for _ in range(P)]
             with comm.phase("all_gather"):
-                comm.run_collective("all_gather", dist.all_gather, parts, buf)
+                comm.all_gather_equal("all_gather", parts, buf)
             nb = (P - 1) * buf.numel() * buf.element_size()
             comm.count_collective(nb, nb, P - 1)
             stacked = torch.stack(parts)
@@ -270,7 +275,7 @@ def raw_broadcast(
 
     def run() -> list[Any]:
         t0 = time.perf_counter()
-        comm = Comm(env.group, env.timeout)
+        comm = Comm(env.group, env.timeout, device_of(tensors))
         comm.op = name
         agree(env, name, tensors, spec, source, comm, seq, label=label)
         out: list[Any] = [None] * len(tensors)
