@@ -27,6 +27,7 @@ from sparsync.collectives.meta import (
     shape_fingerprint,
 )
 from sparsync.collectives.ops import register_op
+from sparsync.collectives.site import CallSite, call_site
 from sparsync.collectives.tensor import pack_bits, unpack_bits
 from sparsync.compress import base
 from sparsync.compress import cast_allreduce as cast_pipeline
@@ -135,6 +136,7 @@ def compressed_allreduce(
     user = resolve_group(group)
     g = comm_group(user, async_op)  # async work on sparsync's own group
     P = dist.get_world_size(g)
+    site = None if name else call_site()  # an unnamed call is told apart by where it was issued
     t0 = time.perf_counter()
     spec = base.TensorSpec.of(tensor)
     x = memory.compensate(name, tensor) if memory is not None else tensor
@@ -170,7 +172,7 @@ def compressed_allreduce(
         seq_p = next_call(g)
 
         def run() -> torch.Tensor:
-            _agree(g, seq_p, layout, spec, nbytes, x, check_nan, name, timeout)
+            _agree(g, seq_p, layout, spec, nbytes, x, check_nan, name, timeout, site)
             total, sent = body()
             _record(log, alg, g, spec, elements, sent, msgs, t0)
             return finish(total.view(xspec.shape).to(xspec.dtype), divide=False)
@@ -232,7 +234,7 @@ def compressed_allreduce(
     seq = next_call(g)
 
     def agree(nbytes: int) -> None:
-        _agree(g, seq, layout, spec, nbytes, x, check_nan, name, timeout)
+        _agree(g, seq, layout, spec, nbytes, x, check_nan, name, timeout, site)
 
     if isinstance(payload, base.DensePayload | base.SketchPayload):
 
@@ -301,6 +303,7 @@ def _agree(
     check_nan: bool,
     name: str,
     timeout: float | None,
+    site: CallSite | None = None,
 ) -> None:
     """The metadata round of the dense, allgather and quantized paths: raise the same ValueError on every rank
     unless all passed the same shape, layout, dtype, compressor, ``name`` and ``check_nan`` and will send
@@ -311,7 +314,7 @@ def _agree(
     nonfinite = first_nonfinite(x) if check_nan and not x.is_sparse else -1
     row = torch.tensor(
         [seq, REDUCE_OP, shape_fingerprint(layout, tuple(spec.shape)), nbytes, nonfinite, int(check_nan),
-         name_key(name)],
+         name_key(name, site)],
         dtype=torch.int64,
     )  # fmt: skip
     comm = Comm(g, timeout)
@@ -327,7 +330,7 @@ def _agree(
                 f"reduce: {what} mismatch across ranks: rank {r} differs from rank 0 (seen on rank {comm.rank})"
                 f"{detail}; every rank must reduce the same shape with the same compressor settings"
             )
-    raise_name_mismatch(table[:, 6], comm.rank, name or None)
+    raise_name_mismatch(table[:, 6], comm.rank, name or None, site=site)
     raise_check_nan_mismatch(table[:, 5], comm.rank)
     raise_nonfinite("reduce", table[:, 4], comm.rank, who="rank", where="at index",
                     hint="check_nan=False to let it through")  # fmt: skip

@@ -37,6 +37,7 @@ from sparsync.collectives.meta import (
     raise_refusals,
 )
 from sparsync.collectives.ops import op_code, op_name, register_op
+from sparsync.collectives.site import CallSite, call_site
 from sparsync.record import CommLog
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -114,6 +115,7 @@ def agree(
     seq: int,
     check_nan: bool = False,
     label: str | None = None,
+    site: CallSite | None = None,
 ) -> None:
     """The metadata exchange: raise the same ValueError on every replica unless all issued the same call (with
     the same ``label``, the caller's ``name=``, and the same ``check_nan``), and, with ``check_nan``, when any
@@ -130,7 +132,7 @@ def agree(
             arg,
             first_nonfinite_leaf(tensors) if check_nan else -1,
             int(check_nan),
-            name_key(label),
+            name_key(label, site),
         ],
         dtype=torch.int64,
     )
@@ -155,7 +157,7 @@ def agree(
             f"{op}: mismatched structure/shape/dtype across replicas: replica 0 has [{descr[0]}], "
             f"replica {r} has [{descr[r]}]"
         )
-    raise_name_mismatch(table[:, _COL["label"]], comm.rank, label, who="replica")
+    raise_name_mismatch(table[:, _COL["label"]], comm.rank, label, who="replica", site=site)
     # A replica that skipped the check would hand its NaN to the replicas that asked for it.
     raise_check_nan_mismatch(table[:, _COL["check_nan"]], comm.rank, who="replica")
     raise_nonfinite(op, table[:, _COL["nonfinite"]], comm.rank, who="replica", where="in leaf",
@@ -207,12 +209,13 @@ def raw_all_reduce(
     check_reduce(tensors, op)
 
     seq = next_call(env.group)
+    site = call_site() if label is None else None  # in the caller's thread
 
     def run() -> list[Any]:
         t0 = time.perf_counter()
         comm = Comm(env.group, env.timeout, device_of(tensors))
         comm.op = name
-        agree(env, name, tensors, spec, REDUCE_OPS.index(op), comm, seq, check_nan, label)
+        agree(env, name, tensors, spec, REDUCE_OPS.index(op), comm, seq, check_nan, label, site=site)
         out: list[Any] = [None] * len(tensors)
         P = comm.size
         for _dtype, idx in _buckets(tensors).items():
@@ -237,12 +240,13 @@ def raw_all_gather(
     ``label``: the caller's ``name=``."""
 
     seq = next_call(env.group)
+    site = call_site() if label is None else None  # in the caller's thread
 
     def run() -> list[Any]:
         t0 = time.perf_counter()
         comm = Comm(env.group, env.timeout, device_of(tensors))
         comm.op = name
-        agree(env, name, tensors, spec, 0, comm, seq, label=label)
+        agree(env, name, tensors, spec, 0, comm, seq, label=label, site=site)
         P = comm.size
         out: list[Any] = [None] * len(tensors)
         for _dtype, idx in _buckets(tensors).items():
@@ -272,12 +276,13 @@ def raw_broadcast(
         raise ValueError(f"unknown replica id {source} as broadcast source; valid: 0..{env.size - 1}")
 
     seq = next_call(env.group)
+    site = call_site() if label is None else None  # in the caller's thread
 
     def run() -> list[Any]:
         t0 = time.perf_counter()
         comm = Comm(env.group, env.timeout, device_of(tensors))
         comm.op = name
-        agree(env, name, tensors, spec, source, comm, seq, label=label)
+        agree(env, name, tensors, spec, source, comm, seq, label=label, site=site)
         out: list[Any] = [None] * len(tensors)
         for _dtype, idx in _buckets(tensors).items():
             buf = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
