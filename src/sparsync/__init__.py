@@ -9,6 +9,7 @@ from sparsync.collectives.calibrate import measure_link
 from sparsync.collectives.comm import PeerError
 from sparsync.collectives.group import background_group, set_deterministic, set_link
 from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce
+from sparsync.collectives.timeline import trace, trace_step
 from sparsync.compress import Compressor, ErrorFeedback, compressed_allreduce, reduce
 from sparsync.costmodel import (
     ALGORITHMS,
@@ -64,5 +65,7 @@ __all__ = [
     "sparse_allgather",
     "sparse_allreduce",
     "sum_streams",
+    "trace",
+    "trace_step",
 ]
 __version__ = "0.1.0"

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from C++
 
-from sparsync.collectives.group import background_group, stop_queues
+from sparsync.collectives.group import background_group, stop_queues, write_trace
 
 
 class RankSetup(Protocol):
@@ -152,6 +152,7 @@ def _teardown(*, wait: bool) -> None:
     ("terminate called without an active exception")."""
     gc.collect()
     stop_queues(wait=wait)
+    write_trace()  # SPARSYNC_TRACE's timeline, while the world group that holds it lives (no atexit here)
     dist.destroy_process_group()
 
 
@@ -269,6 +270,7 @@ def launch(
             else:  # the caller's group lives on, but fn's leftovers and sparsync's threads go now
                 gc.collect()
                 stop_queues(wait=finished)
+                write_trace()
     try:
         with _signals_raise(_TERMINATING):
             return _spawn(fn, nprocs, backend, args, timeout, setup, procs_per_host)

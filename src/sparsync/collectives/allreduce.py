@@ -273,10 +273,12 @@ def start_allreduce(
             if policy not in PURE_POLICIES:
                 agree_algorithm(comm, alg)
         update_eager(comm, meta, alg)
-        if quantize is None:
-            result = algorithm_entry(alg).run()(comm, stream, meta, part)
-        else:
-            result = quantize.dsar_allreduce(DsarCall(comm, stream, meta.nnz, meta.dense, part, name or "dsar"))
+        with comm.running(alg, decision):
+            if quantize is None:
+                result = algorithm_entry(alg).run()(comm, stream, meta, part)
+            else:
+                call = DsarCall(comm, stream, meta.nnz, meta.dense, part, name or "dsar")
+                result = quantize.dsar_allreduce(call)
         out = finish(comm, result)
         if log is not None:
             log.append(
@@ -287,7 +289,12 @@ def start_allreduce(
             )  # fmt: skip
         return out
 
-    return submit(user, run, async_op)
+    return submit(user, run, async_op, label=f"sparse_allreduce:{algorithm}", facts=lambda: _facts(stream, g))
+
+
+def _facts(stream: SparseStream, g: dist.ProcessGroup) -> dict[str, object]:
+    """A call's size as its profiler range and timeline event show it: input bytes, stored rows, P."""
+    return {"bytes": stream.nbytes, "rows": stream.nrows, "dim": stream.dim, "P": dist.get_world_size(g)}
 
 
 # Policies whose choice is a function of the metadata round's table and the agreed link model alone, so every
@@ -385,4 +392,4 @@ def sparse_allgather(
             )
         return out
 
-    return submit(user, run, async_op)
+    return submit(user, run, async_op, label="sparse_allgather:recursive_double", facts=lambda: _facts(stream, g))

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from sparsync.collectives import trace
 from sparsync.collectives.transport import transport
 from sparsync.costmodel import Decision
 from sparsync.record import CommRecord
@@ -66,6 +67,9 @@ class Comm:
         self._meta: Comm | None = None
         self._root = self  # the Comm whose phase a metadata Comm's bytes are counted in
         self._phase = ""
+        self._span = trace.CURRENT.get() if trace.RANGES else None  # the traced call this Comm serves
+        if self._span is not None:
+            self._span.add_traffic(self.traffic)
 
     @property
     def meta(self) -> Comm:
@@ -79,6 +83,7 @@ class Comm:
                 m.group, m.rank, m.size, m.traffic = self._meta_group, self.rank, self.size, self.traffic
                 m.timeout, m.op, m.device = self.timeout, self.op, torch.device("cpu")
                 m.exact, m.stage, m._meta_group, m._root, m._phase = False, False, self._meta_group, self, ""
+                m._span = self._span
                 m._meta = m
                 self._meta = m
         self._meta.op = self.op
@@ -90,15 +95,52 @@ class Comm:
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Named timing scope, so a benchmark can print where the time and the bytes went."""
+        """Named timing scope, so a benchmark can print where the time and the bytes went; a profiler range
+        ``sparsync:<op>:<name>`` and a timeline event when either is active (collectives/trace.py)."""
         root = self._root
         t0, outer = time.perf_counter(), root._phase
         root._phase = name
+        traced = trace.RANGES and (self._span is not None or trace.profiling())
         try:
-            yield
+            if traced:
+                with self._traced(name, t0):
+                    yield
+            else:
+                yield
         finally:
             root._phase = outer
             self.traffic.phases[name] = self.traffic.phases.get(name, 0.0) + time.perf_counter() - t0
+
+    @contextmanager
+    def _traced(self, name: str, t0: float) -> Iterator[None]:
+        span = self._span
+        sent0 = self.traffic.phase_bytes.get(name, 0)
+        profiled = span is not None and span.profiled
+        with trace.profiler_range(f"sparsync:{self.op.partition('(')[0]}:{name}", profiled=profiled):
+            yield
+        if span is not None and span.tracer is not None:
+            sent = self.traffic.phase_bytes.get(name, 0) - sent0
+            span.tracer.complete(name, "phase", t0, time.perf_counter(), {"bytes_sent": sent})
+
+    @contextmanager
+    def running(self, algorithm: str, decision: Decision | None = None) -> Iterator[None]:
+        """Scope of the algorithm that runs (after ``auto`` chose): the call's timeline event takes its name and
+        ``decision``'s prediction; under a profiler, a range ``sparsync:<op>:<algorithm>`` with auto's
+        choice and predicted time."""
+        span = self._span
+        if span is not None:
+            span.algorithm, span.decision = algorithm, decision
+        profiled = span is not None and span.profiled
+        if not (profiled or trace.profiling()):
+            yield
+            return
+        facts = ""
+        if decision is not None:
+            facts = trace.describe(
+                auto_choice=algorithm, predicted_ms=round(decision.predictions[algorithm] * 1e3, 3)
+            )
+        with trace.profiler_range(f"sparsync:{self.op.partition('(')[0]}:{algorithm}", facts, profiled=profiled):
+            yield
 
     def record(
         self,

@@ -9,17 +9,21 @@ through the group's FIFO queue.
 
 from __future__ import annotations
 
+import atexit
+import os
 import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
+from sparsync.collectives import trace
 from sparsync.costmodel import REFERENCE_LINK, LinkModel
 from sparsync.handle import Work
 
@@ -48,6 +52,10 @@ class GroupState:
     meta: dist.ProcessGroup | None = None
     # Set by transport.use_nccl_rules: this group's payload follows NCCL's rules, its metadata goes here.
     nccl_rules: dist.ProcessGroup | None = None
+    # The world group's holds this process's timeline (sparsync.trace, SPARSYNC_TRACE; collectives/trace.py):
+    # one per process, seen by every thread (caller, queue, parameter-server I/O), gone with the group.
+    tracer: trace.Tracer | None = None
+    trace_env_checked: bool = False  # SPARSYNC_TRACE read (once per world group)
 
 
 _STATES: weakref.WeakKeyDictionary[dist.ProcessGroup, GroupState] = weakref.WeakKeyDictionary()
@@ -83,11 +91,59 @@ def next_call(group: dist.ProcessGroup) -> int:
     return seq
 
 
-def submit(group: dist.ProcessGroup, fn: Callable[[], T], async_op: bool) -> T | Work[T]:
+def tracer() -> trace.Tracer | None:
+    """This process's timeline, or None: the one ``sparsync.trace`` set, else one started at the first call
+    when ``SPARSYNC_TRACE`` names a directory (each rank alone: "wall" clock; written at exit, by ``launch``
+    and by ``write_trace``). Held by the world group's state (see ``GroupState.tracer``)."""
+    if not trace.RANGES or not dist.is_available() or not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    if world is None:
+        return None
+    state = group_state(world)
+    if state.tracer is None and not state.trace_env_checked:
+        state.trace_env_checked = True
+        directory = os.environ.get(trace.ENV, "")
+        if directory:
+            state.tracer = trace.Tracer(directory, dist.get_rank(), dist.get_world_size())
+            atexit.register(state.tracer.write)
+    return state.tracer
+
+
+def set_tracer(t: trace.Tracer | None) -> trace.Tracer | None:
+    """Make ``t`` this process's timeline (None: none); returns the one it replaces."""
+    state = group_state(resolve_group(None))
+    state.trace_env_checked = True  # an explicit choice wins over SPARSYNC_TRACE
+    old, state.tracer = state.tracer, t
+    return old
+
+
+def write_trace() -> Path | None:
+    """Write this process's timeline now (``SPARSYNC_TRACE``'s is otherwise written at exit); its path."""
+    t = tracer()
+    return t.write() if t is not None else None
+
+
+def submit(
+    group: dist.ProcessGroup,
+    fn: Callable[[], T],
+    async_op: bool,
+    *,
+    label: str = "",
+    facts: Callable[[], dict[str, object]] | None = None,
+) -> T | Work[T]:
     """Run ``fn`` now, or (``async_op=True``) on the group's FIFO worker and return its ``Work``. Once a group
     has async work in flight, blocking calls queue behind it too (and wait for their turn), so every rank issues
     the group's transfers in the same order. Every sparsync operation on a group runs through here: the sparse
-    collectives, the compressed reductions, the replicator's primitives."""
+    collectives, the compressed reductions, the replicator's primitives. ``label`` ("<op>:<algorithm>") and
+    ``facts`` (its bytes, rows, P) name the call in a profiler's trace and on the timeline
+    (collectives/trace.py); with neither active they cost one check."""
+    if label and trace.RANGES:
+        t = tracer()
+        if t is not None or trace.profiling():
+            fn = trace.traced_call(fn, t, label, facts, async_op)
+            if t is not None and async_op:
+                return _traced_work(t, submit(group, fn, async_op))
     state = group_state(group)
     with state.lock:
         busy = state.pending > 0
@@ -108,6 +164,16 @@ def submit(group: dist.ProcessGroup, fn: Callable[[], T], async_op: bool) -> T |
     fut.add_done_callback(_done)
     work = Work(fut)
     return work if async_op else work.wait()
+
+
+def _traced_work(t: trace.Tracer, work: T | Work[T]) -> Work[T]:
+    """``work`` whose ``wait()`` shows on the caller's timeline: the time the caller waited for the queue."""
+    assert isinstance(work, Work)  # async_op=True
+
+    def waited(t0: float, t1: float) -> None:
+        t.complete("wait", "wait", t0, t1)
+
+    return work.on_wait(waited)
 
 
 def set_link(link: LinkModel | None, *, group: dist.ProcessGroup | None = None) -> None:

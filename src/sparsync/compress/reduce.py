@@ -12,9 +12,10 @@ from typing import Any, Literal, overload
 import torch
 import torch.distributed as dist
 
+from sparsync.collectives import trace
 from sparsync.collectives.allreduce import CallOptions, comm_group, refuse, start_allreduce
 from sparsync.collectives.comm import Comm
-from sparsync.collectives.group import next_call, resolve_group, submit
+from sparsync.collectives.group import next_call, resolve_group, submit, tracer
 from sparsync.collectives.meta import (
     allgather_rows,
     first_differing,
@@ -37,6 +38,7 @@ from sparsync.compress.qsgd import QSGD
 from sparsync.compress.qsgd_allreduce import encode_remote, local_estimate, quantized_allreduce, segments
 from sparsync.handle import Work
 from sparsync.record import CommLog
+from sparsync.stream import SparseStream
 
 # The metadata row's "op" code of compressed_allreduce's own rounds (collectives/ops.py); its sparse payloads go
 # through sparse_allreduce, whose rounds carry that op.
@@ -163,6 +165,9 @@ def compressed_allreduce(
     n, values = xspec.numel, x.detach()
     scale = 1.0 / P if average else 1.0  # the pipelines scale while they decode: no pass to divide
 
+    def facts() -> dict[str, object]:
+        return {"compressor": type(compressor).__name__, "numel": n, "P": P}
+
     def pipelined(
         nbytes: int, elements: int, alg: str, msgs: int, body: Callable[[], tuple[torch.Tensor, int]]
     ) -> torch.Tensor | Work[torch.Tensor]:
@@ -177,7 +182,7 @@ def compressed_allreduce(
             _record(log, alg, g, spec, elements, sent, msgs, t0)
             return finish(total.view(xspec.shape).to(xspec.dtype), divide=False)
 
-        out: torch.Tensor | Work[torch.Tensor] = submit(user, run, async_op)
+        out: torch.Tensor | Work[torch.Tensor] = submit(user, run, async_op, label=f"reduce:{alg}", facts=facts)
         return out
 
     if isinstance(compressor, QSGD) and compressor.uses_reduce_scatter(P):
@@ -215,22 +220,28 @@ def compressed_allreduce(
             return cast_pipeline.cast_allreduce(values, wire, g, divisor, cast=cast)
 
         return pipelined(n * wire.itemsize, n, "allreduce", msgs, casts)
-    payload = compressor.compress(x.detach(), ctx)
+    tr = tracer()
+    with trace.scope(tr, "reduce", "compress", compressor=type(compressor).__name__, numel=n):
+        payload = compressor.compress(x.detach(), ctx)
     if memory is not None:
         st = payload.stream if isinstance(payload, base.SparsePayload) else None
-        if st is not None and st.indices is not None and st.row == 1 and not x.is_sparse:
-            # a sparsifier's residual is x with the sent entries taken out: no dense decompress, no x - t pass
-            memory.update_selected(name, x, st.indices, st.values, owned=x is not tensor)
-        else:
-            memory.update(name, x, compressor.decompress(payload, xspec))
+        with trace.scope(tr, "reduce", "error_feedback"):
+            if st is not None and st.indices is not None and st.row == 1 and not x.is_sparse:
+                # a sparsifier's residual is x with the sent entries taken out: no dense decompress, no x - t
+                memory.update_selected(name, x, st.indices, st.values, owned=x is not tensor)
+            else:
+                memory.update(name, x, compressor.decompress(payload, xspec))
     if isinstance(payload, base.SparsePayload):
         # sparse_allreduce's own metadata round checks the fingerprint, name and NaN on every rank
         opts = CallOptions(algorithm=algorithm, timeout=timeout, check_nan=check_nan, name=name or None)
         res = start_allreduce(payload.stream, lambda c, s: s, opts, group=user, async_op=async_op, log=log,
                               shape=(layout, tuple(spec.shape)))  # fmt: skip
-        if isinstance(res, Work):
-            return res.then(lambda s: finish(compressor.decompress(base.SparsePayload(s), xspec)))
-        return finish(compressor.decompress(base.SparsePayload(res), xspec))
+
+        def decode_sparse(s: SparseStream) -> torch.Tensor:
+            with trace.scope(tracer(), "reduce", "decompress", compressor=type(compressor).__name__):
+                return finish(compressor.decompress(base.SparsePayload(s), xspec))
+
+        return res.then(decode_sparse) if isinstance(res, Work) else decode_sparse(res)
     seq = next_call(g)
 
     def agree(nbytes: int) -> None:
@@ -242,7 +253,9 @@ def compressed_allreduce(
             agree(payload.nbytes)
             return _allreduce(payload, g, log, xspec, t0)
 
-        return _then(submit(user, dense, async_op), compressor, xspec, finish)
+        return _then(
+            submit(user, dense, async_op, label="reduce:allreduce", facts=facts), compressor, xspec, finish
+        )
     if isinstance(payload, base.QuantizedPayload) and isinstance(compressor, QSGD):
         # QSGD decodes linearly in its scales: the average is decoded from scales / P (n / bucket divisions,
         # not a pass over the n decoded values)
@@ -252,7 +265,8 @@ def compressed_allreduce(
             agree(qp.nbytes)
             return [_scaled(p, inv) for p in _allgather(qp, g, log, xspec, t0)]
 
-        return _then(submit(user, run, async_op), compressor, xspec, lambda t: finish(t, divide=False))
+        work = submit(user, run, async_op, label="reduce:allgather", facts=facts)
+        return _then(work, compressor, xspec, lambda t: finish(t, divide=False))
     if isinstance(payload, base.QuantizedPayload):
         qpay = payload
 
@@ -260,7 +274,9 @@ def compressed_allreduce(
             agree(qpay.nbytes)
             return _allgather(qpay, g, log, xspec, t0)
 
-        return _then(submit(user, gather, async_op), compressor, xspec, finish)
+        return _then(
+            submit(user, gather, async_op, label="reduce:allgather", facts=facts), compressor, xspec, finish
+        )
     raise TypeError(f"{type(compressor).__name__}.compress returned {type(payload).__name__}, not a Payload")
 
 
@@ -343,8 +359,11 @@ def _then(
     finish: Any,
 ) -> torch.Tensor | Work[torch.Tensor]:
     def decode(p: base.Payload | list[base.Payload]) -> torch.Tensor:
-        total = compressor.decompress_gathered(p, spec) if isinstance(p, list) else compressor.decompress(p, spec)
-        out: torch.Tensor = finish(total)
+        with trace.scope(tracer(), "reduce", "decompress", compressor=type(compressor).__name__):
+            total = (
+                compressor.decompress_gathered(p, spec) if isinstance(p, list) else compressor.decompress(p, spec)
+            )
+            out: torch.Tensor = finish(total)
         return out
 
     if isinstance(res, Work):
@@ -422,8 +441,11 @@ def _record(
     msgs: int,
     t0: float,
 ) -> None:
-    if log is None:
+    if log is None and trace.CURRENT.get() is None:
         return
-    comm = Comm(g)  # the counts of a torch collective run on ``g`` (gloo: ring)
+    comm = Comm(g)  # the counts of a torch collective run on ``g`` (gloo: ring); a traced call's bytes too
+    if log is None:
+        comm.count_collective(nbytes, nbytes, msgs)
+        return
     comm.count_collective(nbytes, nbytes, msgs)
     log.append(comm.record("reduce", alg, t0, dim=spec.numel, nnz_in=n, nnz_out=n))

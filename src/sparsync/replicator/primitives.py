@@ -164,6 +164,11 @@ def agree(
                     hint="pass check_nan=False to sum non-finite values as IEEE 754 does")  # fmt: skip
 
 
+def _facts(tensors: list[torch.Tensor], env: Env) -> dict[str, object]:
+    """A primitive's size as the profiler and the timeline show it."""
+    return {"bytes": sum(t.numel() * t.element_size() for t in tensors), "leaves": len(tensors), "P": env.size}
+
+
 def _record(env: Env, op: str, comm: Comm, numel: int, t0: float) -> None:
     if env.log is not None:
         env.log.append(comm.record(op, "gloo", t0, dim=numel, nnz_in=numel, nnz_out=numel))
@@ -230,7 +235,7 @@ def raw_all_reduce(
         _record(env, name, comm, sum(t.numel() for t in tensors), t0)
         return out
 
-    return submit(env.group, run, False)  # type: ignore[return-value]
+    return submit(env.group, run, False, label=f"{name}:gloo", facts=lambda: _facts(tensors, env))  # type: ignore[return-value]
 
 
 def raw_all_gather(
@@ -265,7 +270,7 @@ def raw_all_gather(
         _record(env, name, comm, sum(t.numel() for t in tensors), t0)
         return out
 
-    return submit(env.group, run, False)  # type: ignore[return-value]
+    return submit(env.group, run, False, label=f"{name}:gloo", facts=lambda: _facts(tensors, env))  # type: ignore[return-value]
 
 
 def raw_broadcast(
@@ -297,7 +302,7 @@ def raw_broadcast(
         _record(env, name, comm, sum(t.numel() for t in tensors), t0)
         return out
 
-    return submit(env.group, run, False)  # type: ignore[return-value]
+    return submit(env.group, run, False, label=f"{name}:gloo", facts=lambda: _facts(tensors, env))  # type: ignore[return-value]
 
 
 # --- autograd ----------------------------------------------------------------------------------------------
