@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from sparsync.costmodel import Decision
 
@@ -39,6 +40,13 @@ class CommRecord:
         return d
 
 
+class ScalarWriter(Protocol):
+    """What ``CommLog.to_tensorboard`` writes to: ``torch.utils.tensorboard.SummaryWriter`` is one; so is any
+    object with this method (no tensorboard dependency here)."""
+
+    def add_scalar(self, tag: str, scalar_value: float, global_step: int | None = None) -> Any: ...
+
+
 class CommLog:
     """A list of CommRecords the caller passes to collectives (``log=``) to collect what they did."""
 
@@ -59,6 +67,31 @@ class CommLog:
 
     def total_seconds(self) -> float:
         return sum(r.seconds for r in self.records)
+
+    def to_tensorboard(self, writer: ScalarWriter, step: int, *, since: int = 0, prefix: str = "sparsync") -> None:
+        """Write the records from index ``since`` on (one step's calls: ``since = len(log)`` taken before the step)
+        as scalars at ``step``: ``<prefix>/bytes_sent``, ``bytes_recv``, ``seconds`` (their sums), ``calls``,
+        ``predicted_seconds`` (auto's prediction of what it chose, summed over the calls auto decided; with
+        ``seconds_auto``, the measured time of those calls) and ``algorithm/<name>`` (calls per algorithm,
+        every algorithm seen in the log, zeros included, so a switch shows as one curve falling to 0)."""
+        if since < 0:
+            raise ValueError(f"since must be >= 0, got {since}")
+        records = self.records[since:]
+        sums = {
+            "bytes_sent": sum(r.bytes_sent for r in records),
+            "bytes_recv": sum(r.bytes_recv for r in records),
+            "seconds": sum(r.seconds for r in records),
+            "calls": len(records),
+        }
+        decided = [r for r in records if r.decision is not None]
+        if decided:
+            sums["predicted_seconds"] = sum(r.decision.predictions[r.algorithm] for r in decided if r.decision)
+            sums["seconds_auto"] = sum(r.seconds for r in decided)
+        for tag, value in sums.items():
+            writer.add_scalar(f"{prefix}/{tag}", value, step)
+        counts = Counter(r.algorithm for r in records)
+        for alg in sorted({r.algorithm for r in self.records}):
+            writer.add_scalar(f"{prefix}/algorithm/{alg}", counts.get(alg, 0), step)
 
     def clear(self) -> None:
         self.records.clear()

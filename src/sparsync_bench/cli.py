@@ -1,5 +1,5 @@
 """The ``sparsync`` command: ``demo``, ``bench allreduce``, ``bench compress``, ``bench embedding``,
-``bench hybrid``, ``plan``, ``cluster``."""
+``bench hybrid``, ``plan``, ``cluster``, ``trace merge``."""
 
 from __future__ import annotations
 
@@ -153,6 +153,8 @@ def _add_dlrm_parser(bsub: Any, parents: dict[str, argparse.ArgumentParser]) -> 
     dl.add_argument("--methods", type=_choices((*DLRM_METHODS, *DLRM_OPTIONAL), "methods"), default=DLRM_METHODS,
                     help=f"comma-separated; also {','.join(DLRM_OPTIONAL)}")  # fmt: skip
     dl.add_argument("--out", type=Path, default=Path("results/dlrm"), help="path stem for .json/.md")
+    dl.add_argument("--tensorboard", type=Path, default=None,
+                    help="rank 0 writes per-step bytes, time and algorithm counts here")  # fmt: skip
     dl.set_defaults(func=_bench_dlrm)
 
 
@@ -228,7 +230,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", type=Path, default=Path("results/demo_train"), help="path stem for .json/.md")
     demo.add_argument("--steps", type=int, default=150, help="training steps per plan")
     demo.add_argument("--net", default=None, help="shape each process's link, e.g. 1gbit (needs root)")
+    demo.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="write each rank's timeline to this directory (then: sparsync trace merge DIR)",
+    )
+    demo.add_argument(
+        "--tensorboard",
+        type=Path,
+        default=None,
+        help="write per-step bytes, time and algorithm counts for TensorBoard to this directory",
+    )
     demo.set_defaults(func=_demo)
+    tr = sub.add_parser(
+        "trace", help="timelines written by sparsync.trace or SPARSYNC_TRACE", formatter_class=HelpFormatter
+    )
+    trsub = tr.add_subparsers(dest="trace_command", required=True)
+    mg = trsub.add_parser(
+        "merge",
+        help="merge the ranks' timelines onto one clock (DIR/merged.json, for Perfetto) and draw the slowest "
+        "step (DIR/slowest_step.png)",
+        formatter_class=HelpFormatter,
+    )
+    mg.add_argument("dir", type=Path, help="the directory holding rank<r>.json")
+    mg.set_defaults(func=_trace_merge)
     _add_bench_parsers(sub, parents)
     cl = sub.add_parser(
         "cluster",
@@ -328,8 +354,24 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         f"[bold]sparsync demo[/]: {demo_cfg.replicas} local processes train a classifier with a sparse "
         f"embedding (vocab {demo_cfg.vocab:,}, Zipf tokens), {demo_cfg.steps} steps, per gradient plan"
     )
-    runs, diff, plan = run_demo(demo_cfg, show_progress=not args.no_progress, net=args.net)
+    if args.tensorboard is not None:
+        from sparsync_bench.tensorboard import require_tensorboard
+
+        require_tensorboard()  # before four processes start
+    trace_dir, tensorboard = str(args.trace or ""), str(args.tensorboard or "")
+    runs, diff, plan = run_demo(demo_cfg, show_progress=not args.no_progress, net=args.net,
+                                trace_dir=trace_dir, tensorboard=tensorboard)  # fmt: skip
     print_demo(runs, diff, demo_cfg, console, args.out, args.net, plan)
+    if args.trace is not None:
+        console.print(f"timelines in {args.trace}: sparsync trace merge {args.trace}")
+    return 0
+
+
+def _trace_merge(args: argparse.Namespace, console: Console) -> int:
+    from sparsync_bench.trace_merge import merge_and_draw
+
+    merged, png = merge_and_draw(args.dir)
+    console.print(f"merged timeline: {merged} (open in https://ui.perfetto.dev); slowest step: {png}")
     return 0
 
 
@@ -388,8 +430,13 @@ def _bench_dlrm(args: argparse.Namespace, console: Console) -> int:
 
     need = args.steps * args.batch * max(args.procs)
     data = args.data or default_data(Path("results/criteo_synthetic.txt"), need)
+    if args.tensorboard is not None:
+        from sparsync_bench.tensorboard import require_tensorboard
+
+        require_tensorboard()  # before the ranks start
     dcfg = DlrmBenchConfig(str(data), steps=args.steps, batch=args.batch, max_rows=args.max_rows, dim=args.dim,
-                           methods=args.methods, mlp=args.mlp)  # fmt: skip
+                           methods=args.methods, mlp=args.mlp,
+                           tensorboard=str(args.tensorboard or ""))  # fmt: skip
     run_dlrm_bench(dcfg, args.procs, out=args.out, net=args.net, latency=args.latency, console=console)
     return 0
 

@@ -55,6 +55,7 @@ from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, 
 from sparsync_bench.dlrm import DLRM
 from sparsync_bench.hybrid import ps_remote_bytes
 from sparsync_bench.omnireduce import block_allreduce
+from sparsync_bench.tensorboard import summary_writer
 
 METHODS = ("torch_ddp_dense", "torch_ddp_sparse", "sparsync", "sparsync_dct")
 PS_METHODS = ("sparsync_ps", "sparsync_ps_split", "sparsync_hybrid")
@@ -91,6 +92,7 @@ class DlrmBenchConfig:
     mlp: str = "small"  # a key of MLPS
     methods: tuple[str, ...] = METHODS
     seed: int = 0
+    tensorboard: str = ""  # a directory: rank 0 writes each step's CommLog scalars there (TensorBoard)
 
     def __post_init__(self) -> None:
         bad = [m for m in self.methods if m not in (*METHODS, *OPTIONAL)]
@@ -196,7 +198,9 @@ def _train(
             plan = _large_table_plan(method, model, shard.sparse[: cfg.batch], cfg, log)
         opt = DistributedOptimizer(opt, model, plan=plan, log=log)
     times, losses, rows = [], [], []
+    writer = summary_writer(Path(cfg.tensorboard) / f"P{P}") if cfg.tensorboard and rank == 0 else None
     for s in range(cfg.steps):
+        before = len(log)
         sl = slice(s * cfg.batch, (s + 1) * cfg.batch)
         dense, cats, label = shard.dense[sl], shard.sparse[sl], shard.label[sl]
         dist.barrier()
@@ -210,9 +214,14 @@ def _train(
             opt.step()
             losses.append(loss.item())
         times.append(time.perf_counter() - t0)
+        if writer is not None:  # torch DDP's steps log nothing: their curves stay empty
+            log.to_tensorboard(writer, s, since=before, prefix=f"sparsync/{method}")
+            writer.add_scalar(f"step_seconds/{method}", times[-1], s)
         if method.startswith("torch_ddp"):  # the rows gloo's sparse allreduce sends (_ddp_bytes)
             rows.append([int(torch.unique(cats[:, j]).numel()) for j in range(cats.shape[1])])
 
+    if writer is not None:
+        writer.close()
     t = torch.tensor([statistics.median(times[cfg.warmup :])], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     tail = torch.tensor([statistics.fmean(losses[-cfg.tail :])], dtype=torch.float64)

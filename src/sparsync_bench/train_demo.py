@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -28,11 +29,13 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
+import sparsync
 from sparsync.plan.planner import Plan
 from sparsync.replicator import PER_REPLICA, DenseAllreduce, ReplicaContext, Replicator
 from sparsync_bench.ddp_baseline import ddp_step_bytes
 from sparsync_bench.demo_plan import AUTO, measure_plan, train_hybrid
 from sparsync_bench.tables import show_table
+from sparsync_bench.tensorboard import summary_writer
 
 PLANS = ("dense allreduce", "sparsync plan")
 DDP_PLAN = "DDP (sparse grads)"
@@ -89,7 +92,8 @@ def _input_fn(cfg: DemoConfig) -> Any:
     return fn
 
 
-def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any) -> dict[str, Any]:
+def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any, writer: Any = None) -> dict[str, Any]:
+    """One of sparsync's plans; ``writer``: rank 0's TensorBoard writer (each step's CommLog scalars)."""
     torch.manual_seed(cfg.seed)
     model = BagClassifier(cfg)
     default = DenseAllreduce() if plan == PLANS[0] else None
@@ -109,12 +113,19 @@ def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any) -> di
 
     times, nbytes, losses = [], [], []
     task = progress.add_task(plan, total=cfg.steps) if progress is not None else None
-    for batch in ctx.input(_input_fn(cfg), PER_REPLICA):
+    offset = PLANS.index(plan) * cfg.steps  # steps numbered across the runs on one timeline
+    for i, batch in enumerate(ctx.input(_input_fn(cfg), PER_REPLICA)):
         before = len(log)
         t0 = time.perf_counter()
-        step_fn_loss = ctx.run(step_fn, batch)
+        # the warm-up steps (the first auto call measures the link) are left out of the timing and the timeline's
+        # steps alike
+        with sparsync.trace_step(offset + i) if i >= cfg.warmup else nullcontext():
+            step_fn_loss = ctx.run(step_fn, batch)
         times.append(time.perf_counter() - t0)
         nbytes.append(sum(r.bytes_sent for r in log.records[before:]))
+        if writer is not None:
+            log.to_tensorboard(writer, offset + i, since=before, prefix=f"sparsync/{plan}")
+            writer.add_scalar(f"step_seconds/{plan}", times[-1], offset + i)
         losses.append(step_fn_loss)
         if progress is not None:
             progress.advance(task)
@@ -192,7 +203,26 @@ def _train_auto(
 
 
 def demo_program(
-    ctx: ReplicaContext, cfg: DemoConfig, show_progress: bool, addresses: list[str]
+    ctx: ReplicaContext,
+    cfg: DemoConfig,
+    show_progress: bool,
+    addresses: list[str],
+    trace_dir: str = "",
+    tensorboard: str = "",
+) -> tuple[list[dict[str, Any]], Plan] | None:
+    """The runs on one replica. ``trace_dir``: every rank's timeline there (``sparsync.trace``);
+    ``tensorboard``: rank 0's per-step scalars there."""
+    with sparsync.trace(trace_dir) if trace_dir else nullcontext():
+        writer = summary_writer(tensorboard) if tensorboard and ctx.replica_id == 0 else None
+        try:
+            return _demo_runs(ctx, cfg, show_progress, addresses, writer)
+        finally:
+            if writer is not None:
+                writer.close()
+
+
+def _demo_runs(
+    ctx: ReplicaContext, cfg: DemoConfig, show_progress: bool, addresses: list[str], writer: Any
 ) -> tuple[list[dict[str, Any]], Plan] | None:
     torch.set_num_threads(1)
     progress = None
@@ -202,8 +232,8 @@ def demo_program(
         progress = Progress(transient=True)
         progress.start()
     try:
-        runs = {RUNS[0]: _train(ctx, cfg, PLANS[0], progress), RUNS[1]: _train_ddp(ctx, cfg, progress),
-                RUNS[2]: _train(ctx, cfg, PLANS[1], progress)}  # fmt: skip
+        runs = {RUNS[0]: _train(ctx, cfg, PLANS[0], progress, writer), RUNS[1]: _train_ddp(ctx, cfg, progress),
+                RUNS[2]: _train(ctx, cfg, PLANS[1], progress, writer)}  # fmt: skip
         auto, chosen = _train_auto(ctx, cfg, addresses, progress, runs)
     finally:
         if progress is not None:
@@ -212,19 +242,27 @@ def demo_program(
 
 
 def run_demo(
-    cfg: DemoConfig, *, show_progress: bool = True, net: str | None = None
+    cfg: DemoConfig,
+    *,
+    show_progress: bool = True,
+    net: str | None = None,
+    trace_dir: str = "",
+    tensorboard: str = "",
 ) -> tuple[list[dict[str, Any]], float, Plan]:
     """The four runs (dense allreduce, DDP with sparse gradients, sparsync's default plan, the automatic plan,
     keyed "run" = ``RUNS``) on ``cfg.replicas``
     local processes, with one parameter server per process (each process and its server in a namespace
     with ``net``-shaped links when given, e.g. "1gbit"); returns their summaries, the largest parameter
-    difference between any run's final model and the dense run's, and the automatic plan."""
+    difference between any run's final model and the dense run's, and the automatic plan. ``trace_dir``: each
+    rank's timeline (``sparsync trace merge`` draws it); ``tensorboard``: per-step scalars of sparsync's plans."""
     from sparsync_bench.netem import net_spec
     from sparsync_bench.runner import ranks
 
     repl = Replicator(num_replicas=cfg.replicas, record=True)
     with ranks(cfg.replicas, net_spec(net), servers=True) as where:
-        runs, plan = repl.start(demo_program, cfg, show_progress, where.servers, setup=where.setup)[0]
+        runs, plan = repl.start(
+            demo_program, cfg, show_progress, where.servers, trace_dir, tensorboard, setup=where.setup
+        )[0]
     ref = runs[0]["params"]
     for r in runs:
         p = r.pop("params")

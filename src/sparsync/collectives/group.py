@@ -141,7 +141,9 @@ def submit(
     if label and trace.RANGES:
         t = tracer()
         if t is not None or trace.profiling():
-            fn = trace.traced_call(fn, t, label, facts, async_op)
+            # the group's name: the merge pairs the k-th call of a group across ranks (calls of a group run in
+            # issue order on every rank)
+            fn = trace.traced_call(fn, t, label, facts, async_op, group.group_name)
             if t is not None and async_op:
                 return _traced_work(t, submit(group, fn, async_op))
     state = group_state(group)

@@ -198,10 +198,12 @@ def traced_call(
     label: str,
     facts: Callable[[], dict[str, Any]] | None,
     async_op: bool,
+    group: str = "",
 ) -> Callable[[], Any]:
     """``fn`` inside the call's profiler range and, with a ``tracer``, on its timeline (``label``:
-    "<op>:<algorithm asked for>"; ``facts``: the call's size, evaluated once). For an async call, an arrow
-    from the issuing thread to the queue thread that runs it."""
+    "<op>:<algorithm asked for>"; ``facts``: the call's size, evaluated once; ``group``: the name of the group
+    whose order the call takes, on the timeline only). For an async call, an arrow from the issuing thread to
+    the queue thread that runs it."""
     info = facts() if facts is not None else {}
     profiled = profiling()
     flow = 0
@@ -221,7 +223,8 @@ def traced_call(
                 t1 = time.perf_counter()
                 CURRENT.reset(token)
                 if tracer is not None:
-                    tracer.complete(f"{op}:{span.algorithm}", "call", t0, t1, span.event_args(t1 - t0))
+                    args = {"group": group, **span.event_args(t1 - t0)}
+                    tracer.complete(f"{op}:{span.algorithm}", "call", t0, t1, args)
                     if flow:
                         tracer.flow("f", flow, t0)
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from sparsync.collectives.group import tracer
 from sparsync.ps import wire
 from sparsync.ps.wire import CurveKeys, Header, Op
 
@@ -118,6 +119,7 @@ class PSClient:
                 f"{self.max_message_bytes}; split it (PSTable does)"
             )
         fut: Future[tuple[Header, bytes]] = Future()
+        _trace_request(fut, f"ps:{Op(head.op).name}", server, len(frame))
         what = f"{Op(head.op).name} to server {server} ({self.endpoints[server]})"
         with self._lock:
             if self._closed:
@@ -261,6 +263,24 @@ class PSClient:
             p.future.set_exception(PSError(f"server {server} refused {p.what.split()[0]}: {bytes(body).decode()}"))
         else:
             p.future.set_result((h, bytes(body)))
+
+
+def _trace_request(fut: Future[tuple[Header, bytes]], name: str, server: int, nbytes: int) -> None:
+    """Put the request on this process's timeline (if one records), from issue to reply, on the issuing
+    thread's row: requests in flight overlap, so an async span (collectives/trace.py)."""
+    t = tracer()
+    if t is None:
+        return
+    t0, tid = time.perf_counter(), threading.get_native_id()
+
+    def done(f: Future[tuple[Header, bytes]]) -> None:
+        error = f.exception()
+        args = {"server": server, "bytes_sent": nbytes, "bytes_recv": 0 if error else len(f.result()[1])}
+        t.async_span(
+            name, "ps", t0, time.perf_counter(), tid, {**args, "error": type(error).__name__} if error else args
+        )
+
+    fut.add_done_callback(done)
 
 
 def _close(poller: zmq.Poller, s: zmq.Socket[bytes], mon: zmq.Socket[bytes] | None) -> None:
