@@ -40,7 +40,7 @@ def profiler_worker(rank: int, out: str) -> list[dict[str, Any]]:
         _calls(rank, log)
     path = Path(out) / f"prof{rank}.json"
     prof.export_chrome_trace(str(path))
-    events = json.loads(path.read_text())["traceEvents"]
+    events = sorted(json.loads(path.read_text())["traceEvents"], key=lambda e: e.get("ts", 0))  # threads mixed
     return [{"names": [e["name"] for e in events if str(e.get("name", "")).startswith("sparsync:")],
              "records": [(r.op, r.algorithm, r.world_size) for r in log.records]}]  # fmt: skip
 
@@ -54,3 +54,9 @@ def timeline_worker(rank: int, out: str) -> list[dict[str, Any]]:
             with sparsync.trace_step(step):
                 _calls(rank, log)
     return [r.as_dict() for r in log.records]
+
+
+def env_worker(rank: int) -> None:
+    """One call, traced by SPARSYNC_TRACE alone."""
+    s = SparseStream(torch.tensor([rank]), torch.ones(1), 8)
+    sparsync.sparse_allreduce(s, algorithm="dense", timeout=60)

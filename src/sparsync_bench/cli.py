@@ -254,6 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     mg.add_argument("dir", type=Path, help="the directory holding rank<r>.json")
+    mg.add_argument("--step", type=int, default=None, help="draw this step instead of the slowest")
+    mg.add_argument("--png", type=Path, default=None, help="the picture's path (default: DIR/slowest_step.png)")
     mg.set_defaults(func=_trace_merge)
     _add_bench_parsers(sub, parents)
     cl = sub.add_parser(
@@ -370,8 +372,8 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
 def _trace_merge(args: argparse.Namespace, console: Console) -> int:
     from sparsync_bench.trace_merge import merge_and_draw
 
-    merged, png = merge_and_draw(args.dir)
-    console.print(f"merged timeline: {merged} (open in https://ui.perfetto.dev); slowest step: {png}")
+    merged, png = merge_and_draw(args.dir, args.step, args.png)
+    console.print(f"merged timeline: {merged} (open in https://ui.perfetto.dev); picture: {png}")
     return 0
 
 

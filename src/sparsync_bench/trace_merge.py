@@ -90,17 +90,21 @@ class Window:
     end: float
 
 
-def slowest_step(merged: dict[str, Any]) -> Window:
-    """The step (``sparsync.trace_step``) whose first start to last end over the ranks is longest; the whole
-    timeline when no step was marked."""
+def slowest_step(merged: dict[str, Any], step: int | None = None) -> Window:
+    """The step (``sparsync.trace_step``) whose first start to last end over the ranks is longest (or step
+    ``step``); the whole timeline when no step was marked."""
     steps: dict[int, list[float]] = {}
     for e in merged["traceEvents"]:
         if e.get("cat") == "step" and e.get("ph") == "X":
             lo_hi = steps.setdefault(e["args"]["step"], [float("inf"), float("-inf")])
             lo_hi[0], lo_hi[1] = min(lo_hi[0], e["ts"]), max(lo_hi[1], e["ts"] + e["dur"])
+    if step is not None:
+        if step not in steps:
+            raise ValueError(f"step {step} is not on the timeline; marked steps: {sorted(steps) or 'none'}")
+        return Window(f"step {step}", *steps[step])
     if steps:
-        step, (lo, hi) = max(steps.items(), key=lambda kv: kv[1][1] - kv[1][0])
-        return Window(f"step {step}", lo, hi)
+        worst, (lo, hi) = max(steps.items(), key=lambda kv: kv[1][1] - kv[1][0])
+        return Window(f"slowest step ({worst})", lo, hi)
     timed = [e for e in merged["traceEvents"] if e.get("ph") in ("X", "b", "e")]
     if not timed:
         raise ValueError("the timeline holds no events")
@@ -129,11 +133,12 @@ COLORS = {"communication": "#1f77b4", "waiting": "#ff7f0e", "compress": "#2ca02c
           "wait": "#7f7f7f"}  # fmt: skip
 
 
-def draw(merged: dict[str, Any], png: Path) -> Path:
+def draw(merged: dict[str, Any], png: Path, step: int | None = None) -> Path:
     """The slowest step, one row per rank (the caller's thread; queued async calls in a thin lane below it):
     each call split into waiting for the last rank and the exchange after it; compressor steps, the caller's
     waits on async handles and parameter-server requests in their own colours; blank is computation."""
-    window = slowest_step(merged)
+    window = slowest_step(merged, step)
+    span = window.end - window.start
     waits = call_waits(merged)
     ranks = sorted({e["pid"] for e in merged["traceEvents"]})
     main_tid = {}
@@ -158,6 +163,12 @@ def draw(merged: dict[str, Any], png: Path) -> Path:
             w = waits.get((e["pid"], e["ts"]), 0.0)
             ax.broken_barh([(x0, w * ms)], (y, h), color=COLORS["waiting"])
             ax.broken_barh([(x0 + w * ms, (e["dur"] - w) * ms)], (y, h), color=COLORS["communication"])
+            visible = min(end, window.end) - max(e["ts"], window.start)
+            if visible > 0.12 * span and lane == 0:  # name the calls wide enough to hold it
+                mid = (max(e["ts"], window.start) + visible / 2 - window.start) * ms
+                ax.text(mid, y + h / 2, e["name"], ha="center", va="center", fontsize=7, color="white")
+        elif cat == "step" and e["ts"] <= window.end and end >= window.start:  # the rank's own step
+            ax.plot([x0, (end - window.start) * ms], [y - 0.04] * 2, color="black", linewidth=1)
         elif cat == "reduce":
             ax.broken_barh([(x0, e["dur"] * ms)], (y, h), color=COLORS["compress"])
         elif cat == "wait":
@@ -166,18 +177,19 @@ def draw(merged: dict[str, Any], png: Path) -> Path:
             ax.plot([x0], [y + h / 2], marker="|", color=COLORS["ps"])
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.set_ylim(len(ranks) - 0.5, -0.5)
-    ax.set_xlim(0, (window.end - window.start) * ms)
-    ax.set_xlabel(f"ms from the start of {window.label} ({(window.end - window.start) * ms:.1f} ms)")
+    ax.set_xlim(0, span * ms)
+    ax.set_xlabel(f"ms from the start of {window.label} ({span * ms:.1f} ms; black line: each rank's own step)")
     labels = {"communication": "exchange", "waiting": "waiting for the last rank",
               "compress": "compress/decompress", "wait": "caller waits for an async call",
               "ps": "parameter-server request"}  # fmt: skip
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in labels]
     ax.legend(handles, labels.values(), loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8)
-    ax.set_title(f"sparsync timeline, slowest {window.label}: ranks as rows (blank: computation)")
+    ax.set_title(f"sparsync timeline, {window.label}: ranks as rows (blank: computation)")
     return save_figure(fig, png, dpi=110)
 
 
-def merge_and_draw(directory: Path) -> tuple[Path, Path]:
-    """``sparsync trace merge``: ``DIR/merged.json`` and ``DIR/slowest_step.png``."""
+def merge_and_draw(directory: Path, step: int | None = None, png: Path | None = None) -> tuple[Path, Path]:
+    """``sparsync trace merge``: ``DIR/merged.json`` and the picture (``DIR/slowest_step.png`` by default) of
+    the slowest step or of ``step``."""
     merged = merge(directory)
-    return directory / MERGED, draw(merged, directory / PICTURE)
+    return directory / MERGED, draw(merged, png or directory / PICTURE, step)

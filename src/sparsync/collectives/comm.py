@@ -115,8 +115,7 @@ class Comm:
     def _traced(self, name: str, t0: float) -> Iterator[None]:
         span = self._span
         sent0 = self.traffic.phase_bytes.get(name, 0)
-        profiled = span is not None and span.profiled
-        with trace.profiler_range(f"sparsync:{self.op.partition('(')[0]}:{name}", profiled=profiled):
+        with trace.profiler_range(f"sparsync:{self.op.partition('(')[0]}:{name}"):
             yield
         if span is not None and span.tracer is not None:
             sent = self.traffic.phase_bytes.get(name, 0) - sent0
@@ -130,8 +129,7 @@ class Comm:
         span = self._span
         if span is not None:
             span.algorithm, span.decision = algorithm, decision
-        profiled = span is not None and span.profiled
-        if not (profiled or trace.profiling()):
+        if not trace.profiling():
             yield
             return
         facts = ""
@@ -139,7 +137,7 @@ class Comm:
             facts = trace.describe(
                 auto_choice=algorithm, predicted_ms=round(decision.predictions[algorithm] * 1e3, 3)
             )
-        with trace.profiler_range(f"sparsync:{self.op.partition('(')[0]}:{algorithm}", facts, profiled=profiled):
+        with trace.profiler_range(f"sparsync:{self.op.partition('(')[0]}:{algorithm}", facts):
             yield
 
     def record(
