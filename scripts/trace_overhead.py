@@ -22,7 +22,7 @@ import statistics
 import tempfile
 import timeit
 from pathlib import Path
-
+from typing import Any
 
 MODES = ("off", "ranges", "timeline")
 ROWS, TABLE, WIDTH, P = 1000, 100_000, 64, 4
@@ -61,7 +61,34 @@ def worker(rank: int, blocks: int, block: int, tmp: str) -> dict[str, list[float
     set_tracer(None)
     if not tracer.to_json()["traceEvents"]:
         raise RuntimeError("the timeline build recorded nothing")
+    out.update({f"checks per call: {k}": [v] for k, v in count_checks(lambda: sparsync.allreduce(grad)).items()})
     return out
+
+
+def count_checks(call: Any, n: int = 10) -> dict[str, float]:
+    """How often one call runs each check of the default build (no profiler, no timeline): ``profiling()``
+    (per call, phase and algorithm scope), ``tracer()`` (per call), ``Comm.running`` (per call)."""
+    from sparsync.collectives import comm, group, trace
+
+    counts = {"profiling()": 0, "tracer()": 0, "Comm.running": 0}
+    saved = trace.profiling, group.tracer, comm.Comm.running
+
+    def wrap(name: str, fn: Any) -> Any:
+        def counted(*a: Any, **k: Any) -> Any:
+            counts[name] += 1
+            return fn(*a, **k)
+
+        return counted
+
+    trace.profiling = wrap("profiling()", saved[0])  # type: ignore[assignment]
+    group.tracer = wrap("tracer()", saved[1])  # type: ignore[assignment]
+    comm.Comm.running = wrap("Comm.running", saved[2])  # type: ignore[method-assign]
+    try:
+        for _ in range(n):
+            call()
+    finally:
+        trace.profiling, group.tracer, comm.Comm.running = saved  # type: ignore[method-assign]
+    return {k: v / n for k, v in counts.items()}
 
 
 def measure(blocks: int, block: int) -> dict[str, list[float]]:
@@ -75,17 +102,30 @@ def measure(blocks: int, block: int) -> dict[str, list[float]]:
 
 
 def check_costs() -> dict[str, float]:
-    """ns per check, in one process: what ``submit`` and each ``Comm.phase`` add with nothing recording."""
-    import torch.distributed as dist
+    """ns per check in one process with a 1-rank group, nothing recording."""
+    import sparsync
 
-    from sparsync.collectives import trace
+    return sparsync.launch(_check_costs, nprocs=1)[0]
+
+
+def _check_costs(rank: int) -> dict[str, float]:
+    from types import SimpleNamespace
+
+    from sparsync.collectives import comm, trace
     from sparsync.collectives.group import tracer
 
     n = 200_000
-    out = {"profiling()": timeit.timeit(trace.profiling, number=n) / n * 1e9}
-    if not dist.is_initialized():
-        out["tracer() (no group)"] = timeit.timeit(tracer, number=n) / n * 1e9
-    return out
+    fake = SimpleNamespace(_span=None, op="sparse_allreduce")
+
+    def running() -> None:
+        with comm.Comm.running(fake, "allgather"):  # type: ignore[arg-type]
+            pass
+
+    return {
+        "profiling()": timeit.timeit(trace.profiling, number=n) / n * 1e9,
+        "tracer()": timeit.timeit(tracer, number=n) / n * 1e9,
+        "Comm.running": timeit.timeit(running, number=n) / n * 1e9,
+    }
 
 
 def main() -> None:
@@ -99,7 +139,7 @@ def main() -> None:
         f"P = {P}, loopback, `sparsync.allreduce` of a {ROWS:,}-row embedding gradient ({TABLE:,} x {WIDTH} "
         f"float32 table, auto on the reference link), {args.blocks} rounds of {args.block} calls per build",
         "",
-        "| build | ms/call (median of block medians) | overhead vs off (median of paired ratios) | IQR of ratios |",
+        "| build | ms/call (median of blocks) | overhead vs off (median of paired ratios) | IQR of ratios |",
         "| --- | --- | --- | --- |",
     ]
     for m in MODES:
@@ -109,8 +149,14 @@ def main() -> None:
             f"| {m} | {statistics.median(per[m]) * 1e3:.3f} | {100 * statistics.median(ratios):+.2f}% "
             f"| {100 * q1:+.1f}% .. {100 * q3:+.1f}% |"
         )
-    lines += ["", "| check, one process, nothing recording | ns |", "| --- | --- |"]
-    lines += [f"| `{k}` | {v:.0f} |" for k, v in check_costs().items()]
+    costs = check_costs()
+    per_call = {k.split(": ")[1]: v[0] for k, v in per.items() if k.startswith("checks per call")}
+    total_ns = sum(costs[k] * per_call[k] for k in costs)
+    off_ns = statistics.median(per["off"]) * 1e9
+    lines += ["", "| check (default build, nothing recording) | ns each (1 rank) | per call | ns per call |",
+              "| --- | --- | --- | --- |"]  # fmt: skip
+    lines += [f"| `{k}` | {costs[k]:.0f} | {per_call[k]:.1f} | {costs[k] * per_call[k]:.0f} |" for k in costs]
+    lines += [f"| total | | | {total_ns:.0f} = {100 * total_ns / off_ns:.3f}% of the off build's call |"]
     text = "\n".join(lines)
     print(text)
     if args.out is not None:
