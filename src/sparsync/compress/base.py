@@ -247,6 +247,20 @@ def check_kernels(owner: str, kernels: str, built: bool, extension: str) -> None
         raise RuntimeError(f"{owner}(kernels='c'): the C extension sparsync.compress.{extension} is not built")
 
 
+def native_for(owner: str, kernels: str, built: bool, device: torch.device) -> bool:
+    """Whether a call on a tensor of ``device`` runs the C kernels: they read host memory through raw pointers,
+    so they serve CPU tensors only. "auto" runs the torch kernels (the same results) on any other device;
+    "c" with such a tensor raises ValueError."""
+    if device.type != "cpu":
+        if kernels == "c":
+            raise ValueError(
+                f"{owner}(kernels='c'): the C kernels take CPU tensors only, got a tensor on {device}; "
+                "use kernels='auto' or 'torch' for it"
+            )
+        return False
+    return kernels != "torch" and built
+
+
 def check_positive_int(value: int, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{what} must be a positive int, got {value!r}")
