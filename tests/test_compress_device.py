@@ -145,6 +145,10 @@ def test_c_kernels_serve_cpu_tensors_only() -> None:
     for comp in (QSGD(kernels="c"), SparseSketch(cols=64, kernels="c"), Threshold(0.1, kernels="c")):
         with pytest.raises(ValueError, match=r"kernels='c'.*CPU tensors only"):
             comp.compress(x, Context("w"))
+    for comp in (QSGD(kernels="c"), SparseSketch(cols=64, kernels="c"), Threshold(0.1, kernels="c")):
+        with pytest.raises(ValueError, match=r"kernels='c'.*CPU tensors only.*meta"):
+            comp.check_device(other)  # compressed_allreduce's check, before any rank communicates
+        comp.check_device(torch.device("cpu"))
     t = Threshold(0.1, kernels="c")
     with pytest.raises(ValueError):
         t.compress(x, Context("w"))

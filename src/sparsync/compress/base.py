@@ -191,6 +191,11 @@ class Compressor(ABC):
         if state:
             raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
 
+    def check_device(self, device: torch.device) -> None:
+        """Raise ValueError when this compressor cannot run on a tensor of ``device`` (``kernels="c"`` off the
+        host): checked before any rank communicates, so that every rank raises it."""
+        del device  # torch ops only: any device
+
 
 # --- helpers shared by the sparsifiers ---------------------------------------------------------------------
 def flat_values(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

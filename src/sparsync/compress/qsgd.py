@@ -39,6 +39,7 @@ from sparsync.compress.base import (
     TensorSpec,
     check_kernels,
     check_positive_int,
+    native_for,
 )
 from sparsync.compress.qsgd_kernels import CHUNK, Workspace, chunk_values, native_available
 from sparsync.stream import SparseStream
@@ -81,6 +82,9 @@ class QSGD(Compressor):
                 f"aggregation must be 'auto', 'allgather' or 'reduce_scatter', got {self.aggregation!r}"
             )
         check_kernels("QSGD", self.kernels, native_available(), "_qsgd_c")
+
+    def check_device(self, device: torch.device) -> None:
+        native_for("QSGD", self.kernels, native_available(), device)
 
     @property
     def levels(self) -> int:

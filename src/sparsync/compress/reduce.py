@@ -286,6 +286,7 @@ def _check_input(tensor: Any, compressor: Any, memory: ErrorFeedback | None, nam
         raise ValueError("memory= needs name=: error-feedback residuals are kept per name")
     if inplace and tensor.is_sparse:
         raise ValueError("inplace=True needs a dense tensor (a sparse COO result has its own storage)")
+    compressor.check_device(tensor.device)
 
 
 def _agree(

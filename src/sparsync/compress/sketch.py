@@ -95,6 +95,9 @@ class SparseSketch(Compressor):
             raise ValueError(f"hash must be one of {HASHES}, got {self.hash!r}")
         check_kernels("SparseSketch", self.kernels, native_available(), "_sketch_c")
 
+    def check_device(self, device: torch.device) -> None:
+        native_for("SparseSketch", self.kernels, native_available(), device)
+
     def _hasher(self, c: int, work: torch.dtype, device: torch.device, size: int = CHUNK) -> Hasher:
         native = native_for("SparseSketch", self.kernels, native_available(), device)
         return Hasher(self.rows, self.seed, c, work, size, native=native, device=device)

@@ -43,6 +43,9 @@ class Threshold(base.Sparsifier):
         base.check_positive_int(self.lifespan, "lifespan")
         base.check_kernels("Threshold", self.kernels, _native is not None, "_threshold_c")
 
+    def check_device(self, device: torch.device) -> None:
+        base.native_for("Threshold", self.kernels, _native is not None, device)
+
     def threshold(self, name: str = "") -> float | None:
         """Current τ for ``name`` (None before its first call)."""
         st = self._state.get(name)
