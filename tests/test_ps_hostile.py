@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import struct
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
@@ -215,6 +216,11 @@ def _declare(endpoint: str, mechanism: bytes, declared: int, stream: int) -> int
         while sent < stream:
             s.sendall(chunk)
             sent += len(chunk)
+        # Wait until the server has read it all and closes: closing first, with the server's greeting unread,
+        # would reset the connection and discard what is still in the server's socket buffer.
+        s.shutdown(socket.SHUT_WR)
+        while s.recv(65536):
+            pass
     except OSError:
         pass  # dropped by the server: what we want
     finally:
@@ -239,6 +245,59 @@ def test_frame_declaring_8_gib_is_dropped_unbuffered(auth: bool) -> None:
         assert grew < RSS_LIMIT_KIB and took < 512 * MiB
         with RawClient(address) as r:
             assert r.ping(1)
+    finally:
+        sp.kill()
+
+
+def _peak_growth_kib(pid: int, attack: Callable[[], object]) -> int:
+    """Peak resident memory the process ``pid`` gained during ``attack()``, KiB: its peak (VmHWM) is reset to
+    its current RSS first (``/proc/<pid>/clear_refs``), so neither an earlier peak hides growth nor counts."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
+    before = rss_kib(pid)
+    attack()
+    time.sleep(0.3)
+    return rss_kib(pid, "VmHWM") - before
+
+
+def _peers_declaring(endpoint: str, peers: int, declared: int, stream: int) -> list[int]:
+    """``peers`` raw TCP connections at once, each greeting with CURVE and declaring a handshake command of
+    ``declared`` bytes, then streaming up to ``stream`` bytes of it; the bytes each got through."""
+    took = [0] * peers
+
+    def one(i: int) -> None:
+        took[i] = _declare(endpoint, b"CURVE", declared, stream)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(peers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return took
+
+
+@pytest.mark.parametrize(("peers", "stream"), [(4, 48 * MiB), (64, 4 * MiB)])
+def test_unauthenticated_peers_cannot_grow_a_default_server(peers: int, stream: int) -> None:
+    """The server's defaults (CURVE, max_message_bytes 256 MiB): peers without a key declare a 200 MiB HELLO
+    and stream into it. Each may cost the server one fragment (64 KiB) and libzmq's per-connection buffers,
+    whatever the message limit: peak RSS grows at most 16 MiB, and the server answers its clients after."""
+    sp = ServerProcess(ServerConfig())
+    address = sp.start()
+    try:
+        assert sp.pid is not None and sp.cfg.max_message_bytes == wire.DEFAULT_MAX_MESSAGE
+        endpoint = wire.split_address(address)[0]
+        took: list[int] = []
+        grew = _peak_growth_kib(sp.pid, lambda: took.extend(_peers_declaring(endpoint, peers, 200 * MiB, stream)))
+        print(
+            f"\n[figure] {peers} unauthenticated peers, 200 MiB HELLO declared, up to {stream // MiB} MiB streamed "
+            f"each, default server: server took {sum(took) / MiB:.0f} MiB, peak RSS +{grew} KiB"
+        )
+        assert grew <= 16 * 1024, f"{peers} peers grew the server's peak RSS by {grew} KiB"
+        with PSClient([address], timeout=10) as c:  # an authenticated client still gets its answers
+            t = PSTable(c, "after", 10, 2, partitions=1)
+            t.create().wait()
+            t.set(np.arange(10), np.full((10, 2), 3.0, np.float32)).wait()
+            assert (t.pull(np.arange(10)).wait().numpy() == 3.0).all()
+        assert sp.alive()
     finally:
         sp.kill()
 
