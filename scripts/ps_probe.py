@@ -39,9 +39,9 @@ def _status_kib(pid: int, field: str) -> int:
     raise KeyError(f"no {field} in /proc/{pid}/status")
 
 
-def _peer(endpoint: str, declared: int, stream: int) -> int:
+def _peer(endpoint: str, declared: int, stream: int, took: list[int], i: int) -> None:
     """A raw ZMTP 3.0 peer: CURVE greeting, a HELLO command declaring ``declared`` bytes, up to ``stream`` bytes
-    of it, then wait until the server closes; the bytes the server took."""
+    of it, then wait until the server closes; ``took[i]``: the bytes the server took."""
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     sent = 0
     with socket.create_connection((host, int(port)), timeout=3) as s:
@@ -57,7 +57,7 @@ def _peer(endpoint: str, declared: int, stream: int) -> int:
                 pass
         except OSError:
             pass  # dropped by the server
-    return sent
+    took[i] = sent
 
 
 def peers(counts: list[int]) -> None:
@@ -70,11 +70,10 @@ def peers(counts: list[int]) -> None:
             Path(f"/proc/{sp.pid}/clear_refs").write_text("5")  # VmHWM := VmRSS
             before = _status_kib(sp.pid, "VmRSS")
             took = [0] * n
+            endpoint = split_address(address)[0]
             threads = [
-                threading.Thread(target=lambda i=i: took.__setitem__(i, _peer(split_address(address)[0], 200 * MiB,
-                                                                                stream)))
-                for i in range(n)
-            ]  # fmt: skip
+                threading.Thread(target=_peer, args=(endpoint, 200 * MiB, stream, took, i)) for i in range(n)
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -110,17 +109,18 @@ def throughput(runs: int) -> None:
                 pulled = np.arange(0, push_rows, 2)
                 t.push(rows, grads, coalesce=False).wait()  # warm up
                 t.pull(pulled).wait()
-                for what, nbytes, call in (
-                    ("PUSH", push_rows * (8 + 4 * dim), lambda: t.push(rows, grads, coalesce=False).wait()),
-                    ("PULL", pull_rows * (8 + 4 * dim), lambda: t.pull(pulled).wait()),
-                ):
+                for what, nbytes in (("PUSH", push_rows * (8 + 4 * dim)), ("PULL", pull_rows * (8 + 4 * dim))):
                     rates = []
                     for _ in range(runs):
                         t0 = time.perf_counter()
-                        call()
+                        if what == "PUSH":
+                            t.push(rows, grads, coalesce=False).wait()
+                        else:
+                            t.pull(pulled).wait()
                         rates.append(nbytes / (time.perf_counter() - t0) / 1e6)
+                    kind = "CURVE" if auth else "plain"
                     print(
-                        f"{'CURVE' if auth else 'plain'} {what} of {nbytes / 1e6:.0f} MB: best {max(rates):.0f} MB/s, "
+                        f"{kind} {what} of {nbytes / 1e6:.0f} MB: best {max(rates):.0f} MB/s, "
                         f"median {statistics.median(rates):.0f} MB/s ({runs} runs)",
                         flush=True,
                     )
