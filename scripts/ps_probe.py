@@ -4,9 +4,10 @@
     .venv/bin/python scripts/ps_probe.py throughput --runs 5   # large PUSH and PULL, with and without CURVE
 
 ``peers``: each peer greets with CURVE, declares a 200 MiB HELLO and streams into it (48 MiB each for 4 peers,
-4 MiB for 64); printed: the bytes the server took, its peak RSS growth (VmHWM, reset first through
-/proc/<pid>/clear_refs), and whether an authenticated client still gets a pull answered afterwards.
-``throughput``: one server, one client on loopback; a PUSH of 2,000,000 rows x 16 (136 MB on the wire) and a
+4 MiB for 64); printed: the bytes the peers got into their sockets before the server dropped them, the
+server's peak RSS growth (VmHWM, reset first through /proc/<pid>/clear_refs), and whether an authenticated
+client still gets a pull answered afterwards.
+``throughput``: one server, one client on loopback; a PUSH of 2,000,000 rows x 16 (144 MB on the wire) and a
 PULL of 1,000,000 rows x 16 (72 MB, 64 MB of it in the reply), best and median of ``--runs``.
 
 To measure an older sparsync, put its ``src`` first: ``PYTHONPATH=/tmp/old/src .venv/bin/python ...``.
@@ -41,7 +42,7 @@ def _status_kib(pid: int, field: str) -> int:
 
 def _peer(endpoint: str, declared: int, stream: int, took: list[int], i: int) -> None:
     """A raw ZMTP 3.0 peer: CURVE greeting, a HELLO command declaring ``declared`` bytes, up to ``stream`` bytes
-    of it, then wait until the server closes; ``took[i]``: the bytes the server took."""
+    of it, then wait until the server closes; ``took[i]``: the bytes sent before that."""
     host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
     sent = 0
     with socket.create_connection((host, int(port)), timeout=3) as s:
@@ -85,9 +86,9 @@ def peers(counts: list[int]) -> None:
                 t.create().wait()
                 answered = t.pull(np.arange(10)).wait().shape == (10, 2)
             print(
-                f"{n} peers x 200 MiB HELLO declared, {stream // MiB} MiB streamed each: server took "
-                f"{sum(took) / MiB:.0f} MiB, peak RSS +{grew / 1024:.1f} MiB; authenticated client answered: "
-                f"{answered}",
+                f"{n} peers x 200 MiB HELLO declared, {stream // MiB} MiB streamed each: "
+                f"{sum(took) / MiB:.0f} MiB sent before the server dropped them, peak RSS +{grew / 1024:.1f} MiB; "
+                f"authenticated client answered: {answered}",
                 flush=True,
             )
         finally:
