@@ -213,7 +213,7 @@ class PSClient:
             for i, (s, mon) in enumerate(socks):
                 if s in events:
                     while s.poll(0):
-                        self._deliver(s.recv(copy=True), pending, i)
+                        self._receive(s, pending, i)
                 if mon is not None and mon in events:
                     while mon.poll(0):
                         if recv_monitor_message(mon)["event"] & _REFUSED:
@@ -271,19 +271,34 @@ class PSClient:
                 self.bytes_per_server[server] += len(part)
             held.popleft()
 
-    def _deliver(self, frame: bytes, pending: dict[int, _Pending], server: int) -> None:
-        self.bytes_recv += len(frame)
-        self.bytes_per_server[server] += len(frame)
+    def _receive(self, sock: zmq.Socket[bytes], pending: dict[int, _Pending], server: int) -> None:
+        """Receive one fragment from ``server``: into its reply's buffer when one is under way (no copy)."""
+        key = _peer(server)
+        target = self._incoming.space(key)
         try:
-            whole = self._incoming.feed(_peer(server), frame)
-            if whole is None:
-                return  # more fragments to come
-            h, body = wire.decode(whole, max_bytes=self.max_message_bytes)
+            if target is None:
+                frame = sock.recv()
+                self._count(server, len(frame))
+                whole = self._incoming.feed(key, frame)
+            else:
+                nbytes = sock.recv_into(target)
+                self._count(server, nbytes)
+                whole = self._incoming.received(key, nbytes)
         except wire.FragmentError as e:  # a reply over max_message_bytes: its request fails, saying why
             p = pending.pop(e.head.rid, None)
             if p is not None:
                 p.future.set_exception(PSError(f"{p.what}: reply refused: {e}"))
             return
+        if whole is not None:
+            self._deliver(whole, pending, server)
+
+    def _count(self, server: int, nbytes: int) -> None:
+        self.bytes_recv += nbytes
+        self.bytes_per_server[server] += nbytes
+
+    def _deliver(self, whole: bytes | memoryview, pending: dict[int, _Pending], server: int) -> None:
+        try:
+            h, body = wire.decode(whole, max_bytes=self.max_message_bytes)
         except wire.WireError:
             return  # not from a sparsync server: ignore rather than kill the I/O thread
         p = pending.pop(h.rid, None)

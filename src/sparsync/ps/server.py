@@ -394,18 +394,39 @@ def _loop(server: Server, sock: zmq.Socket[bytes], zap: zmq.Socket[bytes] | None
             if sock in events:
                 for _ in range(512):  # a burst (32 MiB), then handshakes and parked requests get their turn
                     try:
-                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                        ident = sock.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if len(parts) != 2:
-                        continue  # not a DEALER-shaped message: no one to answer
-                    reply = server.receive_fragment(parts[0], parts[1])
+                    reply = _receive(server, sock, ident)
                     if reply is not None:
-                        _send(server, sock, parts[0], reply)
+                        _send(server, sock, ident, reply)
             for ident, frame in server.retry_parked():
                 _send(server, sock, ident, frame)
         except Exception:  # a bug outside one message's handling: log it, keep serving
             log.exception("server %d: error in the loop", server.cfg.server_id)
+
+
+def _receive(server: Server, sock: zmq.Socket[bytes], ident: bytes) -> bytes | None:
+    """The rest of a message whose routing id was just received: one fragment, received into the buffer of the
+    peer's message under way when there is one (no copy); the reply it completes, or None."""
+    if not sock.getsockopt(zmq.RCVMORE):
+        return None  # an empty message: nothing to answer
+    target = server.incoming.space(ident)
+    if target is None:
+        frame = sock.recv()
+    else:
+        nbytes = sock.recv_into(target)
+    if sock.getsockopt(zmq.RCVMORE):  # not a DEALER-shaped message: no one to answer; what we wrote into
+        while sock.getsockopt(zmq.RCVMORE):  # the buffer lies past its filled part, to be overwritten
+            sock.recv()
+        return None
+    if target is None:
+        return server.receive_fragment(ident, frame)
+    try:
+        whole = server.incoming.received(ident, nbytes)
+    except wire.FragmentError as e:
+        return server.refusal(e.head, e)
+    return None if whole is None else server.receive(ident, whole)
 
 
 def _answer_zap(server: Server, zap: zmq.Socket[bytes], admitted: set[bytes]) -> None:

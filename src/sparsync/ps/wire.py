@@ -161,20 +161,41 @@ class Reassembler:
         p = self._partial.get(peer)
         if p is None:
             return self._first(peer, frame)
+        due = self._due(p)
+        if p.buf is not None and len(frame) == due:
+            p.buf[p.filled : p.filled + due] = np.frombuffer(frame, dtype=np.uint8)
+        return self._advance(peer, p, len(frame), due)
+
+    def space(self, peer: bytes) -> memoryview | None:
+        """Where ``peer``'s next fragment belongs, when a message of theirs is under way and kept: receive it
+        there (``recv_into``, saving a copy), then call ``received``. None: receive it and ``feed`` it."""
+        p = self._partial.get(peer)
+        if p is None or p.buf is None:
+            return None
+        return p.buf.data[p.filled : p.filled + self._due(p)]
+
+    def received(self, peer: bytes, nbytes: int) -> memoryview | None:
+        """``peer``'s next fragment, ``nbytes`` long, was received into ``space(peer)`` (truncated when longer):
+        as ``feed``."""
+        p = self._partial[peer]
+        return self._advance(peer, p, nbytes, self._due(p))
+
+    @staticmethod
+    def _due(p: _Partial) -> int:
+        """The length the next fragment must have: a whole fragment, or what is left."""
+        return min(FRAGMENT_BYTES, HEADER.size + p.head.body_len - p.filled)
+
+    def _advance(self, peer: bytes, p: _Partial, nbytes: int, due: int) -> memoryview | None:
         p.seen = time.monotonic()
-        total = HEADER.size + p.head.body_len
-        left = total - p.filled
-        if len(frame) > left or (len(frame) < left and len(frame) != FRAGMENT_BYTES):
+        if nbytes != due:
             self.forget(peer)
             raise FragmentError(
-                f"fragment of {len(frame)} bytes where {min(left, FRAGMENT_BYTES)} were due "
-                f"({p.filled} of {total} bytes received)",
+                f"fragment of {nbytes} bytes where {due} were due "
+                f"({p.filled} of {HEADER.size + p.head.body_len} bytes received)",
                 p.head,
             )
-        if p.buf is not None:
-            p.buf[p.filled : p.filled + len(frame)] = np.frombuffer(frame, dtype=np.uint8)
-        p.filled += len(frame)
-        if p.filled < total:
+        p.filled += nbytes
+        if p.filled < HEADER.size + p.head.body_len:
             return None
         self.forget(peer)
         return None if p.buf is None else p.buf.data
