@@ -17,7 +17,10 @@ bits either way; chunks of 512K values. Rounding noise is 16 bits per value from
 quantization step. Timings: docs/compress_results.md.
 
 Aggregation: see ``qsgd_allreduce.py`` (``aggregation="reduce_scatter"``, the default for P > 2) and
-``base.py`` (allgather).
+``base.py`` (allgather). With error feedback (``compressed_allreduce(memory=...)``) "auto" gathers instead: the
+reduce-scatter re-quantizes the owners' partial sums, an error no worker's memory holds, so the feedback
+invariant Σ(results) + Σ(residuals) = Σ(gradients) would not hold (an owner-side memory, as 1-bit Adam's
+server compensation, would keep it at the reduce-scatter's bytes: not built).
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ def compressed_allreduce(
         out: torch.Tensor | Work[torch.Tensor] = submit(user, run, async_op)
         return out
 
-    if isinstance(compressor, QSGD) and compressor.uses_reduce_scatter(P):
+    if isinstance(compressor, QSGD) and compressor.uses_reduce_scatter(P) and memory is None:
         # qsgd_allreduce: a synchronous call encodes while it sends and updates the residual from the payload
         # it returns; an asynchronous one encodes here, so that the residual is updated on the caller's thread
         q = compressor
@@ -291,6 +291,14 @@ def _check_input(tensor: Any, compressor: Any, memory: ErrorFeedback | None, nam
         raise ValueError(f"reduce of an empty tensor (shape {tuple(tensor.shape)})")
     if memory is not None and not name:
         raise ValueError("memory= needs name=: error-feedback residuals are kept per name")
+    if memory is not None and isinstance(compressor, QSGD) and compressor.aggregation == "reduce_scatter":
+        # The owners re-quantize their partial sums (qsgd_allreduce.py): that error would be in no memory, and
+        # Σ(results) + Σ(residuals) would drift from Σ(gradients) (by 69% over 20 steps at 2 bits).
+        raise ValueError(
+            "QSGD(aggregation='reduce_scatter') with error feedback: the re-quantized partial sums' error is kept "
+            "in no memory; use aggregation='auto' (which gathers every rank's quantized gradient when a memory "
+            "is given) or 'allgather'"
+        )
     if inplace and tensor.is_sparse:
         raise ValueError("inplace=True needs a dense tensor (a sparse COO result has its own storage)")
     compressor.check_device(tensor.device)
