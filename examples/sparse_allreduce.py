@@ -1,7 +1,7 @@
 """Sum a sparse vector over ranks with sparsync; the same script runs locally or under torchrun.
 
 python examples/sparse_allreduce.py              # 4 local processes
-torchrun --nproc-per-node 3 examples/sparse_allreduce.py
+torchrun --nproc-per-node 4 examples/sparse_allreduce.py   # nprocs must match launch(nprocs=4)
 """
 
 from __future__ import annotations

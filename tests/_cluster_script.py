@@ -31,5 +31,5 @@ def work(rank: int) -> str:
 
 
 if __name__ == "__main__":
-    for line in sparsync.launch(work, nprocs=2):
+    for line in sparsync.launch(work, nprocs=4):  # torchrun's world: 2 hosts x 2
         print(line, flush=True)

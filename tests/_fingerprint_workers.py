@@ -9,8 +9,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _bad_input_workers import ctx
 
-from sparsync import LinkModel, allreduce, choose_fastest, grouped_allreduce
+from sparsync import LinkModel, SparseStream, allreduce, choose_fastest, grouped_allreduce, sparse_allreduce
+from sparsync.compress import Identity, compressed_allreduce
+from sparsync.costmodel import Decision, Problem
 
 LINK = LinkModel(alpha=1e-4, beta=1e-9)
 
@@ -37,7 +40,49 @@ def _cases(rank: int) -> dict[str, Callable[[], Any]]:
         "skipped": lambda: [allreduce(t, timeout=20.0) for t in _sequence(rank, skip=True)],
         # Rank 1 issues the two calls in the other order.
         "reordered": lambda: [allreduce(t, timeout=20.0) for t in _sequence(rank, skip=False)],
+        # Rank 2 skips the call on one line and makes the next one (same shape) on another.
+        "site": lambda: _from_two_lines(rank, None),
+        "site_named": lambda: _from_two_lines(rank, "x"),
+        "site_reduce": lambda: _reduce_from_two_lines(rank),
+        "site_replica": lambda: _all_sum_from_two_lines(rank),
+        # A policy holding per-rank state: same qualified name everywhere, different choices.
+        "stateful_policy": lambda: allreduce(
+            torch.ones(8), link=LINK, policy=_per_rank_policy(rank), timeout=20.0
+        ),
+        # validate=False lets index 10 of a 10-value stream through the constructor.
+        "unvalidated": lambda: sparse_allreduce(
+            SparseStream(torch.tensor([10 if rank == 1 else 1]), torch.tensor([1.0]), 10, validate=False),
+            timeout=20.0,
+        ).to_dense(),
     }
+
+
+def _from_two_lines(rank: int, name: str | None) -> torch.Tensor:
+    if rank == 2:
+        return allreduce(torch.full((4,), 2.0), name=name, timeout=20.0)
+    return allreduce(torch.ones(4), name=name, timeout=20.0)
+
+
+def _reduce_from_two_lines(rank: int) -> torch.Tensor:
+    if rank == 2:
+        return compressed_allreduce(torch.full((4,), 2.0), Identity(), timeout=20.0)
+    return compressed_allreduce(torch.ones(4), Identity(), timeout=20.0)
+
+
+def _all_sum_from_two_lines(rank: int) -> torch.Tensor:
+    group = dist.group.WORLD
+    assert isinstance(group, dist.ProcessGroup)
+    c = ctx(group)
+    if rank == 2:
+        return c.all_sum(torch.full((4,), 2.0))
+    return c.all_sum(torch.ones(4))
+
+
+def _per_rank_policy(rank: int) -> Callable[[Problem, LinkModel], Decision]:
+    def policy(p: Problem, link: LinkModel) -> Decision:
+        return Decision("dense" if rank == 0 else "allgather")
+
+    return policy
 
 
 def _sequence(rank: int, *, skip: bool) -> list[torch.Tensor]:

@@ -343,3 +343,14 @@ def kept_mask(act: torch.Tensor, eta: float) -> torch.Tensor:
     rows, d = act.shape[0], act[0].numel()
     idx = dct.select(act.reshape(rows, d), DCTMP(eta).kept(d))
     return torch.zeros(rows, d, dtype=torch.bool).scatter_(1, idx, True).view_as(act)
+
+
+def prims_and_errors_under_nccl_rules(ctx: ReplicaContext) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``prims_and_errors`` with the replicas' group under NCCL's rules (tests/_nccl_rules.py); the rules'
+    summary rides in the first dict under "nccl_rules"."""
+    from _nccl_rules import NcclRules
+
+    with NcclRules() as rules:
+        prims, errors = prims_and_errors(ctx)
+    prims["nccl_rules"] = rules.summary()
+    return prims, errors

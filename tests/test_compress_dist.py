@@ -31,10 +31,12 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 STEPS = 3
 
 
-@pytest.fixture(scope="module", params=[1, 3, 4], ids=lambda p: f"P{p}")
+# "-nccl": the same run with the payload under NCCL's rules on gloo (tests/_nccl_rules.py), at P = 1, 3, 5.
+@pytest.fixture(scope="module", params=[1, 3, 4, "1-nccl", "3-nccl", "5-nccl"], ids=lambda p: f"P{p}")
 def run(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
-    P = request.param
-    return P, launch(cw.reduce_worker, nprocs=P, args=(STEPS,), timeout=120)
+    P = int(str(request.param).split("-")[0])
+    worker = cw.nccl_rules_worker if "nccl" in str(request.param) else cw.reduce_worker
+    return P, launch(worker, nprocs=P, args=(STEPS,), timeout=120)
 
 
 def reference(spec: str, P: int, steps: int) -> list[np.ndarray]:
@@ -97,6 +99,23 @@ def test_every_compressor_matches_its_reference(run: tuple[int, list[dict[str, A
             assert np.array_equal(res[spec]["steps"][step], results[0][spec]["steps"][step])
         np.testing.assert_allclose(res[spec]["summed"] / P, ref[0], rtol=tol, atol=tol)
         assert res[spec]["inplace_same_object"]
+
+
+def test_nccl_rules_refuse_nothing(run: tuple[int, list[dict[str, Any]]]) -> None:
+    """Under NCCL's rules every compressor ran (the tests above passed on the same results) without one call
+    NCCL would refuse: no BOR (the sketch's bitmap), equal-size gathers (QSGD), batched p2p of exact sizes."""
+    P, results = run
+    if "nccl_rules" not in results[0]:
+        pytest.skip("this run is not under NCCL's rules")
+    for rank, r in enumerate(results):
+        rules = r["nccl_rules"]
+        assert rules["refused"] == [], f"rank {rank}: {rules['refused'][:5]}"
+        if P > 1:
+            calls = rules["calls"]
+            assert calls.get("all_reduce", 0) > 0, calls  # casts, identity, the sketch
+            assert calls.get("all_gather_into_tensor", 0) + calls.get("all_gather_single", 0) > 0, calls
+            assert calls.get("all_to_all_single", 0) > 0, calls  # QSGD's reduce-scatter at P > 2
+            assert calls.get("batch_isend_irecv", 0) > 0, calls  # the sparsifiers' sparse_allreduce
 
 
 def test_identity_equals_plain_dense_allreduce(run: tuple[int, list[dict[str, Any]]]) -> None:

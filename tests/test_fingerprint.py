@@ -33,6 +33,11 @@ def results() -> list[dict[str, Any]]:
         ("nan", r"rank 1 contributed NaN \(at vector index 0\)"),
         ("skipped", r"dim mismatch across ranks: rank 0 has dim=4, rank 1 has dim=6"),
         ("reordered", r"dim mismatch across ranks: rank 0 has dim=4, rank 1 has dim=6"),
+        ("site", r"call site mismatch across ranks: rank 2's call was issued from another line than rank 0's"),
+        ("site_reduce", r"call site mismatch across ranks: rank 2's call"),
+        ("site_replica", r"call site mismatch across replicas: replica 2's call"),
+        ("stateful_policy", r"auto chose different algorithms across ranks: rank 0 chose dense, rank 1 chose"),
+        ("unvalidated", r"rank 1 passed index 10 at position 0, out of range \[0, 10\)"),
     ],
 )
 def test_the_same_error_on_every_rank_at_once(results: list[dict[str, Any]], case: str, message: str) -> None:
@@ -41,9 +46,14 @@ def test_the_same_error_on_every_rank_at_once(results: list[dict[str, Any]], cas
     errors = [r[case].get("error", "no error") for r in results]
     for rank, e in enumerate(errors):
         assert re.search(message, e), f"rank {rank}: {e}"
-        assert f"seen on rank {rank}" in e or case in ("inf", "nan")
+        assert f"seen on rank {rank}" in e or f", {rank}, called from" in e or case in ("inf", "nan")
     assert max(r[case]["seconds"] for r in results) < 10.0  # not the 20 s timeout
     assert all(r[case]["after"] == [3.0, 3.0, 3.0] for r in results)
+
+
+def test_calls_from_two_lines_pair_up_when_named(results: list[dict[str, Any]]) -> None:
+    """The same two lines with the same name= on every rank: the ranks meant them as one call."""
+    assert all(r["site_named"]["ok"] == [4.0] * 4 for r in results)
 
 
 def test_inf_sums_as_ieee_when_asked(results: list[dict[str, Any]]) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 import _replicator_workers as rw
 import pytest
 import torch
+from _nccl_rules import check_clean
 
 from sparsync.costmodel import ALGORITHMS
 from sparsync.replicator import DCTMP, Replicator, split_batch
@@ -56,10 +57,15 @@ def test_sync_dp_equals_single_process_on_concatenated_batches(dp: tuple[int, li
 
 
 # --- primitives --------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=[1, 3])
+@pytest.fixture(scope="module", params=[1, 3, "3-nccl"])
 def prims(request: pytest.FixtureRequest) -> tuple[int, list[Any]]:
-    n = request.param
-    return n, Replicator(num_replicas=n).start(rw.prims_and_errors)
+    """Every replica's results; "-nccl": under NCCL's rules on gloo (tests/_nccl_rules.py), checked clean here."""
+    n = int(str(request.param).split("-")[0])
+    if "nccl" not in str(request.param):
+        return n, Replicator(num_replicas=n).start(rw.prims_and_errors)
+    per_rank = Replicator(num_replicas=n).start(rw.prims_and_errors_under_nccl_rules)
+    check_clean([p.pop("nccl_rules") for p, _ in per_rank])
+    return n, per_rank
 
 
 @pytest.mark.multiprocess

@@ -32,10 +32,37 @@ def run_torchrun(script: Path, nprocs: int = 3) -> str:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_example_under_torchrun() -> None:
-    stdout = run_torchrun(ROOT / "examples" / "sparse_allreduce.py")
-    # One report per torchrun rank (not 4 spawned ranks per torchrun process), every one in a world of 3. The
-    # three processes share the pipe, so search the text rather than trusting line boundaries.
+    stdout = run_torchrun(ROOT / "examples" / "sparse_allreduce.py", nprocs=4)  # the script's launch(nprocs=4)
+    # One report per torchrun rank (not 4 spawned ranks per torchrun process), every one in a world of 4. The
+    # four processes share the pipe, so search the text rather than trusting line boundaries.
     reports = re.findall(r"rank (\d+)/(\d+): nnz in \d+ -> out (\d+);", stdout)
-    assert sorted((r, w) for r, w, _ in reports) == [("0", "3"), ("1", "3"), ("2", "3")], stdout
+    assert sorted((r, w) for r, w, _ in reports) == [(str(r), "4") for r in range(4)], stdout
     outs = {out for _, _, out in reports}
     assert len(outs) == 1, f"ranks disagree on the result's nnz: {outs}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_nprocs_other_than_torchruns_world_is_refused(tmp_path: Path) -> None:
+    """``launch(nprocs=3)`` under a torchrun world of 2 raises ValueError naming both (it ran fn on 2 ranks,
+    silently), before any process group starts."""
+    script = tmp_path / "three.py"
+    script.write_text(
+        "import sparsync\n"
+        "def work(rank):\n"
+        "    return rank\n"
+        "if __name__ == '__main__':\n"
+        "    print('ran', sparsync.launch(work, nprocs=3), flush=True)\n"
+    )
+    torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun not found")
+    env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "ERROR"}
+    proc = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", str(script)],
+        capture_output=True, text=True, timeout=170, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "ran" not in proc.stdout, proc.stdout
+    assert "ValueError: launch(nprocs=3) under torchrun, whose world has WORLD_SIZE=2" in proc.stderr, proc.stderr[
+        -3000:
+    ]

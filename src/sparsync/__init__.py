@@ -22,7 +22,7 @@ from sparsync.costmodel import (
     predict,
 )
 from sparsync.handle import Work
-from sparsync.launch import LaunchError, launch
+from sparsync.launch import LaunchError, RankSetup, launch
 from sparsync.optim import DistributedOptimizer
 from sparsync.record import CommLog, CommRecord
 from sparsync.stream import SparseStream, add, dense_threshold, sum_streams
@@ -40,6 +40,7 @@ __all__ = [
     "LinkModel",
     "PeerError",
     "Problem",
+    "RankSetup",
     "SparseStream",
     "Topology",
     "Work",

@@ -268,6 +268,7 @@ def _zero_grad(p: nn.Parameter, sparse: bool) -> torch.Tensor:
     """What a worker that did not use ``p`` contributes: an empty COO gradient of the layout
     ``nn.Embedding(sparse=True)`` gives (one sparse dim), else dense zeros."""
     if sparse and p.dim() >= 2:
-        idx = torch.empty(1, 0, dtype=torch.int64)
-        return torch.sparse_coo_tensor(idx, torch.empty(0, *p.shape[1:], dtype=p.dtype), p.shape)
+        idx = torch.empty(1, 0, dtype=torch.int64, device=p.device)
+        vals = torch.empty(0, *p.shape[1:], dtype=p.dtype, device=p.device)
+        return torch.sparse_coo_tensor(idx, vals, p.shape)
     return torch.zeros_like(p)

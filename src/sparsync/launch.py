@@ -219,7 +219,8 @@ def launch(
     is ``"cpu:gloo,cuda:nccl"``, so host tensors still work). ``timeout`` (seconds) bounds every
     collective: a dead or stuck peer makes the others fail with a message instead of hanging. ``setup`` runs
     in each rank first (``RankSetup``: e.g. an environment per emulated host, or a network namespace to enter).
-    Under torchrun, joins that group and returns ``[fn(rank, *args)]`` for this process only.
+    Under torchrun, joins that group and returns ``[fn(rank, *args)]`` for this process only; ``nprocs`` must
+    then equal torchrun's ``WORLD_SIZE`` (ValueError naming both otherwise).
     ``procs_per_host``: emulate hosts of that many ranks (ranks [h·k, (h+1)·k) on host h): each rank gets
     torchrun's ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
     (``collectives.hierarchical.detect_topology`` reads them), and with ``setup`` (one host each) the ranks of
@@ -238,6 +239,14 @@ def launch(
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != nprocs:
+        # torchrun decides the world; a differing nprocs would run fn on another number of ranks than the
+        # script says, silently.
+        world = int(os.environ["WORLD_SIZE"])
+        raise ValueError(
+            f"launch(nprocs={nprocs}) under torchrun, whose world has WORLD_SIZE={world} processes: pass "
+            f"nprocs={world}, or start torchrun with {nprocs} processes in all (--nnodes x --nproc-per-node)"
+        )
     hosts = nprocs if procs_per_host is None else nprocs // max(procs_per_host, 1)
     if procs_per_host is not None and (procs_per_host < 1 or nprocs % procs_per_host):
         raise ValueError(f"procs_per_host={procs_per_host} does not divide nprocs={nprocs}")

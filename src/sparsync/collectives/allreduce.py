@@ -10,12 +10,13 @@ from typing import Literal, NoReturn, Protocol, TypeVar, overload, runtime_check
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives._fold import allgather_blocks
+from sparsync.collectives._fold import allgather_blocks, allgather_fixed
 from sparsync.collectives.calibrate import measure_link
 from sparsync.collectives.comm import Comm, PeerError, payload_of
 from sparsync.collectives.comm import stream_from_payload as _decode
 from sparsync.collectives.group import background_group, group_state, next_call, resolve_group, submit
 from sparsync.collectives.meta import (
+    ALGORITHM_CODES,
     EAGER_LIMIT,
     PARTITION_CODES,
     BadIndex,
@@ -27,12 +28,14 @@ from sparsync.collectives.meta import (
 )
 from sparsync.collectives.ops import text_key
 from sparsync.collectives.partition import resolve_partition
+from sparsync.collectives.site import call_site
 from sparsync.costmodel import (
     ALGORITHMS,
     Decision,
     LinkModel,
     Policy,
     Problem,
+    choose_fastest,
     choose_robust,
 )
 from sparsync.costmodel import algorithm as algorithm_entry
@@ -246,6 +249,7 @@ def start_allreduce(
     user = resolve_group(group)
     g = comm_group(user, async_op)
     seq = next_call(g)
+    site = call_site() if name is None else None  # in the caller's thread: the queue thread has no user frames
 
     def run() -> T:
         t0 = time.perf_counter()
@@ -255,7 +259,7 @@ def start_allreduce(
         pcode = PARTITION_CODES.index(part)
         qkey = _quantize_key(quantize)
         meta = exchange_meta(
-            comm, "sparse_allreduce", stream, algorithm, seq, check_nan, bad, shape, key, pcode, name, qkey
+            comm, "sparse_allreduce", stream, algorithm, seq, check_nan, bad, shape, key, pcode, name, qkey, site
         )
         decision: Decision | None = None
         alg = algorithm
@@ -266,6 +270,8 @@ def start_allreduce(
                     lm = group_state(user).link = measure_link(g)
             decision = policy(problem_of(stream, meta, comm.size), lm)
             alg = decision.algorithm
+            if policy not in PURE_POLICIES:
+                agree_algorithm(comm, alg)
         update_eager(comm, meta, alg)
         if quantize is None:
             result = algorithm_entry(alg).run()(comm, stream, meta, part)
@@ -282,6 +288,28 @@ def start_allreduce(
         return out
 
     return submit(user, run, async_op)
+
+
+# Policies whose choice is a function of the metadata round's table and the agreed link model alone, so every
+# rank chooses the same. Any other ``policy=`` may hold per-rank state (a closure, a counter): its choice is
+# agreed in one more round, since ranks running different algorithms hang or sum wrongly.
+PURE_POLICIES: tuple[Policy, ...] = (choose_robust, choose_fastest)
+
+
+def agree_algorithm(comm: Comm, alg: str) -> None:
+    """Raise the same ValueError on every rank unless every rank's policy chose ``alg`` (one allgather of one
+    int64 on the host)."""
+    mine = torch.tensor([ALGORITHM_CODES.index(alg)], dtype=torch.int64)
+    with comm.phase("agree_algorithm"):
+        table = allgather_fixed(comm.meta, mine)[:, 0]
+    differ = [r for r in range(comm.size) if int(table[r]) != int(table[0])]
+    if differ:
+        r = differ[0]
+        raise ValueError(
+            f"auto chose different algorithms across ranks: rank 0 chose {ALGORITHM_CODES[int(table[0])]}, rank "
+            f"{r} chose {ALGORITHM_CODES[int(table[r])]} (seen on rank {comm.rank}); a policy= must choose from "
+            "its inputs alone (no per-rank state), as every rank must run the same algorithm"
+        )
 
 
 def _check_quantize(quantize: object, algorithm: str) -> None:
@@ -339,12 +367,13 @@ def sparse_allgather(
     user = resolve_group(group)
     g = comm_group(user, async_op)
     seq = next_call(g)
+    site = call_site()
 
     def run() -> list[SparseStream]:
         t0 = time.perf_counter()
         comm = Comm(g, timeout, stream.device)
         comm.op = "sparse_allgather"
-        meta = exchange_meta(comm, "sparse_allgather", stream, "-", seq, check_nan)
+        meta = exchange_meta(comm, "sparse_allgather", stream, "-", seq, check_nan, site=site)
         update_eager(comm, meta, "allgather")
         out = _gather_streams(comm, stream, meta)
         if log is not None:

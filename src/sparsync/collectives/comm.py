@@ -245,6 +245,17 @@ class Comm:
         else:
             self.run_collective(what, gather, out, local)
 
+    def all_gather_equal(self, what: str, parts: list[torch.Tensor], local: torch.Tensor) -> None:
+        """``parts[r]`` = rank r's ``local`` (same size everywhere): torch's ``all_gather`` (gloo: through host
+        memory for CUDA tensors, transport.py)."""
+        if self.stage:
+            host = [torch.empty(p.shape, dtype=p.dtype) for p in parts]
+            self.run_collective(what, dist.all_gather, host, local.cpu())
+            for p, h in zip(parts, host, strict=True):
+                p.copy_(h)
+        else:
+            self.run_collective(what, dist.all_gather, parts, local)
+
     def count_collective(self, sent: int, received: int, messages: int) -> None:
         """Account for a torch collective whose traffic we compute from its algorithm (gloo: ring)."""
         self._sent(sent, messages)

@@ -35,6 +35,7 @@ from sparsync.collectives._fold import allgather_var
 from sparsync.collectives.comm import Comm, payload_nbytes, payload_parts
 from sparsync.collectives.group import EAGER_BYTES, group_state
 from sparsync.collectives.ops import op_code, op_name, register_op, text_key
+from sparsync.collectives.site import CallSite
 from sparsync.costmodel import REGISTRY
 from sparsync.stream import FLOAT_DTYPES, SparseStream
 
@@ -181,11 +182,15 @@ def exchange_meta(
     partition: int = 0,
     name: str | None = None,
     quantize: int = 0,
+    site: CallSite | None = None,
 ) -> Meta:
     """``bad``: an out-of-range index this rank found in its input; every rank then raises the same
     ValueError naming it (the stream passed is a placeholder). ``shape``: (layout, full shape) of the tensor
     the caller was given, so tensors of one size but different shapes are refused ((5, 2) and (2, 5)
-    were summed). ``auto_key``: ``auto_fingerprint`` of the link model and policy auto will use."""
+    were summed). ``auto_key``: ``auto_fingerprint`` of the link model and policy auto will use. ``site``:
+    where an unnamed call was issued (compared like a name)."""
+    if bad is None:
+        bad = out_of_range(stream)
     nan_pos, kind = -1, 0
     # ±Inf is refused like NaN, since +Inf on one rank and -Inf on another would silently sum to NaN.
     pos = first_nonfinite(stream.values) if check_nan else -1
@@ -219,7 +224,7 @@ def exchange_meta(
             int(check_nan),
             partition,
             0,
-            0 if name is None else text_key(name),
+            name_key(name, site),
             quantize,
             device_code(stream.device),
         ],
@@ -239,12 +244,7 @@ def exchange_meta(
     if not _all_clear(table):  # one vectorized test; the detailed checks name what went wrong
         raise_refusals(table, blocks, comm.rank)
         _check(table, comm.rank)
-    r = first_differing(table, _COL["name_key"])
-    if r is not None:
-        raise ValueError(
-            f"call name mismatch across ranks: rank {r}'s call is not rank 0's (this rank, "
-            f"{comm.rank}, called name={name!r}): a call skipped or issued in another order on some rank"
-        )
+    raise_name_mismatch(table[:, _COL["name_key"]], comm.rank, name, site=site)
     nnz = tuple(int(x) for x in table[:, 4])
     dense = tuple(bool(x) for x in table[:, 5])
     sizes = [payload_nbytes(dense[r], nnz[r], stream.dim, stream.dtype, stream.row) for r in range(comm.size)]
@@ -299,6 +299,48 @@ def first_nonfinite(values: torch.Tensor) -> int:
     return -1 if pos is None else pos
 
 
+def name_key(name: str | None, site: CallSite | None = None) -> int:
+    """The metadata column that tells apart calls of one signature: the call's ``name=``, else where it was
+    issued (``site.call_site``; 0: unnamed and no site known)."""
+    if name:
+        return text_key(name)
+    return 0 if site is None else site.key
+
+
+def raise_name_mismatch(
+    keys: torch.Tensor, me: int, name: str | None, who: str = "rank", site: CallSite | None = None
+) -> None:
+    """Raise the same ValueError on every rank of a metadata round whose ``keys`` column (each rank's
+    ``name_key``) differs: calls of one signature are told apart only by their names (or, unnamed, their call
+    sites), so a call skipped or swapped on one rank would otherwise be summed with another."""
+    r = first_rank(keys != keys[0])
+    if r is None:
+        return
+    if not name and site is not None and site.known:
+        raise ValueError(
+            f"call site mismatch across {who}s: {who} {r}'s call was issued from another line than {who} 0's "
+            f"(this {who}, {me}, called from {site.where}): a call skipped or issued in another order on some "
+            f"{who}. If the {who}s issue this call from different lines on purpose, pass the same name= on every "
+            f"{who}"
+        )
+    shown = repr(name) if name is None or len(name) <= 200 else repr(name[:200]) + "..."  # a bucket's names
+    raise ValueError(
+        f"call name mismatch across {who}s: {who} {r}'s call is not {who} 0's (this {who}, {me}, called "
+        f"name={shown}): a call skipped or issued in another order on some {who}"
+    )
+
+
+def raise_check_nan_mismatch(flags: torch.Tensor, me: int, who: str = "rank") -> None:
+    """Raise the same ValueError on every rank of a metadata round whose ``flags`` column (each rank's
+    ``check_nan``) differs: a rank that skipped the check could send NaN to one that asked for it."""
+    r = first_rank(flags != flags[0])
+    if r is not None:
+        raise ValueError(
+            f"check_nan mismatch across {who}s: {who} 0 has check_nan={bool(flags[0])}, {who} {r} has "
+            f"check_nan={bool(flags[r])} (seen on {who} {me}); every {who} must pass the same check_nan"
+        )
+
+
 def raise_nonfinite(op: str, positions: torch.Tensor, seen_on: int, *, who: str, where: str, hint: str) -> None:
     """Raise the same ValueError on every rank of a metadata round whose ``positions`` column (each rank's first
     non-finite position, -1: none) shows NaN or ±Inf anywhere; ``who``: "rank" or "replica", ``where``: what the
@@ -332,6 +374,22 @@ def raise_refusals(table: torch.Tensor, blocks: list[torch.Tensor], me: int) -> 
         text = bytes(blocks[r].numpy()).decode(errors="replace")
         kind = TypeError if text.startswith("TypeError:") else ValueError  # the type the refusing rank raises
         raise kind(f"rank {r} refused its input: {text} (seen on rank {me})")
+
+
+def out_of_range(stream: SparseStream) -> BadIndex | None:
+    """The first index of ``stream`` outside [0, num_rows), or None. A stream built with ``validate=False`` is
+    not checked by its constructor; one pass of ``aminmax`` over its indices here (the bad position only
+    searched for when there is one) turns what would fail inside an algorithm into the same ValueError on
+    every rank."""
+    idx = stream.indices
+    if idx is None or idx.numel() == 0:
+        return None
+    lo, hi = (int(x) for x in torch.aminmax(idx))
+    if lo >= 0 and hi < stream.num_rows:
+        return None
+    pos = first_rank((idx < 0) | (idx >= stream.num_rows))
+    assert pos is not None
+    return BadIndex(pos, int(idx[pos]), stream.num_rows)
 
 
 def device_code(device: torch.device) -> int:

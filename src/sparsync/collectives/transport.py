@@ -51,7 +51,7 @@ def transport(group: dist.ProcessGroup, device: torch.device) -> Transport:
     """The rules for payload on ``device`` over ``group`` (module doc); ``use_nccl_rules`` overrides them."""
     state = group_state(group)
     if state.nccl_rules is not None:  # a gloo group told to behave as NCCL (tests, use_nccl_rules)
-        return Transport(exact=True, stage=False, meta=state.nccl_rules)
+        return Transport(exact=True, stage=False, meta=meta_group(group))
     served = backends(group)
     payload = served.get(device.type)
     if payload is None:
@@ -67,11 +67,14 @@ def transport(group: dist.ProcessGroup, device: torch.device) -> Transport:
 
 
 def meta_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """The group CPU metadata of ``group``'s calls travels on (module doc). Collective on the first call for a
-    pure NCCL group (every rank of ``group`` gets here at its first sparsync call on it, in the same order)."""
+    """The group CPU metadata (and any other host object: object collectives, input pipelines) of ``group``'s
+    calls travels on (module doc). Collective on the first call for a pure NCCL group (every rank of ``group``
+    gets here at its first sparsync call on it, in the same order)."""
+    state = group_state(group)
+    if state.nccl_rules is not None:
+        return state.nccl_rules
     if "cpu" in backends(group):
         return group
-    state = group_state(group)
     if state.meta is None:
         state.meta = new_group_like(group, backend="gloo")
     return state.meta

@@ -41,7 +41,7 @@ class DenseAllreduce(Placement):
             flat = torch.cat([(g.to_dense() if g.is_sparse else g).reshape(-1) for g in grads])
             out = allreduce(
                 flat, algorithm="dense", group=env.group, log=env.log, timeout=env.timeout,
-                name="dense:" + ",".join(p.name for p in members),
+                name="dense:" + ",".join(p.name for p in members), check_nan=env.check_nan,
             )  # fmt: skip
             assert isinstance(out, torch.Tensor)
             # views of the result's fresh buffer (the allreduce never aliases its input), as DDP's
@@ -69,6 +69,7 @@ class SparseAllreduce(Placement):
                 log=env.log,
                 timeout=env.timeout,
                 name=p.name,
+                check_nan=env.check_nan,
             )
 
 
@@ -102,8 +103,9 @@ class Compressed(Placement):
     compressor: Compressor
     memory: ErrorFeedback | None = None
     # One compression and one collective for all the dense gradients of a dtype, flattened in plan order under
-    # the name "bucket:<first name>" (DCT Alg. 1 thresholds the gradient as one vector; per tensor, a model of
-    # many small layers pays a collective per layer). Sparse (COO) gradients are always reduced one by one.
+    # the name "bucket:<name>,<name>,..." (DCT Alg. 1 thresholds the gradient as one vector; per tensor, a model
+    # of many small layers pays a collective per layer). Every member's name is in it, so two same-shape members
+    # in another order on one rank raise on every rank. Sparse (COO) gradients are always reduced one by one.
     bucket: bool = False
     kind = "compressed"
 
@@ -117,14 +119,15 @@ class Compressed(Placement):
                 p.param.grad = self._reduce(g, p.name, env)
         for group in buckets.values():
             grads = [_grad(p) for p in group]
-            out = self._reduce(torch.cat([g.reshape(-1) for g in grads]), f"bucket:{group[0].name}", env)
+            name = "bucket:" + ",".join(p.name for p in group)
+            out = self._reduce(torch.cat([g.reshape(-1) for g in grads]), name, env)
             for p, g, piece in zip(group, grads, torch.split(out, [g.numel() for g in grads]), strict=True):
                 p.param.grad = piece.view_as(g)
 
     def _reduce(self, g: torch.Tensor, name: str, env: ReduceEnv) -> torch.Tensor:
         out: torch.Tensor = compressed_allreduce(
             g, self.compressor, memory=self.memory, name=name, group=env.group, average=False, log=env.log,
-            timeout=env.timeout,
+            timeout=env.timeout, check_nan=env.check_nan,
         )  # fmt: skip
         return out
 
@@ -172,7 +175,7 @@ class Grouped(Placement):
             out = grouped_allreduce(
                 grads,  # type: ignore[arg-type]
                 algorithm=self.algorithm, group=env.group, log=env.log, timeout=env.timeout,
-                name=",".join(p.name for p in together),
+                name=",".join(p.name for p in together), check_nan=env.check_nan,
             )  # fmt: skip
             for p, g in zip(together, out, strict=True):  # type: ignore[arg-type]
                 p.param.grad = g

@@ -29,12 +29,13 @@ class MachineAggregator:
     def gather(self, rows: torch.Tensor, vals: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """All of the machine's (rows, grads), concatenated in rank order. Collective over the machine."""
         g, m = self.group, self.procs_per_machine
+        rows, vals = rows.cpu(), vals.cpu()  # the push goes to the servers from host memory anyway
         n = torch.tensor([rows.numel()])
         counts = [torch.zeros(1, dtype=torch.int64) for _ in range(m)]
         dist.all_gather(counts, n, group=g)
         top = int(max(c.item() for c in counts))
         pr = torch.zeros(top, dtype=torch.int64)
-        pv = torch.zeros(top, vals.shape[1])
+        pv = torch.zeros(top, vals.shape[1], dtype=vals.dtype)
         pr[: rows.numel()], pv[: rows.numel()] = rows, vals
         ar, av = [torch.empty_like(pr) for _ in range(m)], [torch.empty_like(pv) for _ in range(m)]
         dist.all_gather(ar, pr, group=g)

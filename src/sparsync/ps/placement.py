@@ -129,8 +129,8 @@ class ParameterServer(Placement):
                     vals = self.tables[name].pull(rows, step=self._pull_step()).wait()
                 weight = m.weight
                 assert isinstance(weight, torch.Tensor)
-                with torch.no_grad():
-                    weight[rows] = vals.to(weight.dtype)
+                with torch.no_grad():  # the servers answer on the host; the parameter may live on a GPU
+                    weight[rows] = vals.to(weight.device, weight.dtype)
 
         return hook
 
@@ -205,7 +205,7 @@ class ParameterServer(Placement):
         if g is not None and g.is_sparse and not self.coalesce:
             return g._indices()[0], g._values()  # one row per lookup: the server sums duplicates
         if g is None:
-            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, p.shape[1])
+            return torch.zeros(0, dtype=torch.int64), torch.zeros(0, p.shape[1], device=p.device)
         if g.is_sparse:
             g = g.coalesce()  # duplicates inside the worker summed
             return g.indices()[0], g.values()

@@ -89,10 +89,13 @@ class ReplicaContext:
                 leaves[i] = o
         return pytree.tree_unflatten(leaves, spec)
 
-    def all_reduce(self, value: Any, op: str = "sum", *, check_nan: bool = True) -> Any:
+    def all_reduce(self, value: Any, op: str = "sum", *, check_nan: bool = True, name: str | None = None) -> Any:
         """Reduce (``sum``, ``mean``, ``max``, ``min``) every tensor of ``value`` over the replicas.
         Differentiable for sum and mean (the gradient is the all-sum of the gradients). NaN or ±Inf on any
-        replica raises the same ValueError everywhere unless ``check_nan=False`` (then IEEE 754 sums).
+        replica raises the same ValueError everywhere unless ``check_nan=False`` on every replica (then IEEE
+        754 sums; replicas that disagree about check_nan raise). ``name``: a label every replica gives this
+        call, compared across replicas, so that calls of one structure skipped or issued in another order on
+        some replica raise instead of being summed with each other (every primitive takes it).
 
         Example::
 
@@ -101,29 +104,29 @@ class ReplicaContext:
         """
         return self._apply(
             value,
-            lambda t, s: prim.all_reduce(self._env, t, s, op, check_nan),
+            lambda t, s: prim.all_reduce(self._env, t, s, op, check_nan, name),
             "all_reduce",
             lambda t: prim.check_reduce(t, op),
         )
 
-    def all_sum(self, value: Any) -> Any:
-        return self.all_reduce(value, "sum")
+    def all_sum(self, value: Any, *, name: str | None = None) -> Any:
+        return self.all_reduce(value, "sum", name=name)
 
-    def all_mean(self, value: Any) -> Any:
-        return self.all_reduce(value, "mean")
+    def all_mean(self, value: Any, *, name: str | None = None) -> Any:
+        return self.all_reduce(value, "mean", name=name)
 
-    def all_gather(self, value: Any) -> Any:
+    def all_gather(self, value: Any, *, name: str | None = None) -> Any:
         """Every replica's ``value``, each tensor stacked along a new leading ``num_replicas`` dimension."""
-        return self._apply(value, lambda t, s: prim.all_gather(self._env, t, s), "all_gather")
+        return self._apply(value, lambda t, s: prim.all_gather(self._env, t, s, name), "all_gather")
 
-    def broadcast(self, value: Any, source: int) -> Any:
+    def broadcast(self, value: Any, source: int, *, name: str | None = None) -> Any:
         """Replica ``source``'s ``value`` on every replica (same structure and shapes everywhere)."""
 
         def check(_: list[torch.Tensor]) -> None:
             if not (isinstance(source, int) and 0 <= source < self.num_replicas):
                 raise ValueError(f"unknown replica id {source!r}; valid: 0..{self.num_replicas - 1}")
 
-        return self._apply(value, lambda t, s: prim.broadcast(self._env, t, s, source), "broadcast", check)
+        return self._apply(value, lambda t, s: prim.broadcast(self._env, t, s, source, name), "broadcast", check)
 
     def map_reduce(self, fn: Callable[[Any], Any], value: Any, op: str = "sum") -> Any:
         """reduce over replicas r of ``fn(value_r)``: each replica maps its own value, one collective reduces."""

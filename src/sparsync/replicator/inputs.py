@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from sparsync.collectives.transport import meta_group
+
 
 class InputReplication(enum.Enum):
     PER_WORKER = "per_worker"
@@ -96,7 +98,8 @@ def per_worker(
                 error = e
                 send = [("error", f"{type(e).__name__}: {e}")] * len(slot)
         out: list[Any] = [None]
-        dist.scatter_object_list(out, send, group=group, group_src=0)
+        # host objects: on the group's host side (its gloo part; NCCL takes no objects on the payload path)
+        dist.scatter_object_list(out, send, group=meta_group(group), group_src=0)
         kind, payload = out[0]
         if error is not None:
             raise error

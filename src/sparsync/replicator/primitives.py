@@ -30,10 +30,14 @@ from sparsync.collectives.meta import (
     allgather_rows,
     first_differing,
     first_nonfinite,
+    name_key,
+    raise_check_nan_mismatch,
+    raise_name_mismatch,
     raise_nonfinite,
     raise_refusals,
 )
 from sparsync.collectives.ops import op_code, op_name, register_op
+from sparsync.collectives.site import CallSite, call_site
 from sparsync.record import CommLog
 
 REDUCE_OPS = ("sum", "mean", "max", "min")
@@ -43,7 +47,10 @@ _TORCH_OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
-_F = ("seq", "op", "numel", "dtypes", "leaves", "structure", "shapes", "arg")
+# The primitives' metadata row; "label": the caller's ``name=`` (0: unnamed), which tells apart calls of one
+# structure (two all_sums of one shape in another order on one replica were summed with each other).
+_F = ("seq", "op", "numel", "dtypes", "leaves", "structure", "shapes", "arg", "nonfinite", "check_nan", "label")
+_COL = {name: i for i, name in enumerate(_F)}
 # The primitives' codes in the metadata row's "op" column (collectives/ops.py), so that a primitive on one
 # replica against another primitive or a sparse collective on another is a "collective mismatch" on every replica.
 OP_CODES = tuple(
@@ -88,6 +95,11 @@ def _describe(tensors: list[torch.Tensor], spec: pytree.TreeSpec) -> str:
     return f"{spec}: " + ", ".join(f"{tuple(t.shape)}/{str(t.dtype).removeprefix('torch.')}" for t in tensors)
 
 
+def device_of(tensors: list[torch.Tensor]) -> torch.device:
+    """Where a primitive's payload lives: its leaves' device (the host for none)."""
+    return tensors[0].device if tensors else torch.device("cpu")
+
+
 def first_nonfinite_leaf(tensors: list[torch.Tensor]) -> int:
     """Index of the first leaf holding NaN or ±Inf, or -1."""
     return next((i for i, t in enumerate(tensors) if first_nonfinite(t) >= 0), -1)
@@ -102,9 +114,12 @@ def agree(
     comm: Comm,
     seq: int,
     check_nan: bool = False,
+    label: str | None = None,
+    site: CallSite | None = None,
 ) -> None:
-    """The metadata exchange: raise the same ValueError on every replica unless all issued the same call, and,
-    with ``check_nan``, when any replica holds NaN or ±Inf (a sum silently gave NaN everywhere)."""
+    """The metadata exchange: raise the same ValueError on every replica unless all issued the same call (with
+    the same ``label``, the caller's ``name=``, and the same ``check_nan``), and, with ``check_nan``, when any
+    replica holds NaN or ±Inf (a sum silently gave NaN everywhere)."""
     row = torch.tensor(
         [
             seq,
@@ -116,6 +131,8 @@ def agree(
             _crc(";".join(str(tuple(t.shape)) for t in tensors)),
             arg,
             first_nonfinite_leaf(tensors) if check_nan else -1,
+            int(check_nan),
+            name_key(label, site),
         ],
         dtype=torch.int64,
     )
@@ -134,13 +151,16 @@ def agree(
     if bool((table[:, 2:7] != table[0, 2:7]).any()):
         # Everyone saw the same table, so everyone takes this branch: a second exchange names the difference.
         descr: list[Any] = [None] * comm.size
-        dist.all_gather_object(descr, _describe(tensors, spec), group=env.group)
+        dist.all_gather_object(descr, _describe(tensors, spec), group=comm.meta.group)  # host side (NCCL)
         r = next(i for i in range(comm.size) if descr[i] != descr[0])
         raise ValueError(
             f"{op}: mismatched structure/shape/dtype across replicas: replica 0 has [{descr[0]}], "
             f"replica {r} has [{descr[r]}]"
         )
-    raise_nonfinite(op, table[:, 8], comm.rank, who="replica", where="in leaf",
+    raise_name_mismatch(table[:, _COL["label"]], comm.rank, label, who="replica", site=site)
+    # A replica that skipped the check would hand its NaN to the replicas that asked for it.
+    raise_check_nan_mismatch(table[:, _COL["check_nan"]], comm.rank, who="replica")
+    raise_nonfinite(op, table[:, _COL["nonfinite"]], comm.rank, who="replica", where="in leaf",
                     hint="pass check_nan=False to sum non-finite values as IEEE 754 does")  # fmt: skip
 
 
@@ -175,19 +195,27 @@ def check_reduce(tensors: list[torch.Tensor], op: str) -> None:
 
 
 def raw_all_reduce(
-    env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, op: str, name: str, check_nan: bool = False
+    env: Env,
+    tensors: list[torch.Tensor],
+    spec: pytree.TreeSpec,
+    op: str,
+    name: str,
+    check_nan: bool = False,
+    label: str | None = None,
 ) -> list[Any]:
-    """Reduce (sum/max/min; mean = sum / size) of every leaf over the group; no autograd. ``check_nan``: refuse
-    NaN and ±Inf on any replica (the same ValueError everywhere)."""
+    """Reduce (sum/max/min; mean = sum / size) of every leaf over the group; no autograd. ``name``: the
+    primitive ("all_reduce", "all_reduce_grad", ...); ``check_nan``: refuse NaN and ±Inf on any replica (the
+    same ValueError everywhere); ``label``: the caller's ``name=``, compared across replicas."""
     check_reduce(tensors, op)
 
     seq = next_call(env.group)
+    site = call_site() if label is None else None  # in the caller's thread
 
     def run() -> list[Any]:
         t0 = time.perf_counter()
-        comm = Comm(env.group, env.timeout)
+        comm = Comm(env.group, env.timeout, device_of(tensors))
         comm.op = name
-        agree(env, name, tensors, spec, REDUCE_OPS.index(op), comm, seq, check_nan)
+        agree(env, name, tensors, spec, REDUCE_OPS.index(op), comm, seq, check_nan, label, site=site)
         out: list[Any] = [None] * len(tensors)
         P = comm.size
         for _dtype, idx in _buckets(tensors).items():
@@ -205,23 +233,27 @@ def raw_all_reduce(
     return submit(env.group, run, False)  # type: ignore[return-value]
 
 
-def raw_all_gather(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, name: str) -> list[Any]:
-    """Every replica's leaves stacked along a new leading dimension of size ``num_replicas``; no autograd."""
+def raw_all_gather(
+    env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, name: str, label: str | None = None
+) -> list[Any]:
+    """Every replica's leaves stacked along a new leading dimension of size ``num_replicas``; no autograd.
+    ``label``: the caller's ``name=``."""
 
     seq = next_call(env.group)
+    site = call_site() if label is None else None  # in the caller's thread
 
     def run() -> list[Any]:
         t0 = time.perf_counter()
-        comm = Comm(env.group, env.timeout)
+        comm = Comm(env.group, env.timeout, device_of(tensors))
         comm.op = name
-        agree(env, name, tensors, spec, 0, comm, seq)
+        agree(env, name, tensors, spec, 0, comm, seq, label=label, site=site)
         P = comm.size
         out: list[Any] = [None] * len(tensors)
         for _dtype, idx in _buckets(tensors).items():
             buf = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
             parts = [torch.empty_like(buf) for _ in range(P)]
             with comm.phase("all_gather"):
-                comm.run_collective("all_gather", dist.all_gather, parts, buf)
+                comm.all_gather_equal("all_gather", parts, buf)
             nb = (P - 1) * buf.numel() * buf.element_size()
             comm.count_collective(nb, nb, P - 1)
             stacked = torch.stack(parts)
@@ -237,19 +269,20 @@ def raw_all_gather(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec,
 
 
 def raw_broadcast(
-    env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, source: int, name: str
+    env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, source: int, name: str, label: str | None = None
 ) -> list[Any]:
-    """Replica ``source``'s leaves on every replica; no autograd."""
+    """Replica ``source``'s leaves on every replica; no autograd. ``label``: the caller's ``name=``."""
     if not 0 <= source < env.size:
         raise ValueError(f"unknown replica id {source} as broadcast source; valid: 0..{env.size - 1}")
 
     seq = next_call(env.group)
+    site = call_site() if label is None else None  # in the caller's thread
 
     def run() -> list[Any]:
         t0 = time.perf_counter()
-        comm = Comm(env.group, env.timeout)
+        comm = Comm(env.group, env.timeout, device_of(tensors))
         comm.op = name
-        agree(env, name, tensors, spec, source, comm, seq)
+        agree(env, name, tensors, spec, source, comm, seq, label=label, site=site)
         out: list[Any] = [None] * len(tensors)
         for _dtype, idx in _buckets(tensors).items():
             buf = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
@@ -268,46 +301,61 @@ def raw_broadcast(
 
 
 # --- autograd ----------------------------------------------------------------------------------------------
+# The backward of a labelled call carries the same label (its op, "*_grad", already tells it from forwards).
 class _AllReduce(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, env: Env, op: str, spec: pytree.TreeSpec, check_nan: bool, *tensors: torch.Tensor
+        ctx: Any,
+        env: Env,
+        op: str,
+        spec: pytree.TreeSpec,
+        check_nan: bool,
+        label: str | None,
+        *tensors: torch.Tensor,
     ) -> Any:
-        ctx.env, ctx.op, ctx.spec = env, op, spec
-        return tuple(raw_all_reduce(env, list(tensors), spec, op, "all_reduce", check_nan))
+        ctx.env, ctx.op, ctx.spec, ctx.label = env, op, spec, label
+        return tuple(raw_all_reduce(env, list(tensors), spec, op, "all_reduce", check_nan, label))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        g = raw_all_reduce(ctx.env, [x.contiguous() for x in grads], ctx.spec, ctx.op, "all_reduce_grad")
-        return (None, None, None, None, *g)
+        g = raw_all_reduce(
+            ctx.env, [x.contiguous() for x in grads], ctx.spec, ctx.op, "all_reduce_grad", label=ctx.label
+        )
+        return (None, None, None, None, None, *g)
 
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, env: Env, spec: pytree.TreeSpec, *tensors: torch.Tensor) -> Any:
-        ctx.env, ctx.spec = env, spec
-        return tuple(raw_all_gather(env, list(tensors), spec, "all_gather"))
+    def forward(ctx: Any, env: Env, spec: pytree.TreeSpec, label: str | None, *tensors: torch.Tensor) -> Any:
+        ctx.env, ctx.spec, ctx.label = env, spec, label
+        return tuple(raw_all_gather(env, list(tensors), spec, "all_gather", label))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
         # y_q = stack_r x_r on every replica q: ∂/∂x_r = Σ_q g_q[r].
-        g = raw_all_reduce(ctx.env, [x.contiguous() for x in grads], ctx.spec, "sum", "all_gather_grad")
+        g = raw_all_reduce(
+            ctx.env, [x.contiguous() for x in grads], ctx.spec, "sum", "all_gather_grad", label=ctx.label
+        )
         me = ctx.env.index
-        return (None, None, *(x[me] for x in g))
+        return (None, None, None, *(x[me] for x in g))
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, env: Env, spec: pytree.TreeSpec, source: int, *tensors: torch.Tensor) -> Any:
-        ctx.env, ctx.spec, ctx.source = env, spec, source
-        return tuple(raw_broadcast(env, list(tensors), spec, source, "broadcast"))
+    def forward(
+        ctx: Any, env: Env, spec: pytree.TreeSpec, source: int, label: str | None, *tensors: torch.Tensor
+    ) -> Any:
+        ctx.env, ctx.spec, ctx.source, ctx.label = env, spec, source, label
+        return tuple(raw_broadcast(env, list(tensors), spec, source, "broadcast", label))
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        g = raw_all_reduce(ctx.env, [x.contiguous() for x in grads], ctx.spec, "sum", "broadcast_grad")
+        g = raw_all_reduce(
+            ctx.env, [x.contiguous() for x in grads], ctx.spec, "sum", "broadcast_grad", label=ctx.label
+        )
         if ctx.env.index != ctx.source:
             g = [torch.zeros_like(x) for x in g]
-        return (None, None, None, *g)
+        return (None, None, None, None, *g)
 
 
 def _needs_grad(tensors: list[torch.Tensor]) -> bool:
@@ -315,34 +363,43 @@ def _needs_grad(tensors: list[torch.Tensor]) -> bool:
 
 
 def all_reduce(
-    env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, op: str, check_nan: bool = False
+    env: Env,
+    tensors: list[torch.Tensor],
+    spec: pytree.TreeSpec,
+    op: str,
+    check_nan: bool = False,
+    label: str | None = None,
 ) -> list[Any]:
     if op in ("sum", "mean") and _needs_grad(tensors):
         return list(
             _AllReduce.apply(  # type: ignore[no-untyped-call]
-                env, op, spec, check_nan, *tensors
+                env, op, spec, check_nan, label, *tensors
             )
         )
-    return raw_all_reduce(env, tensors, spec, op, "all_reduce", check_nan)
+    return raw_all_reduce(env, tensors, spec, op, "all_reduce", check_nan, label)
 
 
-def all_gather(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec) -> list[Any]:
+def all_gather(
+    env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, label: str | None = None
+) -> list[Any]:
     if _needs_grad(tensors):
         return list(
             _AllGather.apply(  # type: ignore[no-untyped-call]
-                env, spec, *tensors
+                env, spec, label, *tensors
             )
         )
-    return raw_all_gather(env, tensors, spec, "all_gather")
+    return raw_all_gather(env, tensors, spec, "all_gather", label)
 
 
-def broadcast(env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, source: int) -> list[Any]:
+def broadcast(
+    env: Env, tensors: list[torch.Tensor], spec: pytree.TreeSpec, source: int, label: str | None = None
+) -> list[Any]:
     if not 0 <= source < env.size:
         raise ValueError(f"unknown replica id {source} as broadcast source; valid: 0..{env.size - 1}")
     if _needs_grad(tensors):
         return list(
             _Broadcast.apply(  # type: ignore[no-untyped-call]
-                env, spec, source, *tensors
+                env, spec, source, label, *tensors
             )
         )
-    return raw_broadcast(env, tensors, spec, source, "broadcast")
+    return raw_broadcast(env, tensors, spec, source, "broadcast", label)
