@@ -274,3 +274,35 @@ def test_casts_chunked_allreduce(P: int) -> None:
             residual = xs[r] - xs[r].to(wire).float()
             assert np.array_equal(got["residual"], residual.numpy()), (name, r)
             assert np.all(np.abs(got["sum"] - exact) <= bound), (name, r, np.abs(got["sum"] - exact).max())
+
+
+# --- error feedback on a real group ---------------------------------------------------------------------------
+# Relative gaps allowed (of the result's largest value); 0: bit for bit. RandomK scales its values by n/k
+# in float32; QSGD's allgather decodes in float32 and gloo sums in another order; fp16 sums round at 16 bits.
+EF_OWN_TOL = {"randomk:ratio=0.05": 1e-6}
+EF_WIRE_TOL = {"randomk:ratio=0.05": 1e-6, "qsgd:bits=4,bucket=64,aggregation=allgather": 1e-6, "fp16": 2e-3}
+# The aggregate is no sum of the ranks' contributions: the sketch's median query is not linear, and QSGD's
+# reduce-scatter re-quantizes each partition's sum before the allgather.
+EF_NO_WIRE = ("sketch:rows=3,cols=300,block=8", "qsgd:bits=4,bucket=64")
+
+
+def test_error_feedback_memory_holds_exactly_what_was_not_sent() -> None:
+    """P = 3, three steps, every lossy compressor through each place ``compressed_allreduce`` fills a residual
+    (QSGD's reduce-scatter also async): per rank ``g + e_old == own + e_new``, with ``own`` this rank's
+    contribution decompressed by a copy of the compressor taken before the call; the group's sum of
+    ``g + e_old - e_new`` is the call's result (``average=False``) where the aggregate is a sum of the
+    contributions; QSGD's reduce-scatter keeps nothing on the rank's own partition; and something was kept."""
+    steps = 3
+    res = launch(cw.ef_worker, nprocs=3, args=(steps,), timeout=180)
+    for spec, _, async_op, _ in cw.EF_CASES:
+        key = f"{spec}|{'async' if async_op else 'sync'}"
+        errors = [f"rank {r}: {out[key]}" for r, out in enumerate(res) if isinstance(out[key], str)]
+        assert not errors, "\n".join(errors)
+        for r, out in enumerate(res):
+            for step, row in enumerate(out[key]):
+                where = f"{key}, rank {r}, step {step}: {row}"
+                assert row["own_gap"] <= EF_OWN_TOL.get(spec, 0.0) * row["scale"], where
+                if spec not in EF_NO_WIRE:
+                    assert row["wire_gap"] <= EF_WIRE_TOL.get(spec, 0.0) * row["scale"], where
+                assert row["own_partition_residual"] == 0.0, where
+            assert max(row["residual"] for row in out[key]) > 0, f"{key}, rank {r}: nothing was kept"
