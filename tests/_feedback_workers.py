@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from sparsync.compress import QSGD, ErrorFeedback, TopK, compressed_allreduce
 
-STEPS, N = 20, 4096
+STEPS, N = 10, 2048
 
 
 def invariant_worker(rank: int, specs: list[str]) -> dict[str, float]:
