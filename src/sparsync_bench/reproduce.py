@@ -370,6 +370,7 @@ MLP_TEXT = {"kaggle": "13-512-256-64-16 and 512-256-1 as dlrm_s_pytorch.py's Kag
 def dlrm_markdown(rows: list[dict[str, Any]]) -> str:
     by = {r["method"]: r for r in rows}
     body = [
+        [m, f"unavailable: {r['unavailable']}", "-", "-", "-", "-"] if r.get("unavailable") else
         [m, _ms(r["step_s"]), _mb(r["bytes_per_step"]), f"{r['loss']:.5f}", f"{100 * r['loss_rel_diff']:.3f}%",
          f"{r['speedup_vs_ddp_sparse']:.2f}x" if r.get("speedup_vs_ddp_sparse") else "-"]
         for m, r in by.items()
@@ -386,6 +387,10 @@ def dlrm_markdown(rows: list[dict[str, Any]]) -> str:
         if "sparsync" in by:
             ratio = _x(by["sparsync_dct"]["step_s"], by["sparsync"]["step_s"])
             text += f"\n- DCT-DP wall clock / uncompressed sparsync: {ratio}"
+    for tr in ("torchrec_tw", "torchrec_rw"):
+        if tr in by and by[tr].get("step_s") and "sparsync" in by:
+            ratio = _x(by[tr]["step_s"], by["sparsync"]["step_s"])
+            text += f"\n- sparsync's step rate / {tr}'s: {ratio}"
     return text + "\n"
 
 
