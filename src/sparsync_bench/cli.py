@@ -151,8 +151,9 @@ def _add_dlrm_parser(bsub: Any, parents: dict[str, argparse.ArgumentParser]) -> 
         "terabyte (13-512-256-dim, 512-512-256-1; dim 64), mlperf (13-512-256-dim, 1024-1024-512-256-1; dim 128)",
     )
     dl.add_argument("--methods", type=_choices((*DLRM_METHODS, *DLRM_OPTIONAL), "methods"), default=None,
-                    help=f"comma-separated (default {','.join(DLRM_METHODS)}, and torchrec_tw,torchrec_rw where "
-                         f"scripts/torchrec_env.sh made their environment); also {','.join(DLRM_OPTIONAL)}")  # fmt: skip
+                    help=f"comma-separated (default {','.join(DLRM_METHODS)}, and torchrec_tw,torchrec_rw "
+                         "where scripts/torchrec_env.sh made their environment); "
+                         f"also {','.join(DLRM_OPTIONAL)}")  # fmt: skip
     dl.add_argument("--out", type=Path, default=Path("results/dlrm"), help="path stem for .json/.md")
     dl.set_defaults(func=_bench_dlrm)
 

@@ -56,7 +56,9 @@ def _last_error(text: str) -> str:
     return (errors or lines or ["no output"])[-1][:300]
 
 
-def train_torchrec(method: str, cfg: Any, shard: Any, rank: int, P: int, *, timeout: float = 600.0) -> dict[str, Any]:
+def train_torchrec(
+    method: str, cfg: Any, shard: Any, rank: int, P: int, *, timeout: float = 600.0
+) -> dict[str, Any]:
     """``method``'s row (the same on every rank): this rank's torchrec process on ``shard`` (a
     ``CriteoBatch``) with ``cfg``'s (a ``DlrmBenchConfig``) steps, widths and seed. Collective: every rank of
     the default group calls it."""
@@ -76,7 +78,8 @@ def train_torchrec(method: str, cfg: Any, shard: Any, rank: int, P: int, *, time
                     "threads": torch.get_num_threads(), "timeout": timeout / 2, "shard": f"{tmp}/shard.pt",
                     "steps": cfg.steps, "batch": cfg.batch, "warmup": cfg.warmup, "tail": cfg.tail, "lr": cfg.lr,
                     "seed": cfg.seed, "table_rows": table_rows(cfg.max_rows), "dim": cfg.dim,
-                    "bottom": [*bottom, cfg.dim], "top": list(top), "sharding": TORCHREC_METHODS[method]}  # fmt: skip
+                    "bottom": [*bottom, cfg.dim], "top": list(top),
+                    "sharding": TORCHREC_METHODS[method]}  # fmt: skip
             Path(f"{tmp}/spec.json").write_text(json.dumps(spec))
             env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
             env["PYTHONPATH"] = os.pathsep.join([str(_SRC), *filter(None, [env.get("PYTHONPATH")])])
@@ -87,7 +90,10 @@ def train_torchrec(method: str, cfg: Any, shard: Any, rank: int, P: int, *, time
                 reason = f"rank {rank}: torchrec run still going after {timeout:.0f} s"
             else:
                 found = [ln for ln in res.stdout.splitlines() if ln.startswith("TORCHREC_ROW ")]
-                if res.returncode != 0:
+                refused = [ln for ln in res.stdout.splitlines() if ln.startswith("TORCHREC_UNAVAILABLE ")]
+                if refused:
+                    reason = refused[-1][len("TORCHREC_UNAVAILABLE ") :]
+                elif res.returncode != 0:
                     reason = f"rank {rank}: {_last_error(res.stderr + res.stdout)} (exit {res.returncode})"
                     print(res.stderr[-3000:], file=sys.stderr)
                 elif rank == 0 and not found:

@@ -12,7 +12,8 @@ bench writes). Imports torch, torchrec and ``sparsync_bench``'s model and nothin
 Bytes per rank per step: what the rank's collectives put on the wire, counted as torchrec calls them
 (``torch.distributed``'s all_to_all_single, reduce_scatter and all_gather: the chunks for other ranks), plus
 DDP's dense allreduce at the ring's 2(P-1)/P of the MLPs' bytes (the count ``bench dlrm`` uses for DDP).
-Prints one line ``TORCHREC_ROW {json}`` on rank 0.
+Prints one line ``TORCHREC_ROW {json}`` on rank 0, or ``TORCHREC_UNAVAILABLE reason`` on every rank where this
+torchrec offers no such sharding on CPU (1.8's sharder offers row-wise on CUDA only).
 """
 
 from __future__ import annotations
@@ -119,19 +120,25 @@ def _kjt(keys: list[str], cats: torch.Tensor) -> Any:
 
 def _copy_tables(model: nn.Module, ref: DLRM) -> None:
     """The sharded tables' local shards set from ``ref``'s weights (the sharder allocates its own)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
 
     state = model.state_dict()
     with torch.no_grad():
         for j, t in enumerate(ref.tables):
+            w = t.weight
+            assert isinstance(w, torch.Tensor)
             key = next(k for k in state if k.endswith(f"embedding_bags.t{j}.weight"))
             st = state[key]
             if not isinstance(st, ShardedTensor):
-                st.copy_(t.weight)
+                st.copy_(w)
                 continue
             for shard in st.local_shards():
                 (r0, c0), (nr, nc) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                shard.tensor.copy_(t.weight[r0 : r0 + nr, c0 : c0 + nc])
+                shard.tensor.copy_(w[r0 : r0 + nr, c0 : c0 + nc])
+
+
+class UnavailableError(Exception):
+    """This torchrec cannot run the row asked for here (printed as ``TORCHREC_UNAVAILABLE reason``)."""
 
 
 def train(spec: dict[str, Any]) -> dict[str, Any] | None:
@@ -146,6 +153,14 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     rank, P = spec["rank"], spec["world_size"]
+    kind = getattr(ShardingType, SHARDING[spec["sharding"]]).value
+    sharders: list[Any] = [EmbeddingBagCollectionSharder()]
+    offered = sharders[0].sharding_types("cpu")
+    if kind not in offered:  # decided before the group forms, the same on every rank
+        import torchrec
+
+        raise UnavailableError(f"torchrec {getattr(torchrec, '__version__', '?')}'s EmbeddingBagCollectionSharder "
+                          f"offers no {kind} sharding on cpu (only {', '.join(offered)})")  # fmt: skip
     torch.set_num_threads(spec["threads"])
     dist.init_process_group("gloo", rank=rank, world_size=P, timeout=timedelta(seconds=spec["timeout"]))
     shard = torch.load(spec["shard"])
@@ -156,12 +171,11 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
     # The sharded tables' gradients are the sum of every rank's (the pooled gradients come back by
     # all_to_all), DDP's MLP gradients the mean: lr / P on the tables takes the step the other methods take.
     apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": lr / P})
-    kind = getattr(ShardingType, SHARDING[spec["sharding"]]).value
     constraints = {f"t{j}": ParameterConstraints(sharding_types=[kind],
                                                  compute_kernels=[EmbeddingComputeKernel.FUSED.value])
                    for j in range(len(spec["table_rows"]))}  # fmt: skip
-    sharders: list[Any] = [EmbeddingBagCollectionSharder()]
-    planner = EmbeddingShardingPlanner(topology=Topology(world_size=P, compute_device="cpu"), constraints=constraints)
+    topology = Topology(world_size=P, compute_device="cpu")
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints)
     plan = planner.collective_plan(model, sharders, dist.GroupMember.WORLD)
     dmp = DistributedModelParallel(model, device=torch.device("cpu"), plan=plan, sharders=sharders)
     _copy_tables(dmp, ref)
@@ -188,7 +202,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
     mean_tail = torch.tensor([statistics.fmean(losses[-tail:])], dtype=torch.float64)
     dist.all_reduce(mean_tail)
     sent = wire.sent / steps + 2 * (P - 1) / P * mlp_bytes
-    shards = sorted({str(ps.sharding_type) for m in plan.plan.values() for ps in m.values()})  # type: ignore[attr-defined]
+    shards = sorted({str(ps.sharding_type) for m in plan.plan.values() for ps in m.values()})
     dist.barrier()
     dist.destroy_process_group()
     if rank != 0:
@@ -207,7 +221,11 @@ def main(argv: list[str]) -> int:
     with open(argv[0]) as f:
         spec = json.load(f)
     os.environ.update(MASTER_ADDR=spec["master_addr"], MASTER_PORT=str(spec["master_port"]))
-    row = train(spec)
+    try:
+        row = train(spec)
+    except UnavailableError as e:
+        print(f"TORCHREC_UNAVAILABLE {e}", flush=True)
+        return 0
     if row is not None:
         print("TORCHREC_ROW " + json.dumps(row), flush=True)
     return 0
