@@ -84,3 +84,17 @@ def test_torchrec_table_wise_trains_to_the_same_loss(tmp_path: Path) -> None:
     assert tw["first_loss"] == pytest.approx(base["first_loss"], rel=1e-6)  # the same initial weights
     assert tw["loss"] == pytest.approx(base["loss"], rel=1e-4)  # the same SGD steps (tables at lr / P)
     assert float(tw["bytes_per_step"]) > 0 and float(tw["step_s"]) > 0  # type: ignore[arg-type]
+
+
+def test_reproduce_dct_table_shows_torchrec_beside_sparsync() -> None:
+    from sparsync_bench import reproduce as rp
+
+    def row(m: str, s: float) -> dict[str, object]:
+        return {"method": m, "step_s": s, "bytes_per_step": 1e6, "loss": 0.5, "loss_rel_diff": 0.0,
+                "speedup_vs_ddp_sparse": 0.1 / s}  # fmt: skip
+
+    rw = {"method": "torchrec_rw", "unavailable": "no row_wise on cpu", "step_s": None}
+    md = rp.dlrm_markdown([row("torch_ddp_sparse", 0.1), row("sparsync", 0.02), row("torchrec_tw", 0.04), rw])
+    assert "| torchrec_tw | 40.0 | 1.00 | 0.50000 | 0.000% | 2.50x |" in md
+    assert "sparsync's step rate / torchrec_tw's: 2.00x" in md and "torchrec_rw's" not in md
+    assert "| torchrec_rw | unavailable: no row_wise on cpu | - | - | - | - |" in md

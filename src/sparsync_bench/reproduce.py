@@ -439,7 +439,9 @@ def section_dct(ctx: Ctx) -> str:
         f"**Here**: DLRM (Criteo Kaggle cardinalities capped at {s.dlrm_rows:,} rows, dim 16, MLPs "
         f"{MLP_TEXT[s.dlrm_mlp]}) on generated "
         f"Criteo-format data, P = {s.dlrm_procs}, {s.dlrm_steps} steps of {s.dlrm_batch} per rank, {ctx.where}; "
-        "loss = mean of the last 10 steps:\n\n"
+        "loss = mean of the last 10 steps; torchrec_tw/torchrec_rw = the same tables sharded by torchrec's "
+        "DistributedModelParallel, the MLPs by DDP (`scripts/torchrec_env.sh` makes its environment; without "
+        "it, or where torchrec offers no such sharding on CPU, the row says why):\n\n"
         + dlrm_markdown(rows)
         + "\nWall clock on a communication-bound DLRM (the paper's 37% is measured on production models whose "
         f"dense gradients dominate the step): MLPs {MLP_TEXT[s.dct_wall_mlp]}, dim {s.dct_wall_dim}, the same "
