@@ -105,19 +105,20 @@ class FlightRecorder:
     def guard(self, fn: Callable[[], T]) -> Callable[[], T]:
         """``fn`` that closes the entries its thread began while it ran: done, or failed with the error, which
         then (a ``RuntimeError``, ``ValueError`` or ``TypeError``) gets the dump's path and the blamed peer
-        appended to its message (``on_failure``)."""
-        if not self.calls:
-            return fn
+        appended to its message (``on_failure``; with the recorder off, the blamed peer only)."""
+        recording = bool(self.calls)
 
         def run() -> T:
             first = self.begun
             try:
                 out = fn()
             except (RuntimeError, ValueError, TypeError) as e:
-                self._close(first, "failed", e)
-                on_failure(e)
+                if recording:
+                    self._close(first, "failed", e)
+                on_failure(e, dump_calls=recording)
                 raise
-            self._close(first, "done", None)
+            if recording:
+                self._close(first, "done", None)
             return out
 
         return run
@@ -130,7 +131,7 @@ class FlightRecorder:
             if entry.thread == me and entry.status == "running":
                 entry.status, entry.ended = status, now
                 if error is not None:
-                    entry.error = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+                    entry.error = f"{type(error).__name__}: {_first_line(error)}"[:300]
 
     def snapshot(self) -> list[dict[str, object]]:
         """The ring as plain dicts, oldest first (for the dump)."""
@@ -200,7 +201,7 @@ def dump(groups: dict[str, list[int]], recorders: Iterable[FlightRecorder], rank
     return path
 
 
-def on_failure(error: BaseException) -> None:
+def on_failure(error: BaseException, *, dump_calls: bool = True) -> None:
     """A sparsync call raised ``error``: dump every group's ring, name the peers found dead or stuck
     (``peers.blame``), and append both to the error's message. Never raises: a failed dump must not hide the
     error."""
@@ -214,12 +215,19 @@ def on_failure(error: BaseException) -> None:
         blamed = peers.blame(str(error), settle=0.5 if isinstance(error, RuntimeError) else 0.0)
         if blamed:
             notes.append(blamed)
-        rank = peers.report_failure(str(error).splitlines()[0] if str(error) else type(error).__name__)
-        path = dump(*peers.recorders(), rank, f"{type(error).__name__}: {str(error)[:2000]}")
-        notes.append(f"flight recorder: the last calls of rank {rank} are in {path}")
-    except Exception as e:  # noqa: BLE001  # the user's error matters more than our diagnostics
+        rank = peers.report_failure(f"{type(error).__name__}: {_first_line(error)}")
+        if dump_calls:
+            path = dump(*peers.recorders(), rank, f"{type(error).__name__}: {str(error)[:2000]}")
+            notes.append(f"flight recorder: the last calls of rank {rank} are in {path}")
+    except Exception as e:  # the user's error matters more than our diagnostics
         notes.append(f"flight recorder: no dump ({type(e).__name__}: {e})")
-    _append(error, "\n".join(notes))
+    if notes:
+        _append(error, "\n".join(notes))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error)
+    return text.splitlines()[0] if text else ""
 
 
 def _append(error: BaseException, text: str) -> None:

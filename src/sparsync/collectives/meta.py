@@ -126,7 +126,7 @@ def update_eager(comm: Comm, meta: Meta, algorithm: str) -> None:
 
 
 def field_names() -> tuple[str, ...]:
-    """The metadata row's columns of the sparse collectives, in order (the flight recorder labels rows with them)."""
+    """The sparse collectives' metadata row columns, in order (the flight recorder labels rows with them)."""
     return _F
 
 

@@ -22,6 +22,8 @@ import os
 import re
 import socket
 import time
+from contextlib import suppress
+
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
@@ -34,7 +36,7 @@ _FAILED = "sparsync/failed/"
 _ENDPOINT = re.compile(r"\[([0-9A-Fa-f.:]+)\]:(\d+)|\b(\d{1,3}(?:\.\d{1,3}){3}):(\d+)")
 
 
-def _store() -> dist.Store | None:
+def _store() -> c10d.Store | None:
     try:
         return c10d._get_default_store()  # private in torch 2.13; the store the world group rendezvoused on
     except (AttributeError, RuntimeError, ValueError):
@@ -58,7 +60,7 @@ def _endpoints() -> set[str]:
     """``ip:port`` of every TCP socket this process holds (Linux /proc for the descriptors; empty elsewhere).
     Asked of each socket (getsockname), not read from /proc/net/tcp, which lists the whole host's sockets
     (23 ms here)."""
-    out = set()
+    out: set[str] = set()
     try:
         fds = os.listdir("/proc/self/fd")
     except OSError:
@@ -89,10 +91,8 @@ def report_failure(first_line: str) -> int:
     rank = dist.get_rank()
     store = _store()
     if store is not None:
-        try:
+        with suppress(OSError, RuntimeError, ValueError):
             store.set(_FAILED + str(rank), first_line[:300])
-        except (OSError, RuntimeError, ValueError):
-            pass
     return rank
 
 
@@ -150,7 +150,7 @@ def _process_state(entry: dict[str, object], host: str) -> str:
     return ""
 
 
-def _reported(store: dist.Store, rank: int) -> bool:
+def _reported(store: c10d.Store, rank: int) -> bool:
     try:
         return bool(store.check([_FAILED + str(rank)]))
     except (OSError, RuntimeError, ValueError):
