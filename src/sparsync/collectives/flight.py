@@ -209,6 +209,7 @@ def on_failure(error: BaseException, *, dump_calls: bool = True) -> None:
 
     if getattr(error, "_sparsync_flight", False):  # already annotated (an inner call's guard)
         return
+    error._sparsync_flight = True  # type: ignore[attr-defined]
     notes = []
     try:
         # A transport error: give a killed peer's process a moment to show as dead. A mismatch names its ranks.
@@ -232,7 +233,6 @@ def _first_line(error: BaseException) -> str:
 
 def _append(error: BaseException, text: str) -> None:
     """Append ``text`` to ``error``'s message (its single string argument), or as a note where it has none."""
-    error._sparsync_flight = True  # type: ignore[attr-defined]
     if len(error.args) == 1 and isinstance(error.args[0], str):
         error.args = (f"{error.args[0]}\n{text}",)
     else:
