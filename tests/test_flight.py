@@ -17,8 +17,8 @@ import _flight_workers as fw
 import pytest
 
 from sparsync import LaunchError, launch
-from sparsync.collectives.flight import FlightRecorder, calls_from_env
 from sparsync.collectives.comm import Traffic
+from sparsync.collectives.flight import FlightRecorder, calls_from_env
 
 TESTS = Path(__file__).resolve().parent
 DUMP = re.compile(r"flight recorder: the last calls of rank (\d+) are in (\S+)")
@@ -52,7 +52,7 @@ def test_ring_is_bounded_and_holds_no_tensors(monkeypatch: pytest.MonkeyPatch) -
     assert all(not hasattr(v, "shape") for c in rec.snapshot() for v in c.values())
     assert FlightRecorder(calls=0).begin("0", "op", Traffic()) is None
     monkeypatch.setenv("SPARSYNC_FLIGHT_CALLS", "lots")
-    with pytest.raises(ValueError, match="SPARSYNC_FLIGHT_CALLS must be a whole number >= 0.*'lots'"):
+    with pytest.raises(ValueError, match=r"SPARSYNC_FLIGHT_CALLS must be a whole number >= 0.*'lots'"):
         calls_from_env()
     monkeypatch.setenv("SPARSYNC_FLIGHT_CALLS", "7")
     assert calls_from_env() == 7
