@@ -137,12 +137,12 @@ def main() -> None:
     lines = [
         "# Flight recorder overhead (issue 30, item 4)",
         "",
-        f"Command: `.venv/bin/python scripts/flight_overhead.py --baseline-rev {a.baseline_rev} --rounds {a.rounds} "
-        f"--calls {a.calls} --out docs/flight_overhead.md`",
+        "Command: `.venv/bin/python scripts/flight_overhead.py "
+        f"--baseline-rev {a.baseline_rev} --rounds {a.rounds} --calls {a.calls} --out docs/flight_overhead.md`",
         "",
-        f"P = {P} ranks, gloo on loopback, `sparsync.allreduce` of an `nn.Embedding(1000, 16, sparse=True)` gradient "
-        f"(64 lookups), {a.calls} timed calls after {a.warmup} per run (a call's time: the slowest rank's; each "
-        "call starts after a barrier); the median call per run; runs alternate the two trees.",
+        f"P = {P} ranks, gloo on loopback, `sparsync.allreduce` of an `nn.Embedding(1000, 16, sparse=True)` "
+        f"gradient (64 lookups), {a.calls} timed calls after {a.warmup} per run (a call's time: the slowest "
+        "rank's; each call starts after a barrier); the median call per run; runs alternate the two trees.",
         "",
         "| round | without recorder (us) | with recorder (us) | difference |",
         "|---|---|---|---|",
@@ -152,10 +152,12 @@ def main() -> None:
     lines += [
         "",
         f"Median of the runs: without {base * 1e6:.0f} us, with {with_ * 1e6:.0f} us: "
-        f"{(with_ / base - 1) * 100:+.1f}%; median of the paired differences {statistics.median(paired) * 100:+.1f}%.",
+        f"{(with_ / base - 1) * 100:+.1f}%; "
+        f"median of the paired differences {statistics.median(paired) * 100:+.1f}%.",
         "",
-        f"The recorder's own work per call (`hook_cost`: begin, op, phase, the row's copy, the guard; the best of 7 "
-        f"runs of 20,000): {added * 1e6:.2f} us, {added / base * 100:.3f}% of the median call without it.",
+        "The recorder's own work per call (`hook_cost`: begin, op, phase, the row's copy, the guard; "
+        f"the best of 7 runs of 20,000): {added * 1e6:.2f} us, "
+        f"{added / base * 100:.3f}% of the median call without it.",
         "",
     ]
     text = "\n".join(lines)
