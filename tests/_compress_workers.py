@@ -90,6 +90,17 @@ def reduce_worker(rank: int, steps: int) -> dict[str, Any]:
     return out
 
 
+def nccl_rules_worker(rank: int, steps: int) -> dict[str, Any]:
+    """``reduce_worker`` with the world group's payload under NCCL's rules (tests/_nccl_rules.py): every call
+    NCCL would refuse raises, and the calls made are returned beside the results."""
+    from _nccl_rules import NcclRules
+
+    with NcclRules() as rules:
+        out = reduce_worker(rank, steps)
+    out["nccl_rules"] = rules.summary()
+    return out
+
+
 def _ddp_model(sparse: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
@@ -286,4 +297,82 @@ def cast_worker(rank: int) -> dict[str, Any]:
             "residuals_equal": bool(torch.equal(_residual(mem), _residual(amem))),
             "input_untouched": bool(torch.equal(x, cast_input(rank))),
         }
+    return out
+
+
+# Error feedback on a real group: the lossy compressors, one case per place compressed_allreduce fills the
+# residual (a sparsifier's selected entries, a generic decompress, QSGD's reduce-scatter sync and async,
+# the chunked 16-bit cast of a large tensor). (spec, values, async_op, unit): the input's values are multiples
+# of unit / 8, which fp16 cannot hold exactly when unit = 1.1 (so its residual is not zero).
+EF_CASES: tuple[tuple[str, int, bool, float], ...] = (
+    ("topk:ratio=0.05", 3001, False, 1.0),
+    ("threshold:ratio=0.05,lifespan=2", 3001, False, 1.0),
+    ("randomk:ratio=0.05", 3001, True, 1.0),
+    ("blocktopk:ratio=0.1,block=16", 3001, False, 1.0),
+    ("sketch:rows=3,cols=300,block=8", 3001, False, 1.0),
+    ("qsgd:bits=4,bucket=64", 3001, False, 1.0),
+    ("qsgd:bits=4,bucket=64", 3001, True, 1.0),
+    ("qsgd:bits=4,bucket=64,aggregation=allgather", 3001, False, 1.0),
+    ("fp16", 2 * CAST_CHUNK + 7, False, 1.1),
+)
+
+
+def ef_input(rank: int, step: int, n: int, unit: float = 1.0) -> torch.Tensor:
+    """Multiples of unit / 8 up to 8·unit in magnitude, half of them zero (unit = 1: sums of a few are exact in
+    float32, in any order)."""
+    g = torch.Generator().manual_seed(7000 + 100 * step + rank)
+    x = torch.randint(-64, 65, (n,), generator=g).float() * (unit / 8)
+    return x * (torch.rand(n, generator=g) < 0.5)
+
+
+def ef_worker(rank: int, steps: int) -> dict[str, Any]:
+    """Per case and step, with e_old the residual before the call and e_new after it: how far ``g + e_old`` is
+    from ``own + e_new``, where ``own`` is this rank's contribution decompressed by a copy of the compressor
+    taken before the call (QSGD's reduce-scatter: ``local_estimate`` of its ``encode_remote``, the rank's own
+    partitions exact); how far the group's sum of ``g + e_old - e_new`` (float64) is from the call's result
+    (``average=False``); the residual on the rank's own QSGD partitions; and the residual's size."""
+    from copy import deepcopy
+
+    from sparsync.compress import Context, TensorSpec
+    from sparsync.compress.qsgd_allreduce import encode_remote, local_estimate, partitions
+
+    P = dist.get_world_size()
+    out: dict[str, Any] = {}
+    for spec, n, async_op, unit in EF_CASES:
+        key = f"{spec}|{'async' if async_op else 'sync'}"
+        try:
+            comp, mem, rows = from_spec(spec), ErrorFeedback(), []
+            for step in range(steps):
+                g = ef_input(rank, step, n, unit)
+                old = mem.error("w")
+                e_old = torch.zeros(n) if old is None else old.clone()
+                x, ctx, mine = g + e_old, Context("w", rank, P), deepcopy(comp)
+                rs = isinstance(mine, QSGD) and mine.uses_reduce_scatter(P)
+                if isinstance(mine, QSGD) and rs:
+                    sent = encode_remote(mine, x, n, ctx, P)
+                    own = mine.finish(local_estimate(mine, sent, x, P, rank), TensorSpec.of(x))
+                else:
+                    own = mine.decompress(mine.compress(x, ctx), TensorSpec.of(x))
+                res = sparsync.compressed_allreduce(
+                    g, comp, memory=mem, name="w", average=False, async_op=async_op
+                )
+                total = res.wait() if isinstance(res, sparsync.Work) else res
+                new = mem.error("w")
+                assert new is not None
+                e_new = new.clone()
+                wire = (x.double() - e_new.double()).contiguous()
+                dist.all_reduce(wire)
+                lo, hi = partitions(comp, n, P)[rank] if isinstance(comp, QSGD) and rs else (0, 0)
+                rows.append(
+                    {
+                        "own_gap": float((x - (own + e_new)).abs().max()),
+                        "wire_gap": float((wire - total.double()).abs().max()),
+                        "scale": float(total.abs().max()),
+                        "own_partition_residual": float(e_new[lo:hi].abs().max()) if hi > lo else 0.0,
+                        "residual": float(e_new.abs().max()),
+                    }
+                )
+            out[key] = rows
+        except Exception:
+            out[key] = traceback.format_exc()
     return out

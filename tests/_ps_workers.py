@@ -156,17 +156,40 @@ class RawClient:
             self.sock.curve_publickey = keys.public.encode()
             self.sock.curve_secretkey = keys.secret.encode()
         self.sock.connect(endpoint)
+        self.incoming = wire.Reassembler(max_message=2**31, max_total=2**31)
+
+    def send(self, message: bytes) -> None:
+        """Send ``message`` in fragments, as PSClient does (``sock.send`` sends one raw frame)."""
+        for part in wire.fragments(message):
+            self.sock.send(part)
+
+    def replies(self, timeout: float) -> list[tuple[Header, str]]:
+        """Every reply that arrives within ``timeout`` seconds."""
+        out = []
+        deadline = time.monotonic() + timeout
+        while self.sock.poll(max(1, int(1000 * (deadline - time.monotonic())))):
+            got = self._reply()
+            if got is not None:
+                out.append(got)
+        return out
+
+    def _reply(self) -> tuple[Header, str] | None:
+        whole = self.incoming.feed(b"server", self.sock.recv())
+        if whole is None:
+            return None
+        h, body = wire.decode(whole, max_bytes=2**31)
+        return h, bytes(body).decode(errors="replace")
 
     def ask(self, frame: bytes | None, timeout: float = 5.0, rid: int | None = None) -> tuple[Header, str] | None:
         """Send ``frame`` (None: nothing, just wait); the reply (header, body as text), or None when none came
         within ``timeout``. With ``rid``, replies to other requests (parked ones answered late) are skipped."""
         if frame is not None:
-            self.sock.send(frame)
+            self.send(frame)
         deadline = time.monotonic() + timeout
         while self.sock.poll(max(1, int(1000 * (deadline - time.monotonic())))):
-            h, body = wire.decode(self.sock.recv(), max_bytes=2**62)
-            if rid is None or h.rid == rid:
-                return h, bytes(body).decode(errors="replace")
+            got = self._reply()
+            if got is not None and (rid is None or got[0].rid == rid):
+                return got
         return None
 
     def ping(self, rid: int, timeout: float = 5.0) -> bool:

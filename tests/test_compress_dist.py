@@ -31,10 +31,12 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 STEPS = 3
 
 
-@pytest.fixture(scope="module", params=[1, 3, 4], ids=lambda p: f"P{p}")
+# "-nccl": the same run with the payload under NCCL's rules on gloo (tests/_nccl_rules.py), at P = 1, 3, 5.
+@pytest.fixture(scope="module", params=[1, 3, 4, "1-nccl", "3-nccl", "5-nccl"], ids=lambda p: f"P{p}")
 def run(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
-    P = request.param
-    return P, launch(cw.reduce_worker, nprocs=P, args=(STEPS,), timeout=120)
+    P = int(str(request.param).split("-")[0])
+    worker = cw.nccl_rules_worker if "nccl" in str(request.param) else cw.reduce_worker
+    return P, launch(worker, nprocs=P, args=(STEPS,), timeout=120)
 
 
 def reference(spec: str, P: int, steps: int) -> list[np.ndarray]:
@@ -97,6 +99,23 @@ def test_every_compressor_matches_its_reference(run: tuple[int, list[dict[str, A
             assert np.array_equal(res[spec]["steps"][step], results[0][spec]["steps"][step])
         np.testing.assert_allclose(res[spec]["summed"] / P, ref[0], rtol=tol, atol=tol)
         assert res[spec]["inplace_same_object"]
+
+
+def test_nccl_rules_refuse_nothing(run: tuple[int, list[dict[str, Any]]]) -> None:
+    """Under NCCL's rules every compressor ran (the tests above passed on the same results) without one call
+    NCCL would refuse: no BOR (the sketch's bitmap), equal-size gathers (QSGD), batched p2p of exact sizes."""
+    P, results = run
+    if "nccl_rules" not in results[0]:
+        pytest.skip("this run is not under NCCL's rules")
+    for rank, r in enumerate(results):
+        rules = r["nccl_rules"]
+        assert rules["refused"] == [], f"rank {rank}: {rules['refused'][:5]}"
+        if P > 1:
+            calls = rules["calls"]
+            assert calls.get("all_reduce", 0) > 0, calls  # casts, identity, the sketch
+            assert calls.get("all_gather_into_tensor", 0) + calls.get("all_gather_single", 0) > 0, calls
+            assert calls.get("all_to_all_single", 0) > 0, calls  # QSGD's reduce-scatter at P > 2
+            assert calls.get("batch_isend_irecv", 0) > 0, calls  # the sparsifiers' sparse_allreduce
 
 
 def test_identity_equals_plain_dense_allreduce(run: tuple[int, list[dict[str, Any]]]) -> None:
@@ -255,3 +274,35 @@ def test_casts_chunked_allreduce(P: int) -> None:
             residual = xs[r] - xs[r].to(wire).float()
             assert np.array_equal(got["residual"], residual.numpy()), (name, r)
             assert np.all(np.abs(got["sum"] - exact) <= bound), (name, r, np.abs(got["sum"] - exact).max())
+
+
+# --- error feedback on a real group ---------------------------------------------------------------------------
+# Relative gaps allowed (of the result's largest value); 0: bit for bit. RandomK scales its values by n/k
+# in float32; QSGD's allgather decodes in float32 and gloo sums in another order; fp16 sums round at 16 bits.
+EF_OWN_TOL = {"randomk:ratio=0.05": 1e-6}
+EF_WIRE_TOL = {"randomk:ratio=0.05": 1e-6, "qsgd:bits=4,bucket=64,aggregation=allgather": 1e-6, "fp16": 2e-3}
+# The aggregate is no sum of the ranks' contributions: the sketch's median query is not linear, and QSGD's
+# reduce-scatter re-quantizes each partition's sum before the allgather.
+EF_NO_WIRE = ("sketch:rows=3,cols=300,block=8", "qsgd:bits=4,bucket=64")
+
+
+def test_error_feedback_memory_holds_exactly_what_was_not_sent() -> None:
+    """P = 3, three steps, every lossy compressor through each place ``compressed_allreduce`` fills a residual
+    (QSGD's reduce-scatter also async): per rank ``g + e_old == own + e_new``, with ``own`` this rank's
+    contribution decompressed by a copy of the compressor taken before the call; the group's sum of
+    ``g + e_old - e_new`` is the call's result (``average=False``) where the aggregate is a sum of the
+    contributions; QSGD's reduce-scatter keeps nothing on the rank's own partition; and something was kept."""
+    steps = 3
+    res = launch(cw.ef_worker, nprocs=3, args=(steps,), timeout=180)
+    for spec, _, async_op, _ in cw.EF_CASES:
+        key = f"{spec}|{'async' if async_op else 'sync'}"
+        errors = [f"rank {r}: {out[key]}" for r, out in enumerate(res) if isinstance(out[key], str)]
+        assert not errors, "\n".join(errors)
+        for r, out in enumerate(res):
+            for step, row in enumerate(out[key]):
+                where = f"{key}, rank {r}, step {step}: {row}"
+                assert row["own_gap"] <= EF_OWN_TOL.get(spec, 0.0) * row["scale"], where
+                if spec not in EF_NO_WIRE:
+                    assert row["wire_gap"] <= EF_WIRE_TOL.get(spec, 0.0) * row["scale"], where
+                assert row["own_partition_residual"] == 0.0, where
+            assert max(row["residual"] for row in out[key]) > 0, f"{key}, rank {r}: nothing was kept"

@@ -31,7 +31,12 @@ def test_every_algorithm_on_cuda_equals_the_cpu_path(run: tuple[str, list[dict[s
     duplicates in input order (stream._add_in_order)."""
     _, results = run
     for rank, r in enumerate(results):
-        bad = {k: v for k, v in r["cases"].items() if not v["equal"] or v["device"] != "cuda"}
+        bad = {
+            k: v
+            for k, v in r["cases"].items()
+            if v["device"] != "cuda"
+            or not (v["equal"] or (not v.get("same_algorithm", True) and v["max_diff"] < 1e-4))
+        }
         assert not bad, f"rank {rank}: {len(bad)} cases differ: {dict(list(bad.items())[:5])}"
         assert all(v["values_device"] == "cuda" for k, v in r["cases"].items() if "values_device" in v)
         assert all(v["is_sparse"] and v["rows_equal"] for k, v in r["cases"].items() if k.startswith("coo/"))

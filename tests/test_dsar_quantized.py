@@ -19,10 +19,12 @@ from sparsync.compress.qsgd_allreduce import encode_remote, simulate
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(600)]
 
 
-@pytest.fixture(scope="module", params=[1, 3, 5], ids=lambda p: f"P{p}")
+# "-nccl": the same run with the payload under NCCL's rules on gloo (tests/_nccl_rules.py), at P = 1, 3, 5.
+@pytest.fixture(scope="module", params=[1, 3, 5, "1-nccl", "3-nccl", "5-nccl"], ids=lambda p: f"P{p}")
 def run(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
-    P = request.param
-    return P, launch(dw.cases_worker, nprocs=P, timeout=120)
+    P = int(str(request.param).split("-")[0])
+    worker = dw.nccl_rules_worker if "nccl" in str(request.param) else dw.cases_worker
+    return P, launch(worker, nprocs=P, timeout=120)
 
 
 def replay(P: int, density: str, part: str) -> np.ndarray:
@@ -78,6 +80,22 @@ def test_bad_quantize_is_refused_on_every_rank(run: tuple[int, list[dict[str, An
         if P > 1:
             assert out["bits_differ"].startswith("ValueError: quantize= setting mismatch across ranks"), r
         assert np.array_equal(out["after"], exact)  # the group still works
+
+
+def test_nccl_rules_refuse_nothing(run: tuple[int, list[dict[str, Any]]]) -> None:
+    """Under NCCL's rules quantized DSAR ran (the tests above passed on the same results) without one call NCCL
+    would refuse: the quantized partitions gathered at equal sizes, the split phase in exact batched p2p."""
+    P, results = run
+    if "nccl_rules" not in results[0]:
+        pytest.skip("this run is not under NCCL's rules")
+    for rank, r in enumerate(results):
+        rules = r["nccl_rules"]
+        assert rules["refused"] == [], f"rank {rank}: {rules['refused'][:5]}"
+        if P > 1:
+            calls = rules["calls"]
+            assert calls.get("all_gather_into_tensor", 0) + calls.get("all_gather_single", 0) > 0, calls
+            assert calls.get("all_to_all_single", 0) > 0, calls  # every rank dense: QSGD's reduce-scatter
+            assert calls.get("batch_isend_irecv", 0) > 0, calls
 
 
 def rounding_variance(x: np.ndarray, bucket: int, bits: int) -> tuple[np.ndarray, np.ndarray]:

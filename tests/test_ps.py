@@ -72,6 +72,69 @@ def test_wire_refusals() -> None:
         wire.parse_rows(got, body, with_values=False)
 
 
+@settings(max_examples=30, deadline=None)
+@given(size=st.integers(0, 3 * wire.FRAGMENT_BYTES) | st.sampled_from([wire.FRAGMENT_BYTES - 56, 2**17 - 56]))
+def test_fragments_reassemble_to_the_message(size: int) -> None:
+    message = wire.encode(Header(op=Op.CREATE, rid=size), np.random.default_rng(size).bytes(size))
+    parts = [bytes(p) for p in wire.fragments(message)]
+    assert all(len(p) == wire.FRAGMENT_BYTES for p in parts[:-1]) and 0 < len(parts[-1]) <= wire.FRAGMENT_BYTES
+    r = wire.Reassembler(max_message=2**20, max_total=2**20)
+    got = [r.feed(b"peer", p) for p in parts]
+    assert got[:-1] == [None] * (len(parts) - 1) and bytes(got[-1] or b"") == message
+    assert r.held == 0 and len(r) == 0
+
+
+def test_reassembler_bounds_and_refusals() -> None:
+    F = wire.FRAGMENT_BYTES
+    big = [bytes(p) for p in wire.fragments(wire.encode(Header(op=Op.PUSH, rid=7), bytes(3 * F)))]
+    r = wire.Reassembler(max_message=2 * F, max_total=5 * F)
+    with pytest.raises(
+        wire.FragmentError, match=f"message of {3 * F + 56} bytes exceeds the limit of {2 * F}"
+    ) as e:
+        r.feed(b"a", big[0])
+    assert e.value.head.rid == 7 and r.held == 0  # nothing reserved for it
+    assert [r.feed(b"a", p) for p in big[1:]] == [None] * 3  # its other fragments are read and dropped
+    ok = [bytes(p) for p in wire.fragments(wire.encode(Header(op=Op.PUSH, rid=8), bytes(F + F // 2)))]
+    assert r.feed(b"a", ok[0]) is None and r.held == len(ok[0]) + len(ok[1])
+    with pytest.raises(wire.FragmentError, match="fragment of 10 bytes where 32824 were due"):
+        r.feed(b"a", ok[1][:10])  # a short fragment before the end: the message is dropped
+    assert r.held == 0 and len(r) == 0
+    # every peer's unfinished messages together: three of about 1.5 fragments fit 5 fragments, a fourth not
+    for peer in (b"p", b"q", b"s"):
+        assert r.feed(peer, ok[0]) is None
+    with pytest.raises(wire.FragmentError, match="past the limit of 327680 bytes"):
+        r.feed(b"t", ok[0])
+    assert bytes(r.feed(b"q", ok[1]) or b"") == ok[0] + ok[1]  # peers are kept apart
+    assert r.expire(idle=0.0) == 3 and r.held == 0 and len(r) == 0  # p, s and t's dropped rest went quiet
+    # frames that do not start a message are messages by themselves, for decode to judge
+    assert r.feed(b"a", b"") == b"" and r.feed(b"a", ok[0][:100]) == ok[0][:100]
+
+
+def test_messages_over_a_fragment_both_ways() -> None:
+    """A push and a pull many fragments long, and a client whose max_message_bytes forces pulls to be split
+    (its replies must fit too); a reply over the client's limit fails its request, saying why."""
+    sp = ServerProcess(ServerConfig())
+    addr = sp.start()
+    try:
+        rows, dim = 40_000, 16  # 2.6 MB a push, 2.6 MB a pull's reply
+        vals = np.random.default_rng(0).standard_normal((rows, dim)).astype(np.float32)
+        with PSClient([addr], timeout=20) as c:
+            t = PSTable(c, "f", rows, dim, partitions=1)
+            t.create().wait()
+            t.set(np.arange(rows), vals).wait()
+            assert np.array_equal(t.pull(np.arange(rows)).wait().numpy(), vals)
+        with PSClient([addr], timeout=20, max_message_bytes=100_000) as c:
+            t = PSTable(c, "f", rows, dim, partitions=1)
+            assert np.array_equal(t.pull(np.arange(rows)[::-1]).wait().numpy(), vals[::-1])
+            with pytest.raises(
+                PSError, match="reply refused: message of 640056 bytes exceeds the limit of 100000"
+            ):
+                c.request(0, t._head(Op.PULL, 0, n=10_000), *wire.rows_body(np.arange(10_000))).result(20)
+            assert t.pull(np.arange(3)).wait().shape == (3, dim)  # the dropped reply left nothing behind
+    finally:
+        sp.kill()
+
+
 # --- optimizers against torch ------------------------------------------------------------------------------
 def _torch_opt(name: str, p: torch.nn.Parameter) -> torch.optim.Optimizer:
     if name == "adam":

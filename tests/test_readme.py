@@ -1,4 +1,11 @@
-"""Every Python block of the README runs unchanged (each in its own interpreter, from a scratch directory)."""
+"""Every Python block of the README runs unchanged (each in its own interpreter, from a scratch directory) and
+prints what its comments say it prints.
+
+The convention, in the README's blocks: a comment ``# -> TEXT`` on a ``print(...)`` line, or on the comment lines
+directly below it, documents one line of the block's standard output, exactly; ``...`` in TEXT stands for any
+text (a measured time, auto's choice on this machine). A block with such comments must print exactly those lines,
+in that order, and nothing else; a block without them is checked for its exit status only.
+"""
 
 from __future__ import annotations
 
@@ -15,15 +22,54 @@ BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-def test_the_readme_has_python_blocks() -> None:
+def documented_output(block: str) -> list[str]:
+    """The ``# -> TEXT`` lines of ``block`` in order: on a ``print(`` line, or on comment lines right below it."""
+    want: list[str] = []
+    after_print = False
+    for line in block.splitlines():
+        code, sep, comment = line.partition("#")
+        stripped = code.strip()
+        if stripped:
+            after_print = "print(" in stripped
+        elif not sep:
+            after_print = False
+        if sep and comment.startswith(" -> "):
+            if not after_print:
+                raise ValueError(f"'# -> ' comment not on or below a print(...) line: {line!r}")
+            want.append(comment[len(" -> ") :].rstrip())
+    return want
+
+
+def matches(want: str, got: str) -> bool:
+    return re.fullmatch(".*?".join(re.escape(part) for part in want.split("...")), got) is not None
+
+
+def test_the_readme_has_python_blocks_and_documented_outputs() -> None:
     assert len(BLOCKS) >= 4
+    documented = [i for i, b in enumerate(BLOCKS) if documented_output(b)]
+    assert len(documented) >= 4, f"only blocks {documented} document their output with '# -> '"
+
+
+def test_the_convention_is_parsed() -> None:
+    block = "def f():\n    print(1)   # -> 1\nprint(f())\n# -> None\n# a plain comment\n# -> [(1, '...')]\n"
+    assert documented_output(block) == ["1", "None", "[(1, '...')]"]
+    assert matches("[(1, '...')]", "[(1, 'allgather')]") and not matches("[(1, '...')]", "[(2, 'allgather')]")
+    assert matches("tensor([6., 6.])", "tensor([6., 6.])") and not matches("tensor([6., 6.])", "tensor([6., 7.])")
+    with pytest.raises(ValueError, match="not on or below"):
+        documented_output("x = 1  # -> 1\n")
 
 
 @pytest.mark.parametrize("i", range(len(BLOCKS)))
-def test_readme_block_runs(i: int, tmp_path: Path) -> None:
+def test_readme_block_runs_and_prints_what_it_documents(i: int, tmp_path: Path) -> None:
     script = tmp_path / f"block{i}.py"
     script.write_text(BLOCKS[i])
     done = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=280, check=False
     )
     assert done.returncode == 0, f"README block {i} failed:\n{BLOCKS[i]}\n--- stderr ---\n{done.stderr[-3000:]}"
+    want = documented_output(BLOCKS[i])
+    if not want:
+        return
+    got = done.stdout.splitlines()
+    ok = len(got) == len(want) and all(matches(w, g) for w, g in zip(want, got, strict=True))
+    assert ok, f"README block {i} documents:\n" + "\n".join(want) + "\n--- but printed ---\n" + done.stdout

@@ -22,20 +22,26 @@ HUGE_MIN = 8 * HUGE_PAGE  # results from 16 MB up go on huge pages
 POOL_BYTES = 1 << 30  # free mappings kept for reuse, at most (the least recently made go first)
 
 
-def fresh(n: int, dtype: torch.dtype = torch.float32, zeros: bool = False) -> torch.Tensor:
-    """A new 1-D CPU tensor of ``n`` values for a result, zero-filled if ``zeros`` (else uninitialized).
+def fresh(
+    n: int, dtype: torch.dtype = torch.float32, zeros: bool = False, *, device: torch.device | None = None
+) -> torch.Tensor:
+    """A new 1-D tensor of ``n`` values for a result, zero-filled if ``zeros`` (else uninitialized), on
+    ``device`` (default the host).
 
     From ``HUGE_MIN`` bytes up it is an anonymous mapping advised onto transparent huge pages, where the kernel
     grants them (``madvise`` mode, the default on most Linux distributions): the first write of fresh memory
     then costs several times less than with 4 KiB pages (docs/results_design.md), and a fresh mapping is
     zero already. A mapping of the same size that no tensor holds any more is reused first (module doc).
     Elsewhere, or smaller, ``torch.zeros``/``torch.empty``. The tensor (and any view of it) holds the mapping
-    alive."""
+    alive. On another device: ``torch.zeros``/``torch.empty`` there (its allocator caches blocks already)."""
+    if device is not None and torch.device(device).type != "cpu":
+        return torch.zeros(n, dtype=dtype, device=device) if zeros else torch.empty(n, dtype=dtype, device=device)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     nbytes = n * itemsize
     advise = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < HUGE_MIN or advise is None:
-        return torch.zeros(n, dtype=dtype) if zeros else torch.empty(n, dtype=dtype)
+        cpu = torch.device("cpu")  # named: a caller's default device (``with torch.device(...)``) is not ours
+        return torch.zeros(n, dtype=dtype, device=cpu) if zeros else torch.empty(n, dtype=dtype, device=cpu)
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     m = _POOL.take(size)
     if m is None:

@@ -305,11 +305,14 @@ def _spawn(
     # host, so loopback serves (unless the caller chose an interface).
     local = {"GLOO_SOCKET_IFNAME": "lo"} if sys.platform.startswith("linux") else {}
     local = {} if "GLOO_SOCKET_IFNAME" in os.environ else local
+    # One flight-recorder directory per launch (collectives/flight.py), named alike by every rank.
+    run = os.environ.get("SPARSYNC_RUN_ID") or f"launch{os.getpid()}-{time.time_ns() // 1000}"
     procs = []
     try:
         k = procs_per_host or 1
         for rank in range(nprocs):
             env = {} if setup is not None else dict(local)
+            env["SPARSYNC_RUN_ID"] = run
             if procs_per_host is not None:
                 env.update(GROUP_RANK=str(rank // k), LOCAL_RANK=str(rank % k), LOCAL_WORLD_SIZE=str(k))
             p = ctx.Process(

@@ -14,7 +14,8 @@ re-creating the user's optimizer, so an optimizer built and loaded before wrappi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         log: CommLog | None = None,
         timeout: float | None = None,
         sync_parameters: bool = True,
+        check_nan: bool = True,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -64,7 +66,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "(or run under sparsync.launch / torchrun)"
             )
         g = resolve_group(group)
-        env = ReduceEnv(g, dist.get_world_size(g), timeout, log)
+        env = ReduceEnv(g, dist.get_world_size(g), timeout, log, check_nan)
         named = list(model.named_parameters()) if model is not None else None
         self.replicated = ReplicatedOptimizer(
             optimizer, env, op=op, named_parameters=named, plan=plan, default=default,
@@ -77,6 +79,57 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self._synchronized = False
+        self._max_norm_modules = [
+            m
+            for m in (model.modules() if model is not None else ())
+            if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.max_norm is not None
+        ]
+        # Gradient accumulation: autograd adds a sparse gradient to ``.grad`` by concatenating indices, so k
+        # micro-batches hold k copies of a hot row. Coalescing after each one keeps one row per index
+        # (docs/results_optim.md measures peak memory against torch's accumulation).
+        for group_ in optimizer.param_groups:
+            for p in group_["params"]:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(_coalesce_grad)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's ``no_sync()`` for gradient accumulation, accepted as is: gradients are aggregated in
+        ``step()`` only, so backward passes before it accumulate locally whether or not this is entered."""
+        yield
+
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over every parameter's *aggregated* gradient, sparse ones
+        included (torch's raises for sparse gradients): aggregates first unless ``synchronize()`` did, then one
+        norm for the whole set (a coalesced row counted once), the same on every rank since the gradients are.
+        Returns the total norm, as torch's does. Mutates the gradients (scaled by ``max_norm / norm`` when the
+        norm exceeds it)."""
+        if not self._synchronized:
+            self.synchronize()
+        params = self._params_with_grad()
+        grads = [p.grad for p in params if p.grad is not None]
+        return clip_grad_norm(grads, params, max_norm, norm_type, error_if_nonfinite)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """``torch.nn.utils.clip_grad_value_`` over the aggregated gradients, sparse ones included: every value
+        clamped to [-clip_value, clip_value]. Aggregates first unless ``synchronize()`` did."""
+        if not self._synchronized:
+            self.synchronize()
+        for p in self._params_with_grad():
+            g = p.grad
+            assert g is not None
+            if g.is_sparse:
+                g = g.coalesce()
+                p.grad = torch.sparse_coo_tensor(
+                    g.indices(), g.values().clamp(-clip_value, clip_value), g.shape, is_coalesced=True
+                )
+            else:
+                g.clamp_(-clip_value, clip_value)
+
+    def _params_with_grad(self) -> list[torch.nn.Parameter]:
+        return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
 
     def synchronize(self) -> None:
         """Aggregate the gradients now (e.g. to clip them before ``step()``); the next ``step()`` then does
@@ -95,8 +148,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._synchronized:
             self.replicated.aggregate()
         self._synchronized = False
+        self._renorm_union()
         self.optimizer.step()
         return loss
+
+    def _renorm_union(self) -> None:
+        """``nn.Embedding(max_norm=...)`` renormalises, in its forward, the rows its batch looks up: on each rank
+        only its own batch's rows, so the ranks' copies differ where a single process (one forward over every
+        batch) would have renormalised them all. The aggregated COO gradient holds every row any rank looked up
+        (``allreduce``'s union of rows): renormalising those rows here, before the step, gives every rank the
+        single process's weights (renormalising a row twice changes nothing)."""
+        for module in self._max_norm_modules:
+            g = module.weight.grad
+            if g is None or not g.is_sparse or module.max_norm is None:
+                continue  # a dense gradient does not say which rows were looked up
+            rows = g.coalesce().indices()[0]
+            with torch.no_grad():
+                torch.embedding_renorm_(module.weight, rows, module.max_norm, module.norm_type)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -121,3 +189,47 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r})"
+
+
+def _coalesce_grad(p: torch.Tensor) -> None:
+    g = p.grad
+    if g is not None and g.is_sparse and not g.is_coalesced():
+        p.grad = g.coalesce()
+
+
+def clip_grad_norm(
+    grads: list[torch.Tensor],
+    params: list[torch.nn.Parameter],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+) -> torch.Tensor:
+    """torch's ``clip_grad_norm_`` semantics (the total norm of the per-tensor norms; coefficient
+    ``max_norm / (norm + 1e-6)`` clamped to 1) over dense and sparse gradients: a sparse one contributes the
+    norm of its coalesced values. Mutates ``p.grad`` of ``params``."""
+    if not grads:
+        return torch.tensor(0.0)
+    norm_type = float(norm_type)
+    values = [g.coalesce().values() if g.is_sparse else g for g in grads]
+    per = [torch.linalg.vector_norm(v.detach(), norm_type) for v in values]
+    devices = {t.device for t in per}
+    if len(devices) > 1:
+        raise ValueError(f"gradients on several devices {sorted(map(str, devices))}: clip each device's apart")
+    total: torch.Tensor = torch.linalg.vector_norm(torch.stack(per), norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(total)):
+        raise RuntimeError(
+            f"the total norm of order {norm_type} of the gradients is non-finite ({float(total)}), so it cannot "
+            "be clipped (error_if_nonfinite=False lets it through)"
+        )
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        g = p.grad
+        assert g is not None
+        if g.is_sparse:
+            g = g.coalesce()
+            p.grad = torch.sparse_coo_tensor(
+                g.indices(), g.values() * coef.to(g.dtype), g.shape, is_coalesced=True
+            )
+        else:
+            g.mul_(coef.to(g.dtype))
+    return total

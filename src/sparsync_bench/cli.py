@@ -150,8 +150,10 @@ def _add_dlrm_parser(bsub: Any, parents: dict[str, argparse.ArgumentParser]) -> 
         help="small, or dlrm_s_pytorch.py's MLPs: kaggle (13-512-256-64-dim, 512-256-1; its dim is 16), "
         "terabyte (13-512-256-dim, 512-512-256-1; dim 64), mlperf (13-512-256-dim, 1024-1024-512-256-1; dim 128)",
     )
-    dl.add_argument("--methods", type=_choices((*DLRM_METHODS, *DLRM_OPTIONAL), "methods"), default=DLRM_METHODS,
-                    help=f"comma-separated; also {','.join(DLRM_OPTIONAL)}")  # fmt: skip
+    dl.add_argument("--methods", type=_choices((*DLRM_METHODS, *DLRM_OPTIONAL), "methods"), default=None,
+                    help=f"comma-separated (default {','.join(DLRM_METHODS)}, and torchrec_tw,torchrec_rw "
+                         "where scripts/torchrec_env.sh made their environment); "
+                         f"also {','.join(DLRM_OPTIONAL)}")  # fmt: skip
     dl.add_argument("--out", type=Path, default=Path("results/dlrm"), help="path stem for .json/.md")
     dl.add_argument("--tensorboard", type=Path, default=None,
                     help="rank 0 writes per-step bytes, time and algorithm counts here")  # fmt: skip
@@ -427,9 +429,13 @@ def _bench_embedding(args: argparse.Namespace, console: Console) -> int:
 
 
 def _bench_dlrm(args: argparse.Namespace, console: Console) -> int:
-    from sparsync_bench.dlrm_train import DlrmBenchConfig, default_data
+    from sparsync_bench.dlrm_train import DlrmBenchConfig, default_data, default_methods
     from sparsync_bench.runner import run_dlrm_bench
 
+    if args.methods is None:
+        args.methods, note = default_methods()
+        if note:
+            console.print(f"[dim]{note}[/]")
     need = args.steps * args.batch * max(args.procs)
     data = args.data or default_data(Path("results/criteo_synthetic.txt"), need)
     if args.tensorboard is not None:

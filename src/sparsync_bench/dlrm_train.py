@@ -19,7 +19,12 @@ Two more on request (``--methods``), for S2's comparison (``sparsync reproduce``
   S2), α_t the largest share of table t's rows one rank's first batch touches (max over ranks, so every rank
   builds the same sketch), λ = ``sketch_lambda``.
 
-and, for Parallax's Table 4 on DLRM, three parameter-server placements (``HybridTrainer``, one server per rank,
+and, beside them, torchrec (``torchrec_baseline``): ``torchrec_tw`` and ``torchrec_rw``, the tables in one
+``EmbeddingBagCollection`` sharded table-wise or row-wise by ``DistributedModelParallel``, the MLPs by DDP, run in
+torchrec's own environment (``scripts/torchrec_env.sh``); in the default set only where that environment exists
+(``default_methods``), a row ``unavailable: <reason>`` where it cannot run.
+
+And, for Parallax's Table 4 on DLRM, three parameter-server placements (``HybridTrainer``, one server per rank,
 server-side SGD at the same lr, sync, mean): ``sparsync_ps`` (every variable on the servers, each dense one
 whole on one server: Parallax's PS), ``sparsync_ps_split`` (dense variables split over all servers: OptPS) and
 ``sparsync_hybrid`` (tables on the servers, MLPs by allreduce: HYB). Their bytes per rank per step are the
@@ -56,11 +61,12 @@ from sparsync_bench.dlrm import DLRM
 from sparsync_bench.hybrid import ps_remote_bytes
 from sparsync_bench.omnireduce import block_allreduce
 from sparsync_bench.tensorboard import summary_writer
+from sparsync_bench.torchrec_baseline import TORCHREC_METHODS, train_torchrec, unavailable
 
 METHODS = ("torch_ddp_dense", "torch_ddp_sparse", "sparsync", "sparsync_dct")
 PS_METHODS = ("sparsync_ps", "sparsync_ps_split", "sparsync_hybrid")
 LARGE_TABLE_METHODS = ("sparsync_omnireduce", "sparsync_sketch")
-OPTIONAL = (*LARGE_TABLE_METHODS, *PS_METHODS)
+OPTIONAL = (*LARGE_TABLE_METHODS, *PS_METHODS, *TORCHREC_METHODS)
 # MLP widths (bottom without its last layer, which is the embedding width; top without its input width):
 # "small" keeps a step's dense part to a few hundred kB; "kaggle" is dlrm_s_pytorch.py's Criteo Kaggle
 # configuration (--arch-mlp-bot 13-512-256-64-16 --arch-mlp-top 512-256-1), 1.9 MB of dense gradients.
@@ -105,6 +111,15 @@ class DlrmBenchConfig:
                 f"need steps > warmup, steps >= tail >= 1 and batch >= 1, got steps={self.steps}, "
                 f"warmup={self.warmup}, tail={self.tail}, batch={self.batch}"
             )
+
+
+def default_methods() -> tuple[tuple[str, ...], str | None]:
+    """The methods ``bench dlrm`` runs unless told: ``METHODS``, and torchrec's where its environment exists;
+    with a note saying why torchrec's are left out (None when they are in)."""
+    why = unavailable()
+    if why is None:
+        return (*METHODS, *TORCHREC_METHODS), None
+    return METHODS, f"torchrec rows left out: {why}"
 
 
 def _shard(data: CriteoBatch, rank: int, P: int, cfg: DlrmBenchConfig) -> CriteoBatch:
@@ -266,10 +281,15 @@ def worker(
     shard = _shard(data, rank, P, cfg)
     out = []
     for m in cfg.methods:
-        row = _train(m, cfg, shard, rank, P, addresses)
+        if m in TORCHREC_METHODS:
+            row = train_torchrec(m, cfg, shard, rank, P)
+        else:
+            row = _train(m, cfg, shard, rank, P, addresses)
         row["world_size"] = P
         out.append(row)
-        if rank == 0:
+        if rank == 0 and row.get("unavailable"):
+            print(f"  {m}: unavailable: {row['unavailable']}", flush=True)
+        elif rank == 0:
             print(f"  {m}: {row['step_s'] * 1e3:.1f} ms/step, {row['bytes_per_step'] / 1e6:.2f} MB/step, "
                   f"loss {row['loss']:.5f}", flush=True)  # fmt: skip
     return out
@@ -285,7 +305,7 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         mine = [r for r in rows if r["world_size"] == P]
         base = next((r for r in mine if r["method"] == "torch_ddp_sparse"), None)
         for r in mine:
-            if base is not None:
+            if base is not None and r.get("step_s") is not None:
                 r["speedup_vs_ddp_sparse"] = base["step_s"] / r["step_s"]
                 r["loss_rel_diff"] = abs(r["loss"] - base["loss"]) / base["loss"]
     return rows
@@ -301,6 +321,9 @@ def markdown(rows: list[dict[str, Any]], cfg: DlrmBenchConfig, where: str) -> st
     ]
     for r in rows:
         sp, ld = r.get("speedup_vs_ddp_sparse"), r.get("loss_rel_diff")
+        if r.get("unavailable"):
+            lines.append(f"| {r['world_size']} | {r['method']} | unavailable: {r['unavailable']} | | | | |")
+            continue
         lines.append(
             f"| {r['world_size']} | {r['method']} | {r['step_s'] * 1e3:.1f} | {r['bytes_per_step'] / 1e6:.2f} | "
             f"{r['loss']:.5f} | {'-' if sp is None else f'{sp:.2f}x'} | {'-' if ld is None else f'{ld:.2%}'} |"

@@ -370,6 +370,7 @@ MLP_TEXT = {"kaggle": "13-512-256-64-16 and 512-256-1 as dlrm_s_pytorch.py's Kag
 def dlrm_markdown(rows: list[dict[str, Any]]) -> str:
     by = {r["method"]: r for r in rows}
     body = [
+        [m, f"unavailable: {r['unavailable']}", "-", "-", "-", "-"] if r.get("unavailable") else
         [m, _ms(r["step_s"]), _mb(r["bytes_per_step"]), f"{r['loss']:.5f}", f"{100 * r['loss_rel_diff']:.3f}%",
          f"{r['speedup_vs_ddp_sparse']:.2f}x" if r.get("speedup_vs_ddp_sparse") else "-"]
         for m, r in by.items()
@@ -386,6 +387,10 @@ def dlrm_markdown(rows: list[dict[str, Any]]) -> str:
         if "sparsync" in by:
             ratio = _x(by["sparsync_dct"]["step_s"], by["sparsync"]["step_s"])
             text += f"\n- DCT-DP wall clock / uncompressed sparsync: {ratio}"
+    for tr in ("torchrec_tw", "torchrec_rw"):
+        if tr in by and by[tr].get("step_s") and "sparsync" in by:
+            ratio = _x(by[tr]["step_s"], by["sparsync"]["step_s"])
+            text += f"\n- sparsync's step rate / {tr}'s: {ratio}"
     return text + "\n"
 
 
@@ -434,7 +439,9 @@ def section_dct(ctx: Ctx) -> str:
         f"**Here**: DLRM (Criteo Kaggle cardinalities capped at {s.dlrm_rows:,} rows, dim 16, MLPs "
         f"{MLP_TEXT[s.dlrm_mlp]}) on generated "
         f"Criteo-format data, P = {s.dlrm_procs}, {s.dlrm_steps} steps of {s.dlrm_batch} per rank, {ctx.where}; "
-        "loss = mean of the last 10 steps:\n\n"
+        "loss = mean of the last 10 steps; torchrec_tw/torchrec_rw = the same tables sharded by torchrec's "
+        "DistributedModelParallel, the MLPs by DDP (`scripts/torchrec_env.sh` makes its environment; without "
+        "it, or where torchrec offers no such sharding on CPU, the row says why):\n\n"
         + dlrm_markdown(rows)
         + "\nWall clock on a communication-bound DLRM (the paper's 37% is measured on production models whose "
         f"dense gradients dominate the step): MLPs {MLP_TEXT[s.dct_wall_mlp]}, dim {s.dct_wall_dim}, the same "

@@ -51,7 +51,7 @@ def registers(ids: torch.Tensor) -> torch.Tensor:
     bucket = _shr(h, _REST_BITS)
     rest = h & ((1 << _REST_BITS) - 1)
     # rho: position of the leftmost 1 in the REST_BITS-bit remainder (1-based); 0 remainder -> REST_BITS + 1.
-    lz = torch.where(rest > 0, torch.floor(torch.log2(rest.to(torch.float64).clamp(min=1))), torch.tensor(-1.0))
+    lz = torch.where(rest > 0, torch.floor(torch.log2(rest.to(torch.float64).clamp(min=1))), -1.0)
     rho = (_REST_BITS - lz).to(torch.int64)
     out.scatter_reduce_(0, bucket, rho, reduce="amax")
     return out.to(torch.uint8).cpu()

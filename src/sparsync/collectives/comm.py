@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from sparsync.collectives import trace
+from sparsync.collectives import peers, trace
+from sparsync.collectives.flight import FlightEntry
+from sparsync.collectives.group import group_state
 from sparsync.collectives.transport import transport
 from sparsync.costmodel import Decision
 from sparsync.record import CommRecord
@@ -58,6 +60,13 @@ class Comm:
         self.size = dist.get_world_size(group)
         self.traffic = Traffic()
         self.timeout = timedelta(seconds=timeout) if timeout is not None else None
+        state = group_state(group)
+        if state.published < 3:
+            # gloo may connect a pair at its first use: publish again once the group's first call is over (its
+            # metadata round reaches every peer), so that a peer's transport error can name this rank
+            state.published += 1
+            peers.publish()
+        self.flight: FlightEntry | None = state.flight.begin(group.group_name, "collective", self.traffic)
         self.op = "collective"
         self.device = torch.device("cpu") if device is None else torch.device(device)
         rules = transport(group, self.device)
@@ -72,6 +81,17 @@ class Comm:
             self._span.add_traffic(self.traffic)
 
     @property
+    def op(self) -> str:
+        """The operation and its options, for errors and the flight recorder."""
+        return self._op
+
+    @op.setter
+    def op(self, value: str) -> None:
+        self._op = value
+        if self.flight is not None:
+            self.flight.op = value
+
+    @property
     def meta(self) -> Comm:
         """This call's communicator for CPU metadata (rows, sizes, headers): the same group on gloo, the CPU side
         of the group otherwise (transport.py); the same traffic counters and phases."""
@@ -81,6 +101,7 @@ class Comm:
             else:
                 m = Comm.__new__(Comm)
                 m.group, m.rank, m.size, m.traffic = self._meta_group, self.rank, self.size, self.traffic
+                m.flight = self.flight  # the same call
                 m.timeout, m.op, m.device = self.timeout, self.op, torch.device("cpu")
                 m.exact, m.stage, m._meta_group, m._root, m._phase = False, False, self._meta_group, self, ""
                 m._span = self._span
@@ -101,6 +122,8 @@ class Comm:
         t0, outer = time.perf_counter(), root._phase
         root._phase = name
         traced = trace.RANGES and (self._span is not None or trace.profiling())
+        if root.flight is not None:
+            root.flight.phase = name
         try:
             if traced:
                 with self._traced(name, t0):

@@ -1,9 +1,13 @@
-"""Per-group state (measured link model, async queue, call counter, background group), owned by the ProcessGroup.
+"""Per-group state (measured link model, async queue, call counter, background group, flight recorder), owned by
+the ProcessGroup.
 
 torch's ProcessGroup accepts no attributes, so the state lives in a WeakKeyDictionary keyed by the group: it
 is created on first use and dies with the group, the same lifetime as an attribute would have. This is the one
 module-level container of runtime state in sparsync (``ops``' names of op codes are filled at import):
-nothing in it outlives its group or is shared between groups. ``submit`` runs every sparsync operation of a group
+nothing in it outlives its group or is shared between groups (but for a group and its background group, which
+share one flight recorder: a call submitted on the one communicates on the other). The flight recorder's ring
+is per group for the same reason as the rest: it must die with its group, and a process-wide ring would need a
+global. ``submit`` runs every sparsync operation of a group
 through the group's FIFO queue.
 """
 
@@ -24,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from sparsync.collectives import trace
+from sparsync.collectives.flight import FlightRecorder
 from sparsync.costmodel import REFERENCE_LINK, LinkModel
 from sparsync.handle import Work
 
@@ -56,6 +61,9 @@ class GroupState:
     # one per process, seen by every thread (caller, queue, parameter-server I/O), gone with the group.
     tracer: trace.Tracer | None = None
     trace_env_checked: bool = False  # SPARSYNC_TRACE read (once per world group)
+    # The group's last calls, dumped when a call fails (collectives/flight.py); shared with its background group.
+    flight: FlightRecorder = field(default_factory=FlightRecorder)
+    published: int = 0  # Comms that published this rank's endpoints (peers.publish; the first two do)
 
 
 _STATES: weakref.WeakKeyDictionary[dist.ProcessGroup, GroupState] = weakref.WeakKeyDictionary()
@@ -79,6 +87,11 @@ def group_state(group: dist.ProcessGroup) -> GroupState:
     if state is None:
         state = _STATES.setdefault(group, GroupState())
     return state
+
+
+def states() -> list[tuple[dist.ProcessGroup, GroupState]]:
+    """Every live group with its state (for the flight recorder's dump)."""
+    return list(_STATES.items())
 
 
 def next_call(group: dist.ProcessGroup) -> int:
@@ -147,6 +160,7 @@ def submit(
             if t is not None and async_op:
                 return _traced_work(t, submit(group, fn, async_op))
     state = group_state(group)
+    fn = state.flight.guard(fn)  # closes the call's flight entries; on failure dumps them (collectives/flight.py)
     with state.lock:
         busy = state.pending > 0
         if async_op or busy:
@@ -203,6 +217,7 @@ def background_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGrou
         state.background = bg
         bg_state = group_state(bg)
         bg_state.background = bg  # already sparsync's own: async calls on it stay on it
+        bg_state.flight = state.flight  # the caller's calls run their transfers here: one ring for both
         if state.nccl_rules is not None:  # the same rules, the metadata on its own side group
             bg_state.nccl_rules = new_group_like(state.nccl_rules)
     return state.background

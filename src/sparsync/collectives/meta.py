@@ -125,6 +125,11 @@ def update_eager(comm: Comm, meta: Meta, algorithm: str) -> None:
             limits.pop(next(iter(limits)))
 
 
+def field_names() -> tuple[str, ...]:
+    """The sparse collectives' metadata row columns, in order (the flight recorder labels rows with them)."""
+    return _F
+
+
 def _block_length(buf: torch.Tensor) -> int:
     if buf.numel() < ROW_BYTES or buf.storage_offset() % 8:
         return -1
@@ -161,6 +166,8 @@ def allgather_rows(
     for piece in eager or ():  # one copy of the payload, into the message
         buf[off : off + piece.numel()] = piece
         off += piece.numel()
+    if comm.flight is not None:  # the fingerprint the ranks compare, for the flight recorder
+        comm.flight.fingerprint = tuple(words[: len(_F)].tolist())
     with comm.phase("meta"):
         blocks = allgather_var(comm.meta, buf, ROW_BYTES + EAGER_MAX, _block_length)
     # Each block is a slice at a multiple of 8 bytes (blocks are padded to 8): int64-aligned.

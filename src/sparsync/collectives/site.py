@@ -33,7 +33,7 @@ class CallSite:
 
     @property
     def where(self) -> str:
-        """"file.py:line in function", for messages (built only when one is raised)."""
+        """ "file.py:line in function", for messages (built only when one is raised)."""
         return f"{self.file}:{self.line} in {self.function}" if self.known else "an unknown place"
 
 

@@ -54,6 +54,10 @@ def transport(group: dist.ProcessGroup, device: torch.device) -> Transport:
         return Transport(exact=True, stage=False, meta=meta_group(group))
     served = backends(group)
     payload = served.get(device.type)
+    if payload is None and device.type == "cpu":
+        # a pure NCCL group: a Comm for metadata only (a refusal's round, a record) goes through ``meta``; a
+        # host payload would fail in NCCL's own check ("Tensors must be CUDA")
+        return Transport(exact=True, stage=False, meta=meta_group(group))
     if payload is None:
         raise ValueError(
             f"the process group's backend ({dist.get_backend_config(group)}) does not serve {device.type} "

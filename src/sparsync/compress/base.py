@@ -191,6 +191,11 @@ class Compressor(ABC):
         if state:
             raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
 
+    def check_device(self, device: torch.device) -> None:
+        """Raise ValueError when this compressor cannot run on a tensor of ``device`` (``kernels="c"`` off the
+        host): checked before any rank communicates, so that every rank raises it."""
+        del device  # torch ops only: any device
+
 
 # --- helpers shared by the sparsifiers ---------------------------------------------------------------------
 def flat_values(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -245,6 +250,20 @@ def check_kernels(owner: str, kernels: str, built: bool, extension: str) -> None
         raise ValueError(f"kernels must be 'auto', 'c' or 'torch', got {kernels!r}")
     if kernels == "c" and not built:
         raise RuntimeError(f"{owner}(kernels='c'): the C extension sparsync.compress.{extension} is not built")
+
+
+def native_for(owner: str, kernels: str, built: bool, device: torch.device) -> bool:
+    """Whether a call on a tensor of ``device`` runs the C kernels: they read host memory through raw pointers,
+    so they serve CPU tensors only. "auto" runs the torch kernels (the same results) on any other device;
+    "c" with such a tensor raises ValueError."""
+    if device.type != "cpu":
+        if kernels == "c":
+            raise ValueError(
+                f"{owner}(kernels='c'): the C kernels take CPU tensors only, got a tensor on {device}; "
+                "use kernels='auto' or 'torch' for it"
+            )
+        return False
+    return kernels != "torch" and built
 
 
 def check_positive_int(value: int, what: str) -> None:

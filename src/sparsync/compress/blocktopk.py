@@ -32,5 +32,5 @@ class BlockTopK(base.Sparsifier):
         nb = -(-n // self.block)
         sq = torch.nn.functional.pad(flat * flat, (0, nb * self.block - n)).reshape(nb, self.block)
         top = torch.topk(sq.sum(1), base.count_for(self.ratio, nb), sorted=False).indices
-        pos = (top.unsqueeze(1) * self.block + torch.arange(self.block)).reshape(-1)
+        pos = (top.unsqueeze(1) * self.block + torch.arange(self.block, device=flat.device)).reshape(-1)
         return base.selected(flat, None, pos[pos < n], n)

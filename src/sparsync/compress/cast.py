@@ -40,7 +40,7 @@ class _Cast(base.Compressor):
         assert isinstance(payload, base.DensePayload)
         if spec.dtype != torch.float32:
             return payload.values.to(spec.dtype).reshape(spec.shape)
-        out = fresh(spec.numel)  # the widening copy writes fresh memory: huge pages make that cheap
+        out = fresh(spec.numel, device=payload.values.device)  # fresh memory: huge pages make it cheap (host)
         return out.copy_(payload.values.reshape(-1)).view(spec.shape)
 
 

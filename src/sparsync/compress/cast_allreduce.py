@@ -45,7 +45,7 @@ def cast_allreduce(
     cast again). Collective: every rank calls it with the same numel and ``wire``, in the same order."""
     flat = values.reshape(-1) if cast is None else cast.reshape(-1)
     n, P = flat.numel(), dist.get_world_size(group)
-    out = fresh(n)
+    out = fresh(n, device=flat.device)
     in_flight: list[tuple[int, int, torch.Tensor, dist.Work]] = []
 
     def widen() -> None:

@@ -28,7 +28,6 @@ request).
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from sparsync.collectives.allreduce import DsarCall
 from sparsync.collectives.partition import Partition
@@ -37,8 +36,6 @@ from sparsync.compress.base import Context, QuantizedPayload
 from sparsync.compress.qsgd import QSGD
 from sparsync.compress.qsgd_allreduce import quantized_allreduce, segments
 from sparsync.stream import SparseStream, dense_threshold
-
-_ALLGATHER_SINGLE = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # renamed in torch 2.13
 
 
 def dsar_quantized(call: DsarCall, q: QSGD) -> SparseStream:
@@ -60,21 +57,22 @@ def dsar_quantized(call: DsarCall, q: QSGD) -> SparseStream:
     part = Partition(partition, stream.num_rows, P)
     mine = split_reduce(comm, stream, part, nnz)
     chunk = max(part.counts())
-    local = torch.zeros(chunk * b, dtype=torch.float32)
+    device = stream.device
+    local = torch.zeros(chunk * b, dtype=torch.float32, device=device)
     if mine is not None and mine.indices is None:
         local[: mine.dim] = mine.values
     elif mine is not None and mine.indices is not None:
         local.view(chunk, b)[mine.indices.to(torch.int64)] = mine.rows2d.to(torch.float32)
     n = chunk * b
     payload = q.compress(local, ctx)
-    codes = torch.empty(P * payload.codes.numel(), dtype=torch.uint8)
-    scales = torch.empty(P * payload.scales.numel(), dtype=torch.float32)
-    with comm.phase("quantized_allgather"):
-        comm.run_collective("quantized allgather", _ALLGATHER_SINGLE, codes, payload.codes)
-        comm.run_collective("quantized allgather", _ALLGATHER_SINGLE, scales, payload.scales)
+    codes = comm.empty(P * payload.codes.numel())
+    scales = comm.empty(P * payload.scales.numel(), torch.float32)
+    with comm.phase("quantized_allgather"):  # equal sizes: every partition padded to ``chunk`` rows
+        comm.all_gather_into("quantized allgather", codes, payload.codes)
+        comm.all_gather_into("quantized allgather", scales, payload.scales)
     nb = (P - 1) * payload.nbytes
     comm.count_collective(nb, nb, 2 * (P - 1))
-    out = torch.empty(P * n, dtype=torch.float32)
+    out = torch.empty(P * n, dtype=torch.float32, device=device)
     c, s = payload.codes.numel(), payload.scales.numel()
     with comm.phase("decode"):
         for j in range(P):

@@ -117,7 +117,9 @@ def compression_hook(
                 average=average, async_op=async_op, algorithm=algorithm, log=log,
             )  # fmt: skip
             works.append(out if isinstance(out, Work) else Work.done(out))
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        # A future holding CUDA tensors must name their device (torch refuses such a result otherwise).
+        devices = None if buffer.device.type == "cpu" else [buffer.device]
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
 
         def assemble(_: object) -> None:
             try:

@@ -17,7 +17,10 @@ bits either way; chunks of 512K values. Rounding noise is 16 bits per value from
 quantization step. Timings: docs/compress_results.md.
 
 Aggregation: see ``qsgd_allreduce.py`` (``aggregation="reduce_scatter"``, the default for P > 2) and
-``base.py`` (allgather).
+``base.py`` (allgather). With error feedback (``compressed_allreduce(memory=...)``) "auto" gathers instead: the
+reduce-scatter re-quantizes the owners' partial sums, an error no worker's memory holds, so the feedback
+invariant Σ(results) + Σ(residuals) = Σ(gradients) would not hold (an owner-side memory, as 1-bit Adam's
+server compensation, would keep it at the reduce-scatter's bytes: not built).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from sparsync.compress.base import (
     TensorSpec,
     check_kernels,
     check_positive_int,
+    native_for,
 )
 from sparsync.compress.qsgd_kernels import CHUNK, Workspace, chunk_values, native_available
 from sparsync.stream import SparseStream
@@ -82,6 +86,9 @@ class QSGD(Compressor):
             )
         check_kernels("QSGD", self.kernels, native_available(), "_qsgd_c")
 
+    def check_device(self, device: torch.device) -> None:
+        native_for("QSGD", self.kernels, native_available(), device)
+
     @property
     def levels(self) -> int:
         return int(2 ** (self.bits - 1) - 1)
@@ -117,14 +124,15 @@ class QSGD(Compressor):
     def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> QuantizedPayload:
         flat = tensor.reshape(-1)
         n = flat.numel()
-        out = self.empty_payload(n)
-        self.encode_range(flat, 0, n, out, Workspace(self, n), self.generator(ctx))
+        out = self.empty_payload(n, flat.device)
+        self.encode_range(flat, 0, n, out, Workspace(self, n, flat.device), self.generator(ctx))
         return out  # the last bucket's padding stays home
 
-    def empty_payload(self, n: int) -> QuantizedPayload:
-        """Uninitialized codes and scales for ``n`` values (``payload_nbytes(n)`` bytes)."""
-        codes = torch.empty(self.code_bytes(n), dtype=torch.uint8)
-        return QuantizedPayload(codes, torch.empty(-(-n // self.bucket), dtype=torch.float32))
+    def empty_payload(self, n: int, device: torch.device | None = None) -> QuantizedPayload:
+        """Uninitialized codes and scales for ``n`` values (``payload_nbytes(n)`` bytes) on ``device`` (default
+        the host)."""
+        codes = torch.empty(self.code_bytes(n), dtype=torch.uint8, device=_HOST if device is None else device)
+        return QuantizedPayload(codes, torch.empty(-(-n // self.bucket), dtype=torch.float32, device=codes.device))
 
     def payload_nbytes(self, n: int) -> int:
         """Bytes of the payload of ``n`` values: packed codes and one float32 scale per bucket."""
@@ -145,9 +153,10 @@ class QSGD(Compressor):
         for a, b in self._chunks(out.numel()):
             ws.decode_into([payload], a, b, out[a:b])
 
-    def workspace(self, n: int) -> Workspace:
-        """Scratch for encoding or decoding up to ``chunk_step()`` values at a time, of a tensor of ``n``."""
-        return Workspace(self, n)
+    def workspace(self, n: int, device: torch.device | None = None) -> Workspace:
+        """Scratch for encoding or decoding up to ``chunk_step()`` values at a time, of a tensor of ``n`` on
+        ``device`` (default the host)."""
+        return Workspace(self, n, device)
 
     def chunk_step(self) -> int:
         """Values per kernel pass: whole buckets, a whole number of aligned units (codes start on a byte)."""
@@ -171,9 +180,11 @@ class QSGD(Compressor):
         return per // math.gcd(self.bucket, per)
 
     def decode_sum(self, payloads: list[QuantizedPayload], n: int) -> torch.Tensor:
-        """float32 sum of the decoded ``payloads`` (each of ``n`` values), accumulated per chunk in cache."""
-        out = fresh(n)  # large: huge pages, cheaper to fault in
-        ws = Workspace(self, n)
+        """float32 sum of the decoded ``payloads`` (each of ``n`` values), accumulated per chunk in cache, on
+        the payloads' device."""
+        device = _device_of(payloads)
+        out = fresh(n, device=device)  # large: huge pages, cheaper to fault in (the host)
+        ws = Workspace(self, n, device)
         for a, b in self._chunks(n):
             ws.decode_into(payloads, a, b, out[a:b])
         return out
@@ -183,9 +194,10 @@ class QSGD(Compressor):
     ) -> QuantizedPayload:
         """Quantized payload of ``exact`` (if given) plus the sum of ``payloads`` (each of ``n`` values): decode,
         add in that order and re-quantize with noise from ``gen``, chunk by chunk (qsgd_allreduce's step 2)."""
-        out = self.empty_payload(n)
-        ws = Workspace(self, n)
-        acc = torch.empty(min(n, ws.chunk), dtype=torch.float32)
+        device = exact.device if exact is not None else _device_of(payloads)
+        out = self.empty_payload(n, device)
+        ws = Workspace(self, n, device)
+        acc = torch.empty(min(n, ws.chunk), dtype=torch.float32, device=device)
         for a, b in self._chunks(n):
             ws.decode_into(payloads, a, b, acc[: b - a], None if exact is None else exact[a:b])
             scales = out.scales[a // self.bucket : -(-b // self.bucket)]
@@ -202,3 +214,11 @@ class QSGD(Compressor):
         """The tensor ``spec`` describes from decoded float32 values (dtype, shape, layout)."""
         out = out.to(spec.dtype).reshape(spec.shape)
         return out.to_sparse(spec.sparse_dim) if spec.sparse_dim is not None else out
+
+
+_HOST = torch.device("cpu")
+
+
+def _device_of(payloads: list[QuantizedPayload]) -> torch.device:
+    """Where payloads live (every one on the same device; the host for none)."""
+    return payloads[0].codes.device if payloads else _HOST

@@ -41,12 +41,14 @@ is x - ``local_estimate`` (zero on the rank's own partitions, which travel exact
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from sparsync.buffers import fresh
+from sparsync.collectives.comm import Comm
 from sparsync.compress.base import Context, QuantizedPayload
 from sparsync.compress.qsgd import QSGD, REQUANTIZE_STREAM, Workspace
 
@@ -91,7 +93,7 @@ def encode_remote(q: QSGD, values: torch.Tensor, n: int, ctx: Context, world_siz
     """This rank's payload for ``quantized_allreduce``: every segment's partitions encoded but the rank's own
     (ctx.rank's; zero codes and scales there: they are summed exactly where they are). Advances ``q``'s
     rounding generator of (ctx.name, ctx.rank) as the pipelined encode inside ``quantized_allreduce`` does."""
-    payload, ws, gen = q.empty_payload(n), q.workspace(n), q.generator(ctx)
+    payload, ws, gen = q.empty_payload(n, values.device), q.workspace(n, values.device), q.generator(ctx)
     for a, b in segments(q, n):
         _encode_segment(q, values.reshape(-1), a, b, world_size, ctx.rank, payload, ws, gen)
     return payload
@@ -148,8 +150,10 @@ def quantized_allreduce(
     where they travel, decoded: float32, bitwise the same on every rank (``simulate``).
 
     ``payload``: this rank's ``encode_remote`` payload if already encoded; otherwise the values are encoded here
-    segment by segment (the same bits) while the previous segment is on the wire. Collective: every rank of
-    ``group`` calls it with the same settings and n, in the same order. Advances ``q``'s generators of
+    segment by segment (the same bits) while the previous segment is on the wire. The result and every buffer
+    live on ``values``' device (gloo's all-to-all and gathers take CPU tensors only: there a device segment goes
+    through host memory, collectives/transport.py). Collective: every rank of ``group`` calls it with the same
+    settings and n, in the same order. Advances ``q``'s generators of
     (ctx.name, ctx.rank): the rounding one when encoding, the re-quantization one.
 
     Example::
@@ -160,15 +164,18 @@ def quantized_allreduce(
     """
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     flat = values.reshape(-1)
+    device = flat.device
     if P == 1:  # nothing travels: the sum is the values themselves
         total = flat.to(torch.float32, copy=True)
-        zero = QuantizedPayload(torch.zeros(q.code_bytes(n), dtype=torch.uint8), torch.zeros(-(-n // q.bucket)))
+        codes = torch.zeros(q.code_bytes(n), dtype=torch.uint8, device=device)
+        zero = QuantizedPayload(codes, torch.zeros(-(-n // q.bucket), device=device))
         return Reduced(total.mul_(scale) if scale != 1.0 else total, zero, 0)  # encode_remote's payload at P = 1
+    stage = Comm(group, device=device).stage
     encode = payload is None
-    own = q.empty_payload(n) if payload is None else payload
-    out = fresh(n)
-    ws = q.workspace(n)
-    segs = [_Segment(q, a, b, P, rank) for a, b in segments(q, n)]
+    own = q.empty_payload(n, device) if payload is None else payload
+    out = fresh(n, device=device)
+    ws = q.workspace(n, device)
+    segs = [_Segment(q, a, b, P, rank, device, stage) for a, b in segments(q, n)]
     gen, regen = q.generator(ctx), q.generator(ctx, REQUANTIZE_STREAM)
     # Software pipeline, one step per segment i: encode i and start its all-to-all; finish i - 1's all-to-all,
     # sum and re-quantize its partition and start its allgather; finish i - 2's allgather and decode it. The
@@ -219,10 +226,12 @@ class Reduced:
 
 class _Segment:
     """One segment's three steps (module doc), its buffers alive only between them. A block (what one rank
-    sends another) is a partition's codes, padded to 4 bytes, then its scales."""
+    sends another) is a partition's codes, padded to 4 bytes, then its scales. Buffers on ``device``; with
+    ``stage`` the transfers go through host memory (gloo with a device tensor)."""
 
-    def __init__(self, q: QSGD, a: int, b: int, P: int, rank: int) -> None:
+    def __init__(self, q: QSGD, a: int, b: int, P: int, rank: int, device: torch.device, stage: bool) -> None:
         self.q, self.a, self.b, self.P, self.rank = q, a, b, P, rank
+        self.device, self.stage = device, stage
         self.parts = partitions(q, b - a, P)
         self.extents = [_extent(q, a + lo, a + hi) for lo, hi in self.parts]  # within the whole payload
         self.blocks = [_pad4(c1 - c0) + 4 * (s1 - s0) for (c0, c1), (s0, s1) in self.extents]
@@ -231,20 +240,22 @@ class _Segment:
         self.gather_block = self.gather_codes + 4 * K
         self.sent = sum(self.blocks) - self.blocks[rank] + (P - 1) * self.gather_block
         self.work: dist.Work | None = None
-        self.send = self.buf = torch.empty(0, dtype=torch.uint8)  # kept alive until the collective is done
+        # kept alive until the collective is done
+        self.send = self.buf = torch.empty(0, dtype=torch.uint8, device=device)
 
     def start_all_to_all(self, payload: QuantizedPayload, group: dist.ProcessGroup) -> None:
         """Step 1: partition j of this segment (codes, scales) to rank j; none to this rank itself."""
         sizes = [0 if j == self.rank else blk for j, blk in enumerate(self.blocks)]
-        send = self.send = torch.empty(sum(sizes), dtype=torch.uint8)
+        send = torch.empty(sum(sizes), dtype=torch.uint8, device=self.device)
         at = 0
         for ((c0, c1), (s0, s1)), blk in zip(self.extents, sizes, strict=True):
             if blk:
                 _put(send[at : at + blk], payload.codes[c0:c1], payload.scales[s0:s1])
                 at += blk
         mine = [0 if r == self.rank else self.blocks[self.rank] for r in range(self.P)]
-        self.buf = torch.empty(sum(mine), dtype=torch.uint8)
-        self.work = dist.all_to_all_single(self.buf, send, mine, sizes, group=group, async_op=True)
+        # all_to_all_single with splits: NCCL has it (unequal blocks need no padding)
+        self._start(lambda out, inp: dist.all_to_all_single(out, inp, mine, sizes, group=group, async_op=True),
+                    send, sum(mine))  # fmt: skip
 
     def requantize_and_gather(self, flat: torch.Tensor, gen: torch.Generator, group: dist.ProcessGroup) -> None:
         """Step 2: this rank's exact values plus the decoded P - 1 slices of its partition, re-quantized; start
@@ -255,10 +266,10 @@ class _Segment:
         lo, hi = self.parts[self.rank]
         slices = [_get(self.buf[r * blk : (r + 1) * blk], c1 - c0, s1 - s0) for r in range(self.P - 1)]
         mine = q.sum_requantize(slices, hi - lo, gen, flat[self.a + lo : self.a + hi])
-        send = self.send = torch.zeros(self.gather_block, dtype=torch.uint8)
+        send = torch.zeros(self.gather_block, dtype=torch.uint8, device=self.device)
         _put(send, mine.codes, mine.scales, codes_room=self.gather_codes)
-        self.buf = torch.empty(self.P * self.gather_block, dtype=torch.uint8)
-        self.work = _all_gather_into_tensor(self.buf, send, group)
+        # every rank's block padded to the largest partition's (gather_block): the equal sizes NCCL gathers
+        self._start(lambda out, inp: _all_gather_into_tensor(out, inp, group), send, self.P * self.gather_block)
 
     def decode(self, out: torch.Tensor, scale: float, ws: Workspace) -> None:
         """Step 3: decode every rank's re-quantized partition into ``out``, scales times ``scale``."""
@@ -268,12 +279,23 @@ class _Segment:
             if hi > lo:
                 part = _get(self.buf[j * blk : (j + 1) * blk], c1 - c0, s1 - s0, codes_room=self.gather_codes)
                 self.q.decode_into(_scaled(part, scale), out[self.a + lo : self.a + hi], ws)
-        self.send = self.buf = torch.empty(0, dtype=torch.uint8)
+        self.send = self.buf = torch.empty(0, dtype=torch.uint8, device=self.device)
+
+    def _start(
+        self, collective: Callable[[torch.Tensor, torch.Tensor], dist.Work], send: torch.Tensor, n: int
+    ) -> None:
+        """Start ``collective(receive buffer of n bytes, send)``; with ``stage`` both on the host."""
+        where = _HOST if self.stage else self.device
+        self.send = send.to(where)  # staged: one copy to the host of what this rank sends
+        self.buf = torch.empty(n, dtype=torch.uint8, device=where)
+        self.work = collective(self.buf, self.send)
 
     def _wait(self) -> None:
         assert self.work is not None
         self.work.wait()
         self.work = None
+        if self.stage:  # staged: what arrived goes to the device once
+            self.buf = self.buf.to(self.device)
 
 
 def _put(dst: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, codes_room: int | None = None) -> None:
@@ -287,6 +309,9 @@ def _get(block: torch.Tensor, ncodes: int, nscales: int, codes_room: int | None 
     """The payload of a block written by ``_put`` (views)."""
     room = _pad4(ncodes) if codes_room is None else codes_room
     return QuantizedPayload(block[:ncodes], block[room : room + 4 * nscales].view(torch.float32))
+
+
+_HOST = torch.device("cpu")
 
 
 def _pad4(nbytes: int) -> int:

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from sparsync.compress.base import native_for
+
 try:  # built by `pip install` (setup.py); optional: the torch kernels are the fallback
     from sparsync.compress import _qsgd_c as _native
 except ImportError:  # pragma: no cover - only without a C compiler
@@ -48,8 +50,10 @@ def chunk_values(bucket: int, unit: int) -> int:
 
 def noise_words(seed: int, words: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The call's ``words`` 64-bit noise words (int64; the module doc's stream), by int64 tensor arithmetic
-    (multiplication wraps mod 2^64; logical shifts as arithmetic shifts and a mask)."""
-    z = torch.arange(1, words + 1, dtype=torch.int64, out=out)
+    (multiplication wraps mod 2^64; logical shifts as arithmetic shifts and a mask), on ``out``'s device (the
+    host without ``out``): a counter-based stream, the same words on every device."""
+    device = out.device if out is not None else torch.device("cpu")
+    z = torch.arange(1, words + 1, dtype=torch.int64, out=out, device=device)
     z.mul_(_signed(_GAMMA)).add_(_signed(seed))
     for shift, mult in ((30, _M1), (27, _M2), (31, None)):
         z.bitwise_xor_(torch.bitwise_right_shift(z, shift).bitwise_and_((1 << (64 - shift)) - 1))
@@ -64,15 +68,21 @@ def _signed(u: int) -> int:
 
 
 class Workspace:
-    """Scratch buffers of one call, sized for one chunk and reused by every chunk."""
+    """Scratch buffers of one call of ``q`` (a QSGD; typed Any: qsgd.py imports this module) on ``device``
+    (default the host), sized for one chunk and reused by every chunk. The C kernels serve CPU tensors; on
+    another device the torch kernels run (``kernels="c"`` raises)."""
 
-    def __init__(self, q: Any, n: int) -> None:  # q: a QSGD (typed Any: qsgd.py imports this module)
+    def __init__(self, q: Any, n: int, device: torch.device | None = None) -> None:
         self.bits, self.bucket, self.s, self.l2 = q.bits, q.bucket, q.levels, q.scale == "l2"
         self.chunk = min(n, chunk_values(q.bucket, q.unit()))
-        self.native = q.kernels != "torch" and _native is not None  # "c" was checked when q was made
-        self.tmp = torch.empty(self.chunk, dtype=torch.uint8)  # C encode's unpacked codes
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.native = native_for("QSGD", q.kernels, _native is not None, self.device)
+        host = torch.device("cpu")
+        self.tmp = torch.empty(self.chunk if self.native else 0, dtype=torch.uint8, device=host)  # C's codes
         self._torch: _TorchBuffers | None = None
-        self._draw = torch.empty(1, dtype=torch.int64)
+        # The generator is a CPU one on every device (the same noise seeds as on the host): one 64-bit draw per
+        # chunk, read on the host.
+        self._draw = torch.empty(1, dtype=torch.int64, device=host)
 
     def quantize(self, x: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, gen: torch.Generator) -> None:
         """Scales (one per bucket) and packed codes of the chunk ``x``: one 64-bit draw from ``gen``."""
@@ -124,7 +134,7 @@ class Workspace:
 
     def _buffers(self) -> _TorchBuffers:
         if self._torch is None:
-            self._torch = _TorchBuffers(self.bits, self.s, self.chunk)
+            self._torch = _TorchBuffers(self.bits, self.s, self.chunk, self.device)
         return self._torch
 
 
@@ -137,20 +147,21 @@ def _check(t: torch.Tensor, dtype: torch.dtype, numel: int) -> None:
 class _TorchBuffers:
     """The torch kernels' scratch (module doc)."""
 
-    def __init__(self, bits: int, s: int, chunk: int) -> None:
+    def __init__(self, bits: int, s: int, chunk: int, device: torch.device) -> None:
         words = -(-chunk // 4)
-        self.noise = torch.empty(words, dtype=torch.int64)  # 4 x 16 random bits per word
-        self.codes = torch.empty(words * 4, dtype=torch.int16)  # room to pad a chunk to whole int64 words
-        self.f = torch.empty(chunk, dtype=torch.float32)
-        self.prod = torch.empty(chunk, dtype=torch.float32)
-        self.wide = torch.empty(words * 2, dtype=torch.int64)
+        d = device
+        self.noise = torch.empty(words, dtype=torch.int64, device=d)  # 4 x 16 random bits per word
+        self.codes = torch.empty(words * 4, dtype=torch.int16, device=d)  # room to pad a chunk to int64 words
+        self.f = torch.empty(chunk, dtype=torch.float32, device=d)
+        self.prod = torch.empty(chunk, dtype=torch.float32, device=d)
+        self.wide = torch.empty(words * 2, dtype=torch.int64, device=d)
         per = 8 // bits  # decode: the levels of every byte value, per codes a byte (first in the low bits)
-        byte = torch.arange(256, dtype=torch.int32).unsqueeze(1)
-        codes = byte.bitwise_right_shift(torch.arange(per, dtype=torch.int32) * bits) & ((1 << bits) - 1)
+        byte = torch.arange(256, dtype=torch.int32, device=d).unsqueeze(1)
+        codes = byte.bitwise_right_shift(torch.arange(per, dtype=torch.int32, device=d) * bits) & ((1 << bits) - 1)
         lut = (codes - s).to(torch.float32)  # (256, per)
         self.lut = lut.view(256) if per == 1 else lut
-        self.idx = torch.empty(-(-chunk * bits // 8), dtype=torch.int32)
-        self.lvl = torch.empty(self.idx.numel() * per, dtype=torch.float32)
+        self.idx = torch.empty(-(-chunk * bits // 8), dtype=torch.int32, device=d)
+        self.lvl = torch.empty(self.idx.numel() * per, dtype=torch.float32, device=d)
 
     def encode(self, ws: Workspace, x: torch.Tensor, scales: torch.Tensor, seed: int) -> None:
         """Codes q + s of the chunk ``x`` into ``self.codes`` and its bucket scales into ``scales``."""

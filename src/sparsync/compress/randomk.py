@@ -42,8 +42,11 @@ class RandomK(base.Sparsifier):
         key = [self.seed, zlib.crc32(ctx.name.encode()), call, 0 if self.shared else ctx.rank + 1]
         g = torch.Generator().manual_seed(hash(tuple(key)) & 0x7FFF_FFFF_FFFF_FFFF)
         if k == n:
-            return base.selected(flat, None, torch.arange(n), n, presorted=True)
-        pos, hits = torch.unique(torch.randint(0, n, (k,), generator=g), sorted=True, return_counts=True)
+            return base.selected(flat, None, torch.arange(n, device=flat.device), n, presorted=True)
+        # Drawn on the host from the CPU generator on every device, so that a CUDA rank picks the coordinates a
+        # CPU run picks (a CUDA generator's stream differs): k int64 copied to the device, no pass over x.
+        draws = torch.randint(0, n, (k,), generator=g, device="cpu").to(flat.device)
+        pos, hits = torch.unique(draws, sorted=True, return_counts=True)
         vals = flat[pos] * (hits.to(flat.dtype) * (n / k))
         return base.SparsePayload(SparseStream(pos, vals, n, validate=False))
 

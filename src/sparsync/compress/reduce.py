@@ -161,7 +161,9 @@ def compressed_allreduce(
 
     # The call's fingerprint, checked across ranks by the metadata round (shapes (2, 5) and (5, 2),
     # FP16 against BF16 bits, or payloads of other sizes were summed, or made gloo abort the process).
-    layout = f"reduce/{type(compressor).__name__}/{'coo' if spec.is_sparse else 'strided'}/{spec.dtype}"
+    # The device type too: a CPU rank and a CUDA rank cannot meet in one payload collective.
+    kind = "coo" if spec.is_sparse else "strided"
+    layout = f"reduce/{type(compressor).__name__}/{kind}/{spec.dtype}/{tensor.device.type}"
     n, values = xspec.numel, x.detach()
     scale = 1.0 / P if average else 1.0  # the pipelines scale while they decode: no pass to divide
 
@@ -177,15 +179,15 @@ def compressed_allreduce(
         seq_p = next_call(g)
 
         def run() -> torch.Tensor:
-            _agree(g, seq_p, layout, spec, nbytes, x, check_nan, name, timeout, site)
+            _agree(g, seq_p, layout, spec, nbytes, x, check_nan, name, timeout, site, device=x.device)
             total, sent = body()
-            _record(log, alg, g, spec, elements, sent, msgs, t0)
+            _record(log, alg, g, spec, elements, sent, msgs, t0, device=x.device)
             return finish(total.view(xspec.shape).to(xspec.dtype), divide=False)
 
         out: torch.Tensor | Work[torch.Tensor] = submit(user, run, async_op, label=f"reduce:{alg}", facts=facts)
         return out
 
-    if isinstance(compressor, QSGD) and compressor.uses_reduce_scatter(P):
+    if isinstance(compressor, QSGD) and compressor.uses_reduce_scatter(P) and memory is None:
         # qsgd_allreduce: a synchronous call encodes while it sends and updates the residual from the payload
         # it returns; an asynchronous one encodes here, so that the residual is updated on the caller's thread
         q = compressor
@@ -245,7 +247,7 @@ def compressed_allreduce(
     seq = next_call(g)
 
     def agree(nbytes: int) -> None:
-        _agree(g, seq, layout, spec, nbytes, x, check_nan, name, timeout, site)
+        _agree(g, seq, layout, spec, nbytes, x, check_nan, name, timeout, site, device=x.device)
 
     if isinstance(payload, base.DensePayload | base.SketchPayload):
 
@@ -305,8 +307,17 @@ def _check_input(tensor: Any, compressor: Any, memory: ErrorFeedback | None, nam
         raise ValueError(f"reduce of an empty tensor (shape {tuple(tensor.shape)})")
     if memory is not None and not name:
         raise ValueError("memory= needs name=: error-feedback residuals are kept per name")
+    if memory is not None and isinstance(compressor, QSGD) and compressor.aggregation == "reduce_scatter":
+        # The owners re-quantize their partial sums (qsgd_allreduce.py): that error would be in no memory, and
+        # Σ(results) + Σ(residuals) would drift from Σ(gradients) (by 69% over 20 steps at 2 bits).
+        raise ValueError(
+            "QSGD(aggregation='reduce_scatter') with error feedback: the re-quantized partial sums' error is kept "
+            "in no memory; use aggregation='auto' (which gathers every rank's quantized gradient when a memory "
+            "is given) or 'allgather'"
+        )
     if inplace and tensor.is_sparse:
         raise ValueError("inplace=True needs a dense tensor (a sparse COO result has its own storage)")
+    compressor.check_device(tensor.device)
 
 
 def _agree(
@@ -320,20 +331,23 @@ def _agree(
     name: str,
     timeout: float | None,
     site: CallSite | None = None,
+    *,
+    device: torch.device,
 ) -> None:
     """The metadata round of the dense, allgather and quantized paths: raise the same ValueError on every rank
     unless all passed the same shape, layout, dtype, compressor, ``name`` and ``check_nan`` and will send
     payloads of one size, and (``check_nan``) none holds NaN or ±Inf; a rank whose input was refused is
     reported here too. The name tells apart calls of one shape (two layers' gradients swapped on one rank were
     summed with each other), and check_nan is agreed because a rank that skips the check would hand its NaN to
-    the ranks that asked for it."""
+    the ranks that asked for it. The row is host metadata (one scalar read of ``x``'s sum on a device), on the
+    group's CPU side (``Comm.meta``) for a payload on ``device``."""
     nonfinite = first_nonfinite(x) if check_nan and not x.is_sparse else -1
     row = torch.tensor(
         [seq, REDUCE_OP, shape_fingerprint(layout, tuple(spec.shape)), nbytes, nonfinite, int(check_nan),
          name_key(name, site)],
         dtype=torch.int64,
     )  # fmt: skip
-    comm = Comm(g, timeout)
+    comm = Comm(g, timeout, device)
     comm.op = "reduce"
     table, blocks = allgather_rows(comm, row)
     raise_refusals(table, blocks, comm.rank)
@@ -386,36 +400,49 @@ def _allreduce(
     dist.all_reduce(buf, group=g)
     P = dist.get_world_size(g)
     nb = 2 * (P - 1) * buf.numel() * buf.element_size() // P  # ring allreduce, per rank
-    _record(log, "allreduce", g, spec, buf.numel(), nb, 2 * (P - 1), t0)
+    _record(log, "allreduce", g, spec, buf.numel(), nb, 2 * (P - 1), t0, device=buf.device)
     return payload.from_buffer(buf)
 
 
 def _sketch_allreduce(
     payload: base.SketchPayload, g: dist.ProcessGroup, log: CommLog | None, spec: base.TensorSpec, t0: float
 ) -> base.SketchPayload:
-    table, words = payload.table.clone(), pack_bits(payload.bitmap != 0)
+    table, device = payload.table.clone(), payload.table.device
+    exact = Comm(g, device=device).exact
+    if exact:
+        # NCCL has no BOR (collectives/transport.py): one byte per block reduced with MAX, on the device (8x the
+        # bitmap's packed bytes, no host round trip)
+        words, op = (payload.bitmap != 0).to(torch.uint8), dist.ReduceOp.MAX
+    else:
+        # gloo: packed 32 to an int32 word on the host (a device bitmap comes over once, n_blocks bytes) and
+        # OR-ed there; gloo reduces host and device tensors on one group
+        words, op = pack_bits((payload.bitmap != 0).cpu()), dist.ReduceOp.BOR
     works = [
         dist.all_reduce(table, group=g, async_op=True),
-        dist.all_reduce(words, op=dist.ReduceOp.BOR, group=g, async_op=True),
+        dist.all_reduce(words, op=op, group=g, async_op=True),
     ]
     for w in works:
         w.wait()
     P = dist.get_world_size(g)
-    nb = 2 * (P - 1) * payload.nbytes // P  # two ring allreduces, per rank
-    _record(log, "allreduce", g, spec, table.numel() + words.numel(), nb, 4 * (P - 1), t0)
-    return base.SketchPayload(unpack_bits(words, payload.bitmap.numel()).to(table.dtype), table)
+    sent = table.numel() * table.element_size() + words.numel() * words.element_size()  # gloo: payload.nbytes
+    nb = 2 * (P - 1) * sent // P  # two ring allreduces, per rank
+    _record(log, "allreduce", g, spec, table.numel() + words.numel(), nb, 4 * (P - 1), t0, device=device)
+    flags = words if exact else unpack_bits(words, payload.bitmap.numel()).to(device)
+    return base.SketchPayload(flags.to(table.dtype), table)
 
 
 def _allgather(
     payload: base.QuantizedPayload, g: dist.ProcessGroup, log: CommLog | None, spec: base.TensorSpec, t0: float
 ) -> list[base.QuantizedPayload]:
-    """Non-linear payloads: everyone's bytes to everyone (equal sizes: same shape and settings everywhere)."""
+    """Non-linear payloads: everyone's bytes to everyone, in one buffer on the payload's device. Equal sizes, as
+    NCCL needs: the metadata round (``_agree``) refused payloads of different sizes on every rank."""
     buf = payload.to_bytes()
     P = dist.get_world_size(g)
-    parts = [torch.empty_like(buf) for _ in range(P)]
-    dist.all_gather(parts, buf, group=g)
-    _record(log, "allgather", g, spec, buf.numel(), (P - 1) * buf.numel(), P - 1, t0)
-    return [payload.from_bytes(b) for b in parts]
+    comm = Comm(g, device=buf.device)
+    out = comm.empty(P * buf.numel())
+    comm.all_gather_into("allgather of quantized payloads", out, buf)  # gloo + CUDA: through the host
+    _record(log, "allgather", g, spec, buf.numel(), (P - 1) * buf.numel(), P - 1, t0, device=buf.device)
+    return [payload.from_bytes(b) for b in out.view(P, -1)]
 
 
 def _scaled(p: base.QuantizedPayload, scale: float) -> base.QuantizedPayload:
@@ -440,10 +467,13 @@ def _record(
     nbytes: int,
     msgs: int,
     t0: float,
+    *,
+    device: torch.device,
 ) -> None:
     if log is None and trace.CURRENT.get() is None:
         return
-    comm = Comm(g)  # the counts of a torch collective run on ``g`` (gloo: ring); a traced call's bytes too
+    # the counts of a torch collective run on ``g`` (gloo: ring); a traced call's bytes too
+    comm = Comm(g, device=device)
     if log is None:
         comm.count_collective(nbytes, nbytes, msgs)
         return

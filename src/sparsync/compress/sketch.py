@@ -48,6 +48,7 @@ from sparsync.compress.base import (
     TensorSpec,
     check_kernels,
     check_positive_int,
+    native_for,
     packed_bitmap_bytes,
 )
 from sparsync.compress.sketch_hash import CHUNK, Hasher, Index, RowRun, native_available
@@ -94,8 +95,12 @@ class SparseSketch(Compressor):
             raise ValueError(f"hash must be one of {HASHES}, got {self.hash!r}")
         check_kernels("SparseSketch", self.kernels, native_available(), "_sketch_c")
 
-    def _hasher(self, c: int, work: torch.dtype, size: int = CHUNK) -> Hasher:
-        return Hasher(self.rows, self.seed, c, work, size, native=self.kernels != "torch" and native_available())
+    def check_device(self, device: torch.device) -> None:
+        native_for("SparseSketch", self.kernels, native_available(), device)
+
+    def _hasher(self, c: int, work: torch.dtype, device: torch.device, size: int = CHUNK) -> Hasher:
+        native = native_for("SparseSketch", self.kernels, native_available(), device)
+        return Hasher(self.rows, self.seed, c, work, size, native=native, device=device)
 
     def width(self, numel: int) -> int:
         """c for a tensor of ``numel`` entries, before the block hash rounds it up (``table_cols``)."""
@@ -138,16 +143,17 @@ class SparseSketch(Compressor):
         spec = TensorSpec.of(tensor)
         b, n = self.block_size(spec), spec.numel
         nblocks = -(-n // b)
-        dtype = tensor.dtype
+        dtype, device = tensor.dtype, tensor.device
         work = torch.float64 if dtype == torch.float64 else torch.float32
-        bitmap = torch.zeros(nblocks, dtype=dtype)  # the one O(blocks) structure of a call (S2 Alg. 1 line 2)
+        # the one O(blocks) structure of a call (S2 Alg. 1 line 2)
+        bitmap = torch.zeros(nblocks, dtype=dtype, device=device)
         c = self.table_cols(spec.shape)
-        table = torch.zeros(self.rows, c, dtype=work)
+        table = torch.zeros(self.rows, c, dtype=work, device=device)
         if self.hash == "block":
-            hasher = self._hasher(c // b, work, max(BLOCK_CHUNK, b))
+            hasher = self._hasher(c // b, work, device, max(BLOCK_CHUNK, b))
             _compress_blocks(hasher, table, bitmap, tensor, b)
             return SketchPayload(bitmap, table.to(dtype))
-        hasher = self._hasher(c, work)
+        hasher = self._hasher(c, work, device)
         if tensor.is_sparse:
             s = coo_to_stream(tensor)  # coalesced rows, O(nnz): a COO input is never densified
             assert s.indices is not None
@@ -182,22 +188,23 @@ class SparseSketch(Compressor):
         c = payload.table.shape[1]
         work = torch.float64 if payload.table.dtype == torch.float64 else torch.float32
         table = payload.table.to(work).contiguous()
+        device = table.device
         every = blocks.numel() == -(-n // b)
         if self.hash == "block":
             if c % b:
                 raise ValueError(f"a block-hash table's {c} columns are not whole blocks of {b}")
-            hasher = self._hasher(c // b, work, max(BLOCK_CHUNK, b))
+            hasher = self._hasher(c // b, work, device, max(BLOCK_CHUNK, b))
             vals = _query_blocks(hasher, table, blocks, b, n)
             if spec.sparse_dim is None and every:  # every block set: the values are the tensor
                 return vals.to(spec.dtype).reshape(spec.shape)
             return _assemble(vals.to(spec.dtype), blocks, b, spec)
-        hasher = self._hasher(c, work)
+        hasher = self._hasher(c, work, device)
         if spec.sparse_dim is None and every:  # every block set: write in place
-            out = torch.empty(n, dtype=work)
+            out = torch.empty(n, dtype=work, device=device)
             for a in range(0, n, CHUNK):
                 hasher.query(table, a, out[a : a + CHUNK])
             return out.to(spec.dtype).reshape(spec.shape)
-        vals = torch.empty(_block_numel(blocks, b, n), dtype=work)
+        vals = torch.empty(_block_numel(blocks, b, n), dtype=work, device=device)
         for h, lo, hi in _runs(blocks, b, n):
             hasher.query(table, h, vals[lo:hi])
         return _assemble(vals.to(spec.dtype), blocks, b, spec)
@@ -212,7 +219,7 @@ def _assemble(vals: torch.Tensor, blocks: torch.Tensor, b: int, spec: TensorSpec
             return stream_to_coo(SparseStream(blocks, vals, n, row=b, validate=False), spec.shape, spec.sparse_dim)
         idx = _block_elements(blocks, b, n)
         return stream_to_coo(SparseStream(idx, vals, n, validate=False), spec.shape, spec.sparse_dim)
-    out = torch.zeros(n, dtype=spec.dtype)
+    out = torch.zeros(n, dtype=spec.dtype, device=vals.device)
     if n % b == 0:
         out.view(-1, b)[blocks] = vals.view(-1, b)
     else:
@@ -235,7 +242,7 @@ def _compress_blocks(h: Hasher, table: torch.Tensor, bitmap: torch.Tensor, tenso
         assert e.indices is not None
         idx = e.indices.to(torch.int64)
         keys, inv = torch.unique(idx // b, return_inverse=True)
-        rows = torch.zeros(keys.numel(), b, dtype=work)
+        rows = torch.zeros(keys.numel(), b, dtype=work, device=table.device)
         rows[inv, idx % b] = e.values.to(work)
         bitmap[keys] = 1
         _insert_rows(h, table, rows, keys)
@@ -250,7 +257,7 @@ def _compress_blocks(h: Hasher, table: torch.Tensor, bitmap: torch.Tensor, tenso
     else:
         _insert_rows(h, table, whole, blocks[: int(torch.searchsorted(blocks, full))], gather=True)
     if full * b < n and blocks.numel() and int(blocks[-1]) == full:  # the short last block, zero-padded
-        pad = torch.zeros(1, b, dtype=work)
+        pad = torch.zeros(1, b, dtype=work, device=table.device)
         pad[0, : n - full * b] = flat[full * b :]
         h.insert_blocks(table, blocks[-1:], pad)
 
@@ -264,7 +271,7 @@ def _insert_rows(
     step = max(1, h.z.numel() // rows.shape[1])
     for a in range(0, m, step):
         hi = min(m, a + step)
-        part = torch.arange(a, hi) if keys is None else keys[a:hi]
+        part = torch.arange(a, hi, device=table.device) if keys is None else keys[a:hi]
         vals = rows[part] if gather else rows[a:hi]
         h.insert_blocks(table, part, vals.to(table.dtype))
 
@@ -273,7 +280,7 @@ def _query_blocks(h: Hasher, table: torch.Tensor, blocks: torch.Tensor, b: int, 
     """Block hash: the estimates of the set ``blocks`` (ascending), block after block, the tensor's short last
     block cut short."""
     m = blocks.numel()
-    vals = torch.empty(m, b, dtype=table.dtype)
+    vals = torch.empty(m, b, dtype=table.dtype, device=table.device)
     step = max(1, h.z.numel() // b)
     for a in range(0, m, step):
         h.query_blocks(table, blocks[a : a + step], vals[a : a + step])
@@ -321,14 +328,14 @@ def _nonzero_blocks(flat: torch.Tensor, b: int) -> torch.Tensor:
     if full * b < n:
         peaks.append(flat[full * b :].abs().amax().reshape(1))
     if not peaks:
-        return torch.zeros(0, dtype=torch.int64)
+        return torch.zeros(0, dtype=torch.int64, device=flat.device)
     peak = torch.cat(peaks)  # max |x| per block: 3x cheaper than ne(0).any(1)
     return torch.nonzero((peak > 0) | peak.isnan(), as_tuple=True)[0]
 
 
 def _block_elements(blocks: torch.Tensor, b: int, n: int) -> torch.Tensor:
     """Element indices of ``blocks`` (ascending), clipped to the tensor's ``n`` entries."""
-    idx = (blocks.unsqueeze(1) * b + torch.arange(b)).reshape(-1)
+    idx = (blocks.unsqueeze(1) * b + torch.arange(b, device=blocks.device)).reshape(-1)
     if blocks.numel() and int(blocks[-1]) * b + b > n:  # only the tensor's last block can be short
         idx = idx[: idx.numel() - (int(blocks[-1]) * b + b - n)]
     return idx

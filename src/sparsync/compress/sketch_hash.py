@@ -54,10 +54,18 @@ Index = torch.Tensor | int | RowRun  # keys, the first of a run of consecutive k
 
 
 class Hasher:
-    """Row hashes of one call and their scratch buffers, sized for ``size`` keys (and values) per pass."""
+    """Row hashes of one call and their scratch buffers on ``device`` (default the host), sized for ``size``
+    keys (and values) per pass. The C kernels read host memory: on another device the torch kernels run."""
 
     def __init__(
-        self, rows: int, seed: int, c: int, work: torch.dtype, size: int = CHUNK, native: bool | None = None
+        self,
+        rows: int,
+        seed: int,
+        c: int,
+        work: torch.dtype,
+        size: int = CHUNK,
+        native: bool | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.c, self.rows = c, rows
         base = splitmix_int(seed)
@@ -67,15 +75,16 @@ class Hasher:
         ]
         if native and _native is None:
             raise RuntimeError("native sketch kernels asked for, but sparsync.compress._sketch_c is not built")
-        # the C kernels: by default where built (module doc); they take at most 64 rows
-        self.native = (_native is not None if native is None else native) and rows <= 64
-        self.ab_tensor = torch.tensor(self.ab, dtype=torch.int64).reshape(-1)
+        d = self.device = torch.device("cpu") if device is None else torch.device(device)
+        # the C kernels: by default where built (module doc), on host memory; they take at most 64 rows
+        self.native = (_native is not None if native is None else native) and rows <= 64 and d.type == "cpu"
+        self.ab_tensor = torch.tensor(self.ab, dtype=torch.int64, device="cpu").reshape(-1)  # read by C only
         self.itype = torch.int64 if work == torch.float64 else torch.int32  # the value's bits, for the sign
-        self.z = torch.empty(size, dtype=torch.int64)
-        self.base = torch.empty(size, dtype=torch.int64)  # a RowRun's per-block a_j·w·block + b_j
-        self.sign = torch.empty(size, dtype=self.itype)
-        self.signed = torch.empty(size, dtype=self.itype)
-        self.est = torch.empty(rows, size, dtype=work)
+        self.z = torch.empty(size, dtype=torch.int64, device=d)
+        self.base = torch.empty(size, dtype=torch.int64, device=d)  # a RowRun's per-block a_j·w·block + b_j
+        self.sign = torch.empty(size, dtype=self.itype, device=d)
+        self.signed = torch.empty(size, dtype=self.itype, device=d)
+        self.est = torch.empty(rows, size, dtype=work, device=d)
         self._steps: list[torch.Tensor] = []
 
     def _z(self, idx: Index, k: int, j: int) -> torch.Tensor:
@@ -86,7 +95,8 @@ class Hasher:
         if isinstance(idx, torch.Tensor):
             return torch.mul(idx, a, out=z).add_(b)
         if not self._steps:  # a_j·0..size-1, once per call: a chunk of positions then costs one add
-            self._steps = [torch.arange(self.z.numel(), dtype=torch.int64).mul_(aj) for aj, _ in self.ab]
+            steps = torch.arange(self.z.numel(), dtype=torch.int64, device=self.device)
+            self._steps = [steps.mul(aj) for aj, _ in self.ab]
         if isinstance(idx, RowRun):
             m, w = idx.blocks.numel(), idx.width
             base = torch.mul(idx.blocks, signed64(a * w), out=self.base[:m]).add_(b)

@@ -43,6 +43,9 @@ class Threshold(base.Sparsifier):
         base.check_positive_int(self.lifespan, "lifespan")
         base.check_kernels("Threshold", self.kernels, _native is not None, "_threshold_c")
 
+    def check_device(self, device: torch.device) -> None:
+        base.native_for("Threshold", self.kernels, _native is not None, device)
+
     def threshold(self, name: str = "") -> float | None:
         """Current τ for ``name`` (None before its first call)."""
         st = self._state.get(name)
@@ -50,13 +53,17 @@ class Threshold(base.Sparsifier):
 
     def compress(self, tensor: torch.Tensor, ctx: base.Context = base.NO_CONTEXT) -> base.SparsePayload:
         values, indices = base.flat_values(tensor)
+        native = base.native_for(
+            "Threshold", self.kernels, _native is not None, values.device
+        )  # raises before the state moves
         st = self._state.setdefault(ctx.name, [0, 0.0])
         n = values.numel()
         if st[0] % self.lifespan == 0 and n:
             k = base.count_for(self.ratio, n)
+            # τ is state of the host (checkpointed, compared): one scalar read from the device per recompute
             st[1] = float(torch.kthvalue(values.abs(), n - k + 1).values)
         st[0] += 1
-        pos = _mask_positions(values, st[1], native=self.kernels != "torch")
+        pos = _mask_positions(values, st[1], native=native)
         return base.selected(values, indices, pos, tensor.numel(), presorted=True)
 
     def state_dict(self) -> dict[str, Any]:
@@ -75,17 +82,19 @@ def _mask_positions(values: torch.Tensor, tau: float, native: bool = True) -> to
     """Sorted positions of |v| >= τ (|v| > 0 when τ = 0), one cache-sized chunk at a time: the calls between
     recomputations are this pass only, and on a large layer a whole-tensor |v| costs a 4-byte-per-entry
     temporary plus a second trip through memory (DCT §2.1: the compression overhead must stay small). In C
-    (``_threshold_c.c``: one pass writing only the positions) where built, for float32 and float64."""
-    n = values.numel()
+    (``_threshold_c.c``: one pass writing only the positions) where built, for float32 and float64 CPU tensors;
+    positions on ``values``' device."""
+    n, device = values.numel(), values.device
     if (
         native
         and _native is not None
+        and device.type == "cpu"
         and values.dtype in (torch.float32, torch.float64)
         and values.is_contiguous()
     ):
         return _native_positions(values, tau)
-    buf = torch.empty(min(CHUNK, n), dtype=values.dtype)
-    mask = torch.empty(min(CHUNK, n), dtype=torch.bool)
+    buf = torch.empty(min(CHUNK, n), dtype=values.dtype, device=device)
+    mask = torch.empty(min(CHUNK, n), dtype=torch.bool, device=device)
     parts = []
     for start in range(0, n, CHUNK):
         v = values[start : start + CHUNK]
@@ -96,13 +105,14 @@ def _mask_positions(values: torch.Tensor, tau: float, native: bool = True) -> to
         else:
             torch.gt(buf[:m], 0, out=mask[:m])
         parts.append(torch.nonzero(mask[:m], as_tuple=True)[0] + start)
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=device)
 
 
 def _native_positions(values: torch.Tensor, tau: float) -> torch.Tensor:
     n = values.numel()
     assert _native is not None
-    buf = torch.empty(min(CHUNK, n), dtype=torch.int64)
+    host = torch.device("cpu")  # the C pass writes host memory
+    buf = torch.empty(min(CHUNK, n), dtype=torch.int64, device=host)
     parts = []
     dbl = int(values.dtype == torch.float64)
     item = values.element_size()
@@ -110,4 +120,4 @@ def _native_positions(values: torch.Tensor, tau: float) -> torch.Tensor:
         m = min(CHUNK, n - start)
         k = _native.select(values.data_ptr() + start * item, m, tau, start, buf.data_ptr(), dbl)
         parts.append(buf[:k].clone())
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64, device=host)

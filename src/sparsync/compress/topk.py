@@ -72,5 +72,5 @@ def _bucket_topk(mag: torch.Tensor, bucket: int, k: int) -> torch.Tensor:
     pad = nb * bucket - n
     m = torch.nn.functional.pad(mag, (0, pad), value=-1.0) if pad else mag
     top = torch.topk(m.reshape(nb, bucket), k, dim=1, sorted=False).indices
-    pos = (top + torch.arange(nb).unsqueeze(1) * bucket).reshape(-1)
+    pos = (top + torch.arange(nb, device=mag.device).unsqueeze(1) * bucket).reshape(-1)
     return pos[pos < n] if pad else pos

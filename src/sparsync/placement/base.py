@@ -37,6 +37,8 @@ class ReduceEnv:
     num_replicas: int
     timeout: float | None = None
     log: CommLog | None = None
+    # False lets NaN and ±Inf through as IEEE 754 sums (under a GradScaler, whose inf check must see them)
+    check_nan: bool = True
 
 
 class Placement(ABC):

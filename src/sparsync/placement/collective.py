@@ -41,7 +41,7 @@ class DenseAllreduce(Placement):
             flat = torch.cat([(g.to_dense() if g.is_sparse else g).reshape(-1) for g in grads])
             out = allreduce(
                 flat, algorithm="dense", group=env.group, log=env.log, timeout=env.timeout,
-                name="dense:" + ",".join(p.name for p in members),
+                name="dense:" + ",".join(p.name for p in members), check_nan=env.check_nan,
             )  # fmt: skip
             assert isinstance(out, torch.Tensor)
             # views of the result's fresh buffer (the allreduce never aliases its input), as DDP's
@@ -69,6 +69,7 @@ class SparseAllreduce(Placement):
                 log=env.log,
                 timeout=env.timeout,
                 name=p.name,
+                check_nan=env.check_nan,
             )
 
 
@@ -126,7 +127,7 @@ class Compressed(Placement):
     def _reduce(self, g: torch.Tensor, name: str, env: ReduceEnv) -> torch.Tensor:
         out: torch.Tensor = compressed_allreduce(
             g, self.compressor, memory=self.memory, name=name, group=env.group, average=False, log=env.log,
-            timeout=env.timeout,
+            timeout=env.timeout, check_nan=env.check_nan,
         )  # fmt: skip
         return out
 
@@ -174,7 +175,7 @@ class Grouped(Placement):
             out = grouped_allreduce(
                 grads,  # type: ignore[arg-type]
                 algorithm=self.algorithm, group=env.group, log=env.log, timeout=env.timeout,
-                name=",".join(p.name for p in together),
+                name=",".join(p.name for p in together), check_nan=env.check_nan,
             )  # fmt: skip
             for p, g in zip(together, out, strict=True):  # type: ignore[arg-type]
                 p.param.grad = g

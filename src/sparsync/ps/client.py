@@ -3,6 +3,8 @@ sockets (one per server; ZeroMQ sockets must stay on one thread). Callers get a 
 a request that gets no reply within ``timeout`` fails with ``PSTimeoutError`` naming the server, and that
 server's socket is rebuilt so requests queued for a dead server are dropped, not delivered to its successor.
 A server that refuses our CURVE key (``wire.py``) fails the requests at once with ``PSError``, not a timeout.
+Messages travel in fragments of at most ``wire.FRAGMENT_BYTES`` both ways; a reply is put back together only when
+it fits ``max_message_bytes``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,13 @@ class PSTimeoutError(TimeoutError):
 
 
 @dataclass
+class _Outgoing:
+    rid: int
+    parts: list[memoryview]  # the message's fragments
+    sent: int = 0  # fragments the socket took; once one did, the rest must follow, or the server loses count
+
+
+@dataclass
 class _Pending:
     server: int
     future: Future[tuple[Header, bytes]]
@@ -49,7 +58,8 @@ class PSClient:
     default the run's from the environment (``SPARSYNC_PS_CLIENT_KEY``, set by ``start_servers``). ``sender``:
     the worker id sent with each request (sync steps sum pushes in this order).
 
-    ``request`` is thread-safe. Byte counters (``bytes_sent``, ``bytes_recv``) count whole frames.
+    ``request`` is thread-safe. Byte counters (``bytes_sent``, ``bytes_recv``) count whole messages.
+    ``max_message_bytes`` bounds a request and a reply (``PSTable`` splits pulls and pushes to fit).
     """
 
     def __init__(
@@ -82,7 +92,13 @@ class PSClient:
         self.keys = keys
         self.timeout = timeout
         self.sender = sender
+        if max_message_bytes < wire.HEADER.size:
+            raise ValueError(f"max_message_bytes must be >= {wire.HEADER.size}, got {max_message_bytes}")
         self.max_message_bytes = max_message_bytes
+        # replies under way, one per server at most (a server answers one request at a time to one client)
+        self._incoming = wire.Reassembler(
+            max_message=max_message_bytes, max_total=len(addresses) * max_message_bytes
+        )
         self.bytes_sent = 0
         self.bytes_recv = 0
         self.bytes_per_server = [0] * len(self.addresses)  # sent + received, per server
@@ -150,6 +166,8 @@ class PSClient:
         """A socket to ``server`` and, when it authenticates, a monitor that reports a refused handshake."""
         s = self._ctx.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
+        # what a peer at this address can make us buffer before its CURVE handshake proves it is the server
+        s.setsockopt(zmq.MAXMSGSIZE, wire.FRAGMENT_BYTES + wire.FRAME_SLACK)
         mon = None
         key = self.server_keys[server]
         if key is not None and self.keys is not None:
@@ -172,7 +190,7 @@ class PSClient:
         # Frames a socket has not taken yet, per server. A DEALER blocks a send while it has no connection to
         # queue into (a server not up yet, or one whose CURVE handshake just failed and is being retried), so
         # sends never block: a frame waits here, and its request times out like any other.
-        outbox: dict[int, deque[tuple[int, bytes]]] = {}
+        outbox: dict[int, deque[_Outgoing]] = {}
         running = True
         while running or pending:
             now = time.monotonic()
@@ -190,14 +208,14 @@ class PSClient:
                         continue
                     server, frame, rid, p = item
                     pending[rid] = p
-                    outbox.setdefault(server, deque()).append((rid, frame))
+                    outbox.setdefault(server, deque()).append(_Outgoing(rid, wire.fragments(frame)))
             for server, held in outbox.items():
                 self._flush(socks[server][0], held, pending, server)
             refused: set[int] = set()
             for i, (s, mon) in enumerate(socks):
                 if s in events:
                     while s.poll(0):
-                        self._deliver(s.recv(copy=True), pending, i)
+                        self._receive(s, pending, i)
                 if mon is not None and mon in events:
                     while mon.poll(0):
                         if recv_monitor_message(mon)["event"] & _REFUSED:
@@ -220,6 +238,7 @@ class PSClient:
             # drop whatever is still queued for these; a restarted server must not see stale requests
             for i in dead | refused:
                 outbox.pop(i, None)
+                self._incoming.forget(_peer(i))
                 _close(poller, *socks[i])
                 socks[i] = self._dealer(i)
                 poller.register(socks[i][0], zmq.POLLIN)
@@ -234,26 +253,54 @@ class PSClient:
         self._wake_rx.close(0)
 
     def _flush(
-        self, sock: zmq.Socket[bytes], held: deque[tuple[int, bytes]], pending: dict[int, _Pending], server: int
+        self, sock: zmq.Socket[bytes], held: deque[_Outgoing], pending: dict[int, _Pending], server: int
     ) -> None:
-        """Hand ``held`` frames to ``sock`` in order, without blocking, until it takes no more; frames of
-        requests that already failed (timed out) are dropped."""
+        """Hand ``held`` messages' fragments to ``sock`` in order, without blocking, until it takes no more;
+        messages of requests that already failed (timed out) are dropped unless a fragment of theirs went."""
         while held:
-            rid, frame = held[0]
-            if rid in pending:
+            out = held[0]
+            if out.sent == 0 and out.rid not in pending:
+                held.popleft()
+                continue
+            while out.sent < len(out.parts):
+                part = out.parts[out.sent]
                 try:
-                    sock.send(frame, zmq.DONTWAIT, copy=False)
+                    sock.send(part, zmq.DONTWAIT)
                 except zmq.Again:
                     return
-                self.bytes_sent += len(frame)
-                self.bytes_per_server[server] += len(frame)
+                out.sent += 1
+                self.bytes_sent += len(part)
+                self.bytes_per_server[server] += len(part)
             held.popleft()
 
-    def _deliver(self, frame: bytes, pending: dict[int, _Pending], server: int) -> None:
-        self.bytes_recv += len(frame)
-        self.bytes_per_server[server] += len(frame)
+    def _receive(self, sock: zmq.Socket[bytes], pending: dict[int, _Pending], server: int) -> None:
+        """Receive one fragment from ``server``: into its reply's buffer when one is under way (no copy)."""
+        key = _peer(server)
+        target = self._incoming.space(key)
         try:
-            h, body = wire.decode(frame, max_bytes=2**62)  # from an authenticated server: no size limit
+            if target is None:
+                frame = sock.recv()
+                self._count(server, len(frame))
+                whole = self._incoming.feed(key, frame)
+            else:
+                nbytes = sock.recv_into(target)
+                self._count(server, nbytes)
+                whole = self._incoming.received(key, nbytes)
+        except wire.FragmentError as e:  # a reply over max_message_bytes: its request fails, saying why
+            p = pending.pop(e.head.rid, None)
+            if p is not None:
+                p.future.set_exception(PSError(f"{p.what}: reply refused: {e}"))
+            return
+        if whole is not None:
+            self._deliver(whole, pending, server)
+
+    def _count(self, server: int, nbytes: int) -> None:
+        self.bytes_recv += nbytes
+        self.bytes_per_server[server] += nbytes
+
+    def _deliver(self, whole: bytes | memoryview, pending: dict[int, _Pending], server: int) -> None:
+        try:
+            h, body = wire.decode(whole, max_bytes=self.max_message_bytes)
         except wire.WireError:
             return  # not from a sparsync server: ignore rather than kill the I/O thread
         p = pending.pop(h.rid, None)
@@ -281,6 +328,11 @@ def _trace_request(fut: Future[tuple[Header, bytes]], name: str, server: int, nb
         )
 
     fut.add_done_callback(done)
+
+
+def _peer(server: int) -> bytes:
+    """The reassembler's key for ``server``'s socket."""
+    return server.to_bytes(8, "little")
 
 
 def _close(poller: zmq.Poller, s: zmq.Socket[bytes], mon: zmq.Socket[bytes] | None) -> None:

@@ -7,8 +7,10 @@ answered with an error after ``wait_timeout`` seconds, so a dead worker yields a
 
 No message can stop the server: every field is checked before use, and any exception while
 handling one message becomes an error reply that says why. Memory is bounded before anything is read: libzmq
-drops a peer whose frame declares more than ``max_message_bytes`` (``MAXMSGSIZE``), CURVE drops peers without
-the run's client key in the handshake (``wire.py``), and tables, held pushes and parked requests have limits.
+drops a peer whose frame declares more than one fragment (``MAXMSGSIZE``: 64 KiB, handshake commands included),
+CURVE drops peers without the run's client key in the handshake (``wire.py``), a message put back together from
+its fragments must fit ``max_message_bytes`` and all of them together ``max_receiving_bytes``, and tables, held
+pushes and parked requests have limits.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ from sparsync.ps.wire import CurveKeys, Header, Op
 
 log = logging.getLogger(__name__)
 
-FRAME_SLACK = 1024  # bytes libzmq's frame may exceed our message by: CURVE's box, nonce and command name
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks who may connect (ZeroMQ RFC 27)
 MAX_ERROR = 2000  # characters of an error reply
 _EXPECTED = (ValueError, KeyError, TypeError)  # a refusal; anything else is a bug, logged with its traceback
@@ -45,7 +46,8 @@ class ServerConfig:
     port: int = 0  # 0: the OS picks
     auth: bool = True  # CURVE: only clients holding the run's client key get past the handshake
     checkpoint_dir: str | None = None  # where SAVE writes and where a (re)started server resumes from
-    max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE  # a larger frame is dropped by libzmq, unread
+    max_message_bytes: int = wire.DEFAULT_MAX_MESSAGE  # a larger message is refused at its first fragment
+    max_receiving_bytes: int = 4 * 2**30  # messages still arriving in fragments, every peer together
     wait_timeout: float = 60.0  # seconds a parked APPLY/PULL waits before an error reply
     max_shard_bytes: int = 16 * 2**30  # a CREATE asking for more (weights + optimizer state) is refused
     max_total_bytes: int = 32 * 2**30  # every partition of this server together
@@ -60,7 +62,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.max_message_bytes < wire.HEADER.size:
             raise ValueError(f"max_message_bytes must be >= {wire.HEADER.size}, got {self.max_message_bytes}")
-        for name in ("max_shard_bytes", "max_total_bytes", "max_pending_bytes", "max_parked", "max_steps_ahead"):
+        limits = ("max_receiving_bytes", "max_shard_bytes", "max_total_bytes", "max_pending_bytes", "max_parked")
+        for name in (*limits, "max_steps_ahead"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.wait_timeout > 0:
@@ -95,6 +98,7 @@ class Server:
         self.refused = self.auth_refused = self.internal_errors = 0
         self.running = True
         self.table_bytes = 0  # every partition's ShardConfig.nbytes
+        self.incoming = wire.Reassembler(max_message=cfg.max_message_bytes, max_total=cfg.max_receiving_bytes)
         self.pending_bytes = 0  # sync pushes held by the partitions, plus parked pulls' rows
         path = cfg.checkpoint_path
         if path is not None and path.exists():
@@ -107,7 +111,16 @@ class Server:
             self.table_bytes = sum(s.cfg.nbytes for s in self.shards.values())
 
     # --- one message ------------------------------------------------------------------------------------
-    def receive(self, ident: bytes, frame: bytes) -> bytes | None:
+    def receive_fragment(self, ident: bytes, frame: bytes) -> bytes | None:
+        """The reply once ``frame`` completes a message (see ``receive``), an error reply for a message refused
+        at its first fragment, or None."""
+        try:
+            whole = self.incoming.feed(ident, frame)
+        except wire.FragmentError as e:
+            return self.refusal(e.head, e)
+        return None if whole is None else self.receive(ident, whole)
+
+    def receive(self, ident: bytes, frame: bytes | memoryview) -> bytes | None:
         """The reply frame to one request, an error reply for any exception, or None when it was parked."""
         self.requests += 1
         self.bytes_in += len(frame)
@@ -237,6 +250,8 @@ class Server:
     # --- parked requests --------------------------------------------------------------------------------
     def retry_parked(self) -> list[tuple[bytes, bytes]]:
         """(client, reply frame) for each parked request that is now ready, failed, or timed out."""
+        # a client that stopped halfway through a message (it died, or reconnected under a new identity)
+        self.incoming.expire(self.cfg.wait_timeout)
         out: list[tuple[bytes, bytes]] = []
         progress = True
         while progress:  # an APPLY may release pulls, which are parked after it
@@ -306,6 +321,7 @@ class Server:
             "internal_errors": self.internal_errors,  # refusals that were bugs (logged with traceback)
             "table_bytes": self.table_bytes,
             "pending_bytes": self.pending_bytes,
+            "receiving_bytes": self.incoming.held,  # reserved by messages whose fragments still arrive
             "parked": len(self.parked),
             "shards": [
                 {"table": t, "partition": p, "name": s.cfg.name, "version": s.version, "lo": s.cfg.lo}
@@ -335,8 +351,13 @@ def serve(
     try:
         sock.setsockopt(zmq.LINGER, 1000)
         # libzmq drops a peer whose frame declares more than this before buffering any of it (a frame
-        # declaring 8 GiB grew the server by 2 GB); the same limit holds during the CURVE handshake.
-        sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_message_bytes + FRAME_SLACK)
+        # declaring 8 GiB grew the server by 2 GB). It holds during the CURVE handshake too, so it must stay
+        # small whatever max_message_bytes is: at 256 MiB, every peer without a key could make the server hold
+        # most of a 256 MiB HELLO (docs/reliability.md). Messages come in fragments instead.
+        sock.setsockopt(zmq.MAXMSGSIZE, wire.FRAGMENT_BYTES + wire.FRAME_SLACK)
+        # Never drop a fragment of a reply (a ROUTER drops what exceeds the high-water mark, which counts
+        # frames): replies queue as whole messages did before, only for clients past the handshake.
+        sock.setsockopt(zmq.SNDHWM, 0)
         if zap is not None and keys is not None:
             zap.setsockopt(zmq.LINGER, 0)
             zap.bind(ZAP_ENDPOINT)  # before the first handshake: with no handler libzmq admits every client
@@ -371,20 +392,41 @@ def _loop(server: Server, sock: zmq.Socket[bytes], zap: zmq.Socket[bytes] | None
             if zap is not None and zap in events:
                 _answer_zap(server, zap, admitted)
             if sock in events:
-                for _ in range(64):  # a burst, then handshakes and parked requests get their turn
+                for _ in range(512):  # a burst (32 MiB), then handshakes and parked requests get their turn
                     try:
-                        parts = sock.recv_multipart(zmq.NOBLOCK)
+                        ident = sock.recv(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    if len(parts) != 2:
-                        continue  # not a DEALER-shaped message: no one to answer
-                    reply = server.receive(parts[0], parts[1])
+                    reply = _receive(server, sock, ident)
                     if reply is not None:
-                        _send(server, sock, parts[0], reply)
+                        _send(server, sock, ident, reply)
             for ident, frame in server.retry_parked():
                 _send(server, sock, ident, frame)
         except Exception:  # a bug outside one message's handling: log it, keep serving
             log.exception("server %d: error in the loop", server.cfg.server_id)
+
+
+def _receive(server: Server, sock: zmq.Socket[bytes], ident: bytes) -> bytes | None:
+    """The rest of a message whose routing id was just received: one fragment, received into the buffer of the
+    peer's message under way when there is one (no copy); the reply it completes, or None."""
+    if not sock.getsockopt(zmq.RCVMORE):
+        return None  # an empty message: nothing to answer
+    target = server.incoming.space(ident)
+    if target is None:
+        frame = sock.recv()
+    else:
+        nbytes = sock.recv_into(target)
+    if sock.getsockopt(zmq.RCVMORE):  # not a DEALER-shaped message: no one to answer; what we wrote into
+        while sock.getsockopt(zmq.RCVMORE):  # the buffer lies past its filled part, to be overwritten
+            sock.recv()
+        return None
+    if target is None:
+        return server.receive_fragment(ident, frame)
+    try:
+        whole = server.incoming.received(ident, nbytes)
+    except wire.FragmentError as e:
+        return server.refusal(e.head, e)
+    return None if whole is None else server.receive(ident, whole)
 
 
 def _answer_zap(server: Server, zap: zmq.Socket[bytes], admitted: set[bytes]) -> None:
@@ -400,4 +442,5 @@ def _answer_zap(server: Server, zap: zmq.Socket[bytes], admitted: set[bytes]) ->
 
 def _send(server: Server, sock: zmq.Socket[bytes], ident: bytes, frame: bytes) -> None:
     server.bytes_out += len(frame)
-    sock.send_multipart([ident, frame])  # a ROUTER drops (never blocks on) a message to a peer that left
+    for part in wire.fragments(frame):
+        sock.send_multipart([ident, part])  # a ROUTER drops (never blocks on) a message to a peer that left

@@ -151,9 +151,12 @@ class PSTable:
         r = _as_rows(rows, self.rows)
         uniq, inv = np.unique(r, return_inverse=True)
         parts = self._split(uniq)
+        # the request (8 bytes a row) and its reply (4 * dim) must each fit max_message_bytes
+        max_rows = max(1, (self.client.max_message_bytes - wire.HEADER.size) // max(8, 4 * self.dim))
         futs, which = [], []
-        for p, pos in enumerate(parts):
-            if pos.size:
+        for p, part in enumerate(parts):
+            for lo in range(0, part.size, max_rows):
+                pos = part[lo : lo + max_rows]
                 futs.append(
                     self.client.request(
                         self.server_of(p),

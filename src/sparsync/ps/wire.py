@@ -1,9 +1,14 @@
 """The parameter server's wire format: a fixed binary header and a typed body, no pickle; and its authentication.
 
-Every message is one ZeroMQ frame: a 56-byte little-endian header, then ``body_len`` bytes. The receiver
-checks magic, version, the header's ``body_len`` against the frame's real length, and the body's length against
-what the op implies (``n`` int64 row ids, then ``n * dim`` float32 values) before it reads anything; a frame over
-the size limit is refused unread. JSON (table configuration, stats, errors) is the only structured body, parsed
+A message is a 56-byte little-endian header, then ``body_len`` bytes, sent as ZeroMQ frames of at most
+``FRAGMENT_BYTES`` (64 KiB): every frame but the last exactly that long, the first starting with the header.
+The sockets' ``MAXMSGSIZE`` is one such frame (plus CURVE's overhead), and libzmq applies it to the CURVE
+handshake's commands too, so a peer without the key can make a server hold at most one 64 KiB command, whatever
+the message limit. ``Reassembler`` puts messages back together per peer, reserving memory only for a message
+whose header's ``body_len`` fits the message limit, and only while every peer's unfinished messages together
+fit a second limit. The receiver checks magic, version, the header's ``body_len`` against the message's real
+length, and the body's length against what the op implies (``n`` int64 row ids, then ``n * dim`` float32
+values) before it reads anything. JSON (table configuration, stats, errors) is the only structured body, parsed
 with ``json`` (data only) once its size and nesting depth were checked.
 
 Header fields (``<4sBBBBQIIIQQIQ``): magic ``SPS1``, version, op, status (0 ok, 1 error; replies only), flags,
@@ -12,7 +17,7 @@ for), n (rows), dim (row width), body_len.
 
 Authentication is ZeroMQ CURVE, below this format (version 1's token was a static digest sent in the
 clear). A server started with ``auth=True`` (the default) has its own keypair and admits only clients holding
-the run's client key; anyone else is dropped in the handshake, before a frame of theirs is read. A server's
+the run's client key; anyone else is dropped in the handshake, before a message of theirs is read. A server's
 address carries its public key (``tcp://127.0.0.1:5555#curve=<64 hex digits>``); the client keypair comes from
 ``PSClient(keys=...)`` or the environment (``SPARSYNC_PS_CLIENT_KEY``), which ``start_servers`` sets so that the
 workers it starts afterwards inherit it.
@@ -25,6 +30,7 @@ import json
 import os
 import re
 import struct
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,6 +42,11 @@ MAGIC = b"SPS1"
 VERSION = 2  # 2: no token field (CURVE authenticates the connection instead)
 HEADER = struct.Struct("<4sBBBBQIIIQQIQ")
 DEFAULT_MAX_MESSAGE = 256 * 2**20  # bytes; a push of 1M rows x 64 floats fits
+# The most one ZeroMQ frame carries. It bounds what a peer can make us buffer before its CURVE handshake is done
+# (libzmq reads a handshake command whole); 64 peers at once cost 4 MiB. Larger frames were not faster: the
+# Python-side cost per frame is small next to encrypting 64 KiB.
+FRAGMENT_BYTES = 64 * 2**10
+FRAME_SLACK = 1024  # bytes libzmq's frame may exceed a fragment by: CURVE's box, nonce and command name
 MAX_JSON_BYTES = 64 * 2**10  # a table config is < 1 KiB
 MAX_JSON_DEPTH = 8  # a table config nests 2 levels; 100,000 levels overflowed json's recursion
 REPLY_BIT = 0x80
@@ -86,7 +97,7 @@ def encode(h: Header, *body: bytes | memoryview) -> bytes:
     return b"".join([head, *body])
 
 
-def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE) -> tuple[Header, memoryview]:
+def decode(frame: bytes | memoryview, *, max_bytes: int = DEFAULT_MAX_MESSAGE) -> tuple[Header, memoryview]:
     """Parse and check one frame; raise ``WireError`` saying what is wrong."""
     if len(frame) > max_bytes:
         raise WireError(f"message of {len(frame)} bytes exceeds the limit of {max_bytes} bytes")
@@ -103,7 +114,131 @@ def decode(frame: bytes, *, max_bytes: int = DEFAULT_MAX_MESSAGE) -> tuple[Heade
     return h, memoryview(frame)[HEADER.size :]
 
 
-def salvage(frame: bytes) -> Header:
+def fragments(message: bytes | memoryview) -> list[memoryview]:
+    """``message`` cut into the ZeroMQ frames that carry it: each ``FRAGMENT_BYTES`` long but the last."""
+    mv = memoryview(message)
+    return [mv[i : i + FRAGMENT_BYTES] for i in range(0, max(len(mv), 1), FRAGMENT_BYTES)]
+
+
+class FragmentError(WireError):
+    """A message refused while its fragments arrive; ``head`` names the request, for the error reply."""
+
+    def __init__(self, msg: str, head: Header) -> None:
+        super().__init__(msg)
+        self.head = head
+
+
+@dataclass
+class _Partial:
+    head: Header
+    buf: np.ndarray | None  # None: a refused message, whose remaining fragments are read and dropped
+    filled: int
+    seen: float  # time.monotonic() of its last fragment
+
+
+class Reassembler:
+    """Whole messages from the fragments each peer sends, in order (one ZeroMQ connection keeps a peer's frames
+    in order, and a sender writes a message's fragments back to back).
+
+    A frame shorter than its header's ``body_len`` promises starts a message only when it is exactly
+    ``FRAGMENT_BYTES`` long; any other frame is a message by itself, and ``decode`` judges it. A started message
+    gets its buffer only when it fits ``max_message`` and every peer's unfinished messages together fit
+    ``max_total``; otherwise ``feed`` raises ``FragmentError`` at once and drops the message's remaining
+    fragments as they come. The buffer is reserved, not written, so resident memory grows with the bytes that
+    arrive. ``expire`` forgets messages whose peer went quiet (a peer that reconnects gets a new identity)."""
+
+    def __init__(self, *, max_message: int, max_total: int) -> None:
+        self.max_message = max_message
+        self.max_total = max_total
+        self.held = 0  # bytes reserved by unfinished messages
+        self._partial: dict[bytes, _Partial] = {}
+
+    def __len__(self) -> int:
+        return len(self._partial)
+
+    def feed(self, peer: bytes, frame: bytes) -> bytes | memoryview | None:
+        """The whole message once ``frame`` ends one, else None; ``FragmentError`` for a refused message."""
+        p = self._partial.get(peer)
+        if p is None:
+            return self._first(peer, frame)
+        due = self._due(p)
+        if p.buf is not None and len(frame) == due:
+            p.buf[p.filled : p.filled + due] = np.frombuffer(frame, dtype=np.uint8)
+        return self._advance(peer, p, len(frame), due)
+
+    def space(self, peer: bytes) -> memoryview | None:
+        """Where ``peer``'s next fragment belongs, when a message of theirs is under way and kept: receive it
+        there (``recv_into``, saving a copy), then call ``received``. None: receive it and ``feed`` it."""
+        p = self._partial.get(peer)
+        if p is None or p.buf is None:
+            return None
+        return p.buf.data[p.filled : p.filled + self._due(p)]
+
+    def received(self, peer: bytes, nbytes: int) -> memoryview | None:
+        """``peer``'s next fragment, ``nbytes`` long, was received into ``space(peer)`` (truncated when longer):
+        as ``feed``."""
+        p = self._partial[peer]
+        return self._advance(peer, p, nbytes, self._due(p))
+
+    @staticmethod
+    def _due(p: _Partial) -> int:
+        """The length the next fragment must have: a whole fragment, or what is left."""
+        return min(FRAGMENT_BYTES, HEADER.size + p.head.body_len - p.filled)
+
+    def _advance(self, peer: bytes, p: _Partial, nbytes: int, due: int) -> memoryview | None:
+        p.seen = time.monotonic()
+        if nbytes != due:
+            self.forget(peer)
+            raise FragmentError(
+                f"fragment of {nbytes} bytes where {due} were due "
+                f"({p.filled} of {HEADER.size + p.head.body_len} bytes received)",
+                p.head,
+            )
+        p.filled += nbytes
+        if p.filled < HEADER.size + p.head.body_len:
+            return None
+        self.forget(peer)
+        return None if p.buf is None else p.buf.data
+
+    def _first(self, peer: bytes, frame: bytes) -> bytes | None:
+        if len(frame) != FRAGMENT_BYTES or frame[:4] != MAGIC:
+            return frame
+        total = HEADER.size + HEADER.unpack_from(frame)[-1]
+        if total <= len(frame):
+            return frame
+        head = replace(salvage(frame), body_len=total - HEADER.size)
+        refusal = None
+        if total > self.max_message:
+            refusal = f"message of {total} bytes exceeds the limit of {self.max_message} bytes"
+        elif self.held + total > self.max_total:
+            refusal = (
+                f"message of {total} bytes would take the messages being received past the limit of "
+                f"{self.max_total} bytes ({self.held} in use)"
+            )
+        buf = None
+        if refusal is None:
+            buf = np.empty(total, dtype=np.uint8)
+            buf[: len(frame)] = np.frombuffer(frame, dtype=np.uint8)
+            self.held += total
+        self._partial[peer] = _Partial(head, buf, len(frame), time.monotonic())
+        if refusal is not None:
+            raise FragmentError(refusal, head)
+        return None
+
+    def forget(self, peer: bytes) -> None:
+        p = self._partial.pop(peer, None)
+        if p is not None and p.buf is not None:
+            self.held -= len(p.buf)
+
+    def expire(self, idle: float) -> int:
+        """Forget messages with no fragment for ``idle`` seconds; how many."""
+        old = [k for k, p in self._partial.items() if time.monotonic() - p.seen > idle]
+        for k in old:
+            self.forget(k)
+        return len(old)
+
+
+def salvage(frame: bytes | memoryview) -> Header:
     """Best effort: the op and ids of a message we refuse, so the client can match the error reply."""
     if len(frame) >= HEADER.size and frame[:4] == MAGIC:
         f = HEADER.unpack_from(frame)

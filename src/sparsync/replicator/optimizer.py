@@ -17,12 +17,45 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from sparsync.collectives.group import submit
+from sparsync.collectives.transport import meta_group
 from sparsync.placement import ByLayout, NamedParam, Placement, ReduceEnv, aggregate
 from sparsync.replicator import primitives as prim
 
 OPS = ("mean", "sum")
+_NONE, _DENSE, _SPARSE = 0, 1, 2  # a gradient's layout, as fill_missing_grads agrees it
+
+
+def fill_missing_grads(params: list[NamedParam], env: ReduceEnv) -> None:
+    """Give every parameter that has a gradient on some replica but none here a zero gradient of that layout
+    (an empty COO tensor for a sparse one, as ``nn.Embedding(sparse=True)`` gives; dense zeros otherwise), so
+    every replica's aggregation has the same tensors. One allreduce (MAX) of one int32 per parameter on the
+    group's host side, queued behind the group's sparsync work like any of its calls. DDP's
+    ``find_unused_parameters`` walks the autograd graph instead (docs/results_optim.md compares the two).
+    Mutates ``p.grad`` of the parameters that lack one."""
+    codes = torch.tensor(
+        [_NONE if p.param.grad is None else _SPARSE if p.param.grad.is_sparse else _DENSE for p in params],
+        dtype=torch.int32,
+    )
+
+    def agree() -> None:
+        dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=meta_group(env.group))
+
+    submit(env.group, agree, False)
+    for p, code in zip(params, codes.tolist(), strict=True):
+        if p.param.grad is None and code != _NONE:
+            p.param.grad = _zero_grad(p.param, sparse=code == _SPARSE)
+
+
+def _zero_grad(p: torch.nn.Parameter, *, sparse: bool) -> torch.Tensor:
+    if sparse:  # nn.Embedding(sparse=True)'s layout: one sparse dim, the rest dense
+        idx = torch.empty(1, 0, dtype=torch.int64, device=p.device)
+        vals = torch.empty(0, *p.shape[1:], dtype=p.dtype, device=p.device)
+        return torch.sparse_coo_tensor(idx, vals, p.shape, is_coalesced=True)
+    return torch.zeros_like(p)
 
 
 PlanSpec = Mapping[str, Placement] | Callable[[str, torch.nn.Parameter], Placement] | None
@@ -86,7 +119,10 @@ class ReplicatedOptimizer:
     # --- the template method ----------------------------------------------------------------------------------
     def aggregate(self) -> None:
         """Replace every parameter's gradient by its sum (op="sum") or mean (op="mean") over replicas.
-        Parameters without a gradient are skipped (they must lack it on every replica)."""
+        A parameter with a gradient on some replicas only (a table or branch unused on the others) counts as
+        zero where it has none; one without a gradient anywhere is skipped (its optimizer skips it too)."""
+        if self.env.num_replicas > 1:
+            fill_missing_grads(self.params, self.env)
         aggregate(self.plan, self.params, self.env)
         if self.op == "mean" and self.env.num_replicas > 1:
             for p in self.params:
