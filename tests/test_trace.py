@@ -296,3 +296,25 @@ def test_demo_trace_writes_a_timeline_the_merge_draws(tmp_path: Path) -> None:
     assert steps == {2, 3, 6, 7}  # the dense and sparsync plans' timed steps, numbered across the runs
     assert any(e.get("cat") == "ps" and e["name"].startswith("ps:") for e in events)
     assert png.stat().st_size > 10_000
+
+
+def test_slowest_step_and_its_filters() -> None:
+    """The picture's step: the longest from the first rank's start to the last rank's end (not the longest on
+    one rank), ``first`` leaves out earlier steps, an unknown step is named."""
+    from sparsync_bench.trace_merge import slowest_step
+
+    def step(n: int, pid: int, ts: float, dur: float) -> dict[str, Any]:
+        return {"name": f"step {n}", "cat": "step", "ph": "X", "pid": pid, "tid": 1, "ts": ts, "dur": dur,
+                "args": {"step": n}}  # fmt: skip
+
+    # step 0: 100 µs on each rank, but rank 1 starts 60 later (160 overall); step 1: 150 on rank 0 alone
+    merged = {"traceEvents": [step(0, 0, 0, 100), step(0, 1, 60, 100), step(1, 0, 200, 150), step(1, 1, 200, 10),
+                              step(2, 0, 400, 20), step(2, 1, 400, 20)]}  # fmt: skip
+    w = slowest_step(merged)
+    assert (w.label, w.start, w.end) == ("slowest step (0)", 0, 160)
+    assert slowest_step(merged, first=1).label == "slowest step (1)"
+    assert slowest_step(merged, step=2).label == "step 2"
+    with pytest.raises(ValueError, match="step 7 is not on the timeline; marked steps: \\[0, 1, 2\\]"):
+        slowest_step(merged, step=7)
+    with pytest.raises(ValueError, match="no step numbered 5 or more"):
+        slowest_step(merged, first=5)

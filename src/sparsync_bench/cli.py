@@ -257,6 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mg.add_argument("dir", type=Path, help="the directory holding rank<r>.json")
     mg.add_argument("--step", type=int, default=None, help="draw this step instead of the slowest")
+    mg.add_argument("--from-step", type=int, default=0, help="the slowest among the steps numbered this or more")
     mg.add_argument("--png", type=Path, default=None, help="the picture's path (default: DIR/slowest_step.png)")
     mg.set_defaults(func=_trace_merge)
     _add_bench_parsers(sub, parents)
@@ -374,7 +375,7 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
 def _trace_merge(args: argparse.Namespace, console: Console) -> int:
     from sparsync_bench.trace_merge import merge_and_draw
 
-    merged, png = merge_and_draw(args.dir, args.step, args.png)
+    merged, png = merge_and_draw(args.dir, args.step, args.png, args.from_step)
     console.print(f"merged timeline: {merged} (open in https://ui.perfetto.dev); picture: {png}")
     return 0
 

@@ -90,9 +90,9 @@ class Window:
     end: float
 
 
-def slowest_step(merged: dict[str, Any], step: int | None = None) -> Window:
-    """The step (``sparsync.trace_step``) whose first start to last end over the ranks is longest (or step
-    ``step``); the whole timeline when no step was marked."""
+def slowest_step(merged: dict[str, Any], step: int | None = None, first: int = 0) -> Window:
+    """The step (``sparsync.trace_step``) numbered ``first`` or more whose first start to last end over the
+    ranks is longest (or step ``step``); the whole timeline when no step was marked."""
     steps: dict[int, list[float]] = {}
     for e in merged["traceEvents"]:
         if e.get("cat") == "step" and e.get("ph") == "X":
@@ -102,8 +102,11 @@ def slowest_step(merged: dict[str, Any], step: int | None = None) -> Window:
         if step not in steps:
             raise ValueError(f"step {step} is not on the timeline; marked steps: {sorted(steps) or 'none'}")
         return Window(f"step {step}", *steps[step])
-    if steps:
-        worst, (lo, hi) = max(steps.items(), key=lambda kv: kv[1][1] - kv[1][0])
+    later = {k: v for k, v in steps.items() if k >= first}
+    if steps and not later:
+        raise ValueError(f"no step numbered {first} or more; marked steps: {min(steps)}..{max(steps)}")
+    if later:
+        worst, (lo, hi) = max(later.items(), key=lambda kv: kv[1][1] - kv[1][0])
         return Window(f"slowest step ({worst})", lo, hi)
     timed = [e for e in merged["traceEvents"] if e.get("ph") in ("X", "b", "e")]
     if not timed:
@@ -133,11 +136,11 @@ COLORS = {"communication": "#1f77b4", "waiting": "#ff7f0e", "compress": "#2ca02c
           "wait": "#7f7f7f"}  # fmt: skip
 
 
-def draw(merged: dict[str, Any], png: Path, step: int | None = None) -> Path:
+def draw(merged: dict[str, Any], png: Path, step: int | None = None, first: int = 0) -> Path:
     """The slowest step, one row per rank (the caller's thread; queued async calls in a thin lane below it):
     each call split into waiting for the last rank and the exchange after it; compressor steps, the caller's
     waits on async handles and parameter-server requests in their own colours; blank is computation."""
-    window = slowest_step(merged, step)
+    window = slowest_step(merged, step, first)
     span = window.end - window.start
     waits = call_waits(merged)
     ranks = sorted({e["pid"] for e in merged["traceEvents"]})
@@ -188,8 +191,10 @@ def draw(merged: dict[str, Any], png: Path, step: int | None = None) -> Path:
     return save_figure(fig, png, dpi=110)
 
 
-def merge_and_draw(directory: Path, step: int | None = None, png: Path | None = None) -> tuple[Path, Path]:
+def merge_and_draw(
+    directory: Path, step: int | None = None, png: Path | None = None, first: int = 0
+) -> tuple[Path, Path]:
     """``sparsync trace merge``: ``DIR/merged.json`` and the picture (``DIR/slowest_step.png`` by default) of
-    the slowest step or of ``step``."""
+    the slowest step numbered ``first`` or more, or of ``step``."""
     merged = merge(directory)
-    return directory / MERGED, draw(merged, png or directory / PICTURE, step)
+    return directory / MERGED, draw(merged, png or directory / PICTURE, step, first)
