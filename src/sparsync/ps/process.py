@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -98,16 +99,32 @@ class ServerProcess:
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
         line = self._proc.stdout.readline().strip() if ready else ""
         if not line.startswith("tcp://"):
-            self.kill()
-            self._log.seek(0)
-            err = self._log.read()
-            raise RuntimeError(
-                f"parameter server {self.cfg.server_id} did not start within {timeout} s: {err[-2000:]}"
-            )
+            raise RuntimeError(self._failed_start(timeout, closed=bool(ready)))
         self.address = line
         if self.cfg.port == 0:  # keep the port for restart()
             self.cfg = replace(self.cfg, port=int(wire.split_address(line)[0].rsplit(":", 1)[1]))
         return line
+
+    def _failed_start(self, timeout: float, *, closed: bool) -> str:
+        """Why the server gave no address: it exited (its code and last stderr line, e.g. a refused
+        checkpoint's reason), or it is still running after ``timeout`` (killed now)."""
+        assert self._proc is not None and self._log is not None
+        code = None
+        if closed:  # its stdout closed: it is exiting, or exited already
+            try:
+                code = self._proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
+        self.kill()
+        self._log.seek(0)
+        err = self._log.read()
+        name = f"parameter server {self.cfg.server_id}"
+        if code is None:
+            return f"{name} did not start within {timeout} s: {err[-2000:]}"
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        last = lines[-1] if lines else "(nothing on stderr)"
+        return f"{name} {how} before it started: {last[-2000:]}"
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
