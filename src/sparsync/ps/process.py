@@ -3,6 +3,7 @@ and the process entry point (``python -m sparsync.ps.process``). The server itse
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from sparsync.ps import wire
+from sparsync.ps.machine import default_max_total_bytes
 from sparsync.ps.server import ServerConfig, serve
 from sparsync.ps.shard import CheckpointError
 from sparsync.ps.wire import CurveKeys
@@ -111,10 +113,8 @@ class ServerProcess:
         assert self._proc is not None and self._log is not None
         code = None
         if closed:  # its stdout closed: it is exiting, or exited already
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 code = self._proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                pass
         self.kill()
         self._log.seek(0)
         err = self._log.read()
@@ -151,11 +151,13 @@ class ServerProcess:
 
 
 def start_servers(n: int, *, client_keys: CurveKeys | None = None, **kw: Any) -> list[ServerProcess]:
-    """Start ``n`` servers (one per machine) with the given ServerConfig fields; server ids 0..n-1. With auth
+    """Start ``n`` servers on this machine with the given ServerConfig fields; server ids 0..n-1. With auth
     (the default) they admit ``client_keys``, by default the run's, which this puts in the environment for the
-    workers started afterwards (see ``ServerProcess``)."""
+    workers started afterwards (see ``ServerProcess``). Unless ``max_total_bytes`` is given, the default bound
+    on tables (half the available memory) is split between the ``n``."""
     if n < 1:
         raise ValueError(f"need at least one server, got {n}")
+    kw.setdefault("max_total_bytes", default_max_total_bytes(n))  # they share this machine's memory
     procs: list[ServerProcess] = []
     try:
         for i in range(n):
