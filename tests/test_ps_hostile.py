@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import struct
 import threading
@@ -113,6 +114,8 @@ CASES: list[tuple[str, Callable[[int], bytes], str]] = [
     ("lr = Infinity", lambda r: _create(r, _cfg(optimizer={"lr": float("inf")})),
      "lr must be a finite number > 0, got inf"),
     ("lr = 1e39 (float32: inf)", lambda r: _create(r, _cfg(optimizer={"lr": 1e39})), "lr must be a finite number"),
+    ("lr = 10^400 (an integer past float's range)", lambda r: _create(r, _cfg(optimizer={"lr": 10**400})),
+     "lr must be a finite number > 0, got 1000000000"),
     ("beta1 = 2", lambda r: _create(r, _cfg(optimizer={"name": "adam", "beta1": 2})), "beta1 must lie in [0, 1)"),
     ("optimizer 'rmsprop'", lambda r: _create(r, _cfg(optimizer={"name": "rmsprop"})), "unknown server optimizer"),
     ("optimizer name = 5", lambda r: _create(r, _cfg(optimizer={"name": 5})), "unknown server optimizer 5"),
@@ -181,6 +184,68 @@ def test_parked_requests_are_bounded(server: ServerProcess, raw: RawClient) -> N
     assert h.status == 1 and "8 requests already wait on this server (max_parked)" in msg
     h, msg = raw.ask(None, timeout=5, rid=27)  # the parked ones time out (1 s), with why
     assert h.status == 1 and "0 of 2 pushes arrived" in msg
+
+
+def test_a_number_past_floats_range_is_bad_input_not_an_internal_error() -> None:
+    """JSON integers have no bound: lr = 10^400 made float() raise OverflowError, which the server took for a bug
+    (logged with its traceback) though it is the client's bad value."""
+    s = Server(ServerConfig(auth=False))
+    for field in ("lr", "eps", "lr_decay"):
+        opt = {"name": "adagrad", field: 10**400}
+        h, body = wire.decode(s.receive(b"id", _create(7, _cfg(optimizer=opt))) or b"")
+        msg = bytes(body).decode()
+        assert h.status == 1 and msg.startswith(f"ValueError: {field} must be a finite number"), msg
+        assert "(401 digits)" in msg and len(msg) < 200, msg  # names the value without 401 digits of it
+    assert s.internal_errors == 0 and not s.shards
+
+
+def _mem_available() -> int:
+    """MemAvailable of /proc/meminfo, in bytes, read here independently of the library."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    pytest.skip("no MemAvailable in /proc/meminfo")
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="needs /proc/meminfo (Linux)")
+def test_default_table_bound_follows_the_machines_memory() -> None:
+    """A fixed 32 GiB default let 15 of 19 CREATEs of 2 GiB tables through on a 24 GiB machine (30 GiB declared,
+    tables are zeros that only take memory once written). Now the default fits what the machine has."""
+    available = _mem_available()
+    cfg = ServerConfig(auth=False)
+    assert 0 < cfg.max_total_bytes <= available // 2 + 2**28  # half of MemAvailable (which moves a little)
+    s = Server(cfg)
+    rows = 2**29  # 2 GiB of float32 weights (SGD: no state)
+    answers = [
+        wire.decode(s.receive(b"id", _create(i, _cfg(name=f"m{i}", rows=rows, hi=rows, dim=1), table=i)) or b"")
+        for i in range(19)
+    ]
+    accepted = sum(h.status == 0 for h, _ in answers)
+    assert accepted * 2 * 2**30 <= available, f"{accepted} tables of 2 GiB accepted, {available} bytes available"
+    assert "max_total_bytes" in bytes(answers[-1][1]).decode()
+    s.shards.clear()  # the tables were never written: they gave back nothing but address space
+    assert ServerConfig(auth=False, max_total_bytes=2**50).max_total_bytes == 2**50  # still overridable
+
+
+def test_machine_memory_is_read_from_meminfo_and_the_cgroup(tmp_path: Path) -> None:
+    from sparsync.ps.machine import available_memory
+
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       25165824 kB\nMemFree:  1 kB\nMemAvailable:   20971520 kB\n")
+    assert available_memory(meminfo=meminfo, cgroups=()) == 20 * 2**30
+    group = tmp_path / "container"  # cgroup v2: a container limited to 8 GiB, 3 GiB used, 2 GiB of it cache
+    group.mkdir()
+    (group / "memory.max").write_text(f"{8 * 2**30}\n")
+    (group / "memory.current").write_text(f"{3 * 2**30}\n")
+    (group / "memory.stat").write_text(f"anon {2**30}\ninactive_file {2 * 2**30}\n")
+    assert available_memory(meminfo=meminfo, cgroups=[group, tmp_path]) == 7 * 2**30
+    (group / "memory.max").write_text("max\n")  # no limit: the machine's figure
+    assert available_memory(meminfo=meminfo, cgroups=[group]) == 20 * 2**30
+    old = tmp_path / "v1"  # cgroup v1, no limit set (the largest page-aligned int64)
+    old.mkdir()
+    (old / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (old / "memory.usage_in_bytes").write_text(f"{2**30}\n")
+    assert available_memory(meminfo=meminfo, cgroups=[old]) == 20 * 2**30
 
 
 def test_tables_are_bounded_per_server(server: ServerProcess, raw: RawClient) -> None:
@@ -355,6 +420,23 @@ def test_unauthenticated_clients_are_refused_in_the_handshake(server: ServerProc
     # the server's secret is on neither its command line nor its environment (other users can read ps)
     for f in ("cmdline", "environ"):
         assert server.keys.secret.encode() not in Path(f"/proc/{server.pid}/{f}").read_bytes()
+
+
+def test_a_client_whose_secret_is_not_its_public_keys_fails_at_once(server: ServerProcess) -> None:
+    """The admitted public key with another keypair's secret: the server cannot open the client's vouch in CURVE's
+    INITIATE and drops the connection before asking ZAP, without the ERROR command a refused key gets, so the
+    client sees only a dropped connection (as from a server that died mid-handshake) and used to wait for the
+    timeout. The pair is checked in the client instead."""
+    assert server.address is not None and server.client_keys is not None
+    mixed = CurveKeys(server.client_keys.public, CurveKeys.generate().secret)
+    t0 = time.monotonic()
+    with (
+        PSClient([server.address], keys=mixed, timeout=10) as c,
+        pytest.raises(PSError, match=re.escape(f"secret key does not belong to our public key {mixed.public}")),
+    ):
+        PSTable(c, "r", 10, 2, partitions=2, split="range").create().wait()
+    assert time.monotonic() - t0 < 3  # at once, not after the timeout
+    assert server.alive()
 
 
 @pytest.mark.timeout(120)
@@ -541,9 +623,16 @@ def test_nonfinite_checkpoint_loads_when_asked(tmp_path: Path) -> None:
 
 
 def test_server_process_with_a_crafted_checkpoint_fails_to_start_saying_why(tmp_path: Path) -> None:
+    """It exits at once; the error says so, with its exit code and its last stderr line (it said "did not start
+    within 30.0 s", as if it had hung)."""
     _rewrite(_checkpoint(tmp_path), lambda a: _meta(a, version=-5))
-    with pytest.raises(RuntimeError, match=r"(?s)did not start.*checkpoint .*version must be in"):
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError) as e:
         ServerProcess(ServerConfig(checkpoint_dir=str(tmp_path))).start()
+    msg = str(e.value)
+    assert msg.startswith("parameter server 0 exited with code 1 before it started: "), msg
+    assert msg.rstrip().endswith("t1p0 version must be in [0, 4611686018427387904], got -5"), msg
+    assert "within" not in msg and time.monotonic() - t0 < 20
 
 
 def test_checkpoint_is_fsynced_before_and_after_the_rename(

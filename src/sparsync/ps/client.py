@@ -2,7 +2,8 @@
 sockets (one per server; ZeroMQ sockets must stay on one thread). Callers get a ``sparsync.Work`` per request;
 a request that gets no reply within ``timeout`` fails with ``PSTimeoutError`` naming the server, and that
 server's socket is rebuilt so requests queued for a dead server are dropped, not delivered to its successor.
-A server that refuses our CURVE key (``wire.py``) fails the requests at once with ``PSError``, not a timeout.
+A server that refuses our CURVE key (``wire.py``) fails the requests at once with ``PSError``, not a timeout, and
+so does a keypair whose secret is not its public key's (checked here: the server cannot say so).
 Messages travel in fragments of at most ``wire.FRAGMENT_BYTES`` both ways; a reply is put back together only when
 it fits ``max_message_bytes``.
 """
@@ -90,6 +91,11 @@ class PSClient:
                     "started after it)"
                 )
         self.keys = keys
+        # Why requests to servers that authenticate fail at once, or None. A secret that is not the public key's
+        # cannot be told from the server's side of the handshake: the server cannot open our vouch (CURVE's
+        # INITIATE) and drops the connection before it asks ZAP, sending no ERROR, so we would see only a
+        # dropped connection, as from a server that died mid-handshake, retry, and time out. Only we can check.
+        self._key_problem = None if keys is None or not any(self.server_keys) else _keypair_problem(keys)
         self.timeout = timeout
         self.sender = sender
         if max_message_bytes < wire.HEADER.size:
@@ -137,6 +143,9 @@ class PSClient:
         fut: Future[tuple[Header, bytes]] = Future()
         _trace_request(fut, f"ps:{Op(head.op).name}", server, len(frame))
         what = f"{Op(head.op).name} to server {server} ({self.endpoints[server]})"
+        if self._key_problem is not None and self.server_keys[server] is not None:
+            fut.set_exception(PSError(f"{what}: {self._key_problem}"))
+            return fut
         with self._lock:
             if self._closed:
                 raise RuntimeError("PSClient is closed")
@@ -170,6 +179,8 @@ class PSClient:
         s.setsockopt(zmq.MAXMSGSIZE, wire.FRAGMENT_BYTES + wire.FRAME_SLACK)
         mon = None
         key = self.server_keys[server]
+        if key is not None and self._key_problem is not None:
+            return s, None  # never connected: every request to it fails in request(), saying why
         if key is not None and self.keys is not None:
             s.curve_serverkey = key.encode()
             s.curve_publickey = self.keys.public.encode()
@@ -328,6 +339,23 @@ def _trace_request(fut: Future[tuple[Header, bytes]], name: str, server: int, nb
         )
 
     fut.add_done_callback(done)
+
+
+def _keypair_problem(keys: CurveKeys) -> str | None:
+    """Why ``keys`` cannot pass any server's CURVE handshake, or None when its halves belong together (or this
+    libzmq has no CURVE: the socket options say so)."""
+    if not zmq.has("curve"):
+        return None
+    try:
+        derived = zmq.curve_public(keys.secret.encode()).decode()
+    except (zmq.ZMQError, ValueError):
+        return f"our CURVE secret key (for public key {keys.public}) is not 40 characters of Z85 text"
+    if derived == keys.public:
+        return None
+    return (
+        f"our CURVE secret key does not belong to our public key {keys.public} (keys=CurveKeys(...) holds halves "
+        "of two keypairs; CurveKeys.from_secret(secret) derives the public key): every server drops the handshake"
+    )
 
 
 def _peer(server: int) -> bytes:

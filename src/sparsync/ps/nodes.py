@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from sparsync.ps import wire
+from sparsync.ps.machine import default_max_total_bytes
 from sparsync.ps.process import ServerProcess
 from sparsync.ps.server import ServerConfig
 from sparsync.ps.wire import CurveKeys
@@ -96,8 +97,9 @@ def node_servers(
     (default: the default group): every rank calls it at the same point.
 
     ``host``: the address to bind (default ``node_address()``); ``auth``: CURVE, admitting the job's ranks
-    only; ``server_fields``: any other ``ServerConfig`` field (``checkpoint_dir``, limits). A server that fails
-    to start raises ``RuntimeError`` on every rank, naming the node.
+    only; ``server_fields``: any other ``ServerConfig`` field (``checkpoint_dir``, limits; ``max_total_bytes``
+    by default half the node's available memory, split between its servers). A server that fails to start
+    raises ``RuntimeError`` on every rank, naming the node.
 
     Example (under torchrun, or ``sparsync.launch``)::
 
@@ -124,8 +126,10 @@ def node_servers(
         admitted = [k for _, _, k in peers if k is not None]
         try:
             bind = host or node_address()
+            # the node's servers share its memory (measured here, on the node, not on every rank)
+            limits = {"max_total_bytes": default_max_total_bytes(per_node), **server_fields}
             for i in range(per_node):
-                cfg = ServerConfig(server_id=node * per_node + i, host=bind, auth=auth, **server_fields)
+                cfg = ServerConfig(server_id=node * per_node + i, host=bind, auth=auth, **limits)
                 sp = ServerProcess(cfg, client_keys=keys, admit=admitted)
                 local.append(sp)
                 sp.start(timeout)

@@ -191,11 +191,26 @@ def checked_real(name: str, value: Any, *, low: float | None = None, strict: boo
     ``name`` and the value (a bool is not a number)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {value!r}"[:300])
-    v = float(value)
+    bound = "" if low is None else f" {'>' if strict else '>='} {low:g}"
+    try:
+        v = float(value)
+    except OverflowError:  # a JSON integer has no bound (10^400): bad input, not a bug of the server
+        raise ValueError(f"{name} must be a finite number{bound}, got {_short(value)}") from None
     if not abs(v) <= _F32_MAX or (low is not None and (v <= low if strict else v < low)):
-        bound = "" if low is None else f" {'>' if strict else '>='} {low:g}"
         raise ValueError(f"{name} must be a finite number{bound}, got {value!r}")
     return v
+
+
+def _short(value: Any) -> str:
+    """``value`` for an error message; an integer of many digits by its first ones and its length."""
+    if not isinstance(value, numbers.Integral):
+        return repr(value)[:40]
+    n = int(value)
+    try:
+        text = str(n)
+    except ValueError:  # past Python's limit on int-to-text conversion (4300 digits)
+        return f"an integer of about {int(abs(n).bit_length() * math.log10(2)) + 1} digits"
+    return text if len(text) <= 40 else f"{text[:20]}... ({len(text.lstrip('-'))} digits)"
 
 
 def checked_int(name: str, value: Any, low: int, high: int) -> int:

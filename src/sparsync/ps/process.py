@@ -3,10 +3,12 @@ and the process entry point (``python -m sparsync.ps.process``). The server itse
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from sparsync.ps import wire
+from sparsync.ps.machine import default_max_total_bytes
 from sparsync.ps.server import ServerConfig, serve
 from sparsync.ps.shard import CheckpointError
 from sparsync.ps.wire import CurveKeys
@@ -98,16 +101,30 @@ class ServerProcess:
         ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
         line = self._proc.stdout.readline().strip() if ready else ""
         if not line.startswith("tcp://"):
-            self.kill()
-            self._log.seek(0)
-            err = self._log.read()
-            raise RuntimeError(
-                f"parameter server {self.cfg.server_id} did not start within {timeout} s: {err[-2000:]}"
-            )
+            raise RuntimeError(self._failed_start(timeout, closed=bool(ready)))
         self.address = line
         if self.cfg.port == 0:  # keep the port for restart()
             self.cfg = replace(self.cfg, port=int(wire.split_address(line)[0].rsplit(":", 1)[1]))
         return line
+
+    def _failed_start(self, timeout: float, *, closed: bool) -> str:
+        """Why the server gave no address: it exited (its code and last stderr line, e.g. a refused
+        checkpoint's reason), or it is still running after ``timeout`` (killed now)."""
+        assert self._proc is not None and self._log is not None
+        code = None
+        if closed:  # its stdout closed: it is exiting, or exited already
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = self._proc.wait(5.0)
+        self.kill()
+        self._log.seek(0)
+        err = self._log.read()
+        name = f"parameter server {self.cfg.server_id}"
+        if code is None:
+            return f"{name} did not start within {timeout} s: {err[-2000:]}"
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        last = lines[-1] if lines else "(nothing on stderr)"
+        return f"{name} {how} before it started: {last[-2000:]}"
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -134,11 +151,13 @@ class ServerProcess:
 
 
 def start_servers(n: int, *, client_keys: CurveKeys | None = None, **kw: Any) -> list[ServerProcess]:
-    """Start ``n`` servers (one per machine) with the given ServerConfig fields; server ids 0..n-1. With auth
+    """Start ``n`` servers on this machine with the given ServerConfig fields; server ids 0..n-1. With auth
     (the default) they admit ``client_keys``, by default the run's, which this puts in the environment for the
-    workers started afterwards (see ``ServerProcess``)."""
+    workers started afterwards (see ``ServerProcess``). Unless ``max_total_bytes`` is given, the default bound
+    on tables (half the available memory) is split between the ``n``."""
     if n < 1:
         raise ValueError(f"need at least one server, got {n}")
+    kw.setdefault("max_total_bytes", default_max_total_bytes(n))  # they share this machine's memory
     procs: list[ServerProcess] = []
     try:
         for i in range(n):

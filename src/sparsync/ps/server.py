@@ -19,7 +19,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,7 @@ import zmq
 from zmq.utils import z85
 
 from sparsync.ps import wire
+from sparsync.ps.machine import default_max_total_bytes
 from sparsync.ps.shard import Shard, ShardConfig, load_checkpoint, save_checkpoint
 from sparsync.ps.wire import CurveKeys, Header, Op
 
@@ -50,7 +51,8 @@ class ServerConfig:
     max_receiving_bytes: int = 4 * 2**30  # messages still arriving in fragments, every peer together
     wait_timeout: float = 60.0  # seconds a parked APPLY/PULL waits before an error reply
     max_shard_bytes: int = 16 * 2**30  # a CREATE asking for more (weights + optimizer state) is refused
-    max_total_bytes: int = 32 * 2**30  # every partition of this server together
+    # every partition of this server together; by default half of the memory available now (machine.py)
+    max_total_bytes: int = field(default_factory=default_max_total_bytes)
     max_pending_bytes: int = 2**30  # sync pushes held until their step is applied, plus parked pulls' rows
     max_parked: int = 1024  # requests waiting at once (sync APPLY, PULL of a future version)
     max_steps_ahead: int = 8  # sync: a push, pull or apply further past the table's step is refused
