@@ -227,8 +227,8 @@ def pipeline_input(rank: int) -> torch.Tensor:
 
 
 def pipeline_worker(rank: int) -> dict[str, Any]:
-    """QSGD's pipelined reduce-scatter over several segments: sync (encoded while sending, residual from the
-    returned payload), async (encoded first), and with a payload source; all sums (average=False)."""
+    """QSGD's pipelined reduce-scatter over several segments: sync (encoded while sending), async (encoded
+    first), and with a payload source; all sums (average=False)."""
     from sparsync.compress import Context
     from sparsync.compress.qsgd_allreduce import encode_remote, quantized_allreduce
 
@@ -238,9 +238,8 @@ def pipeline_worker(rank: int) -> dict[str, Any]:
     def q() -> QSGD:
         return QSGD(bits=4, bucket=512, aggregation="reduce_scatter")
 
-    sync_mem, async_mem = ErrorFeedback(), ErrorFeedback()
-    sync = sparsync.compressed_allreduce(x, q(), memory=sync_mem, name="big", average=False)
-    asy = sparsync.compressed_allreduce(x, q(), memory=async_mem, name="big", average=False, async_op=True).wait()
+    sync = sparsync.compressed_allreduce(x, q(), name="big", average=False)
+    asy = sparsync.compressed_allreduce(x, q(), name="big", average=False, async_op=True).wait()
     q3, ctx = q(), Context("big", rank, P)
     payload = encode_remote(q3, x, PIPELINE_N, ctx, P)
     from_payload = quantized_allreduce(q3, x, PIPELINE_N, ctx, dist.group.WORLD, payload=payload)
@@ -250,8 +249,6 @@ def pipeline_worker(rank: int) -> dict[str, Any]:
         "async_equal": bool(torch.equal(asy, sync)),
         "payload_equal": bool(torch.equal(from_payload.total, sync)),
         "mean_error": float((mean - sync / P).abs().max() / (sync / P).abs().max()),  # scales / P: rounding
-        "residual": _residual(sync_mem).numpy(),
-        "residuals_equal": bool(torch.equal(_residual(sync_mem), _residual(async_mem))),
         "input_untouched": bool(torch.equal(x, pipeline_input(rank))),
     }
 
@@ -328,13 +325,12 @@ def ef_input(rank: int, step: int, n: int, unit: float = 1.0) -> torch.Tensor:
 def ef_worker(rank: int, steps: int) -> dict[str, Any]:
     """Per case and step, with e_old the residual before the call and e_new after it: how far ``g + e_old`` is
     from ``own + e_new``, where ``own`` is this rank's contribution decompressed by a copy of the compressor
-    taken before the call (QSGD's reduce-scatter: ``local_estimate`` of its ``encode_remote``, the rank's own
-    partitions exact); how far the group's sum of ``g + e_old - e_new`` (float64) is from the call's result
-    (``average=False``); the residual on the rank's own QSGD partitions; and the residual's size."""
+    taken before the call (QSGD with a memory gathers at any P: no re-quantized partial sums); how far the
+    group's sum of ``g + e_old - e_new`` (float64) is from the call's result (``average=False``); and the
+    residual's size."""
     from copy import deepcopy
 
     from sparsync.compress import Context, TensorSpec
-    from sparsync.compress.qsgd_allreduce import encode_remote, local_estimate, partitions
 
     P = dist.get_world_size()
     out: dict[str, Any] = {}
@@ -347,12 +343,7 @@ def ef_worker(rank: int, steps: int) -> dict[str, Any]:
                 old = mem.error("w")
                 e_old = torch.zeros(n) if old is None else old.clone()
                 x, ctx, mine = g + e_old, Context("w", rank, P), deepcopy(comp)
-                rs = isinstance(mine, QSGD) and mine.uses_reduce_scatter(P)
-                if isinstance(mine, QSGD) and rs:
-                    sent = encode_remote(mine, x, n, ctx, P)
-                    own = mine.finish(local_estimate(mine, sent, x, P, rank), TensorSpec.of(x))
-                else:
-                    own = mine.decompress(mine.compress(x, ctx), TensorSpec.of(x))
+                own = mine.decompress(mine.compress(x, ctx), TensorSpec.of(x))
                 res = sparsync.compressed_allreduce(
                     g, comp, memory=mem, name="w", average=False, async_op=async_op
                 )
@@ -362,13 +353,11 @@ def ef_worker(rank: int, steps: int) -> dict[str, Any]:
                 e_new = new.clone()
                 wire = (x.double() - e_new.double()).contiguous()
                 dist.all_reduce(wire)
-                lo, hi = partitions(comp, n, P)[rank] if isinstance(comp, QSGD) and rs else (0, 0)
                 rows.append(
                     {
                         "own_gap": float((x - (own + e_new)).abs().max()),
                         "wire_gap": float((wire - total.double()).abs().max()),
                         "scale": float(total.abs().max()),
-                        "own_partition_residual": float(e_new[lo:hi].abs().max()) if hi > lo else 0.0,
                         "residual": float(e_new.abs().max()),
                     }
                 )

@@ -86,10 +86,18 @@ class Partition:
         return out
 
     def assemble(
-        self, parts: list[SparseStream | None], dim: int, row: int, dtype: torch.dtype, device: torch.device
+        self,
+        parts: list[SparseStream | None],
+        dim: int,
+        row: int,
+        dtype: torch.dtype,
+        device: torch.device | None = None,
     ) -> SparseStream:
-        """The stream of ``dim`` values from every owner's disjoint result (None: an owner with no rows).
-        SparCML §3: sums of disjoint index sets are concatenations."""
+        """The stream of ``dim`` values from every owner's disjoint result (None: an owner with no rows), on
+        ``device`` (default: the parts', else the host). SparCML §3: sums of disjoint index sets are
+        concatenations."""
+        if device is None:
+            device = next((p.device for p in parts if p is not None), torch.device("cpu"))
         if self.kind == "range":
             bnd = self.bounds()
             present = [(p, bnd[j]) for j, p in enumerate(parts) if p is not None]
