@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(180)]
 SPECS = ["qsgd:bits=2", "qsgd:bits=4", "qsgd:bits=8", "topk"]
 
 
-@pytest.mark.parametrize("world", [3, 5])
+@pytest.mark.parametrize("world", [3, pytest.param(5, marks=pytest.mark.large)])
 def test_results_plus_residuals_equal_the_gradients(world: int) -> None:
     for rank, gaps in enumerate(launch(fw.invariant_worker, nprocs=world, args=(SPECS,), timeout=150)):
         for spec, gap in gaps.items():

@@ -27,7 +27,7 @@ def test_equals_the_exact_average_and_ddp_with_sparse_gradients(P: int) -> None:
         _check_exact([r[density] for r in by_density])
 
 
-@pytest.mark.parametrize("P", [1, 3, 5])
+@pytest.mark.parametrize("P", [pytest.param(1, marks=pytest.mark.large), 3, 5])
 def test_exact_under_nccl_rules(P: int) -> None:
     """The same training under NCCL's rules on gloo (tests/_nccl_rules.py): the same results, and not one call
     that NCCL would refuse."""

@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 CASES = ("unused_table", "clip_norm", "clip_value", "accumulate", "padded", "grad_scaler")
 
 
-@pytest.fixture(scope="module", params=(1, 3, 5), ids=lambda p: f"P{p}")
+@pytest.fixture(scope="module", params=(1, 3, pytest.param(5, marks=pytest.mark.large)), ids=lambda p: f"P{p}")
 def results(request: pytest.FixtureRequest) -> list[dict[str, dict[str, object]]]:
     return launch(pw.all_cases, nprocs=request.param, args=(CASES,), timeout=240)
 
