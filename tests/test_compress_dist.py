@@ -32,7 +32,12 @@ STEPS = 3
 
 
 # "-nccl": the same run with the payload under NCCL's rules on gloo (tests/_nccl_rules.py), at P = 1, 3, 5.
-@pytest.fixture(scope="module", params=[1, 3, 4, "1-nccl", "3-nccl", "5-nccl"], ids=lambda p: f"P{p}")
+# P = 4 by hand (`-m large`, CI time)
+@pytest.fixture(
+    scope="module",
+    params=[1, 3, pytest.param(4, marks=pytest.mark.large), "1-nccl", "3-nccl", "5-nccl"],
+    ids=lambda p: f"P{p}",
+)
 def run(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:
     P = int(str(request.param).split("-")[0])
     worker = cw.nccl_rules_worker if "nccl" in str(request.param) else cw.reduce_worker

@@ -72,6 +72,7 @@ def test_killed_rank_is_named_by_every_survivor(tmp_path: Path, monkeypatch: pyt
 
 
 @pytest.mark.multiprocess
+@pytest.mark.large  # by hand (CI time): the same naming as under launch, through torchrun's own agent
 @pytest.mark.timeout(180)
 def test_killed_rank_is_named_under_torchrun(tmp_path: Path) -> None:
     """Plain torchrun, 3 processes: the last rank kills itself; both survivors' errors name it (before: none

@@ -20,7 +20,14 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 # P = 5 with gloo's semantics by hand (`-m large`): it runs under NCCL's rules by default (CI time)
 @pytest.fixture(
     scope="module",
-    params=(1, 3, pytest.param(5, marks=pytest.mark.large), "1-nccl", "3-nccl", "5-nccl"),
+    params=(
+        1,
+        3,
+        pytest.param(5, marks=pytest.mark.large),
+        pytest.param("1-nccl", marks=pytest.mark.large),
+        "3-nccl",
+        "5-nccl",
+    ),
     ids=lambda p: f"P{p}",
 )
 def run(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]]]:

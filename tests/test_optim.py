@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 DENSITIES = (0.0, 0.01, 0.2, 1.0)  # of the vocabulary a batch can read; 0: an empty batch, empty COO
 
 
-@pytest.mark.parametrize("P", [1, 3, 5])
+@pytest.mark.parametrize("P", [1, 3, pytest.param(5, marks=pytest.mark.large)])  # P = 5: under NCCL's rules below
 def test_equals_the_exact_average_and_ddp_with_sparse_gradients(P: int) -> None:
     by_density = launch(ow.exact_worker, nprocs=P, args=(DENSITIES,))
     for density in DENSITIES:
