@@ -157,12 +157,12 @@ def sequence(g: dist.ProcessGroup, values: tuple[float, ...], named: bool = Fals
     ]
 
 
-def ctx(group: dist.ProcessGroup) -> ReplicaContext:
+def ctx(group: dist.ProcessGroup, timeout: float = CALL_TIMEOUT) -> ReplicaContext:
     """A replica's context on ``group``: one replica per rank, as Replicator.start builds it for 3 processes."""
     return ReplicaContext(
         replica_id=dist.get_rank(group), num_replicas=WORLD, device_id=0, devices_per_replica=1, dp_group=group,
         mp_group=None, worker_id=0, worker_group=group, worker_slots=list(range(WORLD)),
-        input_replication=PER_WORKER, input_split_fn=split_batch, split_compression=None, timeout=CALL_TIMEOUT,
+        input_replication=PER_WORKER, input_split_fn=split_batch, split_compression=None, timeout=timeout,
     )  # fmt: skip
 
 

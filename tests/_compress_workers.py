@@ -90,17 +90,6 @@ def reduce_worker(rank: int, steps: int) -> dict[str, Any]:
     return out
 
 
-def nccl_rules_worker(rank: int, steps: int) -> dict[str, Any]:
-    """``reduce_worker`` with the world group's payload under NCCL's rules (tests/_nccl_rules.py): every call
-    NCCL would refuse raises, and the calls made are returned beside the results."""
-    from _nccl_rules import NcclRules
-
-    with NcclRules() as rules:
-        out = reduce_worker(rank, steps)
-    out["nccl_rules"] = rules.summary()
-    return out
-
-
 def _ddp_model(sparse: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(

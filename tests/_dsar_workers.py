@@ -61,17 +61,6 @@ def cases_worker(rank: int) -> dict[str, Any]:
     return out
 
 
-def nccl_rules_worker(rank: int) -> dict[str, Any]:
-    """``cases_worker`` with the world group's payload under NCCL's rules (tests/_nccl_rules.py): every call NCCL
-    would refuse raises, and the calls made are returned beside the results."""
-    from _nccl_rules import NcclRules
-
-    with NcclRules() as rules:
-        out = cases_worker(rank)
-    out["nccl_rules"] = rules.summary()
-    return out
-
-
 def unbiased_worker(rank: int, density: str, draws: int) -> dict[str, Any]:
     """``draws`` quantized DSAR sums of this rank's input, one QSGD seed each: their sum and sum of squares."""
     s = rank_input(rank, density)

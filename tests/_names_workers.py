@@ -13,13 +13,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _bad_input_workers import ctx as bad_inputs_ctx
 from torch import nn
 
 import sparsync
 from sparsync.compress import BF16, FP16, QSGD, Identity, TopK, from_spec
 from sparsync.compress.cast_allreduce import MIN_VALUES
 from sparsync.placement import Compressed
-from sparsync.replicator import PER_WORKER, ReplicaContext, split_batch
+from sparsync.replicator import ReplicaContext
 
 WORLD = 3
 TIMEOUT = 10.0  # a hang becomes a PeerError, not a stuck test
@@ -112,12 +113,7 @@ def swapped_optimizer(plan_kind: str) -> Callable[..., Any]:
 
 
 def ctx(group: dist.ProcessGroup) -> ReplicaContext:
-    """A replica's context on ``group``: one replica per rank."""
-    return ReplicaContext(
-        replica_id=dist.get_rank(group), num_replicas=WORLD, device_id=0, devices_per_replica=1, dp_group=group,
-        mp_group=None, worker_id=0, worker_group=group, worker_slots=list(range(WORLD)),
-        input_replication=PER_WORKER, input_split_fn=split_batch, split_compression=None, timeout=TIMEOUT,
-    )  # fmt: skip
+    return bad_inputs_ctx(group, TIMEOUT)
 
 
 def swapped_primitive(kind: str) -> Callable[..., Any]:

@@ -195,6 +195,28 @@ class NcclRules:
                 self._refuse("recv", f"a receive of {posted} bytes for a send of {sent} from rank {peer}")
 
 
+def merged_under_nccl_rules(rank: int, worker: Callable[..., dict[str, Any]], *args: Any) -> dict[str, Any]:
+    """``worker(rank, *args)``'s dict with the world group under NCCL's rules, the rules' summary added under
+    "nccl_rules" (a ``launch`` target, for workers that return a dict of results)."""
+    with NcclRules() as rules:
+        out = worker(rank, *args)
+    out["nccl_rules"] = rules.summary()
+    return out
+
+
+def check_run(results: list[dict[str, Any]], at_least: dict[str | tuple[str, ...], int]) -> None:
+    """The ranks' results of a ``merged_under_nccl_rules`` run: no call NCCL would refuse and, beyond one rank,
+    each call of ``at_least`` made more than the given number of times (a tuple: those calls together)."""
+    for rank, r in enumerate(results):
+        rules = r["nccl_rules"]
+        assert rules["refused"] == [], f"rank {rank}: {rules['refused'][:5]}"
+        if len(results) > 1:
+            calls = rules["calls"]
+            for names, n in at_least.items():
+                made = sum(calls.get(c, 0) for c in ((names,) if isinstance(names, str) else names))
+                assert made > n, (names, calls)
+
+
 def under_nccl_rules(rank: int, worker: Callable[..., Any], *args: Any) -> dict[str, Any]:
     """``worker(rank, *args)`` with the world group under NCCL's rules (a ``launch`` target: pass the worker and
     its arguments). Returns ``{"result": ..., "nccl_rules": {"calls": ..., "refused": [...]}}``."""

@@ -612,14 +612,3 @@ def doubling_worker(rank: int) -> dict[str, Any]:
         finally:
             _fold.DIRECT_GATHER_MAX = default
     return out
-
-
-def nccl_rules_worker(rank: int, full: bool) -> dict[str, Any]:
-    """``collectives_worker`` with the world group's payload under NCCL's rules (tests/_nccl_rules.py): every
-    call NCCL would refuse raises, and the calls made are returned beside the results."""
-    from _nccl_rules import NcclRules
-
-    with NcclRules() as rules:
-        out = collectives_worker(rank, full)
-    out["nccl_rules"] = rules.summary()
-    return out

@@ -38,6 +38,7 @@ from torch import nn
 from sparsync.compress.base import Compressor
 from sparsync.compress.sketch import SparseSketch
 from sparsync.placement import NamedParam, Placement, ReduceEnv, aggregate, kind_of, objects, resolve
+from sparsync.placement.base import zero_grad
 from sparsync.placement.embeddings import embedding_modules
 from sparsync.plan.planner import Plan
 from sparsync.ps.aggregate import MachineAggregator
@@ -221,7 +222,7 @@ class HybridTrainer:
         named = [NamedParam(n, params[n]) for n in self.plan]
         for p in named:  # what a worker that did not use a parameter contributes
             if p.param.grad is None:
-                p.param.grad = _zero_grad(p.param, p.name in self.sparse_grads)
+                p.param.grad = zero_grad(p.param, sparse=p.name in self.sparse_grads and p.param.dim() >= 2)
         aggregate(self.plan, named, self.env)
         for p in named:
             g = p.param.grad
@@ -262,13 +263,3 @@ class HybridTrainer:
 
     def close(self) -> None:
         self.servers.close()
-
-
-def _zero_grad(p: nn.Parameter, sparse: bool) -> torch.Tensor:
-    """What a worker that did not use ``p`` contributes: an empty COO gradient of the layout
-    ``nn.Embedding(sparse=True)`` gives (one sparse dim), else dense zeros."""
-    if sparse and p.dim() >= 2:
-        idx = torch.empty(1, 0, dtype=torch.int64, device=p.device)
-        vals = torch.empty(0, *p.shape[1:], dtype=p.dtype, device=p.device)
-        return torch.sparse_coo_tensor(idx, vals, p.shape)
-    return torch.zeros_like(p)

@@ -53,8 +53,10 @@ class GroupState:
     # (intra-host, inter-host) link models agreed by every rank of the world, held by a host's group
     # (collectives/hierarchical.py)
     levels: tuple[LinkModel, LinkModel] | None = None
-    # The gloo side group of a pure NCCL group, for CPU metadata (collectives/transport.py).
+    # The gloo side group of a pure NCCL group, for CPU metadata, and the backend per device type, read once
+    # (collectives/transport.py).
     meta: dist.ProcessGroup | None = None
+    backends: dict[str, str] | None = None
     # Set by transport.use_nccl_rules: this group's payload follows NCCL's rules, its metadata goes here.
     nccl_rules: dist.ProcessGroup | None = None
     # The world group's holds this process's timeline (sparsync.trace, SPARSYNC_TRACE; collectives/trace.py):

@@ -196,7 +196,7 @@ def exchange_meta(
     the caller was given, so tensors of one size but different shapes are refused ((5, 2) and (2, 5)
     were summed). ``auto_key``: ``auto_fingerprint`` of the link model and policy auto will use. ``site``:
     where an unnamed call was issued (compared like a name)."""
-    if bad is None:
+    if bad is None and shape is None:  # a bare stream; a tensor's rows were range-checked when it was converted
         bad = out_of_range(stream)
     nan_pos, kind = -1, 0
     # ±Inf is refused like NaN, since +Inf on one rank and -Inf on another would silently sum to NaN.

@@ -35,8 +35,15 @@ class Transport:
 
 def backends(group: dist.ProcessGroup) -> dict[str, str]:
     """Device type -> backend name of ``group`` (``{"cpu": "gloo", "cuda": "gloo"}`` for a gloo group,
-    ``{"cuda": "nccl"}`` for an NCCL one, ``{"cpu": "gloo", "cuda": "nccl"}`` for ``"cpu:gloo,cuda:nccl"``)."""
-    config = dist.get_backend_config(group)
+    ``{"cuda": "nccl"}`` for an NCCL one, ``{"cpu": "gloo", "cuda": "nccl"}`` for ``"cpu:gloo,cuda:nccl"``).
+    Parsed once per group: every call's ``Comm`` asks."""
+    state = group_state(group)
+    if state.backends is None:
+        state.backends = _parse_backends(dist.get_backend_config(group))
+    return state.backends
+
+
+def _parse_backends(config: str) -> dict[str, str]:
     if ":" not in config:  # a bare backend name: torch's capability table says which devices it serves
         name = config.lower()
         return dict.fromkeys(dist.Backend.backend_capability.get(name, ["cpu", "cuda"]), name)

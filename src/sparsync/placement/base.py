@@ -74,6 +74,16 @@ def aggregate(plan: Mapping[str, Placement], params: Iterable[NamedParam], env: 
         pl.aggregate(members, env)
 
 
+def zero_grad(p: torch.nn.Parameter, *, sparse: bool) -> torch.Tensor:
+    """What a worker that did not use ``p`` contributes to its aggregation: an empty COO gradient of the layout
+    ``nn.Embedding(sparse=True)`` gives (one sparse dim, the rest dense) when ``sparse``, else dense zeros."""
+    if sparse:
+        idx = torch.empty(1, 0, dtype=torch.int64, device=p.device)
+        vals = torch.empty(0, *p.shape[1:], dtype=p.dtype, device=p.device)
+        return torch.sparse_coo_tensor(idx, vals, p.shape, is_coalesced=True)
+    return torch.zeros_like(p)
+
+
 class _Stateful(Protocol):
     def load_state_dict(self, state: Any) -> None: ...
 

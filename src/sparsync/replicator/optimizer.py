@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from sparsync.collectives.group import submit
 from sparsync.collectives.transport import meta_group
 from sparsync.placement import ByLayout, NamedParam, Placement, ReduceEnv, aggregate
+from sparsync.placement.base import zero_grad
 from sparsync.replicator import primitives as prim
 
 OPS = ("mean", "sum")
@@ -47,15 +48,7 @@ def fill_missing_grads(params: list[NamedParam], env: ReduceEnv) -> None:
     submit(env.group, agree, False)
     for p, code in zip(params, codes.tolist(), strict=True):
         if p.param.grad is None and code != _NONE:
-            p.param.grad = _zero_grad(p.param, sparse=code == _SPARSE)
-
-
-def _zero_grad(p: torch.nn.Parameter, *, sparse: bool) -> torch.Tensor:
-    if sparse:  # nn.Embedding(sparse=True)'s layout: one sparse dim, the rest dense
-        idx = torch.empty(1, 0, dtype=torch.int64, device=p.device)
-        vals = torch.empty(0, *p.shape[1:], dtype=p.dtype, device=p.device)
-        return torch.sparse_coo_tensor(idx, vals, p.shape, is_coalesced=True)
-    return torch.zeros_like(p)
+            p.param.grad = zero_grad(p.param, sparse=code == _SPARSE)
 
 
 PlanSpec = Mapping[str, Placement] | Callable[[str, torch.nn.Parameter], Placement] | None
