@@ -84,6 +84,7 @@ def run_case(rank: int, case: str) -> dict[str, Any]:
     )
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if case == "grad_scaler" else None
     norms = []
+    coalesced = []  # the accumulated sparse gradient before aggregation (the optimizer's coalescing hook)
     for step in range(STEPS):
         opt.zero_grad()
         micro = 2 if case == "accumulate" else 1
@@ -99,6 +100,9 @@ def run_case(rank: int, case: str) -> dict[str, Any]:
                     loss.backward()
             else:
                 loss.backward()
+        g = model.a.weight.grad if kind == "tables" else None
+        if g is not None:
+            coalesced.append(bool(g.is_coalesced()))
         if case == "clip_norm":
             norms.append(float(opt.clip_grad_norm_(0.5)))
         if case == "clip_value":
@@ -119,6 +123,7 @@ def run_case(rank: int, case: str) -> dict[str, Any]:
         else True,
         "norms": norms,
         "ref_norms": ref_norms,
+        "coalesced": coalesced,
     }
 
 

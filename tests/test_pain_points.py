@@ -29,6 +29,8 @@ def test_equals_the_single_process_reference(results: list[dict[str, dict[str, o
         tol = 1e-6 if case == "grad_scaler" else 1e-9  # float64 model; GradScaler's unscale multiplies in float32
         assert got["max_diff"] <= tol, (rank, case, got)
         assert got["unused_untouched"], (rank, case)
+        if case == "accumulate":  # two micro-batches' rows, coalesced as they accumulated
+            assert got["coalesced"] == [True] * pw.STEPS, got["coalesced"]
         if case == "clip_norm":
             assert got["norms"] == pytest.approx(got["ref_norms"], rel=1e-12), got
             assert any(n > 0.5 for n in got["norms"])  # the clip did clip
