@@ -44,9 +44,9 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit, log to $LOG
   echo "$name: exit $rc in $((SECONDS - t0)) s; last line: $(tail -n 1 "$LOGS/$name.txt")" | tee -a "$summary"
 }
 
-step cuda_tests 200 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py
-step nccl_rules 100 "$PY" -m pytest -q -p no:cacheprovider tests/test_collectives.py -k "P3-nccl and grid"
-step kernels 90 "$PY" -m sparsync_bench.gpu_kernels --device cuda --out "$LOGS/kernels.json"
+step cuda_tests 180 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py
+step nccl_rules 70 "$PY" -m pytest -q -p no:cacheprovider tests/test_collectives.py -k "P3-nccl and grid"
+step kernels 60 "$PY" -m sparsync_bench.gpu_kernels --device cuda --out "$LOGS/kernels.json"
 [ -f "$LOGS/kernels.txt" ] && tee -a "$summary" <"$LOGS/kernels.txt"
 
 net=loopback
@@ -56,9 +56,9 @@ fi
 netargs=()
 [ "$net" = 1gbit ] && netargs=(--net 1gbit)
 echo "bench embedding P=8 on $net" | tee -a "$summary"
-step embedding 120 "$PY" -m sparsync_bench.cli bench embedding --procs 8 "${netargs[@]}" --dims 16,64,128 \
+step embedding 100 "$PY" -m sparsync_bench.cli bench embedding --procs 8 "${netargs[@]}" --dims 16,64,128 \
   --zipf 0.9,1.1,1.3 --hot low --repeats 5 --methods torch_coo,torch_ddp,auto --no-progress --out "$LOGS/embedding"
-step dlrm 110 "$PY" -m sparsync_bench.cli bench dlrm --procs 8 "${netargs[@]}" --mlp mlperf --dim 128 --steps 20 \
+step dlrm 90 "$PY" -m sparsync_bench.cli bench dlrm --procs 8 "${netargs[@]}" --mlp mlperf --dim 128 --steps 20 \
   --methods sparsync,sparsync_dct --out "$LOGS/dlrm"
 for f in embedding dlrm; do
   [ -f "$LOGS/$f.md" ] && { echo "--- $f.md"; cat "$LOGS/$f.md"; } >>"$summary"
