@@ -449,6 +449,49 @@ def test_qsgd_chunked_kernels_round_to_the_grid(bits: int, bucket: int) -> None:
     assert torch.allclose(both, y + q.decompress(p2, TensorSpec.of(x)), atol=1e-5)
 
 
+@pytest.mark.parametrize("n", [1, 1000, 300_001])
+def test_gpu_selection_paths_equal_the_host_ones(n: int) -> None:
+    """The selections a GPU runs (the smallest of ``topk`` for ``kthvalue``; the threshold's one-pass mask),
+    forced on the host, equal the host's: ties, zeros and τ = 0 included."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(-50, 50, (n,), generator=g).to(torch.float32)  # many ties and zeros
+    mag = x.abs()
+    for r in {1, max(1, n // 3), n}:
+        assert float(topk_mod.kth_smallest(mag, r, by_topk=True)) == float(mag.kthvalue(r).values)
+    for k in {1, max(1, n // 100), n}:
+        want = threshold_mod.kth_largest(mag, k, by_topk=False)
+        assert threshold_mod.kth_largest(mag, k, by_topk=True) == want
+        for tau in (want, 0.0):
+            chunked = threshold_mod._mask_positions(x, tau, native=False, one_pass=False)
+            assert torch.equal(threshold_mod._mask_positions(x, tau, native=False, one_pass=True), chunked)
+
+
+@pytest.mark.parametrize(("bits", "bucket"), [(4, 512), (4, 101), (2, 7)])
+def test_qsgd_passes_of_several_noise_chunks_give_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, bits: int, bucket: int
+) -> None:
+    """A GPU's torch kernels cover several noise chunks per pass (``chunks_per_pass``); the bits (encode, the
+    sum of decodes, re-quantization) equal those of one chunk per pass. Bucket 101 at 4 bits: chunks that
+    start inside a noise word (the chunk-by-chunk noise)."""
+    n = 2 * qsgd_mod.CHUNK + 3 * bucket + 5
+    x = torch.randn(n, generator=torch.Generator().manual_seed(bits))
+    q = QSGD(bits=bits, bucket=bucket, kernels="torch")
+    if bucket == 101:
+        assert q.chunk_step() % 4 != 0
+
+    def run() -> tuple[torch.Tensor, ...]:
+        p, p2 = q.compress(x, Context("a", 0, 1)), q.compress(x.flip(0), Context("b", 0, 1))
+        s = q.sum_requantize([p, p2], n, torch.Generator().manual_seed(3))
+        return p.codes, p.scales, q.decompress_gathered([p, p2], TensorSpec.of(x)), s.codes, s.scales
+
+    one = run()
+    monkeypatch.setattr(qk, "chunks_per_pass", lambda device: 2)
+    q = QSGD(bits=bits, bucket=bucket, kernels="torch")
+    assert qk.Workspace(q, n).pass_values == 2 * q.chunk_step()
+    two = run()
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
+
+
 @pytest.mark.parametrize(
     ("bits", "bucket", "n", "P"), [(4, 512, 10_000, 3), (2, 7, 1001, 5), (4, 3, 50, 8), (8, 64, 64, 4)]
 )

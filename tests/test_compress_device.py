@@ -18,7 +18,16 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from sparsync.compress import QSGD, Context, ErrorFeedback, SparseSketch, TensorSpec, Threshold, from_spec
+from sparsync.compress import (
+    QSGD,
+    Context,
+    ErrorFeedback,
+    SparseSketch,
+    TensorSpec,
+    Threshold,
+    from_spec,
+    qsgd_kernels,
+)
 from sparsync.compress.base import native_for
 from sparsync.compress.qsgd_allreduce import encode_remote, local_estimate, simulate
 from sparsync.compress.qsgd_kernels import Workspace
@@ -173,3 +182,18 @@ def test_cuda_results_equal_the_cpu_path(spec: str) -> None:
             torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(a.cpu(), b), spec
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize(
+    "spec",
+    ["qsgd:bits=4,bucket=512", "qsgd:bits=4,bucket=101", "threshold:ratio=0.01,lifespan=1", "topk:ratio=0.01"],
+)
+def test_cuda_large_inputs_equal_the_cpu_path(spec: str) -> None:
+    """Inputs of several QSGD noise chunks (one GPU pass covers them all) and above topk's sampling size (the
+    GPU's selections): the same bits as on the host."""
+    x = torch.randn(2 * qsgd_kernels.CHUNK + 12_345, generator=torch.Generator().manual_seed(9))
+    got, want = (_round_trip(spec, [x], device) for device in ("cuda", "cpu"))
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a.cpu(), b), spec

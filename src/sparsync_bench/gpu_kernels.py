@@ -71,6 +71,28 @@ def run(device: torch.device, n: int, specs: tuple[str, ...], repeats: int) -> d
     return {"device": str(device), "device_name": name, "n": n, "memcpy_s": memcpy, "rows": rows}
 
 
+def profile(device: torch.device, n: int, specs: tuple[str, ...], top: int = 6) -> str:
+    """Each compressor's ``top`` ops by self time on the device (compress + decompress, after a warm-up):
+    where a compressor's time goes, for the rows that miss the target."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    x = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(device)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    out = []
+    for spec in specs:
+        comp, ctx, xs = from_spec(spec), Context("x", 0, 1), TensorSpec.of(x)
+        comp.decompress(comp.compress(x, ctx), xs)
+        with torch_profile(activities=acts) as prof:
+            comp.decompress(comp.compress(x, ctx), xs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        table = prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=40)
+        out.append(f"--- {spec}\n{table}")
+    return "\n".join(out)
+
+
 def render(res: dict[str, Any]) -> str:
     lines = [
         f"{res['device_name']} ({res['device']}), N = {res['n']:,} float32, memcpy {res['memcpy_s'] * 1e3:.3f} ms",
@@ -95,9 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5, help="timed runs after one warm-up (default 5)")
     ap.add_argument("--compressors", nargs="*", default=list(DEFAULT_COMPRESSORS), help="registry specs")
     ap.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
+    ap.add_argument("--profile", action="store_true", help="also print each compressor's slowest ops")
     a = ap.parse_args(argv)
     res = run(torch.device(a.device), a.n, tuple(a.compressors), a.repeats)
     print(render(res), flush=True)
+    if a.profile:
+        print(profile(torch.device(a.device), a.n, tuple(a.compressors)), flush=True)
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(res, indent=1))

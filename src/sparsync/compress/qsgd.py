@@ -144,13 +144,13 @@ class QSGD(Compressor):
         """Encode values [a, b) of ``flat`` into ``out`` (the payload of all of ``flat``), ``a`` a multiple of
         ``chunk_step()``: encoding [0, n) in consecutive ranges gives the bits of one ``compress`` call with the
         same generator state (the chunks, and so the noise draws, are the same)."""
-        for c0, c1 in self._chunks(b, a):
+        for c0, c1 in self._chunks(b, a, ws.pass_values):
             scales = out.scales[c0 // self.bucket : -(-c1 // self.bucket)]
             ws.quantize(flat[c0:c1], scales, out.codes[c0 * self.bits // 8 : -(-c1 * self.bits // 8)], gen)
 
     def decode_into(self, payload: QuantizedPayload, out: torch.Tensor, ws: Workspace) -> None:
         """out (float32, the payload's values) = decode(payload), chunk by chunk with ``ws``'s scratch."""
-        for a, b in self._chunks(out.numel()):
+        for a, b in self._chunks(out.numel(), 0, ws.pass_values):
             ws.decode_into([payload], a, b, out[a:b])
 
     def workspace(self, n: int, device: torch.device | None = None) -> Workspace:
@@ -185,7 +185,7 @@ class QSGD(Compressor):
         device = _device_of(payloads)
         out = fresh(n, device=device)  # large: huge pages, cheaper to fault in (the host)
         ws = Workspace(self, n, device)
-        for a, b in self._chunks(n):
+        for a, b in self._chunks(n, 0, ws.pass_values):
             ws.decode_into(payloads, a, b, out[a:b])
         return out
 
@@ -198,16 +198,15 @@ class QSGD(Compressor):
         out = self.empty_payload(n, device)
         ws = Workspace(self, n, device)
         acc = torch.empty(min(n, ws.chunk), dtype=torch.float32, device=device)
-        for a, b in self._chunks(n):
+        for a, b in self._chunks(n, 0, ws.pass_values):
             ws.decode_into(payloads, a, b, acc[: b - a], None if exact is None else exact[a:b])
             scales = out.scales[a // self.bucket : -(-b // self.bucket)]
             ws.quantize(acc[: b - a], scales, out.codes[a * self.bits // 8 : -(-b * self.bits // 8)], gen)
         return out
 
-    def _chunks(self, n: int, start: int = 0) -> list[tuple[int, int]]:
-        """[a, b) ranges of whole buckets from ``start`` to ``n`` (the last one may end in a partial bucket),
-        each a whole number of aligned units, so every chunk's codes start on a byte."""
-        step = self.chunk_step()
+    def _chunks(self, n: int, start: int, step: int) -> list[tuple[int, int]]:
+        """[a, b) ranges of ``step`` values (whole noise chunks: a ``Workspace``'s ``pass_values``) from
+        ``start`` to ``n``; the last one may end in a partial bucket. Every range's codes start on a byte."""
         return [(a, min(n, a + step)) for a in range(start, n, step)]
 
     def finish(self, out: torch.Tensor, spec: TensorSpec) -> torch.Tensor:

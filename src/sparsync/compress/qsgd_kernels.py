@@ -32,7 +32,8 @@ try:  # built by `pip install` (setup.py); optional: the torch kernels are the f
 except ImportError:  # pragma: no cover - only without a C compiler
     _native = None  # type: ignore[assignment]
 
-CHUNK = 1 << 19  # values per kernel pass (module doc)
+CHUNK = 1 << 19  # values per noise chunk, and per kernel pass on the host (module doc)
+PASS = 1 << 25  # values per kernel pass on another device (a GPU): whole noise chunks (module doc)
 _GAMMA = 0x9E3779B97F4A7C15
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _MASK64 = (1 << 64) - 1
@@ -48,13 +49,35 @@ def chunk_values(bucket: int, unit: int) -> int:
     return max(unit, CHUNK // bucket // unit * unit) * bucket
 
 
+def chunks_per_pass(device: torch.device) -> int:
+    """Noise chunks that one pass of the torch kernels covers on ``device``: one on the host (a chunk's passes
+    stay in cache), ``PASS // CHUNK`` elsewhere: a GPU's kernels are bound by launches, not cache (25M values
+    in 512K chunks: 17.6 ms to encode on an H200, docs/gpu.md). The bits are the same: each noise chunk keeps
+    its own draw."""
+    return 1 if device.type == "cpu" else max(1, PASS // CHUNK)
+
+
 def noise_words(seed: int, words: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """The call's ``words`` 64-bit noise words (int64; the module doc's stream), by int64 tensor arithmetic
     (multiplication wraps mod 2^64; logical shifts as arithmetic shifts and a mask), on ``out``'s device (the
     host without ``out``): a counter-based stream, the same words on every device."""
     device = out.device if out is not None else torch.device("cpu")
     z = torch.arange(1, words + 1, dtype=torch.int64, out=out, device=device)
-    z.mul_(_signed(_GAMMA)).add_(_signed(seed))
+    return _mix(z.mul_(_signed(_GAMMA)).add_(_signed(seed)))
+
+
+def chunked_noise_words(seeds: list[int], chunk_words: int, words: int, out: torch.Tensor) -> torch.Tensor:
+    """``noise_words`` of consecutive noise chunks of ``chunk_words`` words each (the last may be shorter),
+    chunk i drawn with ``seeds[i]``, in one pass: the words of one ``noise_words`` call per chunk."""
+    z = torch.arange(words, dtype=torch.int64, out=out[:words])
+    chunk = torch.div(z, chunk_words, rounding_mode="floor")
+    offsets = torch.tensor([_signed(s) for s in seeds], dtype=torch.int64).to(z.device)
+    z.sub_(chunk * chunk_words).add_(1).mul_(_signed(_GAMMA)).add_(offsets[chunk])
+    return _mix(z)
+
+
+def _mix(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's output function, in place on int64 words."""
     for shift, mult in ((30, _M1), (27, _M2), (31, None)):
         z.bitwise_xor_(torch.bitwise_right_shift(z, shift).bitwise_and_((1 << (64 - shift)) - 1))
         if mult is not None:
@@ -74,8 +97,10 @@ class Workspace:
 
     def __init__(self, q: Any, n: int, device: torch.device | None = None) -> None:
         self.bits, self.bucket, self.s, self.l2 = q.bits, q.bucket, q.levels, q.scale == "l2"
-        self.chunk = min(n, chunk_values(q.bucket, q.unit()))
         self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.step = chunk_values(q.bucket, q.unit())  # values per noise chunk (one draw each)
+        self.pass_values = self.step * chunks_per_pass(self.device)  # values per pass of the kernels
+        self.chunk = min(n, self.pass_values)  # the scratch's size
         self.native = native_for("QSGD", q.kernels, _native is not None, self.device)
         host = torch.device("cpu")
         self.tmp = torch.empty(self.chunk if self.native else 0, dtype=torch.uint8, device=host)  # C's codes
@@ -85,21 +110,27 @@ class Workspace:
         self._draw = torch.empty(1, dtype=torch.int64, device=host)
 
     def quantize(self, x: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, gen: torch.Generator) -> None:
-        """Scales (one per bucket) and packed codes of the chunk ``x``: one 64-bit draw from ``gen``."""
-        seed = int(self._draw.random_(-(2**63), None, generator=gen)[0]) & _MASK64
+        """Scales (one per bucket) and packed codes of the pass ``x`` (whole noise chunks, the last one may be
+        short): one 64-bit draw from ``gen`` per noise chunk."""
         k = x.numel()
+        seeds = [
+            int(self._draw.random_(-(2**63), None, generator=gen)[0]) & _MASK64 for _ in range(-(-k // self.step))
+        ]
         if self.native and not self.l2:
             xf = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
             _check(scales, torch.float32, -(-k // self.bucket))
             _check(codes, torch.uint8, -(-k * self.bits // 8))
             assert _native is not None
-            _native.encode(
-                xf.data_ptr(), k, self.bucket, self.bits, seed, scales.data_ptr(), codes.data_ptr(),
-                self.tmp.data_ptr(),
-            )  # fmt: skip
+            for i, seed in enumerate(seeds):  # one chunk per call (a host pass is one chunk)
+                a, m = i * self.step, min(self.step, k - i * self.step)
+                _native.encode(
+                    xf.data_ptr() + 4 * a, m, self.bucket, self.bits, seed,
+                    scales.data_ptr() + 4 * (a // self.bucket), codes.data_ptr() + a * self.bits // 8,
+                    self.tmp.data_ptr(),
+                )  # fmt: skip
             return
         t = self._buffers()
-        t.encode(self, x, scales, seed)
+        t.encode(self, x, scales, seeds)
         t.pack(self.bits, k, codes)
 
     def decode_into(
@@ -151,6 +182,7 @@ class _TorchBuffers:
         words = -(-chunk // 4)
         d = device
         self.noise = torch.empty(words, dtype=torch.int64, device=d)  # 4 x 16 random bits per word
+        self._words: torch.Tensor | None = None  # one chunk's words, when chunks do not start on a word
         self.codes = torch.empty(words * 4, dtype=torch.int16, device=d)  # room to pad a chunk to int64 words
         self.f = torch.empty(chunk, dtype=torch.float32, device=d)
         self.prod = torch.empty(chunk, dtype=torch.float32, device=d)
@@ -163,10 +195,11 @@ class _TorchBuffers:
         self.idx = torch.empty(-(-chunk * bits // 8), dtype=torch.int32, device=d)
         self.lvl = torch.empty(self.idx.numel() * per, dtype=torch.float32, device=d)
 
-    def encode(self, ws: Workspace, x: torch.Tensor, scales: torch.Tensor, seed: int) -> None:
-        """Codes q + s of the chunk ``x`` into ``self.codes`` and its bucket scales into ``scales``."""
+    def encode(self, ws: Workspace, x: torch.Tensor, scales: torch.Tensor, seeds: list[int]) -> None:
+        """Codes q + s of the pass ``x`` into ``self.codes`` and its bucket scales into ``scales``; noise chunk
+        i (``ws.step`` values) rounded with the words of ``seeds[i]``."""
         k, B = x.numel(), ws.bucket
-        noise = noise_words(seed, -(-k // 4), out=self.noise[: -(-k // 4)]).view(torch.int16)
+        noise = self._noise(ws.step, k, seeds)
         full = k // B * B
         if full:
             self._round(ws, x[:full].view(-1, B), scales[: full // B], self.codes[:full].view(-1, B), noise[:full])
@@ -174,6 +207,26 @@ class _TorchBuffers:
             self._round(
                 ws, x[full:].view(1, -1), scales[full // B :], self.codes[full:k].view(1, -1), noise[full:k]
             )
+
+    def _noise(self, step: int, k: int, seeds: list[int]) -> torch.Tensor:
+        """16 noise bits (int16) for each of the pass's ``k`` values: value j of noise chunk i takes the bits of
+        the module doc's stream of ``seeds[i]`` at position j."""
+        words = -(-k // 4)
+        if len(seeds) == 1:
+            return noise_words(seeds[0], words, out=self.noise[:words]).view(torch.int16)
+        if step % 4 == 0:  # every chunk starts on a word: all chunks' words in one pass
+            return chunked_noise_words(seeds, step // 4, words, self.noise).view(torch.int16)
+        bits = self.noise.view(torch.int16)
+        for i, seed in enumerate(seeds):  # a chunk starting inside a word: one chunk at a time
+            a, m = i * step, min(step, k - i * step)
+            own = noise_words(seed, -(-m // 4), out=self.scratch_words(-(-m // 4)))
+            bits[a : a + m] = own.view(torch.int16)[:m]
+        return bits
+
+    def scratch_words(self, words: int) -> torch.Tensor:
+        if self._words is None or self._words.numel() < words:
+            self._words = torch.empty(words, dtype=torch.int64, device=self.noise.device)
+        return self._words[:words]
 
     def _round(
         self, ws: Workspace, x: torch.Tensor, scales: torch.Tensor, codes: torch.Tensor, noise: torch.Tensor
