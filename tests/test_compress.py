@@ -449,6 +449,31 @@ def test_qsgd_chunked_kernels_round_to_the_grid(bits: int, bucket: int) -> None:
     assert torch.allclose(both, y + q.decompress(p2, TensorSpec.of(x)), atol=1e-5)
 
 
+@pytest.mark.parametrize("mode", ["block", "element"])
+def test_sketch_passes_of_a_gpus_size_give_the_same_sketch(monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    """Off the host the sketch's kernels take DEVICE_CHUNK keys per pass (``chunk_for``); forced on the host
+    (torch kernels), the tables and estimates equal those of cache-sized passes: dense with gaps and a short
+    last block, COO rows."""
+    g = torch.Generator().manual_seed(4)
+    gap = torch.randn(3 * sk_mod.CHUNK + 77, generator=g)
+    gap[1000:90_000] = 0
+    inputs = [torch.randn(2 * sk_mod.CHUNK + 5, generator=g), gap, _embedding_grad(3000, 64, 5000, seed=4)]
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        for x in inputs:
+            for kw in ({"ratio": 0.05}, {"ratio": 0.05, "block": 7}):
+                c = SparseSketch(rows=3, seed=3, hash=mode, kernels="torch", **kw)  # type: ignore[arg-type]
+                p = c.compress(x)
+                y = c.decompress(p, TensorSpec.of(x))
+                out += [p.bitmap, p.table, y.to_dense() if y.is_sparse else y]
+        return out
+
+    small = run()
+    monkeypatch.setattr(sk_mod, "chunk_for", lambda device, host=0: 4 * sk_mod.CHUNK + 3)
+    assert all(torch.equal(a, b) for a, b in zip(run(), small, strict=True))
+
+
 @pytest.mark.parametrize("n", [1, 1000, 300_001])
 def test_gpu_selection_paths_equal_the_host_ones(n: int) -> None:
     """The selections a GPU runs (the smallest of ``topk`` for ``kthvalue``; the threshold's one-pass mask),

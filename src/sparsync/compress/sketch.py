@@ -56,6 +56,16 @@ from sparsync.stream import SparseStream
 
 FLAT_BLOCK = 64  # default block of a 1-D tensor (a 2-D+ tensor's default block is one row)
 BLOCK_CHUNK = 1 << 18  # values per pass of the block hash (at least one block)
+DEVICE_CHUNK = 1 << 24  # keys or values per pass on another device (a GPU): its passes are bound by launches
+
+
+def chunk_for(device: torch.device, host: int = CHUNK) -> int:
+    """Keys (values) per pass of the kernels on ``device``: ``host`` (cache-sized) on the host, DEVICE_CHUNK
+    elsewhere (25M values in 64K-key passes: 55 ms to compress on an H200, docs/gpu.md). A pass's size does
+    not change a result: the table cells are sums of the same terms."""
+    return host if device.type == "cpu" else DEVICE_CHUNK
+
+
 HASHES = ("block", "element")
 
 
@@ -98,7 +108,7 @@ class SparseSketch(Compressor):
     def check_device(self, device: torch.device) -> None:
         native_for("SparseSketch", self.kernels, native_available(), device)
 
-    def _hasher(self, c: int, work: torch.dtype, device: torch.device, size: int = CHUNK) -> Hasher:
+    def _hasher(self, c: int, work: torch.dtype, device: torch.device, size: int) -> Hasher:
         native = native_for("SparseSketch", self.kernels, native_available(), device)
         return Hasher(self.rows, self.seed, c, work, size, native=native, device=device)
 
@@ -150,10 +160,11 @@ class SparseSketch(Compressor):
         c = self.table_cols(spec.shape)
         table = torch.zeros(self.rows, c, dtype=work, device=device)
         if self.hash == "block":
-            hasher = self._hasher(c // b, work, device, max(BLOCK_CHUNK, b))
+            hasher = self._hasher(c // b, work, device, max(min(chunk_for(device, BLOCK_CHUNK), n), b))
             _compress_blocks(hasher, table, bitmap, tensor, b)
             return SketchPayload(bitmap, table.to(dtype))
-        hasher = self._hasher(c, work, device)
+        step = chunk_for(device)
+        hasher = self._hasher(c, work, device, max(1, min(step, n)))
         if tensor.is_sparse:
             s = coo_to_stream(tensor)  # coalesced rows, O(nnz): a COO input is never densified
             assert s.indices is not None
@@ -164,21 +175,21 @@ class SparseSketch(Compressor):
                 assert e.indices is not None
                 idx, vals = e.indices.to(torch.int64), e.values.to(work)
                 bitmap[idx // b] = 1
-                for a in range(0, idx.numel(), CHUNK):
-                    hasher.insert(table, idx[a : a + CHUNK], vals[a : a + CHUNK])
+                for a in range(0, idx.numel(), step):
+                    hasher.insert(table, idx[a : a + step], vals[a : a + step])
                 return SketchPayload(bitmap, table.to(dtype))
         else:
             flat = tensor.reshape(-1)
             blocks = _nonzero_blocks(flat, b)
             if blocks.numel() == nblocks:  # every block set: hash positions a..b, no index list
                 bitmap.fill_(1)
-                for a in range(0, n, CHUNK):
-                    hasher.insert(table, a, flat[a : a + CHUNK].to(work))
+                for a in range(0, n, step):
+                    hasher.insert(table, a, flat[a : a + step].to(work))
                 return SketchPayload(bitmap, table.to(dtype))
             # zeros inside a set block add 0 to the table: hash the same set of positions decompress queries
             vals = _gather_blocks(flat, blocks, b).to(work)
         bitmap[blocks] = 1
-        for h, lo, hi in _runs(blocks, b, n):
+        for h, lo, hi in _runs(blocks, b, n, step):
             hasher.insert(table, h, vals[lo:hi])
         return SketchPayload(bitmap, table.to(dtype))
 
@@ -193,19 +204,20 @@ class SparseSketch(Compressor):
         if self.hash == "block":
             if c % b:
                 raise ValueError(f"a block-hash table's {c} columns are not whole blocks of {b}")
-            hasher = self._hasher(c // b, work, device, max(BLOCK_CHUNK, b))
+            hasher = self._hasher(c // b, work, device, max(min(chunk_for(device, BLOCK_CHUNK), n), b))
             vals = _query_blocks(hasher, table, blocks, b, n)
             if spec.sparse_dim is None and every:  # every block set: the values are the tensor
                 return vals.to(spec.dtype).reshape(spec.shape)
             return _assemble(vals.to(spec.dtype), blocks, b, spec)
-        hasher = self._hasher(c, work, device)
+        step = chunk_for(device)
+        hasher = self._hasher(c, work, device, max(1, min(step, n)))
         if spec.sparse_dim is None and every:  # every block set: write in place
             out = torch.empty(n, dtype=work, device=device)
-            for a in range(0, n, CHUNK):
-                hasher.query(table, a, out[a : a + CHUNK])
+            for a in range(0, n, step):
+                hasher.query(table, a, out[a : a + step])
             return out.to(spec.dtype).reshape(spec.shape)
         vals = torch.empty(_block_numel(blocks, b, n), dtype=work, device=device)
-        for h, lo, hi in _runs(blocks, b, n):
+        for h, lo, hi in _runs(blocks, b, n, step):
             hasher.query(table, h, vals[lo:hi])
         return _assemble(vals.to(spec.dtype), blocks, b, spec)
 
@@ -287,20 +299,20 @@ def _query_blocks(h: Hasher, table: torch.Tensor, blocks: torch.Tensor, b: int, 
     return vals.view(-1)[: _block_numel(blocks, b, n)]
 
 
-def _runs(blocks: torch.Tensor, b: int, n: int) -> Iterator[tuple[Index, int, int]]:
-    """(indices, lo, hi): the element indices of the set ``blocks`` in chunks of at most CHUNK, with their
+def _runs(blocks: torch.Tensor, b: int, n: int, chunk: int) -> Iterator[tuple[Index, int, int]]:
+    """(indices, lo, hi): the element indices of the set ``blocks`` in chunks of at most ``chunk``, with their
     offsets [lo, hi) into the concatenated values of those blocks. Whole blocks as ``RowRun``s; an index list
     where a block is wider than a chunk or the tensor's short last block is set."""
     short = blocks.numel() > 0 and int(blocks[-1]) * b + b > n
-    if b <= CHUNK and not short:
-        step = CHUNK // b
+    if b <= chunk and not short:
+        step = chunk // b
         for a in range(0, blocks.numel(), step):
             part = blocks[a : a + step]
             yield RowRun(part, b), a * b, (a + part.numel()) * b
         return
     idx = _block_elements(blocks, b, n)
-    for a in range(0, idx.numel(), CHUNK):
-        yield idx[a : a + CHUNK], a, min(idx.numel(), a + CHUNK)
+    for a in range(0, idx.numel(), chunk):
+        yield idx[a : a + chunk], a, min(idx.numel(), a + chunk)
 
 
 def _block_numel(blocks: torch.Tensor, b: int, n: int) -> int:
@@ -323,7 +335,7 @@ def _nonzero_blocks(flat: torch.Tensor, b: int) -> torch.Tensor:
     non-zero (NaN included, as ``!= 0`` counts it), chunk by chunk: no tensor-sized temporary."""
     n = flat.numel()
     full = n // b
-    step = max(1, CHUNK // b) * b
+    step = max(1, chunk_for(flat.device) // b) * b
     peaks = [flat[a : min(full * b, a + step)].view(-1, b).abs().amax(1) for a in range(0, full * b, step)]
     if full * b < n:
         peaks.append(flat[full * b :].abs().amax().reshape(1))
