@@ -172,13 +172,13 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.parametrize("spec", SPECS)
 def test_cuda_results_equal_the_cpu_path(spec: str) -> None:
     """On a GPU: results stay on the device and equal the CPU path's (its default kernels: C where built), bit
-    for bit where both are deterministic (the sketch's table sums go through CUDA's atomic adds, in any order:
-    within float32 rounding)."""
+    for bit where both are deterministic (the sketch's table sums go through CUDA's atomic adds, in any order,
+    and QSGD's l2 scales are norms summed in another order: within float32 rounding)."""
     on_host, inputs = spec.replace(",kernels=torch", ""), _inputs()
     want = _round_trip(on_host, inputs)
     got = _round_trip(on_host, inputs, "cuda")
     for a, b in zip(got, want, strict=True):
-        if spec.startswith("sketch"):
+        if spec.startswith("sketch") or "scale=l2" in spec:  # l2: the norm's sum is ordered differently
             torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(a.cpu(), b), spec

@@ -293,7 +293,8 @@ class _TorchBuffers:
         if first is not None:
             out.copy_(first)
         for i, (c, sc) in enumerate(zip(codes, scales, strict=True)):
-            step = sc / ws.s
+            # a tensor divisor: CUDA divides by a Python scalar as a multiply by its reciprocal (other bits)
+            step = sc / torch.full_like(sc, ws.s)
             dst = out if i == 0 and first is None else self.f[:k]
             self.levels(ws.bits, c, k, dst)  # exact q; one rounding: q·(S/s)
             if full:
