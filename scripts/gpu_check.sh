@@ -9,8 +9,9 @@
 #   4. DCT-DP against uncompressed sparsync on the MLPerf DLRM at P = 8 (bench dlrm).
 # Prints a summary; writes $OUT/summary.txt and every log and figure in $OUT/gpu_check.tar.gz (two files: the
 # device tool brings back at most 8). $OUT defaults to results/gpu_check. No network needed: the machine's
-# python3 must hold torch (with CUDA), numpy, pytest, pytest-timeout, hypothesis, rich and matplotlib (pyzmq is
-# not needed here); wheels in .whl/ are installed first if present. COMMIT=<sha> names the commit in the
+# python3 must hold torch (with CUDA), numpy, pytest, pytest-timeout, hypothesis, rich and matplotlib; the bench
+# steps also import pyzmq, which the device tool's image lacks: carry it as a wheel in .whl/ (installed first if
+# present; see docs/gpu.md for the command). COMMIT=<sha> names the commit in the
 # summary (the tree may travel without .git).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -218,9 +218,10 @@ def markdown(rows: list[dict[str, Any]], checks: list[Check], title: str) -> str
             lead + f"{r0['bound_bytes'] / 1e6:.3f} | {_ideal(r0) / 1e6:.3f} | " + " | ".join(cells) + " |"
         )
     algs = [m for m in methods if m in ALGORITHMS]
-    lines += ["", "auto's cost model: predicted ms / measured ms per algorithm (the decision's predictions).", "",
-              head + " " + " | ".join(algs) + " |", "|---|---|---|---|" + "---|" * len(algs)]  # fmt: skip
-    for (P, dim, z, hot), by in pts.items():
+    if algs:  # the fixed algorithms' predictions beside their measurements (none run: no table)
+        lines += ["", "auto's cost model: predicted ms / measured ms per algorithm (the decision's predictions).",
+                  "", head + " " + " | ".join(algs) + " |", "|---|---|---|---|" + "---|" * len(algs)]  # fmt: skip
+    for (P, dim, z, hot), by in pts.items() if algs else ():
         cells = [f"{_ms(by[a]['predicted_s'])} / {_ms(by[a]['median_s'])}" if a in by else "-" for a in algs]
         lines.append(f"| {P} | {dim} | {z:g} | {hot} | " + " | ".join(cells) + " |")
     sketch = _sketch_cells(rows)
