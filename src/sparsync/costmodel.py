@@ -283,7 +283,7 @@ class AlgorithmEntry:
     name: str
     code: int  # its value in the metadata row's algorithm column: unique, >= 1 (0 is auto)
     simplicity: int  # ``choose_robust``'s order among near-ties: fewer dependent phases first
-    time: Callable[[Problem, LinkModel], float]  # α-β-γ seconds of its own phases (``predict`` adds the meta round)
+    time: Callable[[Problem, LinkModel], float]  # α-β-γ seconds of its own phases (``predict`` adds metadata)
     nbytes: Callable[[Problem], float]  # sent + received bytes per rank (expected sizes)
     runner: Runner  # ``(comm, stream, meta, partition) -> summed stream``, bitwise identical on every rank
     uses_partition: bool = False  # assigns rows to owners (``partition=``): the call's record names the kind

@@ -18,10 +18,10 @@ and ranks that disagree about a call still exchange well-formed messages and rai
 How much payload a rank inlines: up to EAGER_BYTES by default. After a call that ran ``allgather`` (chosen by
 auto, forced, or ``sparse_allgather``; an algorithm whose registry entry says ``rides_metadata``), calls of the
 same signature (dimension, row width, dtype) may inline up to that call's largest payload plus 25%, rounded up
-to 1 KiB, at most EAGER_MAX; after any other algorithm the signature falls back to EAGER_BYTES. Training issues calls of similar nnz step after step, so from the second
-call on, a reduction that the model sends through allgather needs one round instead of two. Every rank keeps
-the same table (same calls), but correctness does not depend on it: the data round runs unless every rank
-inlined its payload.
+to 1 KiB, at most EAGER_MAX; after any other algorithm the signature falls back to EAGER_BYTES. Training issues
+calls of similar nnz step after step, so from the second call on, a reduction that the model sends through
+allgather needs one round instead of two. Every rank keeps the same table (same calls), but correctness does
+not depend on it: the data round runs unless every rank inlined its payload.
 """
 
 from __future__ import annotations
