@@ -161,9 +161,10 @@ def sparse_allreduce(
     """Sum of every rank's ``stream``, on every rank (bitwise identical everywhere).
 
     ``algorithm``: one of ``ssar_recursive_double``, ``ssar_split_allgather``, ``dsar_split_allgather``,
-    ``allgather``, ``dense`` or ``auto`` (chosen per call from the α-β model; α, β measured once per group at
-    first use unless ``link`` is given). ``policy`` may replace the choice: the default ``choose_robust``
-    takes the simplest algorithm predicted within 10% of the fastest, ``choose_fastest`` the argmin.
+    ``allgather``, ``dense`` (any in ``costmodel.REGISTRY``) or ``auto`` (chosen per call from the α-β model;
+    α, β measured once per group at first use unless ``link`` is given). ``policy`` may replace the choice:
+    the default ``choose_robust`` takes the simplest algorithm predicted within 10% of the fastest,
+    ``choose_fastest`` the argmin.
     ``partition``: how the split algorithms assign rows to ranks: ``stride`` (row id mod P, balanced on
     Zipf-skewed rows), ``range`` (contiguous, SparCML §4.1) or ``auto`` (stride for row streams, range for
     element streams; ``collectives/partition.py``). ``log`` collects a CommRecord (bytes, time, phases,
