@@ -1,7 +1,10 @@
 """The α-β(-γ) cost model of SparCML §4 and the policy that picks an allreduce algorithm from it.
 
 Data (``LinkModel``, ``Problem``) is kept apart from the selection policy (``choose_fastest``), so a user can
-set a measured or assumed link, or replace the policy.
+set a measured or assumed link, or replace the policy. Each algorithm's own time and bytes models sit beside
+its runner, in the ``AlgorithmEntry`` its module declares (``collectives/recursive_double.py``, ...);
+``REGISTRY`` collects the entries, and this module holds the terms they share (the metadata round, gathers,
+reduction work).
 
 Where the paper is vague we chose:
 - The paper gives each algorithm's time as a range between full overlap and no overlap of the index sets. To
@@ -24,14 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from sparsync.collectives.comm import Comm
+    from sparsync.collectives.meta import Meta
     from sparsync.stream import SparseStream
 
 # The ``dense`` algorithm on a sparse-stored input of at least DENSE_PIPELINE_MIN elements densifies and reduces
@@ -72,7 +77,7 @@ class LinkModel:
     def __post_init__(self) -> None:
         object.__setattr__(self, "fixed", tuple((str(a), float(t)) for a, t in self.fixed))  # JSON lists too
         for alg, t in self.fixed:
-            if alg not in ALGORITHMS or not (math.isfinite(t) and t >= 0):
+            if alg not in REGISTRY or not (math.isfinite(t) and t >= 0):
                 raise ValueError(f"LinkModel.fixed: want (algorithm, seconds >= 0) pairs, got ({alg!r}, {t!r})")
         for name in (
             "alpha",
@@ -174,7 +179,7 @@ class Decision:
     link: LinkModel | None = None
 
 
-def _sum_cost(p: Problem, link: LinkModel, entries: float, dim: float) -> float:
+def sum_cost(p: Problem, link: LinkModel, entries: float, dim: float) -> float:
     """Reduction work for ``entries`` incoming pairs on a vector of ``dim``: a sort-merge while the sum stays
     below that vector's delta (§3), else a dense buffer plus one scatter-add per pair."""
     if entries >= dim * p.value_bytes / (p.index_bytes + p.value_bytes):
@@ -182,7 +187,8 @@ def _sum_cost(p: Problem, link: LinkModel, entries: float, dim: float) -> float:
     return p.per_row(link.gamma_sparse, link) * entries
 
 
-def _fresh(link: LinkModel) -> float:
+def fresh_cost(link: LinkModel) -> float:
+    """Seconds per element written into freshly allocated memory (``LinkModel.gamma_fresh``)."""
     return link.gamma_fresh if link.gamma_fresh is not None else link.gamma_dense
 
 
@@ -190,12 +196,13 @@ def predict(algorithm: str, p: Problem, link: LinkModel) -> float:
     """Predicted seconds of one sparse allreduce with ``algorithm`` (SparCML §4 bounds, see module doc),
     the metadata round every algorithm starts with included. With a measured fixed cost for the algorithm
     (``LinkModel.fixed``), that plus the β and γ terms."""
+    entry = REGISTRY.entry(algorithm)
     fixed = dict(link.fixed).get(algorithm)
     if fixed is None or p.world_size == 1:
-        return metadata_time(p, link) + _algorithm_time(algorithm, p, link)
+        return metadata_time(p, link) + _own_time(entry, p, link)
     flat = _without_latency(link)
-    t = fixed + metadata_time(p, flat) + _algorithm_time(algorithm, p, flat)
-    if algorithm == "allgather" and not _allgather_inline(p):
+    t = fixed + metadata_time(p, flat) + _own_time(entry, p, flat)
+    if entry.rides_metadata and not payload_inline(p):
         t += gather_latency(
             p.world_size, link
         )  # the tiny call's payload rode in its metadata round; this one's not
@@ -207,8 +214,9 @@ def _without_latency(link: LinkModel) -> LinkModel:
     return dataclasses.replace(link, alpha=0.0, alpha_a2a=0.0, fixed=())
 
 
-def _allgather_inline(p: Problem) -> bool:
-    """Whether allgather's payloads ride in the metadata round (now, or in steady state: ``eager_limit``)."""
+def payload_inline(p: Problem) -> bool:
+    """Whether every payload rides in the metadata round (now, or in steady state: ``eager_limit``), as an
+    algorithm whose entry says ``rides_metadata`` (allgather) gets them."""
     return p.eager or bool(p.eager_limit and max(p.input_bytes(r) for r in range(p.world_size)) <= p.eager_limit)
 
 
@@ -242,162 +250,163 @@ def gather_steps(P: int) -> int:
     return pof2.bit_length() - 1 + (2 if pof2 != P else 0)
 
 
-def _common(p: Problem, link: LinkModel) -> tuple[int, float, float, float, float]:
+def terms(p: Problem, link: LinkModel) -> tuple[int, float, float, float, float]:
     """(P, N, α, β of gloo's collectives, β of our exchanges) of a prediction."""
     b = link.beta_exchange if link.beta_exchange is not None else link.beta
     return p.world_size, p.dim, link.alpha, link.beta, b
 
 
-def _mean_bytes(p: Problem) -> float:
+def mean_bytes(p: Problem) -> float:
+    """The ranks' mean input bytes."""
     return sum(p.input_bytes(r) for r in range(p.world_size)) / p.world_size
 
 
-def _time_recursive_double(p: Problem, link: LinkModel) -> float:
-    P, N, a, _, b = _common(p, link)
-    pof2 = 1 << (P.bit_length() - 1)  # the MPICH fold takes P - pof2 ranks out first
-    t = 0.0
-    m = P / pof2
-    if pof2 != P:
-        t += 2 * (2 * a) + b * (p.stream_bytes(p.union(1)) + p.stream_bytes(p.union(P)))
-    for _ in range(pof2.bit_length() - 1):
-        t += 2 * a + b * p.stream_bytes(p.union(m)) + _sum_cost(p, link, 2 * p.union(m), N)
-        m *= 2
-    return t
-
-
-def _split_time(p: Problem, link: LinkModel) -> float:
-    """The split phase both split algorithms start with: one all-to-all round of framed blocks
-    (collectives/split_allgather.py); each owner merges the P blocks of its partition, about sum(nnz)/P pairs
-    on N/P entries."""
-    P, N, a, _, b = _common(p, link)
-    a2a = link.alpha_a2a if link.alpha_a2a is not None else (P - 1) * a
-    return a2a + b * _mean_bytes(p) * (P - 1) / P + _sum_cost(p, link, sum(p.nnz) / P, N / P)
-
-
-def _time_ssar_split(p: Problem, link: LinkModel) -> float:
-    P, N, _, _, b = _common(p, link)
-    result = p.stream_bytes(p.union(P))
-    if p.union(P) >= p.delta:
-        concat = link.gamma_dense * N * p.row
-    else:
-        concat = p.per_row(link.gamma_scatter, link) * p.union(P)
-    return _split_time(p, link) + gather_latency(P, link) + b * result * (P - 1) / P + concat
-
-
-def _time_dsar_split(p: Problem, link: LinkModel) -> float:
-    P, N, a, b_ring, _ = _common(p, link)
-    # The gathered vector is fresh memory, and a row stream's stride partition (collectives/partition.py)
-    # reorders it into a second fresh vector.
-    fresh = (2 if p.row > 1 else 1) * _fresh(link) * N * p.row
-    return _split_time(p, link) + (P - 1) * a + b_ring * N * p.value_bytes * (P - 1) / P + fresh
-
-
-def _time_allgather(p: Problem, link: LinkModel) -> float:
-    P, N, _, _, b = _common(p, link)
-    if p.eager:  # the gather already happened in the metadata round: only the local sum is left
-        return _sum_cost(p, link, sum(p.nnz), N)
-    received = sum(p.input_bytes(r) for r in range(P)) - min(p.input_bytes(r) for r in range(P))
-    latency = gather_latency(P, link)
-    if _allgather_inline(p):
-        # Priced in steady state: in a run of calls like this one, choosing allgather makes the next
-        # call's payloads ride in the metadata round every algorithm pays for, so its own rounds vanish.
-        latency = 0.0
-    return latency + b * received + _sum_cost(p, link, sum(p.nnz), N)
-
-
-def _time_dense(p: Problem, link: LinkModel) -> float:
-    P, N, a, b_ring, _ = _common(p, link)
-    # A rank whose input is stored sparse (nnz below delta) densifies it first: one scatter per pair, the
-    # slowest rank setting the pace (the scatter term predicts the measured difference to gloo's allreduce of
-    # an already dense buffer: docs/results_design.md). From
-    # DENSE_PIPELINE_MIN elements the densify runs chunk by chunk under the transfers: the first chunk's shows.
-    exposed = 1 / DENSE_CHUNKS if N >= DENSE_PIPELINE_MIN else 1.0
-    densify = exposed * max((p.per_row(link.gamma_scatter, link) * n for n in p.nnz if n < p.delta), default=0.0)
-    return (
-        2 * (P - 1) * a
-        + b_ring * 2 * (P - 1) / P * N * p.value_bytes
-        + (link.gamma_dense + _fresh(link)) * N * p.row  # a fresh buffer (densified or copied), one pass
-        + densify
-    )
-
-
-def _bytes_recursive_double(p: Problem) -> float:
-    rounds, m, total = int(math.log2(p.world_size)) if p.world_size > 1 else 0, 1.0, 0.0
-    for _ in range(rounds):
-        total += 2 * p.stream_bytes(p.union(m))
-        m *= 2
-    return total
-
-
-def _share(p: Problem) -> float:
+def share(p: Problem) -> float:
+    """(P - 1) / P: the part of a vector a ring or an all-to-all moves off each rank."""
     return (p.world_size - 1) / p.world_size
 
 
-def _bytes_ssar_split(p: Problem) -> float:
-    return 2 * _share(p) * (_mean_bytes(p) + p.stream_bytes(p.union(p.world_size)))
-
-
-def _bytes_dsar_split(p: Problem) -> float:
-    return 2 * _share(p) * (_mean_bytes(p) + p.dim * p.value_bytes)
-
-
-def _bytes_allgather(p: Problem) -> float:
-    return 2 * _mean_bytes(p) * (p.world_size - 1)
-
-
-def _bytes_dense(p: Problem) -> float:
-    return 4 * _share(p) * p.dim * p.value_bytes
+if TYPE_CHECKING:
+    # What a registry entry runs: the communicator, this rank's stream, the metadata round's result and the
+    # resolved partition kind (``collectives/partition.py``; "-" for an algorithm without one) -> the sum.
+    Runner = Callable[[Comm, SparseStream, Meta, str], SparseStream]
 
 
 @dataclass(frozen=True)
-class Algorithm:
-    """One SparCML sparse allreduce algorithm, everything sparsync knows of it in one object: auto
-    (``predict`` and the policies), the plan (``nbytes``), the metadata round (``code``), calibration and the
-    collectives (``run``) all iterate over ``REGISTRY``. Adding an algorithm is one more entry there, its
-    ``time`` and ``nbytes`` here and its runner in its own module.
-
-    ``time``: α-β-γ seconds of its own phases (``predict`` adds the metadata round); ``nbytes``: sent +
-    received bytes per rank (expected sizes); ``code``: its value in the metadata row (0 is auto);
-    ``simplicity``: ``choose_robust``'s order among near-ties, fewer dependent phases first; ``runner``:
-    "module:function" of ``(comm, stream, meta, partition) -> summed stream``, imported at first use (the
-    collectives sit above this model)."""
+class AlgorithmEntry:
+    """One sparse allreduce algorithm, everything sparsync knows of it in one object, declared in the module
+    that implements it (SSAR/DSAR of SparCML §4.1, the allgather, the dense switch of §3) and collected by
+    ``REGISTRY``: auto (``predict`` and the policies), the plan (``nbytes``), the metadata round (``code``,
+    ``rides_metadata``), the call's record (``uses_partition``), calibration and the collectives (``runner``)
+    all read it."""
 
     name: str
-    code: int
-    simplicity: int
-    time: Callable[[Problem, LinkModel], float]
-    nbytes: Callable[[Problem], float]
-    runner: str
+    code: int  # its value in the metadata row's algorithm column: unique, >= 1 (0 is auto)
+    simplicity: int  # ``choose_robust``'s order among near-ties: fewer dependent phases first
+    time: Callable[[Problem, LinkModel], float]  # α-β-γ seconds of its own phases (``predict`` adds metadata)
+    nbytes: Callable[[Problem], float]  # sent + received bytes per rank (expected sizes)
+    runner: Runner  # ``(comm, stream, meta, partition) -> summed stream``, bitwise identical on every rank
+    uses_partition: bool = False  # assigns rows to owners (``partition=``): the call's record names the kind
+    # Its payloads ride in the metadata round (the eager protocol, collectives/meta.py): after a call of it, calls
+    # of the same signature inline payloads up to its size, and a measured fixed cost includes no data round.
+    rides_metadata: bool = False
 
-    def run(self) -> Callable[..., SparseStream]:
-        module, fn = self.runner.split(":")
-        return getattr(importlib.import_module(module), fn)  # type: ignore[no-any-return]
-
-
-_C = "sparsync.collectives."
-REGISTRY = (  # SparCML §4.1's three cases, Horovod/DDP's allgather, and the dense switch (§3)
-    Algorithm("ssar_recursive_double", 1, 2, _time_recursive_double, _bytes_recursive_double,
-              _C + "recursive_double:run"),
-    Algorithm("ssar_split_allgather", 2, 3, _time_ssar_split, _bytes_ssar_split, _C + "split_allgather:run_ssar"),
-    Algorithm("dsar_split_allgather", 3, 4, _time_dsar_split, _bytes_dsar_split, _C + "split_allgather:run_dsar"),
-    Algorithm("allgather", 4, 0, _time_allgather, _bytes_allgather, _C + "allreduce:allgather_sum"),
-    Algorithm("dense", 5, 1, _time_dense, _bytes_dense, _C + "dense:run"),
-)  # fmt: skip
-ALGORITHMS = tuple(a.name for a in REGISTRY)
-_BY_NAME = {a.name: a for a in REGISTRY}
+    def run(self) -> Runner:
+        """The runner (``runner``)."""
+        return self.runner
 
 
-def algorithm(name: str) -> Algorithm:
+class Registry:
+    """The sparse allreduce algorithms ``auto`` chooses among, by name, in code order. The collectives
+    register the built-in ones (``collectives/algorithms.py``); an algorithm from outside the package is one
+    ``register`` (or, for a scope such as a test, ``with REGISTRY.registered(entry):``)."""
+
+    def __init__(self, entries: Iterable[AlgorithmEntry] = ()) -> None:
+        self._by_name: dict[str, AlgorithmEntry] = {}
+        self._names: tuple[str, ...] = ()
+        self._simplicity: tuple[str, ...] = ()
+        for e in entries:
+            self.register(e)
+
+    def register(self, entry: AlgorithmEntry) -> AlgorithmEntry:
+        """Add ``entry``; ValueError when its name or code is taken (or reserved: ``auto``, ``-``, code 0)."""
+        if not entry.name or entry.name in ("auto", "-") or entry.name in self._by_name:
+            raise ValueError(f"algorithm name {entry.name!r} is reserved or taken; taken: {', '.join(self.names)}")
+        taken = {e.code: e.name for e in self._by_name.values()}
+        if entry.code < 1 or entry.code in taken:
+            raise ValueError(
+                f"algorithm {entry.name!r}: code {entry.code} must be >= 1 and unused (the metadata row's column; "
+                f"taken: {sorted(taken.items())})"
+            )
+        self._by_name[entry.name] = entry
+        self._reindex()
+        return entry
+
+    def unregister(self, name: str) -> AlgorithmEntry:
+        """Remove and return the entry of ``name``; ``KeyError`` listing the valid names."""
+        entry = self.entry(name)
+        del self._by_name[name]
+        self._reindex()
+        return entry
+
+    @contextmanager
+    def registered(self, entry: AlgorithmEntry) -> Iterator[AlgorithmEntry]:
+        """``entry`` registered for the ``with`` block only."""
+        self.register(entry)
+        try:
+            yield entry
+        finally:
+            self.unregister(entry.name)
+
+    def copy(self) -> Registry:
+        return Registry(self)
+
+    def _reindex(self) -> None:
+        ordered = sorted(self._by_name.values(), key=lambda e: e.code)
+        self._names = tuple(e.name for e in ordered)
+        self._simplicity = tuple(e.name for e in sorted(ordered, key=lambda e: e.simplicity))
+
+    def entry(self, name: str) -> AlgorithmEntry:
+        """The entry of ``name``; ``KeyError`` listing the valid names."""
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"unknown algorithm {name!r}; valid: {', '.join(self.names)}") from None
+
+    def by_code(self, code: int) -> AlgorithmEntry:
+        """The entry whose metadata code is ``code``; ``KeyError`` when none is."""
+        for e in self._by_name.values():
+            if e.code == code:
+                return e
+        raise KeyError(f"no algorithm has code {code}; codes: {sorted(e.code for e in self._by_name.values())}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every algorithm's name, in code order (``choose_fastest``'s order among exact ties)."""
+        return self._names
+
+    @property
+    def simplicity(self) -> tuple[str, ...]:
+        """The names in ``choose_robust``'s tie order: by ``simplicity``, then code."""
+        return self._simplicity
+
+    def __iter__(self) -> Iterator[AlgorithmEntry]:
+        return (self._by_name[n] for n in self._names)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
+
+
+# Every algorithm of this process: SparCML §4.1's three cases, Horovod/DDP's allgather, and the dense switch
+# (§3), registered by ``sparsync.collectives`` at import, plus any a user registers.
+REGISTRY = Registry()
+
+
+def register_algorithm(entry: AlgorithmEntry) -> AlgorithmEntry:
+    """Add ``entry`` to ``REGISTRY`` (``Registry.register``); returns it."""
+    return REGISTRY.register(entry)
+
+
+def algorithm(name: str) -> AlgorithmEntry:
     """The registry's entry for ``name``; ``KeyError`` listing the valid names."""
-    try:
-        return _BY_NAME[name]
-    except KeyError:
-        raise KeyError(f"unknown algorithm {name!r}; valid: {', '.join(ALGORITHMS)}") from None
+    return REGISTRY.entry(name)
 
 
-def _algorithm_time(name: str, p: Problem, link: LinkModel) -> float:
-    a = algorithm(name)
-    return 0.0 if p.world_size == 1 else a.time(p, link)
+def _own_time(entry: AlgorithmEntry, p: Problem, link: LinkModel) -> float:
+    return 0.0 if p.world_size == 1 else entry.time(p, link)
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``ALGORITHMS`` and ``SIMPLICITY``: the registry's names (code order, tie order) when read. Computed on
+    access, since the collectives register the algorithms after this module is imported."""
+    if name == "ALGORITHMS":
+        return REGISTRY.names
+    if name == "SIMPLICITY":
+        return REGISTRY.simplicity
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def lower_bound(p: Problem, link: LinkModel) -> float:
@@ -421,24 +430,26 @@ def lower_bound(p: Problem, link: LinkModel) -> float:
 Policy = Callable[[Problem, LinkModel], Decision]
 
 
-def choose_fastest(p: Problem, link: LinkModel, candidates: tuple[str, ...] = ALGORITHMS) -> Decision:
-    """Default policy: the candidate with the smallest predicted time (ties: the earlier in ``candidates``)."""
+def choose_fastest(p: Problem, link: LinkModel, candidates: tuple[str, ...] | None = None) -> Decision:
+    """Default policy: the candidate (default: every registered algorithm, ``ALGORITHMS``) with the smallest
+    predicted time (ties: the earlier in ``candidates``)."""
+    candidates = REGISTRY.names if candidates is None else candidates
     preds = {alg: predict(alg, p, link) for alg in candidates}
     best = min(candidates, key=lambda alg: preds[alg])
     return Decision(best, preds, lower_bound(p, link), p, link)
 
 
-# Fewest dependent phases first: one gather, gloo's ring, log2 P exchanges, then the two-phase split algorithms.
-SIMPLICITY = tuple(a.name for a in sorted(REGISTRY, key=lambda a: a.simplicity))
 # Predictions within this fraction of the fastest count as a tie (chosen, not tuned; see choose_robust).
 TIE_MARGIN = 0.10
 
 
 def choose_robust(
-    p: Problem, link: LinkModel, candidates: tuple[str, ...] = ALGORITHMS, margin: float = TIE_MARGIN
+    p: Problem, link: LinkModel, candidates: tuple[str, ...] | None = None, margin: float = TIE_MARGIN
 ) -> Decision:
-    """The default policy of ``sparse_allreduce``: the simplest candidate (``SIMPLICITY`` order) whose
-    predicted time is within ``margin`` of the fastest prediction.
+    """The default policy of ``sparse_allreduce``: the simplest candidate (default: every registered
+    algorithm) in ``SIMPLICITY`` order (fewest dependent phases first: one gather, gloo's ring, log2 P
+    exchanges, then the two-phase split algorithms) whose predicted time is within ``margin`` of the fastest
+    prediction.
 
     Why: on this 2-core VM behind tc-shaped links the model's predictions miss measured times by
     1.5-2x, mostly by the same factor for every algorithm, so clear wins are reliable but near-ties are not.
@@ -446,8 +457,10 @@ def choose_robust(
     (an all-to-all, then an allgather) against allgather on embedding gradients, and against sparsync's dense
     at density 0.3 (figures: docs/results_design.md).
     """
+    candidates = REGISTRY.names if candidates is None else candidates
     preds = {alg: predict(alg, p, link) for alg in candidates}
     fastest = min(preds.values())
     near = [alg for alg in candidates if preds[alg] <= fastest * (1 + margin)]
-    best = min(near, key=lambda alg: SIMPLICITY.index(alg) if alg in SIMPLICITY else len(SIMPLICITY))
+    order = REGISTRY.simplicity
+    best = min(near, key=lambda alg: order.index(alg) if alg in order else len(order))
     return Decision(best, preds, lower_bound(p, link), p, link)

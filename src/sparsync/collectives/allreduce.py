@@ -10,17 +10,18 @@ from typing import Literal, NoReturn, Protocol, TypeVar, overload, runtime_check
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives._fold import allgather_blocks, allgather_fixed
+from sparsync.collectives._fold import allgather_fixed
+from sparsync.collectives.allgather import gather_streams
 from sparsync.collectives.calibrate import measure_link
-from sparsync.collectives.comm import Comm, PeerError, payload_of
-from sparsync.collectives.comm import stream_from_payload as _decode
+from sparsync.collectives.comm import Comm, PeerError
 from sparsync.collectives.group import background_group, group_state, next_call, resolve_group, submit
 from sparsync.collectives.meta import (
-    ALGORITHM_CODES,
     EAGER_LIMIT,
     PARTITION_CODES,
     BadIndex,
     Meta,
+    algorithm_code,
+    algorithm_name,
     auto_fingerprint,
     exchange_meta,
     report_refusal,
@@ -30,7 +31,7 @@ from sparsync.collectives.ops import text_key
 from sparsync.collectives.partition import resolve_partition
 from sparsync.collectives.site import call_site
 from sparsync.costmodel import (
-    ALGORITHMS,
+    REGISTRY,
     Decision,
     LinkModel,
     Policy,
@@ -38,10 +39,9 @@ from sparsync.costmodel import (
     choose_fastest,
     choose_robust,
 )
-from sparsync.costmodel import algorithm as algorithm_entry
 from sparsync.handle import Work
 from sparsync.record import CommLog
-from sparsync.stream import SparseStream, index_dtype_for, sum_streams
+from sparsync.stream import SparseStream, index_dtype_for
 
 T = TypeVar("T")
 
@@ -73,25 +73,6 @@ class DenseQuantizer(Protocol):
     def dsar_allreduce(self, call: DsarCall) -> SparseStream:
         """DSAR_Split_AllGather of ``call.stream`` with its dense phase quantized. The same bits on every rank."""
         ...
-
-
-def _gather_streams(comm: Comm, stream: SparseStream, meta: Meta) -> list[SparseStream]:
-    if meta.eager is not None:  # every payload already came with the metadata (see meta.py's eager protocol)
-        blocks = [b.to(comm.device) for b in meta.eager]
-    else:
-        with comm.phase("allgather_payload"):
-            blocks = allgather_blocks(comm, payload_of(stream), list(meta.sizes))
-    return [
-        _decode(b, meta.dense[r], meta.nnz[r], stream.dim, stream.dtype, stream.row) for r, b in enumerate(blocks)
-    ]
-
-
-def allgather_sum(comm: Comm, stream: SparseStream, meta: Meta, partition: str = "-") -> SparseStream:
-    """The ``allgather`` algorithm, the Horovod/DDP way: gather every rank's stream, then sum locally
-    (``costmodel.REGISTRY``'s runner; no partition)."""
-    streams = _gather_streams(comm, stream, meta)
-    with comm.phase("sum"):
-        return sum_streams(streams)
 
 
 def comm_group(group: dist.ProcessGroup | None, async_op: bool) -> dist.ProcessGroup:
@@ -180,9 +161,10 @@ def sparse_allreduce(
     """Sum of every rank's ``stream``, on every rank (bitwise identical everywhere).
 
     ``algorithm``: one of ``ssar_recursive_double``, ``ssar_split_allgather``, ``dsar_split_allgather``,
-    ``allgather``, ``dense`` or ``auto`` (chosen per call from the α-β model; α, β measured once per group at
-    first use unless ``link`` is given). ``policy`` may replace the choice: the default ``choose_robust``
-    takes the simplest algorithm predicted within 10% of the fastest, ``choose_fastest`` the argmin.
+    ``allgather``, ``dense`` (any in ``costmodel.REGISTRY``) or ``auto`` (chosen per call from the α-β model;
+    α, β measured once per group at first use unless ``link`` is given). ``policy`` may replace the choice:
+    the default ``choose_robust`` takes the simplest algorithm predicted within 10% of the fastest,
+    ``choose_fastest`` the argmin.
     ``partition``: how the split algorithms assign rows to ranks: ``stride`` (row id mod P, balanced on
     Zipf-skewed rows), ``range`` (contiguous, SparCML §4.1) or ``auto`` (stride for row streams, range for
     element streams; ``collectives/partition.py``). ``log`` collects a CommRecord (bytes, time, phases,
@@ -240,8 +222,8 @@ def start_allreduce(
     algorithm, link, policy, timeout = opts.algorithm, opts.link, opts.policy, opts.timeout
     check_nan, partition, name, quantize = opts.check_nan, opts.partition, opts.name, opts.quantize
     try:
-        if algorithm != "auto" and algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {algorithm!r}; valid: auto, {', '.join(ALGORITHMS)}")
+        if algorithm != "auto" and algorithm not in REGISTRY:
+            raise ValueError(f"unknown algorithm {algorithm!r}; valid: auto, {', '.join(REGISTRY.names)}")
         part = resolve_partition(partition, stream.row)
         _check_quantize(quantize, algorithm)
     except (TypeError, ValueError) as e:
@@ -273,9 +255,10 @@ def start_allreduce(
             if policy not in PURE_POLICIES:
                 agree_algorithm(comm, alg)
         update_eager(comm, meta, alg)
+        entry = REGISTRY.entry(alg)
         with comm.running(alg, decision):
             if quantize is None:
-                result = algorithm_entry(alg).run()(comm, stream, meta, part)
+                result = entry.runner(comm, stream, meta, part)
             else:
                 call = DsarCall(comm, stream, meta.nnz, meta.dense, part, name or "dsar")
                 result = quantize.dsar_allreduce(call)
@@ -284,7 +267,7 @@ def start_allreduce(
             log.append(
                 comm.record(
                     "sparse_allreduce", alg, t0, dim=stream.dim, nnz_in=stream.nnz, nnz_out=result.nnz,
-                    decision=decision, row=stream.row, partition=part if "split" in alg else "",
+                    decision=decision, row=stream.row, partition=part if entry.uses_partition else "",
                 )
             )  # fmt: skip
         return out
@@ -306,15 +289,15 @@ PURE_POLICIES: tuple[Policy, ...] = (choose_robust, choose_fastest)
 def agree_algorithm(comm: Comm, alg: str) -> None:
     """Raise the same ValueError on every rank unless every rank's policy chose ``alg`` (one allgather of one
     int64 on the host)."""
-    mine = torch.tensor([ALGORITHM_CODES.index(alg)], dtype=torch.int64)
+    mine = torch.tensor([algorithm_code(alg)], dtype=torch.int64)
     with comm.phase("agree_algorithm"):
         table = allgather_fixed(comm.meta, mine)[:, 0]
     differ = [r for r in range(comm.size) if int(table[r]) != int(table[0])]
     if differ:
         r = differ[0]
         raise ValueError(
-            f"auto chose different algorithms across ranks: rank 0 chose {ALGORITHM_CODES[int(table[0])]}, rank "
-            f"{r} chose {ALGORITHM_CODES[int(table[r])]} (seen on rank {comm.rank}); a policy= must choose from "
+            f"auto chose different algorithms across ranks: rank 0 chose {algorithm_name(int(table[0]))}, rank "
+            f"{r} chose {algorithm_name(int(table[r]))} (seen on rank {comm.rank}); a policy= must choose from "
             "its inputs alone (no per-rank state), as every rank must run the same algorithm"
         )
 
@@ -382,7 +365,7 @@ def sparse_allgather(
         comm.op = "sparse_allgather"
         meta = exchange_meta(comm, "sparse_allgather", stream, "-", seq, check_nan, site=site)
         update_eager(comm, meta, "allgather")
-        out = _gather_streams(comm, stream, meta)
+        out = gather_streams(comm, stream, meta)
         if log is not None:
             nnz_out = sum(s.nnz for s in out)
             log.append(

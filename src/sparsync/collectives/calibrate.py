@@ -19,7 +19,7 @@ from sparsync.collectives.comm import Comm
 from sparsync.collectives.group import resolve_group
 from sparsync.collectives.meta import PARTITION_CODES, exchange_meta
 from sparsync.collectives.partition import resolve_partition
-from sparsync.costmodel import ALGORITHMS, LinkModel, algorithm, gather_steps
+from sparsync.costmodel import REGISTRY, LinkModel, gather_steps
 from sparsync.stream import SparseStream, add
 
 
@@ -141,8 +141,8 @@ def _exchange_beta(group: dist.ProcessGroup, nbytes: int, reps: int, alpha_step:
 FIXED_ROWS, FIXED_ROW = 64, 16  # the stream of ``_fixed_costs``: one stored row of 16 values out of 64
 
 
-def _fixed_costs(group: dist.ProcessGroup, reps: int) -> list[float]:
-    """Median seconds of each algorithm (``costmodel.ALGORITHMS`` order) on a stream of one stored row: its
+def _fixed_costs(group: dist.ProcessGroup, reps: int, names: tuple[str, ...]) -> list[float]:
+    """Median seconds of each algorithm of ``names`` (registered ones) on a stream of one stored row: its
     metadata round, its rounds and the software around them, everything but β and γ (``LinkModel.fixed``).
     Run on the algorithms' own code (no nested public call: calibration may itself run inside one)."""
 
@@ -150,7 +150,8 @@ def _fixed_costs(group: dist.ProcessGroup, reps: int) -> list[float]:
                           row=FIXED_ROW)  # fmt: skip
     part = resolve_partition("auto", FIXED_ROW)
     out = []
-    for alg in ALGORITHMS:
+    for alg in names:
+        run = REGISTRY.entry(alg).runner
         times = []
         for i in range(reps + 1):  # the first is a warm-up
             dist.barrier(group=group)
@@ -159,7 +160,7 @@ def _fixed_costs(group: dist.ProcessGroup, reps: int) -> list[float]:
             meta = exchange_meta(
                 comm, "sparse_allreduce", stream, alg, -1, True, partition=PARTITION_CODES.index(part)
             )
-            algorithm(alg).run()(comm, stream, meta, part)
+            run(comm, stream, meta, part)
             if i:
                 times.append(time.perf_counter() - t0)
         out.append(sorted(times)[reps // 2])
@@ -177,7 +178,8 @@ def measure_link(
     g = resolve_group(group)
     rank, size = dist.get_rank(g), dist.get_world_size(g)
     gs, gd, gsc, gf = _reduction_costs()
-    est = torch.zeros(9 + len(ALGORITHMS), dtype=torch.float64)
+    names = REGISTRY.names  # every registered algorithm's fixed cost, in the registry's order
+    est = torch.zeros(9 + len(names), dtype=torch.float64)
     est[2], est[3], est[5], est[8] = gs, gd, gsc, gf
     peer = rank ^ 1
     if peer < size:
@@ -189,7 +191,7 @@ def measure_link(
         est[0], est[6] = _collective_latencies(g, 4 * reps + 1)
         est[1] = max(float(est[1]), _allreduce_beta(g, large_bytes, reps))
         est[7] = _exchange_beta(g, large_bytes // 4, reps, float(est[0]))
-        est[9:] = torch.tensor(_fixed_costs(g, 2 * reps + 1), dtype=torch.float64)
+        est[9:] = torch.tensor(_fixed_costs(g, 2 * reps + 1, names), dtype=torch.float64)
     dist.all_reduce(est, group=g)
     if size == 1:
         return LinkModel(alpha=0.0, beta=0.0, gamma_sparse=gs, gamma_dense=gd, gamma_scatter=gsc, gamma_fresh=gf)
@@ -203,5 +205,5 @@ def measure_link(
         gamma_scatter=float(est[5]) / size,
         beta_exchange=max(float(est[7]) / size, float(est[1]) / pairs),
         gamma_fresh=float(est[8]) / size,
-        fixed=tuple((alg, float(t) / size) for alg, t in zip(ALGORITHMS, est[9:], strict=True)),
+        fixed=tuple((alg, float(t) / size) for alg, t in zip(names, est[9:], strict=True)),
     )

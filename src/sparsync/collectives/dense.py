@@ -9,7 +9,16 @@ import torch
 import torch.distributed as dist
 
 from sparsync.collectives.comm import Comm
-from sparsync.costmodel import DENSE_CHUNKS, DENSE_PIPELINE_MIN
+from sparsync.costmodel import (
+    DENSE_CHUNKS,
+    DENSE_PIPELINE_MIN,
+    AlgorithmEntry,
+    LinkModel,
+    Problem,
+    fresh_cost,
+    share,
+    terms,
+)
 from sparsync.stream import SparseStream
 
 if TYPE_CHECKING:
@@ -55,5 +64,30 @@ def _pipelined_dense(comm: Comm, stream: SparseStream) -> torch.Tensor:
 
 
 def run(comm: Comm, stream: SparseStream, meta: Meta, partition: str) -> SparseStream:
-    """``costmodel.REGISTRY``'s runner: the metadata and partition are not needed."""
+    """The registry's runner: the metadata and partition are not needed."""
     return dense_allreduce(comm, stream)
+
+
+def predict_time(p: Problem, link: LinkModel) -> float:
+    """gloo's ring: 2(P-1) steps moving 2(P-1)/P of the dense vector, after a densify of sparse-stored inputs."""
+    P, N, a, b_ring, _ = terms(p, link)
+    # A rank whose input is stored sparse (nnz below delta) densifies it first: one scatter per pair, the
+    # slowest rank setting the pace (the scatter term predicts the measured difference to gloo's allreduce of
+    # an already dense buffer: docs/results_design.md). From
+    # DENSE_PIPELINE_MIN elements the densify runs chunk by chunk under the transfers: the first chunk's shows.
+    exposed = 1 / DENSE_CHUNKS if N >= DENSE_PIPELINE_MIN else 1.0
+    densify = exposed * max((p.per_row(link.gamma_scatter, link) * n for n in p.nnz if n < p.delta), default=0.0)
+    return (
+        2 * (P - 1) * a
+        + b_ring * 2 * (P - 1) / P * N * p.value_bytes
+        + (link.gamma_dense + fresh_cost(link)) * N * p.row  # a fresh buffer (densified or copied), one pass
+        + densify
+    )
+
+
+def predict_bytes(p: Problem) -> float:
+    return 4 * share(p) * p.dim * p.value_bytes
+
+
+# SparCML §3's dense switch.
+ENTRY = AlgorithmEntry("dense", code=5, simplicity=1, time=predict_time, nbytes=predict_bytes, runner=run)

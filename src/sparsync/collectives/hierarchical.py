@@ -56,12 +56,11 @@ from sparsync.collectives.meta import exchange_meta, update_eager
 from sparsync.collectives.partition import Partition, resolve_partition
 from sparsync.collectives.split_allgather import frame_cap, gather_frames, split_reduce
 from sparsync.costmodel import (
-    ALGORITHMS,
+    REGISTRY,
     Decision,
     LinkModel,
     Policy,
     Problem,
-    algorithm,
     choose_robust,
     gather_latency,
     metadata_time,
@@ -153,9 +152,10 @@ def _agree(link: LinkModel, world: dist.ProcessGroup) -> LinkModel:
     ranks of different hosts measured different links, and would otherwise price the levels differently and
     choose differently (a hang: some ranks in the flat algorithm, the others in the hierarchical one)."""
     fixed = dict(link.fixed)
+    names = REGISTRY.names
     vals = [float(getattr(link, f)) for f in _REQUIRED]
     vals += [-1.0 if getattr(link, f) is None else float(getattr(link, f)) for f in _OPTIONAL]
-    vals += [fixed.get(a, -1.0) for a in ALGORITHMS]
+    vals += [fixed.get(a, -1.0) for a in names]
     t = torch.tensor(vals, dtype=torch.float64)
     dist.all_reduce(t, group=world)
     t /= dist.get_world_size(world)
@@ -163,7 +163,7 @@ def _agree(link: LinkModel, world: dist.ProcessGroup) -> LinkModel:
     opt = t[len(_REQUIRED) : len(_REQUIRED) + len(_OPTIONAL)].tolist()
     out.update({f: (v if v >= 0 else None) for f, v in zip(_OPTIONAL, opt, strict=True)})
     times = t[len(_REQUIRED) + len(_OPTIONAL) :].tolist()
-    return LinkModel(**out, fixed=tuple((a, v) for a, v in zip(ALGORITHMS, times, strict=True) if v >= 0))
+    return LinkModel(**out, fixed=tuple((a, v) for a, v in zip(names, times, strict=True) if v >= 0))
 
 
 def level_links(topo: Topology) -> tuple[LinkModel, LinkModel]:
@@ -176,7 +176,7 @@ def level_links(topo: Topology) -> tuple[LinkModel, LinkModel]:
 
 
 def _best(p: Problem, link: LinkModel) -> float:
-    return min(predict(a, p, link) for a in ALGORITHMS)
+    return min(predict(a, p, link) for a in REGISTRY.names)
 
 
 def predict_levels(p: Problem, topo: Topology) -> dict[str, float]:
@@ -292,7 +292,7 @@ def hierarchical_allreduce(
         chosen = policy(problem, _link(topology.world)).algorithm
         update_eager(comm, meta, chosen)
         with comm.phase(chosen):
-            result = algorithm(chosen).run()(comm, stream, meta, part_kind)
+            result = REGISTRY.entry(chosen).runner(comm, stream, meta, part_kind)
     else:
         update_eager(comm, meta, "-")
         host_nnz = tuple(meta.nnz[r] for r in topology.members[topology.host])
@@ -331,7 +331,7 @@ def hierarchical_allreduce(
             comm.record(
                 "sparse_allreduce", chosen, t0, dim=stream.dim, nnz_in=stream.nnz, nnz_out=result.nnz,
                 decision=Decision(chosen, preds) if preds else None, row=stream.row,
-                partition=part_kind if "split" in chosen else "",
+                partition=part_kind if chosen in REGISTRY and REGISTRY.entry(chosen).uses_partition else "",
             )
         )  # fmt: skip
     return result

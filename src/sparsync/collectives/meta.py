@@ -16,12 +16,12 @@ receive). So each rank sends only its own row and payload: a small call never pa
 and ranks that disagree about a call still exchange well-formed messages and raise the same ValueError.
 
 How much payload a rank inlines: up to EAGER_BYTES by default. After a call that ran ``allgather`` (chosen by
-auto, forced, or ``sparse_allgather``), calls of the same signature (dimension, row width, dtype) may inline up
-to that call's largest payload plus 25%, rounded up to 1 KiB, at most EAGER_MAX; after any other algorithm the
-signature falls back to EAGER_BYTES. Training issues calls of similar nnz step after step, so from the second
-call on, a reduction that the model sends through allgather needs one round instead of two. Every rank keeps
-the same table (same calls), but correctness does not depend on it: the data round runs unless every rank
-inlined its payload.
+auto, forced, or ``sparse_allgather``; an algorithm whose registry entry says ``rides_metadata``), calls of the
+same signature (dimension, row width, dtype) may inline up to that call's largest payload plus 25%, rounded up
+to 1 KiB, at most EAGER_MAX; after any other algorithm the signature falls back to EAGER_BYTES. Training issues
+calls of similar nnz step after step, so from the second call on, a reduction that the model sends through
+allgather needs one round instead of two. Every rank keeps the same table (same calls), but correctness does
+not depend on it: the data round runs unless every rank inlined its payload.
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from sparsync.stream import FLOAT_DTYPES, SparseStream
 SPARSE_ALLREDUCE = register_op("sparse_allreduce")
 SPARSE_ALLGATHER = register_op("sparse_allgather")
 PARTITION_CODES = ("-", "stride", "range")  # the resolved partition of a call (collectives/partition.py)
-# The algorithm column: 0 auto, each registry entry its own code (costmodel.REGISTRY), "-" for calls with none.
-# (test_costmodel checks that the codes run 1..n, so that ALGORITHM_CODES[code] is the name.)
-ALGORITHM_CODES = ("auto", *(a.name for a in sorted(REGISTRY, key=lambda a: a.code)), "-")
+# The algorithm column: 0 auto, each registry entry its own code (costmodel.AlgorithmEntry.code), NO_ALGORITHM
+# for calls with none ("-": sparse_allgather, the hierarchical call's first round, calibration's rows).
+NO_ALGORITHM = -1
 # nnz: stored rows (indices); bad/bad_value: position and value of an out-of-range index (-1: none), in tensor
 # bad_tensor (-1: the call's only tensor; grouped_allreduce numbers its tensors) of bad_rows rows;
 # inline: payload bytes that follow the row (-1: not inlined). Callers may pass fewer columns (zero-padded).
@@ -102,11 +102,40 @@ EAGER_LIMIT = EAGER_MAX * 4 // 5
 Signature = tuple[int, int, int]  # (dim, row, dtype code): calls that share an eager limit
 
 
+def algorithm_code(name: str) -> int:
+    """The algorithm column's value of ``name`` ("auto", "-" or a registered algorithm)."""
+    if name == "auto":
+        return 0
+    return NO_ALGORITHM if name == "-" else REGISTRY.entry(name).code
+
+
+def algorithm_name(code: int) -> str:
+    """The name behind an algorithm column's value (``algorithm_code``'s inverse; "code N" for one that no
+    algorithm registered in this process has)."""
+    if code == 0:
+        return "auto"
+    if code == NO_ALGORITHM:
+        return "-"
+    try:
+        return REGISTRY.by_code(code).name
+    except KeyError:
+        return f"code {code}"
+
+
+def __getattr__(name: str) -> dict[int, str]:
+    """``ALGORITHM_CODES``: code -> name of every value the algorithm column can hold now (registered
+    algorithms change it, so it is computed when read)."""
+    if name == "ALGORITHM_CODES":
+        return {0: "auto", **{e.code: e.name for e in REGISTRY}, NO_ALGORITHM: "-"}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def next_eager_bytes(sizes: tuple[int, ...], algorithm: str) -> int:
     """A signature's inline limit for its next call, from this call's payload sizes and algorithm (module
     doc). Every rank holds the same sizes and algorithm, so every rank computes the same value."""
     want = -(-(max(sizes, default=0) * 5 // 4) // 1024) * 1024
-    if algorithm != "allgather" or want > EAGER_MAX:
+    rides = algorithm in REGISTRY and REGISTRY.entry(algorithm).rides_metadata
+    if not rides or want > EAGER_MAX:
         return EAGER_BYTES
     return max(EAGER_BYTES, want)
 
@@ -219,7 +248,7 @@ def exchange_meta(
             stream.nrows,
             int(stream.is_dense),
             nan_pos,
-            ALGORITHM_CODES.index(algorithm),
+            algorithm_code(algorithm),
             stream.row,
             -1 if bad is None else bad.position,
             -1 if bad is None else bad.value,
@@ -424,7 +453,7 @@ def _check(table: torch.Tensor, me: int) -> None:
         if _F[col] == "dtype":
             return str(FLOAT_DTYPES[v])
         if _F[col] == "algorithm":
-            return ALGORITHM_CODES[v]
+            return algorithm_name(v)
         if _F[col] == "partition":
             return PARTITION_CODES[v]
         if _F[col] == "check_nan":

@@ -10,10 +10,12 @@ adds the same two operands on both partners, and float addition of two operands 
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 from sparsync.collectives._fold import Fold
 from sparsync.collectives.comm import Comm, exchange_stream
+from sparsync.costmodel import AlgorithmEntry, LinkModel, Problem, sum_cost, terms
 from sparsync.stream import SparseStream, add
 
 if TYPE_CHECKING:
@@ -56,5 +58,32 @@ def ssar_recursive_double(comm: Comm, stream: SparseStream) -> SparseStream:
 
 
 def run(comm: Comm, stream: SparseStream, meta: Meta, partition: str) -> SparseStream:
-    """``costmodel.REGISTRY``'s runner: the metadata and partition are not needed."""
+    """The registry's runner: the metadata and partition are not needed."""
     return ssar_recursive_double(comm, stream)
+
+
+def predict_time(p: Problem, link: LinkModel) -> float:
+    """§4.1's log2 P rounds, each moving the expected union of the partners' partial sums (two messages:
+    header, payload), after the MPICH fold's two exchanges when P is not a power of two."""
+    P, N, a, _, b = terms(p, link)
+    pof2 = 1 << (P.bit_length() - 1)  # the MPICH fold takes P - pof2 ranks out first
+    t = 0.0
+    m = P / pof2
+    if pof2 != P:
+        t += 2 * (2 * a) + b * (p.stream_bytes(p.union(1)) + p.stream_bytes(p.union(P)))
+    for _ in range(pof2.bit_length() - 1):
+        t += 2 * a + b * p.stream_bytes(p.union(m)) + sum_cost(p, link, 2 * p.union(m), N)
+        m *= 2
+    return t
+
+
+def predict_bytes(p: Problem) -> float:
+    rounds, m, total = int(math.log2(p.world_size)) if p.world_size > 1 else 0, 1.0, 0.0
+    for _ in range(rounds):
+        total += 2 * p.stream_bytes(p.union(m))
+        m *= 2
+    return total
+
+
+ENTRY = AlgorithmEntry("ssar_recursive_double", code=1, simplicity=2, time=predict_time, nbytes=predict_bytes,
+                       runner=run)  # fmt: skip

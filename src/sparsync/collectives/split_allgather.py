@@ -32,6 +32,17 @@ from sparsync.collectives.comm import (
     unframe,
 )
 from sparsync.collectives.partition import Partition
+from sparsync.costmodel import (
+    AlgorithmEntry,
+    LinkModel,
+    Problem,
+    fresh_cost,
+    gather_latency,
+    mean_bytes,
+    share,
+    sum_cost,
+    terms,
+)
 from sparsync.stream import SparseStream, dense_threshold, sum_streams
 
 if TYPE_CHECKING:
@@ -144,10 +155,54 @@ def dsar_split_allgather(
 
 
 def run_ssar(comm: Comm, stream: SparseStream, meta: Meta, partition: str) -> SparseStream:
-    """``costmodel.REGISTRY``'s runner of SSAR_Split_allgather."""
+    """The registry's runner of SSAR_Split_allgather."""
     return ssar_split_allgather(comm, stream, meta.nnz, partition)
 
 
 def run_dsar(comm: Comm, stream: SparseStream, meta: Meta, partition: str) -> SparseStream:
-    """``costmodel.REGISTRY``'s runner of DSAR_Split_allgather."""
+    """The registry's runner of DSAR_Split_allgather."""
     return dsar_split_allgather(comm, stream, meta.nnz, partition)
+
+
+def _split_time(p: Problem, link: LinkModel) -> float:
+    """The split phase both split algorithms start with: one all-to-all round of framed blocks; each owner
+    merges the P blocks of its partition, about sum(nnz)/P pairs on N/P entries."""
+    P, N, a, _, b = terms(p, link)
+    a2a = link.alpha_a2a if link.alpha_a2a is not None else (P - 1) * a
+    return a2a + b * mean_bytes(p) * (P - 1) / P + sum_cost(p, link, sum(p.nnz) / P, N / P)
+
+
+def ssar_time(p: Problem, link: LinkModel) -> float:
+    """The split phase, then an allgather of the owners' sparse results (the expected union) and their
+    concatenation."""
+    P, N, _, _, b = terms(p, link)
+    result = p.stream_bytes(p.union(P))
+    if p.union(P) >= p.delta:
+        concat = link.gamma_dense * N * p.row
+    else:
+        concat = p.per_row(link.gamma_scatter, link) * p.union(P)
+    return _split_time(p, link) + gather_latency(P, link) + b * result * (P - 1) / P + concat
+
+
+def dsar_time(p: Problem, link: LinkModel) -> float:
+    """The split phase, then torch's dense allgather of N/P values per rank (a ring: P - 1 steps)."""
+    P, N, a, b_ring, _ = terms(p, link)
+    # The gathered vector is fresh memory, and a row stream's stride partition (collectives/partition.py)
+    # reorders it into a second fresh vector.
+    fresh = (2 if p.row > 1 else 1) * fresh_cost(link) * N * p.row
+    return _split_time(p, link) + (P - 1) * a + b_ring * N * p.value_bytes * (P - 1) / P + fresh
+
+
+def ssar_bytes(p: Problem) -> float:
+    return 2 * share(p) * (mean_bytes(p) + p.stream_bytes(p.union(p.world_size)))
+
+
+def dsar_bytes(p: Problem) -> float:
+    return 2 * share(p) * (mean_bytes(p) + p.dim * p.value_bytes)
+
+
+# SparCML §4.1, "The Bandwidth Dominated Case" and "The Dynamic Case".
+SSAR = AlgorithmEntry("ssar_split_allgather", code=2, simplicity=3, time=ssar_time, nbytes=ssar_bytes,
+                      runner=run_ssar, uses_partition=True)  # fmt: skip
+DSAR = AlgorithmEntry("dsar_split_allgather", code=3, simplicity=4, time=dsar_time, nbytes=dsar_bytes,
+                      runner=run_dsar, uses_partition=True)  # fmt: skip

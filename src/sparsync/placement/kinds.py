@@ -1,4 +1,5 @@
-"""Placement kinds: the names a plan uses (``sparsync.plan``, Parallax §3.1) and the objects they stand for."""
+"""Placement kinds: the names a plan uses (``sparsync.plan``, Parallax §3.1) and the objects they stand for.
+What each costs, the planner asks the kind itself (``sparsync.plan.kinds``)."""
 
 from __future__ import annotations
 

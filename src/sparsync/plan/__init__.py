@@ -4,23 +4,26 @@ partition search for the parameter server (``partition``: §3.2)."""
 
 from sparsync.placement.embeddings import embedding_modules
 from sparsync.plan.detect import ParamStats, RowFractionMeter, sparse_param_names
+from sparsync.plan.kinds import PLAN_KINDS, Estimate, PlacementKind, machine_row_fraction
 from sparsync.plan.partition import PartitionSearch, fit_iteration_time, search_partitions
 from sparsync.plan.planner import (
     PLACEMENTS,
     Cluster,
     Entry,
     Plan,
-    machine_row_fraction,
     make_plan,
     zipf_row_fraction,
 )
 
 __all__ = [
     "PLACEMENTS",
+    "PLAN_KINDS",
     "Cluster",
     "Entry",
+    "Estimate",
     "ParamStats",
     "PartitionSearch",
+    "PlacementKind",
     "Plan",
     "RowFractionMeter",
     "embedding_modules",

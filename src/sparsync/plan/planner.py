@@ -35,13 +35,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from sparsync.collectives.hierarchical import HIER_MARGIN, flat_link, price_levels
 from sparsync.compress.sketch import SparseSketch
-from sparsync.costmodel import LinkModel, Problem, algorithm, choose_robust, predict
+from sparsync.costmodel import LinkModel, Problem, predict
 from sparsync.placement.base import Placement
 from sparsync.placement.kinds import KINDS, objects
 from sparsync.plan.detect import ParamStats
-from sparsync.stream import index_dtype_for
+from sparsync.plan.kinds import PLAN_KINDS, Estimate, PlacementKind, machine_row_fraction
 
 PLACEMENTS = KINDS  # the kinds of sparsync.placement a plan chooses among
 
@@ -188,72 +187,34 @@ class Plan:
         }
 
 
-def machine_row_fraction(s: ParamStats, procs: int) -> float:
-    """α of a machine's workers together: recorded, else independent uniform rows 1-(1-α)^procs (an upper
-    bound for skewed inputs such as Zipf tokens, whose workers overlap more)."""
-    if s.row_fraction_machine is not None:
-        return s.row_fraction_machine
-    return 1.0 - (1.0 - s.row_fraction) ** procs
+def estimates(
+    s: ParamStats,
+    c: Cluster,
+    *,
+    sketch_ratio: float = 0.05,
+    sketch: SparseSketch | None = None,
+    kinds: Sequence[PlacementKind] = PLAN_KINDS,
+) -> dict[str, Estimate]:
+    """Every kind's estimate of the parameter, by kind name in ``kinds`` order, leaving out kinds that do not
+    fit it. ``sketch``: the compressor of the sketch placement (``HybridConfig.sketch``); default
+    ``SparseSketch(ratio=sketch_ratio)``."""
+    sk = sketch or SparseSketch(ratio=sketch_ratio)
+    out = {}
+    for kind in kinds:
+        e = kind.estimate(s, c, sketch=sk)
+        if e is not None:
+            out[kind.name] = e
+    return out
 
 
 def candidates(
     s: ParamStats, c: Cluster, *, sketch_ratio: float = 0.05, sketch: SparseSketch | None = None
 ) -> tuple[dict[str, tuple[float, float]], str]:
-    """(bytes per machine, seconds) of every placement that fits the parameter, and the SparCML algorithm.
-    ``sketch``: the compressor of the sketch placement (``HybridConfig.sketch``); default
-    ``SparseSketch(ratio=sketch_ratio)``."""
-    N, link, w = c.machines, c.link, float(s.nbytes)
-    share = (N - 1) / N
-    dense_p = Problem(N, s.numel, (s.numel,) * N, s.itemsize, 4)
-    out = {"dense_allreduce": (4 * w * share, predict("dense", dense_p, link))}
-    skb = (sketch or SparseSketch(ratio=sketch_ratio)).payload_nbytes(s.shape, s.itemsize)
-    sk = -(-skb // s.itemsize)  # entries, as one dense allreduce of the same bytes
-    out["sketch"] = (4 * skb * share, predict("dense", Problem(N, sk, (sk,) * N, s.itemsize, 4), link))
-    if not s.sparse or N == 1:
-        return out, ""
-    am = machine_row_fraction(s, c.procs_per_machine)
-    rows, per_row = s.shape[0], s.numel // s.shape[0]
-    k = max(1, round(am * rows))  # touched rows: one index per row of per_row values (coo_to_stream)
-    itype = index_dtype_for(rows).itemsize
-    p = Problem(N, rows, (k,) * N, s.itemsize * per_row, itype, row=per_row)
-    d = choose_robust(p, link)  # what auto would run (its default policy)
-    out["sparse_allreduce"] = (algorithm(d.algorithm).nbytes(p), d.predictions[d.algorithm])
-    alg = d.algorithm
-    if c.two_level:
-        out["sparse_allreduce"], alg = _two_level(s, c, p)
-    ps_bytes = 4 * am * w * share
-    ps_time = 6 * link.alpha + link.beta * ps_bytes / 2
-    out["ps"] = (ps_bytes, ps_time)
-    return out, alg
-
-
-def _two_level(s: ParamStats, c: Cluster, machines: Problem) -> tuple[tuple[float, float], str]:
-    """Sparse allreduce over N machines of k ranks: flat over all N·k ranks (each with the worker's
-    α) or hierarchical (``collectives.hierarchical.price_levels``: reduce-scatter inside the machine, allreduce
-    of the machine sums' partitions across machines, allgather inside), whichever is predicted faster, as
-    ``hierarchical_allreduce(mode="auto")`` runs it. Bytes per machine: what crosses the machine's NIC."""
-    N, m = c.machines, c.procs_per_machine
-    P, rows = N * m, machines.dim
-    worker = max(1, round(s.row_fraction * rows))
-    # Unions for the model: one machine's m ranks touch its α_machine (recorded, or the uniform bound); j
-    # machines, independent of each other as in the one-level plan, 1 - (1 - α_machine)^j of the rows.
-    am = min(1.0, machines.nnz[0] / rows)
-    unions = [(1.0, float(worker))]
-    unions += [(float(j * m), max(float(worker), rows * -math.expm1(j * math.log1p(-min(am, 1 - 1e-12)))))
-               for j in range(1, N + 1)]  # fmt: skip
-    p = dataclasses.replace(machines, world_size=P, nnz=(worker,) * P, unions=tuple(unions))
-    world, intra, inter = c.level_links()
-    preds = price_levels(p, [list(range(h * m, (h + 1) * m)) for h in range(N)], world, intra, inter)
-    share = (P - m) / max(P - 1, 1)  # of a rank's bytes, the part that leaves the machine
-    flat_alg = choose_robust(p, flat_link(world, inter, P, m)).algorithm
-    both = f"flat {preds['flat'] * 1e3:.3g} ms, hierarchical {preds['hierarchical'] * 1e3:.3g} ms"
-    if preds["hierarchical"] * (1 + HIER_MARGIN) < preds["flat"]:  # auto's rule (hierarchical_allreduce)
-        part = dataclasses.replace(
-            machines, dim=max(1, -(-rows // m)), nnz=(round(p.union(m) / m),) * N, unions=()
-        )
-        cross = choose_robust(part, inter).algorithm
-        return (m * algorithm(cross).nbytes(part), preds["hierarchical"]), f"hierarchical: {cross} across; {both}"
-    return (m * share * algorithm(flat_alg).nbytes(p), preds["flat"]), f"flat: {flat_alg}; {both}"
+    """(bytes per machine, seconds) of every built-in placement that fits the parameter, and the SparCML
+    algorithm (``estimates`` of ``PLAN_KINDS``)."""
+    est = estimates(s, c, sketch_ratio=sketch_ratio, sketch=sketch)
+    sparse = est.get("sparse_allreduce")
+    return {k: (e.nbytes, e.seconds) for k, e in est.items()}, sparse.detail if sparse else ""
 
 
 def make_plan(
@@ -264,30 +225,34 @@ def make_plan(
     allow_lossy: bool = False,
     sketch_ratio: float = 0.05,
     sketch: SparseSketch | None = None,
+    kinds: Sequence[PlacementKind] = PLAN_KINDS,
 ) -> Plan:
-    """Choose each parameter's placement by predicted time (lossless placements unless ``allow_lossy``);
-    ``overrides`` maps parameter names to a placement and wins over the model."""
+    """Choose each parameter's placement among ``kinds`` by predicted time (lossless kinds unless
+    ``allow_lossy``); ``overrides`` maps parameter names to a kind and wins over the model."""
     overrides = dict(overrides or {})
     names = {s.name for s in stats}
+    valid = [k.name for k in kinds]
+    lossy = {k.name for k in kinds if k.lossy}
     for n, pl in overrides.items():
         if n not in names:
             raise KeyError(f"override for unknown parameter {n!r}; parameters: {sorted(names)}")
-        if pl not in PLACEMENTS:
-            raise KeyError(f"unknown placement {pl!r} for {n!r}; valid: {', '.join(PLACEMENTS)}")
+        if pl not in valid:
+            raise KeyError(f"unknown placement {pl!r} for {n!r}; valid: {', '.join(valid)}")
     entries = []
     for s in stats:
-        cand, alg = candidates(s, cluster, sketch_ratio=sketch_ratio, sketch=sketch)
+        est = estimates(s, cluster, sketch_ratio=sketch_ratio, sketch=sketch, kinds=kinds)
+        cand = {k: (e.nbytes, e.seconds) for k, e in est.items()}
         if s.name in overrides:
             pl = overrides[s.name]
             if pl not in cand:
                 raise ValueError(f"{s.name!r} is dense: placement {pl!r} needs a sparse parameter")
         else:
-            allowed = [k for k in cand if allow_lossy or k != "sketch"]
+            allowed = [k for k in cand if allow_lossy or k not in lossy]
             pl = min(allowed, key=lambda k: (cand[k][1], cand[k][0]))
         entries.append(
             Entry(s.name, s.shape, s.row_fraction,
                   machine_row_fraction(s, cluster.procs_per_machine) if s.sparse else 1.0, pl,
-                  cand[pl][0], cand[pl][1], cand, s.name in overrides, alg if pl == "sparse_allreduce" else "")
+                  cand[pl][0], cand[pl][1], cand, s.name in overrides, est[pl].detail)
         )  # fmt: skip
     return Plan(cluster, tuple(entries), sketch if sketch is not None else SparseSketch(ratio=sketch_ratio))
 

@@ -1,0 +1,149 @@
+"""The placement kinds a plan chooses among (Parallax §3.1, Table 3), each with its own cost estimate: bytes
+per machine per step and the α-β time of one step's communication of one parameter (``planner``'s module doc
+gives the formulas). ``make_plan`` loops over them; a kind from outside the package is one more
+``PlacementKind`` in its ``kinds=``."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sparsync.collectives.hierarchical import HIER_MARGIN, flat_link, price_levels
+from sparsync.compress.sketch import SparseSketch
+from sparsync.costmodel import Problem, algorithm, choose_robust, predict
+from sparsync.plan.detect import ParamStats
+from sparsync.stream import index_dtype_for
+
+if TYPE_CHECKING:
+    from sparsync.plan.planner import Cluster
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What one parameter costs per step under one placement kind."""
+
+    nbytes: float  # per machine, sent + received
+    seconds: float  # predicted communication time
+    detail: str = ""  # how (e.g. the SparCML algorithm behind sparse_allreduce), for the plan's entry
+
+
+class PlacementKind(ABC):
+    """A placement the planner can choose: its name (``sparsync.placement.KINDS``), whether it is lossy
+    (chosen only with ``make_plan(allow_lossy=True)``), and its estimate."""
+
+    name: str = "placement"
+    lossy: bool = False
+
+    @abstractmethod
+    def estimate(self, s: ParamStats, c: Cluster, *, sketch: SparseSketch) -> Estimate | None:
+        """The cost of ``s`` placed this way on ``c``; None when the kind does not fit the parameter (a
+        sparse placement for a dense one). ``sketch``: the sketch compressor the plan prices."""
+
+
+def machine_row_fraction(s: ParamStats, procs: int) -> float:
+    """α of a machine's workers together: recorded, else independent uniform rows 1-(1-α)^procs (an upper
+    bound for skewed inputs such as Zipf tokens, whose workers overlap more)."""
+    if s.row_fraction_machine is not None:
+        return s.row_fraction_machine
+    return 1.0 - (1.0 - s.row_fraction) ** procs
+
+
+def _share(c: Cluster) -> float:
+    return (c.machines - 1) / c.machines
+
+
+class DenseAllreduceKind(PlacementKind):
+    """Ring dense allreduce: 4w(N-1)/N bytes (Table 3)."""
+
+    name = "dense_allreduce"
+
+    def estimate(self, s: ParamStats, c: Cluster, *, sketch: SparseSketch) -> Estimate:
+        N = c.machines
+        dense_p = Problem(N, s.numel, (s.numel,) * N, s.itemsize, 4)
+        return Estimate(4 * float(s.nbytes) * _share(c), predict("dense", dense_p, c.link))
+
+
+class SketchKind(PlacementKind):
+    """S2's sketch: ring dense allreduces of the sketch's payload (bitmap and table); lossy."""
+
+    name = "sketch"
+    lossy = True
+
+    def estimate(self, s: ParamStats, c: Cluster, *, sketch: SparseSketch) -> Estimate:
+        N = c.machines
+        skb = sketch.payload_nbytes(s.shape, s.itemsize)
+        sk = -(-skb // s.itemsize)  # entries, as one dense allreduce of the same bytes
+        return Estimate(4 * skb * _share(c), predict("dense", Problem(N, sk, (sk,) * N, s.itemsize, 4), c.link))
+
+
+class SparseAllreduceKind(PlacementKind):
+    """SparCML: the algorithm ``auto`` would pick for N ranks each holding α_m of the rows (flat or, on two
+    levels, hierarchical)."""
+
+    name = "sparse_allreduce"
+
+    def estimate(self, s: ParamStats, c: Cluster, *, sketch: SparseSketch) -> Estimate | None:
+        N = c.machines
+        if not s.sparse or N == 1:
+            return None
+        am = machine_row_fraction(s, c.procs_per_machine)
+        rows, per_row = s.shape[0], s.numel // s.shape[0]
+        k = max(1, round(am * rows))  # touched rows: one index per row of per_row values (coo_to_stream)
+        itype = index_dtype_for(rows).itemsize
+        p = Problem(N, rows, (k,) * N, s.itemsize * per_row, itype, row=per_row)
+        if c.two_level:
+            (nbytes, seconds), how = _two_level(s, c, p)
+            return Estimate(nbytes, seconds, how)
+        d = choose_robust(p, c.link)  # what auto would run (its default policy)
+        return Estimate(algorithm(d.algorithm).nbytes(p), d.predictions[d.algorithm], d.algorithm)
+
+
+class ParameterServerKind(PlacementKind):
+    """Parallax's servers: 4·α_m·w(N-1)/N bytes (Table 3); four latencies (pull and push, request and reply)
+    plus two for the chief's update."""
+
+    name = "ps"
+
+    def estimate(self, s: ParamStats, c: Cluster, *, sketch: SparseSketch) -> Estimate | None:
+        if not s.sparse or c.machines == 1:
+            return None
+        am = machine_row_fraction(s, c.procs_per_machine)
+        ps_bytes = 4 * am * float(s.nbytes) * _share(c)
+        return Estimate(ps_bytes, 6 * c.link.alpha + c.link.beta * ps_bytes / 2)
+
+
+def _two_level(s: ParamStats, c: Cluster, machines: Problem) -> tuple[tuple[float, float], str]:
+    """Sparse allreduce over N machines of k ranks: flat over all N·k ranks (each with the worker's
+    α) or hierarchical (``collectives.hierarchical.price_levels``: reduce-scatter inside the machine, allreduce
+    of the machine sums' partitions across machines, allgather inside), whichever is predicted faster, as
+    ``hierarchical_allreduce(mode="auto")`` runs it. Bytes per machine: what crosses the machine's NIC."""
+    N, m = c.machines, c.procs_per_machine
+    P, rows = N * m, machines.dim
+    worker = max(1, round(s.row_fraction * rows))
+    # Unions for the model: one machine's m ranks touch its α_machine (recorded, or the uniform bound); j
+    # machines, independent of each other as in the one-level plan, 1 - (1 - α_machine)^j of the rows.
+    am = min(1.0, machines.nnz[0] / rows)
+    unions = [(1.0, float(worker))]
+    unions += [(float(j * m), max(float(worker), rows * -math.expm1(j * math.log1p(-min(am, 1 - 1e-12)))))
+               for j in range(1, N + 1)]  # fmt: skip
+    p = dataclasses.replace(machines, world_size=P, nnz=(worker,) * P, unions=tuple(unions))
+    world, intra, inter = c.level_links()
+    preds = price_levels(p, [list(range(h * m, (h + 1) * m)) for h in range(N)], world, intra, inter)
+    share = (P - m) / max(P - 1, 1)  # of a rank's bytes, the part that leaves the machine
+    flat_alg = choose_robust(p, flat_link(world, inter, P, m)).algorithm
+    both = f"flat {preds['flat'] * 1e3:.3g} ms, hierarchical {preds['hierarchical'] * 1e3:.3g} ms"
+    if preds["hierarchical"] * (1 + HIER_MARGIN) < preds["flat"]:  # auto's rule (hierarchical_allreduce)
+        part = dataclasses.replace(
+            machines, dim=max(1, -(-rows // m)), nnz=(round(p.union(m) / m),) * N, unions=()
+        )
+        cross = choose_robust(part, inter).algorithm
+        return (m * algorithm(cross).nbytes(part), preds["hierarchical"]), f"hierarchical: {cross} across; {both}"
+    return (m * share * algorithm(flat_alg).nbytes(p), preds["flat"]), f"flat: {flat_alg}; {both}"
+
+
+# In the order the planner breaks exact ties (the first wins) and lists an entry's candidates.
+PLAN_KINDS: tuple[PlacementKind, ...] = (DenseAllreduceKind(), SketchKind(), SparseAllreduceKind(),
+                                         ParameterServerKind())  # fmt: skip
