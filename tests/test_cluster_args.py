@@ -1,11 +1,13 @@
-"""``sparsync cluster`` and ``run_cluster`` refuse bad arguments before making anything (no root needed)."""
+"""``sparsync cluster`` and ``run_cluster`` refuse bad arguments before making anything, and give each host its
+environment (no root needed)."""
 
 from __future__ import annotations
 
 import pytest
 
+from sparsync_bench import cluster
 from sparsync_bench.cli import main
-from sparsync_bench.cluster import run_cluster, torchrun_argv
+from sparsync_bench.cluster import rank_threads, run_cluster, torchrun_argv
 from sparsync_bench.netem import NetSpec
 
 
@@ -37,3 +39,48 @@ def test_torchrun_command_line_of_a_host() -> None:
 def test_cli_cluster_needs_a_link(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["cluster", "--net", "", "--", "x.py"]) == 2
     assert "--net is required" in capsys.readouterr().out
+
+
+def test_ranks_share_the_cores_unless_the_user_says_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each emulated rank gets cores / ranks intra-op threads (torchrun sets none with one rank per host), and a
+    user's OMP_NUM_THREADS wins: the environment run_cluster gives a host."""
+    assert rank_threads(4, cores=2) == 1 and rank_threads(4, cores=16) == 4 and rank_threads(3, cores=16) == 5
+    seen: list[dict[str, str]] = []
+
+    class StopError(Exception):
+        pass
+
+    def popen(cmd: list[str], **kw: object) -> None:
+        seen.append(dict(kw["env"]))  # type: ignore[call-overload]
+        raise StopError
+
+    class NoNet:
+        def __init__(self, *a: object) -> None:
+            pass
+
+        def __enter__(self) -> NoNet:
+            return self
+
+        def __exit__(self, *a: object) -> None:
+            pass
+
+        def address(self, i: int) -> str:
+            return f"10.0.0.{i + 1}"
+
+        def ifname(self, i: int) -> str:
+            return f"v{i}"
+
+        def namespace(self, i: int) -> str:
+            return f"ns{i}"
+
+    monkeypatch.setattr(cluster, "NetNamespaces", NoNet)
+    monkeypatch.setattr(cluster.subprocess, "Popen", popen)
+    monkeypatch.setattr(cluster, "_stop", lambda procs, namespaces: None)
+    monkeypatch.setattr(cluster.os, "cpu_count", lambda: 8)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    with pytest.raises(StopError):
+        run_cluster(["x.py"], hosts=4, procs_per_host=1, net=NetSpec("1gbit"), echo=None)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    with pytest.raises(StopError):
+        run_cluster(["x.py"], hosts=4, procs_per_host=1, net=NetSpec("1gbit"), echo=None)
+    assert [e["OMP_NUM_THREADS"] for e in seen] == ["2", "3"]

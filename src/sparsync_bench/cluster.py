@@ -78,6 +78,16 @@ def torchrun_argv(
     ]  # fmt: skip
 
 
+def rank_threads(ranks: int, cores: int | None = None) -> int:
+    """Intra-op threads per rank when ``ranks`` ranks share this machine's ``cores``: the emulated hosts share
+    the cores a real host would have to itself. torchrun sets ``OMP_NUM_THREADS=1`` only for more than one
+    process per node, so with one rank per host every rank would take every core: on 2 cores, 4 ranks of
+    DLRM's script then ran DDP's own allreduce 5-10x slower than on loopback (CPU oversubscription, not the
+    link; docs/results_dlrm.md)."""
+    total = (os.cpu_count() or 1) if cores is None else cores
+    return max(1, total // ranks)
+
+
 def run_cluster(
     argv: Sequence[str],
     *,
@@ -96,7 +106,8 @@ def run_cluster(
 
     ``timeout`` (seconds, None: none) ends the whole run: every host still running is terminated and reports
     exit status 124. ``echo`` receives every output line as it arrives, prefixed ``[host i]`` (None: quiet).
-    ``env``: extra environment for every host; ``cwd``: the directory torchrun starts in.
+    ``env``: extra environment for every host; ``cwd``: the directory torchrun starts in. Each rank gets
+    ``OMP_NUM_THREADS`` = cores / ranks (``rank_threads``) unless the environment sets it.
     """
     if hosts < 1 or procs_per_host < 1:
         raise ValueError(f"hosts and procs_per_host must be >= 1, got {hosts} and {procs_per_host}")
@@ -117,6 +128,7 @@ def run_cluster(
                     address=ns.address(i), max_restarts=max_restarts,
                 )  # fmt: skip
                 host_env = {
+                    "OMP_NUM_THREADS": str(rank_threads(hosts * procs_per_host)),  # unless the user set it
                     **os.environ,
                     "TORCH_CPP_LOG_LEVEL": "ERROR",
                     **(env or {}),
