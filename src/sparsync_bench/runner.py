@@ -25,8 +25,8 @@ from rich.console import Console
 from sparsync.launch import RankSetup, launch
 from sparsync.ps.process import ServerProcess
 from sparsync.ps.server import ServerConfig
-from sparsync_bench import report
-from sparsync_bench.netem import NetNamespaces, NetSpec, describe, net_spec, shaped
+from sparsync_bench import linkcheck, report
+from sparsync_bench.netem import NetNamespaces, NetSpec, describe, net_spec, parse_rate, shaped
 from sparsync_bench.report import Check
 
 if TYPE_CHECKING:
@@ -168,10 +168,21 @@ class _Run:
         console: Console | None,
         procs_per_host: int | None = None,
         width: int = 0,
+        link_procs: int = 0,
     ) -> _Run:
-        """The links checked (before any work starts), the console (at least ``width`` wide), the clock."""
+        """The links checked (before any work starts), the console (at least ``width`` wide), the clock; on
+        shaped links with ``link_procs`` ≥ 2 ranks, the link sanity check (``linkcheck``) printed and kept in
+        the meta."""
         spec, where = links(net, latency, procs_per_host)
-        return cls(_wide(console or Console(), width), spec, where, out, meta)
+        run = cls(_wide(console or Console(), width), spec, where, out, meta)
+        if spec is not None and link_procs >= 2:
+            res = run_ranks(
+                linkcheck.link_worker, link_procs, spec=spec, timeout=300, procs_per_host=procs_per_host
+            )
+            summary = linkcheck.summarize(res, parse_rate(spec.rate))
+            run.console.print(linkcheck.render(summary, link_procs, spec.rate))
+            meta["link_check"] = {**res, **summary}
+        return run
 
     def sweep(
         self, points: Sequence[Point], run_point: Callable[[Point], Rows], header: Callable[[Point], str]
@@ -248,7 +259,8 @@ def run_allreduce_bench(
 
     meta: dict[str, Any] = {"config": {**cfg.__dict__}, "procs": list(procs), "net": net, "latency": latency,
                             "procs_per_host": procs_per_host}  # fmt: skip
-    run = _Run.start(out, meta, net=net, latency=latency, console=console, procs_per_host=procs_per_host)
+    run = _Run.start(out, meta, net=net, latency=latency, console=console, procs_per_host=procs_per_host,
+                     link_procs=max(procs))  # fmt: skip
     rows = run.sweep(
         procs,
         run.linked_point(worker, (cfg, progress), timeout=timeout, procs_per_host=procs_per_host),
@@ -274,7 +286,7 @@ def run_compress_bench(
     from sparsync_bench import compress as cb
 
     meta: dict[str, Any] = {"config": {**cfg.__dict__}, "procs": procs, "net": net, "latency": latency}
-    run = _Run.start(out, meta, net=net, latency=latency, console=console)
+    run = _Run.start(out, meta, net=net, latency=latency, console=console, link_procs=procs)
     sizes = ", ".join(f"{n:,}" for n in cfg.sizes)
     rows = run.sweep(
         (procs,),
@@ -306,7 +318,8 @@ def run_embedding_bench(
 
     meta: dict[str, Any] = {"config": {**cfg.__dict__}, "procs": list(procs), "net": net, "latency": latency,
                             "procs_per_host": procs_per_host}  # fmt: skip
-    run = _Run.start(out, meta, net=net, latency=latency, console=console, procs_per_host=procs_per_host)
+    run = _Run.start(out, meta, net=net, latency=latency, console=console, procs_per_host=procs_per_host,
+                     link_procs=max(procs))  # fmt: skip
 
     def header(P: int) -> str:
         return (f"[bold]P = {P}[/], embedding {cfg.rows:,} rows x {', '.join(map(str, cfg.dims))} fp32, "
@@ -340,7 +353,7 @@ def run_hybrid_bench(
     from sparsync_bench.hybrid import config_dict, worker
 
     meta: dict[str, Any] = {"config": config_dict(cfg), "procs": list(procs), "seqs": list(seqs), "net": net}
-    run = _Run.start(out, meta, net=net, latency=latency, console=console, width=130)  # ten columns
+    run = _Run.start(out, meta, net=net, latency=latency, console=console, width=130, link_procs=max(procs))
     console = run.console
 
     def point(at: tuple[int, int]) -> Rows:
@@ -408,7 +421,7 @@ def run_dlrm_bench(
     from sparsync_bench import dlrm_train as dt
 
     meta: dict[str, Any] = {"config": dt.config_dict(cfg), "procs": list(procs), "net": net}
-    run = _Run.start(out, meta, net=net, latency=latency, console=console)
+    run = _Run.start(out, meta, net=net, latency=latency, console=console, link_procs=max(procs))
     servers = any(m in dt.PS_METHODS for m in cfg.methods)
     rows = run.sweep(
         procs,
