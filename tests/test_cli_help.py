@@ -64,4 +64,4 @@ def test_without_the_bench_extra_the_command_says_what_to_install() -> None:
     code = "import sys; sys.modules['rich'] = None; from sparsync_bench.cli import main; sys.exit(main(['-h']))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2, done.stderr
-    assert "pip install 'sparsync[bench]'" in done.stderr and "Traceback" not in done.stderr
+    assert "pip install -e '.[bench]'" in done.stderr and "Traceback" not in done.stderr

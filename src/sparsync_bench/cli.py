@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
 
-BENCH_EXTRA = "the sparsync command needs the bench extra: pip install 'sparsync[bench]'"
+BENCH_EXTRA = "the sparsync command needs the bench extra: pip install -e '.[bench]' in the checkout"
 
 _SIZE = re.compile(r"^(\d+)([kKmMgG]?)$")
 
