@@ -64,8 +64,8 @@ def _readme_on_two_hosts_and_alone(
     tmp_path: Path, marker: str, one: tuple[str, str]
 ) -> tuple[list[float], float, list[str]]:
     """The python block of the README or its guide pages (``test_readme.BLOCKS``) that holds ``marker``, run as
-    2 hosts x 2 ranks: the numbers its processes print (rank by rank), then the last number it prints as one process (``one``: the replacement that makes it one),
-    and the hosts' output."""
+    2 hosts x 2 ranks: the numbers its processes print (rank by rank), then the last number it prints as one
+    process (``one``: the replacement that makes it one), and the hosts' output."""
     block = next(b for _, _, b in BLOCKS if marker in b)
     script = tmp_path / "readme.py"
     script.write_text(block)

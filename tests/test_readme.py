@@ -19,10 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # The files whose ```python blocks are promises to a user: the README and the guides it links to.
-DOC_FILES = ("README.md",) + tuple(
-    f"docs/{name}.md"
-    for name in ("collectives", "optimizer", "compression", "hybrid", "replicator", "gpu", "cluster", "profiling")
-)
+GUIDES = ("collectives", "optimizer", "compression", "hybrid", "replicator", "gpu", "cluster", "profiling")
+DOC_FILES = ("README.md", *(f"docs/{name}.md" for name in GUIDES))
 
 
 def python_blocks(path: str) -> list[str]:

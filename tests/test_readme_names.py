@@ -1,6 +1,7 @@
 """Every dotted name the README and its guide pages in docs/ (``test_readme.DOC_FILES``) spell
-(``sparsync.RankSetup``, ``sparsync.compress.hooks.compression_hook``, ...) resolves as a user would write it after importing its module: attribute by attribute from the top package, so a
-name shadowed by a function of the same name (``sparsync.launch`` is the function) is caught."""
+(``sparsync.RankSetup``, ``sparsync.compress.hooks.compression_hook``, ...) resolves as a user would write it
+after importing its module: attribute by attribute from the top package, so a name shadowed by a function of the
+same name (``sparsync.launch`` is the function) is caught."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import re
 from pathlib import Path
 
 import pytest
-
 from test_readme import DOC_FILES
 
 ROOT = Path(__file__).resolve().parents[1]
