@@ -21,7 +21,7 @@ test-fast: setup
 test-large: setup
 	.venv/bin/python -m pytest -q -m large
 
-# Each paper's headline result at laptop scale (docs/reproduce_quick.md); the LM corpus is Debian's dict-gcide.
+# Each paper's headline result at laptop scale (docs/results_reproduce.md); the LM corpus is Debian's dict-gcide.
 reproduce: setup
 	@test -f /usr/share/dictd/gcide.dict.dz || apt-get install -y -q dict-gcide >/dev/null
 	.venv/bin/sparsync reproduce --quick --net 1gbit --out results/reproduce_quick

@@ -3,7 +3,7 @@ without it: P = 4 ranks on loopback, each reducing a 1,000-row embedding gradien
 a batch of 64 lookups: a sparse COO gradient) with ``sparsync.allreduce`` (``set_deterministic``, so auto never
 calibrates). Rounds alternate the two source trees, so both see the same load on a shared host.
 
-    .venv/bin/python scripts/flight_overhead.py --baseline-rev f41d7e6 --rounds 6 --out docs/flight_overhead.md
+    .venv/bin/python scripts/flight_overhead.py --baseline-rev f41d7e6 --rounds 6 --out docs/data/flight_overhead.md
 
 ``--baseline-rev``: a commit without the recorder; its ``src`` is extracted to a temporary directory (the compiled
 extensions are copied from this tree).
@@ -138,7 +138,7 @@ def main() -> None:
         "# Flight recorder overhead (issue 30, item 4)",
         "",
         "Command: `.venv/bin/python scripts/flight_overhead.py "
-        f"--baseline-rev {a.baseline_rev} --rounds {a.rounds} --calls {a.calls} --out docs/flight_overhead.md`",
+        f"--baseline-rev {a.baseline_rev} --rounds {a.rounds} --calls {a.calls} --out docs/data/flight_overhead.md`",
         "",
         f"P = {P} ranks, gloo on loopback, `sparsync.allreduce` of an `nn.Embedding(1000, 16, sparse=True)` "
         f"gradient (64 lookups), {a.calls} timed calls after {a.warmup} per run (a call's time: the slowest "

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (README, "GPUs"): run it whenever a GPU machine is at hand, at most ~8 minutes.
+# The prepared GPU check (docs/gpu.md): run it whenever a GPU machine is at hand, at most ~8 minutes.
 #   1. the `cuda` tests (tests/test_compress_device.py: each compressor's results against the host's;
 #      tests/test_cuda.py: NCCL at P = 1; 2 and 4 gloo ranks sharing the one GPU), and the
 #      collectives grid under NCCL's rules (CPU tensors, as CI runs it) as a control;

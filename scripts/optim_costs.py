@@ -1,4 +1,4 @@
-"""What DistributedOptimizer's pain-point handling costs (docs/results_optim.md).
+"""What DistributedOptimizer's pain-point handling costs (docs/optimizer.md#distributedoptimizer-what-ddp-and-torchrec-users-trip-on-and-what-handling-it-costs).
 
 1. The round that agrees which gradients exist (``fill_missing_grads``: one MAX allreduce of an int32 per
    parameter) against DDP's ``find_unused_parameters=True`` (a walk of the autograd graph each backward):

@@ -1,4 +1,4 @@
-"""What CURVE authentication costs the parameter server (docs/reliability.md, docs/results_ps_auth.md): one server
+"""What CURVE authentication costs the parameter server (docs/reliability.md, docs/reliability.md#what-curve-authentication-costs-the-parameter-server): one server
 on loopback with and without CURVE, a 1M x 16 float32 table; the throughput of a pull of 500,000 rows (36 MB on
 the wire with the ids) and the latency of a pull of 1,000 rows, each repeated.
 

@@ -1,4 +1,4 @@
-"""Cost of the profiler ranges and of the timeline (docs/results_trace.md): a small call,
+"""Cost of the profiler ranges and of the timeline (docs/profiling.md#cost-of-the-profiler-ranges-and-of-the-timeline): a small call,
 ``sparsync.allreduce`` of a 1,000-row embedding gradient (COO, rows of 64 float32, a 100,000-row table) at
 P = 4 on loopback, in three builds side by side:
 
@@ -12,7 +12,7 @@ One ``launch``: the builds alternate in blocks of ``--block`` calls (rotating wh
 median of rank 0's seconds per call; the overhead of a build is the median over rounds of its block's figure
 divided by the ``off`` block's of the same round, minus 1. A microbenchmark adds what the checks cost alone.
 
-    PYTHONPATH=src .venv/bin/python scripts/trace_overhead.py --blocks 40 --block 25 --out docs/results_trace.md
+    PYTHONPATH=src .venv/bin/python scripts/trace_overhead.py --blocks 40 --block 25 --out results/trace_overhead.md
 """
 
 from __future__ import annotations

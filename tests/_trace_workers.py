@@ -34,7 +34,7 @@ def profiler_worker(rank: int, out: str) -> list[dict[str, Any]]:
     sparsync.set_deterministic()
     _calls(rank)  # warm-up outside the profile (calibration, background group)
     log = CommLog()
-    # profile_all_threads: the async call runs on the group's queue thread (README, "Profiling and debugging")
+    # profile_all_threads: the async call runs on the group's queue thread (docs/profiling.md)
     cfg = _ExperimentalConfig(profile_all_threads=True)
     with profile(activities=[ProfilerActivity.CPU], experimental_config=cfg) as prof:
         _calls(rank, log)

@@ -6,6 +6,7 @@ import argparse
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -38,7 +39,7 @@ def test_options_have_help_with_defaults(name: str, parser: argparse.ArgumentPar
     text = parser.format_help()
     assert not re.search(r"\(issue \d+\)|issue \d+", text, re.I), f"{name}: an issue number in its help"
     for a in parser._actions:
-        if isinstance(a, argparse._HelpAction | argparse._SubParsersAction):
+        if isinstance(a, argparse._HelpAction | argparse._SubParsersAction | argparse._VersionAction):
             continue
         assert a.help, f"sparsync {name} {a.option_strings or a.dest}: no help text"
         if a.option_strings and a.default not in (None, False, [], ()):
@@ -64,4 +65,53 @@ def test_without_the_bench_extra_the_command_says_what_to_install() -> None:
     code = "import sys; sys.modules['rich'] = None; from sparsync_bench.cli import main; sys.exit(main(['-h']))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2, done.stderr
-    assert "pip install 'sparsync[bench]'" in done.stderr and "Traceback" not in done.stderr
+    assert "pip install -e '.[bench]'" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("name,parser", PARSERS[1:], ids=[n for n, _ in PARSERS[1:]])
+def test_every_subcommand_has_a_description(name: str, parser: argparse.ArgumentParser) -> None:
+    assert parser.description and parser.description.strip(), f"sparsync {name}: no description"
+    assert parser.description.strip() in parser.format_help().replace("\n", " ") or parser.description.split()[
+        0
+    ] in (parser.format_help())
+
+
+def test_grid_commands_say_the_size_of_their_default_grid() -> None:
+    helps = {n: p.format_help() for n, p in PARSERS}
+    assert re.search(r"default grid: 21 points", helps["bench allreduce"]), helps["bench allreduce"]
+    assert re.search(r"default grid: 54 points", helps["bench embedding"]), helps["bench embedding"]
+    assert "default grid: 2 sizes" in helps["bench compress"]
+    assert "5 min 26 s" in helps["reproduce"]
+
+
+def test_version_prints_the_package_version() -> None:
+    import sparsync
+
+    done = subprocess.run(
+        [sys.executable, "-m", "sparsync_bench.cli", "--version"], capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"sparsync {sparsync.__version__}"
+
+
+def test_results_are_not_overwritten_silently(tmp_path: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    from sparsync_bench.cli import warn_overwrite
+
+    out = tmp_path / "allreduce"
+    args = build_parser().parse_args(["bench", "allreduce", "--out", str(out)])
+    buf = io.StringIO()
+    assert warn_overwrite(args, Console(file=buf, width=200)) == [] and buf.getvalue() == ""
+    for suffix in (".json", ".md"):
+        Path(f"{out}{suffix}").write_text("{}")
+    found = warn_overwrite(args, Console(file=buf, width=200))
+    assert found == [Path(f"{out}.json"), Path(f"{out}.md")]
+    assert buf.getvalue().strip() == f"overwriting {out}.json, {out}.md"
+    rdir = tmp_path / "reproduce"
+    rdir.mkdir()
+    (rdir / "report.md").write_text("x")
+    args = build_parser().parse_args(["reproduce", "--out", str(rdir)])
+    assert warn_overwrite(args, Console(file=io.StringIO())) == [rdir]

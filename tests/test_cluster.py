@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 from test_netem import CAN_NETNS
+from test_readme import BLOCKS
 
 from sparsync_bench.cluster import run_cluster
 from sparsync_bench.netem import NetSpec
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
 pytestmark = [
     pytest.mark.netns,
     pytest.mark.multiprocess,
@@ -63,10 +63,10 @@ def test_copies_splits_interleaved_prints() -> None:
 def _readme_on_two_hosts_and_alone(
     tmp_path: Path, marker: str, one: tuple[str, str]
 ) -> tuple[list[float], float, list[str]]:
-    """The README's python block that holds ``marker``, run as 2 hosts x 2 ranks: the numbers its processes print
-    (rank by rank), then the last number it prints as one process (``one``: the replacement that makes it one),
-    and the hosts' output."""
-    block = next(b for b in re.findall(r"```python\n(.*?)```", README, re.S) if marker in b)
+    """The python block of the README or its guide pages (``test_readme.BLOCKS``) that holds ``marker``, run as
+    2 hosts x 2 ranks: the numbers its processes print (rank by rank), then the last number it prints as one
+    process (``one``: the replacement that makes it one), and the hosts' output."""
+    block = next(b for _, _, b in BLOCKS if marker in b)
     script = tmp_path / "readme.py"
     script.write_text(block)
     out = _cluster([str(script)], tmp_path)

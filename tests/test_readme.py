@@ -1,7 +1,8 @@
-"""Every Python block of the README runs unchanged (each in its own interpreter, from a scratch directory) and
-prints what its comments say it prints.
+"""Every Python block of the README and of the guide pages in docs/ (``DOC_FILES``: the examples moved there from
+the README) runs unchanged (each in its own interpreter, from a scratch directory) and prints what its comments say
+it prints.
 
-The convention, in the README's blocks: a comment ``# -> TEXT`` on a ``print(...)`` line, or on the comment lines
+The convention, in those blocks: a comment ``# -> TEXT`` on a ``print(...)`` line, or on the comment lines
 directly below it, documents one line of the block's standard output, exactly; ``...`` in TEXT stands for any
 text (a measured time, auto's choice on this machine). A block with such comments must print exactly those lines,
 in that order, and nothing else; a block without them is checked for its exit status only.
@@ -16,8 +17,18 @@ from pathlib import Path
 
 import pytest
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+ROOT = Path(__file__).resolve().parents[1]
+# The files whose ```python blocks are promises to a user: the README and the guides it links to.
+GUIDES = ("collectives", "optimizer", "compression", "hybrid", "replicator", "gpu", "cluster", "profiling")
+DOC_FILES = ("README.md", *(f"docs/{name}.md" for name in GUIDES))
+
+
+def python_blocks(path: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / path).read_text(), re.S)
+
+
+# (file, index in that file, block) for every block of every file in DOC_FILES
+BLOCKS = [(path, i, block) for path in DOC_FILES for i, block in enumerate(python_blocks(path))]
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -45,9 +56,11 @@ def matches(want: str, got: str) -> bool:
 
 
 def test_the_readme_has_python_blocks_and_documented_outputs() -> None:
+    assert len(python_blocks("README.md")) >= 3
     assert len(BLOCKS) >= 4
-    documented = [i for i, b in enumerate(BLOCKS) if documented_output(b)]
+    documented = [(path, i) for path, i, b in BLOCKS if documented_output(b)]
     assert len(documented) >= 4, f"only blocks {documented} document their output with '# -> '"
+    assert any(path == "README.md" for path, _ in documented), "no README block documents its output"
 
 
 def test_the_convention_is_parsed() -> None:
@@ -59,17 +72,17 @@ def test_the_convention_is_parsed() -> None:
         documented_output("x = 1  # -> 1\n")
 
 
-@pytest.mark.parametrize("i", range(len(BLOCKS)))
-def test_readme_block_runs_and_prints_what_it_documents(i: int, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("path", "i", "block"), BLOCKS, ids=[f"{path}:{i}" for path, i, _ in BLOCKS])
+def test_readme_block_runs_and_prints_what_it_documents(path: str, i: int, block: str, tmp_path: Path) -> None:
     script = tmp_path / f"block{i}.py"
-    script.write_text(BLOCKS[i])
+    script.write_text(block)
     done = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=280, check=False
     )
-    assert done.returncode == 0, f"README block {i} failed:\n{BLOCKS[i]}\n--- stderr ---\n{done.stderr[-3000:]}"
-    want = documented_output(BLOCKS[i])
+    assert done.returncode == 0, f"{path} block {i} failed:\n{block}\n--- stderr ---\n{done.stderr[-3000:]}"
+    want = documented_output(block)
     if not want:
         return
     got = done.stdout.splitlines()
     ok = len(got) == len(want) and all(matches(w, g) for w, g in zip(want, got, strict=True))
-    assert ok, f"README block {i} documents:\n" + "\n".join(want) + "\n--- but printed ---\n" + done.stdout
+    assert ok, f"{path} block {i} documents:\n" + "\n".join(want) + "\n--- but printed ---\n" + done.stdout

@@ -1,6 +1,7 @@
-"""Every dotted name the README spells (``sparsync.RankSetup``, ``sparsync.compress.hooks.compression_hook``, ...)
-resolves as a user would write it after importing its module: attribute by attribute from the top package, so a
-name shadowed by a function of the same name (``sparsync.launch`` is the function) is caught."""
+"""Every dotted name the README and its guide pages in docs/ (``test_readme.DOC_FILES``) spell
+(``sparsync.RankSetup``, ``sparsync.compress.hooks.compression_hook``, ...) resolves as a user would write it
+after importing its module: attribute by attribute from the top package, so a name shadowed by a function of the
+same name (``sparsync.launch`` is the function) is caught."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import re
 from pathlib import Path
 
 import pytest
+from test_readme import DOC_FILES
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-NAMES = sorted(set(re.findall(r"(?<![\w./-])(sparsync(?:_bench)?(?:\.[A-Za-z_]\w*)+)", README.read_text())))
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = "\n".join((ROOT / path).read_text() for path in DOC_FILES)
+NAMES = sorted(set(re.findall(r"(?<![\w./-])(sparsync(?:_bench)?(?:\.[A-Za-z_]\w*)+)", TEXT)))
 
 
 def resolve(dotted: str) -> object:

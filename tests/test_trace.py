@@ -1,4 +1,4 @@
-"""Profiling and debugging (README, "Profiling and debugging"): torch.profiler ranges of every call, the
+"""Profiling and debugging (docs/profiling.md): torch.profiler ranges of every call, the
 per-rank timeline and its merge, TensorBoard scalars.
 
 The trace-event checks below are this test's own reading of the format (Chrome's "Trace Event Format"

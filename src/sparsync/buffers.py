@@ -6,7 +6,7 @@ by the next request of its size (``_Pool``) instead of going back to the kernel:
 reports free memory to its host (virtio-balloon free page reporting, as on this project's machines), a huge
 page faulted in after the host took it back costs 75-100 ms per 64 MB instead of 5-6 ms, and a collective
 whose result is dropped every call (a benchmark's loop, or a gradient replaced every step) paid that at
-random (docs/compress_results.md).
+random (docs/results_compress.md).
 """
 
 from __future__ import annotations

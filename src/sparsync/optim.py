@@ -86,7 +86,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ]
         # Gradient accumulation: autograd adds a sparse gradient to ``.grad`` by concatenating indices, so k
         # micro-batches hold k copies of a hot row. Coalescing after each one keeps one row per index
-        # (docs/results_optim.md measures peak memory against torch's accumulation).
+        # (docs/optimizer.md measures peak memory against torch's accumulation).
         for group_ in optimizer.param_groups:
             for p in group_["params"]:
                 if p.requires_grad:

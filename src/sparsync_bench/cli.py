@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rich.console import Console
 
-BENCH_EXTRA = "the sparsync command needs the bench extra: pip install 'sparsync[bench]'"
+BENCH_EXTRA = "the sparsync command needs the bench extra: pip install -e '.[bench]' in the checkout"
 
 _SIZE = re.compile(r"^(\d+)([kKmMgG]?)$")
 
@@ -218,9 +218,74 @@ def _add_bench_parsers(sub: Any, parents: dict[str, argparse.ArgumentParser]) ->
     _add_dlrm_parser(bsub, parents)
 
 
+def version() -> str:
+    """The installed package's version (importlib.metadata), else the source tree's ``sparsync.__version__``."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("sparsync")
+    except PackageNotFoundError:
+        import sparsync
+
+        return str(sparsync.__version__)
+
+
+def _points(p: argparse.ArgumentParser, *dests: str) -> int:
+    """The size of the grid that ``p``'s defaults for these list options span."""
+    n = 1
+    for d in dests:
+        n *= len(p.get_default(d))
+    return n
+
+
+# What a subcommand runs by default, for its --help: the grid's size and, where measured, its time on the 2-core
+# development machine (docs/results_*.md).
+GRIDS: dict[str, Callable[[argparse.ArgumentParser], str]] = {
+    "bench allreduce": lambda p: (
+        f"default grid: {len(p.get_default('procs')) * len(p.get_default('densities'))} "
+        "points (world sizes x densities), every method at each; the full sweep took 19 min with --net 1gbit "
+        "(docs/results_allreduce.md)."
+    ),
+    "bench embedding": lambda p: (
+        "default grid: "
+        f"{_points(p, 'procs', 'dims', 'zipf', 'hot')}"
+        " points (world sizes x dims x Zipf exponents x hot-row layouts), every method at each "
+        "(docs/results_embedding.md)."
+    ),
+    "bench compress": lambda p: (
+        f"default grid: {len(p.get_default('sizes'))} sizes x every compressor at P = "
+        f"{p.get_default('procs')}; 251 s with --net 1gbit, 277 s on loopback (docs/results_compress.md)."
+    ),
+    "reproduce": lambda p: (
+        "--quick took 5 min 26 s and the full run 21 min 59 s with --net 1gbit (docs/results_reproduce.md)."
+    ),
+}
+
+
+def _describe(p: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> None:
+    """Every subcommand's --help opens with a description (its one-line help where it has none) and, where it runs
+    a grid, the grid's size."""
+    for a in p._actions:
+        if not isinstance(a, argparse._SubParsersAction):
+            continue
+        helps = {c.dest: c.help for c in a._choices_actions}
+        for name, sp in a.choices.items():
+            sub = (*path, name)
+            if not sp.description:
+                sp.description = helps.get(name) or name
+            grid = GRIDS.get(" ".join(sub))
+            if grid is not None:
+                sp.description = f"{sp.description}\n\n{grid(sp)}"
+            _describe(sp, sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sparsync", description="Sparse collectives for PyTorch training.",
                                 formatter_class=HelpFormatter)  # fmt: skip
+    p.add_argument(
+        "--version", action="version", version=f"%(prog)s {version()}", help="print the version and exit"
+    )
     sub = p.add_subparsers(dest="command", required=True)
     parents = _parents()
     demo = sub.add_parser(
@@ -281,7 +346,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_plan.add_parser(sub, formatter_class=HelpFormatter)
     _add_reproduce_parser(sub)
+    _describe(p)
     return p
+
+
+def _outputs(out: Path) -> list[Path]:
+    """What a run writing to ``out`` (a directory, or a path stem for .json/.csv/.md/.png) would overwrite."""
+    if out.is_dir():
+        return [out] if any(out.iterdir()) else []
+    return [f for f in (Path(f"{out}{s}") for s in (".json", ".csv", ".md", ".png")) if f.exists()]
+
+
+def warn_overwrite(args: argparse.Namespace, console: Console) -> list[Path]:
+    """Say which results a run is about to overwrite (``--out`` already holds them): one line, no refusal."""
+    out = getattr(args, "out", None)
+    found = _outputs(Path(out)) if out is not None else []
+    if found:
+        console.print(f"overwriting {', '.join(map(str, found))}", markup=False, highlight=False)
+    return found
 
 
 def _add_reproduce_parser(sub: Any) -> None:
@@ -294,7 +376,9 @@ def _add_reproduce_parser(sub: Any) -> None:
         "and TF-Replicator's one-script-any-scale, each beside torch's own path, and writes OUT/report.md.",
         formatter_class=HelpFormatter,
     )
-    rp.add_argument("--quick", action="store_true", help="minutes instead of an hour: smaller sizes and P")
+    rp.add_argument(
+        "--quick", action="store_true", help="smaller sizes and P: about 5.5 min instead of 22 (measured)"
+    )
     rp.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
     rp.add_argument("--sections", type=_choices(SECTIONS, "sections"), default=SECTIONS,
                     help=f"comma-separated subset of {','.join(SECTIONS)}")  # fmt: skip
@@ -474,6 +558,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     if not console.is_terminal:  # a file or a CI log: lines as long as they are, not wrapped at 80 columns
         console = Console(soft_wrap=True)
+    warn_overwrite(args, console)
     try:
         code: int = args.func(args, console)
         return code

@@ -8,7 +8,7 @@ the exported event carries an empty input), so a call's facts (bytes, rows, P, a
 follow its name after a space: ``sparsync:sparse_allreduce:auto bytes=4096 rows=128 P=4``; phases keep bare
 names so ``key_averages()`` sums them across calls. They cost one C call per call and per phase when no
 profiler is active (``profiling()``); ``SPARSYNC_RANGES=0`` compiles them out, for measuring that cost
-(docs/results_trace.md).
+(docs/profiling.md).
 
 **Timeline.** A ``Tracer`` keeps one rank's events (trace-event format: "X" complete events, µs since the
 tracer started) and writes them as one Chrome-trace / Perfetto JSON file per rank; ``sparsync trace merge``

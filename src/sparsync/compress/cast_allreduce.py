@@ -11,7 +11,7 @@ allreduce, the same bits on every rank; only the chunk boundaries change which r
 element, i.e. the order of its P - 1 roundings.
 
 Chunk size: the fastest of 1M, 4M, 8M values and the whole tensor at P = 4, 25M values, 1 Gbit/s links
-(docs/compress_results.md); below 1M each chunk's 2(P - 1) latencies start to show. Tensors under
+(docs/results_compress.md); below 1M each chunk's 2(P - 1) latencies start to show. Tensors under
 ``MIN_VALUES`` go whole.
 """
 

@@ -14,7 +14,7 @@ grid leaves most values of a 512-bucket on level 0 or 1.
 Kernels (``qsgd_kernels.py``): in C where the extension is built, in vectorized torch otherwise, the same
 bits either way; chunks of 512K values. Rounding noise is 16 bits per value from a counter-based stream
 (splitmix64) seeded by one draw of the generator per chunk: the rounding is unbiased up to 2^-17 of a
-quantization step. Timings: docs/compress_results.md.
+quantization step. Timings: docs/results_compress.md.
 
 Aggregation: see ``qsgd_allreduce.py`` (``aggregation="reduce_scatter"``, the default for P > 2) and
 ``base.py`` (allgather). With error feedback (``compressed_allreduce(memory=...)``) "auto" gathers instead: the

@@ -26,7 +26,7 @@ s_j(B)s_j(K)·g(K, t), so the pairwise independent signs keep it unbiased (S2 Th
 other blocks' entries at the same offset where the element hash holds 1/c of all the entries, so the expected
 squared error is the same when the gradient's energy is spread over the b offsets, and the collisions of a
 block's entries are shared (correlated) instead of independent. It costs one hash per block instead of one per
-element and moves whole rows: on an embedding gradient of dim 64, 64x fewer hashes (docs/compress_results.md).
+element and moves whole rows: on an embedding gradient of dim 64, 64x fewer hashes (docs/results_compress.md).
 The paper is silent on the hash family; the hashes and kernels are in ``sketch_hash``.
 """
 

@@ -35,7 +35,7 @@ def fill_missing_grads(params: list[NamedParam], env: ReduceEnv) -> None:
     (an empty COO tensor for a sparse one, as ``nn.Embedding(sparse=True)`` gives; dense zeros otherwise), so
     every replica's aggregation has the same tensors. One allreduce (MAX) of one int32 per parameter on the
     group's host side, queued behind the group's sparsync work like any of its calls. DDP's
-    ``find_unused_parameters`` walks the autograd graph instead (docs/results_optim.md compares the two).
+    ``find_unused_parameters`` walks the autograd graph instead (docs/optimizer.md compares the two).
     Mutates ``p.grad`` of the parameters that lack one."""
     codes = torch.tensor(
         [_NONE if p.param.grad is None else _SPARSE if p.param.grad.is_sparse else _DENSE for p in params],
