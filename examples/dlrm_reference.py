@@ -1,4 +1,4 @@
-"""Run facebookresearch/dlrm's own ``dlrm_s_pytorch.py``, as published, with sparsync's DDP hook (issue 17).
+"""Run facebookresearch/dlrm's own ``dlrm_s_pytorch.py``, as published, with sparsync's DDP hook.
 
     git clone https://github.com/facebookresearch/dlrm /path/to/dlrm      # plus: pip install tqdm scikit-learn
     torchrun --nproc-per-node 4 examples/dlrm_reference.py /path/to/dlrm --hook threshold -- \\

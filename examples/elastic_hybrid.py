@@ -1,4 +1,4 @@
-"""Elastic restarts of hybrid training (issue 18): parameter servers per node, checkpoints of everything.
+"""Elastic restarts of hybrid training: parameter servers per node, checkpoints of everything.
 
 python examples/elastic_hybrid.py CKPT_DIR                     # 4 local processes as 2 emulated nodes x 2
 sparsync cluster --hosts 2 --procs-per-host 2 --max-restarts 3 -- examples/elastic_hybrid.py CKPT_DIR \\

@@ -1,4 +1,4 @@
-"""Elastic restarts (issue 18): train with a checkpoint per step; killed workers resume where the group stopped.
+"""Elastic restarts: train with a checkpoint per step; killed workers resume where the group stopped.
 
 python examples/elastic_restart.py CKPT_DIR                         # 4 local processes
 sparsync cluster --hosts 2 --procs-per-host 2 --max-restarts 3 -- examples/elastic_restart.py CKPT_DIR

@@ -1,4 +1,4 @@
-"""Fault probe for docs/reliability.md (issue 14, part 3): kill the launcher, kill -9 or SIGSTOP a rank, and
+"""Fault probe for docs/reliability.md: kill the launcher, kill -9 or SIGSTOP a rank, and
 count what is left behind and what the user's error says.
 
     .venv/bin/python scripts/fault_probe.py launcher --runs 3     # orphans after SIGTERM/SIGKILL of the launcher

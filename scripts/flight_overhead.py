@@ -135,7 +135,7 @@ def main() -> None:
     # paired by round: the two runs of a round saw the same load
     paired = [w / b - 1 for w, b in zip(rows["with recorder"], rows["without recorder"], strict=True)]
     lines = [
-        "# Flight recorder overhead (issue 30, item 4)",
+        "# Flight recorder overhead",
         "",
         "Command: `.venv/bin/python scripts/flight_overhead.py "
         f"--baseline-rev {a.baseline_rev} --rounds {a.rounds} --calls {a.calls} --out docs/data/flight_overhead.md`",

@@ -1,4 +1,4 @@
-"""Worker for test_background.py (issue 14, part 6)."""
+"""Worker for test_background.py."""
 
 from __future__ import annotations
 

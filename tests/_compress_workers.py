@@ -172,7 +172,7 @@ def digits_worker(rank: int, specs: tuple[str, ...], steps: int, lr: float) -> d
     return out
 
 
-# --- QSGD's quantized reduce-scatter (issue 15, item 2) ------------------------------------------------------
+# --- QSGD's quantized reduce-scatter ------------------------------------------------------
 UNBIASED_N, UNBIASED_BUCKET = 600, 64  # 10 buckets, the last one short
 
 

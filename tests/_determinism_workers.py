@@ -1,4 +1,4 @@
-"""Worker for test_determinism.py (issue 14, item 4): a short sync training whose final parameters are
+"""Worker for test_determinism.py: a short sync training whose final parameters are
 returned as bytes, so two runs can be compared bit for bit."""
 
 from __future__ import annotations

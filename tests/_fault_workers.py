@@ -75,7 +75,7 @@ def _address(hex_addr: str) -> str:
     return ":".join(words[i : i + 2].hex() for i in range(0, 16, 2))
 
 
-# --- a model that runs its own collective in backward (DLRM's alltoall, issue 14 part 6) ----------------------
+# --- a model that runs its own collective in backward (DLRM's alltoall) ----------------------
 class _AllToAll(torch.autograd.Function):
     """Rows to ranks and back: ``all_to_all_single`` on the user's group in forward and in backward."""
 

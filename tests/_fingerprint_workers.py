@@ -1,4 +1,4 @@
-"""Workers for test_fingerprint.py (issue 14, item 2): calls that differ across ranks in shape, auto's inputs
+"""Workers for test_fingerprint.py: calls that differ across ranks in shape, auto's inputs
 or finiteness raise the same ValueError on every rank, promptly, and the group keeps working."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Workers for test_hierarchical.py: hierarchical sparse allreduce over emulated hosts (issue 18).
+"""Workers for test_hierarchical.py: hierarchical sparse allreduce over emulated hosts.
 
 Inputs are deterministic functions of (case, rank); values are small integers, so every partial sum is exact
 in float32 and float64 and the result must equal the dense reference bit for bit whatever the summation order.

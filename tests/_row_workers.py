@@ -1,4 +1,4 @@
-"""Workers and case builders for the row-sparse stream tests (issue 13); see test_rows.py.
+"""Workers and case builders for the row-sparse stream tests; see test_rows.py.
 
 Inputs are deterministic functions of (case, rank, world), so the parent rebuilds every rank's input and the
 exact sum. Values are multiples of 1/4 in [-8, 8]: every partial sum is exact in float16 and up, so float32

@@ -1,4 +1,4 @@
-"""Issue 14, part 6: sparsync's async work runs on a process group of its own over the caller's ranks, so the
+"""sparsync's async work runs on a process group of its own over the caller's ranks, so the
 caller's own collectives on its group, issued while sparsync's queue thread is busy and in a different order
 on each rank, neither hang nor mix with sparsync's (the DDP hook's case is in test_faults.py)."""
 

@@ -1,4 +1,4 @@
-"""Issue 14's target for the collectives: every bad input raises a clear error on every rank within 2 s (not the
+"""The target for the collectives: every bad input raises a clear error on every rank within 2 s (not the
 timeout), no silent wrong answer, and the group keeps working.
 
 The table of cases is ``_bad_input_workers.CASES`` (sparse_allreduce with every algorithm, sparse_allgather,
@@ -88,7 +88,7 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> Records:
 
 
 def problems(case: bw.Case, recs: list[dict[str, Any]]) -> list[str]:
-    """What keeps ``case`` from meeting issue 14's target (empty: handled)."""
+    """What keeps ``case`` from meeting the target (empty: handled)."""
     out: list[str] = []
     kinds = [r.get("kind", "missing") for r in recs]
     if any(k in ("crash", "missing") for k in kinds):

@@ -1,4 +1,4 @@
-"""``sparsync bench embedding`` (issue 13, item 4): the Zipf sampler, the targets, and a tiny run end to end."""
+"""``sparsync bench embedding``: the Zipf sampler, the targets, and a tiny run end to end."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def test_cli_tiny_run_writes_every_method(tmp_path: Path) -> None:
     assert "## Targets (row-sparse embedding gradients)" in md and "torch_coo" in md
 
 
-# --- the S2 sketch on this workload (issue 15, item 3) -------------------------------------------------------
+# --- the S2 sketch on this workload -------------------------------------------------------
 def test_sketch_methods_expand_per_lambda() -> None:
     cfg = EmbeddingBenchConfig(methods=("auto", "sketch", "allgather"), sketch_lambdas=(0.5, 1.0, 4.0))
     assert cfg.method_names == ("auto", "sketch@0.5", "sketch@1", "sketch@4", "allgather")

@@ -42,7 +42,9 @@ def test_bench_compress_tiny(tmp_path: Path) -> None:
     assert by["qsgd:bits=4"]["bytes_ratio"] == pytest.approx((10_000 + 40 * 4) / 80_000)
     assert all(r["dense_allreduce_s"] > 0 and r["reduce_s"] > 0 for r in rows)
     checks = check_targets(rows)
-    assert len(checks) == 3 and "10%" in checks[0][0] and "every compressor" in checks[2][0]  # issue 3, then 15
+    assert (
+        len(checks) == 3 and "10%" in checks[0][0] and "every compressor" in checks[2][0]
+    )  # compression, then compressors
     for ext in (".json", ".csv", ".png", ".md"):
         assert (tmp_path / "c").with_suffix(ext).stat().st_size > 0
     meta = json.loads((tmp_path / "c.json").read_text())["meta"]

@@ -1,4 +1,4 @@
-"""Emulated hosts under torchrun (issue 18; netns marker, root): ``sparsync cluster``'s engine runs unchanged
+"""Emulated hosts under torchrun (netns marker, root): ``sparsync cluster``'s engine runs unchanged
 scripts as 2 hosts x 2 ranks, with the same results as local runs; an elastic restart resumes bit for bit."""
 
 from __future__ import annotations

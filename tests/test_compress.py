@@ -250,7 +250,7 @@ def test_sketch_hash_signs_and_buckets_are_pairwise_independent() -> None:
             assert abs(p - 1 / c) < 5 * math.sqrt(1 / c / seeds), (i, j, p)
 
 
-# Issue 15, item 3: an embedding gradient (uncoalesced COO, one block per row) is compressed from its rows and
+# An embedding gradient (uncoalesced COO, one block per row) is compressed from its rows and
 # decompressed into rows, never through a dense table or a per-element regrouping.
 def _embedding_grad(rows: int, dim: int, tokens: int, seed: int) -> torch.Tensor:
     """An nn.Embedding(sparse=True) gradient: uncoalesced, repeated ids."""

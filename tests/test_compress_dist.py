@@ -191,7 +191,7 @@ def test_ddp_sparse_embedding_every_compressor() -> None:
 
 @pytest.mark.large  # 25 s: `-m large` (CI time); exactness of every compressor stays in the default run
 def test_convergence_on_digits_within_one_point() -> None:
-    """Issue 3: an MLP on scikit-learn's digits, 4 ranks; TopK 1% + error feedback and QSGD 4-bit reach the
+    """An MLP on scikit-learn's digits, 4 ranks; TopK 1% + error feedback and QSGD 4-bit reach the
     uncompressed test accuracy within 1 point."""
     specs = ("identity", "topk:ratio=0.01", "qsgd:bits=4")
     res = launch(cw.digits_worker, nprocs=4, args=(specs, 400, 0.3), timeout=300)
@@ -202,7 +202,7 @@ def test_convergence_on_digits_within_one_point() -> None:
     assert acc["qsgd:bits=4"] >= acc["identity"] - 1.0, acc
 
 
-# --- QSGD's quantized reduce-scatter (issue 15, item 2) ------------------------------------------------------
+# --- QSGD's quantized reduce-scatter ------------------------------------------------------
 @pytest.mark.parametrize("P", [1, 3, 5])
 def test_qsgd_reduce_scatter_is_unbiased_within_its_variance_bound(P: int) -> None:
     """E[Q₂(Σ_r Q₁(x_r))] = Σ_r x_r on a real gloo group: the mean of DRAWS sums (one seed each) is within 5

@@ -325,7 +325,7 @@ def test_fixed_costs_are_validated_and_normalized() -> None:
 
 
 def test_registry_is_the_one_list_of_algorithms() -> None:
-    """Names, wire codes, tie order, runners and byte counts all come from ``costmodel.REGISTRY`` (issue 16)."""
+    """Names, wire codes, tie order, runners and byte counts all come from ``costmodel.REGISTRY``."""
     from sparsync.collectives.meta import ALGORITHM_CODES
     from sparsync.costmodel import REGISTRY, SIMPLICITY, algorithm
 

@@ -1,4 +1,4 @@
-"""Issue 14, item 4: sync training is bit-identical run to run with fixed seeds. With
+"""Sync training is bit-identical run to run with fixed seeds. With
 ``sparsync.set_deterministic()`` auto chooses from a fixed link model, so its choice (and the summation order)
 depends on the data only; two runs at P = 2, 3 and 4 end at the same bits for every placement."""
 

@@ -1,4 +1,4 @@
-"""DLRM and Criteo's text format (issue 17): the generator writes the format with Kaggle's cardinalities and
+"""DLRM and Criteo's text format: the generator writes the format with Kaggle's cardinalities and
 power-law frequencies, the reader parses it (and a hand-written file) exactly and names bad lines; the model
 has the reference architecture's shapes and learns; the benchmark's methods train to the same loss."""
 

@@ -1,4 +1,4 @@
-"""Fault injection (issue 14, parts 3 and 6): a killed launcher leaves no rank behind, a killed or stopped rank is
+"""Fault injection: a killed launcher leaves no rank behind, a killed or stopped rank is
 named in the error the user sees, the rendezvous store listens on loopback only, and sparsync's DDP hook runs
 on a group of its own so a model with collectives in its backward neither hangs nor mismatches."""
 
@@ -56,7 +56,7 @@ _LAUNCHERS = {
     ids=["launch-SIGTERM", "launch-SIGKILL", "replicator-SIGKILL"],
 )
 def test_killed_launcher_leaves_no_rank_running(tmp_path: Path, how: str, sig: signal.Signals) -> None:
-    """Before issue 14 every rank kept running after either signal (3 of 3 runs)."""
+    """Before the reliability work every rank kept running after either signal (3 of 3 runs)."""
     script = (
         f"import sys; sys.path.insert(0, {str(TESTS)!r})\n"
         "import _pids\n"

@@ -1,4 +1,4 @@
-"""Issue 14, item 2: every rank fails the same way, at once. Tensors of one size but different shapes or
+"""every rank fails the same way, at once. Tensors of one size but different shapes or
 layouts, ranks whose auto would choose from different link models or policies, and ±Inf (refused like NaN
 unless check_nan=False, then summed as IEEE 754 says) raise the same ValueError on every rank of a real gloo
 group, well before the timeout, and the group keeps working."""

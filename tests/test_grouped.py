@@ -1,4 +1,4 @@
-"""grouped_allreduce (issue 13 follow-up: one call per step for an embedding and its MLP) on real gloo groups of
+"""grouped_allreduce (one call per step for an embedding and its MLP) on real gloo groups of
 1, 3 and 5 ranks: every algorithm against the exact sum, sparse results holding the union of input rows,
 async, and bad input raised on every rank; plus the layout checks that need no group."""
 

@@ -1,4 +1,4 @@
-"""Hierarchical sparse allreduce (issue 18) on real gloo groups of emulated hosts (``launch(procs_per_host=)``,
+"""Hierarchical sparse allreduce on real gloo groups of emulated hosts (``launch(procs_per_host=)``,
 loopback): exact against a dense allreduce at every mode, density and width, bitwise the same on every rank;
 the two-level model's choice; hosts of unequal size refused with a message."""
 

@@ -1,4 +1,4 @@
-"""Parameter servers per node started by the job itself (issue 18, ``node_servers``), on emulated nodes
+"""Parameter servers per node started by the job itself (``node_servers``), on emulated nodes
 (``launch(procs_per_host=)``, loopback): one starter per node, every address known to every rank, each rank's
 own key admitted and a stranger's refused, a failed start reported on every rank; ``procs_per_machine`` from
 torchrun's ``LOCAL_WORLD_SIZE``."""

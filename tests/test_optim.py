@@ -1,4 +1,4 @@
-"""``sparsync.DistributedOptimizer`` (issue 17, item 3): a ``torch.optim.Optimizer`` that aggregates by a
+"""``sparsync.DistributedOptimizer``: a ``torch.optim.Optimizer`` that aggregates by a
 per-parameter plan in ``step()``. Exact against a float64 reference and equal to torch's DDP with sparse
 gradients over world sizes 1, 3, 5 and batches from empty to every row; LR schedulers, checkpoints,
 ``synchronize()``; a plan with a compressor and a log; clear errors."""

@@ -186,7 +186,7 @@ def test_measured_link_and_fused_dense_allreduce_pricing() -> None:
     assert json.dumps(sp.as_dict())  # the measured link serialises
 
 
-# --- two levels (issue 18) -------------------------------------------------------------------------------------
+# --- two levels -------------------------------------------------------------------------------------
 def _two_level_plan(intra_bw: float, density: float = 1e-2, **kw: object) -> tuple[str, float, float]:
     stats = [ParamStats("v", (1_000_000, 16), density, True)]
     c = Cluster(2, 4, 1.25e8, 1e-4, intra_bandwidth=intra_bw, **kw)  # type: ignore[arg-type]

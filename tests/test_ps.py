@@ -276,7 +276,7 @@ def test_sync_sums_pushes_in_worker_order_not_arrival_order(two: list[ServerProc
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.large)])
 def test_two_sync_hybrid_runs_give_identical_bits(world: int) -> None:
-    # Issue 14: at P = 3 the server summed a step's pushes in arrival order, so runs differed in the last bits.
+    # at P = 3 the server summed a step's pushes in arrival order, so runs differed in the last bits.
     import _ps_workers as pw
 
     from sparsync import launch

@@ -1,4 +1,4 @@
-"""Hostile and careless inputs against a live parameter server (issue 14): every finding of the probe, frames
+"""Hostile and careless inputs against a live parameter server: every finding of the probe, frames
 that declare gigabytes, unauthenticated clients, random frames (hypothesis), corrupt checkpoints. The server must
 stay alive, refuse with an error that names the bad field or value, and keep its memory bounded.
 

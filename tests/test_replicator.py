@@ -1,4 +1,4 @@
-"""The Replicator API against single-process references on real gloo groups (issue 4)."""
+"""The Replicator API against single-process references on real gloo groups."""
 
 from __future__ import annotations
 

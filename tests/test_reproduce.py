@@ -1,4 +1,4 @@
-"""``sparsync reproduce`` (issue 17): the corpus, the OmniReduce-style baseline, each section's tables and
+"""``sparsync reproduce``: the corpus, the OmniReduce-style baseline, each section's tables and
 verdicts from known rows, the CLI; one tiny end-to-end run of every section behind ``-m large``."""
 
 from __future__ import annotations

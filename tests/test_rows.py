@@ -1,4 +1,4 @@
-"""Row-sparse streams (issue 13) on real gloo groups of 1, 3, 5 and 8 ranks: every algorithm and partition
+"""Row-sparse streams on real gloo groups of 1, 3, 5 and 8 ranks: every algorithm and partition
 against the exact dense sum (bit for bit: the inputs make every partial sum exact), half precision rounded once,
 COO round trips keeping the union of rows, the eager region, and bad input reported on every rank."""
 

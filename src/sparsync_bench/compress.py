@@ -7,9 +7,10 @@ in training, so the compressors compete for the cores as the allreduce does): co
 same tensor in the same run. Threshold runs with lifespan 1 and 1000 (DCT Fig. 7a: recomputing τ every step costs
 more than it saves); the warm-up call computes τ, so the timed L=1000 calls reuse it, as 999 of 1000 training
 steps do.
-Target: Threshold(L=1000) compress + decompress ≤ 10% of the dense allreduce. Issue 15's targets
-(``check_issue15``): every compressor's reduce faster than the dense allreduce, QSGD 4-bit ≥ 3x and 8-bit ≥ 1.8x
-faster, and a 16-bit cast's reduce at most half the dense allreduce (half the bytes, less than half the time).
+Target: Threshold(L=1000) compress + decompress ≤ 10% of the dense allreduce. The compressors' targets
+(``check_compressors``): every compressor's reduce faster than the dense allreduce, QSGD 4-bit ≥ 3x and
+8-bit ≥ 1.8x faster, and a 16-bit cast's reduce at most half the dense allreduce (half the bytes, less than
+half the time).
 The ``ns/el`` column is compress + decompress per tensor element.
 """
 
@@ -173,9 +174,9 @@ _AGG = {"allreduce": "ar", "sparse_allreduce": "sparse", "allgather": "ag", "red
 
 
 def check_targets(rows: list[dict[str, Any]]) -> list[Check]:
-    """Issue 3's (Threshold(L=1000) compress + decompress ≤ 10% of the dense allreduce; L=1000 cheaper than
-    L=1) where Threshold(L=1000) ran, then issue 15's (``check_issue15``)."""
-    return _check_threshold(rows) + check_issue15(rows)
+    """The compression targets (Threshold(L=1000) compress + decompress ≤ 10% of the dense allreduce; L=1000
+    cheaper than L=1) where Threshold(L=1000) ran, then the compressors' (``check_compressors``)."""
+    return _check_threshold(rows) + check_compressors(rows)
 
 
 def _check_threshold(rows: list[dict[str, Any]]) -> list[Check]:
@@ -206,8 +207,8 @@ def _check_threshold(rows: list[dict[str, Any]]) -> list[Check]:
     return out
 
 
-def check_issue15(rows: list[dict[str, Any]]) -> list[Check]:
-    """Issue 15's targets, per N: every compressor's (identity aside) reduce faster than the dense allreduce; QSGD
+def check_compressors(rows: list[dict[str, Any]]) -> list[Check]:
+    """The targets, per N: every compressor's (identity aside) reduce faster than the dense allreduce; QSGD
     4-bit (8-bit) ≥ 3x (1.8x) faster; a 16-bit cast's reduce ≤ half the dense allreduce (item 4: half the
     bytes must cost less than half the time)."""
     out: list[Check] = []

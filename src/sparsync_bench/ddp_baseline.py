@@ -1,4 +1,4 @@
-"""The baseline a PyTorch user would pick (issue 13 item 5): ``DistributedDataParallel`` on gloo with the
+"""The baseline a PyTorch user would pick: ``DistributedDataParallel`` on gloo with the
 embedding as ``nn.Embedding(sparse=True)``, so DDP reduces its COO gradient by gloo's sparse allreduce (its
 own one-parameter bucket) and the dense parameters in its usual buckets. DDP keeps no sparsync ``CommLog``, so
 the bytes it puts on the wire are computed here from what gloo sends:

@@ -1,6 +1,6 @@
 """Output of ``sparsync bench embedding``: rich tables, a Markdown report with the issue's
 targets, and a plot of ms per method at every point. Rows are ``embedding.Row`` dicts. The S2 sketch's rows
-(``sketch@λ``) get their own table and issue 15's targets (item 3), stated there at P = 8: compress +
+(``sketch@λ``) get their own table and targets, stated there at P = 8: compress +
 decompress ≤ 10% of the dense allreduce (torch_dense) on an embedding gradient of density 1%, bytes ≤ 0.3x
 allgather's, time ≤ the row-sparse allreduce's (auto)."""
 
@@ -20,8 +20,8 @@ from sparsync_bench.report import Check, pyplot, save_figure, targets_markdown
 from sparsync_bench.tables import show_table
 
 Point = tuple[int, int, float, str]  # (P, dim, zipf, hot)
-BYTES_TARGET = 1.2  # auto's bytes <= 1.2x min(allgather, balanced reduce-scatter + allgather), issue 13
-IMBALANCE_TARGET = 1.2  # partition max/mean, issue 13
+BYTES_TARGET = 1.2  # auto's bytes <= 1.2x min(allgather, balanced reduce-scatter + allgather)
+IMBALANCE_TARGET = 1.2  # partition max/mean
 STRIDE_LABELS = ("stride", "default")  # partitions target (c) applies to ("default": the build's own choice)
 SKETCH_CD_TARGET = 0.10  # sketch compress + decompress <= 10% of the dense allreduce's time
 SKETCH_BYTES_TARGET = 0.3  # sketch bytes <= 0.3x allgather's
@@ -131,7 +131,7 @@ def _allgather_bytes(by: dict[str, dict[str, Any]], r: dict[str, Any]) -> tuple[
 
 
 def sketch_targets(rows: list[dict[str, Any]]) -> list[Check]:
-    """Issue 15 (item 3), per sketch method and point with P > 1 (the issue states them at P = 8): compress +
+    """The sketch targets, per sketch method and point with P > 1 (stated at P = 8): compress +
     decompress <= 10% of torch_dense's time, bytes <= 0.3x allgather's, time <= auto's. A baseline that did not
     run makes its target "no data", not met."""
     out: list[Check] = []
@@ -159,7 +159,7 @@ def sketch_targets(rows: list[dict[str, Any]]) -> list[Check]:
 
 
 def check_targets(rows: list[dict[str, Any]], *, loopback: bool) -> list[Check]:
-    """Issue 13's targets on one run's side-by-side medians: (a) auto <= 1.0x torch_coo at every point (the
+    """The targets on one run's side-by-side medians: (a) auto <= 1.0x torch_coo at every point (the
     issue allows 1.2x on loopback: both are listed there); (b) auto's bytes <= 1.2x min(allgather, balanced
     reduce-scatter + allgather), counted from the rows touched; (c) partition max/mean <= 1.2 for stride
     partitions; and the issue's P = 8, dim 64, Zipf 1.3, 65,536-token point: auto >= 1.25x faster."""

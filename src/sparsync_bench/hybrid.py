@@ -5,7 +5,7 @@ and a dense LSTM, trained with P ranks by eight methods side by side:
 - ``allgather``: dense allreduce for the LSTM, the embedding's sparse gradients allgathered (Horovod/DDP way);
 - ``ddp_sparse``: torch's ``DistributedDataParallel`` on gloo, the embedding ``sparse=True``: its COO gradient
   by gloo's sparse allreduce (an allgather of every rank's rows), the LSTM in DDP's dense buckets; no sparsync
-  (issue 13 item 5: the baseline a PyTorch user would pick). Its bytes are computed from what gloo sends
+  (the baseline a PyTorch user would pick). Its bytes are computed from what gloo sends
   (``ddp_baseline``), its ``comm_ms`` is DDP's own logged communication span per step (first bucket launched to
   last bucket reduced, overlapping the backward pass);
 - ``sparse_ar``: the embedding by sparsync's sparse allreduce (SparCML, ``auto``);

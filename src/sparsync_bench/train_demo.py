@@ -7,7 +7,7 @@ gradient averaged by a dense allreduce (the embedding's gradient densified, as H
 α-β model; the dense layers in one bucketed allreduce). Both runs use plain SGD, so they compute the same
 updates and end at the same loss; what differs is the bytes on the wire and the step time.
 
-Between them, the baseline a PyTorch user would pick (issue 13 item 5): the same model, data and SGD under
+Between them, the baseline a PyTorch user would pick: the same model, data and SGD under
 torch's ``DistributedDataParallel`` on gloo, the embedding's COO gradient reduced by gloo's sparse allreduce
 (an allgather of every rank's rows), no sparsync involved; its bytes come from ``ddp_baseline``.
 
@@ -289,7 +289,7 @@ def plan_summary(plan: Plan) -> str:
 
 def compare_lines(runs: list[dict[str, Any]]) -> list[str]:
     """Each run's step time and bytes relative to both baselines, dense allreduce and DDP with sparse gradients
-    ("0.62x dense allreduce" = 0.62 times its step time), and issue 13's demo target: the sparse-allreduce plan
+    ("0.62x dense allreduce" = 0.62 times its step time), and the demo's target: the sparse-allreduce plan
     (sparsync's default plan) faster than both."""
     by = {r["run"]: r for r in runs}
     bases = [by[k] for k in RUNS[:2] if k in by]
