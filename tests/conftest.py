@@ -1,6 +1,6 @@
 """Test tiers (README, "The two commands"): a test that starts parameter-server processes is marked
-``servers``, so that ``make test-fast`` (no process groups, no servers) can leave it out; a test marked ``cuda`` is skipped where no
-GPU is (CI), and runs wherever one is (scripts/gpu_check.sh)."""
+``servers``, so that ``make test-fast`` (no process groups, no servers) can leave it out; a test marked
+``cuda`` is skipped where no GPU is (CI), and runs wherever one is (scripts/gpu_check.sh)."""
 
 from __future__ import annotations
 
