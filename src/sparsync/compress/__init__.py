@@ -27,7 +27,7 @@ from sparsync.compress.memory import ErrorFeedback, Memory
 from sparsync.compress.qsgd import QSGD
 from sparsync.compress.randomk import RandomK
 from sparsync.compress.reduce import compressed_allreduce, reduce
-from sparsync.compress.registry import COMPRESSORS, compressor_class, from_spec, make
+from sparsync.compress.registry import COMPRESSORS, REGISTRY, compressor_class, from_spec, make, register
 from sparsync.compress.sketch import SparseSketch
 from sparsync.compress.sparsifier import Sparsifier
 from sparsync.compress.threshold import Threshold
@@ -38,6 +38,7 @@ __all__ = [
     "COMPRESSORS",
     "FP16",
     "QSGD",
+    "REGISTRY",
     "Aggregator",
     "BlockTopK",
     "Compressor",
@@ -64,4 +65,5 @@ __all__ = [
     "from_spec",
     "make",
     "reduce",
+    "register",
 ]

@@ -1,6 +1,7 @@
 """The communication axis of compressed reduction (GRACE's communicator): the aggregators the payload kinds
 share, the local half of the template (``encode``), and what every aggregator uses: the metadata round
-(``agree``), the CommLog record (``record``), a pipelined collective (``pipelined``) and the decode (``decoded``).
+(``agree``, run by ``collective``), the CommLog record (``record``), a pipelined collective (``pipelined``) and the
+decode (``decoded``). An aggregator from outside the package uses them the same way.
 
 A compressor names its aggregator beside itself (``Compressor.aggregator``): the ones here (``DenseAllreduce``,
 ``SparseAllreduce``, ``Allgather``, ``LOCAL``), S2's sketch allreduce in ``sketch.py``, the cast pipeline in
@@ -54,6 +55,7 @@ from sparsync.stream import SparseStream
 REDUCE_OP = register_op("reduce")
 
 PayloadT = TypeVar("PayloadT", bound=Payload)
+T = TypeVar("T")
 Result = torch.Tensor | Work[torch.Tensor]
 
 
@@ -140,23 +142,34 @@ def facts(call: ReduceCall) -> Callable[[], dict[str, object]]:
                     "P": call.world_size}  # fmt: skip
 
 
+def collective(call: ReduceCall, alg: str, nbytes: int, body: Callable[[], T]) -> T | Work[T]:
+    """Run ``body`` (the payload's collective on ``call.comm``) behind the metadata round (``agree``: ``nbytes``
+    per rank): now, or queued on sparsync's own thread with ``async_op`` (a ``Work``). The call's number is
+    taken here, on the caller's thread."""
+    seq = next_call(call.comm)
+
+    def run() -> T:
+        agree(call, seq, nbytes)
+        return body()
+
+    out: T | Work[T] = submit(call.group, run, call.async_op, label=f"reduce:{alg}", facts=facts(call))
+    return out
+
+
 def pipelined(
     call: ReduceCall, nbytes: int, elements: int, alg: str, msgs: int, body: Callable[[], tuple[torch.Tensor, int]]
 ) -> Result:
-    """Submit a pipelined collective (QSGD's reduce-scatter + allgather, the casts' chunked allreduce): the
-    metadata round, ``body`` (the flat float32 result, already scaled, and the bytes sent), the record
-    (``elements``: the payload's, as the other paths count them), the result."""
-    seq = next_call(call.comm)
-    x, xspec = call.enc.x, call.enc.spec
+    """A pipelined collective (QSGD's reduce-scatter + allgather, the casts' chunked allreduce): the metadata
+    round, ``body`` (the flat float32 result, already scaled, and the bytes sent), the record (``elements``:
+    the payload's, as the other paths count them), the result."""
+    xspec = call.enc.spec
 
     def run() -> torch.Tensor:
-        agree(call, seq, nbytes)
         total, sent = body()
-        record(call, alg, elements, sent, msgs, device=x.device)
+        record(call, alg, elements, sent, msgs, device=call.enc.x.device)
         return call.finish(total.view(xspec.shape).to(xspec.dtype), divide=False)
 
-    out: Result = submit(call.group, run, call.async_op, label=f"reduce:{alg}", facts=facts(call))
-    return out
+    return collective(call, alg, nbytes, run)
 
 
 def agree(call: ReduceCall, seq: int, nbytes: int) -> None:
@@ -215,10 +228,9 @@ class DenseAllreduce(PayloadAggregator[DensePayload]):
         return expect(payload, DensePayload, self)
 
     def aggregate(self, call: ReduceCall, payload: DensePayload | None) -> Result:
-        p, seq = expect(payload, DensePayload, self), next_call(call.comm)
+        p = expect(payload, DensePayload, self)
 
         def run() -> DensePayload:
-            agree(call, seq, p.nbytes)
             buf = p.to_buffer()
             dist.all_reduce(buf, group=call.comm)
             P = call.world_size
@@ -226,7 +238,7 @@ class DenseAllreduce(PayloadAggregator[DensePayload]):
             record(call, "allreduce", buf.numel(), nb, 2 * (P - 1), device=buf.device)
             return p.from_buffer(buf)
 
-        work = submit(call.group, run, call.async_op, label="reduce:allreduce", facts=facts(call))
+        work = collective(call, "allreduce", p.nbytes, run)
         return decoded(call, work, lambda s: call.finish(call.enc.compressor.decompress(s, call.enc.spec)))
 
 
@@ -273,12 +285,11 @@ class Allgather(PayloadAggregator[QuantizedPayload]):
         return expect(payload, QuantizedPayload, self)
 
     def aggregate(self, call: ReduceCall, payload: QuantizedPayload | None) -> Result:
-        p, seq = expect(payload, QuantizedPayload, self), next_call(call.comm)
+        p = expect(payload, QuantizedPayload, self)
         scale = self.scale(call)
         divide = call.average if scale is None else False
 
         def run() -> list[QuantizedPayload]:
-            agree(call, seq, p.nbytes)
             buf = p.to_bytes()
             P = call.world_size
             comm = Comm(call.comm, device=buf.device)
@@ -287,7 +298,7 @@ class Allgather(PayloadAggregator[QuantizedPayload]):
             record(call, "allgather", buf.numel(), (P - 1) * buf.numel(), P - 1, device=buf.device)
             return [scaled(p.from_bytes(b), 1.0 if scale is None else scale) for b in out.view(P, -1)]
 
-        work = submit(call.group, run, call.async_op, label="reduce:allgather", facts=facts(call))
+        work = collective(call, "allgather", p.nbytes, run)
         compressor, xspec = call.enc.compressor, call.enc.spec
         return decoded(
             call, work, lambda ps: call.finish(compressor.decompress_gathered(ps, xspec), divide=divide)

@@ -41,9 +41,8 @@ import torch
 import torch.distributed as dist
 
 from sparsync.collectives.comm import Comm
-from sparsync.collectives.group import next_call, submit
 from sparsync.collectives.tensor import coo_to_stream, pack_bits, stream_to_coo, unpack_bits
-from sparsync.compress.aggregate import PayloadAggregator, Result, agree, decoded, expect, facts, record
+from sparsync.compress.aggregate import PayloadAggregator, Result, collective, decoded, expect, record
 from sparsync.compress.base import (
     NO_CONTEXT,
     Aggregator,
@@ -243,13 +242,8 @@ class SketchAllreduce(PayloadAggregator[SketchPayload]):
         return expect(payload, SketchPayload, self)
 
     def aggregate(self, call: ReduceCall, payload: SketchPayload | None) -> Result:
-        p, seq = expect(payload, SketchPayload, self), next_call(call.comm)
-
-        def run() -> SketchPayload:
-            agree(call, seq, p.nbytes)
-            return _sketch_allreduce(call, p)
-
-        work = submit(call.group, run, call.async_op, label="reduce:allreduce", facts=facts(call))
+        p = expect(payload, SketchPayload, self)
+        work = collective(call, "allreduce", p.nbytes, lambda: _sketch_allreduce(call, p))
         return decoded(call, work, lambda s: call.finish(call.enc.compressor.decompress(s, call.enc.spec)))
 
 
