@@ -178,3 +178,52 @@ def test_the_library_needs_no_bench_extra() -> None:
                 targets = [node.module]
             found += [f"{name} imports {t}" for t in targets if t.split(".")[0] in tools]
     assert not found, found
+
+
+def _function_level_imports(source: str) -> list[int]:
+    """Lines of the imports inside a function or class body (late imports that hide an import circle)."""
+    found: list[int] = []
+
+    def visit(node: ast.AST, nested: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Import | ast.ImportFrom) and nested:
+                found.append(child.lineno)
+            inner = nested or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            visit(child, inner)
+
+    visit(ast.parse(source), False)
+    return found
+
+
+def test_compress_has_no_late_imports_and_no_import_circle() -> None:
+    """sparsync.compress imports at module level only, and its modules import each other without a circle (the
+    quantizer, its reduce-scatter and DSAR's quantized phase once needed a late import)."""
+    files = module_files()
+    known = set(files)
+    mods = {m: p for m, p in files.items() if m == "sparsync.compress" or m.startswith("sparsync.compress.")}
+    late = [f"{m}:{line}" for m, p in mods.items() for line in _function_level_imports(p.read_text())]
+    assert not late, f"function-level imports: {late}"
+    edges = {
+        m: {t for _, t, _ in imports_of(m, p.read_text(), known) if t in mods and t != m} for m, p in mods.items()
+    }
+    edges["sparsync.compress"] = set()  # the package's __init__ re-exports its modules: not an edge back
+    state: dict[str, int] = {}
+
+    def cycle_from(m: str, path: list[str]) -> list[str] | None:
+        state[m] = 1
+        for t in sorted(edges[m]):
+            if state.get(t) == 1:
+                return [*path, m, t]
+            if t not in state and (c := cycle_from(t, [*path, m])) is not None:
+                return c
+        state[m] = 2
+        return None
+
+    for m in sorted(mods):
+        c = None if m in state else cycle_from(m, [])
+        assert c is None, " -> ".join(c or [])
+
+
+def test_the_late_import_check_catches_one() -> None:
+    assert _function_level_imports("import os\ndef f():\n    from sparsync import x\n") == [3]
+    assert _function_level_imports("try:\n    import a\nexcept ImportError:\n    a = None\n") == []

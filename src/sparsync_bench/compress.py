@@ -27,7 +27,7 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from sparsync.compress import QSGD, Compressor, Context, Payload, TensorSpec, compressed_allreduce, from_spec
+from sparsync.compress import Compressor, Context, Encoding, TensorSpec, compressed_allreduce, from_spec
 from sparsync_bench.allreduce import _timed
 from sparsync_bench.report import Check, progress, pyplot, save_figure, targets_markdown
 from sparsync_bench.tables import show_table
@@ -91,7 +91,7 @@ def _measure(rank: int, P: int, n: int, spec: str, x: torch.Tensor, repeats: int
         "n": n,
         "world_size": P,
         "compressor": spec,
-        "aggregation": _aggregation(comp, payload, P),
+        "aggregation": _aggregation(comp, x, ctx),
         "compress_s": t_c,
         "decompress_s": t_d,
         "cd_s": t_c + t_d,
@@ -103,10 +103,9 @@ def _measure(rank: int, P: int, n: int, spec: str, x: torch.Tensor, repeats: int
     }
 
 
-def _aggregation(comp: Compressor, payload: Payload, P: int) -> str:
-    if isinstance(comp, QSGD) and comp.uses_reduce_scatter(P):
-        return "reduce_scatter"
-    return type(payload).aggregation
+def _aggregation(comp: Compressor, x: torch.Tensor, ctx: Context) -> str:
+    """The name of the aggregator ``compressed_allreduce`` runs for ``x`` (no memory, synchronous)."""
+    return comp.aggregator(Encoding(comp, x, x, TensorSpec.of(x), ctx)).name
 
 
 def worker(rank: int, cfg: CompressBenchConfig, show_progress: bool) -> list[dict[str, Any]]:

@@ -1,32 +1,35 @@
 """Gradient compressors with error feedback: S2 sparse sketch, DCT threshold, top-k, QSGD, ...
 
-Three axes: a ``Compressor`` turns a tensor into a typed ``Payload`` (which names the collective
-that aggregates it), ``ErrorFeedback`` keeps residuals per name, and ``compressed_allreduce`` joins them. See
+Three axes: a ``Compressor`` turns a tensor into a typed ``Payload`` and names the ``Aggregator`` that combines
+the ranks' payloads, a ``Memory`` (``ErrorFeedback``) keeps residuals per name, and ``compressed_allreduce``
+joins them. See
 README, "Compressed reduction", and docs/architecture.md.
 """
 
 from sparsync.compress.base import (
-    Aggregation,
+    Aggregator,
     Compressor,
     Context,
     DensePayload,
+    Encoding,
     Payload,
     QuantizedPayload,
+    ReduceCall,
     SketchPayload,
     SparsePayload,
-    Sparsifier,
     TensorSpec,
 )
 from sparsync.compress.blocktopk import BlockTopK
 from sparsync.compress.cast import BF16, FP16
 from sparsync.compress.hooks import compression_hook
 from sparsync.compress.identity import Identity
-from sparsync.compress.memory import ErrorFeedback
+from sparsync.compress.memory import ErrorFeedback, Memory
 from sparsync.compress.qsgd import QSGD
 from sparsync.compress.randomk import RandomK
 from sparsync.compress.reduce import compressed_allreduce, reduce
-from sparsync.compress.registry import COMPRESSORS, compressor_class, from_spec, make
+from sparsync.compress.registry import COMPRESSORS, REGISTRY, compressor_class, from_spec, make, register
 from sparsync.compress.sketch import SparseSketch
+from sparsync.compress.sparsifier import Sparsifier
 from sparsync.compress.threshold import Threshold
 from sparsync.compress.topk import TopK
 
@@ -35,16 +38,20 @@ __all__ = [
     "COMPRESSORS",
     "FP16",
     "QSGD",
-    "Aggregation",
+    "REGISTRY",
+    "Aggregator",
     "BlockTopK",
     "Compressor",
     "Context",
     "DensePayload",
+    "Encoding",
     "ErrorFeedback",
     "Identity",
+    "Memory",
     "Payload",
     "QuantizedPayload",
     "RandomK",
+    "ReduceCall",
     "SketchPayload",
     "SparsePayload",
     "SparseSketch",
@@ -58,4 +65,5 @@ __all__ = [
     "from_spec",
     "make",
     "reduce",
+    "register",
 ]

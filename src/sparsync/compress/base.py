@@ -1,11 +1,14 @@
-"""The compressor axis: a compressor turns a tensor into a typed payload and back.
+"""The compressor axis and the interface that joins it to the wire.
 
-A payload says how many bytes it puts on the wire (``nbytes``) and which collective aggregates it
-(``aggregation``): payloads that add up linearly (dense casts, sketch tables + bitmaps) go through one dense
+A ``Compressor`` turns a tensor into a typed payload and back; a payload says how many bytes it puts on the wire
+(``nbytes``). How the payloads of one ``compressed_allreduce`` are combined across ranks is the compressor's
+choice, made per call (``Compressor.aggregator``): an ``Aggregator`` (powersgd's Aggregator, GRACE's communicator)
+runs the local half (compress, the error-feedback update: ``aggregate.encode``) and the collective half
+(``aggregate``). Payloads that add up linearly (dense casts, sketch tables + bitmaps) go through one dense
 allreduce; sparse payloads (top-k, threshold) through ``sparse_allreduce``; quantized ones, which do not add
 up, through an allgather followed by a local decode-and-sum (SparCML §5, "Low-Precision Support"), or for QSGD
-at P > 2 a quantized reduce-scatter + allgather (``qsgd_allreduce.py``).
-Error feedback is a separate axis (``memory.py``); ``reduce.py`` joins the axes in one template method.
+at P > 2 a quantized reduce-scatter + allgather (``qsgd_allreduce.py``). Error feedback is a separate axis
+(``memory.py``); ``reduce.py`` joins the axes in one template method.
 """
 
 from __future__ import annotations
@@ -13,14 +16,17 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
+import torch.distributed as dist
 
+from sparsync.collectives.site import CallSite
 from sparsync.collectives.tensor import coo_to_stream, stream_to_coo
+from sparsync.compress.memory import Memory
+from sparsync.handle import Work
+from sparsync.record import CommLog
 from sparsync.stream import SparseStream
-
-Aggregation = Literal["allreduce", "sparse_allreduce", "allgather"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ NO_CONTEXT = Context()  # frozen: a safe default argument
 
 # --- payloads ---------------------------------------------------------------------------------------------
 class Payload(ABC):
-    aggregation: ClassVar[Aggregation]
+    """What one rank puts on the wire for one tensor; its ``Aggregator`` knows how the ranks' payloads combine."""
 
     @property
     @abstractmethod
@@ -70,9 +76,8 @@ class Payload(ABC):
 
 @dataclass(frozen=True)
 class DensePayload(Payload):
-    """A dense tensor (identity, fp16/bf16 casts): summed by one dense allreduce."""
+    """A dense tensor (identity, fp16/bf16 casts): summed by one dense allreduce (``aggregate.DenseAllreduce``)."""
 
-    aggregation: ClassVar[Aggregation] = "allreduce"
     values: torch.Tensor
     # values is a fresh tensor no one else holds (a cast's output), so the allreduce may sum into it; False
     # (identity) makes to_buffer copy, leaving the caller's tensor alone
@@ -93,9 +98,9 @@ class DensePayload(Payload):
 
 @dataclass(frozen=True)
 class SparsePayload(Payload):
-    """Selected (index, value) pairs of the flattened tensor: summed by ``sparse_allreduce``."""
+    """Selected (index, value) pairs of the flattened tensor: summed by ``sparse_allreduce``
+    (``aggregate.SparseAllreduce``)."""
 
-    aggregation: ClassVar[Aggregation] = "sparse_allreduce"
     stream: SparseStream
 
     @property
@@ -117,7 +122,6 @@ class SketchPayload(Payload):
     started beside the table's (``nbytes``): on an embedding gradient the float bitmap was most of the payload
     (4 MB of 5.5 MB per rank for 1M rows at P = 2, λ = 0.5); packed it is 128 KB."""
 
-    aggregation: ClassVar[Aggregation] = "allreduce"
     bitmap: torch.Tensor  # (n_blocks,), same dtype as the table: non-zero where a block is set
     table: torch.Tensor  # (rows, cols)
 
@@ -138,9 +142,8 @@ class SketchPayload(Payload):
 class QuantizedPayload(Payload):
     """QSGD codes packed ``8 // bits`` to a byte plus one full-precision scale per bucket. Does not add up
     linearly: aggregated by an allgather of the bytes and a local decode-and-sum, or by QSGD's quantized
-    reduce-scatter + allgather (``QSGD.aggregation``)."""
+    reduce-scatter + allgather (``QSGD.aggregation``); ``aggregate.Allgather``, ``qsgd.py``."""
 
-    aggregation: ClassVar[Aggregation] = "allgather"
     codes: torch.Tensor  # uint8, packed
     scales: torch.Tensor  # float32, one per bucket
 
@@ -191,10 +194,127 @@ class Compressor(ABC):
         if state:
             raise ValueError(f"{type(self).__name__} keeps no state, got keys {sorted(state)}")
 
+    @abstractmethod
+    def aggregator(self, enc: Encoding) -> Aggregator[Any]:
+        """How ``compressed_allreduce`` combines this compressor's payloads of ``enc.x`` over ``enc.world_size``
+        ranks (``aggregate.py`` has the shared ones). Every rank must choose the same: choose from what the ranks
+        agree on (shape, dtype, layout, P, settings, whether a memory is given)."""
+
+    def check_feedback(self) -> None:
+        """Raise ValueError when error feedback cannot keep its invariant with this compressor's aggregation:
+        checked before any rank communicates, so that every rank raises it."""
+        return  # every aggregator here keeps it but QSGD's reduce-scatter
+
     def check_device(self, device: torch.device) -> None:
         """Raise ValueError when this compressor cannot run on a tensor of ``device`` (``kernels="c"`` off the
         host): checked before any rank communicates, so that every rank raises it."""
         del device  # torch ops only: any device
+
+
+# --- the aggregation interface ---------------------------------------------------------------------------
+PayloadT = TypeVar("PayloadT", bound=Payload)
+
+
+@dataclass(frozen=True, eq=False)
+class Encoding:
+    """One tensor on its way to the wire, as an ``Aggregator``'s local steps get it (``aggregate.encode``)."""
+
+    compressor: Compressor
+    tensor: torch.Tensor  # the caller's tensor: never modified here
+    x: torch.Tensor  # what is compressed: tensor + residual, densified for a compressor that takes dense only
+    spec: TensorSpec  # x's
+    ctx: Context  # name (the memory's and compressor's key), rank, world size
+    async_op: bool = False  # the collective half runs on another thread
+    feedback: bool = False  # a memory keeps this rank's residual
+
+    @property
+    def values(self) -> torch.Tensor:
+        """``x`` without autograd history: what the compressor reads."""
+        return self.x.detach()
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+
+@dataclass(frozen=True, eq=False)
+class ReduceCall:
+    """One ``compressed_allreduce`` call as ``Aggregator.aggregate`` gets it: the local half's ``enc`` and the
+    options of the collective half (see ``compressed_allreduce``)."""
+
+    enc: Encoding
+    spec: TensorSpec  # the caller's tensor's: the result's shape, dtype and layout
+    group: dist.ProcessGroup  # the caller's group (resolved)
+    comm: dist.ProcessGroup  # where the collectives run: ``group``, or sparsync's own one for async calls
+    layout: str  # the call's fingerprint text (compressor, layout, dtype, device), agreed across ranks
+    average: bool = True
+    inplace: bool = False
+    algorithm: str = "auto"  # sparse_allreduce's, for sparse payloads
+    timeout: float | None = None
+    check_nan: bool = True
+    log: CommLog | None = None
+    site: CallSite | None = None  # where an unnamed call was issued (tells calls apart)
+    t0: float = 0.0  # perf_counter at the call, for the CommLog record
+
+    @property
+    def name(self) -> str:
+        return self.enc.ctx.name
+
+    @property
+    def world_size(self) -> int:
+        return self.enc.ctx.world_size
+
+    @property
+    def async_op(self) -> bool:
+        return self.enc.async_op
+
+    def finish(self, total: torch.Tensor, *, divide: bool | None = None) -> torch.Tensor:
+        """The result from the decoded sum ``total``: divided by P (``divide``, default ``average``), in the
+        caller's dtype and layout, written into the caller's tensor with ``inplace``. ``total`` is divided in
+        place when it is a fresh buffer (no second fresh tensor)."""
+        out, spec, P = total, self.spec, self.world_size
+        if self.average if divide is None else divide:
+            out = total.div_(P) if _private(total, self.enc.tensor, self.enc.x) else total / P
+        if spec.sparse_dim is not None and not out.is_sparse:
+            out = out.to_sparse(spec.sparse_dim)
+        out = out.to(spec.dtype)
+        if self.inplace:
+            self.enc.tensor.copy_(out)
+            return self.enc.tensor
+        return out
+
+
+class Aggregator(ABC, Generic[PayloadT]):
+    """How one ``compressed_allreduce`` combines its payloads across ranks, with the local steps that go with it
+    (powersgd's Aggregator, GRACE's communicator): dense allreduce, sparse allreduce, allgather, quantized
+    reduce-scatter, cast pipeline. ``Compressor.aggregator`` picks one per call; the template calls
+    ``compress``, ``feedback`` (with a memory) and ``aggregate`` in that order."""
+
+    name: ClassVar[str]  # the collective, as the benchmarks print it ("allreduce", "sparse_allreduce", ...)
+
+    @abstractmethod
+    def compress(self, enc: Encoding) -> PayloadT | None:
+        """This rank's payload of ``enc.values``, made on the caller's thread; None when ``aggregate`` encodes
+        while it sends. Mutates the compressor's state of ``enc.ctx.name`` only."""
+
+    @abstractmethod
+    def feedback(self, enc: Encoding, payload: PayloadT | None, memory: Memory) -> torch.Tensor | None:
+        """Store in ``memory`` ``enc.x`` minus what ``payload`` stands for on the other ranks (mutates the entry
+        of ``enc.ctx.name``). Returns that estimate (``enc.spec``) when it was built, else None."""
+
+    @abstractmethod
+    def aggregate(self, call: ReduceCall, payload: PayloadT | None) -> torch.Tensor | Work[torch.Tensor]:
+        """Every rank's payload combined over ``call.comm`` and decoded: ``call.finish`` of the sum (a ``Work`` of
+        it with ``async_op``). Collective: every rank calls it with the same kind of aggregator, in order."""
+
+
+def _private(out: torch.Tensor, *inputs: torch.Tensor) -> bool:
+    """Whether ``out`` is a dense tensor sharing no storage with ``inputs`` (decompress returned a fresh
+    buffer, as every compressor here does; checked, because dividing the caller's tensor would be a bug)."""
+    if out.is_sparse:
+        return False
+    ptr = out.untyped_storage().data_ptr()
+    return all(t.is_sparse or t.untyped_storage().data_ptr() != ptr for t in inputs)
 
 
 # --- helpers shared by the sparsifiers ---------------------------------------------------------------------
@@ -269,18 +389,3 @@ def native_for(owner: str, kernels: str, built: bool, device: torch.device) -> b
 def check_positive_int(value: int, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{what} must be a positive int, got {value!r}")
-
-
-@dataclass(frozen=True, eq=False)
-class Sparsifier(Compressor):
-    """A compressor that keeps part of the entries, ``ratio`` of them (or of blocks), and sends them as a sparse
-    stream through ``sparse_allreduce``: top-k, threshold, random-k, block top-k. Subclasses choose the entries
-    (``compress``); the ratio check and the decompression are theirs in common."""
-
-    ratio: float  # fraction kept, in (0, 1]
-
-    def __post_init__(self) -> None:
-        check_ratio(self.ratio)
-
-    def decompress(self, payload: SparsePayload, spec: TensorSpec) -> torch.Tensor:
-        return sparse_to_tensor(payload, spec)

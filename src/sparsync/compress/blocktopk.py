@@ -12,10 +12,11 @@ from typing import ClassVar
 import torch
 
 from sparsync.compress import base
+from sparsync.compress.sparsifier import Sparsifier
 
 
 @dataclass(frozen=True, eq=False)
-class BlockTopK(base.Sparsifier):
+class BlockTopK(Sparsifier):
     """Keep the blocks of largest ℓ2 norm."""
 
     name: ClassVar[str] = "blocktopk"

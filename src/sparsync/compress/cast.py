@@ -8,13 +8,15 @@ crash on ``nn.Embedding(sparse=True)`` gradients).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from sparsync.buffers import fresh
 from sparsync.collectives.tensor import coo_to_stream
 from sparsync.compress import base
+from sparsync.compress.aggregate import DENSE_ALLREDUCE, SPARSE_ALLREDUCE
+from sparsync.compress.cast_allreduce import MIN_VALUES, CastPipeline
 from sparsync.stream import SparseStream
 
 
@@ -33,6 +35,14 @@ class _Cast(base.Compressor):
             )
         # a cast is a fresh tensor (unless already in the wire dtype): the allreduce sums into it, no copy
         return base.DensePayload(tensor.to(self.wire_dtype), owned=tensor.dtype != self.wire_dtype)
+
+    def aggregator(self, enc: base.Encoding) -> base.Aggregator[Any]:
+        """A large float32 dense tensor goes through the chunked pipeline (``cast_allreduce``), any other dense
+        one through one dense allreduce of its cast, a COO tensor's cast pairs through ``sparse_allreduce``."""
+        x = enc.x
+        if x.dtype == torch.float32 and not x.is_sparse and enc.world_size > 1 and enc.spec.numel >= MIN_VALUES:
+            return CastPipeline(self.wire_dtype)
+        return SPARSE_ALLREDUCE if x.is_sparse else DENSE_ALLREDUCE
 
     def decompress(self, payload: base.Payload, spec: base.TensorSpec) -> torch.Tensor:
         if isinstance(payload, base.SparsePayload):

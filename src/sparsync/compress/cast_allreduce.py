@@ -17,10 +17,16 @@ Chunk size: the fastest of 1M, 4M, 8M values and the whole tensor at P = 4, 25M 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 import torch.distributed as dist
 
 from sparsync.buffers import fresh
+from sparsync.compress.aggregate import Result, expect, pipelined
+from sparsync.compress.base import Aggregator, DensePayload, Encoding, ReduceCall
+from sparsync.compress.memory import Memory
 
 CHUNK = 1 << 20
 MIN_VALUES = 2 * CHUNK  # one chunk has nothing to overlap with
@@ -65,3 +71,34 @@ def cast_allreduce(
     while in_flight:
         widen()
     return out, 2 * (P - 1) * n * wire.itemsize // P
+
+
+@dataclass(frozen=True)
+class CastPipeline(Aggregator[DensePayload]):
+    """A large float32 tensor sent in ``wire`` (FP16, BF16): ``cast_allreduce``. Without error feedback nothing
+    is cast before the pipeline; with it the residual (x - the 16-bit round trip) needs the whole cast on the
+    caller's thread, and the pipeline then sends that cast instead of casting again."""
+
+    name: ClassVar[str] = "allreduce"
+    wire: torch.dtype
+
+    def compress(self, enc: Encoding) -> DensePayload | None:
+        if not enc.feedback:
+            return None  # cast chunk by chunk inside the pipeline
+        return expect(enc.compressor.compress(enc.values, enc.ctx), DensePayload, self)
+
+    def feedback(self, enc: Encoding, payload: DensePayload | None, memory: Memory) -> torch.Tensor | None:
+        local = enc.compressor.decompress(expect(payload, DensePayload, self), enc.spec)
+        memory.update(enc.ctx.name, enc.x, local)
+        return local
+
+    def aggregate(self, call: ReduceCall, payload: DensePayload | None) -> Result:
+        n, P, wire = call.enc.spec.numel, call.world_size, self.wire
+        cast = None if payload is None else payload.values
+        msgs = 2 * (P - 1) * len(chunks(n))
+        divisor = P if call.average else 1  # the pipeline divides while it widens: no pass to divide
+
+        def casts() -> tuple[torch.Tensor, int]:
+            return cast_allreduce(call.enc.values, wire, call.comm, divisor, cast=cast)
+
+        return pipelined(call, n * wire.itemsize, n, "allreduce", msgs, casts)

@@ -33,12 +33,12 @@ from sparsync.collectives.allreduce import DsarCall
 from sparsync.collectives.partition import Partition
 from sparsync.collectives.split_allgather import split_reduce
 from sparsync.compress.base import Context, QuantizedPayload
-from sparsync.compress.qsgd import QSGD
 from sparsync.compress.qsgd_allreduce import quantized_allreduce, segments
+from sparsync.compress.qsgd_codec import QSGDCodec
 from sparsync.stream import SparseStream, dense_threshold
 
 
-def dsar_quantized(call: DsarCall, q: QSGD) -> SparseStream:
+def dsar_quantized(call: DsarCall, q: QSGDCodec) -> SparseStream:
     """DSAR with its dense phase in ``q``'s precision (module doc). Returns a dense stream, the same bits on
     every rank."""
     comm, stream, nnz, dense, partition, name = (

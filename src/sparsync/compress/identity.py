@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from sparsync.collectives.tensor import coo_to_stream
 from sparsync.compress import base
+from sparsync.compress.aggregate import DENSE_ALLREDUCE, SPARSE_ALLREDUCE
 
 
 @dataclass(frozen=True, eq=False)
@@ -24,6 +25,9 @@ class Identity(base.Compressor):
         if tensor.is_sparse:
             return base.SparsePayload(coo_to_stream(tensor))
         return base.DensePayload(tensor)
+
+    def aggregator(self, enc: base.Encoding) -> base.Aggregator[Any]:
+        return SPARSE_ALLREDUCE if enc.x.is_sparse else DENSE_ALLREDUCE
 
     def decompress(self, payload: base.Payload, spec: base.TensorSpec) -> torch.Tensor:
         if isinstance(payload, base.SparsePayload):

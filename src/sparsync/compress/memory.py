@@ -1,6 +1,7 @@
 """The error-feedback axis: residuals keyed by parameter name.
 
-``reduce`` uses it as ``x = compensate(name, g)`` before compressing and ``update(name, x, local)`` after, where
+``Memory`` is its interface, ``ErrorFeedback`` the implementation. ``compressed_allreduce`` uses it as
+``x = compensate(name, g)`` before compressing and ``update(name, x, local)`` after, where
 ``local = decompress(compress(x))`` on this rank, so that the invariant
 ``g + e_old == decompress(compress(g + e_old)) + e_new`` holds exactly (Stich et al. 2018; DCT Alg. 1 lines 2
 and 11). Checkpoint it with ``state_dict()`` / ``load_state_dict()`` like an optimizer.
@@ -8,10 +9,36 @@ and 11). Checkpoint it with ``state_dict()`` / ``load_state_dict()`` like an opt
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 
 
-class ErrorFeedback:
+class Memory(ABC):
+    """The error-feedback interface (GRACE's memory): what ``compressed_allreduce`` and the parameter server's
+    pushes call around a compression (``aggregate.encode``). ``ErrorFeedback`` is the one implementation here."""
+
+    @abstractmethod
+    def compensate(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` plus what the memory holds for ``name``: what gets compressed. Does not modify ``tensor``."""
+
+    @abstractmethod
+    def update(self, name: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
+        """Remember what was not sent: ``compensated`` minus ``transmitted`` (what this rank's payload stands for).
+        Mutates the memory of ``name``."""
+
+    def update_selected(
+        self, name: str, compensated: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, owned: bool
+    ) -> None:
+        """``update`` for a transmitted tensor that is zero but ``values`` at the flat ``indices`` (a sparsifier's
+        payload). This default builds that tensor; ``owned``: ``compensated`` is no one else's (a hint)."""
+        del owned
+        flat = torch.zeros(compensated.numel(), dtype=compensated.dtype, device=compensated.device)
+        flat[indices.to(torch.int64)] = values.to(flat.dtype)
+        self.update(name, compensated, flat.view(compensated.shape))
+
+
+class ErrorFeedback(Memory):
     """Per-name residual memory. ``decay`` scales the residual before it is added back (1.0: plain EF)."""
 
     def __init__(self, decay: float = 1.0) -> None:

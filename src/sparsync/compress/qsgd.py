@@ -11,13 +11,16 @@ n·S²/(4s²). ``scale="l2"`` is the QSGD paper's choice S = ‖v‖₂, with Le
 ``scale="max"`` (default) uses S = ‖v‖∞ ≤ ‖v‖₂, a tighter grid for the same bits: at 4 bits (s = 7) the l2
 grid leaves most values of a 512-bucket on level 0 or 1.
 
-Kernels (``qsgd_kernels.py``): in C where the extension is built, in vectorized torch otherwise, the same
-bits either way; chunks of 512K values. Rounding noise is 16 bits per value from a counter-based stream
+The quantizer itself is ``qsgd_codec.py`` (a mixin of ``QSGD``), which the reduce-scatter and DSAR's quantized
+dense phase (``dsar_quantized.py``) build on; this module builds on those two. Kernels (``qsgd_kernels.py``):
+in C where the extension is built, in vectorized torch otherwise, the same bits either way; chunks of 512K
+values. Rounding noise is 16 bits per value from a counter-based stream
 (splitmix64) seeded by one draw of the generator per chunk: the rounding is unbiased up to 2^-17 of a
 quantization step. Timings: docs/results_compress.md.
 
-Aggregation: see ``qsgd_allreduce.py`` (``aggregation="reduce_scatter"``, the default for P > 2) and
-``base.py`` (allgather). With error feedback (``compressed_allreduce(memory=...)``) "auto" gathers instead: the
+Aggregation (``QSGD.aggregator``, beside it here): ``qsgd_allreduce.py``'s quantized reduce-scatter
+(``aggregation="reduce_scatter"``, the default for P > 2) or an allgather of the payloads
+(``ScaledAllgather``). With error feedback (``compressed_allreduce(memory=...)``) "auto" gathers instead: the
 reduce-scatter re-quantizes the owners' partial sums, an error no worker's memory holds, so the feedback
 invariant Σ(results) + Σ(residuals) = Σ(gradients) would not hold (an owner-side memory, as 1-bit Adam's
 server compensation, would keep it at the reduce-scatter's bytes: not built).
@@ -25,36 +28,35 @@ server compensation, would keep it at the reduce-scatter's bytes: not built).
 
 from __future__ import annotations
 
-import math
-import zlib
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 
-from sparsync.buffers import fresh
 from sparsync.collectives.allreduce import DsarCall
+from sparsync.compress.aggregate import Allgather, Result, expect, pipelined
 from sparsync.compress.base import (
-    NO_CONTEXT,
+    Aggregator,
     Compressor,
-    Context,
+    Encoding,
     QuantizedPayload,
-    TensorSpec,
+    ReduceCall,
     check_kernels,
     check_positive_int,
     native_for,
 )
-from sparsync.compress.qsgd_kernels import CHUNK, Workspace, chunk_values, native_available
+from sparsync.compress.dsar_quantized import dsar_quantized
+from sparsync.compress.memory import Memory
+from sparsync.compress.qsgd_allreduce import encode_remote, local_estimate, quantized_allreduce, segments
+from sparsync.compress.qsgd_codec import CHUNK, REQUANTIZE_STREAM, QSGDCodec, Workspace
+from sparsync.compress.qsgd_kernels import native_available
 from sparsync.stream import SparseStream
 
 __all__ = ["CHUNK", "QSGD", "REQUANTIZE_STREAM", "Workspace"]
 
-_NOISE_STREAM = 0  # generator streams of one (name, rank): the compressor's own rounding ...
-REQUANTIZE_STREAM = 1  # ... and the re-quantization of a partition sum (qsgd_allreduce.py)
-
 
 @dataclass(frozen=True, eq=False)
-class QSGD(Compressor):
+class QSGD(QSGDCodec, Compressor):
     """Unbiased stochastic quantization to ``bits`` bits per value."""
 
     name: ClassVar[str] = "qsgd"
@@ -89,9 +91,22 @@ class QSGD(Compressor):
     def check_device(self, device: torch.device) -> None:
         native_for("QSGD", self.kernels, native_available(), device)
 
-    @property
-    def levels(self) -> int:
-        return int(2 ** (self.bits - 1) - 1)
+    def aggregator(self, enc: Encoding) -> Aggregator[Any]:
+        """The quantized reduce-scatter when ``uses_reduce_scatter(P)`` and no memory is given (module doc), else
+        the allgather, decoded from scales / P."""
+        if self.uses_reduce_scatter(enc.world_size) and not enc.feedback:
+            return QuantizedReduceScatter(self)
+        return SCALED_ALLGATHER
+
+    def check_feedback(self) -> None:
+        if self.aggregation == "reduce_scatter":
+            # The owners re-quantize their partial sums (qsgd_allreduce.py): that error would be in no memory, and
+            # Σ(results) + Σ(residuals) would drift from Σ(gradients) (by 69% over 20 steps at 2 bits).
+            raise ValueError(
+                "QSGD(aggregation='reduce_scatter') with error feedback: the re-quantized partial sums' error is "
+                "kept in no memory; use aggregation='auto' (which gathers every rank's quantized gradient when a "
+                "memory is given) or 'allgather'"
+            )
 
     def uses_reduce_scatter(self, world_size: int) -> bool:
         """Whether ``reduce`` aggregates by quantized reduce-scatter + allgather on ``world_size`` ranks."""
@@ -106,118 +121,49 @@ class QSGD(Compressor):
 
     def dsar_allreduce(self, call: DsarCall) -> SparseStream:
         """DSAR with its dense phase in this precision (``compress/dsar_quantized.py``)."""
-        from sparsync.compress.dsar_quantized import dsar_quantized  # late: it builds on this module
-
         return dsar_quantized(call, self)
 
-    def generator(self, ctx: Context, stream: int = _NOISE_STREAM) -> torch.Generator:
-        """The rounding noise of (ctx.name, ctx.rank): one generator per stream, seeded by (seed, name, rank,
-        stream) and advanced by every call, so a run is reproducible and ranks round independently."""
-        key = (ctx.name, ctx.rank, stream)
-        g = self._gens.get(key)
-        if g is None:
-            mix = (self.seed, zlib.crc32(ctx.name.encode()), ctx.rank) + ((stream,) if stream else ())
-            g = torch.Generator().manual_seed(hash(mix) % 2**62)  # hash of ints: the same in every process
-            self._gens[key] = g
-        return g
 
-    def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> QuantizedPayload:
-        flat = tensor.reshape(-1)
-        n = flat.numel()
-        out = self.empty_payload(n, flat.device)
-        self.encode_range(flat, 0, n, out, Workspace(self, n, flat.device), self.generator(ctx))
-        return out  # the last bucket's padding stays home
+class ScaledAllgather(Allgather):
+    """QSGD's allgather: QSGD decodes linearly in its scales, so the average is decoded from scales / P (n / bucket
+    divisions, not a pass over the n decoded values)."""
 
-    def empty_payload(self, n: int, device: torch.device | None = None) -> QuantizedPayload:
-        """Uninitialized codes and scales for ``n`` values (``payload_nbytes(n)`` bytes) on ``device`` (default
-        the host)."""
-        codes = torch.empty(self.code_bytes(n), dtype=torch.uint8, device=_HOST if device is None else device)
-        return QuantizedPayload(codes, torch.empty(-(-n // self.bucket), dtype=torch.float32, device=codes.device))
-
-    def payload_nbytes(self, n: int) -> int:
-        """Bytes of the payload of ``n`` values: packed codes and one float32 scale per bucket."""
-        return self.code_bytes(n) + 4 * -(-n // self.bucket)
-
-    def encode_range(
-        self, flat: torch.Tensor, a: int, b: int, out: QuantizedPayload, ws: Workspace, gen: torch.Generator
-    ) -> None:
-        """Encode values [a, b) of ``flat`` into ``out`` (the payload of all of ``flat``), ``a`` a multiple of
-        ``chunk_step()``: encoding [0, n) in consecutive ranges gives the bits of one ``compress`` call with the
-        same generator state (the chunks, and so the noise draws, are the same)."""
-        for c0, c1 in self._chunks(b, a, ws.pass_values):
-            scales = out.scales[c0 // self.bucket : -(-c1 // self.bucket)]
-            ws.quantize(flat[c0:c1], scales, out.codes[c0 * self.bits // 8 : -(-c1 * self.bits // 8)], gen)
-
-    def decode_into(self, payload: QuantizedPayload, out: torch.Tensor, ws: Workspace) -> None:
-        """out (float32, the payload's values) = decode(payload), chunk by chunk with ``ws``'s scratch."""
-        for a, b in self._chunks(out.numel(), 0, ws.pass_values):
-            ws.decode_into([payload], a, b, out[a:b])
-
-    def workspace(self, n: int, device: torch.device | None = None) -> Workspace:
-        """Scratch for encoding or decoding up to ``chunk_step()`` values at a time, of a tensor of ``n`` on
-        ``device`` (default the host)."""
-        return Workspace(self, n, device)
-
-    def chunk_step(self) -> int:
-        """Values per kernel pass: whole buckets, a whole number of aligned units (codes start on a byte)."""
-        return chunk_values(self.bucket, self.unit())
-
-    def decompress(self, payload: QuantizedPayload, spec: TensorSpec) -> torch.Tensor:
-        return self.finish(self.decode_sum([payload], spec.numel), spec)
-
-    def decompress_gathered(self, payloads: list[QuantizedPayload], spec: TensorSpec) -> torch.Tensor:
-        """Sum of every rank's payload, decoded chunk by chunk into one output (no P full-size decodes)."""
-        return self.finish(self.decode_sum(payloads, spec.numel), spec)
-
-    # --- kernels shared with qsgd_allreduce ---------------------------------------------------------------
-    def code_bytes(self, n: int) -> int:
-        """Bytes of ``n`` packed codes."""
-        return -(-n * self.bits // 8)
-
-    def unit(self) -> int:
-        """Buckets per aligned unit: a run of whole units starts on a byte of the packed codes."""
-        per = 8 // self.bits
-        return per // math.gcd(self.bucket, per)
-
-    def decode_sum(self, payloads: list[QuantizedPayload], n: int) -> torch.Tensor:
-        """float32 sum of the decoded ``payloads`` (each of ``n`` values), accumulated per chunk in cache, on
-        the payloads' device."""
-        device = _device_of(payloads)
-        out = fresh(n, device=device)  # large: huge pages, cheaper to fault in (the host)
-        ws = Workspace(self, n, device)
-        for a, b in self._chunks(n, 0, ws.pass_values):
-            ws.decode_into(payloads, a, b, out[a:b])
-        return out
-
-    def sum_requantize(
-        self, payloads: list[QuantizedPayload], n: int, gen: torch.Generator, exact: torch.Tensor | None = None
-    ) -> QuantizedPayload:
-        """Quantized payload of ``exact`` (if given) plus the sum of ``payloads`` (each of ``n`` values): decode,
-        add in that order and re-quantize with noise from ``gen``, chunk by chunk (qsgd_allreduce's step 2)."""
-        device = exact.device if exact is not None else _device_of(payloads)
-        out = self.empty_payload(n, device)
-        ws = Workspace(self, n, device)
-        acc = torch.empty(min(n, ws.chunk), dtype=torch.float32, device=device)
-        for a, b in self._chunks(n, 0, ws.pass_values):
-            ws.decode_into(payloads, a, b, acc[: b - a], None if exact is None else exact[a:b])
-            scales = out.scales[a // self.bucket : -(-b // self.bucket)]
-            ws.quantize(acc[: b - a], scales, out.codes[a * self.bits // 8 : -(-b * self.bits // 8)], gen)
-        return out
-
-    def _chunks(self, n: int, start: int, step: int) -> list[tuple[int, int]]:
-        """[a, b) ranges of ``step`` values (whole noise chunks: a ``Workspace``'s ``pass_values``) from
-        ``start`` to ``n``; the last one may end in a partial bucket. Every range's codes start on a byte."""
-        return [(a, min(n, a + step)) for a in range(start, n, step)]
-
-    def finish(self, out: torch.Tensor, spec: TensorSpec) -> torch.Tensor:
-        """The tensor ``spec`` describes from decoded float32 values (dtype, shape, layout)."""
-        out = out.to(spec.dtype).reshape(spec.shape)
-        return out.to_sparse(spec.sparse_dim) if spec.sparse_dim is not None else out
+    def scale(self, call: ReduceCall) -> float | None:
+        return 1.0 / call.world_size if call.average else 1.0
 
 
-_HOST = torch.device("cpu")
+SCALED_ALLGATHER = ScaledAllgather()
 
 
-def _device_of(payloads: list[QuantizedPayload]) -> torch.device:
-    """Where payloads live (every one on the same device; the host for none)."""
-    return payloads[0].codes.device if payloads else _HOST
+@dataclass(frozen=True)
+class QuantizedReduceScatter(Aggregator[QuantizedPayload]):
+    """``qsgd_allreduce.quantized_allreduce`` (SparCML §5's dense phase): a synchronous call encodes while it
+    sends; an asynchronous one (or one whose residual is kept) encodes on the caller's thread first
+    (``encode_remote``), so that the caller's thread is done with the input when the call returns."""
+
+    name: ClassVar[str] = "reduce_scatter"
+    q: QSGD
+
+    def compress(self, enc: Encoding) -> QuantizedPayload | None:
+        if not (enc.async_op or enc.feedback):
+            return None  # encoded segment by segment while the previous one is on the wire
+        return encode_remote(self.q, enc.values, enc.spec.numel, enc.ctx, enc.world_size)
+
+    def feedback(self, enc: Encoding, payload: QuantizedPayload | None, memory: Memory) -> torch.Tensor | None:
+        sent = expect(payload, QuantizedPayload, self)
+        local = self.q.finish(local_estimate(self.q, sent, enc.values, enc.world_size, enc.ctx.rank), enc.spec)
+        memory.update(enc.ctx.name, enc.x, local)
+        return local
+
+    def aggregate(self, call: ReduceCall, payload: QuantizedPayload | None) -> Result:
+        q, enc = self.q, call.enc
+        n, P = enc.spec.numel, call.world_size
+        scale = 1.0 / P if call.average else 1.0  # the pipeline scales while it decodes: no pass to divide
+
+        def quantized() -> tuple[torch.Tensor, int]:
+            r = quantized_allreduce(q, enc.values, n, enc.ctx, call.comm, scale, payload=payload)
+            return r.total, r.sent
+
+        msgs = 2 * (P - 1) * len(segments(q, n))
+        nb = q.payload_nbytes(n)
+        return pipelined(call, nb, nb, "quantized_reduce_scatter", msgs, quantized)  # a byte payload

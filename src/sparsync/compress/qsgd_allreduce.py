@@ -50,13 +50,13 @@ import torch.distributed as dist
 from sparsync.buffers import fresh
 from sparsync.collectives.comm import Comm
 from sparsync.compress.base import Context, QuantizedPayload
-from sparsync.compress.qsgd import QSGD, REQUANTIZE_STREAM, Workspace
+from sparsync.compress.qsgd_codec import REQUANTIZE_STREAM, QSGDCodec, Workspace
 
 # values per pipeline segment (whole kernel chunks): 2 MB of 4-bit codes (2M was slower: docs/results_design.md)
 SEGMENT = 1 << 22
 
 
-def partitions(q: QSGD, n: int, world_size: int) -> list[tuple[int, int]]:
+def partitions(q: QSGDCodec, n: int, world_size: int) -> list[tuple[int, int]]:
     """[lo, hi) value ranges of the P partitions: K whole buckets each, K = ⌈buckets / P⌉ rounded up to an
     aligned unit (so every partition's packed codes start on a byte), the last ones clipped to n (some may be
     empty). Equal partitions make the allgathered partitions the result's payload as it lies: no copy."""
@@ -64,13 +64,13 @@ def partitions(q: QSGD, n: int, world_size: int) -> list[tuple[int, int]]:
     return [(min(n, j * K * q.bucket), min(n, (j + 1) * K * q.bucket)) for j in range(world_size)]
 
 
-def slice_payload(q: QSGD, p: QuantizedPayload, lo: int, hi: int) -> QuantizedPayload:
+def slice_payload(q: QSGDCodec, p: QuantizedPayload, lo: int, hi: int) -> QuantizedPayload:
     """The payload of values [lo, hi) of ``p`` (``lo`` on a partition boundary): views, no copy."""
     a, b = _extent(q, lo, hi)
     return QuantizedPayload(p.codes[a[0] : a[1]], p.scales[b[0] : b[1]])
 
 
-def _extent(q: QSGD, lo: int, hi: int) -> tuple[tuple[int, int], tuple[int, int]]:
+def _extent(q: QSGDCodec, lo: int, hi: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """([first, end) byte of the codes, [first, end) scale) of values [lo, hi); lo a partition boundary."""
     if lo == hi:  # an empty partition (at the end: lo = n need not be a boundary)
         return (0, 0), (0, 0)
@@ -82,14 +82,14 @@ def concat_payloads(parts: list[QuantizedPayload]) -> QuantizedPayload:
     return QuantizedPayload(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
 
 
-def segments(q: QSGD, n: int) -> list[tuple[int, int]]:
+def segments(q: QSGDCodec, n: int) -> list[tuple[int, int]]:
     """[a, b) value ranges of the pipeline's segments: about ``SEGMENT`` values each, whole kernel chunks (the
     last one shorter). A tensor of at most one segment runs the three steps once, unpipelined."""
     step = max(1, SEGMENT // q.chunk_step()) * q.chunk_step()
     return [(a, min(n, a + step)) for a in range(0, n, step)]
 
 
-def encode_remote(q: QSGD, values: torch.Tensor, n: int, ctx: Context, world_size: int) -> QuantizedPayload:
+def encode_remote(q: QSGDCodec, values: torch.Tensor, n: int, ctx: Context, world_size: int) -> QuantizedPayload:
     """This rank's payload for ``quantized_allreduce``: every segment's partitions encoded but the rank's own
     (ctx.rank's; zero codes and scales there: they are summed exactly where they are). Advances ``q``'s
     rounding generator of (ctx.name, ctx.rank) as the pipelined encode inside ``quantized_allreduce`` does."""
@@ -100,7 +100,7 @@ def encode_remote(q: QSGD, values: torch.Tensor, n: int, ctx: Context, world_siz
 
 
 def local_estimate(
-    q: QSGD, payload: QuantizedPayload, values: torch.Tensor, world_size: int, rank: int
+    q: QSGDCodec, payload: QuantizedPayload, values: torch.Tensor, world_size: int, rank: int
 ) -> torch.Tensor:
     """What the other ranks receive of this rank's ``values`` (float32, flat): the decoded payload, and the
     exact values on the rank's own partitions. Error feedback keeps values - this."""
@@ -114,11 +114,11 @@ def local_estimate(
 
 
 def simulate(
-    q: QSGD,
+    q: QSGDCodec,
     payloads: list[QuantizedPayload],
     xs: list[torch.Tensor],
     ctxs: list[Context],
-    requantizers: list[QSGD] | None = None,
+    requantizers: list[QSGDCodec] | None = None,
 ) -> torch.Tensor:
     """What ``quantized_allreduce`` returns (scale 1) when rank r holds ``xs[r]`` and sent ``payloads[r]``
     (``encode_remote``'s), computed in one process: partition j of every segment summed from ``xs[j]`` and the
@@ -138,7 +138,7 @@ def simulate(
 
 
 def quantized_allreduce(
-    q: QSGD,
+    q: QSGDCodec,
     values: torch.Tensor,
     n: int,
     ctx: Context,
@@ -194,7 +194,7 @@ def quantized_allreduce(
 
 
 def _encode_segment(
-    q: QSGD,
+    q: QSGDCodec,
     flat: torch.Tensor,
     a: int,
     b: int,
@@ -229,7 +229,7 @@ class _Segment:
     sends another) is a partition's codes, padded to 4 bytes, then its scales. Buffers on ``device``; with
     ``stage`` the transfers go through host memory (gloo with a device tensor)."""
 
-    def __init__(self, q: QSGD, a: int, b: int, P: int, rank: int, device: torch.device, stage: bool) -> None:
+    def __init__(self, q: QSGDCodec, a: int, b: int, P: int, rank: int, device: torch.device, stage: bool) -> None:
         self.q, self.a, self.b, self.P, self.rank = q, a, b, P, rank
         self.device, self.stage = device, stage
         self.parts = partitions(q, b - a, P)
@@ -322,7 +322,7 @@ def _scaled(p: QuantizedPayload, scale: float) -> QuantizedPayload:
     return p if scale == 1.0 else QuantizedPayload(p.codes, p.scales * scale)
 
 
-def _partition_buckets(q: QSGD, n: int, world_size: int) -> int:
+def _partition_buckets(q: QSGDCodec, n: int, world_size: int) -> int:
     """K: buckets per partition, ⌈buckets / P⌉ rounded up to whole aligned units."""
     buckets, step = -(-n // q.bucket), world_size * q.unit()
     return -(-buckets // step) * q.unit()

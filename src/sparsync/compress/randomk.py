@@ -19,11 +19,12 @@ from typing import Any, ClassVar
 import torch
 
 from sparsync.compress import base
+from sparsync.compress.sparsifier import Sparsifier
 from sparsync.stream import SparseStream
 
 
 @dataclass(frozen=True, eq=False)
-class RandomK(base.Sparsifier):
+class RandomK(Sparsifier):
     """Unbiased random sparsification: ``ratio`` is the fraction of coordinates sent."""
 
     name: ClassVar[str] = "randomk"

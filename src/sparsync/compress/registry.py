@@ -1,12 +1,17 @@
 """Compressors by name, for configs and the CLI: ``make("topk", ratio=0.01)`` or
-``from_spec("topk:ratio=0.01,bucket=512")``. An unknown name raises ``KeyError`` listing the valid ones."""
+``from_spec("topk:ratio=0.01,bucket=512")``. An unknown name raises ``KeyError`` listing the valid ones.
+
+A compressor from outside the package is one ``register(cls)`` (or, for a scope such as a test,
+``with REGISTRY.registered(cls):``): it names its own aggregation (``Compressor.aggregator``), so
+``compressed_allreduce`` needs nothing else."""
 
 from __future__ import annotations
 
 import ast
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 from sparsync.compress.base import Compressor
 from sparsync.compress.blocktopk import BlockTopK
@@ -18,16 +23,61 @@ from sparsync.compress.sketch import SparseSketch
 from sparsync.compress.threshold import Threshold
 from sparsync.compress.topk import TopK
 
-COMPRESSORS: Mapping[str, type[Compressor]] = MappingProxyType(
-    {c.name: c for c in (Identity, FP16, BF16, TopK, Threshold, RandomK, QSGD, SparseSketch, BlockTopK)}
-)
+C = TypeVar("C", bound=type[Compressor])
+
+
+class CompressorRegistry:
+    """Compressor classes by their ``name``."""
+
+    def __init__(self, classes: Iterable[type[Compressor]] = ()) -> None:
+        self._classes: dict[str, type[Compressor]] = {}
+        for c in classes:
+            self.register(c)
+
+    def register(self, cls: C) -> C:
+        """Add ``cls`` under ``cls.name`` (usable as a class decorator). ValueError if the name is taken."""
+        if not (isinstance(cls, type) and issubclass(cls, Compressor)):
+            raise TypeError(f"register takes a Compressor subclass, got {cls!r}")
+        name = getattr(cls, "name", None)
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{cls.__name__} has no name: set the class attribute name (a non-empty str)")
+        if name in self._classes:
+            raise ValueError(f"compressor name {name!r} is taken by {self._classes[name].__name__}")
+        self._classes[name] = cls
+        return cls
+
+    def unregister(self, name: str) -> type[Compressor]:
+        cls = self.get(name)
+        del self._classes[name]
+        return cls
+
+    @contextmanager
+    def registered(self, cls: C) -> Iterator[C]:
+        """``cls`` registered for the ``with`` block only."""
+        self.register(cls)
+        try:
+            yield cls
+        finally:
+            self.unregister(cls.name)
+
+    def get(self, name: str) -> type[Compressor]:
+        try:
+            return self._classes[name]
+        except KeyError:
+            raise KeyError(f"unknown compressor {name!r}; valid: {', '.join(sorted(self._classes))}") from None
+
+    def view(self) -> Mapping[str, type[Compressor]]:
+        """A read-only live view: name -> class."""
+        return MappingProxyType(self._classes)
+
+
+REGISTRY = CompressorRegistry((Identity, FP16, BF16, TopK, Threshold, RandomK, QSGD, SparseSketch, BlockTopK))
+COMPRESSORS: Mapping[str, type[Compressor]] = REGISTRY.view()
+register = REGISTRY.register
 
 
 def compressor_class(name: str) -> type[Compressor]:
-    try:
-        return COMPRESSORS[name]
-    except KeyError:
-        raise KeyError(f"unknown compressor {name!r}; valid: {', '.join(sorted(COMPRESSORS))}") from None
+    return REGISTRY.get(name)
 
 
 def make(name: str, **kwargs: Any) -> Compressor:

@@ -35,15 +35,22 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
-from sparsync.collectives.tensor import coo_to_stream, stream_to_coo
+from sparsync.collectives.comm import Comm
+from sparsync.collectives.tensor import coo_to_stream, pack_bits, stream_to_coo, unpack_bits
+from sparsync.compress.aggregate import PayloadAggregator, Result, collective, decoded, expect, record
 from sparsync.compress.base import (
     NO_CONTEXT,
+    Aggregator,
     Compressor,
     Context,
+    Encoding,
+    Payload,
+    ReduceCall,
     SketchPayload,
     TensorSpec,
     check_kernels,
@@ -193,6 +200,9 @@ class SparseSketch(Compressor):
             hasher.insert(table, h, vals[lo:hi])
         return SketchPayload(bitmap, table.to(dtype))
 
+    def aggregator(self, enc: Encoding) -> Aggregator[Any]:
+        return SKETCH_ALLREDUCE
+
     def decompress(self, payload: SketchPayload, spec: TensorSpec) -> torch.Tensor:
         b, n = self.block_size(spec), spec.numel
         blocks = torch.nonzero(payload.bitmap > 0, as_tuple=True)[0]
@@ -220,6 +230,49 @@ class SparseSketch(Compressor):
         for h, lo, hi in _runs(blocks, b, n, step):
             hasher.query(table, h, vals[lo:hi])
         return _assemble(vals.to(spec.dtype), blocks, b, spec)
+
+
+class SketchAllreduce(PayloadAggregator[SketchPayload]):
+    """S2 Alg. 1 line 8: the table summed by one dense allreduce, the bitmap OR-ed by a second one started beside
+    it, packed one bit per block (``SketchPayload``)."""
+
+    name: ClassVar[str] = "allreduce"
+
+    def check(self, payload: Payload) -> SketchPayload:
+        return expect(payload, SketchPayload, self)
+
+    def aggregate(self, call: ReduceCall, payload: SketchPayload | None) -> Result:
+        p = expect(payload, SketchPayload, self)
+        work = collective(call, "allreduce", p.nbytes, lambda: _sketch_allreduce(call, p))
+        return decoded(call, work, lambda s: call.finish(call.enc.compressor.decompress(s, call.enc.spec)))
+
+
+SKETCH_ALLREDUCE = SketchAllreduce()
+
+
+def _sketch_allreduce(call: ReduceCall, payload: SketchPayload) -> SketchPayload:
+    table, device, g = payload.table.clone(), payload.table.device, call.comm
+    exact = Comm(g, device=device).exact
+    if exact:
+        # NCCL has no BOR (collectives/transport.py): one byte per block reduced with MAX, on the device (8x the
+        # bitmap's packed bytes, no host round trip)
+        words, op = (payload.bitmap != 0).to(torch.uint8), dist.ReduceOp.MAX
+    else:
+        # gloo: packed 32 to an int32 word on the host (a device bitmap comes over once, n_blocks bytes) and
+        # OR-ed there; gloo reduces host and device tensors on one group
+        words, op = pack_bits((payload.bitmap != 0).cpu()), dist.ReduceOp.BOR
+    works = [
+        dist.all_reduce(table, group=g, async_op=True),
+        dist.all_reduce(words, op=op, group=g, async_op=True),
+    ]
+    for w in works:
+        w.wait()
+    P = call.world_size
+    sent = table.numel() * table.element_size() + words.numel() * words.element_size()  # gloo: payload.nbytes
+    nb = 2 * (P - 1) * sent // P  # two ring allreduces, per rank
+    record(call, "allreduce", table.numel() + words.numel(), nb, 4 * (P - 1), device=device)
+    flags = words if exact else unpack_bits(words, payload.bitmap.numel()).to(device)
+    return SketchPayload(flags.to(table.dtype), table)
 
 
 def _assemble(vals: torch.Tensor, blocks: torch.Tensor, b: int, spec: TensorSpec) -> torch.Tensor:

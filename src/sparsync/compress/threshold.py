@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from sparsync.compress import base
+from sparsync.compress.sparsifier import Sparsifier
 from sparsync.compress.topk import kth_smallest, largest
 
 try:  # built by `pip install` (setup.py); optional: the torch pass is the fallback
@@ -28,7 +29,7 @@ except ImportError:  # pragma: no cover - only without a C compiler
 
 
 @dataclass(frozen=True, eq=False)
-class Threshold(base.Sparsifier):
+class Threshold(Sparsifier):
     """Hard threshold with a threshold recomputed every ``lifespan`` calls per name."""
 
     name: ClassVar[str] = "threshold"

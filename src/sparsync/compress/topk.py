@@ -14,10 +14,11 @@ from typing import ClassVar
 import torch
 
 from sparsync.compress import base
+from sparsync.compress.sparsifier import Sparsifier
 
 
 @dataclass(frozen=True, eq=False)
-class TopK(base.Sparsifier):
+class TopK(Sparsifier):
     """Keep the largest-magnitude entries (of the stored entries, for a sparse COO input)."""
 
     name: ClassVar[str] = "topk"

@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from sparsync.compress.base import Compressor, Context, TensorSpec
+from sparsync.compress.aggregate import LOCAL, encode
+from sparsync.compress.base import Compressor, Context
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.placement.base import load_optional_state
 
@@ -41,13 +42,12 @@ class PushFeedback:
 
         Mutates: the residual of ``name`` (``e = grad + e_old - sent``) and the compressor's state of ``name``
         (e.g. DCT's threshold); not ``grad``."""
-        x = self.memory.compensate(name, grad) if self.memory is not None else grad
-        x = x.detach()
-        payload = self.compressor.compress(x, Context(name, self.rank, self.world))
-        sent = self.compressor.decompress(payload, TensorSpec.of(x))
+        # compressed_allreduce's local half (compensate -> compress -> memory update); no collective: the push
+        # sends the decompressed rows itself
+        e = encode(self.compressor, grad.detach(), Context(name, self.rank, self.world), self.memory,
+                   aggregator=LOCAL)  # fmt: skip
+        sent = e.local if e.local is not None else self.compressor.decompress(e.payload, e.enc.spec)
         sent = sent.to_dense() if sent.is_sparse else sent
-        if self.memory is not None:
-            self.memory.update(name, x, sent)
         keep = torch.nonzero(sent.ne(0).any(1), as_tuple=True)[0]
         return keep, sent[keep]
 

@@ -1,0 +1,38 @@
+"""``Sparsifier``: the base of the compressors that keep part of the entries (top-k, threshold, random-k, block
+top-k) and send them as a sparse stream through ``sparse_allreduce`` (SparCML §4)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sparsync.compress.aggregate import SPARSE_ALLREDUCE
+from sparsync.compress.base import (
+    Aggregator,
+    Compressor,
+    Encoding,
+    SparsePayload,
+    TensorSpec,
+    check_ratio,
+    sparse_to_tensor,
+)
+
+
+@dataclass(frozen=True, eq=False)
+class Sparsifier(Compressor):
+    """A compressor that keeps part of the entries, ``ratio`` of them (or of blocks), and sends them as a sparse
+    stream through ``sparse_allreduce``: top-k, threshold, random-k, block top-k. Subclasses choose the entries
+    (``compress``); the ratio check, the aggregation and the decompression are theirs in common."""
+
+    ratio: float  # fraction kept, in (0, 1]
+
+    def __post_init__(self) -> None:
+        check_ratio(self.ratio)
+
+    def aggregator(self, enc: Encoding) -> Aggregator[Any]:
+        return SPARSE_ALLREDUCE
+
+    def decompress(self, payload: SparsePayload, spec: TensorSpec) -> torch.Tensor:
+        return sparse_to_tensor(payload, spec)
