@@ -214,3 +214,12 @@ def rss_kib(pid: int, field: str = "VmRSS") -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise KeyError(f"no {field} in /proc/{pid}/status")
+
+
+def probe_worker(rank: int, addresses: list[str]) -> tuple[float, float]:
+    """``measure_server`` from every rank at once (test_ps.py)."""
+    from sparsync.ps import PSClient, measure_server
+
+    with PSClient(addresses, sender=rank) as client:
+        t = measure_server(client, rows=200, dim=16, repeats=2)
+    return t.round_trip, t.per_byte

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from sparsync.plan import ServerModel
 from sparsync.plan.detect import AlphaMeter, ParamStats, RowFractionMeter, sparse_param_names
 from sparsync.plan.planner import Cluster, candidates, make_plan, zipf_row_fraction
 from sparsync_bench.cli import main
@@ -100,6 +101,26 @@ def test_plan_picks_ps_for_sparse_and_allreduce_for_dense_and_honours_overrides(
     }  # the sketch's r x c table costs more than a 2-entry bias
     for e in lossy.entries:  # each the fastest candidate, the sketch allowed
         assert e.placement == min(e.candidates, key=lambda k: e.candidates[k][1]), (e.name, e.candidates)
+
+
+def test_a_measured_server_prices_the_ps_placement() -> None:
+    """With ``Cluster(server=ServerModel)`` the ps candidate costs three round trips plus the rows both ways at
+    the measured rate, not the α-β model's latencies: a slow server loses the table to sparse allreduce."""
+    stats = lm_stats(100_000, 128, 256, 1280)
+    nominal = Cluster(16, 1, 1.25e8, 1e-4)
+    assert make_plan(stats, nominal).placement("emb.weight") == "ps"
+    emb = next(s for s in stats if s.name == "emb.weight")
+    am = 1.0 - (1.0 - emb.row_fraction) ** 1
+    fast = ServerModel(round_trip=1e-5, per_byte=1e-10)
+    plan = make_plan(stats, replace(nominal, server=fast))
+    entry = next(e for e in plan.entries if e.name == "emb.weight")
+    assert entry.candidates["ps"][1] == pytest.approx(3e-5 + 2e-10 * am * emb.nbytes)
+    assert plan.placement("emb.weight") == "ps"
+    slow = make_plan(stats, replace(nominal, server=ServerModel(round_trip=0.02, per_byte=1e-8)))
+    assert slow.placement("emb.weight") == "sparse_allreduce"
+    assert slow.as_dict()["cluster"]["server"] == {"round_trip": 0.02, "per_byte": 1e-8}
+    with pytest.raises(ValueError, match="round_trip and per_byte must be finite and >= 0, got -1"):
+        ServerModel(round_trip=-1, per_byte=0)
 
 
 def test_zipf_row_fraction_matches_sampling() -> None:

@@ -14,6 +14,7 @@ from _ps_workers import RawClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from sparsync.launch import launch
 from sparsync.ps import (
     OptimizerConfig,
     PSClient,
@@ -23,6 +24,7 @@ from sparsync.ps import (
     ServerConfig,
     ServerProcess,
     WireError,
+    measure_server,
     save_servers,
     start_servers,
     wire,
@@ -451,3 +453,21 @@ def test_server_optimizers_are_one_class_each_with_their_state_slots() -> None:
     assert (
         SparseOptimizer(OptimizerConfig("adagrad", initial_accumulator_value=0.5), 1, 1).state["sum"][0, 0] == 0.5
     )
+
+
+@pytest.mark.multiprocess
+def test_measure_server_times_pulls_from_every_rank(two: list[ServerProcess]) -> None:
+    """The planner's measured price of the servers: every rank pulls at once and gets the same (slowest rank's)
+    round trip and per-byte cost; the probe's table holds what was pulled (zeros)."""
+    import _ps_workers as pw
+
+    addrs = [str(sp.address) for sp in two]
+    res = launch(pw.probe_worker, nprocs=3, args=(addrs,), timeout=120)
+    assert res[0] == res[1] == res[2]
+    round_trip, per_byte = res[0]
+    assert 0 < round_trip < 60 and 0 <= per_byte < 1
+    with PSClient(addrs) as client:
+        table = PSTable(client, "__sparsync_probe:200x16", 600, 16, mode="async")
+        assert torch.equal(table.pull(np.arange(600)).wait(), torch.zeros(600, 16))
+    with PSClient(addrs) as client, pytest.raises(ValueError, match="rows, dim and repeats must be >= 1, got 0"):
+        measure_server(client, rows=0, dim=16, repeats=1)

@@ -30,6 +30,27 @@ class Estimate:
     detail: str = ""  # how (e.g. the SparCML algorithm behind sparse_allreduce), for the plan's entry
 
 
+@dataclass(frozen=True)
+class ServerModel:
+    """A parameter server's measured costs (``sparsync.ps.measure_server``: every rank pulling at once): the
+    round trip of a request and the seconds per byte pulled. A sync step costs three round trips (pull, push,
+    the chief's apply; Parallax §5) plus the bytes both ways: ``step_seconds``. The split of a step into these
+    terms is ours; the paper prices servers by bytes alone (Table 3)."""
+
+    round_trip: float
+    per_byte: float
+
+    def __post_init__(self) -> None:
+        if not (self.round_trip >= 0 and self.per_byte >= 0 and math.isfinite(self.round_trip + self.per_byte)):
+            raise ValueError(
+                f"round_trip and per_byte must be finite and >= 0, got {self.round_trip}, {self.per_byte}"
+            )
+
+    def step_seconds(self, pull_bytes: float) -> float:
+        """One sync step of a table whose rows pulled per machine weigh ``pull_bytes`` (pushed back the same)."""
+        return 3 * self.round_trip + 2 * self.per_byte * pull_bytes
+
+
 class PlacementKind(ABC):
     """A placement the planner can choose: its name (``sparsync.placement.KINDS``), whether it is lossy
     (chosen only with ``make_plan(allow_lossy=True)``), and its estimate."""
@@ -103,7 +124,7 @@ class SparseAllreduceKind(PlacementKind):
 
 class ParameterServerKind(PlacementKind):
     """Parallax's servers: 4·α_m·w(N-1)/N bytes (Table 3); four latencies (pull and push, request and reply)
-    plus two for the chief's update."""
+    plus two for the chief's update, or the cluster's measured ``ServerModel``."""
 
     name = "ps"
 
@@ -112,6 +133,8 @@ class ParameterServerKind(PlacementKind):
             return None
         am = machine_row_fraction(s, c.procs_per_machine)
         ps_bytes = 4 * am * float(s.nbytes) * _share(c)
+        if c.server is not None:  # measured: the request path and the servers' CPU included
+            return Estimate(ps_bytes, c.server.step_seconds(am * float(s.nbytes)), "measured server")
         return Estimate(ps_bytes, 6 * c.link.alpha + c.link.beta * ps_bytes / 2)
 
 

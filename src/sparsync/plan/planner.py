@@ -19,7 +19,8 @@ workers touch together, i.e. after local aggregation):
 
 Time: the α-β model with the cluster's latency and bandwidth, one direction of a full-duplex link. A
 parameter-server step costs four latencies (pull and push, request and reply) plus two for the chief's
-update. The step's communication time is the sum over parameters (no overlap between them: an upper bound);
+update, or, with ``Cluster(server=ServerModel)``, what the running servers were measured to cost. The step's
+communication time is the sum over parameters (no overlap between them: an upper bound);
 ``Plan.fused_seconds`` prices the dense-allreduce parameters as one fused call, as ``HybridTrainer`` sends them.
 ``Cluster(measured=LinkModel)`` prices with a measured link instead of the nominal bandwidth and latency, its
 γ terms included: a measured link comes from real ranks, whose sparse merges and densifies cost time too
@@ -40,7 +41,7 @@ from sparsync.costmodel import LinkModel, Problem, predict
 from sparsync.placement.base import Placement
 from sparsync.placement.kinds import KINDS, objects
 from sparsync.plan.detect import ParamStats
-from sparsync.plan.kinds import PLAN_KINDS, Estimate, PlacementKind, machine_row_fraction
+from sparsync.plan.kinds import PLAN_KINDS, Estimate, PlacementKind, ServerModel, machine_row_fraction
 
 PLACEMENTS = KINDS  # the kinds of sparsync.placement a plan chooses among
 
@@ -52,6 +53,7 @@ class Cluster:
     bandwidth: float = 1.25e9  # bytes/s per machine link (10 Gbit/s)
     latency: float = 50e-6  # seconds per message
     measured: LinkModel | None = None  # a measured link (α, β); overrides bandwidth and latency when given
+    server: ServerModel | None = None  # measured parameter servers (``sparsync.ps.measure_server``): their price
     # the link between the ranks of one machine (shared memory or loopback); given with procs_per_machine > 1,
     # sparse allreduce is priced on two levels: flat over every rank, or hierarchical
     intra_bandwidth: float | None = None  # bytes/s
@@ -178,7 +180,11 @@ class Plan:
     def as_dict(self) -> dict[str, Any]:
         m = self.cluster.measured
         return {
-            "cluster": {**self.cluster.__dict__, "measured": m and asdict(m)},
+            "cluster": {
+                **self.cluster.__dict__,
+                "measured": m and asdict(m),
+                "server": self.cluster.server and asdict(self.cluster.server),
+            },
             "bytes_per_machine": self.bytes_per_machine,
             "seconds": self.seconds,
             "entries": [

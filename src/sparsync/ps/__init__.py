@@ -5,6 +5,7 @@ servers, and compressed pushes with error feedback."""
 from sparsync.ps.client import PSClient, PSError, PSTimeoutError
 from sparsync.ps.nodes import NodeServers, node_servers
 from sparsync.ps.optim import OptimizerConfig
+from sparsync.ps.probe import ServerTimes, measure_server
 from sparsync.ps.process import ServerProcess, start_servers
 from sparsync.ps.server import ServerConfig
 from sparsync.ps.table import PSTable, save_servers, server_stats
@@ -20,7 +21,9 @@ __all__ = [
     "PSTimeoutError",
     "ServerConfig",
     "ServerProcess",
+    "ServerTimes",
     "WireError",
+    "measure_server",
     "node_servers",
     "save_servers",
     "server_stats",
