@@ -307,7 +307,7 @@ def test_demo_trains_every_plan_to_the_same_model() -> None:
 
     from sparsync_bench.train_demo import DemoConfig, plan_summary, print_demo, run_demo
 
-    cfg = DemoConfig(steps=12, warmup=2)
+    cfg = DemoConfig(steps=12, warmup=2, plan_pricing="assumed")  # the hybrid run, deterministically
     runs, diff, plan = run_demo(cfg, show_progress=False)
     dense, ddp, sparse, auto = runs
     assert [r["run"] for r in runs] == ["dense", "ddp_sparse", "sparse", "auto"]

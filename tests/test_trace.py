@@ -281,12 +281,18 @@ def test_ps_requests_are_async_spans(tmp_path: Path, monkeypatch: pytest.MonkeyP
 @pytest.mark.timeout(300)
 def test_demo_trace_writes_a_timeline_the_merge_draws(tmp_path: Path) -> None:
     """``sparsync demo --trace DIR``: every rank's timeline, with the timed steps of sparsync's plans and the
-    automatic plan's parameter-server requests; the merge validates and draws."""
+    parameter-server requests (the automatic plan's server probe, or its hybrid run); the merge validates and
+    draws. The automatic plan is priced with what the demo measured."""
     from sparsync_bench.trace_merge import merge_and_draw
     from sparsync_bench.train_demo import DemoConfig, run_demo
 
     cfg = DemoConfig(steps=4, warmup=2)
-    run_demo(cfg, show_progress=False, trace_dir=str(tmp_path))
+    _, _, plan = run_demo(cfg, show_progress=False, trace_dir=str(tmp_path))
+    # the automatic plan priced with the demo's measured link and servers: each entry its cheapest lossless one
+    assert plan.cluster.measured is not None and plan.cluster.server is not None
+    for e in plan.entries:
+        lossless = {k: v for k, v in e.candidates.items() if k != "sketch"}  # lossy: not without allow_lossy
+        assert e.placement == min(lossless, key=lambda k: lossless[k][1]), (e.name, e.candidates)
     merged_path, png = merge_and_draw(tmp_path)
     merged = json.loads(merged_path.read_text())
     assert trace_event_errors(merged) == []

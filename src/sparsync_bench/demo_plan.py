@@ -1,14 +1,18 @@
-"""``sparsync demo``'s automatic plan: α of the embedding measured over warm-up steps, the Parallax
-placement plan (``sparsync.plan.make_plan``) for the demo's cluster, and training with that plan; if the
-plan puts the embedding on the parameter server, the hybrid (Parallax §3.1: dense parameters by dense
-allreduce, the embedding on one colocated server per process, sync mode) through ``HybridTrainer``.
+"""``sparsync demo``'s automatic plan: α of the embedding measured over warm-up steps, the link and the
+parameter servers measured on the demo's own processes (``sparsync.measure_link``, ``sparsync.ps.measure_server``:
+every rank at once, as training runs), the Parallax placement plan (``sparsync.plan.make_plan``) priced with
+them, and training with that plan; if the plan puts the embedding on the parameter server, the hybrid
+(Parallax §3.1: dense parameters by dense allreduce, the embedding on one colocated server per process, sync
+mode) through ``HybridTrainer``.
 
-The demo's processes share one machine's loopback, so there is no link to measure; the plan assumes a
-1 Gbit/s link with 50 µs latency per message (``DEMO_LINK``), a small cluster's Ethernet, and says so.
+Earlier the plan assumed a 1 Gbit/s link with 50 µs per message and priced the servers by that link alone: it
+predicted 2.97 ms per step for the hybrid, which took 20-41 ms on loopback (1.4-1.5x slower than DDP), since
+a server's request path and its CPU (shared with the workers here) cost far more than the link.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from functools import partial
 from typing import Any
@@ -16,21 +20,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from sparsync.collectives.calibrate import measure_link
 from sparsync.hybrid import HybridConfig, HybridTrainer
 from sparsync.plan.detect import RowFractionMeter
+from sparsync.plan.kinds import ServerModel
 from sparsync.plan.planner import Cluster, Plan, make_plan
+from sparsync.ps import PSClient, measure_server
 from sparsync.ps.optim import OptimizerConfig
 from sparsync.record import CommLog
 
-DEMO_BANDWIDTH = 1.25e8  # bytes/s: 1 Gbit/s, an assumption (stated in the plan's title)
-DEMO_LATENCY = 50e-6  # seconds per message
-DEMO_LINK = {"bandwidth": DEMO_BANDWIDTH, "latency": DEMO_LATENCY}
 AUTO = "auto plan"
+ASSUMED_LINK = Cluster(1, bandwidth=1.25e8, latency=50e-6)  # plan_pricing="assumed": 1 Gbit/s, 50 µs
 
 
-def measure_plan(ctx: Any, cfg: Any, model: torch.nn.Module, batches: list[Any]) -> Plan:
+def measure_plan(ctx: Any, cfg: Any, model: torch.nn.Module, batches: list[Any], addresses: list[str]) -> Plan:
     """α of each sparse parameter over ``batches`` (forward passes only: α depends on the input alone),
-    averaged over the replicas, and the plan for ``cfg.replicas`` machines on ``DEMO_LINK``."""
+    averaged over the replicas, and the plan for ``cfg.replicas`` machines priced with the measured link and
+    the measured servers at ``addresses`` (module doc)."""
     meter = RowFractionMeter(model)
     with torch.no_grad():
         for tok, _ in batches:
@@ -42,7 +48,19 @@ def measure_plan(ctx: Any, cfg: Any, model: torch.nn.Module, batches: list[Any])
         if s.sparse:
             s.row_fraction = float(ctx.all_mean(torch.tensor([s.row_fraction], dtype=torch.float64))[0])
             s.row_fraction_machine = s.row_fraction  # one process per machine
-    return make_plan(stats, Cluster(cfg.replicas, bandwidth=DEMO_BANDWIDTH, latency=DEMO_LATENCY))
+    if cfg.plan_pricing == "assumed":
+        nominal = dataclasses.replace(ASSUMED_LINK, machines=cfg.replicas)
+        return make_plan(stats, nominal)
+    link = measure_link()
+    server = None
+    sparse = [s for s in stats if s.sparse]
+    if sparse and addresses:  # the largest sparse table's rows per step, pulled from the demo's own servers
+        big = max(sparse, key=lambda s: s.nbytes)
+        rows, dim = big.shape[0], big.numel // big.shape[0]
+        with PSClient(addresses, sender=ctx.replica_id) as client:
+            times = measure_server(client, rows=max(1, round(big.row_fraction * rows)), dim=dim)
+        server = ServerModel(times.round_trip, times.per_byte)
+    return make_plan(stats, Cluster(cfg.replicas, measured=link, server=server))
 
 
 def train_hybrid(

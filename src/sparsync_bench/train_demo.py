@@ -11,10 +11,10 @@ Between them, the baseline a PyTorch user would pick: the same model, data and S
 torch's ``DistributedDataParallel`` on gloo, the embedding's COO gradient reduced by gloo's sparse allreduce
 (an allgather of every rank's rows), no sparsync involved; its bytes come from ``ddp_baseline``.
 
-A third run follows the automatic plan : α of the embedding measured over the warm-up
-steps' inputs, Parallax's placement plan for the demo's cluster (an assumed 1 Gbit/s link), and training with
-that plan: for the demo model the parameter server for the embedding and dense allreduce for the rest (the
-hybrid), on one colocated server per process.
+A third run follows the automatic plan: α of the embedding measured over the warm-up steps' inputs,
+Parallax's placement plan for the demo's cluster priced with the link and the parameter servers measured on
+the demo's own processes, and training with that plan (the hybrid, on one colocated server per process, when
+the plan puts the embedding on the servers; else the allreduce run it equals).
 """
 
 from __future__ import annotations
@@ -56,10 +56,15 @@ class DemoConfig:
     lr: float = 1.0  # higher rates make the two runs drift apart by float summation order (chaotic updates)
     replicas: int = 4
     seed: int = 0
+    # the automatic plan's prices: "measured" (the demo's link and servers) or "assumed" (a nominal 1 Gbit/s,
+    # 50 µs link, the servers priced by it: deterministic, so the tests of the hybrid run use it)
+    plan_pricing: str = "measured"
 
     def __post_init__(self) -> None:
         if self.vocab < 2 or self.steps <= self.warmup or self.replicas < 1 or self.batch < 1:
             raise ValueError(f"bad demo config {self}")
+        if self.plan_pricing not in ("measured", "assumed"):
+            raise ValueError(f"plan_pricing must be 'measured' or 'assumed', got {self.plan_pricing!r}")
 
 
 class BagClassifier(nn.Module):
@@ -192,7 +197,7 @@ def _train_auto(
     torch.manual_seed(cfg.seed)
     model = BagClassifier(cfg)
     batches = list(_input_fn(cfg)(ctx.replica_id))
-    plan = measure_plan(ctx, cfg, model, batches[: cfg.warmup])
+    plan = measure_plan(ctx, cfg, model, batches[: cfg.warmup], addresses)
     if any(e.placement == "ps" for e in plan.entries):
         return {"run": RUNS[3], **train_hybrid(ctx, cfg, model, plan, addresses, batches, progress)}, plan
     # No parameter on the server: the plan is one of the allreduce runs above (dense layers always go dense).
@@ -321,17 +326,20 @@ def print_demo(
 
     from rich.table import Table
 
-    from sparsync_bench.demo_plan import DEMO_LINK
     from sparsync_bench.report import print_plan
 
     lines: list[str] = []
     if plan is not None:
         c = plan.cluster
-        link = f"an assumed {c.bandwidth * 8 / 1e9:g} Gbit/s link, {c.latency * 1e6:g} µs"
+        m, sv = c.measured, c.server
+        link = f"link measured: α {m.alpha * 1e6:.0f} µs, {1 / m.beta / 1e6:.0f} MB/s" if m else "an assumed link"
+        if sv is not None:
+            rate = 1 / max(sv.per_byte, 1e-12) / 1e6
+            link += f"; servers measured: {sv.round_trip * 1e3:.2f} ms a round trip, {rate:.0f} MB/s"
         print_plan(
             plan,
             console,
-            title=f"automatic plan: α measured over {cfg.warmup} warm-up steps; {c.machines} machines on {link}",
+            title=f"automatic plan: α measured over {cfg.warmup} warm-up steps; {c.machines} machines; {link}",
         )
         lines.append(plan_summary(plan))
         console.print(lines[-1])
@@ -358,7 +366,7 @@ def print_demo(
     for line in lines[1 if plan is not None else 0 :]:
         console.print(line)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"config": config_dict(cfg), "net": net, "plan_link": DEMO_LINK, "runs": runs, "max_param_diff": diff,
+    meta = {"config": config_dict(cfg), "net": net, "runs": runs, "max_param_diff": diff,
             "plan": plan.as_dict() if plan is not None else None}  # fmt: skip
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
     md = ["| gradient plan | step ms | MB/step/rank | final loss |", "| --- | --- | --- | --- |"]
