@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from sparsync.collectives.group import background_group
 from sparsync.compress.base import Compressor
+from sparsync.compress.bucket_allreduce import BucketAllreduce
 from sparsync.compress.identity import Identity
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.compress.reduce import compressed_allreduce
@@ -89,6 +90,8 @@ def compression_hook(
             raise KeyError(f"plan names unknown parameters {unknown}; valid names: {sorted(names.values())}")
     lossless = Identity()
     own = background_group(group)
+    # Uncompressed dense buckets, once their layout is checked: DDP's own allreduce (bucket_allreduce.py)
+    plain = BucketAllreduce(own, average=average, log=log) if async_op else None
 
     def chosen(name: str, grad: torch.Tensor) -> Compressor:
         if name in plan:
@@ -107,7 +110,10 @@ def compression_hook(
             for j, (p, grad) in enumerate(zip(params, grads, strict=True))
         ]
         comps = [chosen(name, grad) for name, grad in todo]
-        if not buffer.is_sparse and len(todo) > 1 and all(isinstance(c, Identity) for c in comps):
+        identity = not buffer.is_sparse and all(isinstance(c, Identity) for c in comps)
+        if identity and plain is not None and plain.checked(bucket):
+            return plain(bucket)
+        if identity and len(todo) > 1:
             # Nothing to compress layer by layer: the bucket's flat buffer in one call (one metadata round,
             # as DDP's own hook sends it), not one call per gradient.
             todo, comps = [(f"bucket{bucket.index()}", buffer.view(-1))], [lossless]
