@@ -7,6 +7,7 @@ not abort the others, and every collective runs under the group timeout set by `
 
 from __future__ import annotations
 
+import time
 import traceback
 from typing import Any
 
@@ -133,6 +134,43 @@ def _ddp_run(rank: int, spec: str | None, sparse: bool, steps: int) -> list[np.n
         loss.backward()
         opt.step()
     return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def hook_overlap_worker(rank: int, async_op: bool, delay: float, steps: int) -> list[dict[str, Any]]:
+    """DDP with the identity hook, one bucket per parameter; rank 1 sleeps ``delay`` s before each of its hook
+    calls, so that rank 0's reductions stay in flight at least that long. Rank 0 returns one row per hook call:
+    step, bucket index, the seconds the call took, whether its future was done when it returned, when the call
+    began and when its future completed (``time.perf_counter``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1e-6)
+    real = compression_hook(from_spec("identity"), module=ddp, async_op=async_op)
+    calls: list[dict[str, Any]] = []
+    step = 0
+
+    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        if rank == 1:
+            time.sleep(delay)
+        t0 = time.perf_counter()
+        fut = real(state, bucket)
+        row = {"step": step, "bucket": bucket.index(), "call_s": time.perf_counter() - t0, "done": fut.done(),
+               "called": t0, "completed": None}  # fmt: skip
+        calls.append(row)
+
+        def completed(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            row["completed"] = time.perf_counter()
+            return f.value()
+
+        return fut.then(completed)
+
+    hook.__annotations__ = real.__annotations__  # DDP reads them
+    ddp.register_comm_hook(None, hook)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(steps):  # noqa: B007  # read by the hook
+        ddp(torch.randn(4, 32, generator=gen)).pow(2).mean().backward()
+    return calls if rank == 0 else []
 
 
 def digits_worker(rank: int, specs: tuple[str, ...], steps: int, lr: float) -> dict[str, float]:

@@ -3,6 +3,7 @@ ranks, checked against references computed here from every rank's (rebuilt) inpu
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import _compress_workers as cw
@@ -173,6 +174,24 @@ def test_ddp_identity_hook_equals_no_hook() -> None:
     for r in range(3):
         for a, b in zip(hooked, res[r]["identity"], strict=True):
             assert np.array_equal(a, b)
+
+
+def test_ddp_hook_never_blocks_the_autograd_thread() -> None:
+    """DDP's overlap kept: the hook returns its future while the bucket is still on the wire, and autograd
+    reaches the next bucket before the previous one's reduction completes. Rank 1 holds each reduction back by
+    DELAY s. The blocking hook (``async_op=False``) is the control: the same checks catch it."""
+    delay = 0.4
+    res = launch(cw.hook_overlap_worker, nprocs=2, args=(True, delay, 3), timeout=120)
+    calls = res[0]
+    assert len({c["bucket"] for c in calls}) >= 2 and {c["step"] for c in calls} == {0, 1, 2}  # checked + fast
+    for c in calls:
+        assert not c["done"] and c["call_s"] < delay / 4, c
+    for step in range(3):
+        mine = sorted((c for c in calls if c["step"] == step), key=lambda c: c["called"])
+        for a, b in itertools.pairwise(mine):
+            assert b["called"] < a["completed"], (a, b)  # the next bucket's gradient came while a was in flight
+    blocking = launch(cw.hook_overlap_worker, nprocs=2, args=(False, delay, 1), timeout=120)[0]
+    assert all(c["done"] for c in blocking) and max(c["call_s"] for c in blocking) > delay / 2, blocking
 
 
 def test_ddp_sparse_embedding_every_compressor() -> None:

@@ -127,7 +127,7 @@ def compression_hook(
         devices = None if buffer.device.type == "cpu" else [buffer.device]
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
 
-        def assemble(_: object) -> None:
+        def assemble() -> None:
             try:
                 results = [w.wait() for w in works]
                 if buffer.is_sparse:
@@ -142,8 +142,9 @@ def compression_hook(
             except BaseException as e:  # handed to DDP, which re-raises it in backward()
                 fut.set_exception(e)  # type: ignore[arg-type]  # the stub asks for a T
 
-        # The group's queue runs reductions in issue order: the last one done means all are.
-        works[-1].then(assemble)
+        # The group's queue runs reductions in issue order: the last one done means all are. Done, not succeeded:
+        # a failed reduction must reach DDP as the future's error, or backward() would wait on it forever.
+        works[-1].when_done(assemble)
         return fut
 
     # DDP inspects the annotations and rejects the string forms that `from __future__ import annotations`
