@@ -100,8 +100,13 @@ def compression_hook(
             return sparse if sparse is not None else lossless
         return compressor
 
+    # Every dense gradient goes by Identity whatever its name: a dense bucket needs no look at its parameters.
+    dense_identity = not plan and isinstance(compressor, Identity)
+
     def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
+        if dense_identity and plain is not None and not buffer.is_sparse and plain.checked(bucket):
+            return plain(bucket)
         params = bucket.parameters()
         grads = bucket.gradients() if not buffer.is_sparse else [buffer]
         works: list[Work[torch.Tensor]] = []
