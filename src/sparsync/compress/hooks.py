@@ -13,6 +13,11 @@ compressor with error feedback turns an embedding's row-sparse gradient dense (T
 the bytes of no compression on DLRM); dense ones by ``compressor``. Error feedback applies to lossy
 compressors only. ``log`` receives one CommRecord per reduction, so the DDP route reports its bytes too.
 
+A dense bucket with nothing to compress costs what DDP's own allreduce costs: after its layout was checked once
+(its first step, through ``compressed_allreduce`` and its metadata round), it goes as one
+``dist.all_reduce(bucket.buffer(), async_op=True)`` issued in the hook, no queue, no copies
+(``bucket_allreduce.py``).
+
 The reductions run on sparsync's own process group over the same ranks
 (``sparsync.collectives.group.background_group``), made when the hook is built: a model whose backward issues
 collectives of its own on the user's group (DLRM's alltoall) cannot interleave them with the hook's in a
@@ -64,10 +69,11 @@ def compression_hook(
     ``module``: the model (or the DDP wrapper) whose ``named_parameters()`` name the gradients; required with
     ``memory`` or a compressor with per-name state, since bucket positions change when DDP rebuilds its
     buckets. ``group``: the ranks to reduce over (DDP's ``process_group``; default the world). ``average``:
-    divide by the world size, as DDP's default hook does. ``async_op``: the reductions run on sparsync's
-    queue while autograd computes the next buckets. ``plan``: parameter name -> compressor (needs ``module``);
-    ``sparse``: the compressor of sparse gradients no plan names (default ``Identity()``, lossless);
-    ``log``: a CommLog receiving one record per reduction.
+    divide by the world size, as DDP's default hook does. ``async_op``: the hook returns before its bucket is
+    reduced, so autograd computes the next buckets meanwhile (DDP's overlap): uncompressed dense buckets as
+    DDP's allreduce, the others on sparsync's queue; ``False`` reduces before returning (a diagnostic).
+    ``plan``: parameter name -> compressor (needs ``module``); ``sparse``: the compressor of sparse gradients
+    no plan names (default ``Identity()``, lossless); ``log``: a CommLog receiving one record per reduction.
 
     Collective: every rank of ``group`` builds the hook (the first hook for a group creates sparsync's own
     group over its ranks, where the reductions run; later hooks reuse it).
