@@ -173,6 +173,43 @@ def hook_overlap_worker(rank: int, async_op: bool, delay: float, steps: int) -> 
     return calls if rank == 0 else []
 
 
+class _Bucket:
+    """What a DDP comm hook reads of a ``dist.GradBucket`` (torch builds those in C++ only)."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+
+def hook_behind_the_queue_worker(rank: int) -> list[np.ndarray]:
+    """A sparsync call queued on the hook's group (rank 0's starts late), then an uncompressed bucket through
+    the hook's allreduce path: each rank must issue the two collectives in the same order (the bucket's behind
+    the queue), or they meet the other rank's other collective. Returns both sums."""
+    from sparsync.collectives.group import background_group, submit
+    from sparsync.compress.bucket_allreduce import BucketAllreduce
+
+    own = background_group(None)
+    world = dist.group.WORLD
+    assert world is not None
+    plain = BucketAllreduce(own, world, average=False, log=None)
+    first = torch.full((7,), float(rank + 1))
+
+    def queued() -> None:
+        if rank == 0:
+            time.sleep(0.5)
+        dist.all_reduce(first, group=own)
+
+    work = submit(own, queued, True)
+    out = plain(_Bucket(torch.full((5,), float(rank + 10)))).wait()
+    work.wait()
+    return [first.numpy(), out.numpy()]
+
+
 def digits_worker(rank: int, specs: tuple[str, ...], steps: int, lr: float) -> dict[str, float]:
     """Data-parallel training of a small MLP on scikit-learn's bundled digits data: each rank holds a shard of
     the training set, the flattened gradient is reduced through ``spec`` (error feedback on). Returns the

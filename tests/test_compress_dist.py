@@ -194,6 +194,12 @@ def test_ddp_hook_never_blocks_the_autograd_thread() -> None:
     assert all(c["done"] for c in blocking) and max(c["call_s"] for c in blocking) > delay / 2, blocking
 
 
+def test_hook_allreduce_queues_behind_sparsync_work_on_its_group() -> None:
+    res = launch(cw.hook_behind_the_queue_worker, nprocs=2, timeout=30)
+    for first, bucket in res:
+        assert np.array_equal(first, np.full(7, 3.0)) and np.array_equal(bucket, np.full(5, 21.0))
+
+
 def test_ddp_sparse_embedding_every_compressor() -> None:
     """nn.Embedding(sparse=True) under DDP with every compressor's hook: completes (launch's timeout turns a
     hang into a failure), ranks stay identical, and training moved the weights."""

@@ -37,12 +37,17 @@ BucketKey = tuple[int, int, torch.dtype, str]  # index, numel, dtype, device typ
 class BucketAllreduce:
     """``bucket -> Future`` for dense buckets sent uncompressed: DDP's own allreduce on ``group``.
 
-    ``group``: sparsync's own group (``background_group``), shared with sparsync's queue. ``average``: divide
+    ``group``: sparsync's own group (``background_group(user)``), where sparsync's queues also send. ``user``:
+    the group it was made for (async calls on ``user`` queue there and send on ``group``). ``average``: divide
     the sum by the world size when it arrives. ``log``: one CommRecord per bucket.
     """
 
-    def __init__(self, group: dist.ProcessGroup, *, average: bool, log: CommLog | None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, user: dist.ProcessGroup, *, average: bool, log: CommLog | None
+    ) -> None:
         self.group = group
+        # the queues that send on ``group``: its own, and the user's group's (its async calls)
+        self._queues = [(g, group_state(g)) for g in dict.fromkeys((group, user))]
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.average = average
@@ -63,25 +68,26 @@ class BucketAllreduce:
     def __call__(self, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         """Start the allreduce of ``bucket.buffer()`` (written in place) and return its future; never waits.
 
-        While sparsync's queue holds work on the group (a sparse bucket's reduction, another compressor's), the
-        allreduce queues behind it, so that every rank issues the group's collectives in the same order;
-        otherwise it is issued here, on the autograd thread."""
+        While a sparsync queue holds work that sends on the group (a sparse bucket's reduction, another
+        compressor's, an async call on the user's group), the allreduce queues behind it, so that every rank
+        issues the group's collectives in the same order; otherwise it is issued here, on the autograd thread."""
         buffer = bucket.buffer()
         index = int(bucket.index())
         t0 = time.perf_counter()
         next_call(self.group)  # the group's call count stays in step with the checked path's
-        state = group_state(self.group)
-        entry = state.flight.begin(self.group.group_name, f"DDP hook: allreduce of bucket {index}", Traffic())
-        with state.lock:
-            busy = state.pending > 0
-        with trace.scope(tracer(), "hook", "allreduce", bucket=index, numel=buffer.numel(), queued=busy):
-            if busy:
-                sent = self._queued(buffer)
+        flight = self._queues[0][1].flight
+        entry = flight.begin(self.group.group_name, f"DDP hook: allreduce of bucket {index}", Traffic())
+        busy = next((g for g, q in self._queues if q.pending > 0), None)  # an int's read: atomic
+        with trace.scope(
+            tracer(), "hook", "allreduce", bucket=index, numel=buffer.numel(), queued=busy is not None
+        ):
+            if busy is not None:
+                sent = self._queued(busy, buffer)
             else:
                 sent = dist.all_reduce(buffer, group=self.group, async_op=True).get_future()
         return sent.then(self._finish(index, buffer, t0, entry))
 
-    def _queued(self, buffer: torch.Tensor) -> torch.futures.Future[list[torch.Tensor]]:
+    def _queued(self, queue: dist.ProcessGroup, buffer: torch.Tensor) -> torch.futures.Future[list[torch.Tensor]]:
         # A future holding CUDA tensors must name their device (torch refuses such a result otherwise).
         devices: list[int | str | torch.device] | None = None if buffer.device.type == "cpu" else [buffer.device]
         fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(devices=devices)
@@ -94,7 +100,7 @@ class BucketAllreduce:
                 return
             fut.set_result([buffer])
 
-        submit(self.group, run, True, label="hook:allreduce")
+        submit(queue, run, True, label="hook:allreduce")
         return fut
 
     def _finish(

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives.group import background_group
+from sparsync.collectives.group import background_group, resolve_group
 from sparsync.compress.base import Compressor
 from sparsync.compress.bucket_allreduce import BucketAllreduce
 from sparsync.compress.identity import Identity
@@ -97,7 +97,7 @@ def compression_hook(
     lossless = Identity()
     own = background_group(group)
     # Uncompressed dense buckets, once their layout is checked: DDP's own allreduce (bucket_allreduce.py)
-    plain = BucketAllreduce(own, average=average, log=log) if async_op else None
+    plain = BucketAllreduce(own, resolve_group(group), average=average, log=log) if async_op else None
 
     def chosen(name: str, grad: torch.Tensor) -> Compressor:
         if name in plan:
