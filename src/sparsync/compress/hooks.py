@@ -109,25 +109,26 @@ def compression_hook(
     # Every dense gradient goes by Identity whatever its name: a dense bucket needs no look at its parameters.
     dense_identity = not plan and isinstance(compressor, Identity)
 
-    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        buffer = bucket.buffer()
-        if dense_identity and plain is not None and not buffer.is_sparse and plain.checked(bucket):
-            return plain(bucket)
-        params = bucket.parameters()
+    def per_gradient(bucket: Any, buffer: torch.Tensor) -> tuple[list[tuple[str, torch.Tensor]], list[Compressor]]:
         grads = bucket.gradients() if not buffer.is_sparse else [buffer]
-        works: list[Work[torch.Tensor]] = []
         todo = [
             (names.get(id(p)) or f"bucket{bucket.index()}.{j}", grad)
-            for j, (p, grad) in enumerate(zip(params, grads, strict=True))
+            for j, (p, grad) in enumerate(zip(bucket.parameters(), grads, strict=True))
         ]
-        comps = [chosen(name, grad) for name, grad in todo]
-        identity = not buffer.is_sparse and all(isinstance(c, Identity) for c in comps)
-        if identity and plain is not None and plain.checked(bucket):
-            return plain(bucket)
-        if identity and len(todo) > 1:
+        return todo, [chosen(name, grad) for name, grad in todo]
+
+    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        todo, comps = ([], []) if dense_identity else per_gradient(bucket, buffer)
+        if not buffer.is_sparse and all(isinstance(c, Identity) for c in comps):
+            if plain is not None and plain.checked(bucket):
+                return plain(bucket)
             # Nothing to compress layer by layer: the bucket's flat buffer in one call (one metadata round,
             # as DDP's own hook sends it), not one call per gradient.
             todo, comps = [(f"bucket{bucket.index()}", buffer.view(-1))], [lossless]
+        elif not todo:
+            todo, comps = per_gradient(bucket, buffer)
+        works: list[Work[torch.Tensor]] = []
         for (name, grad), c in zip(todo, comps, strict=True):
             out = compressed_allreduce(
                 grad, c, memory=None if isinstance(c, Identity) else memory, name=name, group=own,
