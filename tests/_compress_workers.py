@@ -173,6 +173,25 @@ def hook_overlap_worker(rank: int, async_op: bool, delay: float, steps: int) -> 
     return calls if rank == 0 else []
 
 
+def hook_nan_worker(rank: int, nan_step: int) -> str:
+    """DDP with the identity hook; at ``nan_step`` rank 1's loss is NaN. Returns the error backward() raised on
+    this rank ("" if none)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 1))
+    ddp.register_comm_hook(None, compression_hook(from_spec("identity"), module=ddp))
+    for step in range(nan_step + 1):
+        loss = ddp(torch.ones(2, 4)).sum()
+        if rank == 1 and step == nan_step:
+            loss = loss * float("nan")
+        try:
+            loss.backward()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+    return ""
+
+
 class _Bucket:
     """What a DDP comm hook reads of a ``dist.GradBucket`` (torch builds those in C++ only)."""
 

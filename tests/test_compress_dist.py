@@ -194,6 +194,14 @@ def test_ddp_hook_never_blocks_the_autograd_thread() -> None:
     assert all(c["done"] for c in blocking) and max(c["call_s"] for c in blocking) > delay / 2, blocking
 
 
+@pytest.mark.parametrize("nan_step", [0, 2], ids=["checked", "allreduce"])
+def test_ddp_hook_refuses_a_nan_gradient_on_every_rank(nan_step: int) -> None:
+    """One rank's NaN gradient makes every rank's backward() raise, on the layout's checked step (the metadata
+    round names the rank) and on later steps (DDP's allreduce path, checked on the averaged result)."""
+    for err in launch(cw.hook_nan_worker, nprocs=2, args=(nan_step,), timeout=60):
+        assert "NaN" in err, err
+
+
 def test_hook_allreduce_queues_behind_sparsync_work_on_its_group() -> None:
     res = launch(cw.hook_behind_the_queue_worker, nprocs=2, timeout=30)
     for first, bucket in res:
