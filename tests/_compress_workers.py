@@ -7,6 +7,7 @@ not abort the others, and every collective runs under the group timeout set by `
 
 from __future__ import annotations
 
+import time
 import traceback
 from typing import Any
 
@@ -133,6 +134,99 @@ def _ddp_run(rank: int, spec: str | None, sparse: bool, steps: int) -> list[np.n
         loss.backward()
         opt.step()
     return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def hook_overlap_worker(rank: int, async_op: bool, delay: float, steps: int) -> list[dict[str, Any]]:
+    """DDP with the identity hook, one bucket per parameter; rank 1 sleeps ``delay`` s before each of its hook
+    calls, so that rank 0's reductions stay in flight at least that long. Rank 0 returns one row per hook call:
+    step, bucket index, the seconds the call took, whether its future was done when it returned, when the call
+    began and when its future completed (``time.perf_counter``)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1e-6)
+    real = compression_hook(from_spec("identity"), module=ddp, async_op=async_op)
+    calls: list[dict[str, Any]] = []
+    step = 0
+
+    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        if rank == 1:
+            time.sleep(delay)
+        t0 = time.perf_counter()
+        fut = real(state, bucket)
+        row = {"step": step, "bucket": bucket.index(), "call_s": time.perf_counter() - t0, "done": fut.done(),
+               "called": t0, "completed": None}  # fmt: skip
+        calls.append(row)
+
+        def completed(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            row["completed"] = time.perf_counter()
+            return f.value()
+
+        return fut.then(completed)
+
+    hook.__annotations__ = real.__annotations__  # DDP reads them
+    ddp.register_comm_hook(None, hook)
+    gen = torch.Generator().manual_seed(rank)
+    for step in range(steps):  # noqa: B007  # read by the hook
+        ddp(torch.randn(4, 32, generator=gen)).pow(2).mean().backward()
+    return calls if rank == 0 else []
+
+
+def hook_nan_worker(rank: int, nan_step: int) -> str:
+    """DDP with the identity hook; at ``nan_step`` rank 1's loss is NaN. Returns the error backward() raised on
+    this rank ("" if none)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(torch.nn.Linear(4, 1))
+    ddp.register_comm_hook(None, compression_hook(from_spec("identity"), module=ddp))
+    for step in range(nan_step + 1):
+        loss = ddp(torch.ones(2, 4)).sum()
+        if rank == 1 and step == nan_step:
+            loss = loss * float("nan")
+        try:
+            loss.backward()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+    return ""
+
+
+class _Bucket:
+    """What a DDP comm hook reads of a ``dist.GradBucket`` (torch builds those in C++ only)."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def index(self) -> int:
+        return 0
+
+
+def hook_behind_the_queue_worker(rank: int) -> list[np.ndarray]:
+    """A sparsync call queued on the hook's group (rank 0's starts late), then an uncompressed bucket through
+    the hook's allreduce path: each rank must issue the two collectives in the same order (the bucket's behind
+    the queue), or they meet the other rank's other collective. Returns both sums."""
+    from sparsync.collectives.group import background_group, submit
+    from sparsync.compress.bucket_allreduce import BucketAllreduce
+
+    own = background_group(None)
+    world = dist.group.WORLD
+    assert world is not None
+    plain = BucketAllreduce(own, world, average=False, log=None)
+    first = torch.full((7,), float(rank + 1))
+
+    def queued() -> None:
+        if rank == 0:
+            time.sleep(0.5)
+        dist.all_reduce(first, group=own)
+
+    work = submit(own, queued, True)
+    out = plain(_Bucket(torch.full((5,), float(rank + 10)))).wait()
+    work.wait()
+    return [first.numpy(), out.numpy()]
 
 
 def digits_worker(rank: int, specs: tuple[str, ...], steps: int, lr: float) -> dict[str, float]:

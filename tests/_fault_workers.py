@@ -128,6 +128,34 @@ def alltoall_training(rank: int, modes: tuple[str, ...], steps: int) -> dict[str
     return out
 
 
+def hook_with_a_stalled_peer(rank: int, stall_step: int, stall: float) -> str:
+    """DDP with the identity hook, one bucket per parameter; at ``stall_step`` rank 1's hook sleeps ``stall`` s
+    (past the group's timeout) and raises instead of reducing. Returns the error that backward() raised on this
+    rank ("" if none): the others' reductions must fail with the peer named, not wait forever."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1e-6)
+    real = compression_hook(Identity(), module=ddp)
+    step = 0
+
+    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        if rank == 1 and step == stall_step:
+            time.sleep(stall)
+            raise RuntimeError("rank 1 stalled on purpose")
+        return real(state, bucket)
+
+    hook.__annotations__ = real.__annotations__  # DDP reads them
+    ddp.register_comm_hook(None, hook)
+    for step in range(stall_step + 1):  # noqa: B007  # read by the hook
+        try:
+            ddp(torch.randn(2, 4)).pow(2).mean().backward()
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+    return ""
+
+
 @dataclass(frozen=True)
 class HostTag:
     """A ``launch`` RankSetup that only sets an environment variable per host (no namespaces)."""

@@ -41,6 +41,7 @@ def test_bench_compress_tiny(tmp_path: Path) -> None:
     # 4 bits per value and one float32 scale per bucket of 512 (40 buckets)
     assert by["qsgd:bits=4"]["bytes_ratio"] == pytest.approx((10_000 + 40 * 4) / 80_000)
     assert all(r["dense_allreduce_s"] > 0 and r["reduce_s"] > 0 for r in rows)
+    assert all(r["hook_tiny_s"] > 0 and r["ddp_hook_tiny_s"] > 0 for r in rows)  # each hook's fixed cost
     checks = check_targets(rows)
     assert (
         len(checks) == 3 and "10%" in checks[0][0] and "every compressor" in checks[2][0]

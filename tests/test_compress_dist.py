@@ -3,6 +3,7 @@ ranks, checked against references computed here from every rank's (rebuilt) inpu
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import _compress_workers as cw
@@ -173,6 +174,38 @@ def test_ddp_identity_hook_equals_no_hook() -> None:
     for r in range(3):
         for a, b in zip(hooked, res[r]["identity"], strict=True):
             assert np.array_equal(a, b)
+
+
+def test_ddp_hook_never_blocks_the_autograd_thread() -> None:
+    """DDP's overlap kept: the hook returns its future while the bucket is still on the wire, and autograd
+    reaches the next bucket before the previous one's reduction completes. Rank 1 holds each reduction back by
+    DELAY s. The blocking hook (``async_op=False``) is the control: the same checks catch it."""
+    delay = 0.4
+    res = launch(cw.hook_overlap_worker, nprocs=2, args=(True, delay, 3), timeout=120)
+    calls = res[0]
+    assert len({c["bucket"] for c in calls}) >= 2 and {c["step"] for c in calls} == {0, 1, 2}  # checked + fast
+    for c in calls:
+        assert not c["done"] and c["call_s"] < delay / 4, c
+    for step in range(3):
+        mine = sorted((c for c in calls if c["step"] == step), key=lambda c: c["called"])
+        for a, b in itertools.pairwise(mine):
+            assert b["called"] < a["completed"], (a, b)  # the next bucket's gradient came while a was in flight
+    blocking = launch(cw.hook_overlap_worker, nprocs=2, args=(False, delay, 1), timeout=120)[0]
+    assert all(c["done"] for c in blocking) and max(c["call_s"] for c in blocking) > delay / 2, blocking
+
+
+@pytest.mark.parametrize("nan_step", [0, 2], ids=["checked", "allreduce"])
+def test_ddp_hook_refuses_a_nan_gradient_on_every_rank(nan_step: int) -> None:
+    """One rank's NaN gradient makes every rank's backward() raise, on the layout's checked step (the metadata
+    round names the rank) and on later steps (DDP's allreduce path, checked on the averaged result)."""
+    for err in launch(cw.hook_nan_worker, nprocs=2, args=(nan_step,), timeout=60):
+        assert "NaN" in err, err
+
+
+def test_hook_allreduce_queues_behind_sparsync_work_on_its_group() -> None:
+    res = launch(cw.hook_behind_the_queue_worker, nprocs=2, timeout=30)
+    for first, bucket in res:
+        assert np.array_equal(first, np.full(7, 3.0)) and np.array_equal(bucket, np.full(5, 21.0))
 
 
 def test_ddp_sparse_embedding_every_compressor() -> None:

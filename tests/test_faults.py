@@ -158,6 +158,24 @@ def test_hook_beside_a_model_alltoall_matches_ddp() -> None:
             assert np.array_equal(a, b)  # every replica holds the same weights
 
 
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stall_step", [0, 2], ids=["checked", "fast"])
+def test_hook_reports_a_stalled_peer_instead_of_waiting(stall_step: int) -> None:
+    """Rank 1 stops answering in its DDP hook: the others' backward() raises, naming the bucket and the
+    timeout, within the group's timeout; on the first step (the layout check's path, whose future was never
+    completed when its reduction failed: DDP waited forever) and later (DDP's allreduce, issued in the hook)."""
+    timeout = 3.0
+    t0 = time.monotonic()
+    res = launch(fw.hook_with_a_stalled_peer, nprocs=WORLD, args=(stall_step, timeout + 2), timeout=timeout)
+    assert "stalled on purpose" in res[1]
+    for r in (0, 2):
+        assert "(timed out or" in res[r] and "rank " in res[r], res[r]
+        if stall_step:
+            assert "DDP hook: allreduce of bucket" in res[r], res[r]
+    assert time.monotonic() - t0 < 60
+
+
 def test_hook_uses_one_background_group_per_user_group() -> None:
     """Several hooks on one group share sparsync's group (one dist.new_group, made when the first is built)."""
     dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=7))

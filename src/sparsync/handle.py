@@ -43,6 +43,10 @@ class Work(Generic[T]):
     def is_completed(self) -> bool:
         return self._future.done()
 
+    def when_done(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` once the work finished, succeeded or failed (``then`` runs only on success)."""
+        self._future.add_done_callback(lambda _: fn())
+
     def then(self, fn: Callable[[T], U]) -> Work[U]:
         out: Future[U] = Future()
 

@@ -11,7 +11,8 @@ Target: Threshold(L=1000) compress + decompress ≤ 10% of the dense allreduce. 
 (``check_compressors``): every compressor's reduce faster than the dense allreduce, QSGD 4-bit ≥ 3x and
 8-bit ≥ 1.8x faster, and a 16-bit cast's reduce at most half the dense allreduce (half the bytes, less than
 half the time).
-The ``ns/el`` column is compress + decompress per tensor element.
+The ``ns/el`` column is compress + decompress per tensor element. ``hook µs``: each compressor's DDP hook on a
+bucket of 256 values, the fixed cost every bucket pays, beside DDP's own allreduce hook (``hook_cost.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsync.compress import Compressor, Context, Encoding, TensorSpec, compressed_allreduce, from_spec
+from sparsync_bench import hook_cost
 from sparsync_bench.allreduce import _timed
 from sparsync_bench.report import Check, progress, pyplot, save_figure, targets_markdown
 from sparsync_bench.tables import show_table
@@ -112,7 +114,15 @@ def worker(rank: int, cfg: CompressBenchConfig, show_progress: bool) -> list[dic
     """Runs on every rank; rank 0 returns the rows."""
     P = dist.get_world_size()
     rows: list[dict[str, Any]] = []
-    with progress(show_progress and rank == 0, f"P={P}", len(cfg.sizes) * (len(cfg.compressors) + 1)) as update:
+    total = (len(cfg.sizes) + 1) * (len(cfg.compressors) + 1)
+    with progress(show_progress and rank == 0, f"P={P}", total) as update:
+        # each compressor's DDP hook on a tiny bucket: the fixed cost every bucket pays (hook_cost.py)
+        ddp_hook = hook_cost.ddp_hook_s(rank, cfg.repeats)
+        update(None, 1)
+        hooks = {}
+        for spec in cfg.compressors:
+            hooks[spec] = hook_cost.hook_s(rank, spec, cfg.repeats)
+            update(None, 1)
         for n in cfg.sizes:
             x = torch.randn(n, generator=torch.Generator().manual_seed(cfg.seed * 1009 + rank))
             dense = _median(lambda x=x: dist.all_reduce(x.clone()), cfg.repeats)
@@ -122,6 +132,8 @@ def worker(rank: int, cfg: CompressBenchConfig, show_progress: bool) -> list[dic
                 row["dense_allreduce_s"] = dense
                 row["cd_over_dense"] = row["cd_s"] / dense
                 row["reduce_over_dense"] = row["reduce_s"] / dense
+                row["hook_tiny_s"] = hooks[spec]
+                row["ddp_hook_tiny_s"] = ddp_hook
                 rows.append(row)
                 update(None, 1)
     return rows if rank == 0 else []
@@ -130,7 +142,8 @@ def worker(rank: int, cfg: CompressBenchConfig, show_progress: bool) -> list[dic
 # --- output -------------------------------------------------------------------------------------------------
 def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> None:
     table = Table(title=title)
-    cols = ("N", "compressor", "agg", "comp ms", "dec ms", "ns/el", "c+d/ar", "bytes", "rel err", "reduce ms")
+    cols = ("N", "compressor", "agg", "comp ms", "dec ms", "ns/el", "c+d/ar", "bytes", "rel err", "reduce ms",
+            "hook µs")  # fmt: skip
     for c in cols:
         table.add_column(c, justify="left" if c in ("compressor", "agg") else "right")
     last_n = None
@@ -147,6 +160,7 @@ def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> Non
                 "",
                 "",
                 f"{r['dense_allreduce_s'] * 1e3:.1f}",
+                f"{r['ddp_hook_tiny_s'] * 1e6:.0f} (DDP's)",
             )
             last_n = r["n"]
         table.add_row(
@@ -160,12 +174,15 @@ def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> Non
             f"{r['bytes_ratio']:.3f}",
             f"{r['rel_error']:.3f}",
             f"{r['reduce_s'] * 1e3:.1f}",
+            f"{r['hook_tiny_s'] * 1e6:.0f}",
         )
     show_table(console, table)
     console.print(
         "ns/el: (compress + decompress) per element; c+d/ar: (compress + decompress) / dense allreduce; bytes: "
         "payload per rank / dense float32 bytes; rel err: ‖x - D(C(x))‖/‖x‖ (mean over ranks); agg: ar = dense "
-        "allreduce, ag = allgather, rs = quantized reduce-scatter + allgather"
+        "allreduce, ag = allgather, rs = quantized reduce-scatter + allgather; hook µs: a bucket of "
+        f"{hook_cost.TINY} float32 through the compressor's DDP hook, no error feedback (the fixed cost per "
+        "bucket; DDP's own allreduce hook in the dense row)"
     )
 
 
@@ -293,14 +310,15 @@ def markdown(rows: list[dict[str, Any]], checks: list[Check], title: str) -> str
     lines = [f"### {title}", ""]
     lines.append(
         "| N | compressor | aggregation | compress ms | decompress ms | c+d ns/el | (c+d)/dense | bytes ratio "
-        "| rel. error | reduce ms | dense allreduce ms |"
+        f"| rel. error | reduce ms | dense allreduce ms | hook µs ({hook_cost.TINY} values) | DDP's hook µs |"
     )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         lines.append(
             f"| {r['n']:,} | {r['compressor']} | {r['aggregation']} | {r['compress_s'] * 1e3:.2f} | "
             f"{r['decompress_s'] * 1e3:.2f} | {r['cd_ns_per_el']:.2f} | {r['cd_over_dense']:.3f} | "
             f"{r['bytes_ratio']:.4f} | "
-            f"{r['rel_error']:.3f} | {r['reduce_s'] * 1e3:.1f} | {r['dense_allreduce_s'] * 1e3:.1f} |"
+            f"{r['rel_error']:.3f} | {r['reduce_s'] * 1e3:.1f} | {r['dense_allreduce_s'] * 1e3:.1f} | "
+            f"{r['hook_tiny_s'] * 1e6:.0f} | {r['ddp_hook_tiny_s'] * 1e6:.0f} |"
         )
     return "\n".join(lines + targets_markdown(checks)) + "\n"

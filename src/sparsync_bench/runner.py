@@ -294,8 +294,8 @@ def run_compress_bench(
         lambda P: f"[bold]P = {P}[/], N = {sizes} float32, {run.where}",
     )
     title = f"compressors, P={procs}, {run.where}"
-    return run.show(  # nine numeric columns: at least 150 wide
-        rows, title, tables=cb.print_table, check=cb.check_targets, plot=cb.plot, markdown=cb.markdown, width=150
+    return run.show(  # ten numeric columns: at least 165 wide
+        rows, title, tables=cb.print_table, check=cb.check_targets, plot=cb.plot, markdown=cb.markdown, width=165
     )
 
 

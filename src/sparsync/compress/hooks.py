@@ -13,6 +13,11 @@ compressor with error feedback turns an embedding's row-sparse gradient dense (T
 the bytes of no compression on DLRM); dense ones by ``compressor``. Error feedback applies to lossy
 compressors only. ``log`` receives one CommRecord per reduction, so the DDP route reports its bytes too.
 
+A dense bucket with nothing to compress costs what DDP's own allreduce costs: after its layout was checked once
+(its first step, through ``compressed_allreduce`` and its metadata round), it goes as one
+``dist.all_reduce(bucket.buffer(), async_op=True)`` issued in the hook, no queue, no copies
+(``bucket_allreduce.py``).
+
 The reductions run on sparsync's own process group over the same ranks
 (``sparsync.collectives.group.background_group``), made when the hook is built: a model whose backward issues
 collectives of its own on the user's group (DLRM's alltoall) cannot interleave them with the hook's in a
@@ -32,8 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives.group import background_group
+from sparsync.collectives.group import background_group, resolve_group
 from sparsync.compress.base import Compressor
+from sparsync.compress.bucket_allreduce import BucketAllreduce
 from sparsync.compress.identity import Identity
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.compress.reduce import compressed_allreduce
@@ -63,10 +69,11 @@ def compression_hook(
     ``module``: the model (or the DDP wrapper) whose ``named_parameters()`` name the gradients; required with
     ``memory`` or a compressor with per-name state, since bucket positions change when DDP rebuilds its
     buckets. ``group``: the ranks to reduce over (DDP's ``process_group``; default the world). ``average``:
-    divide by the world size, as DDP's default hook does. ``async_op``: the reductions run on sparsync's
-    queue while autograd computes the next buckets. ``plan``: parameter name -> compressor (needs ``module``);
-    ``sparse``: the compressor of sparse gradients no plan names (default ``Identity()``, lossless);
-    ``log``: a CommLog receiving one record per reduction.
+    divide by the world size, as DDP's default hook does. ``async_op``: the hook returns before its bucket is
+    reduced, so autograd computes the next buckets meanwhile (DDP's overlap): uncompressed dense buckets as
+    DDP's allreduce, the others on sparsync's queue; ``False`` reduces before returning (a diagnostic).
+    ``plan``: parameter name -> compressor (needs ``module``); ``sparse``: the compressor of sparse gradients
+    no plan names (default ``Identity()``, lossless); ``log``: a CommLog receiving one record per reduction.
 
     Collective: every rank of ``group`` builds the hook (the first hook for a group creates sparsync's own
     group over its ranks, where the reductions run; later hooks reuse it).
@@ -89,6 +96,8 @@ def compression_hook(
             raise KeyError(f"plan names unknown parameters {unknown}; valid names: {sorted(names.values())}")
     lossless = Identity()
     own = background_group(group)
+    # Uncompressed dense buckets, once their layout is checked: DDP's own allreduce (bucket_allreduce.py)
+    plain = BucketAllreduce(own, resolve_group(group), average=average, log=log) if async_op else None
 
     def chosen(name: str, grad: torch.Tensor) -> Compressor:
         if name in plan:
@@ -97,20 +106,29 @@ def compression_hook(
             return sparse if sparse is not None else lossless
         return compressor
 
-    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        buffer = bucket.buffer()
-        params = bucket.parameters()
+    # Every dense gradient goes by Identity whatever its name: a dense bucket needs no look at its parameters.
+    dense_identity = not plan and isinstance(compressor, Identity)
+
+    def per_gradient(bucket: Any, buffer: torch.Tensor) -> tuple[list[tuple[str, torch.Tensor]], list[Compressor]]:
         grads = bucket.gradients() if not buffer.is_sparse else [buffer]
-        works: list[Work[torch.Tensor]] = []
         todo = [
             (names.get(id(p)) or f"bucket{bucket.index()}.{j}", grad)
-            for j, (p, grad) in enumerate(zip(params, grads, strict=True))
+            for j, (p, grad) in enumerate(zip(bucket.parameters(), grads, strict=True))
         ]
-        comps = [chosen(name, grad) for name, grad in todo]
-        if not buffer.is_sparse and len(todo) > 1 and all(isinstance(c, Identity) for c in comps):
+        return todo, [chosen(name, grad) for name, grad in todo]
+
+    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        todo, comps = ([], []) if dense_identity else per_gradient(bucket, buffer)
+        if not buffer.is_sparse and all(isinstance(c, Identity) for c in comps):
+            if plain is not None and plain.checked(bucket):
+                return plain(bucket)
             # Nothing to compress layer by layer: the bucket's flat buffer in one call (one metadata round,
             # as DDP's own hook sends it), not one call per gradient.
             todo, comps = [(f"bucket{bucket.index()}", buffer.view(-1))], [lossless]
+        elif not todo:
+            todo, comps = per_gradient(bucket, buffer)
+        works: list[Work[torch.Tensor]] = []
         for (name, grad), c in zip(todo, comps, strict=True):
             out = compressed_allreduce(
                 grad, c, memory=None if isinstance(c, Identity) else memory, name=name, group=own,
@@ -121,7 +139,7 @@ def compression_hook(
         devices = None if buffer.device.type == "cpu" else [buffer.device]
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
 
-        def assemble(_: object) -> None:
+        def assemble() -> None:
             try:
                 results = [w.wait() for w in works]
                 if buffer.is_sparse:
@@ -136,8 +154,9 @@ def compression_hook(
             except BaseException as e:  # handed to DDP, which re-raises it in backward()
                 fut.set_exception(e)  # type: ignore[arg-type]  # the stub asks for a T
 
-        # The group's queue runs reductions in issue order: the last one done means all are.
-        works[-1].then(assemble)
+        # The group's queue runs reductions in issue order: the last one done means all are. Done, not succeeded:
+        # a failed reduction must reach DDP as the future's error, or backward() would wait on it forever.
+        works[-1].when_done(assemble)
         return fut
 
     # DDP inspects the annotations and rejects the string forms that `from __future__ import annotations`
