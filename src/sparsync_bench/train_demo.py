@@ -334,8 +334,10 @@ def print_demo(
         m, sv = c.measured, c.server
         link = f"link measured: α {m.alpha * 1e6:.0f} µs, {1 / m.beta / 1e6:.0f} MB/s" if m else "an assumed link"
         if sv is not None:
-            rate = 1 / max(sv.per_byte, 1e-12) / 1e6
-            link += f"; servers measured: {sv.round_trip * 1e3:.2f} ms a round trip, {rate:.0f} MB/s"
+            rate = (
+                "per byte below the probe's resolution" if sv.per_byte == 0 else f"{1e-6 / sv.per_byte:.0f} MB/s"
+            )
+            link += f"; servers measured: {sv.round_trip * 1e3:.2f} ms a round trip, {rate}"
         print_plan(
             plan,
             console,
