@@ -12,7 +12,6 @@ a server's request path and its CPU (shared with the workers here) cost far more
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from functools import partial
 from typing import Any
@@ -30,7 +29,7 @@ from sparsync.ps.optim import OptimizerConfig
 from sparsync.record import CommLog
 
 AUTO = "auto plan"
-ASSUMED_LINK = Cluster(1, bandwidth=1.25e8, latency=50e-6)  # plan_pricing="assumed": 1 Gbit/s, 50 µs
+ASSUMED_BANDWIDTH, ASSUMED_LATENCY = 1.25e8, 50e-6  # plan_pricing="assumed": 1 Gbit/s, 50 µs per message
 
 
 def measure_plan(ctx: Any, cfg: Any, model: torch.nn.Module, batches: list[Any], addresses: list[str]) -> Plan:
@@ -49,8 +48,7 @@ def measure_plan(ctx: Any, cfg: Any, model: torch.nn.Module, batches: list[Any],
             s.row_fraction = float(ctx.all_mean(torch.tensor([s.row_fraction], dtype=torch.float64))[0])
             s.row_fraction_machine = s.row_fraction  # one process per machine
     if cfg.plan_pricing == "assumed":
-        nominal = dataclasses.replace(ASSUMED_LINK, machines=cfg.replicas)
-        return make_plan(stats, nominal)
+        return make_plan(stats, Cluster(cfg.replicas, bandwidth=ASSUMED_BANDWIDTH, latency=ASSUMED_LATENCY))
     link = measure_link()
     server = None
     sparse = [s for s in stats if s.sparse]

@@ -10,12 +10,13 @@ queue, CPU starvation of the receiving ranks) shows here before it shows as an "
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from sparsync_bench.allreduce import _timed as timed
 
 STREAM_BYTES = 8 << 20  # per stream: 67 ms at 1 Gbit/s
 ALLREDUCE_VALUES = 4 << 20  # float32: 16 MB
@@ -50,16 +51,8 @@ def link_worker(rank: int, stream_bytes: int = STREAM_BYTES, values: int = ALLRE
 
 
 def _timed(fn: Callable[[], None]) -> float:
-    times = []
-    for i in range(REPEATS + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's
-        if i:  # the first: warm-up (connections, buffers)
-            times.append(float(t))
-    return statistics.median(times)
+    """Median of ``REPEATS`` runs after a warm-up (connections, buffers), each the slowest rank's."""
+    return statistics.median([timed(fn) for _ in range(REPEATS + 1)][1:])
 
 
 def summarize(res: dict[str, Any], rate_bits: int) -> dict[str, float]:

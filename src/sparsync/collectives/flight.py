@@ -84,6 +84,12 @@ class FlightEntry:
     ended: float = 0.0
     error: str = ""  # the first line of the error, when failed
 
+    def close(self, status: str, error: BaseException | None, now: float | None = None) -> None:
+        """End the call: ``status`` (done or failed), its end time and the first line of ``error``."""
+        self.status, self.ended = status, time.time() if now is None else now
+        if error is not None:
+            self.error = f"{type(error).__name__}: {_first_line(error)}"[:300]
+
 
 class FlightRecorder:
     """A group's last ``calls`` calls (``FlightEntry``), oldest first; ``calls=0`` records nothing."""
@@ -129,9 +135,7 @@ class FlightRecorder:
             if entry.id < first:
                 break
             if entry.thread == me and entry.status == "running":
-                entry.status, entry.ended = status, now
-                if error is not None:
-                    entry.error = f"{type(error).__name__}: {_first_line(error)}"[:300]
+                entry.close(status, error, now)
 
     def snapshot(self) -> list[dict[str, object]]:
         """The ring as plain dicts, oldest first (for the dump)."""

@@ -135,9 +135,8 @@ class BucketAllreduce:
 
     @staticmethod
     def _close(entry: FlightEntry | None, status: str, error: BaseException | None) -> None:
-        if entry is not None:
-            entry.status, entry.ended = status, time.time()
-            entry.error = "" if error is None else str(error).splitlines()[0]
+        if entry is not None:  # None: the recorder is off
+            entry.close(status, error)
 
     def _record(self, buffer: torch.Tensor, t0: float) -> CommRecord:
         P, n = self.size, buffer.numel()
