@@ -197,6 +197,16 @@ class RawClient:
         got = self.ask(wire.encode(Header(op=wire.Op.PING, rid=rid)), timeout, rid)
         return got is not None and got[0].op == wire.Op.PING | wire.REPLY_BIT and got[0].status == 0
 
+    def ping_next(self, rid: int, timeout: float = 5.0) -> None:
+        """Send a PING and check that the next reply, of any request id, answers it (``ping`` skips others). The
+        server answers in order: a reply that comes first answers a frame sent earlier."""
+        got = self.ask(wire.encode(Header(op=wire.Op.PING, rid=rid)), timeout)
+        assert got is not None, f"no reply to PING {rid}"
+        h = got[0]
+        assert (h.rid, h.op, h.status) == (rid, wire.Op.PING | wire.REPLY_BIT, 0), (
+            f"the reply before PING {rid}'s answers an earlier frame that had to go unanswered: {got}"
+        )
+
     def close(self) -> None:
         self.sock.close(0)
         self.ctx.term()

@@ -265,9 +265,7 @@ def test_multipart_message_is_dropped_unanswered(server: ServerProcess) -> None:
         raw.sock.send_multipart([wire.encode(Header(op=Op.PING, rid=50)), b"second part"])
         got = raw.replies(1.0)
         assert got == [], f"a multipart message was answered: {got}"
-        # the next reply of any request id must be the PING's: the server answers in order
-        h, _ = raw.ask(wire.encode(Header(op=Op.PING, rid=51))) or (None, "")
-        assert h is not None and (h.rid, h.status) == (51, 0), h
+        raw.ping_next(51)  # and not later either
         assert raw.replies(0.3) == []
 
 
@@ -382,11 +380,15 @@ def test_authenticated_oversized_frame_is_dropped(server: ServerProcess) -> None
         def attack() -> None:
             r.sock.send(message)  # one ZeroMQ frame over a fragment: libzmq drops the connection (MAXMSGSIZE)
             assert r.replies(1.0) == []
-            assert r.ping(61)  # the socket reconnects
-            # in fragments: refused at the first, whose header declares more than max_message_bytes
-            h, msg = r.ask(message, rid=60) or (None, "")
-            assert h is not None and h.status == 1 and "exceeds the limit of 1048576 bytes" in msg, msg
-            assert r.ping(62)  # after the rest of its fragments, which the server read and dropped
+            r.ping_next(61)  # the socket reconnects
+            # in fragments: refused at the first, whose header declares more than max_message_bytes; the next
+            # reply of any request id is that refusal, and the one after it the PING's: the rest of the
+            # message's fragments are read and dropped unanswered
+            h, msg = r.ask(message) or (None, "")
+            assert h is not None and (h.rid, h.status) == (60, 1), (h, msg)
+            assert "exceeds the limit of 1048576 bytes" in msg, msg
+            r.ping_next(62)
+            assert r.replies(0.3) == []
 
         grew = _peak_growth_kib(server.pid, attack)
     print(f"\n[figure] 64 MiB message over a 1 MiB limit (authenticated), one frame and in fragments: "
