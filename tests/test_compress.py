@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import math
 import mmap
+from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.distributed import HashStore  # type: ignore[attr-defined]  # re-exported from C++
 
 from sparsync import buffers
 from sparsync.compress import (
@@ -28,6 +32,7 @@ from sparsync.compress import (
     TensorSpec,
     Threshold,
     TopK,
+    compressed_allreduce,
     from_spec,
     make,
     sketch_hash,
@@ -782,14 +787,29 @@ def test_threshold_of_zeros_sends_nothing() -> None:
 
 
 # --- error feedback -----------------------------------------------------------------------------------------
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A gloo group of this process alone (no process spawned): ``compressed_allreduce`` at P = 1, whose result
+    is this rank's decompressed payload."""
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize("key", list(ALL))
-def test_error_feedback_invariant(key: str) -> None:
+def test_error_feedback_invariant(key: str, one_rank_group: None) -> None:
     """g + e_old == decompress(compress(g + e_old)) + e_new, over several steps (exact for the sparsifiers and
-    the identity; within one rounding step of the sum for the lossy encodings)."""
-    c = ALL[key]
-    mem = ErrorFeedback()
+    the identity; within one rounding step of the sum for the lossy encodings). The residual is also held to
+    one the test keeps itself, e_ref = (g + e_ref) - sent, with ``sent`` what ``compressed_allreduce`` returned
+    at P = 1 (its own compressor copy and memory, through the residual path each aggregator has): a memory
+    that stores anything else, there or here, fails."""
+    c, twin = copy.deepcopy(ALL[key]), copy.deepcopy(ALL[key])  # the same state, apart from other tests'
+    mem, reduced = ErrorFeedback(), ErrorFeedback()
+    e_ref = torch.zeros(3000)
     gen = torch.Generator().manual_seed(4)
-    for _ in range(5):
+    for step in range(5):
         g = torch.randn(3000, generator=gen)
         e_old = mem.error("p")
         e_old = torch.zeros_like(g) if e_old is None else e_old.clone()
@@ -798,6 +818,16 @@ def test_error_feedback_invariant(key: str) -> None:
         mem.update("p", x, sent)
         e_new = mem.error("p")
         assert e_new is not None
+        # the independent reference: what the one-rank group got back, and the test's own running residual
+        out = compressed_allreduce(g, twin, memory=reduced, name="p")
+        assert torch.equal(out, sent), (step, (out - sent).abs().max())
+        e_ref = (g + e_ref) - out
+        e_reduced = reduced.error("p")
+        assert e_reduced is not None
+        assert torch.equal(e_new, e_ref), (step, (e_new - e_ref).abs().max())
+        assert torch.equal(e_reduced, e_ref), (step, (e_reduced - e_ref).abs().max())
+        if key != "identity":  # something is held back, so a residual scaled or dropped shows
+            assert bool(e_ref.abs().max() > 0), step
         if (key in SPARSIFIERS and key != "randomk") or key == "identity":
             # they send exact copies of what they keep: the residual is zero there, x elsewhere
             assert torch.equal(g + e_old, sent + e_new)
@@ -880,6 +910,7 @@ def test_sparse_coo_inputs_keep_their_layout(c: object) -> None:
         assert torch.equal(got, exact.to(cast).float())
     elif isinstance(c, TopK | Threshold):  # exact copies of the largest of the 15 entries, zeros elsewhere
         kept = got != 0
+        assert bool(kept.any()), got  # something was sent: the comparisons below are not over nothing
         assert torch.equal(got[kept], exact[kept])
         assert bool(exact[kept].min() > exact[~kept].max()), got
         if isinstance(c, TopK):
