@@ -29,7 +29,7 @@ import torch
 import sparsync
 from sparsync import LaunchError, SparseStream, launch, sparse_allreduce
 
-# The rank pid files of tests/test_faults.py (standard library only, so an older sparsync can be measured too).
+# The rank pid files of tests/launch/test_faults.py (standard library only, so an older sparsync can be measured too).
 TESTS = Path(__file__).resolve().parents[1] / "tests"
 sys.path.insert(0, str(TESTS))
 from _pids import read_pids, running, write_pid  # noqa: E402

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU check (docs/gpu.md): run it whenever a GPU machine is at hand, at most ~8 minutes.
-#   1. the `cuda` tests (tests/test_compress_device.py: each compressor's results against the host's;
+#   1. the `cuda` tests (tests/compress/test_compress_device.py: each compressor's results against the host's;
 #      tests/test_cuda.py: NCCL at P = 1; 2 and 4 gloo ranks sharing the one GPU), and the
 #      collectives grid under NCCL's rules (CPU tensors, as CI runs it) as a control;
 #   2. every compressor's kernels on the GPU against a device memcpy of the same bytes (25M float32);
@@ -46,8 +46,8 @@ step() {  # step NAME SECONDS COMMAND...: run it under a time limit, log to $LOG
   echo "$name: exit $rc in $((SECONDS - t0)) s; last line: $(tail -n 1 "$LOGS/$name.txt")" | tee -a "$summary"
 }
 
-step cuda_tests 180 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_compress_device.py
-step nccl_rules 70 "$PY" -m pytest -q -p no:cacheprovider tests/test_collectives.py -k "P3-nccl and grid"
+step cuda_tests 180 "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/compress/test_compress_device.py
+step nccl_rules 70 "$PY" -m pytest -q -p no:cacheprovider tests/collectives/test_collectives.py -k "P3-nccl and grid"
 step kernels 60 "$PY" -m sparsync_bench.gpu_kernels --device cuda --out "$LOGS/kernels.json"
 [ -f "$LOGS/kernels.txt" ] && tee -a "$summary" <"$LOGS/kernels.txt"
 

@@ -95,7 +95,7 @@ def hybrid_worker(rank: int, addresses: list[str], cases: list[dict[str, Any]]) 
             partitions=c.get("partitions"),
             ps_dense=c.get("ps_dense", False),
             dense_whole=c.get("dense_whole", False),
-            split=c.get("split", "strided"),
+            split=c.get("split", "stride"),
             timeout=30.0,
         )
         tr = HybridTrainer(model, c.get("addresses", addresses), cfg,

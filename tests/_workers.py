@@ -593,22 +593,22 @@ def stall_before_collective(rank: int, bad: int, pid_dir: str) -> int:
 def doubling_worker(rank: int) -> dict[str, Any]:
     """Every algorithm with sparsync's allgathers forced to recursive doubling (as beyond DIRECT_GATHER_MAX
     ranks), against the same calls with one-round gathers: results per algorithm, both ways."""
-    from sparsync.collectives import _fold
+    from sparsync.collectives import _gather
 
     g = torch.Generator().manual_seed(rank)
     rows = torch.unique(torch.randint(0, 400, (60 + 40 * rank,), generator=g)).to(torch.int32)
     s = SparseStream(rows, torch.randint(-5, 6, (rows.numel() * 4,), generator=g).float(), 1600, row=4)
     big = SparseStream(rows, torch.ones(rows.numel() * 4), 1600, row=4)
     out: dict[str, Any] = {}
-    default = _fold.DIRECT_GATHER_MAX
+    default = _gather.DIRECT_GATHER_MAX
     algorithms = ("allgather", "ssar_split_allgather", "dsar_split_allgather", "ssar_recursive_double", "auto")
     for mode, limit in (("direct", default), ("doubling", 1)):
-        _fold.DIRECT_GATHER_MAX = limit
+        _gather.DIRECT_GATHER_MAX = limit
         try:
             for alg in algorithms:
                 for i in range(3):  # the second allgather call rides in the metadata round
                     res = sparsync.sparse_allreduce(s if i < 2 else big, algorithm=alg)
                     out[f"{mode}/{alg}/{i}"] = res.to_dense().numpy()
         finally:
-            _fold.DIRECT_GATHER_MAX = default
+            _gather.DIRECT_GATHER_MAX = default
     return out

@@ -334,7 +334,7 @@ def test_registry_is_the_one_list_of_algorithms() -> None:
     p = Problem(4, 1 << 16, (100, 200, 300, 400), 4, 4)
     for a in REGISTRY:
         assert algorithm(a.name) is a and ALGORITHM_CODES[a.code] == a.name
-        assert callable(a.run()) and a.nbytes(p) > 0
+        assert callable(a.runner) and a.nbytes(p) > 0
     with pytest.raises(KeyError, match="unknown algorithm 'bogus'"):
         algorithm("bogus")
 

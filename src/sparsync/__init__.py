@@ -10,7 +10,7 @@ from sparsync.collectives.comm import PeerError
 from sparsync.collectives.group import background_group, set_deterministic, set_link
 from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce
 from sparsync.collectives.timeline import trace, trace_step
-from sparsync.compress import Compressor, ErrorFeedback, compressed_allreduce, reduce
+from sparsync.compress import Compressor, ErrorFeedback, compressed_allreduce
 from sparsync.costmodel import (
     ALGORITHMS,
     REFERENCE_LINK,
@@ -59,7 +59,6 @@ __all__ = [
     "lower_bound",
     "measure_link",
     "predict",
-    "reduce",
     "set_deterministic",
     "set_link",
     "sparse_allgather",

@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 DENSE_PIPELINE_MIN = 1 << 22
 DENSE_CHUNKS = 4
 # Allgathers of sparsync's own blocks (the metadata round, allgather's payloads, the split's second phase) on
-# up to this many ranks send each block to every peer in one round (collectives/_fold.py), beyond it by
+# up to this many ranks send each block to every peer in one round (collectives/_gather.py), beyond it by
 # recursive doubling: on few shared cores each round costs milliseconds of scheduling (docs/results_design.md).
 # (Chosen, not tuned: P - 1 concurrent messages per rank stay cheap at this size.)
 DIRECT_GATHER_MAX = 16
@@ -116,7 +116,7 @@ class Problem:
     # Values per entry: a row-sparse stream is priced as R entries of ``value_bytes`` = b·isize each;
     # the γ terms charge a row as one index plus b - 1 more values moved (``per_row``).
     row: int = 1
-    # (m, rows in the union of m ranks' inputs) estimated from the ranks' sketches (collectives/_hll.py), in
+    # (m, rows in the union of m ranks' inputs) from the ranks' HyperLogLog registers (collectives/_hll.py), in
     # increasing m from 1 to P; empty: independent uniform index sets (module doc).
     unions: tuple[tuple[float, float], ...] = ()
 
@@ -146,8 +146,8 @@ class Problem:
         return sum(math.log1p(-min(n, N - 1e-9) / N) if n < N else -1e9 for n in self.nnz) / self.world_size
 
     def union(self, m: float) -> float:
-        """Expected nnz of a sum of m ranks' streams: interpolated from ``unions`` when the ranks sent sketches
-        of their index sets, else that of independent uniform index sets."""
+        """Expected nnz of a sum of m ranks' streams: interpolated from ``unions`` when the ranks sent HyperLogLog
+        registers of their index sets, else that of independent uniform index sets."""
         if not self.unions:
             return self.dim * (1.0 - math.exp(self._log_q * m))
         pts = self.unions
@@ -245,7 +245,7 @@ def gather_latency(P: int, link: LinkModel) -> float:
 
 def gather_steps(P: int) -> int:
     """Exchange steps of a recursive-doubling allgather on P ranks: log2 of the largest power of two <= P,
-    plus the MPICH fold's 2 when P is not a power of two (collectives/_fold.py)."""
+    plus the MPICH fold's 2 when P is not a power of two (collectives/_gather.py)."""
     pof2 = 1 << (P.bit_length() - 1)
     return pof2.bit_length() - 1 + (2 if pof2 != P else 0)
 
@@ -290,10 +290,6 @@ class AlgorithmEntry:
     # Its payloads ride in the metadata round (the eager protocol, collectives/meta.py): after a call of it, calls
     # of the same signature inline payloads up to its size, and a measured fixed cost includes no data round.
     rides_metadata: bool = False
-
-    def run(self) -> Runner:
-        """The runner (``runner``)."""
-        return self.runner
 
 
 class Registry:

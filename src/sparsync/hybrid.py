@@ -66,7 +66,7 @@ class HybridConfig:
     # ranks [k·m, (k+1)·m) form machine k; None: torchrun's LOCAL_WORLD_SIZE (1 when unset: one rank per machine)
     procs_per_machine: int | None = None
     partitions: int | None = None  # per sparse table; None: one per server
-    split: str = "strided"  # rows to partitions: "strided" (row % P, spreads Zipf-hot rows) or "range"
+    split: str = "stride"  # rows to partitions: "stride" (row % P, spreads Zipf-hot rows) or "range"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)  # server-side (all tables)
     timeout: float = 60.0  # seconds per PS request
     ps_dense: bool = False  # sync: dense parameters on the servers too (the PS-only architecture)

@@ -30,7 +30,7 @@ from sparsync_bench.netem import NetNamespaces, NetSpec, describe, net_spec, par
 from sparsync_bench.report import Check
 
 if TYPE_CHECKING:
-    from sparsync.plan.partition import PartitionSearch
+    from sparsync.plan.partition_search import PartitionSearch
     from sparsync_bench.allreduce import BenchConfig
     from sparsync_bench.compress import CompressBenchConfig
     from sparsync_bench.dlrm_train import DlrmBenchConfig
@@ -388,7 +388,7 @@ def search_hybrid_partitions(
 ) -> PartitionSearch:
     """Parallax §3.2 for real: iteration times of the hybrid method on loopback for sampled partition counts,
     the fit, and the chosen count."""
-    from sparsync.plan.partition import search_partitions
+    from sparsync.plan.partition_search import search_partitions
     from sparsync_bench.hybrid import worker
 
     def measure(parts: int) -> list[float]:

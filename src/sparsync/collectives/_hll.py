@@ -1,4 +1,4 @@
-"""A HyperLogLog sketch of each rank's row ids, carried in the metadata round.
+"""HyperLogLog registers of each rank's row ids, carried in the metadata round.
 
 The cost model needs the size of sums of several ranks' streams (the union of their index sets) before any
 data moves. SparCML §4 gives each algorithm's time as a range between identical and disjoint index sets; our
@@ -7,7 +7,7 @@ gradients break that assumption: Zipf-hot rows are touched by every rank, so at 
 27,891 rows where independence predicts 49,000, and the model priced the split algorithms 1.75x too high.
 
 So every rank with a row-sparse stream adds 128 HyperLogLog registers (Flajolet et al. 2007; one byte each,
-16 int64 in the metadata row) of its row ids; the register-wise max over a group of ranks is the sketch of
+16 int64 in the metadata row) of its row ids; the register-wise max over a group of ranks are the registers of
 their union, whose estimate has a standard error of 1.04 / sqrt(128) ≈ 9%. Element streams (row 1) skip it:
 hashing millions of indices would cost more than it saves, and SparCML's uniform data is what the default
 estimate assumes.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from sparsync.collectives._fold import allgather_blocks
+from sparsync.collectives._gather import allgather_blocks
 from sparsync.collectives.comm import Comm, payload_of
 from sparsync.collectives.comm import stream_from_payload as _decode
 from sparsync.costmodel import (

@@ -10,7 +10,7 @@ from typing import Literal, NoReturn, Protocol, TypeVar, overload, runtime_check
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives._fold import allgather_fixed
+from sparsync.collectives._gather import allgather_fixed
 from sparsync.collectives.allgather import gather_streams
 from sparsync.collectives.calibrate import measure_link
 from sparsync.collectives.comm import Comm, PeerError

@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives._fold import allgather_blocks, allgather_fixed
+from sparsync.collectives._gather import allgather_blocks, allgather_fixed
 from sparsync.collectives.comm import Comm
 from sparsync.collectives.group import resolve_group
 from sparsync.collectives.meta import PARTITION_CODES, exchange_meta

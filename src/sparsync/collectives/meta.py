@@ -1,7 +1,7 @@
 """The metadata exchange every sparse collective starts with, and the cross-rank checks it makes possible.
 
 One tiny allgather of a row of int64 per rank (one round of direct sends up to ``DIRECT_GATHER_MAX`` ranks,
-recursive doubling beyond: ``_fold.allgather_var``) gives every rank every rank's nnz and format (the sizes
+recursive doubling beyond: ``_gather.allgather_var``) gives every rank every rank's nnz and format (the sizes
 "allgather" needs, the inputs "auto" needs) and lets all ranks raise the *same* ValueError for bad input on
 any rank, instead of the good ranks hanging on the bad one.
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsync.collectives import _hll
-from sparsync.collectives._fold import allgather_var
+from sparsync.collectives._gather import allgather_var
 from sparsync.collectives.comm import Comm, payload_nbytes, payload_parts
 from sparsync.collectives.group import EAGER_BYTES, group_state
 from sparsync.collectives.ops import op_code, op_name, register_op, text_key
@@ -91,7 +91,7 @@ class Meta:
     eager: tuple[torch.Tensor, ...] | None = None
     sizes: tuple[int, ...] = ()  # every rank's payload bytes
     signature: tuple[int, int, int] = (0, 1, 0)  # (dim, row, dtype code) of the call
-    # (m, estimated rows in the union of m ranks' inputs) from the ranks' HyperLogLog sketches, when every
+    # (m, estimated rows in the union of m ranks' inputs) from the ranks' HyperLogLog registers, when every
     # rank sent a sparse row stream (collectives/_hll.py); empty otherwise.
     unions: tuple[tuple[float, float], ...] = ()
 
@@ -171,13 +171,13 @@ def _pad8(n: int) -> int:
 
 
 def allgather_rows(
-    comm: Comm, row: torch.Tensor, eager: list[torch.Tensor] | None = None, sketch: torch.Tensor | None = None
+    comm: Comm, row: torch.Tensor, eager: list[torch.Tensor] | None = None, hll: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """Allgather every rank's int64 ``row`` (at most ``len(_F)`` columns, zero-padded) plus the bytes of
     ``eager`` (uint8 pieces, written one after the other: ``payload_parts`` of a stream).
 
     Every metadata round on a group goes through here, whatever the operation (the replicator's primitives
-    included). ``sketch``: HyperLogLog registers of the row ids. Returns the [P, ROW_BYTES / 8] table and
+    included). ``hll``: HyperLogLog registers of the row ids. Returns the [P, ROW_BYTES / 8] table and
     each rank's inline payload (empty when it sent none).
     """
     if row.dtype != torch.int64 or row.dim() != 1 or row.numel() > _INLINE:
@@ -189,8 +189,8 @@ def allgather_rows(
     words = buf[:ROW_BYTES].view(torch.int64)
     words[: row.numel()] = row
     words[_INLINE] = n
-    if sketch is not None:
-        words[len(_F) :] = _hll.words(sketch)
+    if hll is not None:
+        words[len(_F) :] = _hll.words(hll)
     off = ROW_BYTES
     for piece in eager or ():  # one copy of the payload, into the message
         buf[off : off + piece.numel()] = piece
@@ -268,15 +268,15 @@ def exchange_meta(
     )
     mine = payload_nbytes(stream.is_dense, stream.nrows, stream.dim, stream.dtype, stream.row)
     limit = group_state(comm.group).eager_limits.get(sig, EAGER_BYTES)
-    # Only "auto" reads the sketches (every rank agrees on the algorithm, checked below): forced calls skip them.
+    # Only "auto" reads the registers (every rank agrees on the algorithm, checked below): forced calls skip them.
     # At P = 2 the union cannot change the choice: allgather sends k rows, a split at least (k + U)/2 >= k.
-    sketch = None
+    hll = None
     if algorithm == "auto" and stream.row > 1 and stream.indices is not None and comm.size > 2:
-        sketch = _hll.registers(stream.indices)
+        hll = _hll.registers(stream.indices)
     # A device payload small enough to ride along is copied to the host with the row (at most EAGER_MAX bytes:
     # the row's own round trip dominates such a call anyway; transport.py).
     inline = [p.cpu() for p in payload_parts(stream)] if mine <= limit else None
-    table, blocks = allgather_rows(comm, row, inline, sketch)
+    table, blocks = allgather_rows(comm, row, inline, hll)
     if not _all_clear(table):  # one vectorized test; the detailed checks name what went wrong
         raise_refusals(table, blocks, comm.rank)
         _check(table, comm.rank)

@@ -4,7 +4,7 @@ In round t every rank exchanges its partial sum with the rank 2^(t-1) away and a
 switching to the dense format when the sum fills up (§3). log2(P) rounds: latency-optimal, and the bandwidth
 term ranges from log2(P)·k·βs (identical index sets) to (P-1)·k·βs (disjoint ones).
 
-Non-power-of-two P: MPICH fold (see ``_fold``). Every rank ends with a bitwise identical result: each round
+Non-power-of-two P: MPICH fold (see ``_gather.Fold``). Every rank ends with a bitwise identical result: each round
 adds the same two operands on both partners, and float addition of two operands commutes.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from sparsync.collectives._fold import Fold
+from sparsync.collectives._gather import Fold
 from sparsync.collectives.comm import Comm, exchange_stream
 from sparsync.costmodel import AlgorithmEntry, LinkModel, Problem, sum_cost, terms
 from sparsync.stream import SparseStream, add

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sparsync.collectives._fold import allgather_blocks, allgather_fixed, allgather_var
+from sparsync.collectives._gather import allgather_blocks, allgather_fixed, allgather_var
 from sparsync.collectives.comm import (
     FRAME_BYTES,
     Comm,

@@ -26,7 +26,7 @@ from sparsync.compress.identity import Identity
 from sparsync.compress.memory import ErrorFeedback, Memory
 from sparsync.compress.qsgd import QSGD
 from sparsync.compress.randomk import RandomK
-from sparsync.compress.reduce import compressed_allreduce, reduce
+from sparsync.compress.reduce import compressed_allreduce
 from sparsync.compress.registry import COMPRESSORS, REGISTRY, compressor_class, from_spec, make, register
 from sparsync.compress.sketch import SparseSketch
 from sparsync.compress.sparsifier import Sparsifier
@@ -64,6 +64,5 @@ __all__ = [
     "compressor_class",
     "from_spec",
     "make",
-    "reduce",
     "register",
 ]

@@ -5,7 +5,6 @@ aggregate -> decompress (the compressor's ``Aggregator``). Nothing here depends 
 from __future__ import annotations
 
 import time
-import warnings
 from typing import Any, Literal, overload
 
 import torch
@@ -131,17 +130,6 @@ def compressed_allreduce(
     )  # fmt: skip
     # ... then aggregate -> decompress, as the compressor's aggregator does it
     return local.aggregator.aggregate(call, local.payload)
-
-
-def reduce(tensor: torch.Tensor, compressor: base.Compressor, **kwargs: Any) -> Any:
-    """Deprecated: the old name of ``compressed_allreduce`` (every rank gets the result: an allreduce, not a
-    reduce to one rank). Same arguments and result; warns ``DeprecationWarning``."""
-    warnings.warn(
-        "sparsync.reduce is deprecated; use sparsync.compressed_allreduce (same arguments)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return compressed_allreduce(tensor, compressor, **kwargs)
 
 
 def _check_input(tensor: Any, compressor: Any, memory: Memory | None, name: str, inplace: bool) -> None:

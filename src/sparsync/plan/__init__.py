@@ -5,7 +5,7 @@ partition search for the parameter server (``partition``: §3.2)."""
 from sparsync.placement.embeddings import embedding_modules
 from sparsync.plan.detect import ParamStats, RowFractionMeter, sparse_param_names
 from sparsync.plan.kinds import PLAN_KINDS, Estimate, PlacementKind, ServerModel, machine_row_fraction
-from sparsync.plan.partition import PartitionSearch, fit_iteration_time, search_partitions
+from sparsync.plan.partition_search import PartitionSearch, fit_iteration_time, search_partitions
 from sparsync.plan.planner import (
     PLACEMENTS,
     Cluster,

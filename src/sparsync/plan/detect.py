@@ -101,6 +101,3 @@ class RowFractionMeter:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
-
-AlphaMeter = RowFractionMeter  # the old name (α is the paper's symbol; the field is row_fraction)

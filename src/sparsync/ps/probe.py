@@ -46,7 +46,7 @@ def measure_server(
     servers = client.num_servers
     table = PSTable(client, f"{name}:{rows}x{dim}", max(rows * world, servers), dim, mode="async")
     table.create().wait()
-    one = np.arange(servers)  # strided partitions: row p lives on server p
+    one = np.arange(servers)  # stride split: row p lives on server p
     mine = np.arange(rank * rows, (rank + 1) * rows) if rows * world >= servers else np.arange(rows)
 
     def timed(pull: Callable[[], object]) -> float:

@@ -1,5 +1,5 @@
 """One partition of one sparse table on a server: rows lo, lo + stride, ... below hi (a contiguous range when
-stride is 1, every stride-th row of a strided split), its optimizer state, the sync accumulator, and the
+stride is 1, every stride-th row of a stride split), its optimizer state, the sync accumulator, and the
 checkpoint file of a server's partitions.
 
 Sync mode is Parallax §5's chief-triggered update: every pusher's gradient for step s is accumulated, and
@@ -45,7 +45,7 @@ class ShardConfig:
     mode: str = "sync"  # "sync" (chief-triggered apply) or "async" (apply each push at once)
     pushers: int = 1  # sync: pushes that make one step
     divisor: float = 1.0  # the summed gradient is divided by it: 1 = sum, number of workers = mean
-    stride: int = 1  # rows lo, lo + stride, ... below hi: 1 for a range split, the partition count if strided
+    stride: int = 1  # rows lo, lo + stride, ... below hi: 1 for a range split, the partition count if stride
 
     def __post_init__(self) -> None:
         # A CREATE from the wire lands here: every field is checked for type and range before a server uses it.

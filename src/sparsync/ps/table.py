@@ -3,7 +3,7 @@
 Two splits of R rows into P partitions; partition p lives on server (first_server + p) mod S, so partitions
 spread evenly over the servers (one per machine):
 
-- ``strided`` (default): partition p holds rows p, p + P, p + 2P, ...; with P a multiple of S, row r lives on
+- ``stride`` (default): partition p holds rows p, p + P, p + 2P, ...; with P a multiple of S, row r lives on
   server r mod S. Zipf-distributed ids make the low rows the hot ones; striding spreads them over every server
   instead of piling them on server 0, which a range split does (Parallax §3.2 partitions to balance load).
 - ``range``: partition p holds rows [p·⌈R/P⌉, (p+1)·⌈R/P⌉).
@@ -33,7 +33,7 @@ from sparsync.ps.optim import coalesce as coalesce_rows
 from sparsync.ps.shard import MODES, ShardConfig
 from sparsync.ps.wire import Header, Op
 
-SPLITS = ("strided", "range")
+SPLITS = ("stride", "range")
 
 T = TypeVar("T")
 
@@ -92,7 +92,7 @@ class PSTable:
         mode: str = "sync",
         pushers: int = 1,
         divisor: float = 1.0,
-        split: str = "strided",
+        split: str = "stride",
         first_server: int = 0,
     ) -> None:
         if rows < 1 or dim < 1:
@@ -113,7 +113,7 @@ class PSTable:
         opt = optimizer or OptimizerConfig()
 
         def bounds(p: int) -> tuple[int, int, int]:  # lo, hi, stride
-            if split == "strided":
+            if split == "stride":
                 return p, rows, P
             return min(p * self.chunk, rows), min((p + 1) * self.chunk, rows), 1
 
@@ -130,7 +130,7 @@ class PSTable:
 
     def _split(self, rows: np.ndarray) -> list[np.ndarray]:
         """Positions into ``rows`` per partition."""
-        part = rows % self.partitions if self.split == "strided" else rows // self.chunk
+        part = rows % self.partitions if self.split == "stride" else rows // self.chunk
         order = np.argsort(part, kind="stable")
         bounds = np.searchsorted(part[order], np.arange(self.partitions + 1))
         return [order[bounds[p] : bounds[p + 1]] for p in range(self.partitions)]

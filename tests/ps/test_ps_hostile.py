@@ -2,7 +2,7 @@
 that declare gigabytes, unauthenticated clients, random frames (hypothesis), corrupt checkpoints. The server must
 stay alive, refuse with an error that names the bad field or value, and keep its memory bounded.
 
-The figures in docs/reliability.md come from ``pytest -q tests/test_ps_hostile.py -s`` (it prints them)."""
+The figures in docs/reliability.md come from ``pytest -q tests/ps/test_ps_hostile.py -s`` (it prints them)."""
 
 from __future__ import annotations
 

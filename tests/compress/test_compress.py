@@ -940,22 +940,6 @@ def test_reduce_rejects_bad_arguments(
         sparsync.compressed_allreduce(*args, **kwargs)  # type: ignore[call-overload]
 
 
-def test_reduce_is_a_deprecated_alias_of_compressed_allreduce() -> None:
-    import sparsync
-
-    with pytest.warns(DeprecationWarning, match="compressed_allreduce"), pytest.raises(TypeError, match="Tensor"):
-        sparsync.reduce([1.0, 2.0], Identity())  # type: ignore[arg-type]  # forwarded: the same argument check
-    assert sparsync.compress.reduce is sparsync.reduce
-
-
-def test_hooks_old_module_name_is_the_same_hook() -> None:
-    import sparsync.compress.hooks
-    import sparsync.hooks
-
-    assert sparsync.hooks.compression_hook is sparsync.compress.hooks.compression_hook
-    assert sparsync.compress.compression_hook is sparsync.compress.hooks.compression_hook
-
-
 def test_hook_needs_a_module_for_memory() -> None:
     from sparsync.compress.hooks import compression_hook
 

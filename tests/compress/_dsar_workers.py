@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_dsar_quantized.py (``launch`` unpickles workers by qualified name).
+"""Rank functions for tests/compress/test_dsar_quantized.py (``launch`` unpickles workers by qualified name).
 
 Inputs are deterministic functions of (rank, case) with small integer values, so every partial sum is exact
 and the parent rebuilds each rank's quantization noise bit for bit.

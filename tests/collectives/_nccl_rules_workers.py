@@ -1,4 +1,4 @@
-"""Workers of tests/test_nccl_rules.py: calls NCCL would refuse, made under ``NcclRules`` on 2 gloo ranks."""
+"""Workers of test_nccl_rules.py: calls NCCL would refuse, made under ``NcclRules`` on 2 gloo ranks."""
 
 from __future__ import annotations
 

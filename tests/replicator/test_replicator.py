@@ -348,7 +348,7 @@ def test_same_script_under_torchrun() -> None:
     import re
     from pathlib import Path
 
-    from test_torchrun import run_torchrun
+    from _torchrun import run_torchrun
 
     stdout = run_torchrun(Path(__file__).with_name("_replicator_torchrun.py"))
     got = re.findall(r"replica (\d)/(\d) sum=(\d+) w=(-?\d+\.\d{6})", stdout)  # lines may interleave

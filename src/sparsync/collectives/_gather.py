@@ -1,4 +1,5 @@
-"""Recursive doubling on any world size, folding the extra ranks as MPICH does.
+"""Allgathers of sparsync's blocks (fixed and variable sizes), and the fold that runs recursive doubling on any
+world size as MPICH does.
 
 SparCML §4 assumes P is a power of two. For other P we use MPICH's scheme (Thakur & Gropp 2003): with
 P' = 2^floor(log2 P) and r = P - P', each even rank below 2r hands its data to the odd rank above it and sits

@@ -58,7 +58,7 @@ _LAUNCHERS = {
 def test_killed_launcher_leaves_no_rank_running(tmp_path: Path, how: str, sig: signal.Signals) -> None:
     """Before the reliability work every rank kept running after either signal (3 of 3 runs)."""
     script = (
-        f"import sys; sys.path.insert(0, {str(TESTS)!r})\n"
+        f"import sys; sys.path[:0] = [{str(TESTS)!r}, {str(TESTS.parent)!r}]\n"
         "import _pids\n"
         "from sparsync import launch\n"
         "from sparsync.replicator import Replicator\n"

@@ -307,7 +307,7 @@ def test_async_applies_each_push_at_once(two: list[ServerProcess]) -> None:
         assert t.pull(torch.tensor([3])).wait().tolist() == [[-2.0, -2.0]]
 
 
-@pytest.mark.parametrize("split", ["strided", "range"])
+@pytest.mark.parametrize("split", ["stride", "range"])
 @pytest.mark.parametrize("partitions", [2, 3])
 def test_pull_push_apply_equal_numpy_reference(two: list[ServerProcess], split: str, partitions: int) -> None:
     rows, dim, lr = 23, 3, 0.5
@@ -336,7 +336,7 @@ def test_pull_push_apply_equal_numpy_reference(two: list[ServerProcess], split: 
         np.testing.assert_allclose(t.read_all().numpy(), ref, rtol=1e-5, atol=1e-6)
 
 
-def test_strided_split_spreads_low_rows_over_servers() -> None:
+def test_stride_split_spreads_low_rows_over_servers() -> None:
     with PSClient(["tcp://127.0.0.1:1", "tcp://127.0.0.1:2"], timeout=1) as c:
         for P in (2, 4):
             t = PSTable(c, "s", 100, 1, partitions=P)
@@ -351,7 +351,7 @@ def test_strided_split_spreads_low_rows_over_servers() -> None:
             PSTable(c, "x", 10, 1, split="cyclic")
 
 
-@pytest.mark.parametrize("split", ["strided", "range"])
+@pytest.mark.parametrize("split", ["stride", "range"])
 def test_checkpoint_and_restart_resume_tables_and_optimizer_state(tmp_path: object, split: str) -> None:
     sv = start_servers(2, checkpoint_dir=str(tmp_path), wait_timeout=5.0)
     rows, dim = 30, 4

@@ -15,7 +15,7 @@ from test_readme import BLOCKS
 from sparsync_bench.cluster import run_cluster
 from sparsync_bench.netem import NetSpec
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [
     pytest.mark.netns,
     pytest.mark.multiprocess,
@@ -35,7 +35,7 @@ def _cluster(argv: list[str], cwd: Path, max_restarts: int = 0) -> list[str]:
 
 
 def test_topology_and_hierarchical_allreduce_under_torchrun(tmp_path: Path) -> None:
-    out = _cluster([str(ROOT / "tests" / "_cluster_script.py")], tmp_path)
+    out = _cluster([str(ROOT / "tests" / "bench" / "_cluster_script.py")], tmp_path)
     found = {}
     for host, text in enumerate(out):
         # (True|False): two processes of a host share its stdout, and their lines can run together

@@ -19,7 +19,7 @@ import pytest
 from sparsync import CommLog, CommRecord, launch
 from sparsync.costmodel import Decision
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 # Event phases of the trace-event format and the fields each needs beyond name/ph/pid/tid/ts.
 PHASE_FIELDS: dict[str, tuple[str, ...]] = {

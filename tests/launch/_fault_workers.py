@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_faults.py (module-level, so spawned ranks can unpickle them)."""
+"""Rank functions for tests/launch/test_faults.py (module-level, so spawned ranks can unpickle them)."""
 
 from __future__ import annotations
 

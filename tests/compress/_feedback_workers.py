@@ -1,4 +1,4 @@
-"""Worker of tests/test_feedback_invariant.py: error feedback's promise through compressed_allreduce over many
+"""Worker of test_feedback_invariant.py: error feedback's promise through compressed_allreduce over many
 steps, Σ(results) + Σ(final residuals) = Σ(gradients), on every rank's data."""
 
 from __future__ import annotations

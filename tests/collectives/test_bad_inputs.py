@@ -9,7 +9,7 @@ an expected failure (``pytest.xfail``) with the defect as the reason (docs/relia
 with a reproduction) only while they fail exactly as ``KNOWN`` records: a crash, a hang or a fix fails the test,
 and a fix says to remove the case from ``DEFECTS``.
 
-Run ``python tests/test_bad_inputs.py`` to print the report table of docs/reliability_collectives.md.
+Run ``python tests/collectives/test_bad_inputs.py`` to print the report table of docs/reliability_collectives.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Workers of tests/test_trace.py: a few small sparsync calls of each kind, under torch.profiler and under
+"""Workers of test_trace.py: a few small sparsync calls of each kind, under torch.profiler and under
 ``sparsync.trace``."""
 
 from __future__ import annotations

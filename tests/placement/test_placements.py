@@ -240,7 +240,7 @@ def test_trainer_names_bad_placements() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_async_error_feedback_example() -> None:
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, str(root / "examples" / "async_error_feedback.py")],
                           capture_output=True, text=True, timeout=240, env=env)  # fmt: skip

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from sparsync.plan.partition import fit_iteration_time, search_partitions
+from sparsync.plan.partition_search import fit_iteration_time, search_partitions
 
 
 def _noisy_iteration_time(

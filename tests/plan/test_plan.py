@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from sparsync.plan import ServerModel
-from sparsync.plan.detect import AlphaMeter, ParamStats, RowFractionMeter, sparse_param_names
+from sparsync.plan.detect import ParamStats, RowFractionMeter, sparse_param_names
 from sparsync.plan.planner import Cluster, candidates, make_plan, zipf_row_fraction
 from sparsync_bench.cli import main
 from sparsync_bench.lm import lm_stats
@@ -35,7 +35,6 @@ def test_detects_sparse_parameters_and_measures_alpha() -> None:
     m = Model()
     assert sparse_param_names(m) == ["emb.weight", "bag.weight"]
     meter = RowFractionMeter(m)
-    assert AlphaMeter is RowFractionMeter  # the old name still works
     xs = [torch.tensor([[0, 1, 1, 2]]), torch.tensor([[3, 3, 3, 3]])]
     for x in xs:
         m(x).sum().backward()

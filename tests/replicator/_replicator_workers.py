@@ -119,7 +119,7 @@ def _dp_run(ctx: ReplicaContext, mode: str, plan_kind: str) -> dict[str, Any]:
     lr = LR
     if plan_kind == "explicit":
         plan = {"emb.weight": SparseAllreduce("ssar_split_allgather"), "fc1.weight": CustomReduce(_dense_sum)}
-    elif plan_kind == "compressed":  # lossless compressors through sparsync.reduce, with error feedback
+    elif plan_kind == "compressed":  # lossless compressors by compressed_allreduce, with error feedback
         memory = ErrorFeedback()
         plan = {
             "emb.weight": Compressed(TopK(1.0), memory),  # COO in: keeps every stored row entry

@@ -336,7 +336,7 @@ def test_qsgd_pipelined_reduce_scatter_over_segments(P: int) -> None:
     """Several pipeline segments (qsgd_allreduce.segments; the other tests fit in one): every rank gets
     bitwise ``simulate``'s sum; sync (encoded while sending), async (encoded first) and a pre-encoded payload
     agree bit for bit; the average is the sum's scales / P; at P = 1 the sum is the input itself. (With error
-    feedback the reduce-scatter is refused: tests/test_feedback_invariant.py.)"""
+    feedback the reduce-scatter is refused: tests/compress/test_feedback_invariant.py.)"""
     assert len(segments(QSGD(bucket=512), cw.PIPELINE_N)) == 3
     res = launch(cw.pipeline_worker, nprocs=P, timeout=180)
     q = QSGD(bits=4, bucket=512, aggregation="reduce_scatter")
