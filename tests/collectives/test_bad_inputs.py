@@ -5,11 +5,11 @@ The table of cases is ``_bad_input_workers.CASES`` (sparse_allreduce with every 
 allreduce of dense and COO tensors, grouped_allreduce, reduce with compressors, the ReplicaContext primitives);
 all of them run in one launch of 3 gloo ranks (a module-scoped fixture), each on a fresh group, and each case's
 assertions are one parametrized test over the recorded results. Cases the code does not handle today are
-an expected failure (``pytest.xfail``) with the defect as the reason (docs/reliability_collectives.md lists them
+an expected failure (``pytest.xfail``) with the defect as the reason (docs/reliability.md lists them
 with a reproduction) only while they fail exactly as ``KNOWN`` records: a crash, a hang or a fix fails the test,
 and a fix says to remove the case from ``DEFECTS``.
 
-Run ``python tests/collectives/test_bad_inputs.py`` to print the report table of docs/reliability_collectives.md.
+Run ``python tests/collectives/test_bad_inputs.py`` to print the report table of docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ def test_bad_input(records: Records, name: str) -> None:
     assert not found, "\n".join(found)
 
 
-# --- the report (docs/reliability_collectives.md) -----------------------------------------------------------
+# --- the report (docs/reliability.md) -----------------------------------------------------------
 def outcome(case: bw.Case, recs: list[dict[str, Any]]) -> tuple[str, str]:
     """(error on every rank, verdict) for the report."""
     kinds = [r.get("kind", "missing") for r in recs]

@@ -86,6 +86,9 @@ class TwoLayers(nn.Module):
         for name in (first, "b" if first == "a" else "a"):
             self.add_module(name, nn.Linear(3, 3, bias=False))
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.z(x).sum() + 2 * self.a(x).sum() + 3 * self.b(x).sum()
+
 
 def swapped_optimizer(plan_kind: str) -> Callable[..., Any]:
     """DistributedOptimizer over a model whose two same-shape layers are registered in another order on rank 1,
@@ -112,6 +115,22 @@ def swapped_optimizer(plan_kind: str) -> Callable[..., Any]:
     return run
 
 
+def swapped_hook(rank: int, g: dist.ProcessGroup) -> Any:
+    """DDP with sparsync's compression hook (FP16: reduced per parameter, under its name) over a model whose two
+    same-shape layers are registered in another order on rank 1: the hook must refuse the swap. DDP surfaces
+    the hook's error from backward() as a RuntimeError carrying its message."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from sparsync.compress.hooks import compression_hook
+
+    torch.manual_seed(0)
+    model = TwoLayers("b" if rank == 1 else "a")
+    ddp = DistributedDataParallel(model, process_group=g)
+    ddp.register_comm_hook(None, compression_hook(FP16(), module=ddp, group=g))
+    ddp(torch.ones(2, 3) * (rank + 1)).backward()
+    return {n: p.grad.sum().item() for n, p in sorted(model.named_parameters()) if p.grad is not None}
+
+
 def ctx(group: dist.ProcessGroup) -> ReplicaContext:
     return bad_inputs_ctx(group, TIMEOUT)
 
@@ -133,6 +152,10 @@ def swapped_primitive(kind: str) -> Callable[..., Any]:
                 out.append(t.grad.tolist() if t.grad is not None else None)
             elif kind == "all_gather":
                 out.append(c.all_gather(vals[name], name=name).tolist())
+            elif kind == "map_reduce":
+                out.append(c.map_reduce(lambda v: 2 * v, vals[name], name=name).tolist())
+            elif kind == "map_gather":
+                out.append(c.map_gather(lambda v: 2 * v, vals[name], name=name).tolist())
             else:
                 out.append(c.broadcast(vals[name], 0, name=name).tolist())
         return out
@@ -163,10 +186,13 @@ CASES: dict[str, Callable[..., Any]] = {
     "reduce_fp16_chunked": swapped_reduce("fp16", n=MIN_VALUES),
     "optimizer_compressed": swapped_optimizer("compressed"),
     "optimizer_compressed_bucket": swapped_optimizer("bucket"),
+    "hook_fp16": swapped_hook,
     "primitive_all_sum": swapped_primitive("all_sum"),
     "primitive_all_reduce_autograd": swapped_primitive("all_reduce_autograd"),
     "primitive_all_gather": swapped_primitive("all_gather"),
     "primitive_broadcast": swapped_primitive("broadcast"),
+    "primitive_map_reduce": swapped_primitive("map_reduce"),
+    "primitive_map_gather": swapped_primitive("map_gather"),
     "nan_reduce_identity": nan_reduce(Identity),
     "nan_reduce_fp16": nan_reduce(FP16),
     "nan_reduce_bf16_chunked": nan_reduce(BF16, n=MIN_VALUES),

@@ -39,6 +39,14 @@ def test_swapped_named_calls_raise_on_every_rank(results: Results, case: str) ->
     _raised_everywhere(results, case, r"name mismatch")
 
 
+def test_ddp_hook_refuses_swapped_parameters_on_every_rank(results: Results) -> None:
+    """The DDP compression hook reduces each gradient under its parameter's name: a rank whose two same-shape
+    layers are registered in another order raises on every rank (DDP re-raises the hook's ValueError from
+    backward() as a RuntimeError with its message) instead of summing one layer's gradient into the other's."""
+    got = [r["hook_fp16"] for r in results]
+    assert all(kind in ("ValueError", "RuntimeError") and "name mismatch" in msg for kind, msg in got), got
+
+
 @pytest.mark.parametrize("case", [c for c in nw.CASES if c.startswith("nan_")])
 def test_nan_never_reaches_a_rank_that_asked_for_the_check(results: Results, case: str) -> None:
     """NaN on rank 1 with check_nan=False there, True elsewhere: every rank raises (the ranks disagree about

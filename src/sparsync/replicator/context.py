@@ -128,13 +128,13 @@ class ReplicaContext:
 
         return self._apply(value, lambda t, s: prim.broadcast(self._env, t, s, source, name), "broadcast", check)
 
-    def map_reduce(self, fn: Callable[[Any], Any], value: Any, op: str = "sum") -> Any:
+    def map_reduce(self, fn: Callable[[Any], Any], value: Any, op: str = "sum", *, name: str | None = None) -> Any:
         """reduce over replicas r of ``fn(value_r)``: each replica maps its own value, one collective reduces."""
-        return self.all_reduce(fn(value), op)
+        return self.all_reduce(fn(value), op, name=name)
 
-    def map_gather(self, fn: Callable[[Any], Any], value: Any) -> Any:
+    def map_gather(self, fn: Callable[[Any], Any], value: Any, *, name: str | None = None) -> Any:
         """[fn(value_0), ..., fn(value_{R-1})] stacked along a leading ``num_replicas`` dimension."""
-        return self.all_gather(fn(value))
+        return self.all_gather(fn(value), name=name)
 
     # --- input (§3.2) -----------------------------------------------------------------------------------------
     def per_replica_batch_size(self, global_batch: int) -> int:
