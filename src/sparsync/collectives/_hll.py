@@ -3,8 +3,8 @@
 The cost model needs the size of sums of several ranks' streams (the union of their index sets) before any
 data moves. SparCML §4 gives each algorithm's time as a range between identical and disjoint index sets; our
 default point estimate assumes independent uniform index sets (``costmodel.Problem.union``). Embedding
-gradients break that assumption: Zipf-hot rows are touched by every rank, so at P = 8, Zipf 1.3 the union was
-27,891 rows where independence predicts 49,000, and the model priced the split algorithms 1.75x too high.
+gradients break that assumption: Zipf-hot rows are touched by every rank, so the union is far smaller than
+independence predicts and the split algorithms were priced too high (figures: docs/results_embedding.md).
 
 So every rank with a row-sparse stream adds 128 HyperLogLog registers (Flajolet et al. 2007; one byte each,
 16 int64 in the metadata row) of its row ids; the register-wise max over a group of ranks are the registers of

@@ -1,7 +1,7 @@
 """What a parameter-server step costs, measured: the planner's price for the ``ps`` placement when the servers
 run (``plan.ServerModel``), instead of the α-β model's six latencies and bytes, which leave out the request
 path (the client's thread, ZeroMQ, the server's Python loop) and the servers' CPU when they share the workers'
-cores. On the demo's loopback that model predicted 2.97 ms per step against 20-41 ms measured.
+cores (docs/results_demo.md: the model's price was an order of magnitude low on loopback).
 
 Every rank of ``group`` pulls at once, as a sync step does: first one row from every server (a request's round
 trip: the fixed cost), then ``rows`` rows of ``dim`` float32 (the per-byte cost, the round trip subtracted).
