@@ -136,17 +136,19 @@ def _ddp_run(rank: int, spec: str | None, sparse: bool, steps: int) -> list[np.n
     return [p.detach().numpy().copy() for p in model.parameters()]
 
 
-def hook_overlap_worker(rank: int, async_op: bool, delay: float, steps: int) -> list[dict[str, Any]]:
-    """DDP with the identity hook, one bucket per parameter; rank 1 sleeps ``delay`` s before each of its hook
-    calls, so that rank 0's reductions stay in flight at least that long. Rank 0 returns one row per hook call:
-    step, bucket index, the seconds the call took, whether its future was done when it returned, when the call
-    began and when its future completed (``time.perf_counter``)."""
+def hook_overlap_worker(
+    rank: int, async_op: bool, delay: float, steps: int, spec: str = "identity"
+) -> list[dict[str, Any]]:
+    """DDP with the hook of ``spec`` (default identity), one bucket per parameter; rank 1 sleeps ``delay`` s
+    before each of its hook calls, so that rank 0's reductions stay in flight at least that long. Rank 0 returns
+    one row per hook call: step, bucket index, the seconds the call took, whether its future was done when it
+    returned, when the call began and when its future completed (``time.perf_counter``)."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
     ddp = DistributedDataParallel(model, bucket_cap_mb=1e-6)
-    real = compression_hook(from_spec("identity"), module=ddp, async_op=async_op)
+    real = compression_hook(from_spec(spec), module=ddp, async_op=async_op)
     calls: list[dict[str, Any]] = []
     step = 0
 
@@ -447,4 +449,143 @@ def ef_worker(rank: int, steps: int) -> dict[str, Any]:
             out[key] = rows
         except Exception:
             out[key] = traceback.format_exc()
+    return out
+
+
+# --- the hook's fused path for buckets of sparsifiers --------------------------------------------------------
+FUSED_STEPS = 4
+
+
+def _fused_model() -> torch.nn.Module:
+    """Six dense parameters, one DDP bucket (DDP's default 25 MB cap)."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 20), torch.nn.ReLU(), torch.nn.Linear(20, 10), torch.nn.ReLU(), torch.nn.Linear(10, 3)
+    )
+
+
+def fused_hook_worker(rank: int, specs: tuple[str, ...], steps: int) -> dict[str, Any]:
+    """For each spec, a few SGD steps of a DDP model through the hook with error feedback, recording each hook
+    call's bucket (members' names, gradients as they came in, the reduced buffer), the hook's CommRecords and
+    its residuals; then the same gradients through ``compressed_allreduce`` one parameter at a time with a
+    fresh compressor and memory (the per-parameter path), its results and residuals. A spec "mixed:<spec>"
+    sends the first parameter by Identity (``plan=``). Errors come back as text."""
+    out: dict[str, Any] = {}
+    for spec in specs:
+        try:
+            out[spec] = _fused_run(rank, spec, steps)
+        except Exception:
+            out[spec] = traceback.format_exc()
+    return out
+
+
+def _fused_run(rank: int, spec: str, steps: int) -> dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    from sparsync.compress import Identity
+    from sparsync.record import CommLog
+
+    mixed = spec.startswith("mixed:")
+    comp_spec = spec.removeprefix("mixed:")
+    ddp = DistributedDataParallel(_fused_model())
+    names = {id(p): n for n, p in ddp.named_parameters()}
+    plan = {next(iter(names.values())): Identity()} if mixed else None
+    comp, mem, log = from_spec(comp_spec), ErrorFeedback(), CommLog()
+    real = compression_hook(comp, mem, module=ddp, log=log, plan=plan)
+    calls: list[dict[str, Any]] = []
+
+    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        row: dict[str, Any] = {
+            "names": [names[id(p)] for p in bucket.parameters()],
+            "grads": [g.detach().clone() for g in bucket.gradients()],
+        }
+        calls.append(row)
+
+        def reduced(f: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            row["out"] = f.value().clone().numpy()
+            return f.value()
+
+        return real(state, bucket).then(reduced)
+
+    hook.__annotations__ = real.__annotations__  # DDP reads them
+    ddp.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(steps):
+        loss = (ddp(torch.randn(8, 6, generator=gen)) - 1).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    residuals = {n: e.numpy() for n in mem.names() if (e := mem.error(n)) is not None}
+    # the per-parameter path on the same gradients
+    pcomp, pmem = from_spec(comp_spec), ErrorFeedback()
+    per_param = []
+    for row in calls:
+        res = [
+            sparsync.compressed_allreduce(g, pcomp, memory=pmem, name=n).reshape(-1)
+            for n, g in zip(row["names"], row["grads"], strict=True)
+        ]
+        per_param.append(torch.cat(res).numpy())
+    return {
+        "calls": [{"names": c["names"], "grads": [g.numpy() for g in c["grads"]], "out": c["out"]} for c in calls],
+        "records": [(r.op, r.dim) for r in log.records],
+        "residuals": residuals,
+        "per_param": per_param,
+        "per_param_residuals": {n: e.numpy() for n in pmem.names() if (e := pmem.error(n)) is not None},
+    }
+
+
+class _FakeBucket(_Bucket):
+    """A bucket with parameters and gradients (views of the buffer), as the hook reads them."""
+
+    def __init__(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
+        super().__init__(torch.cat([g.reshape(-1) for g in grads]))
+        self._params = params
+        self._grads, offset = [], 0
+        for g in grads:
+            self._grads.append(self._buffer[offset : offset + g.numel()].view(g.shape))
+            offset += g.numel()
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return self._params
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self._grads
+
+
+def fused_bucket_worker(rank: int, case: str) -> dict[str, Any]:
+    """The hook on hand-made buckets of a two-layer model. ``swap``: rank 1's bucket lists the two weights
+    in the other order (same shapes, so only the names tell); returns the error each rank's future raised.
+    ``zeros``: all-zero gradients (an empty selection for Threshold, k zeros for TopK), three steps each;
+    returns the buffers and the records."""
+    from sparsync.compress import Threshold, TopK
+    from sparsync.record import CommLog
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    w0, b0, w1, b1 = model.parameters()
+    out: dict[str, Any] = {}
+    if case == "swap":
+        hook = compression_hook(Threshold(0.25), ErrorFeedback(), module=model)
+        params = [w1, b0, w0, b1] if rank == 1 else [w0, b0, w1, b1]
+        grads = [torch.full(tuple(p.shape), float(rank + 1 + i)) for i, p in enumerate(params)]
+        try:
+            hook(None, _FakeBucket(list(params), grads)).wait()
+            out["error"] = ""
+        except Exception as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+        # the group is still in step: a good bucket goes through after the refused one (a fresh hook: the first
+        # one's residuals and thresholds hold what the refused call selected)
+        ok = [torch.ones(tuple(p.shape)) for p in (w0, b0, w1, b1)]
+        hook = compression_hook(Threshold(0.25), ErrorFeedback(), module=model)
+        out["after"] = hook(None, _FakeBucket([w0, b0, w1, b1], ok)).wait().numpy()
+        return out
+    for comp in (Threshold(0.25, lifespan=2), TopK(0.25)):
+        log = CommLog()
+        hook = compression_hook(comp, ErrorFeedback(), module=model, log=log)
+        bufs = []
+        for _ in range(3):
+            zeros = [torch.zeros(tuple(p.shape)) for p in (w0, b0, w1, b1)]
+            bufs.append(hook(None, _FakeBucket([w0, b0, w1, b1], zeros)).wait().numpy())
+        out[type(comp).__name__] = {"bufs": bufs, "nnz_in": [r.nnz_in for r in log.records]}
     return out

@@ -227,12 +227,14 @@ def test_ddp_identity_hook_equals_no_hook() -> None:
             assert np.array_equal(a, b)
 
 
-def test_ddp_hook_never_blocks_the_autograd_thread() -> None:
+@pytest.mark.parametrize("spec", ["identity", "threshold:ratio=0.1"])
+def test_ddp_hook_never_blocks_the_autograd_thread(spec: str) -> None:
     """DDP's overlap kept: the hook returns its future while the bucket is still on the wire, and autograd
     reaches the next bucket before the previous one's reduction completes. Rank 1 holds each reduction back by
-    DELAY s. The blocking hook (``async_op=False``) is the control: the same checks catch it."""
+    DELAY s. The blocking hook (``async_op=False``) is the control: the same checks catch it. Identity goes by
+    DDP's allreduce after its checked step, DCT-DP by one sparse allreduce per bucket."""
     delay = 0.4
-    res = launch(cw.hook_overlap_worker, nprocs=2, args=(True, delay, 3), timeout=120)
+    res = launch(cw.hook_overlap_worker, nprocs=2, args=(True, delay, 3, spec), timeout=120)
     calls = res[0]
     assert len({c["bucket"] for c in calls}) >= 2 and {c["step"] for c in calls} == {0, 1, 2}  # checked + fast
     for c in calls:
@@ -241,7 +243,7 @@ def test_ddp_hook_never_blocks_the_autograd_thread() -> None:
         mine = sorted((c for c in calls if c["step"] == step), key=lambda c: c["called"])
         for a, b in itertools.pairwise(mine):
             assert b["called"] < a["completed"], (a, b)  # the next bucket's gradient came while a was in flight
-    blocking = launch(cw.hook_overlap_worker, nprocs=2, args=(False, delay, 1), timeout=120)[0]
+    blocking = launch(cw.hook_overlap_worker, nprocs=2, args=(False, delay, 1, spec), timeout=120)[0]
     assert all(c["done"] for c in blocking) and max(c["call_s"] for c in blocking) > delay / 2, blocking
 
 
@@ -412,3 +414,84 @@ def test_error_feedback_memory_holds_exactly_what_was_not_sent() -> None:
                 if spec not in EF_NO_WIRE:
                     assert row["wire_gap"] <= EF_WIRE_TOL.get(spec, 0.0) * row["scale"], where
             assert max(row["residual"] for row in out[key]) > 0, f"{key}, rank {r}: nothing was kept"
+
+
+# --- the hook's fused path: a dense bucket of sparsifiers as one sparse allreduce -------------------------------
+FUSED_SPECS = ("threshold:ratio=0.1,lifespan=2", "topk:ratio=0.1")
+
+
+def fused_reference(spec: str, calls: list[list[dict[str, Any]]]) -> tuple[list[np.ndarray], list[dict[str, Any]]]:
+    """Every hook call's average, from every rank's recorded gradients: each rank's compensate -> compress ->
+    update replayed here per parameter with its own compressor and memory, the selected entries summed in
+    float64 at their offsets in the bucket. Also each rank's final residuals."""
+    P = len(calls)
+    comps = [from_spec(spec) for _ in range(P)]
+    mems = [ErrorFeedback() for _ in range(P)]
+    outs = []
+    for i in range(len(calls[0])):
+        total = np.zeros(sum(g.size for g in calls[0][i]["grads"]))
+        for r in range(P):
+            offset = 0
+            for name, g in zip(calls[r][i]["names"], calls[r][i]["grads"], strict=True):
+                x = mems[r].compensate(name, torch.from_numpy(g))
+                p = comps[r].compress(x, Context(name, r, P))
+                mems[r].update(name, x, comps[r].decompress(p, TensorSpec.of(x)))
+                assert isinstance(p, SparsePayload)
+                s = p.stream
+                assert s.indices is not None
+                total[offset + s.indices.long().numpy()] += s.values.double().numpy()
+                offset += g.size
+        outs.append(total / P)
+    residuals = [{n: e.numpy() for n in m.names() if (e := m.error(n)) is not None} for m in mems]
+    return outs, residuals
+
+
+@pytest.mark.parametrize("P", [1, 3, 5])
+def test_ddp_hook_sends_a_bucket_of_sparsifiers_as_one_sparse_allreduce(P: int) -> None:
+    """DCT-DP and TopK through the hook on a DDP model whose six parameters share one bucket: every hook call
+    equals the float64 sum of every rank's per-parameter selection (same compressor, same memory, replayed
+    here), divided by P; the residuals are exactly the reference's and the per-parameter path's on the same
+    gradients; one CommRecord per bucket (one sparse allreduce). A bucket mixing Identity in (``plan=``) keeps
+    one reduction per gradient."""
+    specs = (*FUSED_SPECS, f"mixed:{FUSED_SPECS[0]}")
+    res = launch(cw.fused_hook_worker, nprocs=P, args=(specs, cw.FUSED_STEPS), timeout=180)
+    for spec in specs:
+        errors = [f"rank {r}: {res[r][spec]}" for r in range(P) if isinstance(res[r][spec], str)]
+        assert not errors, "\n".join(errors)
+    for spec in FUSED_SPECS:
+        runs = [res[r][spec] for r in range(P)]
+        calls = [run["calls"] for run in runs]
+        assert len(calls[0]) == cw.FUSED_STEPS and len(calls[0][0]["names"]) == 6  # one bucket per step
+        ref, ref_residuals = fused_reference(spec, calls)
+        numel = sum(g.size for g in calls[0][0]["grads"])  # the bucket's
+        for r, run in enumerate(runs):
+            assert run["records"] == [("sparse_allreduce", numel)] * cw.FUSED_STEPS, run["records"]
+            for i, call in enumerate(run["calls"]):
+                assert np.array_equal(call["out"], runs[0]["calls"][i]["out"])  # every rank the same bits
+                scale = max(1.0, float(np.abs(ref[i]).max()))
+                np.testing.assert_allclose(call["out"], ref[i], rtol=1e-6, atol=1e-6 * scale, err_msg=f"rank {r}")
+                np.testing.assert_allclose(run["per_param"][i], call["out"], rtol=1e-6, atol=1e-6 * scale)
+            assert run["residuals"].keys() == ref_residuals[r].keys() == run["per_param_residuals"].keys()
+            for name, e in run["residuals"].items():
+                assert np.array_equal(e, ref_residuals[r][name]), (spec, r, name)
+                assert np.array_equal(e, run["per_param_residuals"][name]), (spec, r, name)
+    mixed = res[0][specs[-1]]
+    assert len(mixed["records"]) == 6 * cw.FUSED_STEPS, mixed["records"]  # one reduction per gradient
+
+
+def test_fused_hook_refuses_a_bucket_whose_members_differ_on_every_rank() -> None:
+    """Rank 1's bucket lists two same-shape weights in the other order: every rank's future raises the name
+    mismatch, and the group stays in step for the next bucket."""
+    for out in launch(cw.fused_bucket_worker, nprocs=3, args=("swap",), timeout=60):
+        assert out["error"].startswith("ValueError") and "name mismatch" in out["error"], out["error"]
+        assert np.array_equal(out["after"], np.ones(40))
+
+
+def test_fused_hook_with_all_zero_gradients() -> None:
+    """All-zero gradients: DCT-DP selects nothing (an empty stream from every rank), TopK k zeros; the bucket
+    comes back zero every step."""
+    for out in launch(cw.fused_bucket_worker, nprocs=3, args=("zeros",), timeout=60):
+        for comp in ("Threshold", "TopK"):
+            assert all(np.array_equal(b, np.zeros(40)) for b in out[comp]["bufs"]), out[comp]
+        assert out["Threshold"]["nnz_in"] == [0, 0, 0]
+        assert out["TopK"]["nnz_in"] == [4 + 1 + 4 + 1] * 3

@@ -1,7 +1,7 @@
 """DDP communication hooks running any sparsync compressor (``DistributedDataParallel.register_comm_hook``).
 
 A hook is a plain function ``hook(state, bucket) -> Future`` (PyTorch's ``default_hooks.py`` convention); the
-one built here ignores ``state`` and carries its settings in a closure. Each gradient of a bucket is reduced
+one built here ignores ``state`` and carries its settings in a closure. Each gradient of a bucket is compressed
 on its own, under its parameter's name (layer-wise, as DCT §2.1 applies its threshold; error-feedback
 residuals and DCT thresholds then survive DDP's bucket rebuild after the first iteration, which reorders
 buckets). Sparse gradients (``nn.Embedding(sparse=True)``) arrive as their own bucket holding the COO tensor
@@ -17,6 +17,14 @@ A dense bucket with nothing to compress costs what DDP's own allreduce costs: af
 (its first step, through ``compressed_allreduce`` and its metadata round), it goes as one
 ``dist.all_reduce(bucket.buffer(), async_op=True)`` issued in the hook, no queue, no copies
 (``bucket_allreduce.py``).
+
+A dense bucket whose gradients all go by sparsifiers (``Threshold`` = DCT-DP, ``TopK``, ``RandomK``, ``BlockTopK``)
+is sent as one sparse allreduce (``bucket_sparse.py``): compensation, compression and the error-feedback update
+stay per parameter and under its name (DCT §2.1's layer-wise threshold, the same selection and residuals as one
+call per gradient), and the payloads, shifted to their gradients' offsets in the bucket, travel as one stream over
+the bucket's flat buffer, named after the bucket's members. One metadata round and one allreduce per bucket
+instead of one of each per gradient. A bucket mixing sparsifiers with other compressors (or with ``Identity``,
+e.g. by ``plan=``) is reduced one gradient at a time.
 
 The reductions run on sparsync's own process group over the same ranks
 (``sparsync.collectives.group.background_group``), made when the hook is built: a model whose backward issues
@@ -40,6 +48,7 @@ import torch.distributed as dist
 from sparsync.collectives.group import background_group, resolve_group
 from sparsync.compress.base import Compressor
 from sparsync.compress.bucket_allreduce import BucketAllreduce
+from sparsync.compress.bucket_sparse import BucketSparse, fusable
 from sparsync.compress.identity import Identity
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.compress.reduce import compressed_allreduce
@@ -98,6 +107,8 @@ def compression_hook(
     own = background_group(group)
     # Uncompressed dense buckets, once their layout is checked: DDP's own allreduce (bucket_allreduce.py)
     plain = BucketAllreduce(own, resolve_group(group), average=average, log=log) if async_op else None
+    # Dense buckets of sparsifiers: per-parameter encode, one sparse allreduce per bucket (bucket_sparse.py)
+    fused = BucketSparse(own, memory=memory, average=average, async_op=async_op, algorithm=algorithm, log=log)
 
     def chosen(name: str, grad: torch.Tensor) -> Compressor:
         if name in plan:
@@ -128,6 +139,8 @@ def compression_hook(
             todo, comps = [(f"bucket{bucket.index()}", buffer.view(-1))], [lossless]
         elif not todo:
             todo, comps = per_gradient(bucket, buffer)
+        if fusable(buffer, comps):
+            return fused(buffer, todo, comps)
         works: list[Work[torch.Tensor]] = []
         for (name, grad), c in zip(todo, comps, strict=True):
             out = compressed_allreduce(
