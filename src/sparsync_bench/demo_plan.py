@@ -5,13 +5,17 @@ them, and training with that plan; if the plan puts the embedding on the paramet
 (Parallax §3.1: dense parameters by dense allreduce, the embedding on one colocated server per process, sync
 mode) through ``HybridTrainer``.
 
-Earlier the plan assumed a 1 Gbit/s link with 50 µs per message and priced the servers by that link alone: it
-predicted 2.97 ms per step for the hybrid, which took 20-41 ms on loopback (1.4-1.5x slower than DDP), since
-a server's request path and its CPU (shared with the workers here) cost far more than the link.
+Each run's predicted step (``predicted_steps``) is the local forward and backward pass, measured on the
+warm-up batches with every process at once (``measure_compute``), plus the plan's communication priced as that
+run sends it: every gradient in one fused dense allreduce; ``wrap_optimizer``'s grouped call
+(``Plan.grouped_seconds``); the hybrid's servers and fused dense allreduce (``Plan.fused_seconds``). DDP's run is
+torch's own path, which the plan does not price.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
 import time
 from functools import partial
 from typing import Any
@@ -30,6 +34,39 @@ from sparsync.record import CommLog
 
 AUTO = "auto plan"
 ASSUMED_BANDWIDTH, ASSUMED_LATENCY = 1.25e8, 50e-6  # plan_pricing="assumed": 1 Gbit/s, 50 µs per message
+
+
+def measure_compute(ctx: Any, model: torch.nn.Module, batches: list[Any]) -> float:
+    """Seconds of one local forward and backward pass without communication: the median over ``batches``, on
+    every replica at once (they share the machine's cores, as in training), of the slowest replica. Leaves no
+    gradient behind."""
+    times = []
+    for tok, y in batches:
+        t0 = time.perf_counter()
+        _loss(model, tok, y).backward()  # type: ignore[no-untyped-call]
+        times.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return float(ctx.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), "max")[0])
+
+
+def predicted_steps(plan: Plan, compute_s: float) -> dict[str, float]:
+    """Predicted step seconds of the demo's runs ("dense", "sparse", "auto": ``train_demo.RUNS``): ``compute_s``
+    plus the communication of ``plan``'s parameters as each run sends them (module doc)."""
+
+    def placed(kind: str) -> Plan:
+        entries = tuple(
+            dataclasses.replace(e, placement=kind if kind in e.candidates else "dense_allreduce")
+            for e in plan.entries
+        )
+        return dataclasses.replace(plan, entries=entries)
+
+    out = {"dense": placed("dense_allreduce").fused_seconds, "sparse": placed("sparse_allreduce").grouped_seconds}
+    kinds = {e.placement for e in plan.entries}
+    if "ps" in kinds:
+        out["auto"] = plan.fused_seconds
+    else:
+        out["auto"] = out["sparse"] if "sparse_allreduce" in kinds else out["dense"]
+    return {k: compute_s + v for k, v in out.items()}
 
 
 def measure_plan(ctx: Any, cfg: Any, model: torch.nn.Module, batches: list[Any], addresses: list[str]) -> Plan:

@@ -33,7 +33,7 @@ import sparsync
 from sparsync.plan.planner import Plan
 from sparsync.replicator import PER_REPLICA, DenseAllreduce, ReplicaContext, Replicator
 from sparsync_bench.ddp_baseline import ddp_step_bytes
-from sparsync_bench.demo_plan import AUTO, measure_plan, train_hybrid
+from sparsync_bench.demo_plan import AUTO, measure_compute, measure_plan, predicted_steps, train_hybrid
 from sparsync_bench.tables import show_table
 from sparsync_bench.tensorboard import summary_writer
 
@@ -198,13 +198,15 @@ def _train_auto(
     model = BagClassifier(cfg)
     batches = list(_input_fn(cfg)(ctx.replica_id))
     plan = measure_plan(ctx, cfg, model, batches[: cfg.warmup], addresses)
+    compute = {"compute_ms": 1e3 * measure_compute(ctx, model, batches[: cfg.warmup])}
     if any(e.placement == "ps" for e in plan.entries):
-        return {"run": RUNS[3], **train_hybrid(ctx, cfg, model, plan, addresses, batches, progress)}, plan
+        hybrid = train_hybrid(ctx, cfg, model, plan, addresses, batches, progress)
+        return {"run": RUNS[3], **hybrid, **compute}, plan
     # No parameter on the server: the plan is one of the allreduce runs above (dense layers always go dense).
     sparse_ar = any(e.placement == "sparse_allreduce" for e in plan.entries)
     same = dict(runs[RUNS[2] if sparse_ar else RUNS[0]])
     same["run"], same["plan"] = RUNS[3], f"{AUTO}: same as {same['plan']}"
-    return same, plan
+    return {**same, **compute}, plan
 
 
 def demo_program(
@@ -312,6 +314,28 @@ def compare_lines(runs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def prediction_lines(runs: list[dict[str, Any]], plan: Plan, compute_s: float) -> list[str]:
+    """Each priced run's predicted step (``demo_plan.predicted_steps``) against its measured one, and the target:
+    within 1.5x (either way) for every plan the model prices. Sets ``predicted_ms`` in each priced run."""
+    pred = predicted_steps(plan, compute_s)
+    parts, ratios = [], []
+    for r in runs:
+        if r["run"] not in pred:
+            parts.append(f"{r['plan']}: torch's path, not priced")
+            continue
+        r["predicted_ms"] = 1e3 * pred[r["run"]]
+        ratios.append(r["predicted_ms"] / r["step_ms"])
+        parts.append(f"{r['plan']} {r['predicted_ms']:.1f} ms predicted / {r['step_ms']:.1f} measured "
+                     f"({ratios[-1]:.2f}x)")  # fmt: skip
+    ok = all(1 / 1.5 <= q <= 1.5 for q in ratios)
+    return [
+        f"predicted step = local compute {1e3 * compute_s:.1f} ms (measured, no communication) + the plan's "
+        f"communication as each run sends it: {'; '.join(parts)}",
+        f"target: predicted step within 1.5x of measured for every priced plan: {'met' if ok else 'not met'} "
+        f"({min(ratios):.2f}x-{max(ratios):.2f}x)",
+    ]
+
+
 def print_demo(
     runs: list[dict[str, Any]],
     diff: float,
@@ -360,6 +384,8 @@ def print_demo(
     show_table(console, table)
     s = runs[-1]
     lines += compare_lines(runs)
+    if plan is not None and "compute_ms" in s:
+        lines += prediction_lines(runs, plan, s["compute_ms"] / 1e3)
     lines.append(
         f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f} (mean of the last 10 steps); every run's final "
         f"parameters differ from the dense run's by at most {diff:.2e} (same SGD updates, different summation "

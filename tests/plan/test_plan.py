@@ -206,6 +206,32 @@ def test_measured_link_and_fused_dense_allreduce_pricing() -> None:
     assert json.dumps(sp.as_dict())  # the measured link serialises
 
 
+def test_grouped_pricing_is_one_grouped_call_as_wrap_optimizer_sends_it() -> None:
+    """The embedding's rows and the MLP's dense gradients (packed as rows of the embedding's width, rows every
+    rank holds) in one problem, priced as auto would run it: one metadata round and one set of latencies."""
+    from sparsync.costmodel import LinkModel, Problem, choose_robust, predict
+
+    link = LinkModel(alpha=1e-3, beta=1 / 8e8)
+    stats = [ParamStats("emb", (65536, 32), 0.0072, True), ParamStats("w", (64, 32), 1.0, False),
+             ParamStats("b", (64,), 1.0, False)]  # fmt: skip
+    plan = make_plan(stats, Cluster(4, measured=link), overrides={"emb": "sparse_allreduce"})
+    dense_rows = -(-(64 * 32 + 64) // 32)
+    k = round(0.0072 * 65536) + dense_rows
+    p = Problem(4, 65536 + dense_rows, (k,) * 4, 4 * 32, 4, row=32)
+    d = choose_robust(p, link)
+    assert plan.grouped_seconds == pytest.approx(d.predictions[d.algorithm])
+    assert plan.grouped_seconds < plan.seconds  # one call instead of three
+    # No sparse-allreduce parameter: the fused dense allreduce. Dense gradients above Grouped.max_dense go to
+    # one fused dense allreduce beside the grouped call.
+    dense_only = make_plan(stats[1:], Cluster(4, measured=link))
+    assert dense_only.grouped_seconds == pytest.approx(dense_only.fused_seconds)
+    big = [stats[0], ParamStats("w", (1024, 1024), 1.0, False)]
+    bp = make_plan(big, Cluster(4, measured=link), overrides={"emb": "sparse_allreduce"})
+    n = 1024 * 1024
+    alone = make_plan(big[:1], Cluster(4, measured=link), overrides={"emb": "sparse_allreduce"}).grouped_seconds
+    assert bp.grouped_seconds == pytest.approx(alone + predict("dense", Problem(4, n, (n,) * 4, 4, 4), link))
+
+
 # --- two levels -------------------------------------------------------------------------------------
 def _two_level_plan(intra_bw: float, density: float = 1e-2, **kw: object) -> tuple[str, float, float]:
     stats = [ParamStats("v", (1_000_000, 16), density, True)]

@@ -340,6 +340,15 @@ def test_demo_trains_every_plan_to_the_same_model() -> None:
     assert re.search(r"sparsync plan: step time [\d.]+x dense allreduce, [\d.]+x DDP \(sparse grads\)", md)
     assert "target: sparsync plan (sparse allreduce) faster per step" in md
     assert "plan chose: parameter server for emb.weight" in console.export_text()
+    # Each priced run's predicted step: the measured local compute plus the plan's communication as it sends it.
+    from sparsync_bench.demo_plan import predicted_steps
+
+    pred = predicted_steps(plan, auto["compute_ms"] / 1e3)
+    assert 0 < auto["compute_ms"] < min(r["step_ms"] for r in runs)
+    assert auto["predicted_ms"] == pytest.approx(1e3 * pred["auto"]) and "predicted_ms" not in ddp
+    assert pred["auto"] == pytest.approx(auto["compute_ms"] / 1e3 + plan.fused_seconds)  # the hybrid's
+    assert pred["dense"] > pred["sparse"] > auto["compute_ms"] / 1e3
+    assert re.search(r"target: predicted step within 1.5x of measured for every priced plan: (met|not met)", md)
 
 
 @pytest.mark.multiprocess
