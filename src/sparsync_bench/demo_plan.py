@@ -7,9 +7,9 @@ mode) through ``HybridTrainer``.
 
 Each run's predicted step (``predicted_steps``) is the local forward and backward pass, measured on the
 warm-up batches with every process at once (``measure_compute``), plus the plan's communication priced as that
-run sends it: every gradient in one fused dense allreduce; ``wrap_optimizer``'s grouped call
-(``Plan.grouped_seconds``); the hybrid's servers and fused dense allreduce (``Plan.fused_seconds``). DDP's run is
-torch's own path, which the plan does not price.
+run sends it: ``wrap_optimizer``'s agreement on which parameters have gradients (one tiny allreduce), then every
+gradient in one fused dense allreduce, or its grouped call (``Plan.grouped_seconds``); the hybrid's servers and
+fused dense allreduce (``Plan.fused_seconds``). DDP's run is torch's own path, which the plan does not price.
 """
 
 from __future__ import annotations
@@ -60,7 +60,14 @@ def predicted_steps(plan: Plan, compute_s: float) -> dict[str, float]:
         )
         return dataclasses.replace(plan, entries=entries)
 
-    out = {"dense": placed("dense_allreduce").fused_seconds, "sparse": placed("sparse_allreduce").grouped_seconds}
+    # wrap_optimizer's step first agrees which parameters have gradients (``fill_missing_grads``: gloo's ring
+    # allreduce of one int32 per parameter, 2(P-1) latency steps); HybridTrainer's does not.
+    N = plan.cluster.machines
+    agree = 2 * (N - 1) * plan.cluster.link.alpha
+    out = {
+        "dense": agree + placed("dense_allreduce").fused_seconds,
+        "sparse": agree + placed("sparse_allreduce").grouped_seconds,
+    }
     kinds = {e.placement for e in plan.entries}
     if "ps" in kinds:
         out["auto"] = plan.fused_seconds

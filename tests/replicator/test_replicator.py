@@ -347,7 +347,8 @@ def test_demo_trains_every_plan_to_the_same_model() -> None:
     assert 0 < auto["compute_ms"] < min(r["step_ms"] for r in runs)
     assert auto["predicted_ms"] == pytest.approx(1e3 * pred["auto"]) and "predicted_ms" not in ddp
     assert pred["auto"] == pytest.approx(auto["compute_ms"] / 1e3 + plan.fused_seconds)  # the hybrid's
-    assert pred["dense"] > pred["sparse"] > auto["compute_ms"] / 1e3
+    agree = 2 * (plan.cluster.machines - 1) * plan.cluster.link.alpha  # wrap_optimizer's agreement round
+    assert pred["sparse"] > agree + auto["compute_ms"] / 1e3 and pred["dense"] > pred["sparse"]
     assert re.search(r"target: predicted step within 1.5x of measured for every priced plan: (met|not met)", md)
 
 
