@@ -105,14 +105,15 @@ def print_plan(plan: Plan, console: Console | None = None, title: str | None = N
 
 @contextlib.contextmanager
 def progress(show: bool, title: str, total: int) -> Iterator[Callable[[str | None, int], None]]:
-    """``update(description, advance)`` of a transient progress bar (``description`` None: keep it), or a
-    no-op when not ``show`` (every rank but 0, ``--no-progress``)."""
+    """``update(description, advance)`` of a transient progress bar, or of progress lines when stdout is not a
+    terminal (``progress.display``; ``description`` None: keep it), or a no-op when not ``show`` (every rank
+    but 0, ``--no-progress``)."""
     if not show:
         yield lambda _desc, _adv: None
         return
-    from rich.progress import Progress
+    from sparsync_bench.progress import display
 
-    with Progress(transient=True) as bar:
+    with display() as bar:
         task = bar.add_task(title, total=total)
 
         def update(desc: str | None, advance: int) -> None:

@@ -234,9 +234,9 @@ def _demo_runs(
     torch.set_num_threads(1)
     progress = None
     if show_progress and ctx.replica_id == 0:
-        from rich.progress import Progress
+        from sparsync_bench.progress import display
 
-        progress = Progress(transient=True)
+        progress = display()  # a bar on a terminal, progress lines on a pipe or in a log
         progress.start()
     try:
         runs = {RUNS[0]: _train(ctx, cfg, PLANS[0], progress, writer), RUNS[1]: _train_ddp(ctx, cfg, progress),
