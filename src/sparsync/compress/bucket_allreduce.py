@@ -29,6 +29,7 @@ from sparsync.collectives.comm import PeerError, Traffic
 from sparsync.collectives.flight import FlightEntry, on_failure
 from sparsync.collectives.group import group_state, next_call, submit, tracer
 from sparsync.collectives.meta import first_nonfinite
+from sparsync.compress.hook_future import bucket_future
 from sparsync.record import CommLog, CommRecord
 
 BucketKey = tuple[int, int, torch.dtype, str]  # index, numel, dtype, device type
@@ -88,9 +89,7 @@ class BucketAllreduce:
         return sent.then(self._finish(index, buffer, t0, entry))
 
     def _queued(self, queue: dist.ProcessGroup, buffer: torch.Tensor) -> torch.futures.Future[list[torch.Tensor]]:
-        # A future holding CUDA tensors must name their device (torch refuses such a result otherwise).
-        devices: list[int | str | torch.device] | None = None if buffer.device.type == "cpu" else [buffer.device]
-        fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future(devices=devices)
+        fut: torch.futures.Future[list[torch.Tensor]] = bucket_future(buffer)
 
         def run() -> None:
             try:

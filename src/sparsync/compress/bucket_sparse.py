@@ -29,7 +29,9 @@ import torch.distributed as dist
 from sparsync.collectives.allreduce import CallOptions, refuse, start_allreduce
 from sparsync.compress.aggregate import encode, expect
 from sparsync.compress.base import Compressor, Context, SparsePayload
+from sparsync.compress.hook_future import bucket_future, complete_when_done
 from sparsync.compress.memory import Memory
+from sparsync.compress.reduce import check_input
 from sparsync.compress.sparsifier import Sparsifier
 from sparsync.handle import Work
 from sparsync.record import CommLog
@@ -91,20 +93,13 @@ class BucketSparse:
         res = start_allreduce(stream, lambda comm, s: s, opts, group=self.group, async_op=self.async_op,
                               log=self.log, shape=(layout, (flat.numel(),)))  # fmt: skip
         work = res if isinstance(res, Work) else Work.done(res)
-        # A future holding CUDA tensors must name their device (torch refuses such a result otherwise).
-        devices: list[int | str | torch.device] | None = None if buffer.device.type == "cpu" else [buffer.device]
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
+        fut: torch.futures.Future[torch.Tensor] = bucket_future(buffer)
 
-        def assemble() -> None:
-            try:
-                self._write(flat, work.wait())
-                fut.set_result(buffer)
-            except BaseException as e:  # handed to DDP, which re-raises it in backward()
-                fut.set_exception(e)  # type: ignore[arg-type]  # the stub asks for a T
+        def assemble() -> torch.Tensor:
+            self._write(flat, work.wait())
+            return buffer
 
-        # Done, not succeeded: a failed reduction must reach DDP as the future's error, or backward() would wait
-        # on it forever.
-        work.when_done(assemble)
+        complete_when_done(work, fut, assemble)
         return fut
 
     def _encode(
@@ -116,9 +111,7 @@ class BucketSparse:
         offsets: list[int] = []
         offset = 0
         for (name, grad), c in zip(todo, comps, strict=True):
-            if self.memory is not None:
-                c.check_feedback()
-            c.check_device(grad.device)
+            check_input(grad, c, self.memory, name, inplace=False)
             local = encode(c, grad, Context(name, self.rank, self.size), self.memory)
             parts.append(expect(local.payload, SparsePayload, local.aggregator).stream.elements())
             offsets.append(offset)

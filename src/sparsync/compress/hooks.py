@@ -49,6 +49,7 @@ from sparsync.collectives.group import background_group, resolve_group
 from sparsync.compress.base import Compressor
 from sparsync.compress.bucket_allreduce import BucketAllreduce
 from sparsync.compress.bucket_sparse import BucketSparse, fusable
+from sparsync.compress.hook_future import bucket_future, complete_when_done
 from sparsync.compress.identity import Identity
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.compress.reduce import compressed_allreduce
@@ -129,7 +130,7 @@ def compression_hook(
         return todo, [chosen(name, grad) for name, grad in todo]
 
     def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
-        buffer = bucket.buffer()
+        buffer: torch.Tensor = bucket.buffer()
         todo, comps = ([], []) if dense_identity else per_gradient(bucket, buffer)
         if not buffer.is_sparse and all(isinstance(c, Identity) for c in comps):
             if plain is not None and plain.checked(bucket):
@@ -148,28 +149,21 @@ def compression_hook(
                 average=average, async_op=async_op, algorithm=algorithm, log=log,
             )  # fmt: skip
             works.append(out if isinstance(out, Work) else Work.done(out))
-        # A future holding CUDA tensors must name their device (torch refuses such a result otherwise).
-        devices = None if buffer.device.type == "cpu" else [buffer.device]
-        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
+        fut: torch.futures.Future[torch.Tensor] = bucket_future(buffer)
 
-        def assemble() -> None:
-            try:
-                results = [w.wait() for w in works]
-                if buffer.is_sparse:
-                    fut.set_result(results[0])
-                    return
-                offset = 0
-                flat = buffer.view(-1)
-                for r in results:
-                    flat[offset : offset + r.numel()].copy_(r.reshape(-1))
-                    offset += r.numel()
-                fut.set_result(buffer)
-            except BaseException as e:  # handed to DDP, which re-raises it in backward()
-                fut.set_exception(e)  # type: ignore[arg-type]  # the stub asks for a T
+        def assemble() -> torch.Tensor:
+            results: list[torch.Tensor] = [w.wait() for w in works]
+            if buffer.is_sparse:
+                return results[0]
+            offset = 0
+            flat = buffer.view(-1)
+            for r in results:
+                flat[offset : offset + r.numel()].copy_(r.reshape(-1))
+                offset += r.numel()
+            return buffer
 
-        # The group's queue runs reductions in issue order: the last one done means all are. Done, not succeeded:
-        # a failed reduction must reach DDP as the future's error, or backward() would wait on it forever.
-        works[-1].when_done(assemble)
+        # The group's queue runs reductions in issue order: the last one done means all are.
+        complete_when_done(works[-1], fut, assemble)
         return fut
 
     # DDP inspects the annotations and rejects the string forms that `from __future__ import annotations`

@@ -108,7 +108,7 @@ def compressed_allreduce(
         ...     p.grad = sparsync.compressed_allreduce(p.grad, TopK(0.01), memory=memory, name=name)
     """
     try:
-        _check_input(tensor, compressor, memory, name, inplace)
+        check_input(tensor, compressor, memory, name, inplace)
     except (TypeError, ValueError) as e:  # every rank raises it, not only this one
         refuse(group, "reduce", e, timeout, async_op)
     user = resolve_group(group)
@@ -132,7 +132,7 @@ def compressed_allreduce(
     return local.aggregator.aggregate(call, local.payload)
 
 
-def _check_input(tensor: Any, compressor: Any, memory: Memory | None, name: str, inplace: bool) -> None:
+def check_input(tensor: Any, compressor: Any, memory: Memory | None, name: str, inplace: bool) -> None:
     """The checks of reduce's arguments that need no other rank."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"reduce takes a torch.Tensor, got {type(tensor).__name__}")
