@@ -33,6 +33,7 @@ LAYERS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
             "sparsync.record",
             "sparsync.handle",
             "sparsync.launch",
+            "sparsync.rank_start",
         ),
     ),
     ("compress", 2, ("sparsync.compress",)),

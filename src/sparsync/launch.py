@@ -1,10 +1,12 @@
 """``launch``: run ``fn(rank, *args)`` on a torch.distributed group of local processes, or join torchrun's.
 
-Local mode spawns ``nprocs`` processes; the parent hosts the rendezvous ``TCPStore`` on 127.0.0.1 at a port
-the OS picks (no probing race, nothing reachable from other hosts). A rank that raises makes ``launch`` raise
-``LaunchError`` with that rank's traceback after the other ranks are terminated (then killed); a rank that dies
-or is stopped is named with its exit status, whichever rank's error arrives first. No orphans: SIGTERM to the
-launcher terminates the ranks first, and a rank exits when the launcher dies, even by SIGKILL.
+Local mode starts ``nprocs`` processes, forked from a forkserver that imported torch once (a rank starts in
+milliseconds instead of the second a fresh interpreter takes to import torch; ``start_method="spawn"`` for
+that instead). The parent hosts the rendezvous ``TCPStore`` on 127.0.0.1 at a port the OS picks (no probing
+race, nothing reachable from other hosts). A rank that raises makes ``launch`` raise ``LaunchError`` with that
+rank's traceback after the other ranks are terminated (then killed); a rank that dies or is stopped is named
+with its exit status, whichever rank's error arrives first. No orphans: SIGTERM to the launcher terminates the
+ranks first, and a rank exits when the launcher dies, even by SIGKILL.
 Under torchrun (``RANK``/``WORLD_SIZE``/``MASTER_ADDR`` in the environment) this process joins
 torchrun's group instead and runs ``fn`` once, so the same script scales from one machine to many.
 """
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from C++
 
 from sparsync.collectives.group import background_group, stop_queues, write_trace
+from sparsync.rank_start import START_METHODS, LauncherStd, adopt, context, watch_launcher
 
 
 class RankSetup(Protocol):
@@ -110,9 +112,12 @@ def _child(
     host_index: int,
     env: dict[str, str],
     parent: int,
+    forked: tuple[dict[str, str], tuple[int, int], int] | None,
 ) -> None:
-    _die_with(parent)
+    _die_with(parent, None if forked is None else forked[2])
     try:
+        if forked is not None:
+            adopt(*forked[:2])
         if setup is not None:  # first: before torch starts threads (setns moves the calling thread only)
             os.environ.update(setup(host_index))
         os.environ.update(env)
@@ -156,12 +161,17 @@ def _teardown(*, wait: bool) -> None:
     dist.destroy_process_group()
 
 
-def _die_with(parent: int) -> None:
+def _die_with(parent: int, launcher: int | None = None) -> None:
     """Make this rank exit when the launcher (pid ``parent``) dies, even by SIGKILL: a launcher killed while its
     ranks ran left every rank running (3 of 3 runs). On Linux the kernel sends SIGKILL
     (PR_SET_PDEATHSIG) when the *thread* that spawned us exits; ``launch`` blocks in that thread until its ranks
     are reaped, so that is the launcher's death. Elsewhere, or if prctl fails, a daemon thread polls the
-    parent pid."""
+    parent pid. ``launcher``: we were forked by the launcher's forkserver (our parent), whose pipe from the
+    launcher every forked rank holds open too, so it outlives the launcher: a thread waits on the launcher
+    itself (``rank_start.watch_launcher``)."""
+    if launcher is not None:
+        watch_launcher(launcher)
+        parent = os.getppid()
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -212,6 +222,7 @@ def launch(
     timeout: float = 120.0,
     procs_per_host: int | None = None,
     setup: RankSetup | None = None,
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run ``fn(rank, *args)`` on ``nprocs`` ranks joined in a process group; return their results in rank order.
 
@@ -225,7 +236,9 @@ def launch(
     ``procs_per_host``: emulate hosts of that many ranks (ranks [h·k, (h+1)·k) on host h): each rank gets
     torchrun's ``GROUP_RANK``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``
     (``collectives.hierarchical.detect_topology`` reads them), and with ``setup`` (one host each) the ranks of
-    a host share its set-up (a namespace and its link).
+    a host share its set-up (a namespace and its link). ``start_method``: ``"forkserver"`` (ranks forked from a
+    server process that imported torch and sparsync once; each rank gets the environment, stdout and stderr this
+    process has at the call, as a spawned one would) or ``"spawn"`` (a fresh interpreter per rank).
 
     Failures raise ``LaunchError``: a rank that died without reporting, or is stopped, is named with its exit
     status ahead of the errors the others raise because of it. The ranks exit if this process dies (even by
@@ -240,6 +253,8 @@ def launch(
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) != nprocs:
         # torchrun decides the world; a differing nprocs would run fn on another number of ranks than the
         # script says, silently.
@@ -273,7 +288,7 @@ def launch(
                 write_trace()
     try:
         with _signals_raise(_TERMINATING):
-            return _spawn(fn, nprocs, backend, args, timeout, setup, procs_per_host)
+            return _spawn(fn, nprocs, backend, args, timeout, setup, procs_per_host, start_method)
     except _Terminated as t:
         # The ranks are gone (_spawn reaped them); now end as the signal asked, by the caller's own handler.
         signal.raise_signal(t.signum)
@@ -288,11 +303,13 @@ def _spawn(
     timeout: float,
     setup: RankSetup | None,
     procs_per_host: int | None = None,
+    start_method: str = "forkserver",
 ) -> list[Any]:
     # Children inherit the environment at spawn: keep c10d's per-socket warnings (hostname lookups that fail
     # inside network namespaces) out of the user's terminal unless asked for.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    ctx = mp.get_context("spawn")
+    ctx = context(start_method)
+    forked = ctx.get_start_method() == "forkserver"
     results = ctx.Queue()
     store: TCPStore | None = None
     if setup is None or setup.store_host is None:
@@ -331,6 +348,7 @@ def _spawn(
                     rank // k,
                     env,
                     os.getpid(),
+                    (dict(os.environ), LauncherStd(), os.getpid()) if forked else None,
                 ),
                 daemon=False,
             )

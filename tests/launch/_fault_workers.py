@@ -37,10 +37,11 @@ def signal_self_in_loop(rank: int, bad: int, sig: int, algorithm: str, pid_dir: 
     return rank
 
 
-def listeners(rank: int) -> dict[str, list[tuple[str, int]]]:
-    """(address, port) of every TCP socket the launcher process and this rank listen on, while the rank runs."""
+def listeners(rank: int, launcher: int) -> dict[str, list[tuple[str, int]]]:
+    """(address, port) of every TCP socket the launcher process (pid ``launcher``: a forked rank's parent is the
+    forkserver) and this rank listen on, while the rank runs."""
     dist.barrier()  # every rank's gloo pairs are up
-    return {"launcher": listening_sockets(os.getppid()), "rank": listening_sockets(os.getpid())}
+    return {"launcher": listening_sockets(launcher), "rank": listening_sockets(os.getpid())}
 
 
 def listening_sockets(pid: int) -> list[tuple[str, int]]:

@@ -138,12 +138,18 @@ def _assert_no_children_left(pid_dir: Path, nprocs: int) -> None:
     assert len(set(pids)) == nprocs and os.getpid() not in pids
     alive = [pid for pid in pids if running(pid)]
     assert not alive, f"rank processes still running: {alive}"
-    own_children = [
-        p.name
-        for p in Path("/proc").iterdir()
-        if p.name.isdigit() and _ppid(p) == os.getpid() and "resource_tracker" not in _cmdline(p)
+    # multiprocessing's helpers stay by design: the resource tracker, and the forkserver the ranks were forked
+    # from (launch's default start method), which must have no child left either.
+    helpers = [
+        p for p in _children(os.getpid()) if "resource_tracker" in _cmdline(p) or "forkserver" in _cmdline(p)
     ]
+    own_children = [p.name for p in _children(os.getpid()) if p not in helpers]
+    own_children += [p.name for h in helpers for p in _children(int(h.name)) if running(int(p.name))]
     assert not own_children, f"child processes left: {own_children}"
+
+
+def _children(pid: int) -> list[Path]:
+    return [p for p in Path("/proc").iterdir() if p.name.isdigit() and _ppid(p) == pid]
 
 
 def _ppid(p: Path) -> int:

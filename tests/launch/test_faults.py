@@ -137,7 +137,7 @@ def test_store_listens_on_loopback_only() -> None:
 def test_launch_listens_on_loopback_only() -> None:
     """While ranks run, every socket the launcher (the store) and the ranks (gloo) listen on is bound to
     127.0.0.1."""
-    for got in launch(fw.listeners, nprocs=2, timeout=30):
+    for got in launch(fw.listeners, nprocs=2, args=(os.getpid(),), timeout=30):
         assert got["launcher"], "the launcher hosts the store: it should listen on a socket"
         for who in ("launcher", "rank"):
             assert {a for a, _ in got[who]} <= {"127.0.0.1"}, got

@@ -1,0 +1,96 @@
+"""How ``launch`` starts its ranks: forked from a forkserver that imported torch and sparsync once, or spawned.
+
+A forked rank is made to look like a spawned one: it adopts the launcher's environment and stdout/stderr as they
+are at ``Process.start()`` (it would otherwise have the forkserver's, those of the first launch), numpy's global
+generator is reseeded, and it exits when the launcher does: the forkserver, its parent, outlives the launcher
+while any forked rank holds the pipe the launcher left it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import multiprocessing.reduction as reduction
+import os
+import select
+import sys
+import threading
+import time
+from typing import Any
+
+# How ranks start: "forkserver" forks each rank from one server process per launcher that imported these modules
+# once (5 ranks of a no-op on the 2-core development host: 4.4-4.9 s spawned, 0.05 s forked once the server
+# runs, 1.1 s for the first launch, which starts the server); "spawn" starts a fresh interpreter per rank.
+START_METHODS = ("forkserver", "spawn")
+_PRELOAD = ("torch", "torch.distributed", "sparsync")
+
+
+class LauncherStd:
+    """The launcher's stdout and stderr as they are at ``Process.start()``, sent to the rank with the process
+    (``multiprocessing``'s descriptor passing): a forked rank inherits the forkserver's, which are the
+    launcher's when that server started (pytest captures each test's output in its own file, for one)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, Any]]:
+        return (_std_fds, (reduction.DupFd(1), reduction.DupFd(2)))
+
+
+def _std_fds(out: Any, err: Any) -> tuple[int, int]:
+    return out.detach(), err.detach()
+
+
+def adopt(environ: dict[str, str], std: tuple[int, int]) -> None:
+    """In a forked rank: the launcher's environment and stdout/stderr as they were at ``Process.start()``, as a
+    spawned rank has them; numpy's global generator reseeded, as a fresh import would seed it (else every rank
+    would draw the forkserver's numbers; Python's ``random`` reseeds itself after a fork)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    for fd, target in zip(std, (1, 2), strict=True):
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+
+
+def context(start_method: str) -> Any:
+    """The ``multiprocessing`` context ranks start from (``START_METHODS``); forkserver falls back to spawn
+    where the platform has no forkserver (Windows)."""
+    if start_method not in START_METHODS:
+        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    if start_method == "forkserver" and "forkserver" not in mp.get_all_start_methods():
+        start_method = "spawn"
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(list(_PRELOAD))  # no effect once this process's forkserver runs
+    return ctx
+
+
+def watch_launcher(pid: int) -> None:
+    """Exit when process ``pid`` does: a daemon thread blocked on its pidfd (Linux 5.3+), else polling that the
+    pid exists every 0.5 s. Exits at once if it is already gone."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfd here: poll
+        fd = -1
+
+    def watch() -> None:
+        if fd >= 0:
+            select.select([fd], [], [])  # readable once the process has exited
+        else:
+            while _exists(pid):
+                time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="sparsync-launcher-watchdog", daemon=True).start()
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
