@@ -296,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--out", type=Path, default=Path("results/demo_train"), help="path stem for .json/.md")
     demo.add_argument("--steps", type=int, default=150, help="training steps per plan")
+    demo.add_argument("--block", type=int, default=10,
+                      help="steps each plan trains in its turn: the plans alternate block by block, and each "
+                           "ratio between plans is printed with its spread over the blocks")  # fmt: skip
     demo.add_argument("--plan-pricing", choices=("measured", "assumed"), default="measured",
                       help="the automatic plan's prices: the demo's measured link and parameter servers, or an "
                            "assumed 1 Gbit/s, 50 µs link")  # fmt: skip
@@ -441,10 +444,11 @@ def _cluster(args: argparse.Namespace, console: Console) -> int:
 def _demo(args: argparse.Namespace, console: Console) -> int:
     from sparsync_bench.train_demo import DemoConfig, print_demo, run_demo
 
-    demo_cfg = DemoConfig(steps=args.steps, plan_pricing=args.plan_pricing)
+    demo_cfg = DemoConfig(steps=args.steps, plan_pricing=args.plan_pricing, block=args.block)
     console.print(
         f"[bold]sparsync demo[/]: {demo_cfg.replicas} local processes train a classifier with a sparse "
-        f"embedding (vocab {demo_cfg.vocab:,}, Zipf tokens), {demo_cfg.steps} steps, per gradient plan"
+        f"embedding (vocab {demo_cfg.vocab:,}, Zipf tokens), {demo_cfg.steps} steps per gradient plan, the plans "
+        f"taking turns in blocks of {demo_cfg.block} steps"
     )
     if args.tensorboard is not None:
         from sparsync_bench.tensorboard import require_tensorboard

@@ -10,6 +10,8 @@ warm-up batches with every process at once (``measure_compute``), plus the plan'
 run sends it: ``wrap_optimizer``'s agreement on which parameters have gradients (one tiny allreduce), then every
 gradient in one fused dense allreduce, or its grouped call (``Plan.grouped_seconds``); the hybrid's servers and
 fused dense allreduce (``Plan.fused_seconds``). DDP's run is torch's own path, which the plan does not price.
+``predicted_split`` splits each priced run's communication into its latency (the same plan priced with infinite
+bandwidth) and its bandwidth part, for the demo's lines on why a plan won or lost.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from collections.abc import Generator
 from functools import partial
 from typing import Any
 
@@ -25,7 +28,7 @@ import torch.nn.functional as F  # noqa: N812
 
 from sparsync.collectives.calibrate import measure_link
 from sparsync.hybrid import HybridConfig, HybridTrainer
-from sparsync.plan.detect import RowFractionMeter
+from sparsync.plan.detect import ParamStats, RowFractionMeter
 from sparsync.plan.kinds import ServerModel
 from sparsync.plan.planner import Cluster, Plan, make_plan
 from sparsync.ps import PSClient, measure_server
@@ -33,6 +36,8 @@ from sparsync.ps.optim import OptimizerConfig
 from sparsync.record import CommLog
 
 AUTO = "auto plan"
+PLACEMENT_WORDS = {"ps": "parameter server", "dense_allreduce": "dense allreduce",
+                   "sparse_allreduce": "sparse allreduce", "sketch": "sketch"}  # fmt: skip
 ASSUMED_BANDWIDTH, ASSUMED_LATENCY = 1.25e8, 50e-6  # plan_pricing="assumed": 1 Gbit/s, 50 µs per message
 
 
@@ -52,6 +57,33 @@ def measure_compute(ctx: Any, model: torch.nn.Module, batches: list[Any]) -> flo
 def predicted_steps(plan: Plan, compute_s: float) -> dict[str, float]:
     """Predicted step seconds of the demo's runs ("dense", "sparse", "auto": ``train_demo.RUNS``): ``compute_s``
     plus the communication of ``plan``'s parameters as each run sends them (module doc)."""
+    return {k: compute_s + v for k, v in _communication(plan).items()}
+
+
+def predicted_split(plan: Plan) -> dict[str, tuple[float, float]]:
+    """(latency, bandwidth) seconds of each priced run's communication (``predicted_steps`` less the compute).
+    Latency: the same placements priced on the same link with infinite bandwidth (β = 0, the servers' seconds
+    per byte 0): the α terms, the measured fixed costs and the γ terms of merging, the servers' round trips.
+    Bandwidth: the rest. Where ``auto`` would pick another SparCML algorithm at β = 0 (``choose_robust``), the
+    latency is that algorithm's, not the one the run sends with."""
+    full, latency = _communication(plan), _communication(_infinite_bandwidth(plan))
+    return {k: (latency[k], full[k] - latency[k]) for k in full}
+
+
+def _infinite_bandwidth(plan: Plan) -> Plan:
+    """``plan``'s placements repriced with β = 0 on its (one-level) cluster's link and servers."""
+    c = plan.cluster
+    server = dataclasses.replace(c.server, per_byte=0.0) if c.server is not None else None
+    link = dataclasses.replace(c.link, beta=0.0, beta_exchange=None)  # None: the exchange phases' β is β's
+    cluster = dataclasses.replace(c, measured=link, server=server)
+    sparse = {e.name: "sparse_allreduce" in e.candidates or "ps" in e.candidates for e in plan.entries}
+    stats = [ParamStats(e.name, e.shape, e.row_fraction, sparse[e.name], e.row_fraction_machine)
+             for e in plan.entries]  # fmt: skip
+    return make_plan(stats, cluster, overrides=plan.kinds, sketch=plan.sketch)
+
+
+def _communication(plan: Plan) -> dict[str, float]:
+    """Communication seconds per step of each priced run, as it sends ``plan``'s parameters (module doc)."""
 
     def placed(kind: str) -> Plan:
         entries = tuple(
@@ -73,7 +105,7 @@ def predicted_steps(plan: Plan, compute_s: float) -> dict[str, float]:
         out["auto"] = plan.fused_seconds
     else:
         out["auto"] = out["sparse"] if "sparse_allreduce" in kinds else out["dense"]
-    return {k: compute_s + v for k, v in out.items()}
+    return out
 
 
 def measure_plan(ctx: Any, cfg: Any, model: torch.nn.Module, batches: list[Any], addresses: list[str]) -> Plan:
@@ -107,11 +139,10 @@ def measure_plan(ctx: Any, cfg: Any, model: torch.nn.Module, batches: list[Any],
 
 def train_hybrid(
     ctx: Any, cfg: Any, model: torch.nn.Module, plan: Plan, addresses: list[str], batches: Any, progress: Any
-) -> dict[str, Any]:
+) -> Generator[None, None, dict[str, Any]]:
     """Train with ``plan``'s parameter-server parameters on the servers at ``addresses`` (plain SGD, mean
-    over the replicas: the same updates as the allreduce runs); the same summary as ``train_demo._train``."""
-    import statistics
-
+    over the replicas: the same updates as the allreduce runs). A generator, as ``train_demo._train``: it yields
+    once set up (the servers' tables made: collective), then after each step, and returns the same summary."""
     sparse = [e.name for e in plan.entries if e.placement == "ps"]
     dense = [p for n, p in model.named_parameters() if n not in sparse]
     hc = HybridConfig(mode="sync", sparse_reduce="mean", dense_reduce="mean", local_aggregation=True,
@@ -123,6 +154,7 @@ def train_hybrid(
     times, nbytes, losses = [], [], []
     task = progress.add_task(f"{AUTO} (hybrid)", total=cfg.steps) if progress is not None else None
     try:
+        yield
         for tok, y in batches:
             before, ps0 = len(log), _remote_bytes(trainer, me)
             t0 = time.perf_counter()
@@ -134,6 +166,7 @@ def train_hybrid(
             losses.append(loss)
             if progress is not None:
                 progress.advance(task)
+            yield
         params = {k: v.detach().clone() for k, v in model.state_dict().items()}
         for n in sparse:  # the sparse parameters live on the servers
             t = trainer.tables[n]
@@ -147,6 +180,7 @@ def train_hybrid(
     return {
         "plan": f"{AUTO}: hybrid (PS for {', '.join(sparse)})",
         "step_ms": 1e3 * statistics.median(worst[cfg.warmup :]),
+        "steps_ms": [1e3 * w for w in worst],
         "bytes_per_step": statistics.mean(nbytes[cfg.warmup :]),
         "first_loss": mean_losses[0],
         "final_loss": statistics.mean(mean_losses[-10:]),

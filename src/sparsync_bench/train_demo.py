@@ -1,20 +1,27 @@
 """``sparsync demo``: real training with the Replicator API, plain dense allreduce vs sparsync's plans.
 
 A bag-of-tokens classifier with a sparse embedding (``nn.Embedding(sparse=True)``, vocab 65,536) on synthetic
-Zipf-distributed tokens, trained on 4 local processes twice from the same seed and data: once with every
-gradient averaged by a dense allreduce (the embedding's gradient densified, as Horovod and DDP do), once by
+Zipf-distributed tokens, trained on 4 local processes from the same seed and data several ways: every gradient
+averaged by a dense allreduce (the embedding's gradient densified, as Horovod and DDP do), and
 ``wrap_optimizer``'s default plan (the embedding's COO gradient by SparCML's sparse allreduce, chosen by the
-α-β model; the dense layers in one bucketed allreduce). Both runs use plain SGD, so they compute the same
-updates and end at the same loss; what differs is the bytes on the wire and the step time.
+α-β model; the dense layers in one bucketed allreduce). Both use plain SGD, so they compute the same updates
+and end at the same loss; what differs is the bytes on the wire and the step time.
 
-Between them, the baseline a PyTorch user would pick: the same model, data and SGD under
-torch's ``DistributedDataParallel`` on gloo, the embedding's COO gradient reduced by gloo's sparse allreduce
-(an allgather of every rank's rows), no sparsync involved; its bytes come from ``ddp_baseline``.
+Beside them, the baseline a PyTorch user would pick: the same model, data and SGD under torch's
+``DistributedDataParallel`` on gloo, the embedding's COO gradient reduced by gloo's sparse allreduce (an
+allgather of every rank's rows), no sparsync involved; its bytes come from ``ddp_baseline``.
 
-A third run follows the automatic plan: α of the embedding measured over the warm-up steps' inputs,
-Parallax's placement plan for the demo's cluster priced with the link and the parameter servers measured on
-the demo's own processes, and training with that plan (the hybrid, on one colocated server per process, when
-the plan puts the embedding on the servers; else the allreduce run it equals).
+And the automatic plan: α of the embedding measured over the warm-up steps' inputs, Parallax's placement plan
+for the demo's cluster priced with the link and the parameter servers measured on the demo's own processes,
+and training with that plan (the hybrid, on one colocated server per process, when the plan puts the
+embedding on the servers; else the allreduce run it equals). Its measurements come first.
+
+The runs are interleaved: each trainer is a generator that yields after each step, keeping its own model,
+optimizer, data and step count, and ``interleave`` lets them take turns, the warm-up steps first, then blocks
+of ``DemoConfig.block`` steps (dense, DDP, sparsync, hybrid, dense, ...), the same turns on every replica so
+that their collectives line up. Host drift during the run then reaches every plan alike within a block, and
+each plan's step time is compared block by block (``demo_report``): a ratio with its spread, and why a plan
+won or lost.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ import sparsync
 from sparsync.plan.planner import Plan
 from sparsync.replicator import PER_REPLICA, DenseAllreduce, ReplicaContext, Replicator
 from sparsync_bench.ddp_baseline import ddp_step_bytes
-from sparsync_bench.demo_plan import AUTO, measure_compute, measure_plan, predicted_steps, train_hybrid
+from sparsync_bench.demo_plan import AUTO, PLACEMENT_WORDS, measure_compute, measure_plan, train_hybrid
+from sparsync_bench.interleave import Trainer, interleave
 from sparsync_bench.tables import show_table
 from sparsync_bench.tensorboard import summary_writer
 
@@ -59,10 +67,13 @@ class DemoConfig:
     # the automatic plan's prices: "measured" (the demo's link and servers) or "assumed" (a nominal 1 Gbit/s,
     # 50 µs link, the servers priced by it: deterministic, so the tests of the hybrid run use it)
     plan_pricing: str = "measured"
+    block: int = 10  # steps each run trains in its turn before the next run's (the runs are interleaved)
 
     def __post_init__(self) -> None:
         if self.vocab < 2 or self.steps <= self.warmup or self.replicas < 1 or self.batch < 1:
             raise ValueError(f"bad demo config {self}")
+        if self.block < 1:
+            raise ValueError(f"block must be >= 1 step (the runs take turns block by block), got {self.block}")
         if self.plan_pricing not in ("measured", "assumed"):
             raise ValueError(f"plan_pricing must be 'measured' or 'assumed', got {self.plan_pricing!r}")
 
@@ -97,8 +108,9 @@ def _input_fn(cfg: DemoConfig) -> Any:
     return fn
 
 
-def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any, writer: Any = None) -> dict[str, Any]:
-    """One of sparsync's plans; ``writer``: rank 0's TensorBoard writer (each step's CommLog scalars)."""
+def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any, writer: Any = None) -> Trainer:
+    """One of sparsync's plans, as a ``Trainer``; ``writer``: rank 0's TensorBoard writer (each step's CommLog
+    scalars). The replicator's CommLog is shared with the other runs: only this run's steps' records count."""
     torch.manual_seed(cfg.seed)
     model = BagClassifier(cfg)
     default = DenseAllreduce() if plan == PLANS[0] else None
@@ -106,7 +118,6 @@ def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any, write
     opt = ctx.wrap_optimizer(sgd, op="mean", model=model, default=default)
     log = ctx.log
     assert log is not None  # the demo's replicator records
-    log.clear()
 
     def step_fn(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tok, y = batch
@@ -116,9 +127,10 @@ def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any, write
         opt.step()
         return loss
 
-    times, nbytes, losses = [], [], []
+    times, nbytes, losses, chosen = [], [], [], set[str]()
     task = progress.add_task(plan, total=cfg.steps) if progress is not None else None
     offset = PLANS.index(plan) * cfg.steps  # steps numbered across the runs on one timeline
+    yield
     for i, batch in enumerate(ctx.input(_input_fn(cfg), PER_REPLICA)):
         before = len(log)
         t0 = time.perf_counter()
@@ -128,13 +140,14 @@ def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any, write
             step_fn_loss = ctx.run(step_fn, batch)
         times.append(time.perf_counter() - t0)
         nbytes.append(sum(r.bytes_sent for r in log.records[before:]))
+        chosen.update(r.algorithm for r in log.records[before:])
         if writer is not None:
             log.to_tensorboard(writer, offset + i, since=before, prefix=f"sparsync/{plan}")
             writer.add_scalar(f"step_seconds/{plan}", times[-1], offset + i)
         losses.append(step_fn_loss)
         if progress is not None:
             progress.advance(task)
-    chosen = sorted({r.algorithm for r in log.records})  # before the reductions below add theirs
+        yield
     # Losses reduced once at the end, outside the timed steps.
     mean_losses = ctx.all_mean(torch.stack(losses)).tolist()
     worst = ctx.all_reduce(torch.tensor(times), "max").tolist()  # a step ends when its slowest replica does
@@ -142,26 +155,29 @@ def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any, write
         "run": RUNS[0] if plan == PLANS[0] else RUNS[2],
         "plan": plan,
         "step_ms": 1e3 * statistics.median(worst[cfg.warmup :]),
+        "steps_ms": [1e3 * w for w in worst],
         "bytes_per_step": statistics.mean(nbytes[cfg.warmup :]),
         "first_loss": mean_losses[0],
         "final_loss": statistics.mean(mean_losses[-10:]),
-        "algorithms": chosen,
+        "algorithms": sorted(chosen),
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()} if ctx.replica_id == 0 else None,
     }
 
 
-def _train_ddp(ctx: ReplicaContext, cfg: DemoConfig, progress: Any) -> dict[str, Any]:
-    """torch's own path: ``DistributedDataParallel`` on the replicas' group (gloo), same init, data and SGD as
-    ``_train``. DDP divides each gradient by P before summing, so it averages as ``op="mean"`` does; the
-    embedding's gradient is reduced in its own bucket by gloo's sparse allreduce, the MLP's in a dense bucket."""
+def _train_ddp(ctx: ReplicaContext, cfg: DemoConfig, progress: Any) -> Trainer:
+    """torch's own path, as a ``Trainer``: ``DistributedDataParallel`` on the replicas' group (gloo), same init,
+    data and SGD as ``_train``. DDP divides each gradient by P before summing, so it averages as ``op="mean"``
+    does; the embedding's gradient is reduced in its own bucket by gloo's sparse allreduce, the MLP's in a dense
+    bucket. Its autograd hooks sit on its own model, so the runs between its steps do not trigger them."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(cfg.seed)
     model = BagClassifier(cfg)
-    ddp = DistributedDataParallel(model, process_group=ctx.dp_group)
+    ddp = DistributedDataParallel(model, process_group=ctx.dp_group)  # broadcasts rank 0's parameters
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     times, rows, losses = [], [], []
     task = progress.add_task(DDP_PLAN, total=cfg.steps) if progress is not None else None
+    yield
     for tok, y in ctx.input(_input_fn(cfg), PER_REPLICA):
         t0 = time.perf_counter()
         opt.zero_grad()
@@ -173,6 +189,7 @@ def _train_ddp(ctx: ReplicaContext, cfg: DemoConfig, progress: Any) -> dict[str,
         losses.append(loss.detach())
         if progress is not None:
             progress.advance(task)
+        yield
     del ddp  # its autograd hooks stay on the parameters otherwise
     mean_losses = ctx.all_mean(torch.stack(losses)).tolist()
     worst = ctx.all_reduce(torch.tensor(times), "max").tolist()
@@ -182,31 +199,13 @@ def _train_ddp(ctx: ReplicaContext, cfg: DemoConfig, progress: Any) -> dict[str,
         "run": RUNS[1],
         "plan": DDP_PLAN,
         "step_ms": 1e3 * statistics.median(worst[cfg.warmup :]),
+        "steps_ms": [1e3 * w for w in worst],
         "bytes_per_step": statistics.mean(nbytes[cfg.warmup :]),
         "first_loss": mean_losses[0],
         "final_loss": statistics.mean(mean_losses[-10:]),
         "algorithms": ["gloo", "gloo sparse"],
         "params": {k: v.detach().clone() for k, v in model.state_dict().items()} if ctx.replica_id == 0 else None,
     }
-
-
-def _train_auto(
-    ctx: ReplicaContext, cfg: DemoConfig, addresses: list[str], progress: Any, runs: dict[str, dict[str, Any]]
-) -> tuple[dict[str, Any], Plan]:
-    """The automatic plan: measured α, ``make_plan``, then training with the plan's placements."""
-    torch.manual_seed(cfg.seed)
-    model = BagClassifier(cfg)
-    batches = list(_input_fn(cfg)(ctx.replica_id))
-    plan = measure_plan(ctx, cfg, model, batches[: cfg.warmup], addresses)
-    compute = {"compute_ms": 1e3 * measure_compute(ctx, model, batches[: cfg.warmup])}
-    if any(e.placement == "ps" for e in plan.entries):
-        hybrid = train_hybrid(ctx, cfg, model, plan, addresses, batches, progress)
-        return {"run": RUNS[3], **hybrid, **compute}, plan
-    # No parameter on the server: the plan is one of the allreduce runs above (dense layers always go dense).
-    sparse_ar = any(e.placement == "sparse_allreduce" for e in plan.entries)
-    same = dict(runs[RUNS[2] if sparse_ar else RUNS[0]])
-    same["run"], same["plan"] = RUNS[3], f"{AUTO}: same as {same['plan']}"
-    return {**same, **compute}, plan
 
 
 def demo_program(
@@ -231,6 +230,10 @@ def demo_program(
 def _demo_runs(
     ctx: ReplicaContext, cfg: DemoConfig, show_progress: bool, addresses: list[str], writer: Any
 ) -> tuple[list[dict[str, Any]], Plan] | None:
+    """The automatic plan's measurements, then every run interleaved (module doc); rank 0's summaries, each
+    with its timed blocks' medians (``block_ms``) and its turns' places in the order (``turns``), and the plan."""
+    from sparsync_bench.demo_report import block_medians, block_sizes
+
     torch.set_num_threads(1)
     progress = None
     if show_progress and ctx.replica_id == 0:
@@ -239,13 +242,34 @@ def _demo_runs(
         progress = display()  # a bar on a terminal, progress lines on a pipe or in a log
         progress.start()
     try:
-        runs = {RUNS[0]: _train(ctx, cfg, PLANS[0], progress, writer), RUNS[1]: _train_ddp(ctx, cfg, progress),
-                RUNS[2]: _train(ctx, cfg, PLANS[1], progress, writer)}  # fmt: skip
-        auto, chosen = _train_auto(ctx, cfg, addresses, progress, runs)
+        torch.manual_seed(cfg.seed)
+        model = BagClassifier(cfg)  # the automatic plan's, trained by the hybrid when the plan has one
+        batches = list(_input_fn(cfg)(ctx.replica_id))
+        plan = measure_plan(ctx, cfg, model, batches[: cfg.warmup], addresses)
+        compute_ms = 1e3 * measure_compute(ctx, model, batches[: cfg.warmup])
+        trainers = {RUNS[0]: _train(ctx, cfg, PLANS[0], progress, writer), RUNS[1]: _train_ddp(ctx, cfg, progress),
+                    RUNS[2]: _train(ctx, cfg, PLANS[1], progress, writer)}  # fmt: skip
+        if any(e.placement == "ps" for e in plan.entries):
+            trainers[RUNS[3]] = train_hybrid(ctx, cfg, model, plan, addresses, batches, progress)
+        sizes = block_sizes(cfg.steps, cfg.warmup, cfg.block)
+        runs, order = interleave(trainers, ([cfg.warmup] if cfg.warmup else []) + sizes)
     finally:
         if progress is not None:
             progress.stop()
-    return ([*runs.values(), auto], chosen) if ctx.replica_id == 0 else None
+    if ctx.replica_id != 0:
+        return None
+    runs = {run: {"run": run, **r, "block_ms": block_medians(r["steps_ms"], cfg.warmup, sizes),
+                  "turns": [t for t, o in enumerate(order) if o == run]} for run, r in runs.items()}  # fmt: skip
+    auto = runs.get(RUNS[3]) or _same_run(plan, runs)
+    return [runs[RUNS[0]], runs[RUNS[1]], runs[RUNS[2]], {**auto, "compute_ms": compute_ms}], plan
+
+
+def _same_run(plan: Plan, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The automatic plan's summary when it puts no parameter on the servers: the allreduce run it equals
+    (dense layers always go dense), under its own name, with ``same_as`` naming that run and no turns."""
+    same_as = RUNS[2] if any(e.placement == "sparse_allreduce" for e in plan.entries) else RUNS[0]
+    same = runs[same_as]
+    return {**same, "run": RUNS[3], "plan": f"{AUTO}: same as {same['plan']}", "same_as": same_as, "turns": []}
 
 
 def run_demo(
@@ -284,56 +308,12 @@ def config_dict(cfg: DemoConfig) -> dict[str, Any]:
 def plan_summary(plan: Plan) -> str:
     """One line naming each parameter's placement, e.g. 'plan chose: parameter server for emb.weight (hybrid);
     dense allreduce for mlp.0.weight, ...'."""
-    words = {"ps": "parameter server", "dense_allreduce": "dense allreduce",
-             "sparse_allreduce": "sparse allreduce", "sketch": "sketch"}  # fmt: skip
     by: dict[str, list[str]] = {}
     for e in plan.entries:
         by.setdefault(e.placement, []).append(e.name)
     kind = "hybrid" if "ps" in by and len(by) > 1 else ("parameter server" if "ps" in by else "allreduce")
-    parts = [f"{words[pl]} for {', '.join(names)}" for pl, names in by.items()]
+    parts = [f"{PLACEMENT_WORDS[pl]} for {', '.join(names)}" for pl, names in by.items()]
     return f"plan chose: {'; '.join(parts)} ({kind})"
-
-
-def compare_lines(runs: list[dict[str, Any]]) -> list[str]:
-    """Each run's step time and bytes relative to both baselines, dense allreduce and DDP with sparse gradients
-    ("0.62x dense allreduce" = 0.62 times its step time), and the demo's target: the sparse-allreduce plan
-    (sparsync's default plan) faster than both."""
-    by = {r["run"]: r for r in runs}
-    bases = [by[k] for k in RUNS[:2] if k in by]
-
-    def rel(r: dict[str, Any], key: str) -> str:
-        return ", ".join(f"{r[key] / b[key]:.3g}x {b['plan']}" for b in bases if b is not r)
-
-    out = [f"{r['plan']}: step time {rel(r, 'step_ms')}; bytes per step {rel(r, 'bytes_per_step')}"
-           for r in runs if r is not bases[0]]  # fmt: skip
-    sp = by.get(RUNS[2])
-    if sp is not None and len(bases) == 2:
-        ok = all(sp["step_ms"] < b["step_ms"] for b in bases)
-        out.append(f"target: {sp['plan']} (sparse allreduce) faster per step than dense allreduce "
-                   f"and {DDP_PLAN}: {'met' if ok else 'not met'} ({rel(sp, 'step_ms')})")  # fmt: skip
-    return out
-
-
-def prediction_lines(runs: list[dict[str, Any]], plan: Plan, compute_s: float) -> list[str]:
-    """Each priced run's predicted step (``demo_plan.predicted_steps``) against its measured one, and the target:
-    within 1.5x (either way) for every plan the model prices. Sets ``predicted_ms`` in each priced run."""
-    pred = predicted_steps(plan, compute_s)
-    parts, ratios = [], []
-    for r in runs:
-        if r["run"] not in pred:
-            parts.append(f"{r['plan']}: torch's path, not priced")
-            continue
-        r["predicted_ms"] = 1e3 * pred[r["run"]]
-        ratios.append(r["predicted_ms"] / r["step_ms"])
-        parts.append(f"{r['plan']} {r['predicted_ms']:.1f} ms predicted / {r['step_ms']:.1f} measured "
-                     f"({ratios[-1]:.2f}x)")  # fmt: skip
-    ok = all(1 / 1.5 <= q <= 1.5 for q in ratios)
-    return [
-        f"predicted step = local compute {1e3 * compute_s:.1f} ms (measured, no communication) + the plan's "
-        f"communication as each run sends it: {'; '.join(parts)}",
-        f"target: predicted step within 1.5x of measured for every priced plan: {'met' if ok else 'not met'} "
-        f"({min(ratios):.2f}x-{max(ratios):.2f}x)",
-    ]
 
 
 def print_demo(
@@ -345,11 +325,15 @@ def print_demo(
     net: str | None = None,
     plan: Plan | None = None,
 ) -> None:
-    """The plan, the side-by-side table on screen, and ``out``.json / ``out``.md."""
+    """The plan and why it chose so, the side-by-side table on screen, the lines of ``demo_report`` (against
+    the baselines, predicted against measured, the interleaved blocks' ratios and verdicts), and ``out``.json /
+    ``out``.md (the JSON: every run's per-step and per-block times and step parts, the interleaving's order and
+    ratios)."""
     import json
 
     from rich.table import Table
 
+    from sparsync_bench import demo_report as dr
     from sparsync_bench.report import print_plan
 
     lines: list[str] = []
@@ -367,8 +351,10 @@ def print_demo(
             console,
             title=f"automatic plan: α measured over {cfg.warmup} warm-up steps; {c.machines} machines; {link}",
         )
-        lines.append(plan_summary(plan))
-        console.print(lines[-1])
+        lines += [plan_summary(plan), *dr.choice_lines(plan)]
+        for line in lines:
+            console.print(line)
+    shown = len(lines)
     where = f"{net} links" if net else "loopback"
     table = Table(title=f"{cfg.replicas} processes, {cfg.steps} steps, batch {cfg.batch}/replica ({where})")
     for col in ("gradient plan", "step time ms (median)", "MB sent/step/rank", "final loss", "algorithms"):
@@ -383,19 +369,26 @@ def print_demo(
         )
     show_table(console, table)
     s = runs[-1]
-    lines += compare_lines(runs)
+    lines += dr.compare_lines(runs)
+    sizes = dr.block_sizes(cfg.steps, cfg.warmup, cfg.block)
     if plan is not None and "compute_ms" in s:
-        lines += prediction_lines(runs, plan, s["compute_ms"] / 1e3)
+        lines += dr.prediction_lines(runs, plan, s["compute_ms"] / 1e3)
+    lines += dr.ratio_lines(runs, sizes)
+    if plan is not None and "compute_ms" in s:
+        lines += dr.why_lines(runs, plan, s["compute_ms"])
+        for run, parts in dr.step_parts(runs, plan, s["compute_ms"]).items():
+            next(r for r in runs if r["run"] == run)["parts"] = {**asdict(parts), "rest_ms": parts.rest_ms}
     lines.append(
         f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f} (mean of the last 10 steps); every run's final "
         f"parameters differ from the dense run's by at most {diff:.2e} (same SGD updates, different summation "
         "order)"
     )
-    for line in lines[1 if plan is not None else 0 :]:
+    for line in lines[shown:]:
         console.print(line)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"config": config_dict(cfg), "net": net, "runs": runs, "max_param_diff": diff,
-            "plan": plan.as_dict() if plan is not None else None}  # fmt: skip
+            "plan": plan.as_dict() if plan is not None else None,
+            "interleaving": dr.interleaving(runs, cfg.block, sizes)}  # fmt: skip
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
     md = ["| gradient plan | step ms | MB/step/rank | final loss |", "| --- | --- | --- | --- |"]
     md += [

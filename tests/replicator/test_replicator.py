@@ -299,15 +299,18 @@ def test_dctmp_mask_round_trips() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_demo_trains_every_plan_to_the_same_model() -> None:
+    import json
     import re
+    import statistics
     import tempfile
     from pathlib import Path
 
     from rich.console import Console
 
-    from sparsync_bench.train_demo import DemoConfig, plan_summary, print_demo, run_demo
+    from sparsync_bench.train_demo import RUNS, DemoConfig, plan_summary, print_demo, run_demo
 
-    cfg = DemoConfig(steps=12, warmup=2, plan_pricing="assumed")  # the hybrid run, deterministically
+    # the hybrid run, deterministically; the runs take turns in blocks of 2 steps (5 timed blocks)
+    cfg = DemoConfig(steps=12, warmup=2, plan_pricing="assumed", block=2)
     runs, diff, plan = run_demo(cfg, show_progress=False)
     dense, ddp, sparse, auto = runs
     assert [r["run"] for r in runs] == ["dense", "ddp_sparse", "sparse", "auto"]
@@ -335,6 +338,7 @@ def test_demo_trains_every_plan_to_the_same_model() -> None:
     with tempfile.TemporaryDirectory() as d:
         print_demo(runs, diff, cfg, console, Path(d) / "demo", None, plan)
         md = (Path(d) / "demo.md").read_text()
+        meta = json.loads((Path(d) / "demo.json").read_text())
     assert "plan chose: parameter server for emb.weight" in md
     assert "| DDP (sparse grads) |" in md
     assert re.search(r"sparsync plan: step time [\d.]+x dense allreduce, [\d.]+x DDP \(sparse grads\)", md)
@@ -350,6 +354,42 @@ def test_demo_trains_every_plan_to_the_same_model() -> None:
     agree = 2 * (plan.cluster.machines - 1) * plan.cluster.link.alpha  # wrap_optimizer's agreement round
     assert pred["sparse"] > agree + auto["compute_ms"] / 1e3 and pred["dense"] > pred["sparse"]
     assert re.search(r"target: predicted step within 1.5x of measured for every priced plan: (met|not met)", md)
+    # Interleaved: the warm-up turn, then 5 blocks of 2 steps, every run in turn each time.
+    inter = meta["interleaving"]
+    assert inter["sizes"] == [2] * 5
+    assert inter["order"] == ["dense", "ddp_sparse", "sparse", "auto"] * 6
+    for r in meta["runs"]:
+        assert r["turns"] == [RUNS.index(r["run"]) + 4 * t for t in range(6)]
+        steps = r["steps_ms"]
+        assert len(steps) == cfg.steps
+        assert r["block_ms"] == [statistics.median(steps[2 + 2 * b : 4 + 2 * b]) for b in range(5)]
+        assert r["step_ms"] == pytest.approx(statistics.median(steps[2:]))
+    by = {r["run"]: r for r in meta["runs"]}
+    assert set(inter["ratios"]) == {"dense/ddp_sparse", "sparse/ddp_sparse", "auto/ddp_sparse", "sparse/dense",
+                                    "auto/sparse"}  # fmt: skip
+    for pair, q in inter["ratios"].items():
+        a, b = pair.split("/")
+        assert q["per_block"] == pytest.approx(
+            [x / y for x, y in zip(by[a]["block_ms"], by[b]["block_ms"], strict=True)]
+        )
+        assert q["min"] <= q["median"] <= q["max"] and q["median"] == statistics.median(q["per_block"])
+    assert re.search(
+        r"sparsync plan: [\d.]+x DDP \(min-max [\d.]+-[\d.]+ over 5 interleaved blocks of 2 steps\)", md
+    )
+    assert re.search(r"auto plan: [\d.]+x sparsync plan \(min-max [\d.]+-[\d.]+ over 5 interleaved blocks", md)
+    # Why each plan won or lost: a verdict and a reason, for every plan against DDP and the sparse pairs.
+    for pair in ("dense allreduce vs DDP", "sparsync plan vs DDP", "auto plan vs DDP",
+                 "sparsync plan vs dense allreduce", "auto plan vs sparsync plan"):  # fmt: skip
+        assert re.search(rf"^{pair}: (won|lost|tie) \([\d.]+x, [\d.]+-[\d.]+\): \S", md, re.M), pair
+    assert re.search(
+        r"^auto chose parameter server for emb.weight: [\d.]+ ms and [\d.]+ MB per step priced, "
+        r"against [\d.]+ ms and [\d.]+ MB by sparse allreduce, the best alternative$",
+        md,
+        re.M,
+    )
+    parts = by["sparse"]["parts"]
+    assert parts["latency_ms"] > 0 and by["ddp_sparse"]["parts"]["latency_ms"] is None
+    assert parts["bandwidth_ms"] == pytest.approx(1e3 * plan.cluster.link.beta * sparse["bytes_per_step"])
 
 
 @pytest.mark.multiprocess
