@@ -146,7 +146,8 @@ def why_line(name: str, a: StepParts, base: str, b: StepParts, ratio: Spread, li
     elif verdict == "lost":
         reason = max(diffs)[1]
     else:
-        reason = "largest difference: " + max(diffs, key=lambda d: abs(d[0]))[1]
+        reason = ("the steps differ by less than they vary block to block; largest difference in their parts: "
+                  + max(diffs, key=lambda d: abs(d[0]))[1])  # fmt: skip
     return f"{name} vs {base}: {verdict} ({ratio.median:.2f}x, {ratio.low:.2f}-{ratio.high:.2f}): {reason}"
 
 

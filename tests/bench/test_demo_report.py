@@ -82,8 +82,9 @@ def test_a_tie_names_the_largest_difference_either_way() -> None:
     a = dataclasses.replace(SPARSE, latency_ms=6.0)
     b = StepParts(step_ms=10.0, compute_ms=1.0, bytes_per_step=0.26e6, bandwidth_ms=0.45, latency_ms=2.0)
     line = why_line("auto plan", a, "sparsync plan", b, Spread(0.97, 0.88, 1.03, 14), LINK)
-    assert line == ("auto plan vs sparsync plan: tie (0.97x, 0.88-1.03): largest difference: latency 6 ms instead "
-                    "of 2 ms (priced with infinite bandwidth)")  # fmt: skip
+    assert line == ("auto plan vs sparsync plan: tie (0.97x, 0.88-1.03): the steps differ by less than they vary "
+                    "block to block; largest difference in their parts: latency 6 ms instead of 2 ms (priced with "
+                    "infinite bandwidth)")  # fmt: skip
 
 
 def test_a_win_ignores_a_larger_part_that_went_the_other_way() -> None:
