@@ -5,11 +5,13 @@ them, and training with that plan; if the plan puts the embedding on the paramet
 (Parallax §3.1: dense parameters by dense allreduce, the embedding on one colocated server per process, sync
 mode) through ``HybridTrainer``.
 
-Each run's predicted step (``predicted_steps``) is the local forward and backward pass, measured on the
-warm-up batches with every process at once (``measure_compute``), plus the plan's communication priced as that
-run sends it: ``wrap_optimizer``'s agreement on which parameters have gradients (one tiny allreduce), then every
-gradient in one fused dense allreduce, or its grouped call (``Plan.grouped_seconds``); the hybrid's servers and
-fused dense allreduce (``Plan.fused_seconds``). DDP's run is torch's own path, which the plan does not price.
+Each run's predicted step (``predicted_steps``) is its local work, measured on the warm-up batches with every
+process at once (``measure_compute``: the forward and backward pass, and for the dense run the densified
+embedding gradient, the flat bucket and SGD's dense update of the whole table), plus the plan's communication
+priced as that run sends it: ``wrap_optimizer``'s agreement on which parameters have gradients (one tiny
+allreduce), then every gradient in one fused dense allreduce, or its grouped call (``Plan.grouped_seconds``);
+the hybrid's servers and fused dense allreduce (``Plan.fused_seconds``). DDP's run is torch's own path, which
+the plan does not price.
 ``predicted_split`` splits each priced run's communication into its latency (the same plan priced with infinite
 bandwidth) and its bandwidth part, for the demo's lines on why a plan won or lost.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from functools import partial
 from typing import Any
 
@@ -41,23 +43,46 @@ PLACEMENT_WORDS = {"ps": "parameter server", "dense_allreduce": "dense allreduce
 ASSUMED_BANDWIDTH, ASSUMED_LATENCY = 1.25e8, 50e-6  # plan_pricing="assumed": 1 Gbit/s, 50 µs per message
 
 
-def measure_compute(ctx: Any, model: torch.nn.Module, batches: list[Any]) -> float:
-    """Seconds of one local forward and backward pass without communication: the median over ``batches``, on
-    every replica at once (they share the machine's cores, as in training), of the slowest replica. Leaves no
-    gradient behind."""
-    times = []
+def measure_compute(ctx: Any, model: torch.nn.Module, batches: list[Any]) -> tuple[float, float]:
+    """Local seconds per step without communication, on every replica at once (they share the machine's cores,
+    as in training), the slowest replica's median over ``batches``: (a forward and backward pass, what the
+    dense run adds: ``DenseAllreduce``'s densified embedding gradient and flat bucket, and SGD's update of every
+    row by the dense gradient, into a scratch copy). Leaves the model as it was, with no gradient."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    scratch = [torch.empty_like(p) for p in params]
+    backward, dense = [], []
     for tok, y in batches:
         t0 = time.perf_counter()
         _loss(model, tok, y).backward()  # type: ignore[no-untyped-call]
-        times.append(time.perf_counter() - t0)
-    model.zero_grad(set_to_none=True)
-    return float(ctx.all_reduce(torch.tensor([statistics.median(times)], dtype=torch.float64), "max")[0])
+        t1 = time.perf_counter()
+        grads = [p.grad for p in params if p.grad is not None]
+        flat = torch.cat([(g.to_dense() if g.is_sparse else g).reshape(-1) for g in grads])
+        pieces = torch.split(flat, [g.numel() for g in grads])
+        with torch.no_grad():
+            for p, piece, out in zip(params, pieces, scratch, strict=False):
+                torch.add(p, piece.view(p.shape), alpha=-1.0, out=out)
+        backward.append(t1 - t0)
+        dense.append(time.perf_counter() - t1)
+        model.zero_grad(set_to_none=True)
+    med = torch.tensor([statistics.median(backward), statistics.median(dense)], dtype=torch.float64)
+    worst = ctx.all_reduce(med, "max")
+    return float(worst[0]), float(worst[1])
 
 
-def predicted_steps(plan: Plan, compute_s: float) -> dict[str, float]:
-    """Predicted step seconds of the demo's runs ("dense", "sparse", "auto": ``train_demo.RUNS``): ``compute_s``
-    plus the communication of ``plan``'s parameters as each run sends them (module doc)."""
-    return {k: compute_s + v for k, v in _communication(plan).items()}
+def run_compute(backward: float, dense_extra: float, plan: Plan) -> dict[str, float]:
+    """Each run's local seconds per step (``measure_compute``'s two parts) by run id (``train_demo.RUNS``): the
+    dense run adds ``dense_extra``; the automatic plan's is that of the run it equals (the hybrid's: the forward
+    and backward pass, its servers update the embedding)."""
+    kinds = {e.placement for e in plan.entries}
+    auto = dense_extra if not kinds & {"ps", "sparse_allreduce"} else 0.0
+    return {"dense": backward + dense_extra, "ddp_sparse": backward, "sparse": backward, "auto": backward + auto}
+
+
+def predicted_steps(plan: Plan, compute: Mapping[str, float]) -> dict[str, float]:
+    """Predicted step seconds of the demo's runs ("dense", "sparse", "auto": ``train_demo.RUNS``): each run's
+    local ``compute`` (``run_compute``) plus the communication of ``plan``'s parameters as it sends them (module
+    doc)."""
+    return {k: compute[k] + v for k, v in _communication(plan).items()}
 
 
 def predicted_split(plan: Plan) -> dict[str, tuple[float, float]]:

@@ -123,11 +123,13 @@ class StepParts:
         return self.rest_ms - (self.latency_ms or 0.0)
 
 
-def step_parts(runs: list[dict[str, Any]], plan: Plan, compute_ms: float) -> dict[str, StepParts]:
-    """Every run's ``StepParts`` by run id, at ``plan``'s link (its measured or assumed bandwidth)."""
+def step_parts(runs: list[dict[str, Any]], plan: Plan) -> dict[str, StepParts]:
+    """Every run's ``StepParts`` by run id (its ``compute_ms``: ``demo_plan.run_compute``), at ``plan``'s link
+    (its measured or assumed bandwidth)."""
     split, beta = predicted_split(plan), plan.cluster.link.beta
-    return {r["run"]: StepParts(r["step_ms"], compute_ms, r["bytes_per_step"], 1e3 * beta * r["bytes_per_step"],
-                                1e3 * split[r["run"]][0] if r["run"] in split else None)
+    latency = {k: 1e3 * v[0] for k, v in split.items()}
+    return {r["run"]: StepParts(r["step_ms"], r["compute_ms"], r["bytes_per_step"],
+                                1e3 * beta * r["bytes_per_step"], latency.get(r["run"]))
             for r in runs}  # fmt: skip
 
 
@@ -185,9 +187,9 @@ def link_words(plan: Plan) -> str:
     return f"the {'measured' if plan.cluster.measured else 'assumed'} {1 / beta / 1e6:.0f} MB/s"
 
 
-def why_lines(runs: list[dict[str, Any]], plan: Plan, compute_ms: float) -> list[str]:
+def why_lines(runs: list[dict[str, Any]], plan: Plan) -> list[str]:
     """A verdict and its reason (``why_line``) for every ``PAIRS`` pair the demo measured separately."""
-    parts, link = step_parts(runs, plan, compute_ms), link_words(plan)
+    parts, link = step_parts(runs, plan), link_words(plan)
     return [why_line(NAMES[a], parts[a], NAMES[b], parts[b], Spread.of(v), link)
             for (a, b), v in block_ratios(runs).items()]  # fmt: skip
 
@@ -243,10 +245,13 @@ def compare_lines(runs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def prediction_lines(runs: list[dict[str, Any]], plan: Plan, compute_s: float) -> list[str]:
-    """Each priced run's predicted step (``demo_plan.predicted_steps``) against its measured one, and the target:
-    within 1.5x (either way) for every plan the model prices. Sets ``predicted_ms`` in each priced run."""
-    pred = predicted_steps(plan, compute_s)
+def prediction_lines(runs: list[dict[str, Any]], plan: Plan) -> list[str]:
+    """Each priced run's predicted step (``demo_plan.predicted_steps``, from each run's ``compute_ms``) against
+    its measured one, and the target: within 1.5x (either way) for every plan the model prices. Sets
+    ``predicted_ms`` in each priced run."""
+    by = {r["run"]: r for r in runs}
+    pred = predicted_steps(plan, {k: r["compute_ms"] / 1e3 for k, r in by.items()})
+    fb, dense = by["sparse"]["compute_ms"], by["dense"]["compute_ms"]
     parts, ratios = [], []
     for r in runs:
         if r["run"] not in pred:
@@ -258,8 +263,9 @@ def prediction_lines(runs: list[dict[str, Any]], plan: Plan, compute_s: float) -
                      f"({ratios[-1]:.2f}x)")  # fmt: skip
     ok = all(1 / 1.5 <= q <= 1.5 for q in ratios)
     return [
-        f"predicted step = local compute {1e3 * compute_s:.1f} ms (measured, no communication) + the plan's "
-        f"communication as each run sends it: {'; '.join(parts)}",
+        f"predicted step = local compute (measured, no communication: forward and backward {fb:.1f} ms; the dense "
+        f"run {dense - fb:.1f} ms more to densify the embedding's gradient, fill the bucket and update every row) "
+        f"+ the plan's communication as each run sends it: {'; '.join(parts)}",
         f"target: predicted step within 1.5x of measured for every priced plan: {'met' if ok else 'not met'} "
         f"({min(ratios):.2f}x-{max(ratios):.2f}x)",
     ]

@@ -10,7 +10,7 @@ import pytest
 
 from sparsync.plan.detect import ParamStats
 from sparsync.plan.planner import Cluster, make_plan
-from sparsync_bench.demo_plan import predicted_split, predicted_steps
+from sparsync_bench.demo_plan import predicted_split, predicted_steps, run_compute
 from sparsync_bench.demo_report import (
     Spread,
     StepParts,
@@ -111,7 +111,7 @@ def test_the_plan_says_why_it_placed_the_embedding() -> None:
 
 def test_a_priced_step_splits_into_latency_and_bandwidth() -> None:
     plan = make_plan(_stats(), Cluster(4, bandwidth=1.25e8, latency=50e-6))
-    split, steps = predicted_split(plan), predicted_steps(plan, 0.0)
+    split, steps = predicted_split(plan), predicted_steps(plan, dict.fromkeys(("dense", "sparse", "auto"), 0.0))
     assert split.keys() == steps.keys() == {"dense", "sparse", "auto"}
     for run, (latency, bandwidth) in split.items():
         assert latency > 0 and bandwidth > 0
@@ -121,3 +121,19 @@ def test_a_priced_step_splits_into_latency_and_bandwidth() -> None:
     fast = make_plan(_stats(), Cluster(4, bandwidth=1e15, latency=50e-6))  # bandwidth all but infinite
     for latency, bandwidth in predicted_split(fast).values():
         assert 0 <= bandwidth < 1e-4 * latency
+
+
+def test_each_run_has_its_own_local_work() -> None:
+    """The dense run adds its densify, bucket and dense update; the automatic plan's is that of the run it
+    equals (the hybrid's: forward and backward, its servers update the embedding)."""
+    hybrid = make_plan(_stats(), Cluster(4, bandwidth=1.25e8, latency=50e-6))
+    assert {e.placement for e in hybrid.entries} == {"ps", "dense_allreduce"}
+    assert run_compute(1.0, 5.0, hybrid) == {"dense": 6.0, "ddp_sparse": 1.0, "sparse": 1.0, "auto": 1.0}
+    all_dense = make_plan(
+        _stats(), Cluster(4, bandwidth=1.25e8, latency=50e-6), overrides={"emb.weight": "dense_allreduce"}
+    )
+    assert run_compute(1.0, 5.0, all_dense)["auto"] == 6.0
+    sparse = make_plan(
+        _stats(), Cluster(4, bandwidth=1.25e8, latency=50e-6), overrides={"emb.weight": "sparse_allreduce"}
+    )
+    assert run_compute(1.0, 5.0, sparse)["auto"] == 1.0

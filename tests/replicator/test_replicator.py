@@ -347,12 +347,16 @@ def test_demo_trains_every_plan_to_the_same_model() -> None:
     # Each priced run's predicted step: the measured local compute plus the plan's communication as it sends it.
     from sparsync_bench.demo_plan import predicted_steps
 
-    pred = predicted_steps(plan, auto["compute_ms"] / 1e3)
-    assert 0 < auto["compute_ms"] < min(r["step_ms"] for r in runs)
+    pred = predicted_steps(plan, {r["run"]: r["compute_ms"] / 1e3 for r in runs})
+    for r in runs:
+        assert 0 < r["compute_ms"] < r["step_ms"]
+    # the dense run's local work adds the densified embedding gradient, the bucket and the dense update; the
+    # others' is the forward and backward pass (the hybrid's servers update the embedding)
+    assert dense["compute_ms"] > sparse["compute_ms"] == ddp["compute_ms"] == auto["compute_ms"]
     assert auto["predicted_ms"] == pytest.approx(1e3 * pred["auto"]) and "predicted_ms" not in ddp
     assert pred["auto"] == pytest.approx(auto["compute_ms"] / 1e3 + plan.fused_seconds)  # the hybrid's
     agree = 2 * (plan.cluster.machines - 1) * plan.cluster.link.alpha  # wrap_optimizer's agreement round
-    assert pred["sparse"] > agree + auto["compute_ms"] / 1e3 and pred["dense"] > pred["sparse"]
+    assert pred["sparse"] > agree + sparse["compute_ms"] / 1e3 and pred["dense"] > pred["sparse"]
     assert re.search(r"target: predicted step within 1.5x of measured for every priced plan: (met|not met)", md)
     # Interleaved: the warm-up turn, then 5 blocks of 2 steps, every run in turn each time.
     inter = meta["interleaving"]
