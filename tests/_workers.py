@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from _pids import write_pid
+from _pids import read_pids, write_pid
 
 import sparsync
 from sparsync import CommLog, SparseStream, sparse_allgather, sparse_allreduce
@@ -562,9 +562,18 @@ def errors_worker(rank: int) -> dict[str, tuple[str, str] | Any]:
     return out
 
 
+def _all_pids_written(pid_dir: str) -> None:
+    """Wait (30 s at most) until every rank has written its pid, so a test that checks that every started rank
+    was reaped finds every pid even when the failing rank is fast and a slow one is terminated early."""
+    deadline = time.monotonic() + 30.0
+    while read_pids(pid_dir, dist.get_world_size()) is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def raise_on_rank(rank: int, bad: int, message: str, pid_dir: str) -> int:
     write_pid(pid_dir, rank)
     if rank == bad:
+        _all_pids_written(pid_dir)
         raise RuntimeError(message)
     # The good ranks block in a collective the bad rank never joins; launch must terminate them.
     sparse_allreduce(SparseStream.empty(16), algorithm="allgather")
@@ -574,6 +583,7 @@ def raise_on_rank(rank: int, bad: int, message: str, pid_dir: str) -> int:
 def die_before_collective(rank: int, bad: int, code: int, pid_dir: str) -> int:
     write_pid(pid_dir, rank)
     if rank == bad:
+        _all_pids_written(pid_dir)
         os._exit(code)  # no report, no destroy_process_group: a crashed peer
     sparse_allreduce(SparseStream.empty(16), algorithm="ssar_recursive_double", timeout=5)
     return rank
