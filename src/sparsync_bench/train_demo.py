@@ -252,9 +252,8 @@ def _demo_runs(
         measured: dict[str, Any] = {}
 
         def automatic() -> dict[str, Trainer]:
-            """After the warm-up turn (every run's threads and connections up, as in training: measured before
-            them, the link's α came out 0.5-1.7 ms against 1.1-1.9 ms after), the plan priced with what it
-            measures, and the hybrid joins when the plan puts a parameter on the servers."""
+            """After the warm-up turn (every run's threads and connections up, as in training), the plan priced
+            with what it measures, and the hybrid joins when the plan puts a parameter on the servers."""
             torch.manual_seed(cfg.seed)
             model = BagClassifier(cfg)  # the automatic plan's, trained by the hybrid when the plan has one
             batches = list(_input_fn(cfg)(ctx.replica_id))
