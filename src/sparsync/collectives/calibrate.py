@@ -72,7 +72,10 @@ def _collective_latencies(group: dist.ProcessGroup, reps: int) -> tuple[float, f
     with every rank active, and the median time of one tiny all-to-all round (P-1 messages posted at once).
 
     A lone ping-pong under-reports α when P processes share few cores: a round is only over when every
-    rank has been scheduled, and on this VM thread wake-ups alone take up to milliseconds.
+    rank has been scheduled, and on this VM thread wake-ups alone take up to milliseconds. The samples run back
+    to back after one barrier, as a run's calls follow each other: a barrier before each sample lines the ranks
+    up as no run does, and under-reported α on the 2-core development host (P = 4: 0.5-1.7 ms a step against
+    1.4-2.9 ms back to back, and about 1.8 ms in the demo's training steps; docs/results_demo.md).
     """
 
     comm = Comm(group)
@@ -80,18 +83,18 @@ def _collective_latencies(group: dist.ProcessGroup, reps: int) -> tuple[float, f
     row = torch.zeros(1, dtype=torch.int64)
     blocks = [torch.zeros(1, dtype=torch.int64) for _ in range(comm.size)]
     t_step, t_a2a = [], []
+    dist.barrier(group=group)
     for i in range(reps + 1):  # the first of each is a warm-up
-        dist.barrier(group=group)
         t0 = time.perf_counter()
         allgather_fixed(comm, row, doubling=True)
-        t1 = time.perf_counter()
-        dist.barrier(group=group)
-        t2 = time.perf_counter()
-        comm.alltoallv(blocks, [1] * comm.size, torch.int64)
-        t3 = time.perf_counter()
         if i:
-            t_step.append((t1 - t0) / steps)
-            t_a2a.append(t3 - t2)
+            t_step.append((time.perf_counter() - t0) / steps)
+    dist.barrier(group=group)
+    for i in range(reps + 1):
+        t0 = time.perf_counter()
+        comm.alltoallv(blocks, [1] * comm.size, torch.int64)
+        if i:
+            t_a2a.append(time.perf_counter() - t0)
     return sorted(t_step)[reps // 2], sorted(t_a2a)[reps // 2]
 
 
@@ -188,7 +191,7 @@ def measure_link(
         est[1] = max(t_large - t_small, 1e-12) / large_bytes
         est[4] = 1.0
     if size > 1:
-        est[0], est[6] = _collective_latencies(g, 4 * reps + 1)
+        est[0], est[6] = _collective_latencies(g, 12 * reps + 1)  # cheap: tiny messages; noisy: many
         est[1] = max(float(est[1]), _allreduce_beta(g, large_bytes, reps))
         est[7] = _exchange_beta(g, large_bytes // 4, reps, float(est[0]))
         est[9:] = torch.tensor(_fixed_costs(g, 2 * reps + 1, names), dtype=torch.float64)
