@@ -112,12 +112,16 @@ def _child(
     host_index: int,
     env: dict[str, str],
     parent: int,
-    forked: tuple[dict[str, str], tuple[int, int], int] | None,
+    forked: tuple[dict[str, str], tuple[int, int]] | None,
 ) -> None:
-    _die_with(parent, None if forked is None else forked[2])
+    if forked is None:
+        _die_with(parent)
+    else:  # our parent is the forkserver, which outlives the launcher while a forked rank holds its pipe
+        watch_launcher(parent)
+        _die_with(os.getppid())
     try:
         if forked is not None:
-            adopt(*forked[:2])
+            adopt(*forked)
         if setup is not None:  # first: before torch starts threads (setns moves the calling thread only)
             os.environ.update(setup(host_index))
         os.environ.update(env)
@@ -161,17 +165,13 @@ def _teardown(*, wait: bool) -> None:
     dist.destroy_process_group()
 
 
-def _die_with(parent: int, launcher: int | None = None) -> None:
+def _die_with(parent: int) -> None:
     """Make this rank exit when the launcher (pid ``parent``) dies, even by SIGKILL: a launcher killed while its
     ranks ran left every rank running (3 of 3 runs). On Linux the kernel sends SIGKILL
     (PR_SET_PDEATHSIG) when the *thread* that spawned us exits; ``launch`` blocks in that thread until its ranks
     are reaped, so that is the launcher's death. Elsewhere, or if prctl fails, a daemon thread polls the
-    parent pid. ``launcher``: we were forked by the launcher's forkserver (our parent), whose pipe from the
-    launcher every forked rank holds open too, so it outlives the launcher: a thread waits on the launcher
-    itself (``rank_start.watch_launcher``)."""
-    if launcher is not None:
-        watch_launcher(launcher)
-        parent = os.getppid()
+    parent pid. A forked rank dies with its forkserver this way, and waits on the launcher itself
+    (``rank_start.watch_launcher``)."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -348,7 +348,7 @@ def _spawn(
                     rank // k,
                     env,
                     os.getpid(),
-                    (dict(os.environ), LauncherStd(), os.getpid()) if forked else None,
+                    (dict(os.environ), LauncherStd()) if forked else None,
                 ),
                 daemon=False,
             )

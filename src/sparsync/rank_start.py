@@ -54,10 +54,8 @@ def adopt(environ: dict[str, str], std: tuple[int, int]) -> None:
 
 
 def context(start_method: str) -> Any:
-    """The ``multiprocessing`` context ranks start from (``START_METHODS``); forkserver falls back to spawn
-    where the platform has no forkserver (Windows)."""
-    if start_method not in START_METHODS:
-        raise ValueError(f"start_method must be one of {START_METHODS}, got {start_method!r}")
+    """The ``multiprocessing`` context ranks start from (one of ``START_METHODS``, checked by ``launch``);
+    forkserver falls back to spawn where the platform has no forkserver (Windows)."""
     if start_method == "forkserver" and "forkserver" not in mp.get_all_start_methods():
         start_method = "spawn"
     ctx = mp.get_context(start_method)
