@@ -49,7 +49,7 @@ def measure_compute(ctx: Any, model: torch.nn.Module, batches: list[Any]) -> tup
     dense run adds: ``DenseAllreduce``'s densified embedding gradient and flat bucket, and SGD's update of every
     row by the dense gradient, into a scratch copy). Leaves the model as it was, with no gradient."""
     params = [p for p in model.parameters() if p.requires_grad]
-    scratch = [torch.zeros_like(p) for p in params]
+    scratch = {p: torch.zeros_like(p) for p in params}
     backward, dense = [], []
     # The first batch twice, its first pass untimed: the buffers' first touch (8.4 MB each for the demo's
     # densified table) is not what a training step pays once the allocator reuses them.
@@ -57,12 +57,13 @@ def measure_compute(ctx: Any, model: torch.nn.Module, batches: list[Any]) -> tup
         t0 = time.perf_counter()
         _loss(model, tok, y).backward()  # type: ignore[no-untyped-call]
         t1 = time.perf_counter()
-        grads = [p.grad for p in params if p.grad is not None]
+        with_grad = [p for p in params if p.grad is not None]
+        grads = [p.grad for p in with_grad if p.grad is not None]
         flat = torch.cat([(g.to_dense() if g.is_sparse else g).reshape(-1) for g in grads])
         pieces = torch.split(flat, [g.numel() for g in grads])
         with torch.no_grad():
-            for p, piece, out in zip(params, pieces, scratch, strict=False):
-                torch.add(p, piece.view(p.shape), alpha=-1.0, out=out)
+            for p, piece in zip(with_grad, pieces, strict=True):
+                torch.add(p, piece.view(p.shape), alpha=-1.0, out=scratch[p])
         if i:
             backward.append(t1 - t0)
             dense.append(time.perf_counter() - t1)
@@ -72,13 +73,22 @@ def measure_compute(ctx: Any, model: torch.nn.Module, batches: list[Any]) -> tup
     return float(worst[0]), float(worst[1])
 
 
+def auto_same_as(plan: Plan) -> str | None:
+    """The run whose placements the automatic plan's equal ("sparse" or "dense": ``train_demo.RUNS``; dense
+    layers always go dense), or None when it puts a parameter on the servers (the hybrid, a run of its own)."""
+    kinds = {e.placement for e in plan.entries}
+    if "ps" in kinds:
+        return None
+    return "sparse" if "sparse_allreduce" in kinds else "dense"
+
+
 def run_compute(backward: float, dense_extra: float, plan: Plan) -> dict[str, float]:
     """Each run's local seconds per step (``measure_compute``'s two parts) by run id (``train_demo.RUNS``): the
     dense run adds ``dense_extra``; the automatic plan's is that of the run it equals (the hybrid's: the forward
     and backward pass, its servers update the embedding)."""
-    kinds = {e.placement for e in plan.entries}
-    auto = dense_extra if not kinds & {"ps", "sparse_allreduce"} else 0.0
-    return {"dense": backward + dense_extra, "ddp_sparse": backward, "sparse": backward, "auto": backward + auto}
+    out = {"dense": backward + dense_extra, "ddp_sparse": backward, "sparse": backward}
+    same = auto_same_as(plan)
+    return {**out, "auto": backward if same is None else out[same]}
 
 
 def predicted_steps(plan: Plan, compute: Mapping[str, float]) -> dict[str, float]:
@@ -128,11 +138,8 @@ def _communication(plan: Plan) -> dict[str, float]:
         "dense": agree + placed("dense_allreduce").fused_seconds,
         "sparse": agree + placed("sparse_allreduce").grouped_seconds,
     }
-    kinds = {e.placement for e in plan.entries}
-    if "ps" in kinds:
-        out["auto"] = plan.fused_seconds
-    else:
-        out["auto"] = out["sparse"] if "sparse_allreduce" in kinds else out["dense"]
+    same = auto_same_as(plan)
+    out["auto"] = plan.fused_seconds if same is None else out[same]
     return out
 
 

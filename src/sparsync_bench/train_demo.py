@@ -43,6 +43,7 @@ from sparsync_bench.ddp_baseline import ddp_step_bytes
 from sparsync_bench.demo_plan import (
     AUTO,
     PLACEMENT_WORDS,
+    auto_same_as,
     measure_compute,
     measure_plan,
     run_compute,
@@ -259,7 +260,7 @@ def _demo_runs(
             batches = list(_input_fn(cfg)(ctx.replica_id))
             measured["plan"] = plan = measure_plan(ctx, cfg, model, batches[: cfg.warmup], addresses)
             measured["compute"] = measure_compute(ctx, model, batches[: cfg.warmup])
-            if any(e.placement == "ps" for e in plan.entries):
+            if auto_same_as(plan) is None:
                 return {RUNS[3]: train_hybrid(ctx, cfg, model, plan, addresses, batches, progress)}
             return {}
 
@@ -277,15 +278,15 @@ def _demo_runs(
         return None
     runs = {run: {"run": run, **r, "block_ms": block_medians(r["steps_ms"], cfg.warmup, sizes),
                   "turns": [t for t, o in enumerate(order) if o == run]} for run, r in runs.items()}  # fmt: skip
-    auto = runs.get(RUNS[3]) or _same_run(plan, runs)
+    same = auto_same_as(plan)
+    auto = runs[RUNS[3]] if same is None else _same_run(same, runs)
     out = [runs[RUNS[0]], runs[RUNS[1]], runs[RUNS[2]], dict(auto)]
     return [{**r, "compute_ms": 1e3 * compute[r["run"]]} for r in out], plan
 
 
-def _same_run(plan: Plan, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def _same_run(same_as: str, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The automatic plan's summary when it puts no parameter on the servers: the allreduce run it equals
-    (dense layers always go dense), under its own name, with ``same_as`` naming that run and no turns."""
-    same_as = RUNS[2] if any(e.placement == "sparse_allreduce" for e in plan.entries) else RUNS[0]
+    (``demo_plan.auto_same_as``), under its own name, with ``same_as`` naming that run and no turns."""
     same = runs[same_as]
     return {**same, "run": RUNS[3], "plan": f"{AUTO}: same as {same['plan']}", "same_as": same_as, "turns": []}
 
