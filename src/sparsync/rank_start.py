@@ -40,17 +40,18 @@ def _std_fds(out: Any, err: Any) -> tuple[int, int]:
 
 def adopt(environ: dict[str, str], std: tuple[int, int]) -> None:
     """In a forked rank: the launcher's environment and stdout/stderr as they were at ``Process.start()``, as a
-    spawned rank has them; numpy's global generator reseeded, as a fresh import would seed it (else every rank
-    would draw the forkserver's numbers; Python's ``random`` reseeds itself after a fork)."""
+    spawned rank has them; numpy's global generator reseeded when the forkserver had imported it, as a fresh
+    import would seed it (else every rank would draw the forkserver's numbers; Python's ``random`` reseeds
+    itself after a fork)."""
     os.environ.clear()
     os.environ.update(environ)
     for fd, target in zip(std, (1, 2), strict=True):
         if fd != target:
             os.dup2(fd, target)
             os.close(fd)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed()
+    numpy_random = sys.modules.get("numpy.random")  # imported in the forkserver: its state would be shared
+    if numpy_random is not None:
+        numpy_random.seed()
 
 
 def context(start_method: str) -> Any:

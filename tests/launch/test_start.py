@@ -50,3 +50,16 @@ def test_ranks_see_the_launchers_environment_and_stdout_at_the_call(start_method
 def test_unknown_start_method_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="'fork'"):
         launch(sw.report, nprocs=1, args=("X",), start_method="fork")
+
+
+def test_adopting_reseeds_an_inherited_numpy_generator() -> None:
+    """A generator the forkserver imported would be every forked rank's: ``adopt`` reseeds it from entropy."""
+    import numpy as np
+
+    from sparsync.rank_start import adopt
+
+    np.random.seed(7)
+    inherited = np.random.randint(1 << 62)
+    np.random.seed(7)
+    adopt(dict(os.environ), (1, 2))  # this process's own environment and stdout/stderr: nothing else changes
+    assert np.random.randint(1 << 62) != inherited
