@@ -108,11 +108,11 @@ def plan_worker(rank: int) -> dict[str, Any]:
     log = CommLog()
     plan = {"2.weight": Compressed(TopK(0.5), ErrorFeedback())}
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, plan=plan, log=log)
+    twin = _model(0)  # this rank's own gradient (the wrapper's backward leaves the reduced one in .grad)
+    twin(_batch(0, rank, 1.0)).square().mean().backward()
+    before = {n: (p.detach().numpy().copy(), p.grad.to_dense().numpy().copy()) for n, p in twin.named_parameters()}
     opt.zero_grad()
     model(_batch(0, rank, 1.0)).square().mean().backward()
-    before = {
-        n: (p.detach().numpy().copy(), p.grad.to_dense().numpy().copy()) for n, p in model.named_parameters()
-    }
     opt.step()
     calls = [(r.op, r.dim, r.nnz_in) for r in log.records]
     return {"calls": calls, "bytes": sum(r.bytes_sent for r in log.records),
@@ -191,13 +191,15 @@ def bucket_worker(rank: int) -> dict[str, Any]:
     grads = []
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, op="sum",
                                plan=lambda n, p: Compressed(Identity(), bucket=True))  # fmt: skip
-    opt.zero_grad()
-    model(_batch(0, rank, 1.0)).square().mean().backward()
-    for p in model.parameters():
+    twin = _model(0)  # this rank's own gradient (the wrapper's backward leaves the sum in .grad)
+    twin(_batch(0, rank, 1.0)).square().mean().backward()
+    for p in twin.parameters():
         assert p.grad is not None
         ref = p.grad.to_dense().double()
         dist.all_reduce(ref)
         grads.append(ref)
+    opt.zero_grad()
+    model(_batch(0, rank, 1.0)).square().mean().backward()
     opt.synchronize()
     out["lossless"] = [
         float((p.grad.to_dense().double() - r).abs().max()) for p, r in zip(model.parameters(), grads, strict=True)

@@ -24,7 +24,11 @@ import torch.distributed as dist
 from sparsync.collectives.group import resolve_group
 from sparsync.placement import Placement, ReduceEnv
 from sparsync.record import CommLog
+from sparsync.replicator.buckets import CAP_BYTES
 from sparsync.replicator.optimizer import PlanSpec, ReplicatedOptimizer
+from sparsync.replicator.overlap import OverlapReducer
+
+LAYOUT_KEY = "sparsync_buckets"  # the bucket layout in a state dict
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -35,11 +39,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``Grouped``, ``CustomReduce``, ``ByLayout``) or a callable ``(name, param) -> Placement``; parameters it
     does not name get ``default`` (``ByLayout()``). ``op``: "mean" (DDP's convention) or "sum". ``log``: a
     ``CommLog`` that receives one record per collective (bytes, algorithm). ``sync_parameters``: broadcast
-    rank 0's parameters now, as DDP does at construction. Collective: every rank wraps the same parameters in
-    the same order.
+    rank 0's parameters now, as DDP does at construction. ``overlap``: reduce during backward (the default on
+    more than one rank; off, or with a parameter-server placement in the plan, every gradient is reduced in
+    ``step()``). ``bucket_cap_mb``: the size of a dense bucket (DDP's 25 MiB; the first is 1 MiB).
+    Collective: every rank wraps the same parameters in the same order.
 
-    Mutates: the parameters' ``.grad`` in ``step()``/``synchronize()`` (replaced by the aggregate), and the
-    parameters themselves at construction when ``sync_parameters``.
+    Mutates: the parameters' ``.grad`` at the end of each backward (or in ``step()``/``synchronize()`` without
+    overlap; replaced by the aggregate), and the parameters themselves at construction when
+    ``sync_parameters``.
     """
 
     def __init__(
@@ -55,6 +62,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         timeout: float | None = None,
         sync_parameters: bool = True,
         check_nan: bool = True,
+        overlap: bool = True,
+        bucket_cap_mb: float = CAP_BYTES / 2**20,
     ) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
@@ -79,24 +88,39 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self._synchronized = False
+        # Gradient accumulation: autograd adds a sparse gradient to ``.grad`` by concatenating indices, so k
+        # micro-batches hold k copies of a hot row. Coalescing after each one keeps one row per index
+        # (docs/optimizer.md measures peak memory against torch's accumulation). Registered before the
+        # reducer's hooks: a bucket starts from the coalesced gradient.
+        for group_ in optimizer.param_groups:
+            for p in group_["params"]:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(_coalesce_grad)
+        self._reducer: OverlapReducer | None = None
+        if overlap and env.num_replicas > 1 and all(pl.overlaps for pl in self.replicated.plan.values()):
+            if not bucket_cap_mb > 0:
+                raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+            self._reducer = OverlapReducer(self.replicated, cap_bytes=max(1, int(bucket_cap_mb * 2**20)))
         self._max_norm_modules = [
             m
             for m in (model.modules() if model is not None else ())
             if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.max_norm is not None
         ]
-        # Gradient accumulation: autograd adds a sparse gradient to ``.grad`` by concatenating indices, so k
-        # micro-batches hold k copies of a hot row. Coalescing after each one keeps one row per index
-        # (docs/optimizer.md measures peak memory against torch's accumulation).
-        for group_ in optimizer.param_groups:
-            for p in group_["params"]:
-                if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(_coalesce_grad)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """DDP's ``no_sync()`` for gradient accumulation, accepted as is: gradients are aggregated in
-        ``step()`` only, so backward passes before it accumulate locally whether or not this is entered."""
-        yield
+        """DDP's ``no_sync()`` for gradient accumulation: backward passes inside it accumulate locally; the
+        next backward outside it (or ``step()``) reduces the accumulated gradients. Without it, every backward
+        reduces (the results add up, as under DDP)."""
+        r = self._reducer
+        if r is None:
+            yield
+            return
+        before, r.syncing = r.syncing, False
+        try:
+            yield
+        finally:
+            r.syncing = before
 
     def clip_grad_norm_(
         self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
@@ -132,9 +156,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"] if p.grad is not None]
 
     def synchronize(self) -> None:
-        """Aggregate the gradients now (e.g. to clip them before ``step()``); the next ``step()`` then does
-        not aggregate again. Collective."""
-        self.replicated.aggregate()
+        """Make sure the gradients are aggregated (e.g. to clip them before ``step()``): with overlap, backward
+        did it and this waits for nothing, unless this rank ran no backward since the last step (then it
+        reduces what its gradients hold, as the others' backward did); without, it aggregates now. The next
+        ``step()`` does not aggregate again. Collective."""
+        if self._reducer is not None:
+            self._reducer.finish()
+        else:
+            self.replicated.aggregate()
         self._synchronized = True
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -146,8 +175,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if not self._synchronized:
-            self.replicated.aggregate()
+            self.synchronize()
         self._synchronized = False
+        if self._reducer is not None:
+            self._reducer.stepped()
         self._renorm_union()
         self.optimizer.step()
         return loss
@@ -179,10 +210,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         )
 
     def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
+        """The wrapped optimizer's state dict, plus the agreed bucket layout under ``LAYOUT_KEY`` (so a resumed
+        run reduces in the same buckets, bit for bit; a plain torch optimizer ignores the key)."""
+        out = self.optimizer.state_dict()
+        layout = self._reducer.layout_state() if self._reducer is not None else None
+        return out if layout is None else {**out, LAYOUT_KEY: layout}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
+        layout = state_dict.get(LAYOUT_KEY)
+        self.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != LAYOUT_KEY})
+        if layout is not None and self._reducer is not None:
+            self._reducer.load_layout(layout)
         # torch's load replaces the wrapped optimizer's group dicts and state: share the new ones
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state

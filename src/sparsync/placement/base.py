@@ -46,6 +46,9 @@ class Placement(ABC):
     (``sparsync.plan``'s placement strings: ``dense_allreduce``, ``sparse_allreduce``, ``sketch``, ``ps``)."""
 
     kind: str = "placement"
+    # Whether DistributedOptimizer may run it on its queue thread while backward goes on (replicator.overlap),
+    # on a detached view of each parameter; the parameter server pushes every parameter each step, from step().
+    overlaps: bool = True
 
     @abstractmethod
     def aggregate(self, params: list[NamedParam], env: ReduceEnv) -> None:

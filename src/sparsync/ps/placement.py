@@ -57,6 +57,7 @@ class ParameterServer(Placement):
     servers resume from a checkpoint; every rank then learns the step to resume at."""
 
     kind = "ps"
+    overlaps = False  # every parameter pushed each step, from step(): not bucket by bucket in backward
 
     def __init__(
         self,

@@ -25,18 +25,21 @@ from sparsync.collectives.transport import meta_group
 from sparsync.placement import ByLayout, NamedParam, Placement, ReduceEnv, aggregate
 from sparsync.placement.base import zero_grad
 from sparsync.replicator import primitives as prim
+from sparsync.replicator.buckets import DENSE as _DENSE
+from sparsync.replicator.buckets import NONE as _NONE
+from sparsync.replicator.buckets import SPARSE as _SPARSE
 
 OPS = ("mean", "sum")
-_NONE, _DENSE, _SPARSE = 0, 1, 2  # a gradient's layout, as fill_missing_grads agrees it
 
 
-def fill_missing_grads(params: list[NamedParam], env: ReduceEnv) -> None:
+def fill_missing_grads(params: list[NamedParam], env: ReduceEnv) -> list[int]:
     """Give every parameter that has a gradient on some replica but none here a zero gradient of that layout
     (an empty COO tensor for a sparse one, as ``nn.Embedding(sparse=True)`` gives; dense zeros otherwise), so
     every replica's aggregation has the same tensors. One allreduce (MAX) of one int32 per parameter on the
     group's host side, queued behind the group's sparsync work like any of its calls. DDP's
     ``find_unused_parameters`` walks the autograd graph instead (docs/optimizer.md compares the two).
-    Mutates ``p.grad`` of the parameters that lack one."""
+    Returns the agreed layout codes (0 none, 1 dense, 2 sparse). Mutates ``p.grad`` of the parameters that
+    lack one."""
     codes = torch.tensor(
         [_NONE if p.param.grad is None else _SPARSE if p.param.grad.is_sparse else _DENSE for p in params],
         dtype=torch.int32,
@@ -46,9 +49,11 @@ def fill_missing_grads(params: list[NamedParam], env: ReduceEnv) -> None:
         dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=meta_group(env.group))
 
     submit(env.group, agree, False)
-    for p, code in zip(params, codes.tolist(), strict=True):
+    agreed: list[int] = codes.tolist()
+    for p, code in zip(params, agreed, strict=True):
         if p.param.grad is None and code != _NONE:
             p.param.grad = zero_grad(p.param, sparse=code == _SPARSE)
+    return agreed
 
 
 PlanSpec = Mapping[str, Placement] | Callable[[str, torch.nn.Parameter], Placement] | None
@@ -110,17 +115,23 @@ class ReplicatedOptimizer:
                 p.param.copy_(g)
 
     # --- the template method ----------------------------------------------------------------------------------
-    def aggregate(self) -> None:
+    def aggregate(self) -> list[int]:
         """Replace every parameter's gradient by its sum (op="sum") or mean (op="mean") over replicas.
         A parameter with a gradient on some replicas only (a table or branch unused on the others) counts as
-        zero where it has none; one without a gradient anywhere is skipped (its optimizer skips it too)."""
+        zero where it has none; one without a gradient anywhere is skipped (its optimizer skips it too).
+        Returns each parameter's gradient layout as the replicas agreed it (``fill_missing_grads``; on one
+        replica its own)."""
+        codes = [
+            _NONE if p.param.grad is None else _SPARSE if p.param.grad.is_sparse else _DENSE for p in self.params
+        ]
         if self.env.num_replicas > 1:
-            fill_missing_grads(self.params, self.env)
+            codes = fill_missing_grads(self.params, self.env)
         aggregate(self.plan, self.params, self.env)
         if self.op == "mean" and self.env.num_replicas > 1:
             for p in self.params:
                 if p.param.grad is not None:
                     p.param.grad = p.param.grad / self.env.num_replicas
+        return codes
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         self.aggregate()

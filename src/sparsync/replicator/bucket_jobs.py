@@ -1,0 +1,245 @@
+"""One bucket's reduction in one backward round, run on the group's queue thread while backward goes on
+(``replicator.overlap``).
+
+**Fast path** (dense gradients under a plain dense allreduce): one torch allreduce of a flat buffer holding the
+members' gradients and a tail of checks, so no metadata round precedes it:
+
+    [ gradients ... | status, non-finite, c, c², present_0 ... present_k-1 ]
+
+Summed over the ranks, the tail says whether any rank refused (a gradient whose layout changed since the layout
+was agreed), whether any rank held NaN or ±Inf, whether every rank is in the same backward round (c is the round
+number mod 64 plus one: all c are equal exactly when P·Σc² = (Σc)², the variance being zero), and how many ranks
+had each member's gradient (0: nobody, so the member keeps none, as in ``step()``-time reduction). Only a
+non-zero check costs one more round: every rank allgathers its own row so that all raise the same error naming
+the rank. The shapes, dtypes and names of the members are agreed once, when the layout is (``overlap``).
+
+**Other buckets** (sparse gradients, compressors, sketches, custom reductions): one header allreduce of
+[status, c, c², dense_0.., sparse_0..] agrees which members exist and in which layout (what
+``fill_missing_grads`` agreed per step), then the placement's own ``aggregate`` runs as it did in ``step()``,
+with its own metadata round (the sizes a sparse exchange needs, NaN, shapes and names per call).
+
+Both return the members' sums (divided by P for ``op="mean"``) without touching the parameters: the caller
+installs them when the round ends.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.distributed as dist
+
+from sparsync.collectives.comm import Comm
+from sparsync.collectives.group import submit
+from sparsync.collectives.meta import first_nonfinite
+from sparsync.handle import Work
+from sparsync.placement import NamedParam, ReduceEnv
+from sparsync.placement.base import zero_grad
+from sparsync.replicator.buckets import DENSE, Bucket
+
+# c = 4·(steps mod 16) + (backward rounds since the step, at most 3) + 1, in [1, 64]: P·c² stays an exact
+# integer in float32 up to P = 4,096. A rank with one more backward round in a step than the others differs.
+SEQ_MOD = 64
+FIXED = 4  # status, non-finite, c, c²
+LAYOUT_CHANGED = 1
+
+Result = list[torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class RoundEnv:
+    """What a bucket job needs: where to communicate (sparsync's background group of the caller's group, so
+    the caller's own collectives in backward never interleave with ours), the caller's group (whose queue
+    orders the jobs), the mean or the sum, and the parameter names for errors."""
+
+    caller: dist.ProcessGroup
+    reduce: ReduceEnv  # its group is the background group
+    mean: bool
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """This rank's part of one bucket in one round: a gradient per member (None: none this round), and the
+    first member whose gradient is not in the agreed layout (-1: none)."""
+
+    grads: tuple[torch.Tensor | None, ...]
+    changed: int
+    seq: int
+
+
+def contribution(
+    bucket: Bucket, grads: Sequence[torch.Tensor | None], layouts: Sequence[int], seq: int
+) -> Contribution:
+    changed = -1
+    if bucket.fast:
+        for k, (i, g) in enumerate(zip(bucket.members, grads, strict=True)):
+            if g is not None and g.is_sparse and layouts[i] == DENSE:
+                changed = k
+                break
+    return Contribution(tuple(grads), changed, seq)
+
+
+def round_code(steps: int, rounds: int) -> int:
+    """The order check of a round (``SEQ_MOD``): the step, and the backward round within it."""
+    return 4 * (steps % (SEQ_MOD // 4)) + min(rounds, 3) + 1
+
+
+def start(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence[NamedParam]) -> Work[Result]:
+    """Queue ``bucket``'s reduction on the caller's group (FIFO: every rank runs its buckets in launch order)."""
+    if bucket.fast:
+        flat = _pack(bucket, mine)
+
+        def run() -> Result:
+            return _fast(bucket, mine, flat, env)
+
+        facts: dict[str, object] = {"bytes": flat.numel() * flat.element_size(), "params": len(bucket.members)}
+    else:
+
+        def run() -> Result:
+            return _generic(bucket, mine, env, params)
+
+        facts = {"params": len(bucket.members)}  # its sizes come out of the placement's own call
+    work = submit(env.caller, run, True, label=f"bucket:{bucket.index}", facts=lambda: facts)
+    assert isinstance(work, Work)  # async_op=True
+    return work
+
+
+def _pack(bucket: Bucket, mine: Contribution) -> torch.Tensor:
+    """The flat buffer, filled in the caller's thread (backward goes on accumulating into other gradients)."""
+    k = len(bucket.members)
+    ref = next((g for g in mine.grads if g is not None), None)
+    device = ref.device if ref is not None else torch.device("cpu")
+    flat = torch.empty(bucket.numel + FIXED + k, dtype=bucket.dtype, device=device)
+    at = 0
+    for g, size in zip(mine.grads, bucket.sizes, strict=True):
+        piece = flat[at : at + size]
+        if g is None:
+            piece.zero_()
+        else:
+            piece.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
+        at += size
+    present = [0.0 if g is None else 1.0 for g in mine.grads]
+    tail = [float(mine.changed >= 0), 0.0, float(mine.seq), float(mine.seq**2), *present]
+    flat[at:] = torch.tensor(tail, dtype=bucket.dtype)
+    return flat
+
+
+def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv) -> Result:
+    t0 = time.perf_counter()
+    red = env.reduce
+    n, k = bucket.numel, len(bucket.members)
+    comm = Comm(red.group, red.timeout, flat.device)
+    comm.op = f"DistributedOptimizer bucket {bucket.index} allreduce"
+    nonfinite = first_nonfinite(flat[:n]) if red.check_nan else -1
+    if nonfinite >= 0:
+        flat[n + 1] = 1.0
+    with comm.phase("dense_allreduce"):
+        comm.run_collective("bucket all_reduce", dist.all_reduce, flat)
+    P = comm.size
+    nb = 2 * (P - 1) * flat.numel() * flat.element_size() // P
+    comm.count_collective(nb, nb, 2 * (P - 1))
+    tail = flat[n:].tolist()
+    status, bad, c, c2 = tail[:FIXED]
+    if status or bad or P * c2 != c * c:
+        _name_the_rank(comm, bucket, mine, nonfinite, env)
+    if env.mean:
+        flat[:n].div_(P)
+    out: Result = []
+    at = 0
+    for size, i, count in zip(bucket.sizes, bucket.members, tail[FIXED : FIXED + k], strict=True):
+        out.append(flat[at : at + size].view(env.shapes[i]) if count else None)
+        at += size
+    if red.log is not None:
+        red.log.append(comm.record("bucket_allreduce", "dense", t0, dim=n, nnz_in=n, nnz_out=n))
+    return out
+
+
+def _name_the_rank(comm: Comm, bucket: Bucket, mine: Contribution, nonfinite: int, env: RoundEnv) -> None:
+    """Every rank's own checks, gathered, and the same ValueError raised on every rank."""
+    row = torch.tensor([mine.changed, nonfinite, mine.seq], dtype=torch.int64)
+    table = [torch.empty_like(row) for _ in range(comm.size)]
+    with comm.phase("check"):
+        comm.meta.all_gather_equal("bucket check", table, row)
+    raise_disagreement(torch.stack(table), bucket, env.names, comm.rank)
+
+
+def raise_disagreement(table: torch.Tensor, bucket: Bucket, names: Sequence[str], me: int) -> None:
+    """The error every rank raises for the gathered rows [changed member, non-finite position, c]."""
+    for r in range(table.shape[0]):
+        changed = int(table[r, 0])
+        if changed >= 0:
+            name = names[bucket.members[changed]]
+            raise ValueError(
+                f"rank {r}'s gradient of {name!r} is sparse, but it was dense in the first step, when the "
+                f"buckets were laid out (seen on rank {me}); a parameter's gradient layout must not change"
+            )
+    seqs = table[:, 2]
+    if bool((seqs != seqs[0]).any()):
+        r = int(torch.nonzero(seqs != seqs[0])[0])
+        raise ValueError(
+            f"rank {r} reduces another backward round than rank 0 (step {(int(seqs[r]) - 1) // 4} round "
+            f"{(int(seqs[r]) - 1) % 4} against step {(int(seqs[0]) - 1) // 4} round {(int(seqs[0]) - 1) % 4}, "
+            f"steps mod {SEQ_MOD // 4}; seen on rank {me}): every rank runs as many backward passes outside "
+            "opt.no_sync() per step (accumulate under opt.no_sync())"
+        )
+    for r in range(table.shape[0]):
+        pos = int(table[r, 1])
+        if pos >= 0:
+            at, member = pos, 0
+            while at >= bucket.sizes[member]:
+                at -= bucket.sizes[member]
+                member += 1
+            name = names[bucket.members[member]]
+            raise ValueError(
+                f"rank {r} contributed NaN or ±Inf (at flat index {at} of the gradient of {name!r}; seen on "
+                f"rank {me}); refusing to reduce a non-finite value (pass check_nan=False to sum NaN and ±Inf as "
+                "IEEE 754 does, e.g. under a GradScaler)"
+            )
+
+
+def _generic(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence[NamedParam]) -> Result:
+    red = env.reduce
+    k = len(bucket.members)
+    comm = Comm(red.group, red.timeout)
+    comm.op = f"DistributedOptimizer bucket {bucket.index} header"
+    dense = [float(g is not None and not g.is_sparse) for g in mine.grads]
+    sparse = [float(g is not None and g.is_sparse) for g in mine.grads]
+    header = torch.tensor([0.0, float(mine.seq), float(mine.seq**2), *dense, *sparse], dtype=torch.float64)
+    meta = comm.meta
+    with comm.phase("header"):
+        meta.run_collective("bucket header", dist.all_reduce, header)
+    meta.count_collective(*(2 * (comm.size - 1) * header.numel() * 8 // comm.size,) * 2, 2 * (comm.size - 1))
+    got = header.tolist()
+    if comm.size * got[2] != got[1] * got[1]:
+        _name_the_rank(comm, bucket, mine, -1, env)
+    ndense, nsparse = got[3 : 3 + k], got[3 + k :]
+    mixed = [j for j in range(k) if ndense[j] and nsparse[j]]
+    if mixed:
+        name = env.names[bucket.members[mixed[0]]]
+        raise ValueError(
+            f"{name!r} has a sparse gradient on {int(nsparse[mixed[0]])} rank(s) and a dense one on "
+            f"{int(ndense[mixed[0]])} (seen on rank {comm.rank}); every rank's gradient must have one layout"
+        )
+    proxies: list[NamedParam] = []
+    at: list[int] = []
+    for j, (i, g) in enumerate(zip(bucket.members, mine.grads, strict=True)):
+        if not (ndense[j] or nsparse[j]):
+            continue  # no rank has it: it keeps no gradient, as in step()-time reduction
+        p = params[i]
+        proxy = cast(torch.nn.Parameter, p.param.detach())  # the worker never touches the parameter itself
+        proxy.grad = g if g is not None else zero_grad(p.param, sparse=bool(nsparse[j]))
+        proxies.append(NamedParam(p.name, proxy))
+        at.append(j)
+    if proxies:
+        bucket.placement.aggregate(proxies, red)
+    out: Result = [None] * k
+    for j, named in zip(at, proxies, strict=True):
+        g = named.param.grad
+        assert g is not None
+        out[j] = g / red.num_replicas if env.mean else g
+    return out

@@ -1,0 +1,122 @@
+"""The bucket layout of reduction during backward (``replicator.overlap``): which parameters travel together,
+in which order, and by which path.
+
+DDP's reducer (Li et al., "PyTorch Distributed", VLDB 2020, §3.2.3 and §4.2) groups gradients into buckets in
+the order backward produces them and starts a bucket's allreduce as soon as its last gradient is ready; it lays
+the buckets out again from the order seen in the first iteration. We take the same shape, with two choices of
+ours where the paper is silent or does not apply:
+
+- The order is rank 0's first round (broadcast), so every rank issues the same buckets in the same order
+  whatever its own autograd order was. A parameter rank 0 did not see comes after, in reverse registration
+  order (DDP's initial guess).
+- A bucket holds consecutive parameters (in that order) of one placement object, one dtype and one layout
+  (dense or sparse, as agreed in the first round). Dense gradients under ``DenseAllreduce`` (or ``ByLayout``'s
+  default dense side) take the *fast path*: one flat allreduce with the checks carried in the payload
+  (``replicator.bucket_jobs``), split at DDP's caps (1 MiB for the first bucket, ``cap_bytes`` after).
+  Sparse gradients under ``ByLayout``/``SparseAllreduce`` share one bucket per run of consecutive ones.
+  Any other placement (a compressor, a sketch, ``Grouped``, a custom reduction) keeps all of its parameters in
+  one bucket, so it sees the same call it saw when reduction ran in ``step()`` (a DCT-DP threshold over the
+  whole bucket, one sketch seed per step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sparsync.placement import ByLayout, DenseAllreduce, NamedParam, Placement, SparseAllreduce
+
+FIRST_CAP_BYTES = 1 << 20  # DDP's first bucket: small, so the first allreduce starts early in backward
+CAP_BYTES = 25 << 20  # DDP's bucket_cap_mb default
+
+NONE, DENSE, SPARSE = 0, 1, 2  # a gradient's layout as the first round agreed it (fill_missing_grads's codes)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One reduction of the layout: ``members`` (indices into the optimizer's parameter list), how they go
+    (``fast``: one flat allreduce with the checks in its tail; otherwise the placement's own ``aggregate``
+    after a header round), and their dtype and sizes for the fast path's buffer."""
+
+    index: int
+    placement: Placement
+    members: tuple[int, ...]
+    fast: bool
+    dtype: torch.dtype
+    sizes: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+
+def is_fast(placement: Placement, layout: int) -> bool:
+    """Whether a parameter of ``layout`` under ``placement`` takes the fast path: a plain dense allreduce
+    (DenseAllreduce densifies a sparse gradient as it always did)."""
+    if type(placement) is DenseAllreduce:
+        return layout != NONE
+    return type(placement) is ByLayout and type(placement.dense) is DenseAllreduce and layout == DENSE
+
+
+def splits(placement: Placement) -> bool:
+    """Whether a placement's parameters may go in several calls without changing what it computes: per-tensor
+    reductions and the dense/sparse split of the default."""
+    if type(placement) in (DenseAllreduce, SparseAllreduce):
+        return True
+    return type(placement) is ByLayout and type(placement.dense) is DenseAllreduce
+
+
+def default_order(first_round: Sequence[int], count: int) -> list[int]:
+    """Rank 0's order of readiness in the first round, then the parameters it did not see, last registered
+    first (backward meets the last layers first)."""
+    seen = set(first_round)
+    return [*first_round, *(i for i in reversed(range(count)) if i not in seen)]
+
+
+def lay_out(
+    params: Sequence[NamedParam],
+    plan: Mapping[str, Placement],
+    layouts: Sequence[int],
+    order: Sequence[int],
+    *,
+    cap_bytes: int = CAP_BYTES,
+    first_cap_bytes: int = FIRST_CAP_BYTES,
+) -> list[Bucket]:
+    """The buckets, in the order every rank launches them: a bucket's position is when its last member becomes
+    ready in ``order``."""
+    pos = {i: k for k, i in enumerate(order)}
+    runs: list[list[int]] = []  # consecutive members of one splittable key
+    whole: dict[int, list[int]] = {}  # one bucket per non-splitting placement object
+    key_of: list[tuple[int, bool, int, torch.dtype]] = []
+    filled, fast_runs = 0, 0
+    for i in order:
+        p = params[i]
+        pl = plan[p.name]
+        if not splits(pl) or layouts[i] == NONE:
+            whole.setdefault(id(pl), []).append(i)
+            continue
+        key = (id(pl), is_fast(pl, layouts[i]), layouts[i], p.param.dtype)
+        cap = first_cap_bytes if fast_runs <= 1 else cap_bytes
+        if not (runs and key_of[-1] == key and not (key[1] and filled >= cap)):
+            runs.append([])
+            key_of.append(key)
+            filled = 0
+            fast_runs += key[1]
+        runs[-1].append(i)
+        filled += p.param.numel() * p.param.element_size()
+    groups = [(members, key[1]) for members, key in zip(runs, key_of, strict=True)]
+    # a non-splitting placement sees its parameters in plan order, the call step()-time reduction made
+    groups += [(sorted(members), False) for members in whole.values()]
+    groups.sort(key=lambda g: max(pos[i] for i in g[0]))
+    out = []
+    for k, (members, fast) in enumerate(groups):
+        first = params[members[0]]
+        out.append(
+            Bucket(
+                k, plan[first.name], tuple(members), fast, first.param.dtype,
+                tuple(params[i].param.numel() for i in members),
+            )
+        )  # fmt: skip
+    return out

@@ -1,0 +1,249 @@
+"""Reduction during backward for ``DistributedOptimizer``, as DDP's reducer does it (Li et al., VLDB 2020,
+§3.2.3): each bucket's reduction starts on the group's queue thread as soon as backward has accumulated its
+last gradient (post-accumulate-grad hooks), in the same bucket order on every rank; the end of backward waits
+for what is still in flight and puts the reduced gradients in ``.grad``, so ``loss.backward()`` returns with
+the mean (or sum) in every ``.grad``, as under DDP.
+
+A *round* is one backward pass outside ``no_sync()`` (or, on a rank that ran none since the last ``step()``,
+``step()`` itself, so that every rank reduces the same buckets). The first round ever reduces as ``step()``
+did before (``ReplicatedOptimizer.aggregate``: one agreement round, then the placements); right after it every
+rank agrees the bucket layout once (``buckets.lay_out`` from rank 0's order, and every parameter's name,
+shape, dtype and placement compared across ranks). Later rounds need no agreement round: what it checked travels
+in each bucket's own payload (``bucket_jobs``).
+
+Two backward passes without ``step()`` and outside ``no_sync()`` reduce twice, as DDP does: the second round's
+gradients are reduced on their own and added to the first round's result (kept aside by a tensor hook that
+runs before autograd accumulates), so the sum is right for ``op="sum"`` as well as for the mean.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sparsync.collectives.group import background_group, submit, tracer
+from sparsync.collectives.ops import text_key
+from sparsync.collectives.transport import meta_group
+from sparsync.handle import Work
+from sparsync.placement import ReduceEnv
+from sparsync.replicator import bucket_jobs as jobs
+from sparsync.replicator.buckets import CAP_BYTES, Bucket, default_order, lay_out
+from sparsync.replicator.optimizer import ReplicatedOptimizer
+
+# the autograd engine's end-of-backward callbacks (DDP's reducer queues its finalisation the same way)
+_queue_callback: Callable[[Callable[[], None]], None] = torch.autograd.Variable._execution_engine.queue_callback
+
+
+class OverlapReducer:
+    """The hooks and rounds of one ``DistributedOptimizer`` (module doc). Collective like the optimizer: every
+    rank builds one over the same parameters."""
+
+    def __init__(self, replicated: ReplicatedOptimizer, *, cap_bytes: int = CAP_BYTES) -> None:
+        self.rep = replicated
+        self.params = replicated.params
+        self.cap_bytes = cap_bytes
+        env = replicated.env
+        self.round_env = jobs.RoundEnv(
+            env.group,
+            ReduceEnv(background_group(env.group), env.num_replicas, env.timeout, env.log, env.check_nan),
+            replicated.op == "mean",
+            tuple(p.name for p in self.params),
+            tuple(p.param.shape for p in self.params),
+        )
+        self.buckets: list[Bucket] | None = None
+        self.layouts: list[int] = []
+        self.order: list[int] = []
+        self.loaded: tuple[list[int], list[int]] | None = None  # (order, layouts) from a checkpoint
+        self.first_order: list[int] = []  # the first round's order of readiness on this rank
+        self.lock = threading.RLock()  # hooks may run on autograd's device threads
+        self.syncing = True  # False inside no_sync()
+        self.rounds = 0  # rounds since the last step()
+        self.steps = 0  # step() calls: with ``rounds``, the order check in every bucket
+        self.in_round = False
+        self.round_start = 0.0
+        self.fired: list[bool] = []
+        self.launched = 0
+        self.works: list[tuple[Bucket, Work[jobs.Result]]] = []
+        # The tensor each parameter's .grad was set to at the last round's end (a reduced gradient), and the one
+        # moved aside when another backward starts accumulating before step().
+        self.installed: dict[int, torch.Tensor] = {}
+        self.carry: dict[int, torch.Tensor] = {}
+        for i, p in enumerate(self.params):
+            param: Any = p.param  # torch's hook registration is untyped
+            if param.requires_grad:
+                param.register_hook(self._before_accumulate(i))
+                param.register_post_accumulate_grad_hook(self._after_accumulate(i))
+
+    # --- the hooks ----------------------------------------------------------------------------------------------
+    def _before_accumulate(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            del grad
+            p = self.params[i].param
+            if p.grad is not None and p.grad is self.installed.get(i):
+                # a reduced gradient: keep it aside, so this backward's local gradient is reduced alone
+                self.carry[i] = self.installed.pop(i)
+                p.grad = None
+
+        return hook
+
+    def _after_accumulate(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            del param
+            if not self.syncing:
+                return
+            with self.lock:
+                if not self.in_round:
+                    self._begin_round()
+                    _queue_callback(self._end_of_backward)
+                    if self.buckets is None and self.loaded is not None:
+                        self._agree_layout(*self.loaded)
+                self.fired[i] = True
+                if self.buckets is None:
+                    self.first_order.append(i)
+                    return
+                self._launch_ready()
+
+        return hook
+
+    # --- rounds -------------------------------------------------------------------------------------------------
+    def _begin_round(self) -> None:
+        self.in_round = True
+        self.round_start = time.perf_counter()
+        self.fired = [False] * len(self.params)
+        self.launched = 0
+        self.works = []
+
+    def _launch_ready(self) -> None:
+        assert self.buckets is not None
+        while self.launched < len(self.buckets):
+            b = self.buckets[self.launched]
+            if not all(self.fired[i] for i in b.members):
+                return
+            self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        grads = []
+        for i in b.members:
+            g = self.params[i].param.grad
+            if g is not None and g is self.installed.get(i):
+                # reduced in an earlier round and not touched since: nothing new from this rank
+                self.carry[i] = self.installed.pop(i)
+                g = None
+            grads.append(g)
+        mine = jobs.contribution(b, grads, self.layouts, jobs.round_code(self.steps, self.rounds))
+        self.works.append((b, jobs.start(b, mine, self.round_env, self.params)))
+        self.launched += 1
+
+    def _end_of_backward(self) -> None:
+        with self.lock:
+            t = tracer()
+            if t is not None:
+                t.complete("backward", "train", self.round_start, time.perf_counter())
+            self._finish_round()
+
+    def _finish_round(self) -> None:
+        """Launch what is left, wait, put the results in ``.grad``; the first round reduces as ``step()`` did
+        and lays the buckets out."""
+        try:
+            if self.buckets is None:
+                codes = self.rep.aggregate()
+                for i, p in enumerate(self.params):
+                    if p.param.grad is not None:
+                        self.installed[i] = p.param.grad
+                self._agree_layout(default_order(self.first_order, len(self.params)), codes)
+                return
+            while self.launched < len(self.buckets):
+                self._launch(self.buckets[self.launched])
+            self._install()
+        finally:
+            self.in_round = False
+            self.rounds += 1
+
+    def _install(self) -> None:
+        error: BaseException | None = None
+        for b, work in self.works:
+            try:
+                out = work.wait()
+            except BaseException as e:  # wait for every bucket (the queue stays in step), then raise the first
+                error = error or e
+                continue
+            for i, r in zip(b.members, out, strict=True):
+                kept = self.carry.pop(i, None)
+                g = r if kept is None else kept if r is None else kept + r
+                self.params[i].param.grad = g
+                if g is not None:
+                    self.installed[i] = g
+        self.works = []
+        self.carry.clear()
+        if error is not None:
+            raise error
+
+    def finish(self) -> None:
+        """Before ``step()``/``synchronize()``: a rank that ran no backward round since the last step runs one
+        now (with what its gradients hold, e.g. ``no_sync()`` accumulations), so every rank reduces alike."""
+        with self.lock:
+            if self.rounds == 0:
+                self._begin_round()
+                if self.buckets is None and self.loaded is not None:
+                    self._agree_layout(*self.loaded)
+                self._finish_round()
+
+    def stepped(self) -> None:
+        self.rounds = 0
+        self.steps += 1
+
+    def layout_state(self) -> dict[str, list[int]] | None:
+        """The agreed layout, for a checkpoint: a run resumed from it reduces in the same buckets from its
+        first step, so it gives the same bits as the run it resumes (a first round laid out afresh would sum in
+        another order)."""
+        return None if self.buckets is None else {"order": list(self.order), "layouts": list(self.layouts)}
+
+    def load_layout(self, state: dict[str, list[int]]) -> None:
+        n = len(self.params)
+        order, layouts = list(state["order"]), list(state["layouts"])
+        if sorted(order) != list(range(n)) or len(layouts) != n:
+            raise ValueError(
+                f"the checkpoint's bucket layout is for {len(layouts)} parameters, this optimizer has {n}"
+            )
+        self.loaded = (order, layouts)
+
+    # --- the layout, agreed once --------------------------------------------------------------------------------
+    def _agree_layout(self, first: list[int], codes: list[int]) -> None:
+        """Rank 0's order (``first``: its first round's, or its checkpoint's) and a fingerprint of every
+        parameter (name, shape, dtype, placement kind), compared across ranks; then the buckets. Collective, in
+        the caller's group order."""
+        group = self.rep.env.group
+        order = torch.tensor(first, dtype=torch.int64)
+        keys = torch.tensor(
+            [
+                text_key(f"{p.name}|{tuple(p.param.shape)}|{p.param.dtype}|{self.rep.plan[p.name].kind}")
+                for p in self.params
+            ],
+            dtype=torch.int64,
+        )
+        P = dist.get_world_size(group)
+        table = [torch.empty_like(keys) for _ in range(P)]
+
+        def agree() -> None:
+            g = meta_group(group)
+            dist.broadcast(order, group_src=0, group=g)
+            dist.all_gather(table, keys, group=g)
+
+        submit(group, agree, False)
+        stacked = torch.stack(table)
+        differ = torch.nonzero((stacked != stacked[0]).any(0))
+        if differ.numel():
+            j = int(differ[0])
+            r = int(torch.nonzero(stacked[:, j] != stacked[0, j])[0])
+            raise ValueError(
+                f"DistributedOptimizer: the ranks wrap different parameters: parameter {j} (in param_groups "
+                f"order) differs between rank 0 and rank {r} in its name, shape, dtype or placement; every rank "
+                "must wrap the same parameters in the same order"
+            )
+        self.layouts, self.order = codes, order.tolist()
+        self.buckets = lay_out(self.params, self.rep.plan, codes, self.order, cap_bytes=self.cap_bytes)

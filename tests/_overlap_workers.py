@@ -1,0 +1,180 @@
+"""Workers of tests/test_overlap.py (module-level: ``launch`` pickles them)."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import sparsync
+from sparsync.collectives.group import set_tracer
+from sparsync.collectives.trace import Tracer
+from sparsync.compress import ErrorFeedback, Threshold, TopK
+from sparsync.placement import Compressed
+from sparsync.record import CommLog
+
+STEPS = 4
+
+
+class Mixed(nn.Module):
+    """A sparse table, an MLP, a layer only even ranks use and one nobody uses."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.EmbeddingBag(200, width, mode="sum", sparse=True)
+        self.fc1 = nn.Linear(width, width)
+        self.fc2 = nn.Linear(width, width)
+        self.odd = nn.Linear(width, 1)
+        self.unused = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, even: bool) -> torch.Tensor:
+        h = torch.relu(self.fc1(self.emb(x)))
+        out = self.fc2(h).square().sum()
+        return out + self.odd(h).sum() if even else out
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return (torch.rand(8, 3, generator=g) ** 2 * 200).long()
+
+
+def _plan(kind: str) -> Any:
+    """The plans compared: the default; DCT-style TopK with error feedback on one weight; one bucketed
+    Threshold (DCT-DP) placement for every parameter. One placement object per run: its residuals persist."""
+    if kind == "compressed":
+        return {"fc1.weight": Compressed(TopK(0.3), ErrorFeedback())}
+    if kind == "bucketed":
+        one = Compressed(Threshold(0.2, lifespan=2), ErrorFeedback(), bucket=True)
+        return lambda n, p: one
+    return None
+
+
+def train(rank: int, kind: str, overlap: bool, *, micro: int = 1, no_sync: bool = True) -> list[np.ndarray]:
+    """STEPS steps of Adagrad-free SGD with momentum on ``Mixed``; ``micro`` backward passes per step, all but the
+    last under ``no_sync()`` unless ``no_sync`` is False."""
+    torch.manual_seed(0)
+    model = Mixed().double()
+    opt = sparsync.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05), model, plan=_plan(kind), overlap=overlap
+    )
+    for step in range(STEPS):
+        opt.zero_grad()
+        for m in range(micro):
+            loss = model(_batch(10 * step + m, rank), rank % 2 == 0)
+            if m < micro - 1 and no_sync:
+                with opt.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def reference(P: int, micro: int) -> list[np.ndarray]:
+    """One process, float64: every rank's batches through the model, the mean gradient, plain SGD."""
+    torch.manual_seed(0)
+    model = Mixed().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(STEPS):
+        opt.zero_grad()
+        for r in range(P):
+            for m in range(micro):
+                model(_batch(10 * step + m, r), r % 2 == 0).backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = (p.grad.to_dense() if p.grad.is_sparse else p.grad) / P
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def exact_worker(rank: int) -> dict[str, Any]:
+    """Overlap against the float64 reference (default plan, with and without ``no_sync``), against reduction
+    in ``step()`` (compressed plans: the same calls, so the same bits), and run to run."""
+    P = dist.get_world_size()
+    out: dict[str, Any] = {}
+    out["default"] = train(rank, "default", True)
+    out["default_again"] = train(rank, "default", True)
+    out["ref"] = reference(P, 1)
+    out["accumulate"] = train(rank, "default", True, micro=2)
+    out["accumulate_sync"] = train(rank, "default", True, micro=2, no_sync=False)
+    out["ref2"] = reference(P, 2)
+    for kind in ("compressed", "bucketed"):
+        out[kind] = train(rank, kind, True)
+        out[kind + "_step"] = train(rank, kind, False)
+    return out
+
+
+def timeline_worker(rank: int) -> dict[str, Any]:
+    """A deep MLP whose first bucket (1 MiB) fills early in backward: when does that bucket's reduction start,
+    against when backward reaches the first layer (its post-accumulate hook) and when backward ends?"""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)])
+    opt = sparsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model)
+    directory = tempfile.mkdtemp()
+    tracer = Tracer(directory, rank, dist.get_world_size())
+    set_tracer(tracer)
+    first_layer: list[float] = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: first_layer.append(time.perf_counter()))
+    for _ in range(4):
+        opt.zero_grad()
+        model(torch.randn(64, 512)).square().mean().backward()
+        opt.step()
+    set_tracer(None)
+    events = tracer.to_json()["traceEvents"]
+    buckets = [e for e in events if e.get("name", "").startswith("bucket:") and e.get("ph") == "X"]
+    backward = [e for e in events if e.get("name") == "backward" and e.get("ph") == "X"]
+    return {
+        "bucket0_starts": [e["ts"] for e in buckets if e["name"] == "bucket:0"],
+        "backward_ends": [e["ts"] + e["dur"] for e in backward],
+        "first_layer_hooks": [tracer.us(t) for t in first_layer],
+    }
+
+
+def log_worker(rank: int) -> dict[str, Any]:
+    """A dense model after its first step: only the buckets' allreduces, no metadata round (the log's records)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 300), nn.Linear(300, 300))
+    log = CommLog()
+    opt = sparsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model, log=log)
+    counts = []
+    for _ in range(3):
+        before = len(log.records)
+        opt.zero_grad()
+        model(torch.randn(4, 300)).sum().backward()
+        opt.step()
+        counts.append([(r.op, r.dim, r.bytes_sent) for r in log.records[before:]])
+    return {"steps": counts, "buckets": len(opt._reducer.buckets or [])}  # type: ignore[union-attr]
+
+
+def bad_worker(rank: int, case: str) -> str:
+    """A fault through DistributedOptimizer after the layout is agreed: NaN on the last rank (in a dense or in
+    the sparse gradient), a second backward outside no_sync() on rank 1, a whole step skipped by rank 1, or
+    models that differ across ranks. Returns the error."""
+    P = dist.get_world_size()
+    torch.manual_seed(0)
+    try:
+        model = Mixed(16 if case != "shape" or rank == 0 else 8)
+        timeout = 10 if case == "skip_step" else 60
+        opt = sparsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, timeout=timeout)
+        for step in range(STEPS):
+            if case == "skip_step" and rank == 1 and step == 2:
+                continue
+            opt.zero_grad()
+            hook = None
+            if step == 2 and rank == P - 1 and case in ("nan_dense", "nan_sparse"):
+                param = model.fc2.bias if case == "nan_dense" else model.emb.weight
+                hook = param.register_hook(lambda g: g * float("nan"))
+            model(_batch(step, rank), True).backward()
+            if case == "extra_round" and rank == 1 and step == 2:
+                model(_batch(step, rank), True).backward()  # accumulation without no_sync() on one rank
+            if hook is not None:
+                hook.remove()
+            opt.step()
+        return "no error"
+    except (ValueError, RuntimeError) as e:
+        return f"{type(e).__name__}: {e}"

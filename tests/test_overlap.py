@@ -1,0 +1,96 @@
+"""``DistributedOptimizer`` reduces while backward runs (replicator/overlap.py): a bucket's reduction starts
+before backward ends; results equal a float64 single-process reference (dense, sparse, an unused layer, a layer
+unused on some ranks, accumulation with and without ``no_sync``) and, for compressed plans, reduction in
+``step()`` bit for bit; the fast path sends no metadata round; a NaN, a skipped step and models that differ
+are refused on every rank."""
+
+from __future__ import annotations
+
+import re
+
+import _overlap_workers as ov
+import numpy as np
+import pytest
+
+from sparsync import launch
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+
+@pytest.mark.parametrize("P", [1, 3, 5])
+def test_exact_against_the_reference_and_step_time_reduction(P: int) -> None:
+    res = launch(ov.exact_worker, nprocs=P, timeout=240)
+    for r in res:
+        for ours, again, ref in zip(r["default"], r["default_again"], r["ref"], strict=True):
+            np.testing.assert_allclose(ours, ref, rtol=1e-10, atol=1e-12)
+            assert np.array_equal(ours, again)  # run to run: the same bits
+        for key in ("accumulate", "accumulate_sync"):
+            for ours, ref in zip(r[key], r["ref2"], strict=True):
+                np.testing.assert_allclose(ours, ref, rtol=1e-10, atol=1e-12, err_msg=key)
+        # a compressed placement makes the same calls as step()-time reduction: with every parameter under it
+        # ("bucketed") the same bits; beside the default ("compressed") the default's parameters are summed in
+        # another order (buckets, not one grouped call), and every later gradient differs in its last bits
+        for kind, same in (("compressed", set()), ("bucketed", set(range(len(r["ref"]))))):
+            for i, (ours, step_time) in enumerate(zip(r[kind], r[kind + "_step"], strict=True)):
+                if i in same:
+                    assert np.array_equal(ours, step_time), (kind, i)
+                else:
+                    np.testing.assert_allclose(ours, step_time, rtol=1e-10, atol=1e-12)
+        for key in r:
+            for a, b in zip(r[key], res[0][key], strict=True):
+                assert np.array_equal(a, b), key  # every rank holds the same bits
+
+
+def test_a_bucket_starts_before_backward_ends() -> None:
+    for r in launch(ov.timeline_worker, nprocs=3, timeout=240):
+        # steps 2-4 reduce in buckets (step 1 lays them out); bucket 0 is the last layers' 1 MiB
+        starts, ends, hooks = r["bucket0_starts"], r["backward_ends"], r["first_layer_hooks"]
+        assert len(starts) == 3 and len(ends) == 4 and len(hooks) == 4, r
+        for start, end, first_layer in zip(starts, ends[1:], hooks[1:], strict=True):
+            assert start < first_layer < end, r  # bucket 0 started while backward still ran
+
+
+def test_the_fast_path_sends_no_metadata_round() -> None:
+    for r in launch(ov.log_worker, nprocs=3):
+        first, *later = r["steps"]
+        assert any(op == "sparse_allreduce" for op, _, _ in first)  # the first step reduces as step() did
+        for records in later:
+            assert [op for op, _, _ in records] == ["bucket_allreduce"] * r["buckets"], records
+            # the ring allreduce of the gradients and the tail (status, non-finite, c, c², one per parameter)
+            assert sum(d for _, d, _ in records) == 2 * (300 * 300 + 300)
+            assert sum(b for _, _, b in records) == sum(
+                2 * 2 * (d + 4 + k) * 4 // 3 for (_, d, _), k in zip(records, _members(r), strict=True)
+            )
+
+
+def _members(r: dict[str, object]) -> list[int]:
+    # 4 parameters in buckets of DDP's caps: 1 MiB first (fc2's 360 KB weight and its bias), then the rest
+    return [2, 2] if r["buckets"] == 2 else [4]
+
+
+@pytest.mark.parametrize(
+    ("case", "expect"),
+    [
+        ("nan_dense", "contributed NaN or ±Inf"),
+        ("nan_sparse", "contributed NaN"),
+        ("extra_round", "reduces another backward round"),
+        ("shape", "mismatched structure/shape/dtype"),
+        ("skip_step", "timeout or dead peer"),
+    ],
+)
+def test_bad_input_is_refused_on_every_rank(case: str, expect: str) -> None:
+    """NaN on one rank (in a fast dense bucket, in the sparse bucket's own metadata round), a second backward
+    outside no_sync() on one rank, models that differ: the same error on every rank. A rank that skips a whole
+    step pairs its next step with the others' (no count tells them apart, as under DDP): the others' last step
+    fails on the timeout with a message, never a hang."""
+    msgs = launch(ov.bad_worker, nprocs=3, args=(case,), timeout=120)
+    if case == "skip_step":
+        assert expect in msgs[0] and expect in msgs[2] and msgs[1] == "no error", msgs
+        return
+    assert all(expect in m for m in msgs), msgs
+    assert len({_same(m) for m in msgs}) == 1, msgs  # the same error everywhere
+
+
+def _same(message: str) -> str:
+    """A message without what differs by rank: the rank that saw it, the flight recorder's file."""
+    return re.sub(r"\(?seen on (rank|replica) \d+\)?|flight recorder:.*", "", message, flags=re.S)
