@@ -37,10 +37,11 @@ from torch import nn
 
 from sparsync.compress.base import Compressor
 from sparsync.compress.sketch import SparseSketch
-from sparsync.placement import NamedParam, Placement, ReduceEnv, aggregate, kind_of, objects, resolve
+from sparsync.placement import NamedParam, Placement, ReduceEnv, aggregate
 from sparsync.placement.base import zero_grad
 from sparsync.placement.embeddings import embedding_modules
 from sparsync.plan.planner import Plan
+from sparsync.plan.registry import kind_of, objects, resolve
 from sparsync.ps.aggregate import MachineAggregator
 from sparsync.ps.client import PSClient
 from sparsync.ps.feedback import PushFeedback

@@ -30,9 +30,9 @@ import torch.nn.functional as F  # noqa: N812
 
 from sparsync.collectives.calibrate import measure_link
 from sparsync.hybrid import HybridConfig, HybridTrainer
+from sparsync.plan.cluster import Cluster, ServerModel
 from sparsync.plan.detect import ParamStats, RowFractionMeter
-from sparsync.plan.kinds import ServerModel
-from sparsync.plan.planner import Cluster, Plan, make_plan
+from sparsync.plan.planner import Plan, make_plan
 from sparsync.ps import PSClient, measure_server
 from sparsync.ps.optim import OptimizerConfig
 from sparsync.record import CommLog

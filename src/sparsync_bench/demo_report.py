@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sparsync.plan.kinds import PLAN_KINDS
 from sparsync.plan.planner import Plan
+from sparsync.plan.registry import KINDS
 from sparsync_bench.demo_plan import PLACEMENT_WORDS, predicted_split, predicted_steps
 from sparsync_bench.train_demo import DDP_PLAN, RUNS
 
@@ -197,7 +197,7 @@ def why_lines(runs: list[dict[str, Any]], plan: Plan) -> list[str]:
 def choice_lines(plan: Plan) -> list[str]:
     """Why the plan placed each parameter that had a choice where it did: its priced seconds and bytes under the
     chosen placement against the best alternative (lossy kinds only beside a lossy choice, as ``make_plan``)."""
-    lossy = {k.name for k in PLAN_KINDS if k.lossy}
+    lossy = {k.name for k in KINDS if k.lossy}
     out = []
     for e in plan.entries:
         alts = {k: v for k, v in e.candidates.items()

@@ -12,8 +12,9 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsync.costmodel import LinkModel
+from sparsync.plan.cluster import Cluster
 from sparsync.plan.detect import ParamStats
-from sparsync.plan.planner import Cluster, Plan, make_plan
+from sparsync.plan.planner import Plan, make_plan
 from sparsync_bench.hybrid import HybridBenchConfig
 from sparsync_bench.lm import SampledLM
 from sparsync_bench.report import Check, pyplot, save_figure

@@ -11,7 +11,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from sparsync.plan.planner import PLACEMENTS, Cluster, levels_from_json, make_plan, stats_from_json
+from sparsync.plan.cluster import Cluster
+from sparsync.plan.planner import levels_from_json, make_plan, stats_from_json
+from sparsync.plan.registry import KINDS
 from sparsync_bench.lm import lm_stats
 from sparsync_bench.netem import parse_latency, parse_rate
 from sparsync_bench.report import print_plan
@@ -30,9 +32,9 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def _override(text: str) -> tuple[str, str]:
     name, sep, pl = text.partition("=")
-    if not sep or pl not in PLACEMENTS:
+    if not sep or pl not in KINDS:  # read when parsing: a kind registered from outside is accepted too
         raise argparse.ArgumentTypeError(
-            f"expected NAME=PLACEMENT with PLACEMENT in {', '.join(PLACEMENTS)}, got {text!r}"
+            f"expected NAME=PLACEMENT with PLACEMENT in {', '.join(KINDS.names)}, got {text!r}"
         )
     return name, pl
 

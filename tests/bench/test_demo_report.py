@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
+from sparsync.plan import Cluster, make_plan
 from sparsync.plan.detect import ParamStats
-from sparsync.plan.planner import Cluster, make_plan
 from sparsync_bench.demo_plan import predicted_split, predicted_steps, run_compute
 from sparsync_bench.demo_report import (
     Spread,

@@ -1,7 +1,7 @@
 """An allreduce algorithm and a placement kind added from outside the package, each in this one file: the
 algorithm is one ``AlgorithmEntry`` (time and bytes models, runner) registered for a scope, which ``auto`` then
 chooses and runs on real gloo groups; the kind is one ``PlacementKind`` (its estimate) that ``make_plan`` loops
-over with the built-in ones."""
+over with the built-in ones (``tests/plan/test_toy_kind.py`` registers one)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from sparsync.collectives.comm import Comm
 from sparsync.collectives.meta import Meta
 from sparsync.compress.sketch import SparseSketch
 from sparsync.costmodel import REGISTRY, AlgorithmEntry, LinkModel, Problem
-from sparsync.plan import PLAN_KINDS, Cluster, Estimate, ParamStats, PlacementKind, make_plan
+from sparsync.placement import Placement
+from sparsync.plan import KINDS, Cluster, Estimate, MakeOptions, ParamStats, PlacementKind, make_plan
 
 DIM = 40
 TIMEOUT = 30.0  # seconds per collective: a desynchronised group fails, never hangs
@@ -114,11 +115,14 @@ class PigeonKind(PlacementKind):
     def estimate(self, s: ParamStats, c: Cluster, *, sketch: SparseSketch) -> Estimate | None:
         return Estimate(1.0, 0.0, "by air") if s.sparse else None
 
+    def make(self, options: MakeOptions) -> Placement | None:
+        return None  # priced only: tests/plan/test_toy_kind.py makes and registers a kind
+
 
 def test_toy_placement_kind_runs_through_the_planner() -> None:
     stats = [ParamStats("emb", (10_000, 16), 0.01, True), ParamStats("fc", (64, 64), 1.0, False)]
     cluster = Cluster(4, 1, 1.25e8, 1e-4)
-    kinds = (*PLAN_KINDS, PigeonKind())
+    kinds = (*KINDS, PigeonKind())
     plan = make_plan(stats, cluster, kinds=kinds)
     assert plan.kinds == {"emb": "pigeon", "fc": "dense_allreduce"}
     emb = plan.entries[0]

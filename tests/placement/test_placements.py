@@ -19,9 +19,9 @@ import torch
 from sparsync import launch
 from sparsync.compress import Identity, SparseSketch, TensorSpec, Threshold
 from sparsync.costmodel import ALGORITHMS
-from sparsync.placement import Compressed, DenseAllreduce, Placement, Sketch, SparseAllreduce, resolve
+from sparsync.placement import Compressed, DenseAllreduce, Placement, Sketch, SparseAllreduce
+from sparsync.plan import Cluster, make_plan, resolve
 from sparsync.plan.detect import ParamStats
-from sparsync.plan.planner import Cluster, make_plan
 from sparsync.ps import ServerProcess, start_servers
 from sparsync.ps.feedback import PushFeedback
 

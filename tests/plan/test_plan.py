@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from sparsync.plan import ServerModel
+from sparsync.plan import Cluster, ServerModel
 from sparsync.plan.detect import ParamStats, RowFractionMeter, sparse_param_names
-from sparsync.plan.planner import Cluster, candidates, make_plan, zipf_row_fraction
+from sparsync.plan.planner import candidates, make_plan, zipf_row_fraction
 from sparsync_bench.cli import main
 from sparsync_bench.lm import lm_stats
 
@@ -230,6 +230,40 @@ def test_grouped_pricing_is_one_grouped_call_as_wrap_optimizer_sends_it() -> Non
     n = 1024 * 1024
     alone = make_plan(big[:1], Cluster(4, measured=link), overrides={"emb": "sparse_allreduce"}).grouped_seconds
     assert bp.grouped_seconds == pytest.approx(alone + predict("dense", Problem(4, n, (n,) * 4, 4, 4), link))
+
+
+def test_fused_and_grouped_pricing_read_the_item_size() -> None:
+    """float64 parameters put twice the bytes of float32 ones on the wire: the fused dense allreduce of a
+    (64, 64) float64 weight costs what a (128, 64) float32 one costs. One fused call per item size (one flat
+    buffer per dtype, ``DenseAllreduce``), and dense gradients pack only behind a sparse group of their item
+    size (``Grouped`` groups by dtype)."""
+    from sparsync.costmodel import LinkModel, Problem, choose_robust, predict
+
+    link = LinkModel(alpha=1e-3, beta=1 / 8e8, gamma_sparse=0, gamma_dense=0, gamma_scatter=0)  # latencies + bytes
+    cluster = Cluster(4, measured=link)
+    f64 = make_plan([ParamStats("w", (64, 64), 1.0, False, itemsize=8)], cluster)
+    f32 = make_plan([ParamStats("w", (64, 64), 1.0, False)], cluster)
+    twice = make_plan([ParamStats("w", (128, 64), 1.0, False)], cluster)
+    assert f64.entries[0].itemsize == 8
+    assert f64.entries[0].bytes_per_machine == 2 * f32.entries[0].bytes_per_machine
+    assert f64.fused_seconds == pytest.approx(twice.fused_seconds) and f64.fused_seconds > f32.fused_seconds
+    mixed = make_plan([ParamStats("w", (64, 64), 1.0, False, itemsize=8), ParamStats("b", (64,), 1.0, False)],
+                      cluster)  # fmt: skip
+    w, bias = Problem(4, 4096, (4096,) * 4, 8, 4), Problem(4, 64, (64,) * 4, 4, 4)
+    assert mixed.fused_seconds == pytest.approx(predict("dense", w, link) + predict("dense", bias, link))
+    # Grouped: the float64 embedding's rows weigh 8 bytes per value, and the float64 dense weight packs behind it.
+    emb = ParamStats("emb", (65536, 32), 0.0072, True, itemsize=8)
+    plan = make_plan([emb, ParamStats("w", (64, 32), 1.0, False, itemsize=8)], cluster,
+                     overrides={"emb": "sparse_allreduce"})  # fmt: skip
+    k = round(0.0072 * 65536) + 64
+    d = choose_robust(Problem(4, 65536 + 64, (k,) * 4, 8 * 32, 4, row=32), link)
+    assert plan.grouped_seconds == pytest.approx(d.predictions[d.algorithm])
+    # A float32 dense weight does not join the float64 rows: its own fused dense allreduce.
+    apart = make_plan([emb, ParamStats("w", (64, 32), 1.0, False)], cluster, overrides={"emb": "sparse_allreduce"})
+    k = round(0.0072 * 65536)
+    d = choose_robust(Problem(4, 65536, (k,) * 4, 8 * 32, 4, row=32), link)
+    dense = predict("dense", Problem(4, 2048, (2048,) * 4, 4, 4), link)
+    assert apart.grouped_seconds == pytest.approx(d.predictions[d.algorithm] + dense)
 
 
 # --- two levels -------------------------------------------------------------------------------------

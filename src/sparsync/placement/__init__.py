@@ -2,8 +2,9 @@
 the gradients by their sum over the group) with one implementation per way: ``DenseAllreduce``,
 ``SparseAllreduce`` (SparCML), ``Compressed`` (any compressor with error feedback, e.g. DCT-DP),
 ``CustomReduce``, ``Grouped``, ``ByLayout``, ``Sketch`` (S2), and the parameter server
-(``sparsync.ps.ParameterServer``, Parallax). ``sparsync.plan`` chooses among them; the replicator's
-``wrap_optimizer``, ``DistributedOptimizer`` and ``HybridTrainer`` run them."""
+(``sparsync.ps.ParameterServer``, Parallax). ``sparsync.plan`` names them by kind (``plan.registry.KINDS``) and
+chooses among them; the replicator's ``wrap_optimizer``, ``DistributedOptimizer`` and ``HybridTrainer`` run
+them."""
 
 from sparsync.placement.base import NamedParam, Placement, ReduceEnv, aggregate, load_optional_state
 from sparsync.placement.collective import (
@@ -15,11 +16,9 @@ from sparsync.placement.collective import (
     ReduceFn,
     SparseAllreduce,
 )
-from sparsync.placement.kinds import KINDS, kind_of, objects, resolve
 from sparsync.placement.sketch import Sketch
 
 __all__ = [
-    "KINDS",
     "ByLayout",
     "Compressed",
     "CustomReduce",
@@ -32,8 +31,5 @@ __all__ = [
     "Sketch",
     "SparseAllreduce",
     "aggregate",
-    "kind_of",
     "load_optional_state",
-    "objects",
-    "resolve",
 ]

@@ -43,7 +43,7 @@ class ReduceEnv:
 
 class Placement(ABC):
     """How a set of parameters' gradients is aggregated across replicas. ``kind`` is the name a plan uses
-    (``sparsync.plan``'s placement strings: ``dense_allreduce``, ``sparse_allreduce``, ``sketch``, ``ps``)."""
+    (``sparsync.plan.KINDS``' names: ``dense_allreduce``, ``sparse_allreduce``, ``sketch``, ``ps``, ...)."""
 
     kind: str = "placement"
     # Whether DistributedOptimizer may run it on its queue thread while backward goes on (replicator.overlap),

@@ -1,7 +1,7 @@
-"""The placement kinds a plan chooses among (Parallax §3.1, Table 3), each with its own cost estimate: bytes
-per machine per step and the α-β time of one step's communication of one parameter (``planner``'s module doc
-gives the formulas). ``make_plan`` loops over them; a kind from outside the package is one more
-``PlacementKind`` in its ``kinds=``."""
+"""The placement kinds a plan chooses among (Parallax §3.1, Table 3), one record each: its name, whether it is
+lossy, its cost estimate (bytes per machine per step and the α-β time of one step's communication of one
+parameter; ``planner``'s module doc gives the formulas) and how to make its ``Placement``. ``plan.registry``
+collects them; a kind from outside the package is one more ``PlacementKind``, registered there."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from sparsync.collectives.hierarchical import HIER_MARGIN, flat_link, price_levels
 from sparsync.compress.sketch import SparseSketch
 from sparsync.costmodel import Problem, algorithm, choose_robust, predict
+from sparsync.placement.base import Placement
+from sparsync.placement.collective import DenseAllreduce, SparseAllreduce
+from sparsync.placement.sketch import Sketch
+from sparsync.plan.cluster import Cluster
 from sparsync.plan.detect import ParamStats
 from sparsync.stream import index_dtype_for
-
-if TYPE_CHECKING:
-    from sparsync.plan.planner import Cluster
 
 
 @dataclass(frozen=True)
@@ -31,29 +31,20 @@ class Estimate:
 
 
 @dataclass(frozen=True)
-class ServerModel:
-    """A parameter server's measured costs (``sparsync.ps.measure_server``: every rank pulling at once): the
-    round trip of a request and the seconds per byte pulled. A sync step costs three round trips (pull, push,
-    the chief's apply; Parallax §5) plus the bytes both ways: ``step_seconds``. The split of a step into these
-    terms is ours; the paper prices servers by bytes alone (Table 3)."""
+class MakeOptions:
+    """What a trainer gives the kinds to make their placement objects (``registry.objects``)."""
 
-    round_trip: float
-    per_byte: float
-
-    def __post_init__(self) -> None:
-        if not (self.round_trip >= 0 and self.per_byte >= 0 and math.isfinite(self.round_trip + self.per_byte)):
-            raise ValueError(
-                f"round_trip and per_byte must be finite and >= 0, got {self.round_trip}, {self.per_byte}"
-            )
-
-    def step_seconds(self, pull_bytes: float) -> float:
-        """One sync step of a table whose rows pulled per machine weigh ``pull_bytes`` (pushed back the same)."""
-        return 3 * self.round_trip + 2 * self.per_byte * pull_bytes
+    sketch: SparseSketch | None = None  # the sketch kind's compressor; None: ``Sketch``'s default
+    sketch_error_feedback: bool = False  # the sketch kind keeps each worker's residual
+    # the parameter server's placement: its servers must be started first, so the trainer makes it, not the kind
+    servers: Placement | None = None
 
 
 class PlacementKind(ABC):
-    """A placement the planner can choose: its name (``sparsync.placement.KINDS``), whether it is lossy
-    (chosen only with ``make_plan(allow_lossy=True)``), and its estimate."""
+    """One placement kind, everything sparsync knows of it in one object: its name (the string a plan names,
+    the ``Placement.kind`` of the objects it makes), whether it is lossy (chosen only with
+    ``make_plan(allow_lossy=True)``), its estimate, and how to make its placement. ``registry.KINDS`` collects
+    them."""
 
     name: str = "placement"
     lossy: bool = False
@@ -62,6 +53,12 @@ class PlacementKind(ABC):
     def estimate(self, s: ParamStats, c: Cluster, *, sketch: SparseSketch) -> Estimate | None:
         """The cost of ``s`` placed this way on ``c``; None when the kind does not fit the parameter (a
         sparse placement for a dense one). ``sketch``: the sketch compressor the plan prices."""
+
+    @abstractmethod
+    def make(self, options: MakeOptions) -> Placement | None:
+        """The one placement object every parameter of this kind shares (a sketch keeps one hash counter and
+        one residual store for all its parameters); None when ``options`` cannot make it (those parameters are
+        left out)."""
 
 
 def machine_row_fraction(s: ParamStats, procs: int) -> float:
@@ -86,6 +83,9 @@ class DenseAllreduceKind(PlacementKind):
         dense_p = Problem(N, s.numel, (s.numel,) * N, s.itemsize, 4)
         return Estimate(4 * float(s.nbytes) * _share(c), predict("dense", dense_p, c.link))
 
+    def make(self, options: MakeOptions) -> Placement:
+        return DenseAllreduce()
+
 
 class SketchKind(PlacementKind):
     """S2's sketch: ring dense allreduces of the sketch's payload (bitmap and table); lossy."""
@@ -98,6 +98,9 @@ class SketchKind(PlacementKind):
         skb = sketch.payload_nbytes(s.shape, s.itemsize)
         sk = -(-skb // s.itemsize)  # entries, as one dense allreduce of the same bytes
         return Estimate(4 * skb * _share(c), predict("dense", Problem(N, sk, (sk,) * N, s.itemsize, 4), c.link))
+
+    def make(self, options: MakeOptions) -> Placement:
+        return Sketch(options.sketch, error_feedback=options.sketch_error_feedback)
 
 
 class SparseAllreduceKind(PlacementKind):
@@ -121,6 +124,9 @@ class SparseAllreduceKind(PlacementKind):
         d = choose_robust(p, c.link)  # what auto would run (its default policy)
         return Estimate(algorithm(d.algorithm).nbytes(p), d.predictions[d.algorithm], d.algorithm)
 
+    def make(self, options: MakeOptions) -> Placement:
+        return SparseAllreduce()
+
 
 class ParameterServerKind(PlacementKind):
     """Parallax's servers: 4·α_m·w(N-1)/N bytes (Table 3); four latencies (pull and push, request and reply)
@@ -136,6 +142,9 @@ class ParameterServerKind(PlacementKind):
         if c.server is not None:  # measured: the request path and the servers' CPU included
             return Estimate(ps_bytes, c.server.step_seconds(am * float(s.nbytes)), "measured server")
         return Estimate(ps_bytes, 6 * c.link.alpha + c.link.beta * ps_bytes / 2)
+
+    def make(self, options: MakeOptions) -> Placement | None:
+        return options.servers
 
 
 def _two_level(s: ParamStats, c: Cluster, machines: Problem) -> tuple[tuple[float, float], str]:
@@ -165,8 +174,3 @@ def _two_level(s: ParamStats, c: Cluster, machines: Problem) -> tuple[tuple[floa
         cross = choose_robust(part, inter).algorithm
         return (m * algorithm(cross).nbytes(part), preds["hierarchical"]), f"hierarchical: {cross} across; {both}"
     return (m * share * algorithm(flat_alg).nbytes(p), preds["flat"]), f"flat: {flat_alg}; {both}"
-
-
-# In the order the planner breaks exact ties (the first wins) and lists an entry's candidates.
-PLAN_KINDS: tuple[PlacementKind, ...] = (DenseAllreduceKind(), SketchKind(), SparseAllreduceKind(),
-                                         ParameterServerKind())  # fmt: skip

@@ -1,6 +1,6 @@
-"""The placement plan: per parameter one of dense allreduce, sparse allreduce (SparCML), sketch (S2), or
-parameter server, chosen by predicted communication time (Parallax §3.1, Table 3, with the α-β model of
-``sparsync.costmodel``).
+"""The placement plan: per parameter one of the registered placement kinds (``plan.registry.KINDS``: dense
+allreduce, sparse allreduce (SparCML), sketch (S2), parameter server, and any registered from outside), chosen
+by predicted communication time (Parallax §3.1, Table 3, with the α-β model of ``sparsync.costmodel``).
 
 Bytes per machine per step (w: the parameter's bytes, N: machines, α_m: fraction of rows the machine's
 workers touch together, i.e. after local aggregation):
@@ -21,7 +21,8 @@ Time: the α-β model with the cluster's latency and bandwidth, one direction of
 parameter-server step costs four latencies (pull and push, request and reply) plus two for the chief's
 update, or, with ``Cluster(server=ServerModel)``, what the running servers were measured to cost. The step's
 communication time is the sum over parameters (no overlap between them: an upper bound);
-``Plan.fused_seconds`` prices the dense-allreduce parameters as one fused call, as ``HybridTrainer`` sends them;
+``Plan.fused_seconds`` prices the dense-allreduce parameters as one fused call per item size
+(``ParamStats.itemsize``), as ``HybridTrainer`` sends them;
 ``Plan.grouped_seconds`` the allreduce parameters as ``wrap_optimizer``'s default plan sends them (one grouped
 call).
 ``Cluster(measured=LinkModel)`` prices with a measured link instead of the nominal bandwidth and latency, its
@@ -32,9 +33,8 @@ call).
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -42,71 +42,11 @@ from sparsync.compress.sketch import SparseSketch
 from sparsync.costmodel import LinkModel, Problem, choose_robust, predict
 from sparsync.placement.base import Placement
 from sparsync.placement.collective import Grouped
-from sparsync.placement.kinds import KINDS, objects
+from sparsync.plan.cluster import Cluster
 from sparsync.plan.detect import ParamStats
-from sparsync.plan.kinds import PLAN_KINDS, Estimate, PlacementKind, ServerModel, machine_row_fraction
+from sparsync.plan.kinds import Estimate, PlacementKind, machine_row_fraction
+from sparsync.plan.registry import KINDS, objects
 from sparsync.stream import index_dtype_for
-
-PLACEMENTS = KINDS  # the kinds of sparsync.placement a plan chooses among
-
-
-@dataclass(frozen=True)
-class Cluster:
-    machines: int  # N
-    procs_per_machine: int = 1  # workers per machine (they share one NIC and one server)
-    bandwidth: float = 1.25e9  # bytes/s per machine link (10 Gbit/s)
-    latency: float = 50e-6  # seconds per message
-    measured: LinkModel | None = None  # a measured link (α, β); overrides bandwidth and latency when given
-    server: ServerModel | None = None  # measured parameter servers (``sparsync.ps.measure_server``): their price
-    # the link between the ranks of one machine (shared memory or loopback); given with procs_per_machine > 1,
-    # sparse allreduce is priced on two levels: flat over every rank, or hierarchical
-    intra_bandwidth: float | None = None  # bytes/s
-    intra_latency: float = 5e-6  # seconds per message
-    # measured (world, intra-machine, inter-machine) links of a two-level run (``bench allreduce --hosts``'s
-    # JSON, ``collectives.hierarchical.measured_levels``): price both levels with them instead, γ included
-    levels: tuple[LinkModel, LinkModel, LinkModel] | None = None
-
-    def __post_init__(self) -> None:
-        if self.machines < 1 or self.procs_per_machine < 1:
-            raise ValueError(
-                f"machines and procs_per_machine must be >= 1, got {self.machines}, {self.procs_per_machine}"
-            )
-        if not (self.bandwidth > 0 and math.isfinite(self.bandwidth)) or not self.latency >= 0:
-            raise ValueError(f"bandwidth must be > 0 and latency >= 0, got {self.bandwidth}, {self.latency}")
-        if self.intra_bandwidth is not None and not (
-            self.intra_bandwidth > 0 and math.isfinite(self.intra_bandwidth) and self.intra_latency >= 0
-        ):
-            raise ValueError(
-                f"intra_bandwidth must be > 0 and intra_latency >= 0, got {self.intra_bandwidth}, "
-                f"{self.intra_latency}"
-            )
-
-    @property
-    def two_level(self) -> bool:
-        return (self.intra_bandwidth is not None or self.levels is not None) and self.procs_per_machine > 1
-
-    def level_links(self) -> tuple[LinkModel, LinkModel, LinkModel]:
-        """(world, intra-machine, inter-machine) links per rank: measured (``levels``), else nominal (γ off):
-        a rank's share of the machine's NIC while its k peers send too is bandwidth / k, as the cross groups
-        of a hierarchical call see it; the world's link is the intra-machine one (the flat call raises its β
-        to the inter-machine share, ``price_levels``)."""
-        if self.levels is not None:
-            return self.levels
-        if self.intra_bandwidth is None:
-            raise ValueError("two-level pricing needs intra_bandwidth or measured levels")
-        base = self.link
-        intra = LinkModel(alpha=self.intra_latency, beta=1.0 / self.intra_bandwidth, gamma_sparse=0,
-                          gamma_dense=0, gamma_scatter=0)  # fmt: skip
-        return intra, intra, dataclasses.replace(base, beta=base.beta * self.procs_per_machine, beta_exchange=None)
-
-    @property
-    def link(self) -> LinkModel:
-        # Nominal: γ terms off, the plan compares network costs (Table 3). Measured: as measured (module doc).
-        if self.measured is not None:
-            return self.measured
-        return LinkModel(
-            alpha=self.latency, beta=1.0 / self.bandwidth, gamma_sparse=0, gamma_dense=0, gamma_scatter=0
-        )
 
 
 @dataclass(frozen=True)
@@ -121,6 +61,7 @@ class Entry:
     candidates: dict[str, tuple[float, float]] = field(default_factory=dict)  # placement -> (bytes, seconds)
     overridden: bool = False
     detail: str = ""  # e.g. the SparCML algorithm behind sparse_allreduce
+    itemsize: int = 4  # bytes per element (``ParamStats.itemsize``), for the fused and grouped prices
 
 
 @dataclass(frozen=True)
@@ -135,7 +76,7 @@ class Plan:
 
     @property
     def kinds(self) -> dict[str, str]:
-        """Per parameter name its placement's kind (``sparsync.placement.KINDS``)."""
+        """Per parameter name its placement's kind (a name in ``plan.registry.KINDS``)."""
         return {e.name: e.placement for e in self.entries}
 
     def placements(
@@ -162,44 +103,47 @@ class Plan:
 
     @property
     def fused_seconds(self) -> float:
-        """Step communication time with every dense-allreduce parameter in one fused allreduce (one flat
-        buffer, as ``HybridTrainer`` reduces them); the other placements as in ``seconds``."""
+        """Step communication time with the dense-allreduce parameters of one item size in one fused allreduce
+        (one flat buffer per dtype, as ``HybridTrainer``'s ``DenseAllreduce`` reduces them); the other
+        placements as in ``seconds``."""
         dense = [e for e in self.entries if e.placement == "dense_allreduce"]
         rest = sum(e.seconds for e in self.entries if e.placement != "dense_allreduce")
-        n = sum(math.prod(e.shape) for e in dense)
-        if not n:
-            return rest
-        N = self.cluster.machines
-        return rest + predict("dense", Problem(N, n, (n,) * N, 4, 4), self.cluster.link)
+        N, link = self.cluster.machines, self.cluster.link
+        return rest + sum(_fused_dense(n, size, N, link) for size, n in _numel_by_itemsize(dense).items())
 
     @property
     def grouped_seconds(self) -> float:
         """Step communication time as ``wrap_optimizer`` sends the plan (``ByLayout`` -> ``Grouped``): the
-        sparse-allreduce parameters of one row width in one ``grouped_allreduce``, the dense-allreduce ones
-        packed behind the first group as rows of its width while they total at most ``Grouped.max_dense``
-        elements (rows every rank holds), priced as ``auto`` would run that stream; the dense ones left over in
-        one fused dense allreduce; the other placements as in ``seconds``. On a two-level cluster: ``seconds``."""
+        sparse-allreduce parameters of one row width and item size in one ``grouped_allreduce``, the
+        dense-allreduce ones of that item size packed behind the first such group as rows of its width while
+        they total at most ``Grouped.max_dense`` elements (rows every rank holds), priced as ``auto`` would run
+        that stream; the dense ones left over in one fused dense allreduce per item size; the other placements
+        as in ``seconds``. On a two-level cluster: ``seconds``."""
         sparse = [e for e in self.entries if e.placement == "sparse_allreduce"]
         dense = [e for e in self.entries if e.placement == "dense_allreduce"]
         if not sparse or self.cluster.two_level:
             return self.fused_seconds
-        widths: dict[int, list[Entry]] = {}
+        groups: dict[tuple[int, int], list[Entry]] = {}  # (row width, item size): Grouped's (width, dtype)
         for e in sparse:
-            widths.setdefault(math.prod(e.shape[1:]), []).append(e)
-        n_dense = sum(math.prod(e.shape) for e in dense)
-        packed = n_dense if n_dense <= Grouped.max_dense else 0
+            groups.setdefault((math.prod(e.shape[1:]), e.itemsize), []).append(e)
+        n_dense = _numel_by_itemsize(dense)
+        sizes = {size for _, size in groups}
+        packed = {size: n for size, n in n_dense.items() if size in sizes and n <= Grouped.max_dense}
         N, link = self.cluster.machines, self.cluster.link
         total = sum(e.seconds for e in self.entries if e.placement not in ("sparse_allreduce", "dense_allreduce"))
-        for i, (b, members) in enumerate(widths.items()):
-            extra = -(-packed // b) if i == 0 else 0  # the dense rows, the last one zero-padded
+        first: set[int] = set()
+        for (b, size), members in groups.items():
+            extra = 0 if size in first else -(-packed.get(size, 0) // b)  # the dense rows, the last zero-padded
+            first.add(size)
             rows = sum(e.shape[0] for e in members) + extra
             k = sum(max(1, round(e.row_fraction_machine * e.shape[0])) for e in members) + extra
-            p = Problem(N, rows, (min(k, rows),) * N, 4 * b, index_dtype_for(rows).itemsize, row=b)
+            p = Problem(N, rows, (min(k, rows),) * N, size * b, index_dtype_for(rows).itemsize, row=b)
             d = choose_robust(p, link)
             total += d.predictions[d.algorithm]
-        left = n_dense - packed
-        if left:
-            total += predict("dense", Problem(N, left, (left,) * N, 4, 4), link)
+        for size, n in n_dense.items():
+            left = n - packed.get(size, 0)
+            if left:
+                total += _fused_dense(left, size, N, link)
         return total
 
     def placement(self, name: str) -> str:
@@ -227,13 +171,25 @@ class Plan:
         }
 
 
+def _numel_by_itemsize(entries: Iterable[Entry]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for e in entries:
+        out[e.itemsize] = out.get(e.itemsize, 0) + math.prod(e.shape)
+    return out
+
+
+def _fused_dense(n: int, itemsize: int, machines: int, link: LinkModel) -> float:
+    """One ring dense allreduce of ``n`` elements of ``itemsize`` bytes."""
+    return predict("dense", Problem(machines, n, (n,) * machines, itemsize, 4), link)
+
+
 def estimates(
     s: ParamStats,
     c: Cluster,
     *,
     sketch_ratio: float = 0.05,
     sketch: SparseSketch | None = None,
-    kinds: Sequence[PlacementKind] = PLAN_KINDS,
+    kinds: Iterable[PlacementKind] = KINDS,
 ) -> dict[str, Estimate]:
     """Every kind's estimate of the parameter, by kind name in ``kinds`` order, leaving out kinds that do not
     fit it. ``sketch``: the compressor of the sketch placement (``HybridConfig.sketch``); default
@@ -251,7 +207,7 @@ def candidates(
     s: ParamStats, c: Cluster, *, sketch_ratio: float = 0.05, sketch: SparseSketch | None = None
 ) -> tuple[dict[str, tuple[float, float]], str]:
     """(bytes per machine, seconds) of every built-in placement that fits the parameter, and the SparCML
-    algorithm (``estimates`` of ``PLAN_KINDS``)."""
+    algorithm (``estimates`` of ``KINDS``)."""
     est = estimates(s, c, sketch_ratio=sketch_ratio, sketch=sketch)
     sparse = est.get("sparse_allreduce")
     return {k: (e.nbytes, e.seconds) for k, e in est.items()}, sparse.detail if sparse else ""
@@ -265,10 +221,12 @@ def make_plan(
     allow_lossy: bool = False,
     sketch_ratio: float = 0.05,
     sketch: SparseSketch | None = None,
-    kinds: Sequence[PlacementKind] = PLAN_KINDS,
+    kinds: Iterable[PlacementKind] = KINDS,
 ) -> Plan:
-    """Choose each parameter's placement among ``kinds`` by predicted time (lossless kinds unless
-    ``allow_lossy``); ``overrides`` maps parameter names to a kind and wins over the model."""
+    """Choose each parameter's placement among ``kinds`` (default: the registered ones) by predicted time
+    (lossless kinds unless ``allow_lossy``); ``overrides`` maps parameter names to a kind and wins over the
+    model."""
+    kinds = tuple(kinds)
     overrides = dict(overrides or {})
     names = {s.name for s in stats}
     valid = [k.name for k in kinds]
@@ -292,7 +250,7 @@ def make_plan(
         entries.append(
             Entry(s.name, s.shape, s.row_fraction,
                   machine_row_fraction(s, cluster.procs_per_machine) if s.sparse else 1.0, pl,
-                  cand[pl][0], cand[pl][1], cand, s.name in overrides, est[pl].detail)
+                  cand[pl][0], cand[pl][1], cand, s.name in overrides, est[pl].detail, s.itemsize)
         )  # fmt: skip
     return Plan(cluster, tuple(entries), sketch if sketch is not None else SparseSketch(ratio=sketch_ratio))
 
