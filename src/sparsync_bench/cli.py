@@ -66,17 +66,32 @@ def _choices(valid: tuple[str, ...], what: str) -> Callable[[str], tuple[str, ..
     return parse
 
 
+def shown_default(default: Any) -> str:
+    """An option's default as ``--help`` shows it: a tuple as the comma list the option takes, a list as the
+    separate values, 0 as 0, and nothing given (None, an empty list) as "none"."""
+    if default is None or (isinstance(default, tuple | list) and not default):
+        return "none"
+    if isinstance(default, tuple):
+        return ",".join(map(str, default))
+    if isinstance(default, list):
+        return " ".join(map(str, default))
+    return '""' if default == "" else str(default)
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Every option's help ends with its default (a tuple as the comma list the option takes), unless the help
-    already names it."""
+    """Every option's help ends with its default (``shown_default``), unless the help already names it. A flag
+    (an option that takes no value, e.g. ``store_true``) has none to show: it is on when given, off otherwise."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        d = action.default
-        if not action.option_strings or d in (None, False, [], argparse.SUPPRESS) or "default" in text:
+        if (
+            not action.option_strings
+            or action.nargs == 0
+            or action.default is argparse.SUPPRESS
+            or "default" in text
+        ):
             return text
-        shown = ",".join(map(str, d)) if isinstance(d, tuple) else str(d)
-        return f"{text} (default: {shown.replace('%', '%%')})"
+        return f"{text} (default: {shown_default(action.default).replace('%', '%%')})"
 
 
 def _parents() -> dict[str, argparse.ArgumentParser]:
@@ -444,6 +459,12 @@ def _cluster(args: argparse.Namespace, console: Console) -> int:
 def _demo(args: argparse.Namespace, console: Console) -> int:
     from sparsync_bench.train_demo import DemoConfig, print_demo, run_demo
 
+    warmup = DemoConfig.warmup
+    if args.steps <= warmup:
+        raise ValueError(
+            f"--steps must exceed the demo's {warmup} warm-up steps (they are left out of the timing), got "
+            f"--steps {args.steps}"
+        )
     demo_cfg = DemoConfig(steps=args.steps, plan_pricing=args.plan_pricing, block=args.block)
     console.print(
         f"[bold]sparsync demo[/]: {demo_cfg.replicas} local processes train a classifier with a sparse "
@@ -524,16 +545,16 @@ def _bench_dlrm(args: argparse.Namespace, console: Console) -> int:
     from sparsync_bench.dlrm_train import DlrmBenchConfig, default_data, default_methods
     from sparsync_bench.runner import run_dlrm_bench
 
+    if args.tensorboard is not None:
+        from sparsync_bench.tensorboard import require_tensorboard
+
+        require_tensorboard()  # before any work: the generated data file alone is megabytes
     if args.methods is None:
         args.methods, note = default_methods()
         if note:
             console.print(f"[dim]{note}[/]")
     need = args.steps * args.batch * max(args.procs)
     data = args.data or default_data(Path("results/criteo_synthetic.txt"), need)
-    if args.tensorboard is not None:
-        from sparsync_bench.tensorboard import require_tensorboard
-
-        require_tensorboard()  # before the ranks start
     dcfg = DlrmBenchConfig(str(data), steps=args.steps, batch=args.batch, max_rows=args.max_rows, dim=args.dim,
                            methods=args.methods, mlp=args.mlp,
                            tensorboard=str(args.tensorboard or ""))  # fmt: skip

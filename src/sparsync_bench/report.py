@@ -136,8 +136,10 @@ def pyplot() -> Any:
 
 
 def save_figure(fig: Any, png: Path, *, dpi: int) -> Path:
-    """Lay ``fig`` out, write it to ``png`` and close it."""
-    fig.tight_layout()
+    """Lay ``fig`` out (``tight_layout`` unless it was made with a layout engine, e.g. ``layout="constrained"``),
+    write it to ``png`` and close it."""
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     fig.savefig(png, dpi=dpi)
     pyplot().close(fig)
     return png

@@ -78,8 +78,13 @@ class DemoConfig:
     block: int = 10  # steps each run trains in its turn before the next run's (the runs are interleaved)
 
     def __post_init__(self) -> None:
-        if self.vocab < 2 or self.steps <= self.warmup or self.replicas < 1 or self.batch < 1:
-            raise ValueError(f"bad demo config {self}")
+        if self.steps <= self.warmup:
+            raise ValueError(
+                f"steps must exceed the {self.warmup} warm-up steps (they are left out of the timing), got "
+                f"{self.steps}"
+            )
+        if self.vocab < 2 or self.replicas < 1 or self.batch < 1:
+            raise ValueError(f"bad demo config {self}: vocab must be >= 2, replicas and batch >= 1")
         if self.block < 1:
             raise ValueError(f"block must be >= 1 step (the runs take turns block by block), got {self.block}")
         if self.plan_pricing not in ("measured", "assumed"):

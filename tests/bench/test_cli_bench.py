@@ -62,6 +62,15 @@ def test_latency_needs_net(capsys: pytest.CaptureFixture[str]) -> None:
     assert "--latency needs --net" in capsys.readouterr().out
 
 
+def test_demo_steps_names_its_bound(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--steps`` at or under the demo's 5 warm-up steps is refused before any process starts, naming the
+    option and the bound."""
+    assert main(["demo", "--steps", "5", "--out", str(tmp_path / "demo")]) == 2
+    out = capsys.readouterr().out
+    assert "error: --steps must exceed the demo's 5 warm-up steps" in out and "got --steps 5" in out, out
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_bench_runs_and_writes_outputs(tmp_path: Path) -> None:

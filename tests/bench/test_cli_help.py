@@ -34,17 +34,65 @@ def test_every_subcommand_is_listed() -> None:
     assert want <= names
 
 
+def _expected(default: object) -> str:
+    """What the help must show: the value as typed (a tuple as its comma list), "none" for nothing given."""
+    if default is None or default in ((), []):
+        return "none"
+    if isinstance(default, tuple):
+        return ",".join(map(str, default))
+    if isinstance(default, list):
+        return " ".join(map(str, default))
+    return '""' if default == "" else str(default)
+
+
+def _rendered(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """The action's entry in ``parser``'s --help as printed, without its whitespace (argparse breaks a long comma
+    list inside a word)."""
+    formatter = parser._get_formatter()
+    formatter.add_argument(action)
+    return "".join(formatter.format_help().split())
+
+
 @pytest.mark.parametrize("name,parser", PARSERS, ids=[n or "sparsync" for n, _ in PARSERS])
 def test_options_have_help_with_defaults(name: str, parser: argparse.ArgumentParser) -> None:
+    """Every option that takes a value shows its default, 0, 0.0, empty and None ("none") included, or its help
+    says the default in words ("default: generate one"). Flags (no value: store_true and the like) are left
+    out: a flag is on when given and off otherwise, and "(default: False)" would name a Python value."""
     text = parser.format_help()
     assert not re.search(r"\(issue \d+\)|issue \d+", text, re.I), f"{name}: an issue number in its help"
     for a in parser._actions:
         if isinstance(a, argparse._HelpAction | argparse._SubParsersAction | argparse._VersionAction):
             continue
         assert a.help, f"sparsync {name} {a.option_strings or a.dest}: no help text"
-        if a.option_strings and a.default not in (None, False, [], ()):
-            shown = parser._get_formatter()._get_help_string(a) or ""
-            assert "default" in shown, f"sparsync {name} {a.option_strings}: the default is not shown"
+        if not a.option_strings or a.nargs == 0 or a.default is argparse.SUPPRESS:
+            continue
+        shown = _rendered(parser, a)
+        if "default" in a.help:  # the help says it in words, and the formatter adds nothing
+            assert shown.count("default") == a.help.count("default"), f"sparsync {name} {a.option_strings}"
+            continue
+        want = "".join(f"(default: {_expected(a.default)})".split())
+        assert shown.endswith(want), f"sparsync {name} {a.option_strings}: {shown!r} does not end with {want!r}"
+
+
+@pytest.mark.parametrize(
+    "argv,option,default",
+    [(["cluster"], "--max-restarts", "0"), (["trace", "merge"], "--from-step", "0"),
+     (["bench", "hybrid"], "--text", "none"), (["plan"], "--override", "none")],
+)  # fmt: skip
+def test_zero_and_empty_defaults_are_printed(
+    argv: list[str], option: str, default: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``sparsync <command> --help`` as a user runs it: a default of 0 or nothing is printed like any other."""
+    from sparsync_bench.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main([*argv, "--help"])
+    assert done.value.code == 0
+    options = capsys.readouterr().out.split("options:", 1)[1]  # past the usage line
+    entry = options[options.index(f"\n  {option} ") + 1 :]
+    end = re.search(r"\n  -", entry)  # the next option's entry
+    entry = " ".join(entry[: end.start() if end else None].split())
+    assert entry.endswith(f"(default: {default})"), entry
 
 
 def test_defaults_show_as_the_option_takes_them() -> None:

@@ -48,6 +48,12 @@ def test_demo_config_names_a_bad_block() -> None:
         DemoConfig(block=0)
 
 
+def test_demo_config_names_the_warm_up_bound_on_steps() -> None:
+    with pytest.raises(ValueError, match=r"steps must exceed the 5 warm-up steps .*got 5$"):
+        DemoConfig(steps=5)
+    assert DemoConfig(steps=6).steps == 6
+
+
 def test_ratios_are_taken_block_by_block_and_a_run_that_is_another_is_left_out() -> None:
     runs = [{"run": "dense", "block_ms": [30.0, 60.0]}, {"run": "ddp_sparse", "block_ms": [10.0, 20.0]},
             {"run": "sparse", "block_ms": [5.0, 30.0]},

@@ -5,6 +5,7 @@ has the reference architecture's shapes and learns; the benchmark's methods trai
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,22 @@ def test_the_reader_parses_by_hand_and_names_bad_lines(tmp_path: Path) -> None:
         read_criteo(tmp_path / "label.txt")
     with pytest.raises(ValueError, match="max_rows must be >= 1"):
         table_rows(0)
+
+
+def test_tensorboard_is_checked_before_any_work(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``bench dlrm --tensorboard`` without tensorboard refuses before it writes anything (the generated
+    Criteo file is megabytes at the default size). tensorboard is made unimportable, installed or not."""
+    from sparsync_bench.cli import main
+    from sparsync_bench.tensorboard import MISSING
+
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    monkeypatch.chdir(tmp_path)  # the data file would be results/criteo_synthetic.txt
+    argv = ["bench", "dlrm", "--tensorboard", "tb", "--procs", "1", "--steps", "1", "--batch", "4", "--out", "d"]
+    assert main(argv) == 2
+    assert MISSING in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_dlrm_shapes_and_learning(tmp_path: Path) -> None:
