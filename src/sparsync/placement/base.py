@@ -49,6 +49,10 @@ class Placement(ABC):
     # Whether DistributedOptimizer may run it on its queue thread while backward goes on (replicator.overlap),
     # on a detached view of each parameter; the parameter server pushes every parameter each step, from step().
     overlaps: bool = True
+    # False: the gradient already holds the sum over replicas when backward leaves it (a module that exchanged
+    # it in its own backward, e.g. sharded rows); aggregate does nothing and DistributedOptimizer only divides
+    # it for op="mean", in no bucket of its own.
+    communicates: bool = True
 
     @abstractmethod
     def aggregate(self, params: list[NamedParam], env: ReduceEnv) -> None:

@@ -91,6 +91,9 @@ def round_code(steps: int, rounds: int) -> int:
 
 def start(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence[NamedParam]) -> Work[Result]:
     """Queue ``bucket``'s reduction on the caller's group (FIFO: every rank runs its buckets in launch order)."""
+    if bucket.local:  # summed in backward already: nothing to send
+        P = env.reduce.num_replicas
+        return Work.done([None if g is None else g / P if env.mean else g for g in mine.grads])
     if bucket.fast:
         flat = _pack(bucket, mine)
 

@@ -46,6 +46,7 @@ class Bucket:
     fast: bool
     dtype: torch.dtype
     sizes: tuple[int, ...]
+    local: bool = False  # the placement does not communicate: only op="mean"'s division, in the caller's thread
 
     @property
     def numel(self) -> int:
@@ -94,7 +95,7 @@ def lay_out(
     for i in order:
         p = params[i]
         pl = plan[p.name]
-        if not splits(pl) or layouts[i] == NONE:
+        if not pl.communicates or not splits(pl) or layouts[i] == NONE:
             whole.setdefault(id(pl), []).append(i)
             continue
         key = (id(pl), is_fast(pl, layouts[i]), layouts[i], p.param.dtype)
@@ -116,7 +117,7 @@ def lay_out(
         out.append(
             Bucket(
                 k, plan[first.name], tuple(members), fast, first.param.dtype,
-                tuple(params[i].param.numel() for i in members),
+                tuple(params[i].param.numel() for i in members), local=not plan[first.name].communicates,
             )
         )  # fmt: skip
     return out
