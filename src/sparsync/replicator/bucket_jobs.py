@@ -89,16 +89,33 @@ def round_code(steps: int, rounds: int) -> int:
     return 4 * (steps % (SEQ_MOD // 4)) + min(rounds, 3) + 1
 
 
-def start(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence[NamedParam]) -> Work[Result]:
-    """Queue ``bucket``'s reduction on the caller's group (FIFO: every rank runs its buckets in launch order)."""
+def start(
+    bucket: Bucket,
+    mine: Contribution,
+    env: RoundEnv,
+    params: Sequence[NamedParam],
+    flat: torch.Tensor | None = None,
+    copied: frozenset[int] = frozenset(),
+    nonfinite: int = -1,
+) -> Work[Result]:
+    """Queue ``bucket``'s reduction on the caller's group (FIFO: every rank runs its buckets in launch order).
+    Fast path: ``flat`` is the round's buffer (``buffer_of``), where the members at positions ``copied``
+    were put as backward produced them (DDP copies each gradient into its bucket as it is ready too), and
+    ``nonfinite`` is the flat position of the first NaN or ±Inf found among them then (-1: none). The NaN
+    check runs in the caller's thread, gradient by gradient, while backward goes on: after backward only the
+    last gradient's check is left to wait for."""
     if bucket.local:  # summed in backward already: nothing to send
         P = env.reduce.num_replicas
         return Work.done([None if g is None else g / P if env.mean else g for g in mine.grads])
     if bucket.fast:
-        flat = _pack(bucket, mine)
+        flat, bad = _pack(bucket, mine, flat, copied, env.reduce.check_nan)
+        if nonfinite >= 0 and (bad < 0 or nonfinite < bad):
+            bad = nonfinite
+        if bad >= 0:
+            flat[bucket.numel + 1] = 1.0
 
         def run() -> Result:
-            return _fast(bucket, mine, flat, env)
+            return _fast(bucket, mine, flat, env, bad)
 
         facts: dict[str, object] = {"bytes": flat.numel() * flat.element_size(), "params": len(bucket.members)}
     else:
@@ -112,35 +129,51 @@ def start(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence[Na
     return work
 
 
-def _pack(bucket: Bucket, mine: Contribution) -> torch.Tensor:
-    """The flat buffer, filled in the caller's thread (backward goes on accumulating into other gradients)."""
-    k = len(bucket.members)
-    ref = next((g for g in mine.grads if g is not None), None)
-    device = ref.device if ref is not None else torch.device("cpu")
-    flat = torch.empty(bucket.numel + FIXED + k, dtype=bucket.dtype, device=device)
-    at = 0
-    for g, size in zip(mine.grads, bucket.sizes, strict=True):
-        piece = flat[at : at + size]
+def buffer_of(bucket: Bucket, device: torch.device) -> torch.Tensor:
+    """The fast path's flat buffer of ``bucket`` (gradients, then the tail)."""
+    return torch.empty(bucket.numel + FIXED + len(bucket.members), dtype=bucket.dtype, device=device)
+
+
+def slot(bucket: Bucket, member: int) -> slice:
+    """Where the ``member``-th parameter of ``bucket`` sits in its flat buffer."""
+    at = sum(bucket.sizes[:member])
+    return slice(at, at + bucket.sizes[member])
+
+
+def _pack(
+    bucket: Bucket, mine: Contribution, flat: torch.Tensor | None, copied: frozenset[int], check_nan: bool
+) -> tuple[torch.Tensor, int]:
+    """The flat buffer, completed in the caller's thread (backward goes on accumulating into other gradients):
+    the members not copied yet, zeros for a missing one, the tail; and the flat position of the first NaN or
+    ±Inf among the members copied here (-1: none)."""
+    if flat is None:
+        ref = next((g for g in mine.grads if g is not None), None)
+        flat = buffer_of(bucket, ref.device if ref is not None else torch.device("cpu"))
+    bad = -1
+    for k, g in enumerate(mine.grads):
+        if k in copied and g is not None and not g.is_sparse:
+            continue
+        where = slot(bucket, k)
+        piece = flat[where]
         if g is None:
             piece.zero_()
-        else:
-            piece.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
-        at += size
+            continue
+        piece.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
+        pos = first_nonfinite(piece) if check_nan and bad < 0 else -1
+        if pos >= 0:
+            bad = where.start + pos
     present = [0.0 if g is None else 1.0 for g in mine.grads]
     tail = [float(mine.changed >= 0), 0.0, float(mine.seq), float(mine.seq**2), *present]
-    flat[at:] = torch.tensor(tail, dtype=bucket.dtype)
-    return flat
+    flat[bucket.numel :] = torch.tensor(tail, dtype=bucket.dtype)
+    return flat, bad
 
 
-def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv) -> Result:
+def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv, nonfinite: int) -> Result:
     t0 = time.perf_counter()
     red = env.reduce
     n, k = bucket.numel, len(bucket.members)
     comm = Comm(red.group, red.timeout, flat.device)
     comm.op = f"DistributedOptimizer bucket {bucket.index} allreduce"
-    nonfinite = first_nonfinite(flat[:n]) if red.check_nan else -1
-    if nonfinite >= 0:
-        flat[n + 1] = 1.0
     with comm.phase("dense_allreduce"):
         comm.run_collective("bucket all_reduce", dist.all_reduce, flat)
     P = comm.size

@@ -13,7 +13,8 @@ ours where the paper is silent or does not apply:
   (dense or sparse, as agreed in the first round). Dense gradients under ``DenseAllreduce`` (or ``ByLayout``'s
   default dense side) take the *fast path*: one flat allreduce with the checks carried in the payload
   (``replicator.bucket_jobs``), split at DDP's caps (1 MiB for the first bucket, ``cap_bytes`` after).
-  Sparse gradients under ``ByLayout``/``SparseAllreduce`` share one bucket per run of consecutive ones.
+  Sparse gradients under ``ByLayout``/``SparseAllreduce`` share one bucket (one metadata round for their sizes),
+  launched when the last of them is ready.
   Any other placement (a compressor, a sketch, ``Grouped``, a custom reduction) keeps all of its parameters in
   one bucket, so it sees the same call it saw when reduction ran in ``step()`` (a DCT-DP threshold over the
   whole bucket, one sketch seed per step).
@@ -88,26 +89,28 @@ def lay_out(
     """The buckets, in the order every rank launches them: a bucket's position is when its last member becomes
     ready in ``order``."""
     pos = {i: k for k, i in enumerate(order)}
-    runs: list[list[int]] = []  # consecutive members of one splittable key
+    runs: list[list[int]] = []  # consecutive dense members of one fast key, up to the cap
+    run_keys: list[tuple[int, torch.dtype]] = []
+    sparse: dict[tuple[int, int, torch.dtype], list[int]] = {}  # the rest of a splitting placement, by key
     whole: dict[int, list[int]] = {}  # one bucket per non-splitting placement object
-    key_of: list[tuple[int, bool, int, torch.dtype]] = []
-    filled, fast_runs = 0, 0
+    filled = 0
     for i in order:
         p = params[i]
         pl = plan[p.name]
         if not pl.communicates or not splits(pl) or layouts[i] == NONE:
             whole.setdefault(id(pl), []).append(i)
-            continue
-        key = (id(pl), is_fast(pl, layouts[i]), layouts[i], p.param.dtype)
-        cap = first_cap_bytes if fast_runs <= 1 else cap_bytes
-        if not (runs and key_of[-1] == key and not (key[1] and filled >= cap)):
-            runs.append([])
-            key_of.append(key)
-            filled = 0
-            fast_runs += key[1]
-        runs[-1].append(i)
-        filled += p.param.numel() * p.param.element_size()
-    groups = [(members, key[1]) for members, key in zip(runs, key_of, strict=True)]
+        elif not is_fast(pl, layouts[i]):  # sparse gradients: one call for all (their sizes need a round each)
+            sparse.setdefault((id(pl), layouts[i], p.param.dtype), []).append(i)
+        else:
+            cap = first_cap_bytes if len(runs) == 1 else cap_bytes  # DDP's small first bucket
+            if not runs or run_keys[-1] != (id(pl), p.param.dtype) or filled >= cap:
+                runs.append([])
+                run_keys.append((id(pl), p.param.dtype))
+                filled = 0
+            runs[-1].append(i)
+            filled += p.param.numel() * p.param.element_size()
+    groups = [(members, True) for members in runs]
+    groups += [(members, False) for members in sparse.values()]
     # a non-splitting placement sees its parameters in plan order, the call step()-time reduction made
     groups += [(sorted(members), False) for members in whole.values()]
     groups.sort(key=lambda g: max(pos[i] for i in g[0]))

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from sparsync.collectives.group import background_group, submit, tracer
+from sparsync.collectives.meta import first_nonfinite
 from sparsync.collectives.ops import text_key
 from sparsync.collectives.transport import meta_group
 from sparsync.handle import Work
@@ -73,6 +74,11 @@ class OverlapReducer:
         # moved aside when another backward starts accumulating before step().
         self.installed: dict[int, torch.Tensor] = {}
         self.carry: dict[int, torch.Tensor] = {}
+        self.buffers: dict[int, torch.Tensor] = {}  # the fast buckets' flat buffers, by bucket index
+        self.round_flat: dict[int, torch.Tensor] = {}  # this round's, as members are copied in
+        self.copied: set[int] = set()  # parameters already in this round's buffers
+        self.nonfinite: dict[int, int] = {}  # a fast bucket's first NaN or ±Inf seen while copying (flat position)
+        self.bucket_of: dict[int, Bucket] = {}
         for i, p in enumerate(self.params):
             param: Any = p.param  # torch's hook registration is untyped
             if param.requires_grad:
@@ -106,6 +112,7 @@ class OverlapReducer:
                 if self.buckets is None:
                     self.first_order.append(i)
                     return
+                self._copy_early(i)
                 self._launch_ready()
 
         return hook
@@ -117,6 +124,9 @@ class OverlapReducer:
         self.fired = [False] * len(self.params)
         self.launched = 0
         self.works = []
+        self.round_flat = {}
+        self.copied = set()
+        self.nonfinite = {}
 
     def _launch_ready(self) -> None:
         assert self.buckets is not None
@@ -126,17 +136,58 @@ class OverlapReducer:
                 return
             self._launch(b)
 
+    def _copy_early(self, i: int) -> None:
+        """Put a fast bucket member's gradient in the round's buffer now, while backward goes on, so that the
+        bucket's launch (at its last member) copies one gradient, not all of them."""
+        b = self.bucket_of[i]
+        g = self.params[i].param.grad
+        if not b.fast or g is None or g.is_sparse:
+            return
+        flat = self._round_buffer(b, g.device)
+        where = jobs.slot(b, b.members.index(i))
+        flat[where].copy_(g.reshape(-1))
+        self.copied.add(i)
+        if self.round_env.reduce.check_nan and b.index not in self.nonfinite:
+            pos = first_nonfinite(g)
+            if pos >= 0:
+                self.nonfinite[b.index] = where.start + pos
+
+    def _round_buffer(self, b: Bucket, device: torch.device | None) -> torch.Tensor:
+        """This round's flat buffer of a fast bucket: the last round's when no gradient views it any more (DDP
+        keeps its buckets too: a fresh 25 MiB buffer costs its page faults every step), else a new one."""
+        flat = self.round_flat.get(b.index)
+        if flat is not None:
+            return flat
+        for i in b.members:  # a result of an earlier round still in .grad (no zero_grad) keeps its buffer
+            if i in self.installed and self.params[i].param.grad is not self.installed[i]:
+                del self.installed[i]
+        old = self.buffers.get(b.index)
+        free = not any(i in self.carry or i in self.installed for i in b.members)
+        if old is not None and free and (device is None or old.device == device):
+            flat = old
+        else:
+            flat = jobs.buffer_of(b, device or torch.device("cpu"))
+        self.round_flat[b.index] = flat
+        return flat
+
     def _launch(self, b: Bucket) -> None:
         grads = []
         for i in b.members:
             g = self.params[i].param.grad
+            if i in self.installed and g is not self.installed[i]:
+                del self.installed[i]  # zero_grad() or the user replaced it: the round's result is no one's now
             if g is not None and g is self.installed.get(i):
                 # reduced in an earlier round and not touched since: nothing new from this rank
                 self.carry[i] = self.installed.pop(i)
                 g = None
             grads.append(g)
         mine = jobs.contribution(b, grads, self.layouts, jobs.round_code(self.steps, self.rounds))
-        self.works.append((b, jobs.start(b, mine, self.round_env, self.params)))
+        flat, copied = None, frozenset[int]()
+        if b.fast:
+            flat = self._round_buffer(b, next((g.device for g in grads if g is not None), None))
+            copied = frozenset(k for k, i in enumerate(b.members) if i in self.copied)
+        work = jobs.start(b, mine, self.round_env, self.params, flat, copied, self.nonfinite.get(b.index, -1))
+        self.works.append((b, work))
         self.launched += 1
 
     def _end_of_backward(self) -> None:
@@ -172,6 +223,10 @@ class OverlapReducer:
             except BaseException as e:  # wait for every bucket (the queue stays in step), then raise the first
                 error = error or e
                 continue
+            if b.fast and out:
+                views = [r for r in out if r is not None]
+                if views:  # the flat buffer the results view: reused once no gradient holds them
+                    self.buffers[b.index] = views[0]._base if views[0]._base is not None else views[0]
             for i, r in zip(b.members, out, strict=True):
                 kept = self.carry.pop(i, None)
                 g = r if kept is None else kept if r is None else kept + r
@@ -247,3 +302,4 @@ class OverlapReducer:
             )
         self.layouts, self.order = codes, order.tolist()
         self.buckets = lay_out(self.params, self.rep.plan, codes, self.order, cap_bytes=self.cap_bytes)
+        self.bucket_of = {i: b for b in self.buckets for i in b.members}
