@@ -13,7 +13,12 @@ had each member's gradient (0: nobody, so the member keeps none, as in ``step()`
 non-zero check costs one more round: every rank allgathers its own row so that all raise the same error naming
 the rank. The shapes, dtypes and names of the members are agreed once, when the layout is (``overlap``).
 
-**Other buckets** (sparse gradients, compressors, sketches, custom reductions): one header allreduce of
+**The default's sparse gradients**: one ``grouped_allreduce`` per row width, as ``ByLayout`` sends them, with one
+dense tensor more in the call: 1 where this rank has the gradient, 0 where it contributes an empty one, so
+the sum says who had each (0: nobody, no gradient). Its own metadata round, which the sizes of a sparse exchange
+need anyway, checks the rest: shapes and layouts, NaN, the call's order and name.
+
+**Other buckets** (compressors, sketches, custom reductions, per-tensor sparse allreduce): one header allreduce of
 [status, c, c², dense_0.., sparse_0..] agrees which members exist and in which layout (what
 ``fill_missing_grads`` agreed per step), then the placement's own ``aggregate`` runs as it did in ``step()``,
 with its own metadata round (the sizes a sparse exchange needs, NaN, shapes and names per call).
@@ -24,6 +29,7 @@ installs them when the round ends.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,9 +40,10 @@ import torch.distributed as dist
 
 from sparsync.collectives.comm import Comm
 from sparsync.collectives.group import submit
+from sparsync.collectives.grouped import grouped_allreduce
 from sparsync.collectives.meta import first_nonfinite
 from sparsync.handle import Work
-from sparsync.placement import NamedParam, ReduceEnv
+from sparsync.placement import ByLayout, NamedParam, ReduceEnv, SparseAllreduce
 from sparsync.placement.base import zero_grad
 from sparsync.replicator.buckets import DENSE, Bucket
 
@@ -118,6 +125,12 @@ def start(
             return _fast(bucket, mine, flat, env, bad)
 
         facts: dict[str, object] = {"bytes": flat.numel() * flat.element_size(), "params": len(bucket.members)}
+    elif bucket.grouped:
+
+        def run() -> Result:
+            return _grouped(bucket, mine, env, params)
+
+        facts = {"params": len(bucket.members)}  # its sizes come out of the call's own metadata round
     else:
 
         def run() -> Result:
@@ -236,6 +249,34 @@ def raise_disagreement(table: torch.Tensor, bucket: Bucket, names: Sequence[str]
                 f"rank {me}); refusing to reduce a non-finite value (pass check_nan=False to sum NaN and ±Inf as "
                 "IEEE 754 does, e.g. under a GradScaler)"
             )
+
+
+def _grouped(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence[NamedParam]) -> Result:
+    red = env.reduce
+    placement = bucket.placement
+    assert isinstance(placement, ByLayout) and isinstance(placement.sparse, SparseAllreduce)  # buckets.is_grouped
+    groups: dict[tuple[int, torch.dtype], list[int]] = {}  # member positions by (row width, dtype)
+    for j, i in enumerate(bucket.members):
+        p = params[i].param
+        groups.setdefault((math.prod(p.shape[1:]), p.dtype), []).append(j)
+    out: Result = [None] * len(bucket.members)
+    for (_, dtype), js in groups.items():
+        tensors = []
+        for j in js:
+            g, p = mine.grads[j], params[bucket.members[j]].param
+            tensors.append(g if g is not None else zero_grad(p, sparse=True))
+        ref = tensors[0]
+        present = torch.tensor([float(mine.grads[j] is not None) for j in js], dtype=dtype, device=ref.device)
+        got = grouped_allreduce(
+            [*tensors, present], algorithm=placement.sparse.algorithm, group=red.group, log=red.log,
+            timeout=red.timeout, name=",".join(env.names[bucket.members[j]] for j in js),
+            check_nan=red.check_nan,
+        )  # fmt: skip
+        assert isinstance(got, list)  # blocking call
+        counts = got[-1].tolist()
+        for j, g, count in zip(js, got[:-1], counts, strict=True):
+            out[j] = None if not count else g / red.num_replicas if env.mean else g
+    return out
 
 
 def _generic(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence[NamedParam]) -> Result:

@@ -48,6 +48,7 @@ class Bucket:
     dtype: torch.dtype
     sizes: tuple[int, ...]
     local: bool = False  # the placement does not communicate: only op="mean"'s division, in the caller's thread
+    grouped: bool = False  # the default's sparse gradients: one grouped_allreduce that carries who had each
 
     @property
     def numel(self) -> int:
@@ -60,6 +61,17 @@ def is_fast(placement: Placement, layout: int) -> bool:
     if type(placement) is DenseAllreduce:
         return layout != NONE
     return type(placement) is ByLayout and type(placement.dense) is DenseAllreduce and layout == DENSE
+
+
+def is_grouped(placement: Placement) -> bool:
+    """Whether a placement sends its sparse gradients as the default does: one ``grouped_allreduce`` per row
+    width (``ByLayout`` with its default sides)."""
+    return (
+        type(placement) is ByLayout
+        and placement.fuse
+        and type(placement.dense) is DenseAllreduce
+        and type(placement.sparse) is SparseAllreduce
+    )
 
 
 def splits(placement: Placement) -> bool:
@@ -121,6 +133,7 @@ def lay_out(
             Bucket(
                 k, plan[first.name], tuple(members), fast, first.param.dtype,
                 tuple(params[i].param.numel() for i in members), local=not plan[first.name].communicates,
+                grouped=not fast and is_grouped(plan[first.name]) and all(layouts[i] == SPARSE for i in members),
             )
         )  # fmt: skip
     return out
