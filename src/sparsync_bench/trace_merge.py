@@ -133,13 +133,14 @@ def call_waits(merged: dict[str, Any]) -> dict[tuple[int, float], float]:
 
 
 COLORS = {"communication": "#1f77b4", "waiting": "#ff7f0e", "compress": "#2ca02c", "ps": "#9467bd",
-          "wait": "#7f7f7f"}  # fmt: skip
+          "wait": "#7f7f7f", "backward": "#bcbd22"}  # fmt: skip
 
 
 def draw(merged: dict[str, Any], png: Path, step: int | None = None, first: int = 0) -> Path:
     """The slowest step, one row per rank (the caller's thread; queued async calls in a thin lane below it):
     each call split into waiting for the last rank and the exchange after it; compressor steps, the caller's
-    waits on async handles and parameter-server requests in their own colours; blank is computation."""
+    waits on async handles, parameter-server requests and DistributedOptimizer's backward rounds (whose buckets
+    run in the lane below) in their own colours; blank is computation."""
     window = slowest_step(merged, step, first)
     span = window.end - window.start
     waits = call_waits(merged)
@@ -178,6 +179,8 @@ def draw(merged: dict[str, Any], png: Path, step: int | None = None, first: int 
             ax.broken_barh([(x0, e["dur"] * ms)], (y, h), color=COLORS["compress"])
         elif cat == "wait":
             ax.broken_barh([(x0, e["dur"] * ms)], (y, h), color=COLORS["wait"], alpha=0.5)
+        elif cat == "backward":  # DistributedOptimizer's round: its buckets (the lane below) start inside it
+            ax.broken_barh([(x0, e["dur"] * ms)], (y, h), color=COLORS["backward"], alpha=0.35)
         elif cat == "ps" and e.get("ph") == "b":
             ax.plot([x0], [y + h / 2], marker="|", color=COLORS["ps"])
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
@@ -186,7 +189,7 @@ def draw(merged: dict[str, Any], png: Path, step: int | None = None, first: int 
     ax.set_xlabel(f"ms from the start of {window.label} ({span * ms:.1f} ms; black line: each rank's own step)")
     labels = {"communication": "exchange", "waiting": "waiting for the last rank",
               "compress": "compress/decompress", "wait": "caller waits for an async call",
-              "ps": "parameter-server request"}  # fmt: skip
+              "ps": "parameter-server request", "backward": "backward, first bucket ready to its end"}  # fmt: skip
     handles = [plt.Rectangle((0, 0), 1, 1, color=COLORS[k]) for k in labels]
     fig.legend(handles, labels.values(), loc="outside lower center", ncol=3, fontsize=8)
     ax.set_title(f"sparsync timeline, {window.label}: ranks as rows (blank: computation)")

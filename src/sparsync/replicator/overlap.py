@@ -194,7 +194,7 @@ class OverlapReducer:
         with self.lock:
             t = tracer()
             if t is not None:
-                t.complete("backward", "train", self.round_start, time.perf_counter())
+                t.complete("backward", "backward", self.round_start, time.perf_counter())
             self._finish_round()
 
     def _finish_round(self) -> None:
