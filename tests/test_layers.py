@@ -37,11 +37,13 @@ LAYERS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
         ),
     ),
     ("compress", 2, ("sparsync.compress",)),
-    # Placement: the interface and its collective implementations, then planning and the parameter server
-    # (siblings: neither imports the other), then HybridTrainer, which joins them.
+    # Placement: the interface and its collective implementations, then planning, the parameter server and the
+    # sharded tables (siblings: none imports another), then HybridTrainer, which joins them.
     ("placement", 3, ("sparsync.placement",)),
     ("plan", 4, ("sparsync.plan",)),
     ("ps", 4, ("sparsync.ps",)),
+    # Sharded tables: their placement is placement's ``Sharded``; a sibling of plan (whose kind makes it) and ps.
+    ("shard", 4, ("sparsync.shard",)),
     ("hybrid", 5, ("sparsync.hybrid",)),
     ("api", 6, ("sparsync.replicator", "sparsync.optim")),
 )

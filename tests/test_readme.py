@@ -24,7 +24,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # The files whose ```python blocks are promises to a user: the README and the guides it links to.
-GUIDES = ("collectives", "optimizer", "compression", "hybrid", "replicator", "gpu", "cluster", "profiling")
+GUIDES = (
+    "collectives",
+    "optimizer",
+    "compression",
+    "hybrid",
+    "replicator",
+    "gpu",
+    "cluster",
+    "profiling",
+    "sharding",
+)
 DOC_FILES = ("README.md", *(f"docs/{name}.md" for name in GUIDES))
 
 

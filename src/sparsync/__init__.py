@@ -1,6 +1,7 @@
 """sparsync: send only what matters, and pick how to send it.
 
-Layers: transport (torch.distributed) -> collectives (SparCML) -> compressors -> placement -> replicator API.
+Layers: transport (torch.distributed) -> collectives (SparCML) -> compressors -> placement -> planning, parameter
+server and sharded tables -> replicator API.
 See docs/architecture.md.
 """
 
@@ -26,6 +27,7 @@ from sparsync.handle import Work
 from sparsync.launch import LaunchError, RankSetup, launch
 from sparsync.optim import DistributedOptimizer
 from sparsync.record import CommLog, CommRecord
+from sparsync.shard import shard
 from sparsync.stream import SparseStream, add, dense_threshold, sum_streams
 
 __all__ = [
@@ -61,6 +63,7 @@ __all__ = [
     "predict",
     "set_deterministic",
     "set_link",
+    "shard",
     "sparse_allgather",
     "sparse_allreduce",
     "sum_streams",

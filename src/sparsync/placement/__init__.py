@@ -1,10 +1,10 @@
 """Placement: how each parameter's gradient is synchronised. One interface (``Placement.aggregate``: replace
 the gradients by their sum over the group) with one implementation per way: ``DenseAllreduce``,
 ``SparseAllreduce`` (SparCML), ``Compressed`` (any compressor with error feedback, e.g. DCT-DP),
-``CustomReduce``, ``Grouped``, ``ByLayout``, ``Sketch`` (S2), and the parameter server
-(``sparsync.ps.ParameterServer``, Parallax). ``sparsync.plan`` names them by kind (``plan.registry.KINDS``) and
-chooses among them; the replicator's ``wrap_optimizer``, ``DistributedOptimizer`` and ``HybridTrainer`` run
-them."""
+``CustomReduce``, ``Grouped``, ``ByLayout``, ``Sketch`` (S2), ``Sharded`` (rows owned by the ranks,
+``sparsync.shard``), and the parameter server (``sparsync.ps.ParameterServer``, Parallax). ``sparsync.plan``
+names them by kind (``plan.registry.KINDS``) and chooses among them; the replicator's ``wrap_optimizer``,
+``DistributedOptimizer`` and ``HybridTrainer`` run them."""
 
 from sparsync.placement.base import NamedParam, Placement, ReduceEnv, aggregate, load_optional_state
 from sparsync.placement.collective import (
@@ -16,6 +16,7 @@ from sparsync.placement.collective import (
     ReduceFn,
     SparseAllreduce,
 )
+from sparsync.placement.sharded import Sharded, placement_of
 from sparsync.placement.sketch import Sketch
 
 __all__ = [
@@ -28,8 +29,10 @@ __all__ = [
     "Placement",
     "ReduceEnv",
     "ReduceFn",
+    "Sharded",
     "Sketch",
     "SparseAllreduce",
     "aggregate",
     "load_optional_state",
+    "placement_of",
 ]

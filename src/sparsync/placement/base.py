@@ -53,6 +53,9 @@ class Placement(ABC):
     # it in its own backward, e.g. sharded rows); aggregate does nothing and DistributedOptimizer only divides
     # it for op="mean", in no bucket of its own.
     communicates: bool = True
+    # False: each rank holds its own part of the parameter (a shard of a table), differing across ranks in values
+    # and possibly in shape, so nothing may broadcast it from one rank or compare its shape across ranks.
+    replicated: bool = True
 
     @abstractmethod
     def aggregate(self, params: list[NamedParam], env: ReduceEnv) -> None:

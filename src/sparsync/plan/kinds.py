@@ -15,6 +15,7 @@ from sparsync.compress.sketch import SparseSketch
 from sparsync.costmodel import Problem, algorithm, choose_robust, predict
 from sparsync.placement.base import Placement
 from sparsync.placement.collective import DenseAllreduce, SparseAllreduce
+from sparsync.placement.sharded import Sharded
 from sparsync.placement.sketch import Sketch
 from sparsync.plan.cluster import Cluster
 from sparsync.plan.detect import ParamStats
@@ -48,6 +49,10 @@ class PlacementKind(ABC):
 
     name: str = "placement"
     lossy: bool = False
+    # Its placement runs only on a module swapped for it first (``sparsync.shard``): ``make_plan`` chooses it only
+    # when told that the caller swaps modules (``swap_modules=True``) or when an override names it, since
+    # HybridTrainer and DistributedOptimizer alone cannot run it.
+    swaps_module: bool = False
 
     @abstractmethod
     def estimate(self, s: ParamStats, c: Cluster, *, sketch: SparseSketch) -> Estimate | None:
@@ -145,6 +150,38 @@ class ParameterServerKind(PlacementKind):
 
     def make(self, options: MakeOptions) -> Placement | None:
         return options.servers
+
+
+class ShardedKind(PlacementKind):
+    """Rows owned by the ranks (``sparsync.shard``): each rank sends each of its u distinct ids once to the
+    owner, receives each row once and pushes one gradient row per distinct id back, all in the training group.
+
+    Per rank and step the requests cost f·u·(8 + 2·w·D) bytes one way (an int64 id, a row in, a gradient row
+    out; f = (P-1)/P of them cross to another rank: the issue's f·Σ_t u_t(B)·(8 + 8D) at w = 4), and serving the
+    others' requests as much again, so sent + received per machine of m workers is 2·m·f_m·u·(8 + 2·w·D), f_m =
+    (P-m)/P the share owned off the machine. u = ``row_fraction``·rows: α is exactly the distinct rows one
+    worker reads per step over the rows, u(B)/R (``RowFractionMeter``). Time: four all-to-all rounds (sizes, ids,
+    rows; gradient rows in backward), each (P-1)·α unless the link has a measured ``alpha_a2a``, plus one
+    direction's bytes at the exchange's β. The owners' apply is not priced, as the parameter server's is not."""
+
+    name = "sharded"
+    swaps_module = True
+
+    def estimate(self, s: ParamStats, c: Cluster, *, sketch: SparseSketch) -> Estimate | None:
+        m = c.procs_per_machine
+        P = c.machines * m
+        if not s.sparse or P == 1:
+            return None
+        rows, D = s.shape[0], s.numel // s.shape[0]
+        u = s.row_fraction * rows
+        nbytes = 2 * m * u * (P - m) / P * (8 + 2 * s.itemsize * D)
+        link = c.link
+        a2a = link.alpha_a2a if link.alpha_a2a is not None else (P - 1) * link.alpha
+        beta = link.beta_exchange if link.beta_exchange is not None else link.beta
+        return Estimate(nbytes, 4 * a2a + beta * nbytes / 2)
+
+    def make(self, options: MakeOptions) -> Placement:
+        return Sharded()
 
 
 def _two_level(s: ParamStats, c: Cluster, machines: Problem) -> tuple[tuple[float, float], str]:

@@ -1,6 +1,7 @@
 """The placement plan: per parameter one of the registered placement kinds (``plan.registry.KINDS``: dense
-allreduce, sparse allreduce (SparCML), sketch (S2), parameter server, and any registered from outside), chosen
-by predicted communication time (Parallax §3.1, Table 3, with the α-β model of ``sparsync.costmodel``).
+allreduce, sparse allreduce (SparCML), sketch (S2), parameter server, rows sharded over the ranks, and any
+registered from outside), chosen by predicted communication time (Parallax §3.1, Table 3, with the α-β model of
+``sparsync.costmodel``).
 
 Bytes per machine per step (w: the parameter's bytes, N: machines, α_m: fraction of rows the machine's
 workers touch together, i.e. after local aggregation):
@@ -13,6 +14,8 @@ workers touch together, i.e. after local aggregation):
   rows, ``index_dtype_for``) and the row's values; allgather gives Table 3's 2·α_m·w(N-1) times
   (1 + index bytes / row bytes). (Before row-sparse streams the stream carried an index per element, and so
   did this count.)
+- sharded: 2·f·u·(8 + 2·w_row) for u distinct rows per worker of w_row bytes each, f = (P-1)/P (an id out, a row
+  in and a gradient row out per distinct row, and as much served to the others; ``kinds.ShardedKind``);
 - sketch: ring dense allreduces of the S2 payload, 4·``SparseSketch.payload_nbytes``·(N-1)/N: the bitmap (one
   bit per row or block, packed) plus the r x c table, c = ceil(``sketch_ratio``·numel / r) (lossy, so only on
   request). (Counting only ``sketch_ratio``·w left out the bitmap.)
@@ -222,11 +225,15 @@ def make_plan(
     sketch_ratio: float = 0.05,
     sketch: SparseSketch | None = None,
     kinds: Iterable[PlacementKind] = KINDS,
+    swap_modules: bool = False,
 ) -> Plan:
     """Choose each parameter's placement among ``kinds`` (default: the registered ones) by predicted time
-    (lossless kinds unless ``allow_lossy``); ``overrides`` maps parameter names to a kind and wins over the
-    model."""
+    (lossless kinds unless ``allow_lossy``; kinds that swap their module, ``sharded``, only with
+    ``swap_modules``: the caller then swaps them, as ``sparsync.shard`` does); ``overrides`` maps parameter names
+    to a kind and wins over the model."""
     kinds = tuple(kinds)
+    swapping = {k.name for k in kinds if k.swaps_module}
+    unswapped = tuple(k for k in kinds if not k.swaps_module)
     overrides = dict(overrides or {})
     names = {s.name for s in stats}
     valid = [k.name for k in kinds]
@@ -238,7 +245,8 @@ def make_plan(
             raise KeyError(f"unknown placement {pl!r} for {n!r}; valid: {', '.join(valid)}")
     entries = []
     for s in stats:
-        est = estimates(s, cluster, sketch_ratio=sketch_ratio, sketch=sketch, kinds=kinds)
+        use = kinds if swap_modules or overrides.get(s.name) in swapping else unswapped
+        est = estimates(s, cluster, sketch_ratio=sketch_ratio, sketch=sketch, kinds=use)
         cand = {k: (e.nbytes, e.seconds) for k, e in est.items()}
         if s.name in overrides:
             pl = overrides[s.name]

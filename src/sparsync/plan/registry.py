@@ -16,6 +16,7 @@ from sparsync.plan.kinds import (
     MakeOptions,
     ParameterServerKind,
     PlacementKind,
+    ShardedKind,
     SketchKind,
     SparseAllreduceKind,
 )
@@ -76,8 +77,11 @@ class KindRegistry:
 
 
 # Every placement kind of this process: dense allreduce (Table 3's ring), S2's sketch, SparCML's sparse
-# allreduce, Parallax's parameter server, in the planner's tie order; plus any a user registers.
-KINDS = KindRegistry((DenseAllreduceKind(), SketchKind(), SparseAllreduceKind(), ParameterServerKind()))
+# allreduce, Parallax's parameter server, rows sharded over the ranks (chosen only where modules are swapped),
+# in the planner's tie order; plus any a user registers.
+KINDS = KindRegistry(
+    (DenseAllreduceKind(), SketchKind(), SparseAllreduceKind(), ParameterServerKind(), ShardedKind())
+)
 
 
 def resolve(

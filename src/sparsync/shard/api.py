@@ -1,0 +1,148 @@
+"""``sparsync.shard(model, plan=...)``: swap a model's embedding tables for sharded ones, in place, every rank at
+once; ``plan_of(model)``: the placement of each shard parameter, for ``DistributedOptimizer(plan=...)``.
+
+    model = sparsync.shard(model)                              # every Embedding / EmbeddingBag sharded
+    opt = sparsync.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model,
+                                        plan=plan_of(model), sync_parameters=False)
+
+How the tables of one model travel together: one ``Exchanger`` per call, shared by the model's sharded tables;
+a table's forward registers its ids and returns a stand-in (``shard.lazy``), the first use of any stand-in runs
+one exchange for all tables registered so far, and a forward hook on the model resolves what is left when its
+forward returns. Tables a model calls one after another before using their outputs (DLRM's
+``[emb(x) for emb in tables]``, then an interaction) therefore share one exchange, and ``model(x)`` is
+unchanged for its caller. The alternative, a collection module that looks every table up at once (torchrec's
+``EmbeddingBagCollection``), would have asked the user to rewrite the model's forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch.distributed as dist
+from torch import nn
+
+from sparsync.collectives.group import resolve_group
+from sparsync.placement import Placement, Sharded, placement_of
+from sparsync.record import CommLog
+from sparsync.shard.exchange import Exchanger
+from sparsync.shard.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
+
+BUILT = ("sharded", "replicated")  # what a plan may name today
+LATER = ("server", "auto")  # placements of the design not built yet (docs/sharding.md)
+
+
+def shard(
+    model: nn.Module,
+    plan: Mapping[str, str] | str | None = None,
+    *,
+    group: dist.ProcessGroup | None = None,
+    log: CommLog | None = None,
+    state_dict: str = "full",
+) -> nn.Module:
+    """Swap the embedding modules of ``model`` for sharded ones, per ``plan``, and return the model (the new
+    module when ``model`` is itself an embedding).
+
+    ``plan``: module name -> ``"sharded"`` or ``"replicated"`` (left as it is: ``DistributedOptimizer``'s default
+    path reduces it); modules it does not name are sharded; None shards every ``nn.Embedding`` and
+    ``nn.EmbeddingBag``. ``group``: the ranks that own the rows (default: the world). ``log``: a ``CommLog``
+    that receives a record per exchange and direction. ``state_dict``: ``"full"`` (each table whole, on rank 0)
+    or ``"local"`` (each rank its rows; ``shard.modules``).
+
+    Every shard starts from group rank 0's table, so training starts where the replicated path would. Collective
+    over ``group``: every rank calls it on the same model; ranks whose tables differ all raise the same
+    ValueError. Raises ValueError for a placement not built yet (``"server"``, ``"auto"``) or a module option the
+    sharded modules cannot honour (``mode="max"``, ``max_norm``, ``scale_grad_by_freq``, a subclass with its own
+    forward, a weight tied to another module, a table off the CPU), naming the module; KeyError for a plan
+    that names no embedding module of the model. Mutates ``model`` (its embedding modules are replaced)."""
+    g = resolve_group(group)
+    if isinstance(plan, str):
+        if plan in LATER:
+            raise ValueError(f"plan={plan!r} is not built yet; pass a dict of module name -> one of {BUILT}")
+        raise ValueError(f"plan must be a dict of module name -> one of {BUILT}, or None; got {plan!r}")
+    tables = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
+    chosen = _chosen(tables, dict(plan or {}))
+    for name in chosen:
+        _check_shardable(model, name, tables[name])
+    _agree(chosen, tables, g)
+    exchanger = Exchanger(g, log)
+    placement = Sharded()  # one object: DistributedOptimizer keeps every shard in one group of its plan
+    swapped: dict[int, ShardedTable] = {}
+    for name in chosen:
+        m = tables[name]
+        sharded: ShardedTable
+        if isinstance(m, nn.EmbeddingBag):
+            sharded = ShardedEmbeddingBag(name, m, exchanger, placement, state_dict)
+        else:
+            sharded = ShardedEmbedding(name, m, exchanger, placement, state_dict)
+        swapped[id(m)] = sharded
+    root = swapped.get(id(model), model)
+    for parent in list(model.modules()):
+        for child_name, child in list(parent._modules.items()):  # every name, a module held twice included
+            if child is not None and id(child) in swapped:
+                setattr(parent, child_name, swapped[id(child)])
+    root.register_forward_hook(exchanger.finish_forward)
+    return root
+
+
+def plan_of(model: nn.Module) -> dict[str, Placement]:
+    """Parameter name -> placement, for every parameter a module chose its placement for (``sparsync.shard``'s
+    shards: ``Sharded``). Pass it to ``DistributedOptimizer(plan=...)``, which reduces the other parameters by its
+    default."""
+    return {n: pl for n, p in model.named_parameters() if (pl := placement_of(p)) is not None}
+
+
+def _chosen(tables: Mapping[str, nn.Module], plan: dict[str, str]) -> list[str]:
+    unknown = sorted(set(plan) - set(tables))
+    if unknown:
+        raise KeyError(
+            f"plan names {unknown}, which are no nn.Embedding or nn.EmbeddingBag modules of the model; "
+            f"its embedding modules: {sorted(tables)}"
+        )
+    for name, kind in plan.items():
+        if kind in LATER:
+            raise ValueError(f"plan[{name!r}] = {kind!r}: that placement is not built yet; choose one of {BUILT}")
+        if kind not in BUILT:
+            raise ValueError(f"plan[{name!r}] = {kind!r}: unknown placement; choose one of {BUILT}")
+    return [n for n in tables if plan.get(n, "sharded") == "sharded"]
+
+
+def _check_shardable(model: nn.Module, name: str, m: nn.Embedding | nn.EmbeddingBag) -> None:
+    """ValueError naming the module and option when a sharded module could not compute what ``m`` does."""
+    refused = []
+    if type(m) not in (nn.Embedding, nn.EmbeddingBag):
+        refused.append(f"its class {type(m).__name__} (a subclass, whose forward sparsync cannot know)")
+    if m.max_norm is not None:
+        refused.append(f"max_norm={m.max_norm}")
+    if m.scale_grad_by_freq:
+        refused.append("scale_grad_by_freq=True")
+    if isinstance(m, nn.EmbeddingBag) and m.mode not in ("sum", "mean"):
+        refused.append(f"mode={m.mode!r}")
+    if m.weight.device.type != "cpu":
+        refused.append(f"a table on {m.weight.device} (sharded tables live on the CPU for now)")
+    holders = [
+        n
+        for n, mod in model.named_modules()
+        if mod is not m and any(p is m.weight for p in mod.parameters(recurse=False))
+    ]
+    if holders:
+        refused.append(f"its weight, tied to {holders}")
+    if refused:
+        raise ValueError(
+            f"sparsync.shard cannot shard {name!r} ({type(m).__name__}): {'; '.join(refused)} not supported "
+            "(sharded: sum and mean pooling, per_sample_weights, offsets, padding_idx, include_last_offset); "
+            f"place it 'replicated' (plan={{{name!r}: 'replicated'}}) to keep it whole"
+        )
+
+
+def _agree(chosen: list[str], tables: Mapping[str, nn.Module], group: dist.ProcessGroup) -> None:
+    """Every rank shards the same tables (names, classes, shapes, options): else the same ValueError on every
+    rank, naming the first rank that differs from rank 0. Collective."""
+    mine = [f"{n}: {tables[n]!r} {tables[n].weight.dtype}" for n in chosen]
+    everyone: list[list[str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    for rank, theirs in enumerate(everyone):
+        if theirs != everyone[0]:
+            raise ValueError(
+                f"sparsync.shard: the ranks' models differ in the tables to shard: rank 0 has {everyone[0]}, "
+                f"rank {rank} has {theirs}; every rank must build the same model and pass the same plan"
+            )

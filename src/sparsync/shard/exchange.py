@@ -1,0 +1,308 @@
+"""The grouped exchange of a model's sharded tables: every lookup registered since the last exchange travels in
+one all-to-all per direction, whatever the number of tables.
+
+Forward, four stages (torchrec's input dist, lookup, output dist, then the pooling):
+
+1. sizes (``header``): one all-to-all of a 3-column row per peer: this rank's verdict on its own input, the
+   key of the tables it carries, and how many ids it sends that peer. Any refusal or mismatch: every rank
+   raises the same error here, before any payload moves.
+2. input dist (``route``): each rank's distinct ids per table, each sent once, to its owner: one all-to-all.
+3. lookup and output dist: each owner reads the asked rows of its shards and sends each requester its rows:
+   one all-to-all (``RowExchange.forward``). Each rank now holds one row per distinct id it looked up.
+4. pooling, locally: each lookup's own function (``nn.functional.embedding`` or ``embedding_bag`` on the
+   gathered rows, the positions of its ids among them standing for the ids), so the pooled values are what
+   torch's module computes on the whole table, bit for bit.
+
+Backward, one all-to-all (``RowExchange.backward``): autograd has summed each rank's gradient per gathered
+row (the pooling's backward on the rows); each rank sends one gradient row per distinct id to its owner, which
+sums the rows it receives from all ranks into a sparse COO gradient of its shard. The owner's gradient is then
+the sum over the ranks, as a replicated table's would be after a sum-allreduce (Parallax's push to the
+servers, §3.1, with the servers being the ranks themselves).
+
+Bytes per rank and step (``sparsync.plan.kinds.ShardedKind``): f·Σ_t u_t·(8 + 2·w·D_t) requested (ids out,
+rows in, gradient rows out; f = (P-1)/P of the ids go to another rank, u_t distinct ids of table t, w bytes per
+value), plus as much served; the sizes round adds 24·(P-1) bytes each way.
+
+The exchange runs on the caller's group in the caller's thread, as a model's own collective (DLRM's
+all-to-all): sparsync's background work (``DistributedOptimizer``'s reductions during backward) runs on its
+own group and never interleaves with it. Every rank must resolve its lookups at the same points and run
+backward through every exchange (a rank whose loss does not depend on them would leave the others waiting).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from sparsync.record import CommLog, CommRecord
+from sparsync.shard import header
+from sparsync.shard.lazy import LazyLookup, resolve_all
+from sparsync.shard.ownership import Ownership
+from sparsync.shard.route import Asked, Served, dedupe, ids_payload, parse_requests
+
+# (rows gathered for the table [u, D], positions of the call's ids among them (flat), the row of padding_idx
+# among them or None) -> the call's output
+Pool = Callable[[torch.Tensor, torch.Tensor, int | None], torch.Tensor]
+
+
+class Table(Protocol):
+    """What the exchanger needs of a sharded table (``shard.modules.ShardedTable``)."""
+
+    @property
+    def table_name(self) -> str: ...
+
+    @property
+    def shard(self) -> torch.nn.Parameter: ...
+
+    @property
+    def ownership(self) -> Ownership: ...
+
+    @property
+    def padding_row(self) -> int | None: ...
+
+    def describe(self) -> str: ...
+
+
+@dataclass
+class Lookup:
+    """One call of a sharded table, waiting for the exchange."""
+
+    table: Table
+    ids: torch.Tensor  # flat int64, validated (empty when refused)
+    pool: Pool
+    refusal: str | None  # why this rank refuses the call (every rank then raises it), None when valid
+    out: LazyLookup
+
+
+@dataclass
+class Tally:
+    """One direction's traffic on this rank, for its ``CommRecord``."""
+
+    sent: int = 0
+    received: int = 0
+    messages: int = 0
+    phase_bytes: dict[str, int] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Route:
+    """What both directions of one exchange need: the requests (per table, distinct ids asked of each owner), what
+    this rank serves, and the shapes."""
+
+    exchanger: Exchanger
+    dims: tuple[int, ...]
+    asked: tuple[tuple[int, ...], ...]  # per table, per owner
+    served: Served
+    shard_rows: tuple[int, ...]
+    padding_local: tuple[int | None, ...]  # per table: padding_idx's row in this rank's shard, if it owns it
+
+    def rows_from(self, j: int) -> int:
+        """Values this rank receives from owner j (forward) and sends it (backward)."""
+        return sum(self.asked[t][j] * d for t, d in enumerate(self.dims))
+
+    def rows_to(self, i: int) -> int:
+        """Values this rank sends requester i (forward) and receives from it (backward)."""
+        return sum(self.served.counts[t][i] * d for t, d in enumerate(self.dims))
+
+
+class Exchanger:
+    """The sharded tables of one model: their pending lookups and the grouped exchange (module doc). One per
+    ``sparsync.shard`` call; ``group``: the ranks that own the rows. ``log`` receives a ``CommRecord`` per
+    exchange and direction (``shard_lookup``, ``shard_grad``)."""
+
+    def __init__(self, group: dist.ProcessGroup, log: CommLog | None = None) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self.log = log
+        self.pending: list[Lookup] = []
+
+    def register(self, table: Table, ids: torch.Tensor, pool: Pool, refusal: str | None) -> LazyLookup:
+        """Queue one call of ``table``; its output is the returned stand-in (``lazy``)."""
+        out = LazyLookup(self.flush, table.describe())
+        self.pending.append(Lookup(table, ids, pool, refusal, out))
+        return out
+
+    def finish_forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        """A model's forward hook: run what is pending, and return the output with every stand-in resolved."""
+        del module, args
+        self.flush()
+        return resolve_all(output)
+
+    def flush(self) -> None:
+        """One grouped exchange of every pending lookup; each stand-in gets its tensor (or, when the exchange
+        failed, its error). Collective over the group."""
+        lookups, self.pending = self.pending, []
+        if not lookups:
+            return
+        try:
+            self._exchange(lookups)
+        except BaseException as e:
+            for lk in lookups:
+                if not lk.out.done:
+                    lk.out.fail(e)
+            raise
+
+    # --- the stages ---------------------------------------------------------------------------------------------
+    def _exchange(self, lookups: list[Lookup]) -> None:
+        t0 = time.perf_counter()
+        tally = Tally()
+        tables = list(dict.fromkeys(lk.table for lk in lookups))
+        descriptions = [t.describe() for t in tables]
+        refusal = next((lk.refusal for lk in lookups if lk.refusal is not None), None)
+        dtypes = {t.shard.dtype for t in tables}
+        if refusal is None and len(dtypes) > 1:
+            refusal = f"the tables of one exchange must share a dtype, these have {sorted(map(str, dtypes))}"
+        asked: list[Asked] = []
+        payload, send_sizes = torch.empty(0, dtype=torch.int64), [0] * self.size
+        if refusal is None:
+            asked = [dedupe(torch.cat([lk.ids for lk in lookups if lk.table is t]), t.ownership) for t in tables]
+            payload, send_sizes = ids_payload(asked, self.size)
+        # 1. sizes
+        W = len(header.COLUMNS)
+        mine = header.rows_to_peers(
+            header.OK if refusal is None else header.REFUSED, header.tables_key(descriptions), send_sizes
+        )
+        got = self.all_to_all(mine.view(-1), [W] * self.size, [W] * self.size, "sizes", tally)
+        recv_sizes = header.agree(got.view(self.size, W), self.group, refusal=refusal, descriptions=descriptions)
+        # 2. input dist
+        ids_in = self.all_to_all(payload, send_sizes, recv_sizes, "ids", tally)
+        served = parse_requests(ids_in, recv_sizes, [t.ownership for t in tables])
+        route = Route(
+            self,
+            tuple(t.shard.shape[1] for t in tables),
+            tuple(a.per_owner for a in asked),
+            served,
+            tuple(t.shard.shape[0] for t in tables),
+            tuple(_local_padding(t, self.rank) for t in tables),
+        )
+        # 3. lookup and output dist (autograd's node: its backward sends the gradient rows)
+        gathered: tuple[torch.Tensor, ...] = RowExchange.apply(  # type: ignore[no-untyped-call]
+            route, tally, *(t.shard for t in tables)
+        )
+        # 4. pooling
+        t_pool = time.perf_counter()
+        for t, (table, a) in enumerate(zip(tables, asked, strict=True)):
+            mine_ = [lk for lk in lookups if lk.table is table]
+            pad = _padding_position(a, table.padding_row)
+            for lk, pos in zip(mine_, torch.split(a.positions, [lk.ids.numel() for lk in mine_]), strict=True):
+                lk.out.resolve(lk.pool(gathered[t], pos, pad))
+        tally.phases["pool"] = time.perf_counter() - t_pool
+        self.record(
+            "shard_lookup", tally, t0,
+            nnz_in=sum(a.distinct.numel() for a in asked), nnz_out=sum(int(g.shape[0]) for g in gathered),
+        )  # fmt: skip
+
+    def all_to_all(
+        self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], phase: str, tally: Tally
+    ) -> torch.Tensor:
+        """``dist.all_to_all_single`` with split sizes (elements); counts what crossed to other ranks."""
+        t0 = time.perf_counter()
+        if self.size == 1:
+            out = send
+        else:
+            out = send.new_empty(sum(recv_sizes))
+            dist.all_to_all_single(out, send.contiguous(), recv_sizes, send_sizes, group=self.group)
+        w = send.element_size()
+        sent = w * (sum(send_sizes) - send_sizes[self.rank])
+        tally.sent += sent
+        tally.received += w * (sum(recv_sizes) - recv_sizes[self.rank])
+        tally.messages += self.size - 1
+        tally.phase_bytes[phase] = tally.phase_bytes.get(phase, 0) + sent
+        tally.phases[phase] = tally.phases.get(phase, 0.0) + time.perf_counter() - t0
+        return out
+
+    def record(self, op: str, tally: Tally, t0: float, *, nnz_in: int, nnz_out: int) -> None:
+        if self.log is None:
+            return
+        self.log.append(
+            CommRecord(
+                op, "alltoall", self.rank, self.size, 0, nnz_in, nnz_out, tally.sent, tally.received,
+                tally.messages, time.perf_counter() - t0, dict(tally.phases), None, dict(tally.phase_bytes),
+            )
+        )  # fmt: skip
+
+
+def _local_padding(table: Table, rank: int) -> int | None:
+    pad = table.padding_row
+    if pad is None or int(table.ownership.owner(torch.tensor(pad))) != rank:
+        return None
+    return int(table.ownership.local(torch.tensor(pad)))
+
+
+def _padding_position(asked: Asked, padding: int | None) -> int | None:
+    """Where ``padding_idx`` sits among the gathered rows, if this rank looked it up."""
+    if padding is None:
+        return None
+    hit = torch.nonzero(asked.distinct == padding)
+    return int(hit[0, 0]) if hit.numel() else None
+
+
+def _flat(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([p.reshape(-1) for p in parts]) if parts else torch.empty(0, dtype=dtype)
+
+
+class RowExchange(torch.autograd.Function):
+    """Stage 3 and its backward (module doc): inputs the tables' shards, outputs each table's gathered rows."""
+
+    @staticmethod
+    def forward(ctx: Any, route: Route, tally: Tally, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ex = route.exchanger
+        P, T = ex.size, len(shards)
+        dtype = shards[0].dtype
+        # lookup: each requester's rows, table after table
+        rows = [s.detach().index_select(0, r) for s, r in zip(shards, route.served.rows, strict=True)]
+        per_req = [torch.split(rows[t], list(route.served.counts[t])) for t in range(T)]
+        reply = _flat([per_req[t][i] for i in range(P) for t in range(T)], dtype)
+        got = ex.all_to_all(reply, [route.rows_to(i) for i in range(P)], [route.rows_from(j) for j in range(P)],
+                            "rows", tally)  # fmt: skip
+        # output dist: owner after owner, table after table -> per table, owner after owner
+        by_table: list[list[torch.Tensor]] = [[] for _ in range(T)]
+        for j, block in enumerate(torch.split(got, [route.rows_from(j) for j in range(P)])):
+            sizes = [route.asked[t][j] * route.dims[t] for t in range(T)]
+            for t, seg in enumerate(torch.split(block, sizes)):
+                by_table[t].append(seg)
+        ctx.route = route
+        return tuple(_flat(by_table[t], dtype).view(-1, route.dims[t]) for t in range(T))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        route: Route = ctx.route
+        ex = route.exchanger
+        P, T = ex.size, len(grads)
+        dtype = grads[0].dtype
+        t0 = time.perf_counter()
+        tally = Tally()
+        # grad dist: one gradient row per distinct id, to its owner (the forward's row splits, reversed)
+        per_owner = [torch.split(grads[t], list(route.asked[t])) for t in range(T)]
+        send = _flat([per_owner[t][j] for j in range(P) for t in range(T)], dtype)
+        got = ex.all_to_all(send, [route.rows_from(j) for j in range(P)], [route.rows_to(i) for i in range(P)],
+                            "grads", tally)  # fmt: skip
+        by_table: list[list[torch.Tensor]] = [[] for _ in range(T)]
+        for i, block in enumerate(torch.split(got, [route.rows_to(i) for i in range(P)])):
+            sizes = [route.served.counts[t][i] * route.dims[t] for t in range(T)]
+            for t, seg in enumerate(torch.split(block, sizes)):
+                by_table[t].append(seg)
+        out: list[torch.Tensor | None] = [None, None]
+        for t in range(T):
+            if not ctx.needs_input_grad[2 + t]:
+                out.append(None)
+                continue
+            rows = route.served.rows[t]
+            values = _flat(by_table[t], dtype).view(-1, route.dims[t])
+            pad = route.padding_local[t]
+            if pad is not None:  # torch's embedding backward leaves padding_idx out
+                keep = rows != pad
+                rows, values = rows[keep], values[keep]
+            shape = (route.shard_rows[t], route.dims[t])
+            coo = torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, check_invariants=False)  # rows < shape
+            out.append(coo.coalesce())  # one row per id: the sum over the requesters
+        ex.record("shard_grad", tally, t0, nnz_in=sum(int(g.shape[0]) for g in grads),
+                  nnz_out=sum(int(r.numel()) for r in route.served.rows))  # fmt: skip
+        return tuple(out)
