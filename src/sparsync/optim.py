@@ -15,14 +15,14 @@ re-creating the user's optimizer, so an optimizer built and loaded before wrappi
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from sparsync.collectives.group import resolve_group
-from sparsync.placement import Placement, ReduceEnv
+from sparsync.placement import Placement, ReduceEnv, placement_of
 from sparsync.record import CommLog
 from sparsync.replicator.buckets import CAP_BYTES
 from sparsync.replicator.optimizer import PlanSpec, ReplicatedOptimizer
@@ -77,6 +77,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         g = resolve_group(group)
         env = ReduceEnv(g, dist.get_world_size(g), timeout, log, check_nan)
         named = list(model.named_parameters()) if model is not None else None
+        # parameters whose module chose their placement (sparsync.shard's shards) keep it unless plan names them
+        chosen = {n: pl for n, p in named or () if (pl := placement_of(p)) is not None}
+        if chosen and (plan is None or isinstance(plan, Mapping)):
+            plan = {**chosen, **(plan or {})}
+        elif chosen and callable(plan):
+            given = plan
+            plan = lambda n, p: chosen.get(n) or given(n, p)  # noqa: E731
         self.replicated = ReplicatedOptimizer(
             optimizer, env, op=op, named_parameters=named, plan=plan, default=default,
             sync_parameters=sync_parameters,

@@ -106,12 +106,13 @@ class ReplicatedOptimizer:
     def broadcast_parameters(self, source: int = 0) -> None:
         """Copy replica ``source``'s parameter values to every replica (as DDP does at construction), so
         replicas that initialised their models differently start from the same point. Mutates the parameters."""
-        data = [p.param.detach() for p in self.params]
+        params = [p for p in self.params if self.plan[p.name].replicated]  # a shard differs per rank by design
+        data = [p.param.detach() for p in params]
         got = prim.raw_broadcast(
             prim.Env(self.env.group, self.env.timeout), data, pytree.tree_flatten(data)[1], source, "broadcast"
         )
         with torch.no_grad():
-            for p, g in zip(self.params, got, strict=True):
+            for p, g in zip(params, got, strict=True):
                 p.param.copy_(g)
 
     # --- the template method ----------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from sparsync.collectives.meta import first_nonfinite
 from sparsync.collectives.ops import text_key
 from sparsync.collectives.transport import meta_group
 from sparsync.handle import Work
-from sparsync.placement import ReduceEnv
+from sparsync.placement import NamedParam, Placement, ReduceEnv
 from sparsync.replicator import bucket_jobs as jobs
 from sparsync.replicator.buckets import CAP_BYTES, Bucket, default_order, lay_out
 from sparsync.replicator.optimizer import ReplicatedOptimizer
@@ -274,13 +274,7 @@ class OverlapReducer:
         the caller's group order."""
         group = self.rep.env.group
         order = torch.tensor(first, dtype=torch.int64)
-        keys = torch.tensor(
-            [
-                text_key(f"{p.name}|{tuple(p.param.shape)}|{p.param.dtype}|{self.rep.plan[p.name].kind}")
-                for p in self.params
-            ],
-            dtype=torch.int64,
-        )
+        keys = torch.tensor([_fingerprint(p, self.rep.plan[p.name]) for p in self.params], dtype=torch.int64)
         P = dist.get_world_size(group)
         table = [torch.empty_like(keys) for _ in range(P)]
 
@@ -303,3 +297,10 @@ class OverlapReducer:
         self.layouts, self.order = codes, order.tolist()
         self.buckets = lay_out(self.params, self.rep.plan, codes, self.order, cap_bytes=self.cap_bytes)
         self.bucket_of = {i: b for b in self.buckets for i in b.members}
+
+
+def _fingerprint(p: NamedParam, placement: Placement) -> int:
+    """A parameter's name, shape, dtype and placement kind, as the ranks compare them (a shard's shape differs
+    across ranks by design: not compared)."""
+    shape = tuple(p.param.shape) if placement.replicated else "shard"
+    return text_key(f"{p.name}|{shape}|{p.param.dtype}|{placement.kind}")
