@@ -1,7 +1,8 @@
 """DistributedOptimizer against DDP on a dense model (docs/optimizer.md#reduction-during-backward): six 1024 x 1024
 Linear layers, 64 samples per rank, SGD, loopback. Three set-ups interleaved step by step (so the host's load
 falls on all alike): DDP, DistributedOptimizer reducing during backward (the default), and
-DistributedOptimizer with ``overlap=False`` (every gradient reduced in ``step()``, as before). Each repeat
+DistributedOptimizer with ``overlap=False`` (every gradient reduced in ``step()``, as before); the order in which
+they run rotates from step to step. Each repeat
 reports the slowest rank's median step after the warm-up; the ratios to DDP are what to compare. A fourth
 set-up leaves out the NaN check (``check_nan=False``), to show what it costs.
 
@@ -52,7 +53,9 @@ def step_times(rank: int, steps: int, repeats: int) -> list[dict[str, float]]:
         times: dict[str, list[float]] = {k: [] for k in setups}
         for step in range(steps):
             x = torch.randn(BATCH, WIDTH, generator=g)
-            for name, (model, opt) in setups.items():
+            names = list(setups)
+            for name in names[step % len(names) :] + names[: step % len(names)]:  # rotated: no set-up always first
+                model, opt = setups[name]
                 dist.barrier()
                 t0 = time.perf_counter()
                 opt.zero_grad()

@@ -4,14 +4,18 @@
 **Fast path** (dense gradients under a plain dense allreduce): one torch allreduce of a flat buffer holding the
 members' gradients and a tail of checks, so no metadata round precedes it:
 
-    [ gradients ... | status, non-finite, c, c², present_0 ... present_k-1 ]
+    [ gradients ... | status, c, c², present_0 ... present_k-1 ]
 
 Summed over the ranks, the tail says whether any rank refused (a gradient whose layout changed since the layout
-was agreed), whether any rank held NaN or ±Inf, whether every rank is in the same backward round (c is the round
-number mod 64 plus one: all c are equal exactly when P·Σc² = (Σc)², the variance being zero), and how many ranks
-had each member's gradient (0: nobody, so the member keeps none, as in ``step()``-time reduction). Only a
-non-zero check costs one more round: every rank allgathers its own row so that all raise the same error naming
-the rank. The shapes, dtypes and names of the members are agreed once, when the layout is (``overlap``).
+was agreed), whether every rank is in the same backward round (c = ``round_code``: all c are equal exactly when
+P·Σc² = (Σc)², the variance being zero), and how many ranks had each member's gradient (0: nobody, so the member
+keeps none, as in ``step()``-time reduction). NaN and ±Inf propagate through a sum, so the check for them reads
+the result, once, where it was just written (checking every input gradient in backward's thread instead was
+measurably slower on the dense model of docs/optimizer.md); a non-finite result sends every rank back to its own
+gradients, which ``.grad`` still holds. Only a failed check costs one more round: every rank
+allgathers its own row so that all raise the same error naming the rank (finite inputs whose sum overflows
+pass, as IEEE 754 sums them). The shapes, dtypes and names of the members are agreed once, when the layout is
+(``overlap``).
 
 **The default's sparse gradients**: one ``grouped_allreduce`` per row width, as ``ByLayout`` sends them, with one
 dense tensor more in the call: 1 where this rank has the gradient, 0 where it contributes an empty one, so
@@ -50,7 +54,7 @@ from sparsync.replicator.buckets import DENSE, Bucket
 # c = 4·(steps mod 16) + (backward rounds since the step, at most 3) + 1, in [1, 64]: P·c² stays an exact
 # integer in float32 up to P = 4,096. A rank with one more backward round in a step than the others differs.
 SEQ_MOD = 64
-FIXED = 4  # status, non-finite, c, c²
+FIXED = 3  # status, c, c²
 LAYOUT_CHANGED = 1
 
 Result = list[torch.Tensor | None]
@@ -103,26 +107,18 @@ def start(
     params: Sequence[NamedParam],
     flat: torch.Tensor | None = None,
     copied: frozenset[int] = frozenset(),
-    nonfinite: int = -1,
 ) -> Work[Result]:
     """Queue ``bucket``'s reduction on the caller's group (FIFO: every rank runs its buckets in launch order).
     Fast path: ``flat`` is the round's buffer (``buffer_of``), where the members at positions ``copied``
-    were put as backward produced them (DDP copies each gradient into its bucket as it is ready too), and
-    ``nonfinite`` is the flat position of the first NaN or ±Inf found among them then (-1: none). The NaN
-    check runs in the caller's thread, gradient by gradient, while backward goes on: after backward only the
-    last gradient's check is left to wait for."""
+    were put as backward produced them (DDP copies each gradient into its bucket as it is ready too)."""
     if bucket.local:  # summed in backward already: nothing to send
         P = env.reduce.num_replicas
         return Work.done([None if g is None else g / P if env.mean else g for g in mine.grads])
     if bucket.fast:
-        flat, bad = _pack(bucket, mine, flat, copied, env.reduce.check_nan)
-        if nonfinite >= 0 and (bad < 0 or nonfinite < bad):
-            bad = nonfinite
-        if bad >= 0:
-            flat[bucket.numel + 1] = 1.0
+        flat = _pack(bucket, mine, flat, copied)
 
         def run() -> Result:
-            return _fast(bucket, mine, flat, env, bad)
+            return _fast(bucket, mine, flat, env)
 
         facts: dict[str, object] = {"bytes": flat.numel() * flat.element_size(), "params": len(bucket.members)}
     elif bucket.grouped:
@@ -153,35 +149,37 @@ def slot(bucket: Bucket, member: int) -> slice:
     return slice(at, at + bucket.sizes[member])
 
 
-def _pack(
-    bucket: Bucket, mine: Contribution, flat: torch.Tensor | None, copied: frozenset[int], check_nan: bool
-) -> tuple[torch.Tensor, int]:
+def _pack(bucket: Bucket, mine: Contribution, flat: torch.Tensor | None, copied: frozenset[int]) -> torch.Tensor:
     """The flat buffer, completed in the caller's thread (backward goes on accumulating into other gradients):
-    the members not copied yet, zeros for a missing one, the tail; and the flat position of the first NaN or
-    ±Inf among the members copied here (-1: none)."""
+    the members not copied yet, zeros for a missing one, the tail."""
     if flat is None:
         ref = next((g for g in mine.grads if g is not None), None)
         flat = buffer_of(bucket, ref.device if ref is not None else torch.device("cpu"))
-    bad = -1
     for k, g in enumerate(mine.grads):
         if k in copied and g is not None and not g.is_sparse:
             continue
-        where = slot(bucket, k)
-        piece = flat[where]
+        piece = flat[slot(bucket, k)]
         if g is None:
             piece.zero_()
-            continue
-        piece.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
-        pos = first_nonfinite(piece) if check_nan and bad < 0 else -1
-        if pos >= 0:
-            bad = where.start + pos
+        else:
+            piece.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
     present = [0.0 if g is None else 1.0 for g in mine.grads]
-    tail = [float(mine.changed >= 0), 0.0, float(mine.seq), float(mine.seq**2), *present]
+    tail = [float(mine.changed >= 0), float(mine.seq), float(mine.seq**2), *present]
     flat[bucket.numel :] = torch.tensor(tail, dtype=bucket.dtype)
-    return flat, bad
+    return flat
 
 
-def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv, nonfinite: int) -> Result:
+def _first_nonfinite(bucket: Bucket, mine: Contribution) -> int:
+    """Flat position in the bucket of this rank's first NaN or ±Inf (its own gradients), or -1."""
+    for k, g in enumerate(mine.grads):
+        if g is not None:
+            pos = first_nonfinite((g.to_dense() if g.is_sparse else g).reshape(-1))
+            if pos >= 0:
+                return int(slot(bucket, k).start) + pos
+    return -1
+
+
+def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv) -> Result:
     t0 = time.perf_counter()
     red = env.reduce
     n, k = bucket.numel, len(bucket.members)
@@ -193,9 +191,11 @@ def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv,
     nb = 2 * (P - 1) * flat.numel() * flat.element_size() // P
     comm.count_collective(nb, nb, 2 * (P - 1))
     tail = flat[n:].tolist()
-    status, bad, c, c2 = tail[:FIXED]
-    if status or bad or P * c2 != c * c:
-        _name_the_rank(comm, bucket, mine, nonfinite, env)
+    status, c, c2 = tail[:FIXED]
+    if status or P * c2 != c * c:
+        _name_the_rank(comm, bucket, mine, -1, env)
+    if red.check_nan and first_nonfinite(flat[:n]) >= 0:  # some rank's input, or an overflowing sum
+        _name_the_rank(comm, bucket, mine, _first_nonfinite(bucket, mine), env)
     if env.mean:
         flat[:n].div_(P)
     out: Result = []
@@ -209,7 +209,8 @@ def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv,
 
 
 def _name_the_rank(comm: Comm, bucket: Bucket, mine: Contribution, nonfinite: int, env: RoundEnv) -> None:
-    """Every rank's own checks, gathered, and the same ValueError raised on every rank."""
+    """Every rank's own checks, gathered, and the same ValueError raised on every rank (none when every rank
+    passes them all: a finite sum that overflowed)."""
     row = torch.tensor([mine.changed, nonfinite, mine.seq], dtype=torch.int64)
     table = [torch.empty_like(row) for _ in range(comm.size)]
     with comm.phase("check"):

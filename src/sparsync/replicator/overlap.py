@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from sparsync.collectives.group import background_group, submit, tracer
-from sparsync.collectives.meta import first_nonfinite
 from sparsync.collectives.ops import text_key
 from sparsync.collectives.transport import meta_group
 from sparsync.handle import Work
@@ -77,7 +76,6 @@ class OverlapReducer:
         self.buffers: dict[int, torch.Tensor] = {}  # the fast buckets' flat buffers, by bucket index
         self.round_flat: dict[int, torch.Tensor] = {}  # this round's, as members are copied in
         self.copied: set[int] = set()  # parameters already in this round's buffers
-        self.nonfinite: dict[int, int] = {}  # a fast bucket's first NaN or ±Inf seen while copying (flat position)
         self.bucket_of: dict[int, Bucket] = {}
         for i, p in enumerate(self.params):
             param: Any = p.param  # torch's hook registration is untyped
@@ -126,7 +124,6 @@ class OverlapReducer:
         self.works = []
         self.round_flat = {}
         self.copied = set()
-        self.nonfinite = {}
 
     def _launch_ready(self) -> None:
         assert self.buckets is not None
@@ -144,13 +141,8 @@ class OverlapReducer:
         if not b.fast or g is None or g.is_sparse:
             return
         flat = self._round_buffer(b, g.device)
-        where = jobs.slot(b, b.members.index(i))
-        flat[where].copy_(g.reshape(-1))
+        flat[jobs.slot(b, b.members.index(i))].copy_(g.reshape(-1))
         self.copied.add(i)
-        if self.round_env.reduce.check_nan and b.index not in self.nonfinite:
-            pos = first_nonfinite(g)
-            if pos >= 0:
-                self.nonfinite[b.index] = where.start + pos
 
     def _round_buffer(self, b: Bucket, device: torch.device | None) -> torch.Tensor:
         """This round's flat buffer of a fast bucket: the last round's when no gradient views it any more (DDP
@@ -186,7 +178,7 @@ class OverlapReducer:
         if b.fast:
             flat = self._round_buffer(b, next((g.device for g in grads if g is not None), None))
             copied = frozenset(k for k, i in enumerate(b.members) if i in self.copied)
-        work = jobs.start(b, mine, self.round_env, self.params, flat, copied, self.nonfinite.get(b.index, -1))
+        work = jobs.start(b, mine, self.round_env, self.params, flat, copied)
         self.works.append((b, work))
         self.launched += 1
 
