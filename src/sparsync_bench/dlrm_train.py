@@ -51,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from sparsync import trace_step
 from sparsync.compress import ErrorFeedback, SparseSketch, Threshold
 from sparsync.optim import DistributedOptimizer
 from sparsync.placement import Compressed, CustomReduce, Placement
@@ -66,7 +67,9 @@ from sparsync_bench.torchrec_baseline import TORCHREC_METHODS, train_torchrec, u
 METHODS = ("torch_ddp_dense", "torch_ddp_sparse", "sparsync", "sparsync_dct")
 PS_METHODS = ("sparsync_ps", "sparsync_ps_split", "sparsync_hybrid")
 LARGE_TABLE_METHODS = ("sparsync_omnireduce", "sparsync_sketch")
-OPTIONAL = (*LARGE_TABLE_METHODS, *PS_METHODS, *TORCHREC_METHODS)
+# sparsync_step: today's sparsync with every gradient reduced in step(), after backward (overlap=False), the
+# way DistributedOptimizer reduced before it overlapped backward
+OPTIONAL = (*LARGE_TABLE_METHODS, *PS_METHODS, *TORCHREC_METHODS, "sparsync_step")
 # MLP widths (bottom without its last layer, which is the embedding width; top without its input width):
 # "small" keeps a step's dense part to a few hundred kB; "kaggle" is dlrm_s_pytorch.py's Criteo Kaggle
 # configuration (--arch-mlp-bot 13-512-256-64-16 --arch-mlp-top 512-256-1), 1.9 MB of dense gradients.
@@ -211,7 +214,7 @@ def _train(
             plan = {n: dct for n, _ in model.named_parameters() if not n.startswith("tables.")}
         elif method in LARGE_TABLE_METHODS:
             plan = _large_table_plan(method, model, shard.sparse[: cfg.batch], cfg, log)
-        opt = DistributedOptimizer(opt, model, plan=plan, log=log)
+        opt = DistributedOptimizer(opt, model, plan=plan, log=log, overlap=method != "sparsync_step")
     times, losses, rows = [], [], []
     writer = summary_writer(Path(cfg.tensorboard) / f"P{P}") if cfg.tensorboard and rank == 0 else None
     for s in range(cfg.steps):
@@ -220,14 +223,15 @@ def _train(
         dense, cats, label = shard.dense[sl], shard.sparse[sl], shard.label[sl]
         dist.barrier()
         t0 = time.perf_counter()
-        if trainer is not None:
-            losses.append(trainer.step(lambda d=dense, c=cats, y=label: bce(model(d, c), y)))
-        else:
-            opt.zero_grad()
-            loss = bce(forward(dense, cats), label)
-            loss.backward()  # type: ignore[no-untyped-call]
-            opt.step()
-            losses.append(loss.item())
+        with trace_step(s):  # the step on SPARSYNC_TRACE's timeline
+            if trainer is not None:
+                losses.append(trainer.step(lambda d=dense, c=cats, y=label: bce(model(d, c), y)))
+            else:
+                opt.zero_grad()
+                loss = bce(forward(dense, cats), label)
+                loss.backward()  # type: ignore[no-untyped-call]
+                opt.step()
+                losses.append(loss.item())
         times.append(time.perf_counter() - t0)
         if writer is not None:  # torch DDP's steps log nothing: their curves stay empty
             log.to_tensorboard(writer, s, since=before, prefix=f"sparsync/{method}")
