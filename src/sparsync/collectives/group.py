@@ -215,14 +215,22 @@ def background_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGrou
     g = resolve_group(group)
     state = group_state(g)
     if state.background is None:
-        bg = new_group_like(g)
-        state.background = bg
-        bg_state = group_state(bg)
-        bg_state.background = bg  # already sparsync's own: async calls on it stay on it
-        bg_state.flight = state.flight  # the caller's calls run their transfers here: one ring for both
-        if state.nccl_rules is not None:  # the same rules, the metadata on its own side group
-            bg_state.nccl_rules = new_group_like(state.nccl_rules)
+        state.background = side_group(g)
     return state.background
+
+
+def side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new group of sparsync's own over ``group``'s ranks, following its rules (NCCL's, with the metadata on a
+    side group of its own) and writing to its flight recorder; async calls on it stay on it. Collective over
+    ``group``'s ranks, in the same order on each."""
+    state = group_state(group)
+    side = new_group_like(group)
+    side_state = group_state(side)
+    side_state.background = side
+    side_state.flight = state.flight  # the caller's calls run their transfers here: one ring for both
+    if state.nccl_rules is not None:
+        side_state.nccl_rules = new_group_like(state.nccl_rules)
+    return side
 
 
 def new_group_like(group: dist.ProcessGroup, backend: str | None = None) -> dist.ProcessGroup:

@@ -71,6 +71,10 @@ class RoundEnv:
     mean: bool
     names: tuple[str, ...]
     shapes: tuple[torch.Size, ...]
+    # The sparse lane: a queue (its group's) and a group to communicate on, both sparsync's own, for the
+    # default's sparse buckets, so that their metadata round and allgather run beside the dense buckets'
+    # allreduces instead of behind them (a round of latency costs no bandwidth). None: one lane.
+    sparse_lane: tuple[dist.ProcessGroup, ReduceEnv] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,11 +126,15 @@ def start(
 
         facts: dict[str, object] = {"bytes": flat.numel() * flat.element_size(), "params": len(bucket.members)}
     elif bucket.grouped:
+        queue, red = env.sparse_lane or (env.caller, env.reduce)
 
         def run() -> Result:
-            return _grouped(bucket, mine, env, params)
+            return _grouped(bucket, mine, env, red, params)
 
-        facts = {"params": len(bucket.members)}  # its sizes come out of the call's own metadata round
+        work = submit(queue, run, True, label=f"bucket:{bucket.index}", facts=lambda: {"params": len(mine.grads)})
+        assert isinstance(work, Work)  # async_op=True
+        return work
+
     else:
 
         def run() -> Result:
@@ -252,8 +260,9 @@ def raise_disagreement(table: torch.Tensor, bucket: Bucket, names: Sequence[str]
             )
 
 
-def _grouped(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence[NamedParam]) -> Result:
-    red = env.reduce
+def _grouped(
+    bucket: Bucket, mine: Contribution, env: RoundEnv, red: ReduceEnv, params: Sequence[NamedParam]
+) -> Result:
     placement = bucket.placement
     assert isinstance(placement, ByLayout) and isinstance(placement.sparse, SparseAllreduce)  # buckets.is_grouped
     groups: dict[tuple[int, torch.dtype], list[int]] = {}  # member positions by (row width, dtype)

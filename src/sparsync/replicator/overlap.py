@@ -18,6 +18,7 @@ runs before autograd accumulates), so the sum is right for ``op="sum"`` as well 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives.group import background_group, submit, tracer
+from sparsync.collectives.group import background_group, side_group, submit, tracer
 from sparsync.collectives.ops import text_key
 from sparsync.collectives.transport import meta_group
 from sparsync.handle import Work
@@ -289,6 +290,11 @@ class OverlapReducer:
         self.layouts, self.order = codes, order.tolist()
         self.buckets = lay_out(self.params, self.rep.plan, codes, self.order, cap_bytes=self.cap_bytes)
         self.bucket_of = {i: b for b in self.buckets for i in b.members}
+        if any(b.grouped for b in self.buckets) and any(b.fast for b in self.buckets):
+            # the sparse lane's two groups: every rank lays out the same buckets, so every rank makes them
+            red = self.round_env.reduce
+            lane = (side_group(group), dataclasses.replace(red, group=side_group(group)))
+            self.round_env = dataclasses.replace(self.round_env, sparse_lane=lane)
 
 
 def _fingerprint(p: NamedParam, placement: Placement) -> int:
