@@ -98,14 +98,17 @@ class FlightRecorder:
         self.calls = calls_from_env() if calls is None else calls
         self.ring: deque[FlightEntry] = deque(maxlen=max(self.calls, 1))
         self.begun = 0
+        # the caller's thread and the queue threads (DistributedOptimizer runs two lanes) record at once
+        self.lock = threading.Lock()
 
     def begin(self, group: str, op: str, traffic: Traffic) -> FlightEntry | None:
         """A new entry for a call starting now (None when the recorder is off)."""
         if not self.calls:
             return None
-        entry = FlightEntry(self.begun, group, op, threading.get_ident(), time.time(), traffic)
-        self.begun += 1
-        self.ring.append(entry)  # deque.append is atomic: the caller's and the queue's threads may both record
+        with self.lock:
+            entry = FlightEntry(self.begun, group, op, threading.get_ident(), time.time(), traffic)
+            self.begun += 1
+            self.ring.append(entry)
         return entry
 
     def guard(self, fn: Callable[[], T]) -> Callable[[], T]:
@@ -131,7 +134,9 @@ class FlightRecorder:
 
     def _close(self, first: int, status: str, error: BaseException | None) -> None:
         me, now = threading.get_ident(), time.time()
-        for entry in reversed(self.ring):
+        with self.lock:
+            entries = list(self.ring)  # another thread may append while this one closes its own
+        for entry in reversed(entries):
             if entry.id < first:
                 break
             if entry.thread == me and entry.status == "running":
@@ -139,7 +144,9 @@ class FlightRecorder:
 
     def snapshot(self) -> list[dict[str, object]]:
         """The ring as plain dicts, oldest first (for the dump)."""
-        return [_as_dict(e) for e in list(self.ring)]
+        with self.lock:
+            entries = list(self.ring)
+        return [_as_dict(e) for e in entries]
 
 
 def _as_dict(e: FlightEntry) -> dict[str, object]:
