@@ -324,6 +324,12 @@ class Comm:
         self._sent(sent, messages)
         self.traffic.bytes_recv += received
 
+    def count_ring_allreduce(self, nbytes: int, calls: int = 1) -> None:
+        """Account for torch's allreduce of ``nbytes`` (gloo's ring, in ``calls`` pieces): 2(P-1)/P of it each
+        way per rank, in 2(P-1) messages per piece."""
+        nb = 2 * (self.size - 1) * nbytes // self.size
+        self.count_collective(nb, nb, 2 * (self.size - 1) * calls)
+
     def run_collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Run a blocking torch collective, turning transport errors into a PeerError naming ``what``."""
         self.wait_collectives(what, [self.start_collective(what, fn, *args, **kwargs)])

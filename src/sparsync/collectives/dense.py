@@ -34,9 +34,7 @@ def dense_allreduce(comm: Comm, stream: SparseStream) -> SparseStream:
         calls = 1
     else:
         buf, calls = _pipelined_dense(comm, stream), DENSE_CHUNKS
-    P = comm.size
-    nb = 2 * (P - 1) * buf.numel() * buf.element_size() // P
-    comm.count_collective(nb, nb, 2 * (P - 1) * calls)
+    comm.count_ring_allreduce(buf.numel() * buf.element_size(), calls)
     return SparseStream(None, buf, stream.dim, row=stream.row, validate=False)
 
 

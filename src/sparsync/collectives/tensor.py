@@ -125,16 +125,14 @@ def _union_rows(comm: Comm, mine: torch.Tensor, result: SparseStream) -> torch.T
         flags[mine.to(torch.int64)] = 1
         with comm.phase("union_rows"):
             comm.run_collective("union of rows", dist.all_reduce, flags, op=dist.ReduceOp.MAX)
-        nb = 2 * (comm.size - 1) * R // comm.size
-        comm.count_collective(nb, nb, 2 * (comm.size - 1))
+        comm.count_ring_allreduce(R)
         return torch.nonzero(flags, as_tuple=True)[0]
     touched = torch.zeros(R, dtype=torch.bool)
     touched[mine.to(torch.int64).cpu()] = True
     bits = pack_bits(touched)  # R/8 bytes (one int32 per packed byte sent R/2 before); gloo: on the host
     with comm.phase("union_rows"):
         comm.run_collective("union of rows", dist.all_reduce, bits, op=dist.ReduceOp.BOR)
-    nb = 2 * (comm.size - 1) * bits.numel() * 4 // comm.size
-    comm.count_collective(nb, nb, 2 * (comm.size - 1))
+    comm.count_ring_allreduce(bits.numel() * 4)
     return torch.nonzero(unpack_bits(bits, R), as_tuple=True)[0].to(comm.device)
 
 

@@ -227,8 +227,7 @@ def raw_all_reduce(
             buf = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
             with comm.phase("all_reduce"):
                 comm.run_collective("all_reduce", dist.all_reduce, buf, op=_TORCH_OPS[op])
-            nb = 2 * (P - 1) * buf.numel() * buf.element_size() // P
-            comm.count_collective(nb, nb, 2 * (P - 1))
+            comm.count_ring_allreduce(buf.numel() * buf.element_size())
             if op == "mean":
                 buf /= P
             _unflat(buf, tensors, idx, out)
