@@ -151,12 +151,6 @@ def buffer_of(bucket: Bucket, device: torch.device) -> torch.Tensor:
     return torch.empty(bucket.numel + FIXED + len(bucket.members), dtype=bucket.dtype, device=device)
 
 
-def slot(bucket: Bucket, member: int) -> slice:
-    """Where the ``member``-th parameter of ``bucket`` sits in its flat buffer."""
-    at = sum(bucket.sizes[:member])
-    return slice(at, at + bucket.sizes[member])
-
-
 def _pack(bucket: Bucket, mine: Contribution, flat: torch.Tensor | None, copied: frozenset[int]) -> torch.Tensor:
     """The flat buffer, completed in the caller's thread (backward goes on accumulating into other gradients):
     the members not copied yet, zeros for a missing one, the tail."""
@@ -166,7 +160,7 @@ def _pack(bucket: Bucket, mine: Contribution, flat: torch.Tensor | None, copied:
     for k, g in enumerate(mine.grads):
         if k in copied and g is not None and not g.is_sparse:
             continue
-        piece = flat[slot(bucket, k)]
+        piece = flat[bucket.slots[k]]
         if g is None:
             piece.zero_()
         else:
@@ -183,7 +177,7 @@ def _first_nonfinite(bucket: Bucket, mine: Contribution) -> int:
         if g is not None:
             pos = first_nonfinite((g.to_dense() if g.is_sparse else g).reshape(-1))
             if pos >= 0:
-                return int(slot(bucket, k).start) + pos
+                return int(bucket.slots[k].start) + pos
     return -1
 
 
@@ -196,8 +190,7 @@ def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv)
     with comm.phase("dense_allreduce"):
         comm.run_collective("bucket all_reduce", dist.all_reduce, flat)
     P = comm.size
-    nb = 2 * (P - 1) * flat.numel() * flat.element_size() // P
-    comm.count_collective(nb, nb, 2 * (P - 1))
+    comm.count_ring_allreduce(flat.numel() * flat.element_size())
     tail = flat[n:].tolist()
     status, c, c2 = tail[:FIXED]
     if status or P * c2 != c * c:
@@ -300,7 +293,7 @@ def _generic(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence
     meta = comm.meta
     with comm.phase("header"):
         meta.run_collective("bucket header", dist.all_reduce, header)
-    meta.count_collective(*(2 * (comm.size - 1) * header.numel() * 8 // comm.size,) * 2, 2 * (comm.size - 1))
+    meta.count_ring_allreduce(header.numel() * header.element_size())
     got = header.tolist()
     if comm.size * got[2] != got[1] * got[1]:
         _name_the_rank(comm, bucket, mine, -1, env)

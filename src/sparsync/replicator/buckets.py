@@ -22,6 +22,8 @@ ours where the paper is silent or does not apply:
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +55,12 @@ class Bucket:
     @property
     def numel(self) -> int:
         return sum(self.sizes)
+
+    @functools.cached_property
+    def slots(self) -> tuple[slice, ...]:
+        """Where each member sits in the fast path's flat buffer (read per gradient in backward: computed once)."""
+        ends = list(itertools.accumulate(self.sizes))
+        return tuple(slice(end - size, end) for end, size in zip(ends, self.sizes, strict=True))
 
 
 def is_fast(placement: Placement, layout: int) -> bool:

@@ -78,6 +78,7 @@ class OverlapReducer:
         self.round_flat: dict[int, torch.Tensor] = {}  # this round's, as members are copied in
         self.copied: set[int] = set()  # parameters already in this round's buffers
         self.bucket_of: dict[int, Bucket] = {}
+        self.member_of: dict[int, int] = {}  # a parameter's position in its bucket
         for i, p in enumerate(self.params):
             param: Any = p.param  # torch's hook registration is untyped
             if param.requires_grad:
@@ -142,7 +143,7 @@ class OverlapReducer:
         if not b.fast or g is None or g.is_sparse:
             return
         flat = self._round_buffer(b, g.device)
-        flat[jobs.slot(b, b.members.index(i))].copy_(g.reshape(-1))
+        flat[b.slots[self.member_of[i]]].copy_(g.reshape(-1))
         self.copied.add(i)
 
     def _round_buffer(self, b: Bucket, device: torch.device | None) -> torch.Tensor:
@@ -152,8 +153,7 @@ class OverlapReducer:
         if flat is not None:
             return flat
         for i in b.members:  # a result of an earlier round still in .grad (no zero_grad) keeps its buffer
-            if i in self.installed and self.params[i].param.grad is not self.installed[i]:
-                del self.installed[i]
+            self._forget_replaced(i)
         old = self.buffers.get(b.index)
         free = not any(i in self.carry or i in self.installed for i in b.members)
         if old is not None and free and (device is None or old.device == device):
@@ -163,12 +163,16 @@ class OverlapReducer:
         self.round_flat[b.index] = flat
         return flat
 
+    def _forget_replaced(self, i: int) -> None:
+        """After zero_grad() (or the user's own .grad), an earlier round's result is no one's gradient now."""
+        if i in self.installed and self.params[i].param.grad is not self.installed[i]:
+            del self.installed[i]
+
     def _launch(self, b: Bucket) -> None:
         grads = []
         for i in b.members:
+            self._forget_replaced(i)
             g = self.params[i].param.grad
-            if i in self.installed and g is not self.installed[i]:
-                del self.installed[i]  # zero_grad() or the user replaced it: the round's result is no one's now
             if g is not None and g is self.installed.get(i):
                 # reduced in an earlier round and not touched since: nothing new from this rank
                 self.carry[i] = self.installed.pop(i)
@@ -290,6 +294,7 @@ class OverlapReducer:
         self.layouts, self.order = codes, order.tolist()
         self.buckets = lay_out(self.params, self.rep.plan, codes, self.order, cap_bytes=self.cap_bytes)
         self.bucket_of = {i: b for b in self.buckets for i in b.members}
+        self.member_of = {i: k for b in self.buckets for k, i in enumerate(b.members)}
         if any(b.grouped for b in self.buckets) and any(b.fast for b in self.buckets):
             # the sparse lane's two groups: every rank lays out the same buckets, so every rank makes them
             red = self.round_env.reduce
