@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from sparsync.collectives.comm import Traffic
 from sparsync.record import CommLog, CommRecord
 from sparsync.shard import header
 from sparsync.shard.lazy import LazyLookup, resolve_all
@@ -77,17 +78,6 @@ class Lookup:
     pool: Pool
     refusal: str | None  # why this rank refuses the call (every rank then raises it), None when valid
     out: LazyLookup
-
-
-@dataclass
-class Tally:
-    """One direction's traffic on this rank, for its ``CommRecord``."""
-
-    sent: int = 0
-    received: int = 0
-    messages: int = 0
-    phase_bytes: dict[str, int] = field(default_factory=dict)
-    phases: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -152,7 +142,7 @@ class Exchanger:
     # --- the stages ---------------------------------------------------------------------------------------------
     def _exchange(self, lookups: list[Lookup]) -> None:
         t0 = time.perf_counter()
-        tally = Tally()
+        tally = Traffic()
         tables = list(dict.fromkeys(lk.table for lk in lookups))
         descriptions = [t.describe() for t in tables]
         refusal = next((lk.refusal for lk in lookups if lk.refusal is not None), None)
@@ -200,7 +190,7 @@ class Exchanger:
         )  # fmt: skip
 
     def all_to_all(
-        self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], phase: str, tally: Tally
+        self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], phase: str, tally: Traffic
     ) -> torch.Tensor:
         """``dist.all_to_all_single`` with split sizes (elements); counts what crossed to other ranks."""
         t0 = time.perf_counter()
@@ -211,19 +201,19 @@ class Exchanger:
             dist.all_to_all_single(out, send.contiguous(), recv_sizes, send_sizes, group=self.group)
         w = send.element_size()
         sent = w * (sum(send_sizes) - send_sizes[self.rank])
-        tally.sent += sent
-        tally.received += w * (sum(recv_sizes) - recv_sizes[self.rank])
+        tally.bytes_sent += sent
+        tally.bytes_recv += w * (sum(recv_sizes) - recv_sizes[self.rank])
         tally.messages += self.size - 1
         tally.phase_bytes[phase] = tally.phase_bytes.get(phase, 0) + sent
         tally.phases[phase] = tally.phases.get(phase, 0.0) + time.perf_counter() - t0
         return out
 
-    def record(self, op: str, tally: Tally, t0: float, *, nnz_in: int, nnz_out: int) -> None:
+    def record(self, op: str, tally: Traffic, t0: float, *, nnz_in: int, nnz_out: int) -> None:
         if self.log is None:
             return
         self.log.append(
             CommRecord(
-                op, "alltoall", self.rank, self.size, 0, nnz_in, nnz_out, tally.sent, tally.received,
+                op, "alltoall", self.rank, self.size, 0, nnz_in, nnz_out, tally.bytes_sent, tally.bytes_recv,
                 tally.messages, time.perf_counter() - t0, dict(tally.phases), None, dict(tally.phase_bytes),
             )
         )  # fmt: skip
@@ -252,7 +242,7 @@ class RowExchange(torch.autograd.Function):
     """Stage 3 and its backward (module doc): inputs the tables' shards, outputs each table's gathered rows."""
 
     @staticmethod
-    def forward(ctx: Any, route: Route, tally: Tally, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def forward(ctx: Any, route: Route, tally: Traffic, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ex = route.exchanger
         P, T = ex.size, len(shards)
         dtype = shards[0].dtype
@@ -278,7 +268,7 @@ class RowExchange(torch.autograd.Function):
         P, T = ex.size, len(grads)
         dtype = grads[0].dtype
         t0 = time.perf_counter()
-        tally = Tally()
+        tally = Traffic()
         # grad dist: one gradient row per distinct id, to its owner (the forward's row splits, reversed)
         per_owner = [torch.split(grads[t], list(route.asked[t])) for t in range(T)]
         send = _flat([per_owner[t][j] for j in range(P) for t in range(T)], dtype)
