@@ -160,14 +160,16 @@ def bad_worker(rank: int, case: str) -> str:
     try:
         model = Mixed(16 if case != "shape" or rank == 0 else 8)
         timeout = 10 if case == "skip_step" else 60
-        opt = sparsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, timeout=timeout)
+        opt = sparsync.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.05), model, timeout=timeout, overlap=case != "nan_in_step"
+        )
         for step in range(STEPS):
             if case == "skip_step" and rank == 1 and step == 2:
                 continue
             opt.zero_grad()
             hook = None
-            if step == 2 and rank == P - 1 and case in ("nan_dense", "nan_sparse"):
-                param = model.fc2.bias if case == "nan_dense" else model.emb.weight
+            if step == 2 and rank == P - 1 and case in ("nan_dense", "nan_sparse", "nan_in_step"):
+                param = model.emb.weight if case == "nan_sparse" else model.fc2.bias
                 hook = param.register_hook(lambda g: g * float("nan"))
             model(_batch(step, rank), True).backward()
             if case == "extra_round" and rank == 1 and step == 2:

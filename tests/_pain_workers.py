@@ -63,10 +63,24 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     return (torch.rand(6, 3, generator=g) ** 2 * ROWS).long()  # skewed ids, row 0 (padding) included
 
 
-def _model(kind: str) -> nn.Module:
+# GradScaler cases: "grad_scaler" (float64: autocast leaves float64 alone), "grad_scaler_bf16" (float32 under
+# bf16 autocast), "grad_scaler_step" (reduction in step(), overlap=False: opt.synchronize() before the scaler)
+SCALER_CASES = ("grad_scaler", "grad_scaler_bf16", "grad_scaler_step")
+OVERFLOW_STEP = 1
+
+
+def _model(kind: str, dtype: torch.dtype = torch.float64) -> nn.Module:
     torch.manual_seed(0)
     model: nn.Module = Tables() if kind == "tables" else Padded()
-    return model.double()
+    return model.to(dtype)
+
+
+def _autocast(case: str) -> Any:
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "grad_scaler_bf16")
+
+
+def _dtype(case: str) -> torch.dtype:
+    return torch.float32 if case == "grad_scaler_bf16" else torch.float64
 
 
 # What runs between backward and step: (distributed optimizer, step) -> extra; the reference gets the same
@@ -78,11 +92,13 @@ def run_case(rank: int, case: str) -> dict[str, Any]:
     """One case on this rank; the reference on every rank (deterministic, so every rank computes the same)."""
     P = dist.get_world_size()
     kind = "padded" if case == "padded" else "tables"
-    model = _model(kind)
+    model = _model(kind, _dtype(case))
+    # no flag for a GradScaler: the defaults
     opt = sparsync.DistributedOptimizer(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, check_nan=case != "grad_scaler"
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model, overlap=case != "grad_scaler_step"
     )
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if case == "grad_scaler" else None
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if case in SCALER_CASES else None
+    scales = []
     norms = []
     coalesced = []  # the accumulated sparse gradient before aggregation (the optimizer's coalescing hook)
     for step in range(STEPS):
@@ -90,10 +106,11 @@ def run_case(rank: int, case: str) -> dict[str, Any]:
         micro = 2 if case == "accumulate" else 1
         for m in range(micro):
             x = _batch(10 * step + m, rank)
-            loss = model(x, use_b=rank % 2 == 0)
+            with _autocast(case):
+                loss = model(x, use_b=rank % 2 == 0)
             if scaler is not None:
-                # step 1: one rank's loss overflows; every rank must skip that step
-                loss = loss * (float("inf") if step == 1 and rank == P - 1 else 1.0)
+                # one step: one rank's loss overflows; every rank must skip that step
+                loss = loss * (float("inf") if step == OVERFLOW_STEP and rank == P - 1 else 1.0)
                 scaler.scale(loss).backward()
             elif case == "accumulate" and m == 0:
                 with opt.no_sync():
@@ -108,10 +125,11 @@ def run_case(rank: int, case: str) -> dict[str, Any]:
         if case == "clip_value":
             opt.clip_grad_value_(0.01)
         if scaler is not None:
-            opt.synchronize()  # the inf check below sees the aggregated gradient, the same on every rank
-            scaler.unscale_(opt)
+            if case == "grad_scaler_step":
+                opt.synchronize()  # reduction in step(): the scaler's inf check must see the reduced gradient
             scaler.step(opt)
             scaler.update()
+            scales.append(scaler.get_scale())
         else:
             opt.step()
     ref, ref_norms = reference(case, P)
@@ -123,6 +141,7 @@ def run_case(rank: int, case: str) -> dict[str, Any]:
         else True,
         "norms": norms,
         "ref_norms": ref_norms,
+        "scales": scales,
         "coalesced": coalesced,
     }
 
@@ -131,7 +150,7 @@ def reference(case: str, P: int) -> tuple[dict[str, np.ndarray], list[float]]:
     """One process: each step, every rank's batch through the model, the mean gradient, then the case's
     operation and the same optimizer."""
     kind = "padded" if case == "padded" else "tables"
-    model = _model(kind)
+    model = _model(kind, _dtype(case))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     norms = []
     for step in range(STEPS):
@@ -139,8 +158,10 @@ def reference(case: str, P: int) -> tuple[dict[str, np.ndarray], list[float]]:
         micro = 2 if case == "accumulate" else 1
         for r in range(P):
             for m in range(micro):
-                model(_batch(10 * step + m, r), use_b=r % 2 == 0).backward()
-        if case == "grad_scaler" and step == 1:
+                with _autocast(case):
+                    loss = model(_batch(10 * step + m, r), use_b=r % 2 == 0)
+                loss.backward()
+        if case in SCALER_CASES and step == OVERFLOW_STEP:
             continue  # the overflowing step is skipped everywhere
         for p in model.parameters():
             if p.grad is not None:

@@ -71,15 +71,17 @@ def _members(r: dict[str, object]) -> list[int]:
 @pytest.mark.parametrize(
     ("case", "expect"),
     [
-        ("nan_dense", "contributed NaN or ±Inf"),
-        ("nan_sparse", "contributed NaN"),
+        ("nan_dense", "NonFiniteError: rank 2 contributed NaN or ±Inf"),
+        ("nan_sparse", "NonFiniteError: rank 2 contributed NaN"),
+        ("nan_in_step", "NonFiniteError: rank 2 contributed NaN"),
         ("extra_round", "reduces another backward round"),
         ("shape", "mismatched structure/shape/dtype"),
         ("skip_step", "timeout or dead peer"),
     ],
 )
 def test_bad_input_is_refused_on_every_rank(case: str, expect: str) -> None:
-    """NaN on one rank (in a fast dense bucket, in the sparse bucket's own metadata round), a second backward
+    """NaN on one rank (in a fast dense bucket, in the sparse bucket's own metadata round, in step()-time
+    reduction; raised by step(), outside a GradScaler), a second backward
     outside no_sync() on one rank, models that differ: the same error on every rank. A rank that skips a whole
     step pairs its next step with the others' (no count tells them apart, as under DDP): the others' last step
     fails on the timeout with a message, never a hang."""

@@ -10,6 +10,7 @@ from sparsync.collectives.calibrate import measure_link
 from sparsync.collectives.comm import PeerError
 from sparsync.collectives.group import background_group, set_deterministic, set_link
 from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce
+from sparsync.collectives.meta import NonFiniteError
 from sparsync.collectives.timeline import trace, trace_step
 from sparsync.compress import Compressor, ErrorFeedback, compressed_allreduce
 from sparsync.costmodel import (
@@ -41,6 +42,7 @@ __all__ = [
     "ErrorFeedback",
     "LaunchError",
     "LinkModel",
+    "NonFiniteError",
     "PeerError",
     "Problem",
     "RankSetup",

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from sparsync.collectives.group import resolve_group
+from sparsync.collectives.meta import NonFiniteError
 from sparsync.placement import Placement, ReduceEnv, placement_of
 from sparsync.record import CommLog
 from sparsync.replicator.buckets import CAP_BYTES
@@ -95,6 +96,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_groups = optimizer.param_groups
         self.state = optimizer.state
         self._synchronized = False
+        self._nonfinite: NonFiniteError | None = None  # without overlap: synchronize()'s, for step()
         # Gradient accumulation: autograd adds a sparse gradient to ``.grad`` by concatenating indices, so k
         # micro-batches hold k copies of a hot row. Coalescing after each one keeps one row per index
         # (docs/optimizer.md measures peak memory against torch's accumulation). Registered before the
@@ -102,7 +104,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for group_ in optimizer.param_groups:
             for p in group_["params"]:
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(_coalesce_grad)
+                    p.register_post_accumulate_grad_hook(self._accumulated)
         self._reducer: OverlapReducer | None = None
         if overlap and env.num_replicas > 1 and all(pl.overlaps for pl in self.replicated.plan.values()):
             if not bucket_cap_mb > 0:
@@ -113,6 +115,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for m in (model.modules() if model is not None else ())
             if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.max_norm is not None
         ]
+
+    def _accumulated(self, p: torch.Tensor) -> None:
+        """After autograd accumulated into ``p.grad``: a new local gradient, which the next ``step()`` (or
+        ``clip_grad_norm_``) must aggregate even if ``synchronize()`` ran for the last one (a step a
+        ``GradScaler`` skipped never reached ``step()``)."""
+        self._synchronized = False
+        _coalesce_grad(p)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -170,8 +179,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._reducer is not None:
             self._reducer.finish()
         else:
-            self.replicated.aggregate()
+            nonfinite = self.replicated.aggregate_deferred()[1]
+            self._nonfinite = self._nonfinite or nonfinite
         self._synchronized = True
+
+    def _raise_nonfinite(self) -> None:
+        """Raise the NaN or ±Inf error of the gradients about to be stepped, if they still hold it. A round that
+        refused a non-finite value leaves NaN or ±Inf in the reduced gradients on every rank and keeps its error
+        for here; a ``GradScaler`` that saw them skipped ``step()``, and gradients computed since (finite) mean
+        that the error belongs to that skipped step. The same decision on every rank: the gradients are."""
+        pending = self._nonfinite or (self._reducer.nonfinite if self._reducer is not None else None)
+        self._nonfinite = None
+        if self._reducer is not None:
+            self._reducer.nonfinite = None
+        if pending is None:
+            return
+        for p in self._params_with_grad():
+            g = p.grad
+            assert g is not None
+            values = g.coalesce().values() if g.is_sparse else g
+            if not bool(torch.isfinite(values).all()):
+                raise pending
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Aggregate (unless ``synchronize()`` already did), then step the wrapped optimizer. A ``closure``
@@ -186,6 +214,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._synchronized = False
         if self._reducer is not None:
             self._reducer.stepped()
+        self._raise_nonfinite()
         self._renorm_union()
         self.optimizer.step()
         return loss

@@ -377,13 +377,19 @@ def raise_check_nan_mismatch(flags: torch.Tensor, me: int, who: str = "rank") ->
         )
 
 
+class NonFiniteError(ValueError):
+    """A reduction refused NaN or ±Inf that some rank contributed (``check_nan``). Raised the same on every rank,
+    at the same call, before any payload moved: ``DistributedOptimizer`` catches it to defer the error to
+    ``step()``, which a ``GradScaler`` skips on an overflow (docs/optimizer.md)."""
+
+
 def raise_nonfinite(op: str, positions: torch.Tensor, seen_on: int, *, who: str, where: str, hint: str) -> None:
     """Raise the same ValueError on every rank of a metadata round whose ``positions`` column (each rank's first
     non-finite position, -1: none) shows NaN or ±Inf anywhere; ``who``: "rank" or "replica", ``where``: what the
     position counts ("at index", "in leaf"), ``hint``: how to let non-finite values through."""
     r = first_rank(positions >= 0)
     if r is not None:
-        raise ValueError(
+        raise NonFiniteError(
             f"{op}: {who} {r} holds NaN or ±Inf {where} {int(positions[r])} (seen on {who} {seen_on}); refusing "
             f"to reduce it ({hint})"
         )
@@ -516,7 +522,7 @@ def _check(table: torch.Tensor, me: int) -> None:
     r = first_rank(table[:, 6] >= 0)
     if r is not None:
         what = _NONFINITE[int(table[r, _COL["nonfinite"]])] or "NaN"
-        raise ValueError(
+        raise NonFiniteError(
             f"rank {r} contributed {what} (at vector index {int(table[r, 6])}); refusing to reduce a non-finite "
-            "value (pass check_nan=False to sum NaN and ±Inf as IEEE 754 does, e.g. under a GradScaler)"
+            "value (pass check_nan=False to sum NaN and ±Inf as IEEE 754 does)"
         )

@@ -94,6 +94,18 @@ def zero_grad(p: torch.nn.Parameter, *, sparse: bool) -> torch.Tensor:
     return torch.zeros_like(p)
 
 
+def nan_grad(param: torch.Tensor, grad: torch.Tensor | None) -> torch.Tensor:
+    """A non-finite stand-in for a refused gradient, the same on every rank: NaN of ``grad``'s layout (sparse:
+    one row, row 0; none: sparse too) with ``param``'s shape."""
+    if grad is not None and not grad.is_sparse:
+        return torch.full_like(grad, float("nan"))
+    if param.dim() == 0:
+        return torch.full_like(param, float("nan"))
+    row = torch.full((1, *param.shape[1:]), float("nan"), dtype=param.dtype, device=param.device)
+    index = torch.zeros(1, 1, dtype=torch.int64, device=param.device)
+    return torch.sparse_coo_tensor(index, row, param.shape, is_coalesced=True)
+
+
 class _Stateful(Protocol):
     def load_state_dict(self, state: Any) -> None: ...
 

@@ -14,7 +14,9 @@ the result, once, where it was just written (checking every input gradient in ba
 measurably slower on the dense model of docs/optimizer.md); a non-finite result sends every rank back to its own
 gradients, which ``.grad`` still holds. Only a failed check costs one more round: every rank
 allgathers its own row so that all raise the same error naming the rank (finite inputs whose sum overflows
-pass, as IEEE 754 sums them). The shapes, dtypes and names of the members are agreed once, when the layout is
+pass, as IEEE 754 sums them). A NaN or ±Inf is not raised here but returned with the sums (``Reduced``):
+``DistributedOptimizer.step()`` raises it, and a ``GradScaler`` that sees the non-finite sums skips the step.
+The shapes, dtypes and names of the members are agreed once, when the layout is
 (``overlap``).
 
 **The default's sparse gradients**: one ``grouped_allreduce`` per row width, as ``ByLayout`` sends them, with one
@@ -45,10 +47,10 @@ import torch.distributed as dist
 from sparsync.collectives.comm import Comm
 from sparsync.collectives.group import submit
 from sparsync.collectives.grouped import grouped_allreduce
-from sparsync.collectives.meta import first_nonfinite
+from sparsync.collectives.meta import NonFiniteError, first_nonfinite
 from sparsync.handle import Work
 from sparsync.placement import ByLayout, NamedParam, ReduceEnv, SparseAllreduce
-from sparsync.placement.base import zero_grad
+from sparsync.placement.base import nan_grad, zero_grad
 from sparsync.replicator.buckets import DENSE, Bucket
 
 # c = 4·(steps mod 16) + (backward rounds since the step, at most 3) + 1, in [1, 64]: P·c² stays an exact
@@ -58,6 +60,17 @@ FIXED = 3  # status, c, c²
 LAYOUT_CHANGED = 1
 
 Result = list[torch.Tensor | None]
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """A bucket's members' reduced gradients (None: no rank had one), and the error of a NaN or ±Inf that some
+    rank contributed (``check_nan``), the same on every rank. With one, the members hold non-finite values on
+    every rank (the IEEE 754 sums, or NaN where the placement refused before sending): ``DistributedOptimizer``
+    raises the error at ``step()``, which a ``GradScaler`` skips."""
+
+    grads: Result
+    nonfinite: NonFiniteError | None = None
 
 
 @dataclass(frozen=True)
@@ -111,24 +124,24 @@ def start(
     params: Sequence[NamedParam],
     flat: torch.Tensor | None = None,
     copied: frozenset[int] = frozenset(),
-) -> Work[Result]:
+) -> Work[Reduced]:
     """Queue ``bucket``'s reduction on the caller's group (FIFO: every rank runs its buckets in launch order).
     Fast path: ``flat`` is the round's buffer (``buffer_of``), where the members at positions ``copied``
     were put as backward produced them (DDP copies each gradient into its bucket as it is ready too)."""
     if bucket.local:  # summed in backward already: nothing to send
         P = env.reduce.num_replicas
-        return Work.done([None if g is None else g / P if env.mean else g for g in mine.grads])
+        return Work.done(Reduced([None if g is None else g / P if env.mean else g for g in mine.grads]))
     if bucket.fast:
         flat = _pack(bucket, mine, flat, copied)
 
-        def run() -> Result:
+        def run() -> Reduced:
             return _fast(bucket, mine, flat, env)
 
         facts: dict[str, object] = {"bytes": flat.numel() * flat.element_size(), "params": len(bucket.members)}
     elif bucket.grouped:
         queue, red = env.sparse_lane or (env.caller, env.reduce)
 
-        def run() -> Result:
+        def run() -> Reduced:
             return _grouped(bucket, mine, env, red, params)
 
         work = submit(queue, run, True, label=f"bucket:{bucket.index}", facts=lambda: {"params": len(mine.grads)})
@@ -137,7 +150,7 @@ def start(
 
     else:
 
-        def run() -> Result:
+        def run() -> Reduced:
             return _generic(bucket, mine, env, params)
 
         facts = {"params": len(bucket.members)}  # its sizes come out of the placement's own call
@@ -181,7 +194,7 @@ def _first_nonfinite(bucket: Bucket, mine: Contribution) -> int:
     return -1
 
 
-def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv) -> Result:
+def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv) -> Reduced:
     t0 = time.perf_counter()
     red = env.reduce
     n, k = bucket.numel, len(bucket.members)
@@ -195,8 +208,12 @@ def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv)
     status, c, c2 = tail[:FIXED]
     if status or P * c2 != c * c:
         _name_the_rank(comm, bucket, mine, -1, env)
+    nonfinite = None
     if red.check_nan and first_nonfinite(flat[:n]) >= 0:  # some rank's input, or an overflowing sum
-        _name_the_rank(comm, bucket, mine, _first_nonfinite(bucket, mine), env)
+        try:
+            _name_the_rank(comm, bucket, mine, _first_nonfinite(bucket, mine), env)
+        except NonFiniteError as e:  # the IEEE 754 sums stay in the result: non-finite on every rank
+            nonfinite = e
     if env.mean:
         flat[:n].div_(P)
     out: Result = []
@@ -206,7 +223,7 @@ def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv)
         at += size
     if red.log is not None:
         red.log.append(comm.record("bucket_allreduce", "dense", t0, dim=n, nnz_in=n, nnz_out=n))
-    return out
+    return Reduced(out, nonfinite)
 
 
 def _name_the_rank(comm: Comm, bucket: Bucket, mine: Contribution, nonfinite: int, env: RoundEnv) -> None:
@@ -246,16 +263,16 @@ def raise_disagreement(table: torch.Tensor, bucket: Bucket, names: Sequence[str]
                 at -= bucket.sizes[member]
                 member += 1
             name = names[bucket.members[member]]
-            raise ValueError(
+            raise NonFiniteError(
                 f"rank {r} contributed NaN or ±Inf (at flat index {at} of the gradient of {name!r}; seen on "
-                f"rank {me}); refusing to reduce a non-finite value (pass check_nan=False to sum NaN and ±Inf as "
-                "IEEE 754 does, e.g. under a GradScaler)"
+                f"rank {me}); refusing to step on a non-finite value (a GradScaler skips such a step; pass "
+                "check_nan=False to step on the IEEE 754 sums)"
             )
 
 
 def _grouped(
     bucket: Bucket, mine: Contribution, env: RoundEnv, red: ReduceEnv, params: Sequence[NamedParam]
-) -> Result:
+) -> Reduced:
     placement = bucket.placement
     assert isinstance(placement, ByLayout) and isinstance(placement.sparse, SparseAllreduce)  # buckets.is_grouped
     groups: dict[tuple[int, torch.dtype], list[int]] = {}  # member positions by (row width, dtype)
@@ -263,6 +280,7 @@ def _grouped(
         p = params[i].param
         groups.setdefault((math.prod(p.shape[1:]), p.dtype), []).append(j)
     out: Result = [None] * len(bucket.members)
+    nonfinite = None
     for (_, dtype), js in groups.items():
         tensors = []
         for j in js:
@@ -270,19 +288,28 @@ def _grouped(
             tensors.append(g if g is not None else zero_grad(p, sparse=True))
         ref = tensors[0]
         present = torch.tensor([float(mine.grads[j] is not None) for j in js], dtype=dtype, device=ref.device)
-        got = grouped_allreduce(
-            [*tensors, present], algorithm=placement.sparse.algorithm, group=red.group, log=red.log,
-            timeout=red.timeout, name=",".join(env.names[bucket.members[j]] for j in js),
-            check_nan=red.check_nan,
-        )  # fmt: skip
+        name = ",".join(env.names[bucket.members[j]] for j in js)
+        try:
+            got = grouped_allreduce(
+                [*tensors, present], algorithm=placement.sparse.algorithm, group=red.group, log=red.log,
+                timeout=red.timeout, name=name, check_nan=red.check_nan,
+            )  # fmt: skip
+        except NonFiniteError as e:
+            # refused in its metadata round, on every rank, before any row moved; the row-sparse sum has no
+            # state, so the same call again gives the IEEE 754 sums, non-finite on every rank
+            nonfinite = nonfinite or e
+            got = grouped_allreduce(
+                [*tensors, present], algorithm=placement.sparse.algorithm, group=red.group, log=red.log,
+                timeout=red.timeout, name=name, check_nan=False,
+            )  # fmt: skip
         assert isinstance(got, list)  # blocking call
         counts = got[-1].tolist()
         for j, g, count in zip(js, got[:-1], counts, strict=True):
             out[j] = None if not count else g / red.num_replicas if env.mean else g
-    return out
+    return Reduced(out, nonfinite)
 
 
-def _generic(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence[NamedParam]) -> Result:
+def _generic(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence[NamedParam]) -> Reduced:
     red = env.reduce
     k = len(bucket.members)
     comm = Comm(red.group, red.timeout)
@@ -315,11 +342,19 @@ def _generic(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence
         proxy.grad = g if g is not None else zero_grad(p.param, sparse=bool(nsparse[j]))
         proxies.append(NamedParam(p.name, proxy))
         at.append(j)
+    nonfinite = None
     if proxies:
-        bucket.placement.aggregate(proxies, red)
+        try:
+            bucket.placement.aggregate(proxies, red)
+        except NonFiniteError as e:
+            # refused in the placement's metadata round on every rank; a compressor's state (error feedback)
+            # must not take the non-finite values in, so no second call: NaN on every rank instead of the sums
+            nonfinite = e
+            for named in proxies:
+                named.param.grad = nan_grad(named.param, named.param.grad)
     out: Result = [None] * k
     for j, named in zip(at, proxies, strict=True):
         g = named.param.grad
         assert g is not None
         out[j] = g / red.num_replicas if env.mean else g
-    return out
+    return Reduced(out, nonfinite)

@@ -21,9 +21,10 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from sparsync.collectives.group import submit
+from sparsync.collectives.meta import NonFiniteError
 from sparsync.collectives.transport import meta_group
 from sparsync.placement import ByLayout, NamedParam, Placement, ReduceEnv, aggregate
-from sparsync.placement.base import zero_grad
+from sparsync.placement.base import nan_grad, zero_grad
 from sparsync.replicator import primitives as prim
 from sparsync.replicator.buckets import DENSE as _DENSE
 from sparsync.replicator.buckets import NONE as _NONE
@@ -122,17 +123,34 @@ class ReplicatedOptimizer:
         zero where it has none; one without a gradient anywhere is skipped (its optimizer skips it too).
         Returns each parameter's gradient layout as the replicas agreed it (``fill_missing_grads``; on one
         replica its own)."""
+        codes, nonfinite = self.aggregate_deferred()
+        if nonfinite is not None:
+            raise nonfinite
+        return codes
+
+    def aggregate_deferred(self) -> tuple[list[int], NonFiniteError | None]:
+        """``aggregate``, except that a NaN or ±Inf some replica contributed (``check_nan``) is returned, not
+        raised: every gradient then holds NaN on every replica (``bucket_jobs.nan_grad``; the placements refuse
+        before sending, and a compressor's state must not take the values in, so there are no sums), which a
+        ``GradScaler``'s inf check sees alike everywhere."""
         codes = [
             _NONE if p.param.grad is None else _SPARSE if p.param.grad.is_sparse else _DENSE for p in self.params
         ]
         if self.env.num_replicas > 1:
             codes = fill_missing_grads(self.params, self.env)
-        aggregate(self.plan, self.params, self.env)
+        nonfinite = None
+        try:
+            aggregate(self.plan, self.params, self.env)
+        except NonFiniteError as e:  # raised alike on every replica, at the same placement's call
+            nonfinite = e
+            for p in self.params:
+                if p.param.grad is not None:
+                    p.param.grad = nan_grad(p.param, p.param.grad)
         if self.op == "mean" and self.env.num_replicas > 1:
             for p in self.params:
                 if p.param.grad is not None:
                     p.param.grad = p.param.grad / self.env.num_replicas
-        return codes
+        return codes, nonfinite
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         self.aggregate()

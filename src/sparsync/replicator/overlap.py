@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from sparsync.collectives.group import background_group, side_group, submit, tracer
+from sparsync.collectives.meta import NonFiniteError
 from sparsync.collectives.ops import text_key
 from sparsync.collectives.transport import meta_group
 from sparsync.handle import Work
@@ -69,7 +70,10 @@ class OverlapReducer:
         self.round_start = 0.0
         self.fired: list[bool] = []
         self.launched = 0
-        self.works: list[tuple[Bucket, Work[jobs.Result]]] = []
+        self.works: list[tuple[Bucket, Work[jobs.Reduced]]] = []
+        # A NaN or ±Inf some rank contributed since the last step() (the same error on every rank): the
+        # gradients hold non-finite values; step() raises it unless they were replaced since (GradScaler skips)
+        self.nonfinite: NonFiniteError | None = None
         # The tensor each parameter's .grad was set to at the last round's end (a reduced gradient), and the one
         # moved aside when another backward starts accumulating before step().
         self.installed: dict[int, torch.Tensor] = {}
@@ -199,7 +203,8 @@ class OverlapReducer:
         and lays the buckets out."""
         try:
             if self.buckets is None:
-                codes = self.rep.aggregate()
+                codes, nonfinite = self.rep.aggregate_deferred()
+                self.nonfinite = self.nonfinite or nonfinite
                 for i, p in enumerate(self.params):
                     if p.param.grad is not None:
                         self.installed[i] = p.param.grad
@@ -216,10 +221,12 @@ class OverlapReducer:
         error: BaseException | None = None
         for b, work in self.works:
             try:
-                out = work.wait()
+                reduced = work.wait()
             except BaseException as e:  # wait for every bucket (the queue stays in step), then raise the first
                 error = error or e
                 continue
+            out = reduced.grads
+            self.nonfinite = self.nonfinite or reduced.nonfinite
             if b.fast and out:
                 views = [r for r in out if r is not None]
                 if views:  # the flat buffer the results view: reused once no gradient holds them
