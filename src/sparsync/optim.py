@@ -39,7 +39,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``plan``: per parameter name a ``Placement`` (``DenseAllreduce``, ``SparseAllreduce``, ``Compressed``,
     ``Grouped``, ``CustomReduce``, ``ByLayout``) or a callable ``(name, param) -> Placement``; parameters it
     does not name get ``default`` (``ByLayout()``). ``op``: "mean" (DDP's convention) or "sum". ``log``: a
-    ``CommLog`` that receives one record per collective (bytes, algorithm). ``sync_parameters``: broadcast
+    ``CommLog`` that receives one record per collective (bytes, algorithm): the broadcast at construction, the
+    agreement rounds (op ``record.AGREE``) and every reduction. ``sync_parameters``: broadcast
     rank 0's parameters now, as DDP does at construction. ``overlap``: reduce during backward (the default on
     more than one rank; off, or with a parameter-server placement in the plan, every gradient is reduced in
     ``step()``). ``bucket_cap_mb``: the size of a dense bucket (DDP's 25 MiB; the first is 1 MiB).

@@ -8,6 +8,10 @@ from typing import Any, Protocol
 
 from sparsync.costmodel import Decision
 
+# The op of the records of DistributedOptimizer's agreement rounds (which parameters have a gradient and in which
+# layout, the bucket layout, a bucket's header): metadata the ranks agree on, no gradient; their phases say which.
+AGREE = "agree"
+
 
 @dataclass
 class CommRecord:

@@ -216,6 +216,7 @@ def _train(
             plan = _large_table_plan(method, model, shard.sparse[: cfg.batch], cfg, log)
         opt = DistributedOptimizer(opt, model, plan=plan, log=log, overlap=method != "sparsync_step")
     times, losses, rows = [], [], []
+    constructed = len(log)  # the steps' records from here: the broadcast at construction is no step's
     writer = summary_writer(Path(cfg.tensorboard) / f"P{P}") if cfg.tensorboard and rank == 0 else None
     for s in range(cfg.steps):
         before = len(log)
@@ -256,7 +257,7 @@ def _train(
         ]
         nbytes = statistics.fmean(per_step)
     else:
-        nbytes = sum(r.bytes_sent for r in log.records) / cfg.steps
+        nbytes = sum(r.bytes_sent for r in log.records[constructed:]) / cfg.steps
     if trainer is not None:
         nbytes += ps_remote_bytes(trainer, rank) / cfg.steps
         # the servers' final values: the local copy holds only the rows pulled, as of the last step's start

@@ -38,6 +38,7 @@ from torch import nn
 
 import sparsync
 from sparsync.plan.planner import Plan
+from sparsync.record import AGREE
 from sparsync.replicator import PER_REPLICA, DenseAllreduce, ReplicaContext, Replicator
 from sparsync_bench.ddp_baseline import ddp_step_bytes
 from sparsync_bench.demo_plan import (
@@ -153,7 +154,7 @@ def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any, write
             step_fn_loss = ctx.run(step_fn, batch)
         times.append(time.perf_counter() - t0)
         nbytes.append(sum(r.bytes_sent for r in log.records[before:]))
-        chosen.update(r.algorithm for r in log.records[before:])
+        chosen.update(r.algorithm for r in log.records[before:] if r.op != AGREE)  # the reductions' algorithms
         if writer is not None:
             log.to_tensorboard(writer, offset + i, since=before, prefix=f"sparsync/{plan}")
             writer.add_scalar(f"step_seconds/{plan}", times[-1], offset + i)

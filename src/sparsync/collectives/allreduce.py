@@ -13,7 +13,7 @@ import torch.distributed as dist
 from sparsync.collectives._gather import allgather_fixed
 from sparsync.collectives.allgather import gather_streams
 from sparsync.collectives.calibrate import measure_link
-from sparsync.collectives.comm import Comm, PeerError
+from sparsync.collectives.comm import Comm, PeerError, Traffic
 from sparsync.collectives.group import background_group, group_state, next_call, resolve_group, submit
 from sparsync.collectives.meta import (
     EAGER_LIMIT,
@@ -249,7 +249,9 @@ def start_allreduce(
             lm = link or group_state(user).link  # set_link / set_deterministic name the caller's group
             if lm is None:
                 with comm.phase("calibrate"):
-                    lm = group_state(user).link = measure_link(g)
+                    tally = Traffic()
+                    lm = group_state(user).link = measure_link(g, traffic=tally)
+                    comm.count_collective(tally.bytes_sent, tally.bytes_recv, tally.messages)
             decision = policy(problem_of(stream, meta, comm.size), lm)
             alg = decision.algorithm
             if policy not in PURE_POLICIES:

@@ -327,8 +327,20 @@ class Comm:
     def count_ring_allreduce(self, nbytes: int, calls: int = 1) -> None:
         """Account for torch's allreduce of ``nbytes`` (gloo's ring, in ``calls`` pieces): 2(P-1)/P of it each
         way per rank, in 2(P-1) messages per piece."""
-        nb = 2 * (self.size - 1) * nbytes // self.size
+        nb = ring_allreduce_bytes(nbytes, self.size)
         self.count_collective(nb, nb, 2 * (self.size - 1) * calls)
+
+    def count_ring_allgather(self, nbytes: int, calls: int = 1) -> None:
+        """Account for torch's allgather of ``nbytes`` per rank (gloo's ring, in ``calls`` calls): the P-1 other
+        blocks each way per rank, in P-1 messages per call."""
+        nb = ring_allgather_bytes(nbytes, self.size)
+        self.count_collective(nb, nb, (self.size - 1) * calls)
+
+    def count_broadcast(self, nbytes: int, root: int) -> None:
+        """Account for torch's broadcast of ``nbytes`` from group rank ``root`` (gloo's binomial tree): the whole
+        message to each of this rank's children, once from its parent."""
+        children = broadcast_children(self.rank, self.size, root)
+        self.count_collective(children * nbytes, 0 if self.rank == root else nbytes, children)
 
     def run_collective(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> None:
         """Run a blocking torch collective, turning transport errors into a PeerError naming ``what``."""
@@ -351,6 +363,35 @@ class Comm:
                     work.wait(self.timeout)
         except RuntimeError as e:
             raise PeerError(f"{self.op}: {what} failed on rank {self.rank} (timeout or dead peer): {e}") from e
+
+
+# --- gloo's algorithms, in bytes a rank sends ---------------------------------------------------------------
+# One model of each torch collective sparsync calls on gloo, used by every record (through ``Comm.count_*``);
+# tests count a run's torch.distributed calls with the same functions.
+def ring_allreduce_bytes(nbytes: int, size: int) -> int:
+    """Bytes one rank sends (and receives) in gloo's ring allreduce of ``nbytes``: reduce-scatter then allgather
+    of P blocks, 2(P-1)/P of the buffer."""
+    return 2 * (size - 1) * nbytes // size
+
+
+def ring_allgather_bytes(nbytes: int, size: int) -> int:
+    """Bytes one rank sends (and receives) in gloo's ring allgather of ``nbytes`` per rank: the P-1 blocks it
+    passes on."""
+    return (size - 1) * nbytes
+
+
+def broadcast_children(rank: int, size: int, root: int) -> int:
+    """Ranks that ``rank`` sends the whole message to in gloo's broadcast (``gloo/broadcast.cc``: a binomial tree
+    over ranks v renumbered from ``root``; in round i < ceil(log2 P), each v < 2^i sends to v + 2^i). Every rank
+    but the root receives it once, so the P ranks send P-1 messages in all, as a root sending to every rank
+    would; the tree spreads them over the senders."""
+    v = (rank - root) % size
+    return sum(1 for i in range(v.bit_length(), (size - 1).bit_length()) if v + (1 << i) < size)
+
+
+def broadcast_bytes(nbytes: int, rank: int, size: int, root: int) -> int:
+    """Bytes ``rank`` sends in gloo's broadcast of ``nbytes`` from ``root`` (``broadcast_children``)."""
+    return broadcast_children(rank, size, root) * nbytes
 
 
 # --- wire format of a stream --------------------------------------------------------------------------------

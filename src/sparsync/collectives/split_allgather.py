@@ -149,8 +149,7 @@ def dsar_split_allgather(
     out = torch.empty(chunk * b * P, dtype=dtype, device=comm.device)
     with comm.phase("dense_allgather"):
         comm.all_gather_into("dense allgather", out, local)
-        nb = chunk * b * local.element_size() * (P - 1)
-        comm.count_collective(nb, nb, P - 1)
+        comm.count_ring_allgather(chunk * b * local.element_size())
     return SparseStream(None, part.gather_dense(out, chunk, b), dim, row=b, validate=False)
 
 

@@ -70,8 +70,7 @@ def dsar_quantized(call: DsarCall, q: QSGDCodec) -> SparseStream:
     with comm.phase("quantized_allgather"):  # equal sizes: every partition padded to ``chunk`` rows
         comm.all_gather_into("quantized allgather", codes, payload.codes)
         comm.all_gather_into("quantized allgather", scales, payload.scales)
-    nb = (P - 1) * payload.nbytes
-    comm.count_collective(nb, nb, 2 * (P - 1))
+    comm.count_ring_allgather(payload.nbytes, calls=2)  # codes and scales
     out = torch.empty(P * n, dtype=torch.float32, device=device)
     c, s = payload.codes.numel(), payload.scales.numel()
     with comm.phase("decode"):

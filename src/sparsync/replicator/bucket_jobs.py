@@ -26,8 +26,9 @@ need anyway, checks the rest: shapes and layouts, NaN, the call's order and name
 
 **Other buckets** (compressors, sketches, custom reductions, per-tensor sparse allreduce): one header allreduce of
 [status, c, c², dense_0.., sparse_0..] agrees which members exist and in which layout (what
-``fill_missing_grads`` agreed per step), then the placement's own ``aggregate`` runs as it did in ``step()``,
-with its own metadata round (the sizes a sparse exchange needs, NaN, shapes and names per call).
+``fill_missing_grads`` agreed per step; a record of op ``AGREE``, phase "header", in the log), then the
+placement's own ``aggregate`` runs as it did in ``step()``, with its own metadata round (the sizes a sparse
+exchange needs, NaN, shapes and names per call).
 
 Both return the members' sums (divided by P for ``op="mean"``) without touching the parameters: the caller
 installs them when the round ends.
@@ -51,6 +52,7 @@ from sparsync.collectives.meta import NonFiniteError, first_nonfinite
 from sparsync.handle import Work
 from sparsync.placement import ByLayout, NamedParam, ReduceEnv, SparseAllreduce
 from sparsync.placement.base import nan_grad, zero_grad
+from sparsync.record import AGREE
 from sparsync.replicator.buckets import DENSE, Bucket
 
 # c = 4·(steps mod 16) + (backward rounds since the step, at most 3) + 1, in [1, 64]: P·c² stays an exact
@@ -310,6 +312,7 @@ def _grouped(
 
 
 def _generic(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence[NamedParam]) -> Reduced:
+    t0 = time.perf_counter()
     red = env.reduce
     k = len(bucket.members)
     comm = Comm(red.group, red.timeout)
@@ -332,6 +335,9 @@ def _generic(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence
             f"{name!r} has a sparse gradient on {int(nsparse[mixed[0]])} rank(s) and a dense one on "
             f"{int(ndense[mixed[0]])} (seen on rank {comm.rank}); every rank's gradient must have one layout"
         )
+    if red.log is not None:
+        n = header.numel()
+        red.log.append(meta.record(AGREE, "gloo", t0, dim=n, nnz_in=n, nnz_out=n))
     proxies: list[NamedParam] = []
     at: list[int] = []
     for j, (i, g) in enumerate(zip(bucket.members, mine.grads, strict=True)):

@@ -13,6 +13,7 @@ too (``sparsync.replicator`` re-exports them).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -20,11 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
+from sparsync.collectives.comm import Comm
 from sparsync.collectives.group import submit
 from sparsync.collectives.meta import NonFiniteError
-from sparsync.collectives.transport import meta_group
 from sparsync.placement import ByLayout, NamedParam, Placement, ReduceEnv, aggregate
 from sparsync.placement.base import nan_grad, zero_grad
+from sparsync.record import AGREE
 from sparsync.replicator import primitives as prim
 from sparsync.replicator.buckets import DENSE as _DENSE
 from sparsync.replicator.buckets import NONE as _NONE
@@ -37,17 +39,25 @@ def fill_missing_grads(params: list[NamedParam], env: ReduceEnv) -> list[int]:
     """Give every parameter that has a gradient on some replica but none here a zero gradient of that layout
     (an empty COO tensor for a sparse one, as ``nn.Embedding(sparse=True)`` gives; dense zeros otherwise), so
     every replica's aggregation has the same tensors. One allreduce (MAX) of one int32 per parameter on the
-    group's host side, queued behind the group's sparsync work like any of its calls. DDP's
-    ``find_unused_parameters`` walks the autograd graph instead (docs/optimizer.md compares the two).
-    Returns the agreed layout codes (0 none, 1 dense, 2 sparse). Mutates ``p.grad`` of the parameters that
-    lack one."""
+    group's host side, queued behind the group's sparsync work like any of its calls, and recorded in
+    ``env.log`` (op ``AGREE``, phase "layouts"). DDP's ``find_unused_parameters`` walks the autograd graph
+    instead (docs/optimizer.md compares the two). Returns the agreed layout codes (0 none, 1 dense, 2 sparse).
+    Mutates ``p.grad`` of the parameters that lack one."""
     codes = torch.tensor(
         [_NONE if p.param.grad is None else _SPARSE if p.param.grad.is_sparse else _DENSE for p in params],
         dtype=torch.int32,
     )
 
     def agree() -> None:
-        dist.all_reduce(codes, op=dist.ReduceOp.MAX, group=meta_group(env.group))
+        t0 = time.perf_counter()
+        meta = Comm(env.group, env.timeout).meta
+        meta.op = "DistributedOptimizer: gradient layouts"
+        with meta.phase("layouts"):
+            meta.run_collective("gradient layouts", dist.all_reduce, codes, op=dist.ReduceOp.MAX)
+        meta.count_ring_allreduce(codes.numel() * codes.element_size())
+        if env.log is not None:
+            n = codes.numel()
+            env.log.append(meta.record(AGREE, "gloo", t0, dim=n, nnz_in=n, nnz_out=n))
 
     submit(env.group, agree, False)
     agreed: list[int] = codes.tolist()
@@ -106,12 +116,13 @@ class ReplicatedOptimizer:
 
     def broadcast_parameters(self, source: int = 0) -> None:
         """Copy replica ``source``'s parameter values to every replica (as DDP does at construction), so
-        replicas that initialised their models differently start from the same point. Mutates the parameters."""
+        replicas that initialised their models differently start from the same point: the replicator's
+        ``broadcast`` primitive, recorded in ``env.log`` (op "broadcast": its metadata round and gloo's
+        broadcast, each rank's bytes by ``Comm.count_broadcast``). Mutates the parameters."""
         params = [p for p in self.params if self.plan[p.name].replicated]  # a shard differs per rank by design
         data = [p.param.detach() for p in params]
-        got = prim.raw_broadcast(
-            prim.Env(self.env.group, self.env.timeout), data, pytree.tree_flatten(data)[1], source, "broadcast"
-        )
+        env = prim.Env(self.env.group, self.env.timeout, self.env.log)
+        got = prim.raw_broadcast(env, data, pytree.tree_flatten(data)[1], source, "broadcast")
         with torch.no_grad():
             for p, g in zip(params, got, strict=True):
                 p.param.copy_(g)

@@ -27,12 +27,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sparsync.collectives.comm import Comm
 from sparsync.collectives.group import background_group, side_group, submit, tracer
 from sparsync.collectives.meta import NonFiniteError
 from sparsync.collectives.ops import text_key
-from sparsync.collectives.transport import meta_group
 from sparsync.handle import Work
 from sparsync.placement import NamedParam, Placement, ReduceEnv
+from sparsync.record import AGREE
 from sparsync.replicator import bucket_jobs as jobs
 from sparsync.replicator.buckets import CAP_BYTES, Bucket, default_order, lay_out
 from sparsync.replicator.optimizer import ReplicatedOptimizer
@@ -275,19 +276,28 @@ class OverlapReducer:
     def _agree_layout(self, first: list[int], codes: list[int]) -> None:
         """Rank 0's order (``first``: its first round's, or its checkpoint's) and a fingerprint of every
         parameter (name, shape, dtype, placement kind), compared across ranks; then the buckets. Collective, in
-        the caller's group order."""
-        group = self.rep.env.group
+        the caller's group order; one record in the log (op ``AGREE``, phases "order" and "fingerprints")."""
+        env = self.rep.env
         order = torch.tensor(first, dtype=torch.int64)
         keys = torch.tensor([_fingerprint(p, self.rep.plan[p.name]) for p in self.params], dtype=torch.int64)
-        P = dist.get_world_size(group)
+        P = dist.get_world_size(env.group)
         table = [torch.empty_like(keys) for _ in range(P)]
 
         def agree() -> None:
-            g = meta_group(group)
-            dist.broadcast(order, group_src=0, group=g)
-            dist.all_gather(table, keys, group=g)
+            t0 = time.perf_counter()
+            meta = Comm(env.group, env.timeout).meta
+            meta.op = "DistributedOptimizer: bucket layout"
+            with meta.phase("order"):
+                meta.run_collective("bucket order", dist.broadcast, order, group_src=0)
+            meta.count_broadcast(order.numel() * order.element_size(), 0)
+            with meta.phase("fingerprints"):
+                meta.all_gather_equal("parameter fingerprints", table, keys)
+            meta.count_ring_allgather(keys.numel() * keys.element_size())
+            if env.log is not None:
+                n = order.numel() + keys.numel()
+                env.log.append(meta.record(AGREE, "gloo", t0, dim=n, nnz_in=n, nnz_out=n))
 
-        submit(group, agree, False)
+        submit(env.group, agree, False)
         stacked = torch.stack(table)
         differ = torch.nonzero((stacked != stacked[0]).any(0))
         if differ.numel():
@@ -305,7 +315,7 @@ class OverlapReducer:
         if any(b.grouped for b in self.buckets) and any(b.fast for b in self.buckets):
             # the sparse lane's two groups: every rank lays out the same buckets, so every rank makes them
             red = self.round_env.reduce
-            lane = (side_group(group), dataclasses.replace(red, group=side_group(group)))
+            lane = (side_group(env.group), dataclasses.replace(red, group=side_group(env.group)))
             self.round_env = dataclasses.replace(self.round_env, sparse_lane=lane)
 
 

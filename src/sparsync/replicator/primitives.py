@@ -258,8 +258,7 @@ def raw_all_gather(
             parts = [torch.empty_like(buf) for _ in range(P)]
             with comm.phase("all_gather"):
                 comm.all_gather_equal("all_gather", parts, buf)
-            nb = (P - 1) * buf.numel() * buf.element_size()
-            comm.count_collective(nb, nb, P - 1)
+            comm.count_ring_allgather(buf.numel() * buf.element_size())
             stacked = torch.stack(parts)
             off = 0
             for i in idx:
@@ -292,11 +291,7 @@ def raw_broadcast(
             buf = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
             with comm.phase("broadcast"):
                 comm.run_collective("broadcast", dist.broadcast, buf, group_src=source)
-            nb = buf.numel() * buf.element_size()
-            if comm.rank == source:
-                comm.count_collective(nb * (comm.size - 1), 0, comm.size - 1)
-            else:
-                comm.count_collective(0, nb, 1)
+            comm.count_broadcast(buf.numel() * buf.element_size(), source)
             _unflat(buf, tensors, idx, out)
         _record(env, name, comm, sum(t.numel() for t in tensors), t0)
         return out
