@@ -24,7 +24,7 @@ import sparsync
 from sparsync.collectives.comm import broadcast_bytes, ring_allgather_bytes, ring_allreduce_bytes
 from sparsync.compress import ErrorFeedback, TopK
 from sparsync.placement import Compressed
-from sparsync.record import CommLog
+from sparsync.record import CALIBRATE, CommLog
 
 MODELLED = (
     "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single", "send", "isend",
@@ -156,5 +156,22 @@ def log_worker(rank: int, steps: int = 3) -> dict[str, Any]:
             "calls": dict(wire.calls),
             "unmodelled": wire.unmodelled,
             "weights": model.fc2.weight.detach().numpy().copy(),
+            "calibrations": sum(r.op == CALIBRATE for r in log.records),
         }
     return out
+
+
+def deterministic_worker(rank: int) -> int:
+    """``set_deterministic()`` on the world group, then the default optimizer (its buckets run on sparsync's own
+    groups): how many calls measured the link (none should: the side groups use the caller's link model)."""
+    sparsync.set_deterministic()
+    torch.manual_seed(0)
+    model = Mixed()
+    log = CommLog()
+    opt = sparsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), model, log=log)
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        opt.zero_grad()
+        model((torch.rand(8, 3, generator=g) ** 2 * 300).long(), rank % 2 == 0).backward()
+        opt.step()
+    return sum(r.op == CALIBRATE for r in log.records)

@@ -11,6 +11,14 @@ from sparsync.costmodel import Decision
 # The op of the records of DistributedOptimizer's agreement rounds (which parameters have a gradient and in which
 # layout, the bucket layout, a bucket's header): metadata the ranks agree on, no gradient; their phases say which.
 AGREE = "agree"
+# The op of "auto"'s link measurement, the first time it runs on a group: a record of its own, one-time traffic,
+# so that a step's records hold the workload's bytes only.
+CALIBRATE = "calibrate"
+
+
+def workload(records: list[CommRecord]) -> list[CommRecord]:
+    """``records`` without the one-time link measurement (``CALIBRATE``): the traffic a step itself sends."""
+    return [r for r in records if r.op != CALIBRATE]
 
 
 @dataclass

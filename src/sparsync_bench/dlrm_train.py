@@ -55,7 +55,7 @@ from sparsync import trace_step
 from sparsync.compress import ErrorFeedback, SparseSketch, Threshold
 from sparsync.optim import DistributedOptimizer
 from sparsync.placement import Compressed, CustomReduce, Placement
-from sparsync.record import CommLog
+from sparsync.record import CommLog, workload
 from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows
 from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
 from sparsync_bench.dlrm import DLRM
@@ -257,7 +257,7 @@ def _train(
         ]
         nbytes = statistics.fmean(per_step)
     else:
-        nbytes = sum(r.bytes_sent for r in log.records[constructed:]) / cfg.steps
+        nbytes = sum(r.bytes_sent for r in workload(log.records[constructed:])) / cfg.steps
     if trainer is not None:
         nbytes += ps_remote_bytes(trainer, rank) / cfg.steps
         # the servers' final values: the local copy holds only the rows pulled, as of the last step's start

@@ -14,7 +14,7 @@ from sparsync.collectives._gather import allgather_fixed
 from sparsync.collectives.allgather import gather_streams
 from sparsync.collectives.calibrate import measure_link
 from sparsync.collectives.comm import Comm, PeerError, Traffic
-from sparsync.collectives.group import background_group, group_state, next_call, resolve_group, submit
+from sparsync.collectives.group import background_group, link_state, next_call, resolve_group, submit
 from sparsync.collectives.meta import (
     EAGER_LIMIT,
     PARTITION_CODES,
@@ -40,7 +40,7 @@ from sparsync.costmodel import (
     choose_robust,
 )
 from sparsync.handle import Work
-from sparsync.record import CommLog
+from sparsync.record import CALIBRATE, CommLog, CommRecord
 from sparsync.stream import SparseStream, index_dtype_for
 
 T = TypeVar("T")
@@ -237,7 +237,7 @@ def start_allreduce(
         t0 = time.perf_counter()
         comm = Comm(g, timeout, stream.device)
         comm.op = f"sparse_allreduce(algorithm={algorithm!r})"
-        key = auto_fingerprint(link or group_state(user).link, policy) if algorithm == "auto" else 0
+        key = auto_fingerprint(link or link_state(user).link, policy) if algorithm == "auto" else 0
         pcode = PARTITION_CODES.index(part)
         qkey = _quantize_key(quantize)
         meta = exchange_meta(
@@ -246,12 +246,9 @@ def start_allreduce(
         decision: Decision | None = None
         alg = algorithm
         if alg == "auto":
-            lm = link or group_state(user).link  # set_link / set_deterministic name the caller's group
+            lm = link or link_state(user).link  # set_link / set_deterministic name the caller's group
             if lm is None:
-                with comm.phase("calibrate"):
-                    tally = Traffic()
-                    lm = group_state(user).link = measure_link(g, traffic=tally)
-                    comm.count_collective(tally.bytes_sent, tally.bytes_recv, tally.messages)
+                lm = link_state(user).link = _calibrate(comm, log)
             decision = policy(problem_of(stream, meta, comm.size), lm)
             alg = decision.algorithm
             if policy not in PURE_POLICIES:
@@ -275,6 +272,24 @@ def start_allreduce(
         return out
 
     return submit(user, run, async_op, label=f"sparse_allreduce:{algorithm}", facts=lambda: _facts(stream, g))
+
+
+def _calibrate(comm: Comm, log: CommLog | None) -> LinkModel:
+    """ "auto"'s first call on a group (its caller's, for sparsync's own groups) measures the link: timing traffic
+    of its own, logged as a record of its own (op ``CALIBRATE``), not in the call's, so a step's bytes stay the
+    workload's and the log still adds up to what the group sent."""
+    t0 = time.perf_counter()
+    tally = Traffic()
+    lm = measure_link(comm.group, traffic=tally)
+    if log is not None:
+        log.append(
+            CommRecord(
+                CALIBRATE, "measure_link", comm.rank, comm.size, dim=0, nnz_in=0, nnz_out=0,
+                bytes_sent=tally.bytes_sent, bytes_recv=tally.bytes_recv, messages=tally.messages,
+                seconds=time.perf_counter() - t0,
+            )
+        )  # fmt: skip
+    return lm
 
 
 def _facts(stream: SparseStream, g: dist.ProcessGroup) -> dict[str, object]:

@@ -66,6 +66,9 @@ class GroupState:
     # The group's last calls, dumped when a call fails (collectives/flight.py); shared with its background group.
     flight: FlightRecorder = field(default_factory=FlightRecorder)
     published: int = 0  # Comms that published this rank's endpoints (peers.publish; the first two do)
+    # A side group's (``side_group``): the caller's group, whose link model "auto" uses here too (set_link and
+    # set_deterministic name the caller's group; a link measured on a side group is the caller's link)
+    parent: dist.ProcessGroup | None = None
 
 
 _STATES: weakref.WeakKeyDictionary[dist.ProcessGroup, GroupState] = weakref.WeakKeyDictionary()
@@ -194,12 +197,18 @@ def _traced_work(t: trace.Tracer, work: T | Work[T]) -> Work[T]:
     return work.on_wait(waited)
 
 
+def link_state(group: dist.ProcessGroup) -> GroupState:
+    """The state that holds ``group``'s link model: its own, or a side group's caller's."""
+    state = group_state(group)
+    return state if state.parent is None else group_state(state.parent)
+
+
 def set_link(link: LinkModel | None, *, group: dist.ProcessGroup | None = None) -> None:
     """Set (or, with None, forget) the link model "auto" uses for ``group`` instead of measuring it.
 
     Call it with the same model on every rank: ranks that hold different models may choose differently.
     """
-    group_state(resolve_group(group)).link = link
+    link_state(resolve_group(group)).link = link
 
 
 def background_group(group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
@@ -228,6 +237,7 @@ def side_group(group: dist.ProcessGroup) -> dist.ProcessGroup:
     side_state = group_state(side)
     side_state.background = side
     side_state.flight = state.flight  # the caller's calls run their transfers here: one ring for both
+    side_state.parent = state.parent or group
     if state.nccl_rules is not None:
         side_state.nccl_rules = new_group_like(state.nccl_rules)
     return side
