@@ -1,5 +1,5 @@
-"""``bench dlrm``'s sharded methods (docs/sharding.md): the tables' rows owned by the ranks (``sparsync.shard``), the
-MLPs by ``DistributedOptimizer`` as in ``sparsync``.
+"""``bench dlrm``'s sharded methods (docs/sharding.md): the tables' rows owned by the ranks (``sparsync.shard``),
+the MLPs by ``DistributedOptimizer`` as in ``sparsync``.
 
 - ``sparsync_sharded``: every table sharded;
 - ``sparsync_auto``: the tables the cost model's plan places ``sharded`` (``make_plan(swap_modules=True)`` among
@@ -41,19 +41,17 @@ def shard_tables(method: str, model: nn.Module, tables: nn.ModuleList, first: to
 def auto_plan(tables: nn.ModuleList, first: torch.Tensor) -> dict[str, str]:
     """``tables.<j>`` -> ``"sharded"`` or ``"replicated"``, the same on every rank (module doc). Collective."""
     P = dist.get_world_size()
-    fractions = torch.tensor(
-        [torch.unique(first[:, j]).numel() / _rows(t) for j, t in enumerate(tables)], dtype=torch.float64
-    )
+    distinct = [torch.unique(first[:, j]).numel() / _weight(t).shape[0] for j, t in enumerate(tables)]
+    fractions = torch.tensor(distinct, dtype=torch.float64)
     dist.all_reduce(fractions)  # every rank prices the same statistics, so every rank makes the same plan
     stats = [
-        ParamStats(f"tables.{j}.weight", (_rows(t), _dim(t)), min(1.0, float(fractions[j]) / P), True)
+        ParamStats(f"tables.{j}.weight", tuple(_weight(t).shape), min(1.0, float(fractions[j]) / P), True)
         for j, t in enumerate(tables)
     ]
     plan = make_plan(stats, Cluster(P, measured=measure_link()), swap_modules=True,
                      kinds=[k for k in KINDS if k.name in AUTO_KINDS])  # fmt: skip
-    return {
-        e.name.removesuffix(".weight"): "sharded" if e.placement == "sharded" else "replicated" for e in plan.entries
-    }
+    return {e.name.removesuffix(".weight"): "replicated" if e.placement != "sharded" else "sharded"
+            for e in plan.entries}  # fmt: skip
 
 
 def table_figures(tables: nn.ModuleList, initial: list[torch.Tensor]) -> tuple[float, float]:
@@ -64,7 +62,7 @@ def table_figures(tables: nn.ModuleList, initial: list[torch.Tensor]) -> tuple[f
     parts = torch.zeros(2, dtype=torch.float64)  # the shards', to be summed over the ranks
     sharded = False
     for t, w0 in zip(tables, initial, strict=True):
-        w = t.weight.detach().double()
+        w = _weight(t).detach().double()
         if isinstance(t, ShardedTable):
             rows, acc, sharded = t.ownership.global_rows(t.exchanger.rank), parts, True
         else:
@@ -78,13 +76,8 @@ def table_figures(tables: nn.ModuleList, initial: list[torch.Tensor]) -> tuple[f
     return float(out[0]), float(out[1])
 
 
-def _rows(table: nn.Module) -> int:
+def _weight(table: nn.Module) -> torch.Tensor:
     w = table.weight
-    assert isinstance(w, torch.Tensor)
-    return int(w.shape[0])
-
-
-def _dim(table: nn.Module) -> int:
-    w = table.weight
-    assert isinstance(w, torch.Tensor)
-    return int(w.shape[1])
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"a DLRM table's weight must be a tensor, got {type(w).__name__}")
+    return w

@@ -186,8 +186,8 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     """``sparsync_sharded`` (every table's rows owned by the ranks) and ``sparsync_auto`` (the plan's tables) take
     the same SGD steps as ``sparsync``'s allreduce: the owner sums the ranks' gradient rows, DistributedOptimizer
     divides by P, so only the summation order separates them. At P = 3 the 4-row table's shards are uneven and
-    the 3-row table's are one row each. Their bytes per step are the shards' exchanges, counted from the samples, plus
-    the MLPs' allreduce."""
+    the 3-row table's are one row each. Their bytes per step are the shards' exchanges, counted from the samples,
+    plus the MLPs' allreduce."""
     from _optim_workers import dlrm_worker_nominal_link
 
     from sparsync import launch
