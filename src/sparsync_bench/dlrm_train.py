@@ -31,6 +31,12 @@ whole on one server: Parallax's PS), ``sparsync_ps_split`` (dense variables spli
 collectives' bytes sent plus the rank's client traffic with the other ranks' servers (sent and received: by
 symmetry what the rank's machine, client and colocated server together, sends on average).
 
+And the tables' rows owned by the ranks (``dlrm_shard``, docs/sharding.md): ``sparsync_sharded`` (every table
+sharded by ``sparsync.shard``, the MLPs by ``DistributedOptimizer`` as in ``sparsync``) and ``sparsync_auto``
+(the tables the cost model's plan places ``sharded``, the rest as in ``sparsync``). Their bytes per step count
+the shards' exchanges (the ``shard_lookup`` and ``shard_grad`` records), also reported alone
+(``shard_bytes_per_step``), beside how many tables were sharded (``tables_sharded``).
+
 Per method: median seconds per training step (forward, backward, aggregation, SGD) after ``warmup`` steps, the
 slowest rank's; bytes sent per rank per step (sparsync's ``CommLog``; DDP's computed from what gloo sends,
 ``ddp_baseline.py``); the mean training loss over the last ``tail`` steps averaged over ranks, and its
@@ -56,9 +62,11 @@ from sparsync.compress import ErrorFeedback, SparseSketch, Threshold
 from sparsync.optim import DistributedOptimizer
 from sparsync.placement import Compressed, CustomReduce, Placement
 from sparsync.record import CommLog, workload
+from sparsync.shard import ShardedTable
 from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows
 from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
 from sparsync_bench.dlrm import DLRM
+from sparsync_bench.dlrm_shard import SHARD_METHODS, SHARD_OPS, shard_tables, table_figures
 from sparsync_bench.hybrid import ps_remote_bytes
 from sparsync_bench.omnireduce import block_allreduce
 from sparsync_bench.tensorboard import summary_writer
@@ -69,7 +77,7 @@ PS_METHODS = ("sparsync_ps", "sparsync_ps_split", "sparsync_hybrid")
 LARGE_TABLE_METHODS = ("sparsync_omnireduce", "sparsync_sketch")
 # sparsync_step: today's sparsync with every gradient reduced in step(), after backward (overlap=False), the
 # way DistributedOptimizer reduced before it overlapped backward
-OPTIONAL = (*LARGE_TABLE_METHODS, *PS_METHODS, *TORCHREC_METHODS, "sparsync_step")
+OPTIONAL = (*LARGE_TABLE_METHODS, *PS_METHODS, *TORCHREC_METHODS, "sparsync_step", *SHARD_METHODS)
 # MLP widths (bottom without its last layer, which is the embedding width; top without its input width):
 # "small" keeps a step's dense part to a few hundred kB; "kaggle" is dlrm_s_pytorch.py's Criteo Kaggle
 # configuration (--arch-mlp-bot 13-512-256-64-16 --arch-mlp-top 512-256-1), 1.9 MB of dense gradients.
@@ -199,6 +207,8 @@ def _train(
     tables0 = [t.weight.detach().clone() for t in model.tables]  # type: ignore[operator]
     log = CommLog()
     forward: nn.Module = model
+    if method in SHARD_METHODS:  # before the optimizer: the shards replace the tables' parameters
+        shard_tables(method, model, model.tables, shard.sparse[: cfg.batch], log)
     opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     trainer: Any = None
     if method in PS_METHODS:
@@ -256,8 +266,9 @@ def _train(
             for s in range(cfg.steps)
         ]
         nbytes = statistics.fmean(per_step)
-    else:
+    else:  # the shards' exchanges (shard_lookup, shard_grad) are records of the log too
         nbytes = sum(r.bytes_sent for r in workload(log.records[constructed:])) / cfg.steps
+    shard_bytes = sum(r.bytes_sent for r in log.records[constructed:] if r.op in SHARD_OPS) / cfg.steps
     if trainer is not None:
         nbytes += ps_remote_bytes(trainer, rank) / cfg.steps
         # the servers' final values: the local copy holds only the rows pulled, as of the last step's start
@@ -267,16 +278,16 @@ def _train(
                     table = trainer.tables[n]
                     p.copy_(table.pull(torch.arange(table.rows), step=trainer.step_no).wait().reshape(p.shape))
         trainer.close()
-    digest = float(sum(p.detach().double().abs().sum() for p in model.parameters()))
     # What the sparse path alone decides: one step moves a few hundred of the tables' 10^5 rows, so the loss
-    # and the whole-model digest barely see a lost or misplaced table gradient. Each row's movement is
-    # weighted by its index, so a row update applied to the wrong row changes the figure too.
-    moved = 0.0
-    for table, w0 in zip(model.tables, tables0, strict=True):
-        delta = (table.weight.detach().double() - w0.double()).abs().sum(1)  # type: ignore[operator]
-        moved += float((delta * torch.arange(1, delta.numel() + 1, dtype=torch.float64)).sum())
+    # and the whole-model digest barely see a lost or misplaced table gradient (table_figures' "moved").
+    tables_abs, moved = table_figures(model.tables, tables0)
+    in_tables = {id(p) for p in model.tables.parameters()}
+    digest = tables_abs + float(sum(p.detach().double().abs().sum() for p in model.parameters()
+                                    if id(p) not in in_tables))  # fmt: skip
     return {"method": method, "step_s": float(t), "bytes_per_step": nbytes, "loss": float(tail) / P,
-            "first_loss": losses[0], "param_abs_sum": digest, "tables_moved": moved}  # fmt: skip
+            "first_loss": losses[0], "param_abs_sum": digest, "tables_moved": moved,
+            "shard_bytes_per_step": shard_bytes,
+            "tables_sharded": sum(isinstance(t, ShardedTable) for t in model.tables)}  # fmt: skip
 
 
 def worker(

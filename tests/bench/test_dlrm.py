@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -157,3 +158,60 @@ def test_parameter_server_methods_train_to_the_same_loss(tmp_path: Path) -> None
     assert base["tables_moved"] > 0
     for m in ("sparsync_ps", "sparsync_ps_split", "sparsync_hybrid"):  # the servers' tables, read at the end
         assert rows[m]["tables_moved"] == pytest.approx(base["tables_moved"], rel=1e-6), (m, rows[m], base)
+
+
+def _shard_exchange_bytes(cfg: Any, data: Any, P: int) -> float:
+    """What rank 0 sends per step in the exchanges of every table sharded (docs/sharding.md's rounds), from the
+    samples alone: the sizes round, its ids to the other owners (with a count per table and peer), the rows it
+    serves the other ranks, and one gradient row per distinct id owned elsewhere."""
+    from sparsync_bench.dlrm_train import _shard
+
+    batches = [_shard(data, i, P, cfg).sparse for i in range(P)]
+    tables, row = batches[0].shape[1], 4 * cfg.dim
+    total = 0
+    for s in range(cfg.steps):
+        ids = [b[s * cfg.batch : (s + 1) * cfg.batch] for b in batches]
+        total += 24 * (P - 1) + 8 * tables * (P - 1)
+        for t in range(tables):
+            mine = torch.unique(ids[0][:, t])
+            elsewhere = int((mine % P != 0).sum())
+            served = sum(int((torch.unique(ids[i][:, t]) % P == 0).sum()) for i in range(1, P))
+            total += (8 + row) * elsewhere + row * served
+    return total / cfg.steps
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_path: Path) -> None:
+    """``sparsync_sharded`` (every table's rows owned by the ranks) and ``sparsync_auto`` (the plan's tables) take
+    the same SGD steps as ``sparsync``'s allreduce: the owner sums the ranks' gradient rows, DistributedOptimizer
+    divides by P, so only the summation order separates them. At P = 3 the 4-row table's shards are uneven and
+    the 3-row table's are one row each. Their bytes per step are the shards' exchanges, counted from the samples,
+    plus the MLPs' allreduce."""
+    from _optim_workers import dlrm_worker_nominal_link
+
+    from sparsync import launch
+    from sparsync_bench.ddp_baseline import ring_allreduce_bytes
+    from sparsync_bench.dlrm_train import DlrmBenchConfig, _model, load, summarize
+
+    P = 3
+    cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", P * 6 * 32)), steps=6, batch=32, max_rows=2000,
+                          dim=8, warmup=1, tail=3,
+                          methods=("sparsync", "sparsync_sharded", "sparsync_auto"))  # fmt: skip
+    data = load(cfg, P)
+    rows = {r["method"]: r for r in summarize(launch(dlrm_worker_nominal_link, nprocs=P, args=(cfg, data))[0])}
+    base = rows["sparsync"]
+    assert base["tables_moved"] > 0 and base["tables_sharded"] == 0 and base["shard_bytes_per_step"] == 0
+    for m in ("sparsync_sharded", "sparsync_auto"):
+        assert rows[m]["loss"] == pytest.approx(base["loss"], rel=1e-5), (m, rows[m]["loss"], base["loss"])
+        assert rows[m]["param_abs_sum"] == pytest.approx(base["param_abs_sum"], rel=1e-5), m
+        assert rows[m]["tables_moved"] == pytest.approx(base["tables_moved"], rel=1e-6), (m, rows[m], base)
+        assert rows[m]["step_s"] > 0 and rows[m]["bytes_per_step"] > rows[m]["shard_bytes_per_step"], m
+    sharded = rows["sparsync_sharded"]
+    assert sharded["tables_sharded"] == 26
+    exchanges = _shard_exchange_bytes(cfg, data, P)
+    assert sharded["shard_bytes_per_step"] == pytest.approx(exchanges, rel=1e-12)
+    # the rest is the MLPs' gradients by a ring allreduce (within 1%: a few hundred bytes of agreement rounds)
+    mlps = sum(p.numel() * 4 for n, p in _model(cfg, True).named_parameters() if not n.startswith("tables."))
+    mlp_bytes = ring_allreduce_bytes(mlps, P).sent
+    assert sharded["bytes_per_step"] - exchanges == pytest.approx(mlp_bytes, rel=0.01), (sharded, mlp_bytes)

@@ -1,0 +1,83 @@
+"""``bench dlrm``'s sharded methods (docs/sharding.md): the tables' rows owned by the ranks (``sparsync.shard``),
+the MLPs by ``DistributedOptimizer`` as in ``sparsync``.
+
+- ``sparsync_sharded``: every table sharded;
+- ``sparsync_auto``: the tables the cost model's plan places ``sharded`` (``make_plan(swap_modules=True)`` among
+  the lossless kinds that run inside the training group: dense allreduce, sparse allreduce, sharded), priced on
+  the link measured at the start (``measure_link``) and each table's distinct rows in the first batch (the mean
+  over the ranks). The tables it leaves replicated go the ``sparsync`` way (``DistributedOptimizer``'s default,
+  which chooses its algorithm itself), so the plan decides only where each table lives.
+
+A sharded model holds a part of each table per rank, so the figures the benchmark compares across methods
+(``table_figures``) are summed over the ranks' shards, each row with its index in the whole table.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sparsync.collectives.calibrate import measure_link
+from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
+from sparsync.record import CommLog
+from sparsync.shard import ShardedTable, shard
+
+SHARD_METHODS = ("sparsync_sharded", "sparsync_auto")
+SHARD_OPS = ("shard_lookup", "shard_grad")  # the CommLog records of the sharded tables' exchanges
+AUTO_KINDS = ("dense_allreduce", "sparse_allreduce", "sharded")  # lossless, and no process beside the ranks
+
+
+def shard_tables(method: str, model: nn.Module, tables: nn.ModuleList, first: torch.Tensor, log: CommLog) -> None:
+    """Swap ``model``'s ``tables`` (``tables.<j>``) for sharded ones per ``method`` (module doc); ``first``: this
+    rank's first batch of ids, ``[batch, tables]``. Collective: every rank calls it with the same method.
+    Mutates ``model`` (its tables are replaced; a new optimizer must take its parameters)."""
+    if method not in SHARD_METHODS:
+        raise KeyError(f"unknown sharded method {method!r}; valid: {', '.join(SHARD_METHODS)}")
+    plan = auto_plan(tables, first) if method == "sparsync_auto" else None
+    shard(model, plan, log=log)
+
+
+def auto_plan(tables: nn.ModuleList, first: torch.Tensor) -> dict[str, str]:
+    """``tables.<j>`` -> ``"sharded"`` or ``"replicated"``, the same on every rank (module doc). Collective."""
+    P = dist.get_world_size()
+    distinct = [torch.unique(first[:, j]).numel() / _weight(t).shape[0] for j, t in enumerate(tables)]
+    fractions = torch.tensor(distinct, dtype=torch.float64)
+    dist.all_reduce(fractions)  # every rank prices the same statistics, so every rank makes the same plan
+    stats = [
+        ParamStats(f"tables.{j}.weight", tuple(_weight(t).shape), min(1.0, float(fractions[j]) / P), True)
+        for j, t in enumerate(tables)
+    ]
+    plan = make_plan(stats, Cluster(P, measured=measure_link()), swap_modules=True,
+                     kinds=[k for k in KINDS if k.name in AUTO_KINDS])  # fmt: skip
+    return {e.name.removesuffix(".weight"): "replicated" if e.placement != "sharded" else "sharded"
+            for e in plan.entries}  # fmt: skip
+
+
+def table_figures(tables: nn.ModuleList, initial: list[torch.Tensor]) -> tuple[float, float]:
+    """(Σ |w| over the whole tables, Σ over rows of (row index + 1)·Σ|w_row - initial_row|), in float64, whether
+    the tables are whole on every rank or sharded (their shards summed over the ranks: collective then). The
+    second weighs each row's movement by its index, so a row update applied to the wrong row changes it too."""
+    whole = torch.zeros(2, dtype=torch.float64)
+    parts = torch.zeros(2, dtype=torch.float64)  # the shards', to be summed over the ranks
+    sharded = False
+    for t, w0 in zip(tables, initial, strict=True):
+        w = _weight(t).detach().double()
+        if isinstance(t, ShardedTable):
+            rows, acc, sharded = t.ownership.global_rows(t.exchanger.rank), parts, True
+        else:
+            rows, acc = torch.arange(w.shape[0]), whole
+        delta = (w - w0[rows].double()).abs().sum(1)
+        acc[0] += w.abs().sum()
+        acc[1] += (delta * (rows + 1).double()).sum()
+    if sharded:
+        dist.all_reduce(parts)
+    out = whole + parts
+    return float(out[0]), float(out[1])
+
+
+def _weight(table: nn.Module) -> torch.Tensor:
+    w = table.weight
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"a DLRM table's weight must be a tensor, got {type(w).__name__}")
+    return w
