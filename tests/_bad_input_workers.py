@@ -616,8 +616,9 @@ def probe_worker(rank: int, names: list[str], out_dir: str) -> int:
         try:
             rec["value"] = plain(BY_NAME[name].run(rank, g))
             rec["kind"] = "ok"
-        except Exception as e:
-            rec["kind"], rec["message"] = type(e).__name__, str(e)
+        except Exception as e:  # a subclass (sparsync.NonFiniteError) counts as the ValueError it is
+            base = next((k for k in (ValueError, TypeError) if isinstance(e, k)), type(e))
+            rec["kind"], rec["message"] = base.__name__, str(e)
         rec["seconds"] = time.perf_counter() - t0
         kinds: list[Any] = [None] * WORLD
         dist.all_gather_object(kinds, rec["kind"])

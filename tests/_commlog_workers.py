@@ -156,7 +156,7 @@ def log_worker(rank: int, steps: int = 3) -> dict[str, Any]:
             "calls": dict(wire.calls),
             "unmodelled": wire.unmodelled,
             "weights": model.fc2.weight.detach().numpy().copy(),
-            "calibrations": sum(r.op == CALIBRATE for r in log.records),
+            "calibrations": sum(CALIBRATE in r.phases for r in log.records),
         }
     return out
 
@@ -174,4 +174,4 @@ def deterministic_worker(rank: int) -> int:
         opt.zero_grad()
         model((torch.rand(8, 3, generator=g) ** 2 * 300).long(), rank % 2 == 0).backward()
         opt.step()
-    return sum(r.op == CALIBRATE for r in log.records)
+    return sum(CALIBRATE in r.phases for r in log.records)

@@ -11,14 +11,15 @@ from sparsync.costmodel import Decision
 # The op of the records of DistributedOptimizer's agreement rounds (which parameters have a gradient and in which
 # layout, the bucket layout, a bucket's header): metadata the ranks agree on, no gradient; their phases say which.
 AGREE = "agree"
-# The op of "auto"'s link measurement, the first time it runs on a group: a record of its own, one-time traffic,
-# so that a step's records hold the workload's bytes only.
+# The phase of "auto"'s link measurement, in the record of the call that ran it (the first "auto" call on a
+# group): one-time traffic, which ``workload_bytes`` leaves out of a step's bytes.
 CALIBRATE = "calibrate"
 
 
-def workload(records: list[CommRecord]) -> list[CommRecord]:
-    """``records`` without the one-time link measurement (``CALIBRATE``): the traffic a step itself sends."""
-    return [r for r in records if r.op != CALIBRATE]
+def workload_bytes(record: CommRecord) -> int:
+    """The bytes ``record``'s call sent for its own work: ``bytes_sent`` less the one-time link measurement
+    (phase ``CALIBRATE``)."""
+    return record.bytes_sent - record.phase_bytes.get(CALIBRATE, 0)
 
 
 @dataclass

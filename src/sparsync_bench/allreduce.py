@@ -37,7 +37,7 @@ from sparsync.collectives.hierarchical import (
 from sparsync.collectives.meta import EAGER_LIMIT
 from sparsync.compress import QSGD
 from sparsync.costmodel import ALGORITHMS, LinkModel, Problem, lower_bound, predict
-from sparsync.record import CommLog, workload
+from sparsync.record import CommLog, workload_bytes
 from sparsync.stream import SparseStream, index_dtype_for
 from sparsync_bench.report import progress
 
@@ -161,7 +161,7 @@ def _bytes(method: str, stream: SparseStream, P: int, log: CommLog, nnz_all: lis
         return 2 * (P - 1) / P * stream.dim * stream.values.element_size()
     if method == "gloo_sparse_coo":  # gloo allgathers int64 indices + values of every rank (ring: forwards)
         return float(sum(nnz_all) - stream.nnz) * (8 + stream.values.element_size())
-    return float(statistics.mean(r.bytes_sent for r in workload(log.records))) if log.records else 0.0
+    return float(statistics.mean(workload_bytes(r) for r in log.records)) if log.records else 0.0
 
 
 def worker(rank: int, cfg: BenchConfig, show_progress: bool) -> list[dict[str, Any]]:

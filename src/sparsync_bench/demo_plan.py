@@ -35,7 +35,7 @@ from sparsync.plan.detect import ParamStats, RowFractionMeter
 from sparsync.plan.planner import Plan, make_plan
 from sparsync.ps import PSClient, measure_server
 from sparsync.ps.optim import OptimizerConfig
-from sparsync.record import CommLog, workload
+from sparsync.record import CommLog, workload_bytes
 
 AUTO = "auto plan"
 PLACEMENT_WORDS = {"ps": "parameter server", "dense_allreduce": "dense allreduce",
@@ -197,7 +197,7 @@ def train_hybrid(
             times.append(time.perf_counter() - t0)
             # bytes this process's machine sends: its allreduce bytes, plus its client's traffic with the
             # remote servers (requests out; the replies it gets equal, by symmetry, those its server sends)
-            sent = sum(r.bytes_sent for r in workload(log.records[before:]))
+            sent = sum(workload_bytes(r) for r in log.records[before:])
             nbytes.append(sent + _remote_bytes(trainer, me) - ps0)
             losses.append(loss)
             if progress is not None:

@@ -61,7 +61,7 @@ from sparsync import trace_step
 from sparsync.compress import ErrorFeedback, SparseSketch, Threshold
 from sparsync.optim import DistributedOptimizer
 from sparsync.placement import Compressed, CustomReduce, Placement
-from sparsync.record import CommLog, workload
+from sparsync.record import CommLog, workload_bytes
 from sparsync.shard import ShardedTable
 from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows
 from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
@@ -267,7 +267,7 @@ def _train(
         ]
         nbytes = statistics.fmean(per_step)
     else:  # the shards' exchanges (shard_lookup, shard_grad) are records of the log too
-        nbytes = sum(r.bytes_sent for r in workload(log.records[constructed:])) / cfg.steps
+        nbytes = sum(workload_bytes(r) for r in log.records[constructed:]) / cfg.steps
     shard_bytes = sum(r.bytes_sent for r in log.records[constructed:] if r.op in SHARD_OPS) / cfg.steps
     if trainer is not None:
         nbytes += ps_remote_bytes(trainer, rank) / cfg.steps

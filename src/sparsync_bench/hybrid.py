@@ -42,7 +42,7 @@ from sparsync.collectives.tensor import allreduce
 from sparsync.compress.sketch import SparseSketch
 from sparsync.hybrid import PHASES, HybridConfig, HybridTrainer
 from sparsync.ps.optim import OptimizerConfig
-from sparsync.record import CommLog, workload
+from sparsync.record import CommLog, workload_bytes
 from sparsync_bench.ddp_baseline import ddp_step_bytes
 from sparsync_bench.lm import Corpus, SampledLM
 from sparsync_bench.omnireduce import block_allreduce
@@ -246,7 +246,7 @@ class _MethodRun:
             # Per machine, sent + received: collectives log both ends; a PS byte is counted at the client and at
             # the remote server, so a machine's share is twice its client's remote traffic on average (Table 3
             # counts both ends too).
-            self.bytes += sum(r.bytes_sent + r.bytes_recv for r in workload(self.log.records))
+            self.bytes += sum(workload_bytes(r) + r.bytes_recv for r in self.log.records)
             self.bytes += 2 * (ps_remote_bytes(self.trainer, self.rank) - ps0)
             if ddp:
                 self.bytes += self._ddp_bytes(rows)

@@ -38,7 +38,7 @@ from torch import nn
 
 import sparsync
 from sparsync.plan.planner import Plan
-from sparsync.record import AGREE, CALIBRATE, workload
+from sparsync.record import AGREE, workload_bytes
 from sparsync.replicator import PER_REPLICA, DenseAllreduce, ReplicaContext, Replicator
 from sparsync_bench.ddp_baseline import ddp_step_bytes
 from sparsync_bench.demo_plan import (
@@ -153,9 +153,9 @@ def _train(ctx: ReplicaContext, cfg: DemoConfig, plan: str, progress: Any, write
         with sparsync.trace_step(offset + i) if i >= cfg.warmup else nullcontext():
             step_fn_loss = ctx.run(step_fn, batch)
         times.append(time.perf_counter() - t0)
-        nbytes.append(sum(r.bytes_sent for r in workload(log.records[before:])))
+        nbytes.append(sum(workload_bytes(r) for r in log.records[before:]))
         # the reductions' algorithms
-        chosen.update(r.algorithm for r in log.records[before:] if r.op not in (AGREE, CALIBRATE))
+        chosen.update(r.algorithm for r in log.records[before:] if r.op != AGREE)
         if writer is not None:
             log.to_tensorboard(writer, offset + i, since=before, prefix=f"sparsync/{plan}")
             writer.add_scalar(f"step_seconds/{plan}", times[-1], offset + i)

@@ -14,7 +14,6 @@ from torch import nn
 
 import sparsync
 from sparsync.compress import ErrorFeedback, Identity, TopK
-from sparsync.record import workload
 from sparsync.replicator import (
     DCTMP,
     PER_REPLICA,
@@ -147,7 +146,7 @@ def _dp_run(ctx: ReplicaContext, mode: str, plan_kind: str) -> dict[str, Any]:
         "state": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "losses": [x["loss"].tolist() for x in losses],
         "sizes": [x["n"].tolist() for x in losses],
-        "algorithms": sorted({r.algorithm for r in workload(ctx.log.records)}),  # the link measurement left out
+        "algorithms": sorted({r.algorithm for r in ctx.log.records}),
     }
 
 

@@ -40,7 +40,7 @@ from sparsync.costmodel import (
     choose_robust,
 )
 from sparsync.handle import Work
-from sparsync.record import CALIBRATE, CommLog, CommRecord
+from sparsync.record import CALIBRATE, CommLog
 from sparsync.stream import SparseStream, index_dtype_for
 
 T = TypeVar("T")
@@ -248,7 +248,7 @@ def start_allreduce(
         if alg == "auto":
             lm = link or link_state(user).link  # set_link / set_deterministic name the caller's group
             if lm is None:
-                lm = link_state(user).link = _calibrate(comm, log)
+                lm = link_state(user).link = _calibrate(comm)
             decision = policy(problem_of(stream, meta, comm.size), lm)
             alg = decision.algorithm
             if policy not in PURE_POLICIES:
@@ -274,21 +274,14 @@ def start_allreduce(
     return submit(user, run, async_op, label=f"sparse_allreduce:{algorithm}", facts=lambda: _facts(stream, g))
 
 
-def _calibrate(comm: Comm, log: CommLog | None) -> LinkModel:
+def _calibrate(comm: Comm) -> LinkModel:
     """ "auto"'s first call on a group (its caller's, for sparsync's own groups) measures the link: timing traffic
-    of its own, logged as a record of its own (op ``CALIBRATE``), not in the call's, so a step's bytes stay the
-    workload's and the log still adds up to what the group sent."""
-    t0 = time.perf_counter()
-    tally = Traffic()
-    lm = measure_link(comm.group, traffic=tally)
-    if log is not None:
-        log.append(
-            CommRecord(
-                CALIBRATE, "measure_link", comm.rank, comm.size, dim=0, nnz_in=0, nnz_out=0,
-                bytes_sent=tally.bytes_sent, bytes_recv=tally.bytes_recv, messages=tally.messages,
-                seconds=time.perf_counter() - t0,
-            )
-        )  # fmt: skip
+    of its own, counted in the call's record under phase ``CALIBRATE`` (``record.workload_bytes`` leaves it out
+    of a step's bytes)."""
+    with comm.phase(CALIBRATE):
+        tally = Traffic()
+        lm = measure_link(comm.group, traffic=tally)
+        comm.count_collective(tally.bytes_sent, tally.bytes_recv, tally.messages)
     return lm
 
 
