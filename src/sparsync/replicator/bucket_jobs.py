@@ -91,6 +91,11 @@ class RoundEnv:
     # allreduces instead of behind them (a round of latency costs no bandwidth). None: one lane.
     sparse_lane: tuple[dist.ProcessGroup, ReduceEnv] | None = None
 
+    @property
+    def divisor(self) -> int:
+        """What a fast bucket's members are divided by as they are put in (``put``)."""
+        return self.reduce.num_replicas if self.mean else 1
+
 
 @dataclass(frozen=True)
 class Contribution:
@@ -134,7 +139,7 @@ def start(
         P = env.reduce.num_replicas
         return Work.done(Reduced([None if g is None else g / P if env.mean else g for g in mine.grads]))
     if bucket.fast:
-        flat = _pack(bucket, mine, flat, copied)
+        flat = _pack(bucket, mine, flat, copied, env.divisor)
 
         def run() -> Reduced:
             return _fast(bucket, mine, flat, env)
@@ -166,9 +171,21 @@ def buffer_of(bucket: Bucket, device: torch.device) -> torch.Tensor:
     return torch.empty(bucket.numel + FIXED + len(bucket.members), dtype=bucket.dtype, device=device)
 
 
-def _pack(bucket: Bucket, mine: Contribution, flat: torch.Tensor | None, copied: frozenset[int]) -> torch.Tensor:
+def put(piece: torch.Tensor, grad: torch.Tensor, divisor: int) -> None:
+    """A gradient into its slot of a fast bucket, divided by ``divisor`` (P for the mean, 1 for the sum) in the
+    same pass: the mean's division costs no pass over the reduced bucket (DDP divides its bucket before the
+    allreduce too). Each rank's share is g / P, so the bucket holds Σ g_i / P rounded per term."""
+    if divisor == 1:
+        piece.copy_(grad)
+    else:
+        torch.div(grad, divisor, out=piece)
+
+
+def _pack(
+    bucket: Bucket, mine: Contribution, flat: torch.Tensor | None, copied: frozenset[int], divisor: int
+) -> torch.Tensor:
     """The flat buffer, completed in the caller's thread (backward goes on accumulating into other gradients):
-    the members not copied yet, zeros for a missing one, the tail."""
+    the members not copied yet (divided by ``divisor``), zeros for a missing one, the tail."""
     if flat is None:
         ref = next((g for g in mine.grads if g is not None), None)
         flat = buffer_of(bucket, ref.device if ref is not None else torch.device("cpu"))
@@ -179,7 +196,7 @@ def _pack(bucket: Bucket, mine: Contribution, flat: torch.Tensor | None, copied:
         if g is None:
             piece.zero_()
         else:
-            piece.copy_((g.to_dense() if g.is_sparse else g).reshape(-1))
+            put(piece, (g.to_dense() if g.is_sparse else g).reshape(-1), divisor)
     present = [0.0 if g is None else 1.0 for g in mine.grads]
     tail = [float(mine.changed >= 0), float(mine.seq), float(mine.seq**2), *present]
     flat[bucket.numel :] = torch.tensor(tail, dtype=bucket.dtype)
@@ -216,9 +233,7 @@ def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv)
             _name_the_rank(comm, bucket, mine, _first_nonfinite(bucket, mine), env)
         except NonFiniteError as e:  # the IEEE 754 sums stay in the result: non-finite on every rank
             nonfinite = e
-    if env.mean:
-        flat[:n].div_(P)
-    out: Result = []
+    out: Result = []  # already the mean: each rank put g / P into the bucket
     at = 0
     for size, i, count in zip(bucket.sizes, bucket.members, tail[FIXED : FIXED + k], strict=True):
         out.append(flat[at : at + size].view(env.shapes[i]) if count else None)

@@ -148,7 +148,7 @@ class OverlapReducer:
         if not b.fast or g is None or g.is_sparse:
             return
         flat = self._round_buffer(b, g.device)
-        flat[b.slots[self.member_of[i]]].copy_(g.reshape(-1))
+        jobs.put(flat[b.slots[self.member_of[i]]], g.reshape(-1), self.round_env.divisor)
         self.copied.add(i)
 
     def _round_buffer(self, b: Bucket, device: torch.device | None) -> torch.Tensor:
