@@ -44,6 +44,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     rank 0's parameters now, as DDP does at construction. ``overlap``: reduce during backward (the default on
     more than one rank; off, or with a parameter-server placement in the plan, every gradient is reduced in
     ``step()``). ``bucket_cap_mb``: the size of a dense bucket (DDP's 25 MiB; the first is 1 MiB).
+    ``check_nan``: a NaN or ±Inf that any rank contributed raises ``NonFiniteError`` (the same on every rank)
+    from ``step()``, while the reduced gradients hold non-finite values on every rank, so a ``GradScaler``'s
+    inf check skips that ``step()`` alike everywhere (no flag needed); False steps on the IEEE 754 sums.
     Collective: every rank wraps the same parameters in the same order.
 
     Mutates: the parameters' ``.grad`` at the end of each backward (or in ``step()``/``synchronize()`` without
