@@ -3,9 +3,10 @@ share, the local half of the template (``encode``), and what every aggregator us
 (``agree``, run by ``collective``), the CommLog record (``record``), a pipelined collective (``pipelined``) and the
 decode (``decoded``). An aggregator from outside the package uses them the same way.
 
-A compressor names its aggregator beside itself (``Compressor.aggregator``): the ones here (``DenseAllreduce``,
-``SparseAllreduce``, ``Allgather``, ``LOCAL``), S2's sketch allreduce in ``sketch.py``, the cast pipeline in
-``cast_allreduce.py``, QSGD's scaled allgather and quantized reduce-scatter in ``qsgd.py``.
+A compressor names its aggregator beside itself (``Compressor.aggregator``): the ones here
+(``DenseSumAggregator``, ``SparseSumAggregator``, ``GatherAggregator``, ``LOCAL_SUM``; named apart from the
+placements ``placement.DenseAllreduce``/``SparseAllreduce``), S2's sketch allreduce in ``sketch.py``, the cast
+pipeline in ``cast_allreduce.py``, QSGD's scaled allgather and quantized reduce-scatter in ``qsgd.py``.
 """
 
 from __future__ import annotations
@@ -219,7 +220,7 @@ def record(call: ReduceCall, alg: str, n: int, nbytes: int, msgs: int, *, device
 
 
 # --- the aggregators ----------------------------------------------------------------------------------------
-class DenseAllreduce(PayloadAggregator[DensePayload]):
+class DenseSumAggregator(PayloadAggregator[DensePayload]):
     """A linear dense payload (identity, a cast of a small tensor): one dense allreduce of its flat buffer."""
 
     name: ClassVar[str] = "allreduce"
@@ -242,7 +243,7 @@ class DenseAllreduce(PayloadAggregator[DensePayload]):
         return decoded(call, work, lambda s: call.finish(call.enc.compressor.decompress(s, call.enc.spec)))
 
 
-class SparseAllreduce(PayloadAggregator[SparsePayload]):
+class SparseSumAggregator(PayloadAggregator[SparsePayload]):
     """Selected (index, value) pairs: ``sparse_allreduce`` with the call's ``algorithm`` (SparCML §4), whose own
     metadata round checks the fingerprint, name and NaN on every rank. A sparsifier's residual is ``x`` with the
     sent entries taken out (``Memory.update_selected``): no dense decompress, no ``x - t``."""
@@ -274,7 +275,7 @@ class SparseAllreduce(PayloadAggregator[SparsePayload]):
         return decoded(call, res, decode)
 
 
-class Allgather(PayloadAggregator[QuantizedPayload]):
+class GatherAggregator(PayloadAggregator[QuantizedPayload]):
     """A payload that does not add up (quantized codes): everyone's bytes to everyone, in one buffer on the
     payload's device, decoded and summed on every rank (SparCML §5). Equal sizes, as NCCL needs: the metadata
     round refused payloads of different sizes on every rank."""
@@ -317,7 +318,7 @@ def scaled(p: QuantizedPayload, scale: float) -> QuantizedPayload:
     return p if scale == 1.0 else QuantizedPayload(p.codes, p.scales * scale)
 
 
-class Local(PayloadAggregator[Payload]):
+class LocalAggregator(PayloadAggregator[Payload]):
     """No collective: what a parameter-server push compresses (``ps.feedback``); ``aggregate`` is the payload's
     own decode, the sum over a group of one."""
 
@@ -331,7 +332,7 @@ class Local(PayloadAggregator[Payload]):
 
 
 # stateless: one of each serves every call
-DENSE_ALLREDUCE = DenseAllreduce()
-SPARSE_ALLREDUCE = SparseAllreduce()
-ALLGATHER = Allgather()
-LOCAL = Local()
+DENSE_SUM = DenseSumAggregator()
+SPARSE_SUM = SparseSumAggregator()
+GATHER = GatherAggregator()
+LOCAL_SUM = LocalAggregator()

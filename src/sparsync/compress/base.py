@@ -76,7 +76,8 @@ class Payload(ABC):
 
 @dataclass(frozen=True)
 class DensePayload(Payload):
-    """A dense tensor (identity, fp16/bf16 casts): summed by one dense allreduce (``aggregate.DenseAllreduce``)."""
+    """A dense tensor (identity, fp16/bf16 casts): summed by one dense allreduce
+    (``aggregate.DenseSumAggregator``)."""
 
     values: torch.Tensor
     # values is a fresh tensor no one else holds (a cast's output), so the allreduce may sum into it; False
@@ -99,7 +100,7 @@ class DensePayload(Payload):
 @dataclass(frozen=True)
 class SparsePayload(Payload):
     """Selected (index, value) pairs of the flattened tensor: summed by ``sparse_allreduce``
-    (``aggregate.SparseAllreduce``)."""
+    (``aggregate.SparseSumAggregator``)."""
 
     stream: SparseStream
 
@@ -142,7 +143,7 @@ class SketchPayload(Payload):
 class QuantizedPayload(Payload):
     """QSGD codes packed ``8 // bits`` to a byte plus one full-precision scale per bucket. Does not add up
     linearly: aggregated by an allgather of the bytes and a local decode-and-sum, or by QSGD's quantized
-    reduce-scatter + allgather (``QSGD.aggregation``); ``aggregate.Allgather``, ``qsgd.py``."""
+    reduce-scatter + allgather (``QSGD.aggregation``); ``aggregate.GatherAggregator``, ``qsgd.py``."""
 
     codes: torch.Tensor  # uint8, packed
     scales: torch.Tensor  # float32, one per bucket

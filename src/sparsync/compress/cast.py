@@ -15,7 +15,7 @@ import torch
 from sparsync.buffers import fresh
 from sparsync.collectives.tensor import coo_to_stream
 from sparsync.compress import base
-from sparsync.compress.aggregate import DENSE_ALLREDUCE, SPARSE_ALLREDUCE
+from sparsync.compress.aggregate import DENSE_SUM, SPARSE_SUM
 from sparsync.compress.cast_allreduce import MIN_VALUES, CastPipeline
 from sparsync.stream import SparseStream
 
@@ -42,7 +42,7 @@ class _Cast(base.Compressor):
         x = enc.x
         if x.dtype == torch.float32 and not x.is_sparse and enc.world_size > 1 and enc.spec.numel >= MIN_VALUES:
             return CastPipeline(self.wire_dtype)
-        return SPARSE_ALLREDUCE if x.is_sparse else DENSE_ALLREDUCE
+        return SPARSE_SUM if x.is_sparse else DENSE_SUM
 
     def decompress(self, payload: base.Payload, spec: base.TensorSpec) -> torch.Tensor:
         if isinstance(payload, base.SparsePayload):

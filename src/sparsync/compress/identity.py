@@ -10,7 +10,7 @@ import torch
 
 from sparsync.collectives.tensor import coo_to_stream
 from sparsync.compress import base
-from sparsync.compress.aggregate import DENSE_ALLREDUCE, SPARSE_ALLREDUCE
+from sparsync.compress.aggregate import DENSE_SUM, SPARSE_SUM
 
 
 @dataclass(frozen=True, eq=False)
@@ -27,7 +27,7 @@ class Identity(base.Compressor):
         return base.DensePayload(tensor)
 
     def aggregator(self, enc: base.Encoding) -> base.Aggregator[Any]:
-        return SPARSE_ALLREDUCE if enc.x.is_sparse else DENSE_ALLREDUCE
+        return SPARSE_SUM if enc.x.is_sparse else DENSE_SUM
 
     def decompress(self, payload: base.Payload, spec: base.TensorSpec) -> torch.Tensor:
         if isinstance(payload, base.SparsePayload):

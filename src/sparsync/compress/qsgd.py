@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Literal
 import torch
 
 from sparsync.collectives.allreduce import DsarCall
-from sparsync.compress.aggregate import Allgather, Result, expect, pipelined
+from sparsync.compress.aggregate import GatherAggregator, Result, expect, pipelined
 from sparsync.compress.base import (
     Aggregator,
     Compressor,
@@ -124,7 +124,7 @@ class QSGD(QSGDCodec, Compressor):
         return dsar_quantized(call, self)
 
 
-class ScaledAllgather(Allgather):
+class ScaledAllgather(GatherAggregator):
     """QSGD's allgather: QSGD decodes linearly in its scales, so the average is decoded from scales / P (n / bucket
     divisions, not a pass over the n decoded values)."""
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from sparsync.compress.aggregate import SPARSE_ALLREDUCE
+from sparsync.compress.aggregate import SPARSE_SUM
 from sparsync.compress.base import (
     Aggregator,
     Compressor,
@@ -32,7 +32,7 @@ class Sparsifier(Compressor):
         check_ratio(self.ratio)
 
     def aggregator(self, enc: Encoding) -> Aggregator[Any]:
-        return SPARSE_ALLREDUCE
+        return SPARSE_SUM
 
     def decompress(self, payload: SparsePayload, spec: TensorSpec) -> torch.Tensor:
         return sparse_to_tensor(payload, spec)

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from sparsync.compress.aggregate import LOCAL, encode
+from sparsync.compress.aggregate import LOCAL_SUM, encode
 from sparsync.compress.base import Compressor, Context
 from sparsync.compress.memory import ErrorFeedback
 from sparsync.placement.base import load_optional_state
@@ -45,7 +45,7 @@ class PushFeedback:
         # compressed_allreduce's local half (compensate -> compress -> memory update); no collective: the push
         # sends the decompressed rows itself
         e = encode(self.compressor, grad.detach(), Context(name, self.rank, self.world), self.memory,
-                   aggregator=LOCAL)  # fmt: skip
+                   aggregator=LOCAL_SUM)  # fmt: skip
         sent = e.local if e.local is not None else self.compressor.decompress(e.payload, e.enc.spec)
         sent = sent.to_dense() if sent.is_sparse else sent
         keep = torch.nonzero(sent.ne(0).any(1), as_tuple=True)[0]
