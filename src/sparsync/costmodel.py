@@ -381,11 +381,6 @@ class Registry:
 REGISTRY = Registry()
 
 
-def register_algorithm(entry: AlgorithmEntry) -> AlgorithmEntry:
-    """Add ``entry`` to ``REGISTRY`` (``Registry.register``); returns it."""
-    return REGISTRY.register(entry)
-
-
 def algorithm(name: str) -> AlgorithmEntry:
     """The registry's entry for ``name``; ``KeyError`` listing the valid names."""
     return REGISTRY.entry(name)

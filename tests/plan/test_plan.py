@@ -14,9 +14,16 @@ from torch import nn
 
 from sparsync.plan import Cluster, ServerModel
 from sparsync.plan.detect import ParamStats, RowFractionMeter, sparse_param_names
-from sparsync.plan.planner import candidates, make_plan, zipf_row_fraction
+from sparsync.plan.planner import estimates, make_plan, zipf_row_fraction
 from sparsync_bench.cli import main
 from sparsync_bench.lm import lm_stats
+
+
+def candidates(s: ParamStats, c: Cluster) -> tuple[dict[str, tuple[float, float]], str]:
+    """(bytes per machine, seconds) of every built-in kind that fits ``s``, and the SparCML algorithm."""
+    est = estimates(s, c)
+    sparse = est.get("sparse_allreduce")
+    return {k: (e.nbytes, e.seconds) for k, e in est.items()}, sparse.detail if sparse else ""
 
 
 class Model(nn.Module):
@@ -334,7 +341,7 @@ def test_levels_from_benchmark_json_and_the_cli(tmp_path: Path, capsys: pytest.C
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench))
     stats = tmp_path / "stats.json"
-    stats.write_text(json.dumps([{"name": "v", "shape": [1_000_000, 16], "alpha": 0.01, "sparse": True}]))
+    stats.write_text(json.dumps([{"name": "v", "shape": [1_000_000, 16], "row_fraction": 0.01, "sparse": True}]))
     argv = ["plan", "--stats", str(stats), "--machines", "2", "--procs-per-machine", "4", "--levels", str(path)]
     assert main([*argv, "--override", "v=sparse_allreduce"]) == 0
     out = capsys.readouterr().out

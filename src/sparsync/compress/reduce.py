@@ -1,4 +1,4 @@
-"""``compressed_allreduce`` (formerly ``reduce``): the template method joining the three axes (GRACE's
+"""``compressed_allreduce``: the template method joining the three axes (GRACE's
 compensate -> compress -> memory.update -> send_receive): compensate -> compress -> update memory (``encode``) ->
 aggregate -> decompress (the compressor's ``Aggregator``). Nothing here depends on which compressor it is."""
 

@@ -12,8 +12,7 @@ workers touch together, i.e. after local aggregation):
 - sparse allreduce: the SparCML algorithm ``auto`` would pick for N ranks each holding α_m of the rows, on the
   row-sparse stream ``sparsync.allreduce(coo)`` sends: one index per touched row (4 bytes below 2^31
   rows, ``index_dtype_for``) and the row's values; allgather gives Table 3's 2·α_m·w(N-1) times
-  (1 + index bytes / row bytes). (Before row-sparse streams the stream carried an index per element, and so
-  did this count.)
+  (1 + index bytes / row bytes).
 - sharded: 2·f·u·(8 + 2·w_row) for u distinct rows per worker of w_row bytes each, f = (P-1)/P (an id out, a row
   in and a gradient row out per distinct row, and as much served to the others; ``kinds.ShardedKind``);
 - sketch: ring dense allreduces of the S2 payload, 4·``SparseSketch.payload_nbytes``·(N-1)/N: the bitmap (one
@@ -206,16 +205,6 @@ def estimates(
     return out
 
 
-def candidates(
-    s: ParamStats, c: Cluster, *, sketch_ratio: float = 0.05, sketch: SparseSketch | None = None
-) -> tuple[dict[str, tuple[float, float]], str]:
-    """(bytes per machine, seconds) of every built-in placement that fits the parameter, and the SparCML
-    algorithm (``estimates`` of ``KINDS``)."""
-    est = estimates(s, c, sketch_ratio=sketch_ratio, sketch=sketch)
-    sparse = est.get("sparse_allreduce")
-    return {k: (e.nbytes, e.seconds) for k, e in est.items()}, sparse.detail if sparse else ""
-
-
 def make_plan(
     stats: Sequence[ParamStats],
     cluster: Cluster,
@@ -276,14 +265,12 @@ def zipf_row_fraction(vocab: int, draws: int, s: float = 1.0) -> float:
 
 
 def stats_from_json(obj: Any) -> list[ParamStats]:
-    """Recorded statistics: a JSON list of {name, shape, row_fraction, sparse[, row_fraction_machine, itemsize]}
-    (``alpha`` and ``alpha_machine``, the keys before 2026-11-26, are read too)."""
+    """Recorded statistics: a JSON list of {name, shape, row_fraction, sparse[, row_fraction_machine,
+    itemsize]}."""
     if not isinstance(obj, list):
         raise ValueError("stats must be a JSON list of parameter records")
     out = []
     for i, d in enumerate(obj):
-        if isinstance(d, dict) and "row_fraction" not in d and "alpha" in d:
-            d = {**d, "row_fraction": d["alpha"], "row_fraction_machine": d.get("alpha_machine")}
         if not isinstance(d, dict) or not {"name", "shape", "row_fraction", "sparse"} <= set(d):
             raise ValueError(f"stats record {i} needs name, shape, row_fraction, sparse; got {d!r}")
         shape = tuple(int(x) for x in d["shape"])
