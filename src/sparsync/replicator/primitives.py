@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,6 +200,41 @@ def check_reduce(tensors: list[torch.Tensor], op: str) -> None:
             raise ValueError(f"all_reduce(op='mean') needs floating tensors, got {bad[0]}")
 
 
+# What a raw call does with one flat buffer of one dtype (the leaves ``idx`` of ``tensors``): its collective,
+# its byte count, the leaves' results put in ``out``.
+PerBuffer = Callable[[Comm, torch.Tensor, list[int], list[Any]], None]
+
+
+def _raw_call(
+    env: Env,
+    tensors: list[torch.Tensor],
+    spec: pytree.TreeSpec,
+    name: str,
+    arg: int,
+    label: str | None,
+    per_buffer: PerBuffer,
+    check_nan: bool = False,
+) -> list[Any]:
+    """The skeleton of the raw primitives, on the group's queue: the agreement round (``agree``, with the
+    primitive's own ``arg``: reduce op or broadcast source), then ``per_buffer`` for each dtype's flat buffer,
+    then the record. ``name``: the primitive ("all_reduce", "all_reduce_grad", ...)."""
+    seq = next_call(env.group)
+    site = call_site() if label is None else None  # in the caller's thread
+
+    def run() -> list[Any]:
+        t0 = time.perf_counter()
+        comm = Comm(env.group, env.timeout, device_of(tensors))
+        comm.op = name
+        agree(env, name, tensors, spec, arg, comm, seq, check_nan, label, site=site)
+        out: list[Any] = [None] * len(tensors)
+        for _dtype, idx in _buckets(tensors).items():
+            per_buffer(comm, torch.cat([tensors[i].detach().reshape(-1) for i in idx]), idx, out)
+        _record(env, name, comm, sum(t.numel() for t in tensors), t0)
+        return out
+
+    return submit(env.group, run, False, label=f"{name}:gloo", facts=lambda: _facts(tensors, env))  # type: ignore[return-value]
+
+
 def raw_all_reduce(
     env: Env,
     tensors: list[torch.Tensor],
@@ -213,28 +249,15 @@ def raw_all_reduce(
     same ValueError everywhere); ``label``: the caller's ``name=``, compared across replicas."""
     check_reduce(tensors, op)
 
-    seq = next_call(env.group)
-    site = call_site() if label is None else None  # in the caller's thread
+    def reduce(comm: Comm, buf: torch.Tensor, idx: list[int], out: list[Any]) -> None:
+        with comm.phase("all_reduce"):
+            comm.run_collective("all_reduce", dist.all_reduce, buf, op=_TORCH_OPS[op])
+        comm.count_ring_allreduce(buf.numel() * buf.element_size())
+        if op == "mean":
+            buf /= comm.size
+        _unflat(buf, tensors, idx, out)
 
-    def run() -> list[Any]:
-        t0 = time.perf_counter()
-        comm = Comm(env.group, env.timeout, device_of(tensors))
-        comm.op = name
-        agree(env, name, tensors, spec, REDUCE_OPS.index(op), comm, seq, check_nan, label, site=site)
-        out: list[Any] = [None] * len(tensors)
-        P = comm.size
-        for _dtype, idx in _buckets(tensors).items():
-            buf = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
-            with comm.phase("all_reduce"):
-                comm.run_collective("all_reduce", dist.all_reduce, buf, op=_TORCH_OPS[op])
-            comm.count_ring_allreduce(buf.numel() * buf.element_size())
-            if op == "mean":
-                buf /= P
-            _unflat(buf, tensors, idx, out)
-        _record(env, name, comm, sum(t.numel() for t in tensors), t0)
-        return out
-
-    return submit(env.group, run, False, label=f"{name}:gloo", facts=lambda: _facts(tensors, env))  # type: ignore[return-value]
+    return _raw_call(env, tensors, spec, name, REDUCE_OPS.index(op), label, reduce, check_nan)
 
 
 def raw_all_gather(
@@ -243,32 +266,20 @@ def raw_all_gather(
     """Every replica's leaves stacked along a new leading dimension of size ``num_replicas``; no autograd.
     ``label``: the caller's ``name=``."""
 
-    seq = next_call(env.group)
-    site = call_site() if label is None else None  # in the caller's thread
-
-    def run() -> list[Any]:
-        t0 = time.perf_counter()
-        comm = Comm(env.group, env.timeout, device_of(tensors))
-        comm.op = name
-        agree(env, name, tensors, spec, 0, comm, seq, label=label, site=site)
+    def gather(comm: Comm, buf: torch.Tensor, idx: list[int], out: list[Any]) -> None:
         P = comm.size
-        out: list[Any] = [None] * len(tensors)
-        for _dtype, idx in _buckets(tensors).items():
-            buf = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
-            parts = [torch.empty_like(buf) for _ in range(P)]
-            with comm.phase("all_gather"):
-                comm.all_gather_equal("all_gather", parts, buf)
-            comm.count_ring_allgather(buf.numel() * buf.element_size())
-            stacked = torch.stack(parts)
-            off = 0
-            for i in idx:
-                n = tensors[i].numel()
-                out[i] = stacked[:, off : off + n].reshape(P, *tensors[i].shape)
-                off += n
-        _record(env, name, comm, sum(t.numel() for t in tensors), t0)
-        return out
+        parts = [torch.empty_like(buf) for _ in range(P)]
+        with comm.phase("all_gather"):
+            comm.all_gather_equal("all_gather", parts, buf)
+        comm.count_ring_allgather(buf.numel() * buf.element_size())
+        stacked = torch.stack(parts)
+        off = 0
+        for i in idx:
+            n = tensors[i].numel()
+            out[i] = stacked[:, off : off + n].reshape(P, *tensors[i].shape)
+            off += n
 
-    return submit(env.group, run, False, label=f"{name}:gloo", facts=lambda: _facts(tensors, env))  # type: ignore[return-value]
+    return _raw_call(env, tensors, spec, name, 0, label, gather)
 
 
 def raw_broadcast(
@@ -278,25 +289,13 @@ def raw_broadcast(
     if not 0 <= source < env.size:
         raise ValueError(f"unknown replica id {source} as broadcast source; valid: 0..{env.size - 1}")
 
-    seq = next_call(env.group)
-    site = call_site() if label is None else None  # in the caller's thread
+    def broadcast(comm: Comm, buf: torch.Tensor, idx: list[int], out: list[Any]) -> None:
+        with comm.phase("broadcast"):
+            comm.run_collective("broadcast", dist.broadcast, buf, group_src=source)
+        comm.count_broadcast(buf.numel() * buf.element_size(), source)
+        _unflat(buf, tensors, idx, out)
 
-    def run() -> list[Any]:
-        t0 = time.perf_counter()
-        comm = Comm(env.group, env.timeout, device_of(tensors))
-        comm.op = name
-        agree(env, name, tensors, spec, source, comm, seq, label=label, site=site)
-        out: list[Any] = [None] * len(tensors)
-        for _dtype, idx in _buckets(tensors).items():
-            buf = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
-            with comm.phase("broadcast"):
-                comm.run_collective("broadcast", dist.broadcast, buf, group_src=source)
-            comm.count_broadcast(buf.numel() * buf.element_size(), source)
-            _unflat(buf, tensors, idx, out)
-        _record(env, name, comm, sum(t.numel() for t in tensors), t0)
-        return out
-
-    return submit(env.group, run, False, label=f"{name}:gloo", facts=lambda: _facts(tensors, env))  # type: ignore[return-value]
+    return _raw_call(env, tensors, spec, name, source, label, broadcast)
 
 
 # --- autograd ----------------------------------------------------------------------------------------------
