@@ -1,7 +1,9 @@
 """DDP communication hooks running any sparsync compressor (``DistributedDataParallel.register_comm_hook``).
 
-A hook is a plain function ``hook(state, bucket) -> Future`` (PyTorch's ``default_hooks.py`` convention); the
-one built here ignores ``state`` and carries its settings in a closure. Each gradient of a bucket is compressed
+A hook is a callable ``hook(state, bucket) -> Future`` (PyTorch's ``default_hooks.py`` convention); the
+one built here (``CompressionHook``) ignores ``state``, carries its settings, and sends each bucket by the first
+of its ordered routes that accepts it: DDP's own allreduce, the flat buffer in one call, one fused sparse
+allreduce, or one call per gradient. Each gradient of a bucket is compressed
 on its own, under its parameter's name (layer-wise, as DCT §2.1 applies its threshold; error-feedback
 residuals and DCT thresholds then survive DDP's bucket rebuild after the first iteration, which reorders
 buckets). Sparse gradients (``nn.Embedding(sparse=True)``) arrive as their own bucket holding the COO tensor
@@ -40,6 +42,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,6 +61,7 @@ from sparsync.record import CommLog
 
 # dist.GradBucket is missing from torch's type stubs: buckets are typed Any.
 Hook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
+Route = Callable[["CompressionHook", "_Bucket"], torch.futures.Future[torch.Tensor]]
 
 
 def compression_hook(
@@ -72,7 +76,7 @@ def compression_hook(
     plan: Mapping[str, Compressor] | None = None,
     sparse: Compressor | None = None,
     log: CommLog | None = None,
-) -> Hook:
+) -> CompressionHook:
     """A DDP comm hook reducing every gradient through
     ``sparsync.compressed_allreduce(grad, compressor, memory=...)``.
 
@@ -104,51 +108,119 @@ def compression_hook(
         unknown = sorted(set(plan) - set(names.values()))
         if unknown:
             raise KeyError(f"plan names unknown parameters {unknown}; valid names: {sorted(names.values())}")
-    lossless = Identity()
-    own = background_group(group)
-    # Uncompressed dense buckets, once their layout is checked: DDP's own allreduce (bucket_allreduce.py)
-    plain = BucketAllreduce(own, resolve_group(group), average=average, log=log) if async_op else None
-    # Dense buckets of sparsifiers: per-parameter encode, one sparse allreduce per bucket (bucket_sparse.py)
-    fused = BucketSparse(own, memory=memory, average=average, async_op=async_op, algorithm=algorithm, log=log)
+    return CompressionHook(
+        compressor, memory, names=names, plan=plan, sparse=sparse, group=group, average=average,
+        async_op=async_op, algorithm=algorithm, log=log,
+    )  # fmt: skip
 
-    def chosen(name: str, grad: torch.Tensor) -> Compressor:
-        if name in plan:
-            return plan[name]
-        if grad.is_sparse:
-            return sparse if sparse is not None else lossless
-        return compressor
 
-    # Every dense gradient goes by Identity whatever its name: a dense bucket needs no look at its parameters.
-    dense_identity = not plan and isinstance(compressor, Identity)
+# One bucket as the hook sees it: the buffer, each gradient's name and tensor (empty until a route needs them),
+# and the compressor of each.
+@dataclass
+class _Bucket:
+    raw: Any  # dist.GradBucket
+    buffer: torch.Tensor
+    todo: list[tuple[str, torch.Tensor]]
+    comps: list[Compressor]
 
-    def per_gradient(bucket: Any, buffer: torch.Tensor) -> tuple[list[tuple[str, torch.Tensor]], list[Compressor]]:
-        grads = bucket.gradients() if not buffer.is_sparse else [buffer]
-        todo = [
-            (names.get(id(p)) or f"bucket{bucket.index()}.{j}", grad)
-            for j, (p, grad) in enumerate(zip(bucket.parameters(), grads, strict=True))
-        ]
-        return todo, [chosen(name, grad) for name, grad in todo]
 
-    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+class CompressionHook:
+    """The hook ``compression_hook`` builds: ``hook(state, bucket) -> Future`` (DDP's convention; ``state`` is
+    not used, the settings are the object's). A bucket takes the first route of ``ROUTES`` that accepts it."""
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        memory: ErrorFeedback | None,
+        *,
+        names: dict[int, str],
+        plan: dict[str, Compressor],
+        sparse: Compressor | None,
+        group: dist.ProcessGroup | None,
+        average: bool,
+        async_op: bool,
+        algorithm: str,
+        log: CommLog | None,
+    ) -> None:
+        # DDP reads a hook's __name__ and __qualname__ (its logger, its bf16-hook check), as a function has them
+        self.__name__ = self.__qualname__ = "compression_hook"
+        self.compressor, self.memory, self.names, self.plan = compressor, memory, names, plan
+        self.sparse = sparse if sparse is not None else Identity()
+        self.average, self.async_op, self.algorithm, self.log = average, async_op, algorithm, log
+        self.lossless = Identity()
+        self.own = background_group(group)
+        # Uncompressed dense buckets, once their layout is checked: DDP's own allreduce (bucket_allreduce.py)
+        self.plain = (
+            BucketAllreduce(self.own, resolve_group(group), average=average, log=log) if async_op else None
+        )
+        # Dense buckets of sparsifiers: per-parameter encode, one sparse allreduce per bucket (bucket_sparse.py)
+        self.fused = BucketSparse(
+            self.own, memory=memory, average=average, async_op=async_op, algorithm=algorithm, log=log
+        )
+        # Every dense gradient goes by Identity whatever its name: a dense bucket needs no look at its parameters.
+        self.dense_identity = not plan and isinstance(compressor, Identity)
+
+    def __call__(self, state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        del state
         buffer: torch.Tensor = bucket.buffer()
-        todo, comps = ([], []) if dense_identity else per_gradient(bucket, buffer)
-        if not buffer.is_sparse and all(isinstance(c, Identity) for c in comps):
-            if plain is not None and plain.checked(bucket):
-                return plain(bucket)
-            # Nothing to compress layer by layer: the bucket's flat buffer in one call (one metadata round,
-            # as DDP's own hook sends it), not one call per gradient.
-            todo, comps = [(f"bucket{bucket.index()}", buffer.view(-1))], [lossless]
-        elif not todo:
-            todo, comps = per_gradient(bucket, buffer)
-        if fusable(buffer, comps):
-            return fused(buffer, todo, comps)
+        b = _Bucket(bucket, buffer, [], [])
+        if not self.dense_identity or buffer.is_sparse:
+            self._per_gradient(b)
+        for _name, accepts, send in self.ROUTES:
+            if accepts(self, b):
+                return send(self, b)
+        raise AssertionError("the last route accepts every bucket")  # pragma: no cover
+
+    def _chosen(self, name: str, grad: torch.Tensor) -> Compressor:
+        if name in self.plan:
+            return self.plan[name]
+        return self.sparse if grad.is_sparse else self.compressor
+
+    def _per_gradient(self, b: _Bucket) -> None:
+        grads = b.raw.gradients() if not b.buffer.is_sparse else [b.buffer]
+        b.todo = [
+            (self.names.get(id(p)) or f"bucket{b.raw.index()}.{j}", grad)
+            for j, (p, grad) in enumerate(zip(b.raw.parameters(), grads, strict=True))
+        ]
+        b.comps = [self._chosen(name, grad) for name, grad in b.todo]
+
+    # --- the routes, in order: (name, accepts, send) ----------------------------------------------------------
+    def _uncompressed(self, b: _Bucket) -> bool:
+        return not b.buffer.is_sparse and all(isinstance(c, Identity) for c in b.comps)
+
+    def _plain_accepts(self, b: _Bucket) -> bool:
+        """An uncompressed dense bucket whose layout was checked: DDP's own allreduce."""
+        return self._uncompressed(b) and self.plain is not None and self.plain.checked(b.raw)
+
+    def _plain(self, b: _Bucket) -> torch.futures.Future[torch.Tensor]:
+        assert self.plain is not None
+        return self.plain(b.raw)
+
+    def _flat_accepts(self, b: _Bucket) -> bool:
+        """An uncompressed dense bucket not checked yet (or without async_op): nothing to compress layer by
+        layer, so the flat buffer in one call (one metadata round, as DDP's own hook sends it)."""
+        if not self._uncompressed(b):
+            return False
+        b.todo, b.comps = [(f"bucket{b.raw.index()}", b.buffer.view(-1))], [self.lossless]
+        return True
+
+    def _fused_accepts(self, b: _Bucket) -> bool:
+        """A dense bucket of sparsifiers: one sparse allreduce (bucket_sparse.py)."""
+        return fusable(b.buffer, b.comps)
+
+    def _fused(self, b: _Bucket) -> torch.futures.Future[torch.Tensor]:
+        return self.fused(b.buffer, b.todo, b.comps)
+
+    def _each(self, b: _Bucket) -> torch.futures.Future[torch.Tensor]:
+        """Anything else: one ``compressed_allreduce`` per gradient (for the flat route, one for the buffer)."""
         works: list[Work[torch.Tensor]] = []
-        for (name, grad), c in zip(todo, comps, strict=True):
+        for (name, grad), c in zip(b.todo, b.comps, strict=True):
             out = compressed_allreduce(
-                grad, c, memory=None if isinstance(c, Identity) else memory, name=name, group=own,
-                average=average, async_op=async_op, algorithm=algorithm, log=log,
+                grad, c, memory=None if isinstance(c, Identity) else self.memory, name=name, group=self.own,
+                average=self.average, async_op=self.async_op, algorithm=self.algorithm, log=self.log,
             )  # fmt: skip
             works.append(out if isinstance(out, Work) else Work.done(out))
+        buffer = b.buffer
         fut: torch.futures.Future[torch.Tensor] = bucket_future(buffer)
 
         def assemble() -> torch.Tensor:
@@ -166,11 +238,18 @@ def compression_hook(
         complete_when_done(works[-1], fut, assemble)
         return fut
 
-    # DDP inspects the annotations and rejects the string forms that `from __future__ import annotations`
-    # leaves there: give it the real classes.
-    hook.__annotations__ = {
-        "state": object,
-        "bucket": dist.GradBucket,  # type: ignore[attr-defined]
-        "return": torch.futures.Future[torch.Tensor],
-    }
-    return hook
+    ROUTES: tuple[tuple[str, Callable[[CompressionHook, _Bucket], bool], Route], ...] = (
+        ("plain", _plain_accepts, _plain),
+        ("flat", _flat_accepts, _each),
+        ("fused", _fused_accepts, _fused),
+        ("each", lambda self, b: True, _each),
+    )
+
+
+# DDP inspects the hook's signature and rejects the string annotations that `from __future__ import annotations`
+# leaves: give it the real classes.
+CompressionHook.__call__.__annotations__ = {
+    "state": object,
+    "bucket": dist.GradBucket,  # type: ignore[attr-defined]
+    "return": torch.futures.Future[torch.Tensor],
+}
