@@ -64,8 +64,9 @@ def hook_cost(n: int = 20000) -> float:
     import torch
 
     sys.path.insert(0, str(ROOT / "src"))  # this tree's sparsync, whatever is installed
-    from sparsync.collectives.comm import Traffic
+    from sparsync.collectives.failure import guard
     from sparsync.collectives.flight import FlightRecorder
+    from sparsync.collectives.traffic import Traffic
 
     rec, row = FlightRecorder(calls=64), torch.zeros(28, dtype=torch.int64)
 
@@ -81,7 +82,7 @@ def hook_cost(n: int = 20000) -> float:
         Traffic()  # the call builds its Traffic either way
 
     best = []
-    for fn in (rec.guard(call), bare):
+    for fn in (guard(rec, call), bare):
         runs = []
         for _ in range(7):
             t0 = time.perf_counter()

@@ -37,7 +37,7 @@ def worker(rank: int, blocks: int, block: int, tmp: str) -> dict[str, list[float
 
     import sparsync
     from sparsync.collectives import trace
-    from sparsync.collectives.group import set_tracer
+    from sparsync.collectives.timeline import set_tracer
 
     sparsync.set_deterministic()  # one algorithm in every build: the model's choice, not a timed calibration
     g = torch.Generator().manual_seed(rank)
@@ -68,10 +68,10 @@ def worker(rank: int, blocks: int, block: int, tmp: str) -> dict[str, list[float
 def count_checks(call: Any, n: int = 10) -> dict[str, float]:
     """How often one call runs each check of the default build (no profiler, no timeline): ``profiling()``
     (per call, phase and algorithm scope), ``tracer()`` (per call), ``Comm.running`` (per call)."""
-    from sparsync.collectives import comm, group, trace
+    from sparsync.collectives import comm, fifo, trace
 
     counts = {"profiling()": 0, "tracer()": 0, "Comm.running": 0}
-    saved = trace.profiling, group.tracer, comm.Comm.running
+    saved = trace.profiling, fifo.tracer, comm.Comm.running
 
     def wrap(name: str, fn: Any) -> Any:
         def counted(*a: Any, **k: Any) -> Any:
@@ -81,13 +81,13 @@ def count_checks(call: Any, n: int = 10) -> dict[str, float]:
         return counted
 
     trace.profiling = wrap("profiling()", saved[0])  # type: ignore[assignment]
-    group.tracer = wrap("tracer()", saved[1])  # type: ignore[assignment]
+    fifo.tracer = wrap("tracer()", saved[1])  # type: ignore[assignment]
     comm.Comm.running = wrap("Comm.running", saved[2])  # type: ignore[method-assign]
     try:
         for _ in range(n):
             call()
     finally:
-        trace.profiling, group.tracer, comm.Comm.running = saved  # type: ignore[method-assign]
+        trace.profiling, fifo.tracer, comm.Comm.running = saved  # type: ignore[method-assign]
     return {k: v / n for k, v in counts.items()}
 
 
@@ -112,7 +112,7 @@ def _check_costs(rank: int) -> dict[str, float]:
     from types import SimpleNamespace
 
     from sparsync.collectives import comm, trace
-    from sparsync.collectives.group import tracer
+    from sparsync.collectives.timeline import tracer
 
     n = 200_000
     fake = SimpleNamespace(_span=None, op="sparse_allreduce")

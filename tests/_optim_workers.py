@@ -101,6 +101,29 @@ def scheduler_worker(rank: int) -> dict[str, Any]:
     return {"straight": straight, "resumed": resumed, "clipped": clipped, "lrs": lrs, "lrs2": lrs2}
 
 
+def unreached_clip_worker(rank: int) -> dict[str, Any]:
+    """``clip_grad_norm_`` with a bound far above the norm: the aggregated gradients (sparse and dense) before
+    and after it, the norm it returns, and the norm of the unclipped gradients (torch's definition: the norm of
+    the per-tensor norms, a sparse one over its coalesced values)."""
+    model = _model(0)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    model(_batch(0, rank, 0.2)).square().mean().backward()
+    opt.synchronize()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    before = [(g.coalesce().to_dense() if g.is_sparse else g).clone() for g in grads]
+    per = [torch.linalg.vector_norm(g.coalesce().values() if g.is_sparse else g) for g in grads]
+    unclipped = torch.linalg.vector_norm(torch.stack(per))
+    norm = opt.clip_grad_norm_(1e6)
+    after = [g.coalesce().to_dense() if g.is_sparse else g for g in (p.grad for p in model.parameters())]
+    return {
+        "sparse": [g.is_sparse for g in grads],
+        "before": [g.numpy().copy() for g in before],
+        "after": [g.detach().numpy().copy() for g in after if g is not None],
+        "norm": norm.item(),
+        "unclipped": unclipped.item(),
+    }
+
+
 def plan_worker(rank: int) -> dict[str, Any]:
     """A per-parameter plan: the dense weight by TopK with error feedback, the rest by default; the log
     records bytes per collective."""

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import sparsync
-from sparsync.collectives.group import set_tracer
+from sparsync.collectives.timeline import set_tracer
 from sparsync.collectives.trace import Tracer
 from sparsync.compress import ErrorFeedback, Threshold, TopK
 from sparsync.placement import Compressed

@@ -1,12 +1,15 @@
 """The package's layers (docs/architecture.md): every import of every module under src/sparsync, function-level
-and ``TYPE_CHECKING`` ones included, goes to its own layer or a lower one; outside ``sparsync.collectives``
-nobody imports its private modules or names; and every module imports."""
+and ``TYPE_CHECKING`` ones included, goes to its own layer or a lower one; inside ``sparsync.collectives`` to its
+own sublayer or a lower one; outside ``sparsync.collectives`` nobody imports its private modules or names; no
+module of sparsync imports a module of src/ inside a function; no modules of src/ (sparsync and
+sparsync_bench) import each other, directly or round a loop; and every module imports."""
 
 from __future__ import annotations
 
 import ast
 import functools
 import importlib
+import importlib.util
 import pkgutil
 from pathlib import Path
 
@@ -50,18 +53,59 @@ LAYERS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
 TOOLS = ("tools", 7)
 PRIVATE_CORE = "sparsync.collectives"  # its private modules and names stay inside it
 
+# Inside the core's collectives, low to high (docs/architecture.md): a module imports modules of its own
+# sublayer or of a lower one, so the core reads bottom to top (the flight recorder's ring once imported the
+# metadata exchange and the peers inside functions, for its failure policy: a circle behind a late import).
+# The package's ``__init__`` sits above them all; a module of the package missing here fails the test.
+SUBLAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("leaves", ("ops", "trace", "site", "traffic", "_hll", "partition")),
+    ("flight ring", ("flight",)),
+    ("group state", ("group", "timeline", "background")),
+    ("peers", ("peers",)),
+    ("failure", ("failure",)),
+    ("queue", ("fifo",)),
+    ("transport", ("transport",)),
+    ("comm", ("wire", "comm")),
+    ("gather", ("_gather",)),
+    ("meta", ("meta",)),
+    (
+        "algorithms",
+        (
+            "dense",
+            "allgather",
+            "recursive_double",
+            "split_allgather",
+            "algorithms",
+            "calibrate",
+            "allreduce",
+            "grouped",
+            "tensor",
+            "hierarchical",
+        ),
+    ),
+)
+FIRST_PARTY = ("sparsync", "sparsync_bench")  # the packages under src/
+
 SRC = Path(sparsync.__file__).parent
 
 
 @functools.cache
-def module_files() -> dict[str, Path]:
-    """Every module of the package by dotted name (a package by its ``__init__.py``)."""
+def module_files(package: str = "sparsync") -> dict[str, Path]:
+    """Every module of ``package`` by dotted name (a package by its ``__init__.py``)."""
+    spec = importlib.util.find_spec(package)  # found, not imported: sparsync_bench needs the bench extra
+    assert spec is not None and spec.submodule_search_locations, package
+    root = Path(next(iter(spec.submodule_search_locations)))
     out = {}
-    for path in sorted(SRC.rglob("*.py")):
-        parts = path.relative_to(SRC.parent).with_suffix("").parts
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
     return out
+
+
+def src_files() -> dict[str, Path]:
+    """Every module of every package under src/."""
+    return {m: p for package in FIRST_PARTY for m, p in module_files(package).items()}
 
 
 def layer_of(module: str) -> tuple[str, int]:
@@ -74,20 +118,27 @@ def layer_of(module: str) -> tuple[str, int]:
     return best
 
 
-def imports_of(module: str, source: str, known: set[str]) -> list[tuple[int, str, str]]:
-    """(line, imported module, imported name or "") of every sparsync import in ``source``, at any depth of
-    the tree. ``from a.b import c`` imports module ``a.b.c`` when that is a module, else name ``c`` of ``a.b``."""
+def imports_of(
+    module: str, source: str, known: set[str], *, type_checking: bool = True
+) -> list[tuple[int, str, str]]:
+    """(line, imported module, imported name or "") of every import of src/'s packages in ``source``, at any
+    depth of the tree (``type_checking=False``: but those under ``if TYPE_CHECKING:``, which never run).
+    ``from a.b import c`` imports module ``a.b.c`` when that is a module, else name ``c`` of ``a.b``."""
     package = module if module in known and _is_package(module) else module.rpartition(".")[0]
+    tree = ast.parse(source)
+    skip = set() if type_checking else {id(n) for n in _type_checking_nodes(tree)}
     out = []
-    for node in ast.walk(ast.parse(source)):
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name, "") for a in node.names if a.name.split(".")[0] == "sparsync"]
+            out += [(node.lineno, a.name, "") for a in node.names if a.name.split(".")[0] in FIRST_PARTY]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative: from the module's package upwards
                 up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join([*up, *([base] if base else [])])
-            if base.split(".")[0] != "sparsync":
+            if base.split(".")[0] not in FIRST_PARTY:
                 continue
             for a in node.names:
                 sub = f"{base}.{a.name}"
@@ -96,7 +147,43 @@ def imports_of(module: str, source: str, known: set[str]) -> list[tuple[int, str
 
 
 def _is_package(module: str) -> bool:
-    return module_files()[module].name == "__init__.py"
+    return src_files()[module].name == "__init__.py"
+
+
+def _type_checking_nodes(tree: ast.AST) -> list[ast.AST]:
+    """Every node under an ``if TYPE_CHECKING:`` (or ``typing.TYPE_CHECKING``)."""
+    out: list[ast.AST] = []
+    for node in ast.walk(tree):
+        test = node.test if isinstance(node, ast.If) else None
+        name = test.id if isinstance(test, ast.Name) else test.attr if isinstance(test, ast.Attribute) else ""
+        if isinstance(node, ast.If) and name == "TYPE_CHECKING":
+            out += [n for child in node.body for n in ast.walk(child)]
+    return out
+
+
+def sublayer_of(module: str) -> tuple[int, str]:
+    """(level, name) of a module of ``sparsync.collectives`` in SUBLAYERS; the package's ``__init__`` and any
+    module SUBLAYERS does not name sit above them all."""
+    short = module.removeprefix(PRIVATE_CORE + ".")
+    for i, (name, modules) in enumerate(SUBLAYERS):
+        if short in modules:
+            return i, name
+    return len(SUBLAYERS), "the package" if module == PRIVATE_CORE else f"unplaced {module}"
+
+
+def sublayer_violations(module: str, source: str, known: set[str]) -> list[str]:
+    """What a module of ``sparsync.collectives`` imports from a higher sublayer of it."""
+    if not module.startswith(PRIVATE_CORE + "."):
+        return []
+    level, name = sublayer_of(module)
+    out = []
+    for line, target, attr in imports_of(module, source, known):
+        if target != PRIVATE_CORE and not target.startswith(PRIVATE_CORE + "."):
+            continue
+        tlevel, tname = sublayer_of(target)
+        if tlevel > level:
+            out.append(f"{module}:{line} imports {target}{'.' + attr if attr else ''}: sublayer {name} -> {tname}")
+    return out
 
 
 def violations(module: str, source: str, known: set[str]) -> list[str]:
@@ -198,33 +285,118 @@ def _function_level_imports(source: str) -> list[int]:
     return found
 
 
-def test_compress_has_no_late_imports_and_no_import_circle() -> None:
-    """sparsync.compress imports at module level only, and its modules import each other without a circle (the
-    quantizer, its reduce-scatter and DSAR's quantized phase once needed a late import)."""
+def test_sublayers_place_every_collectives_module() -> None:
+    """SUBLAYERS names every module of ``sparsync.collectives`` once, and only its modules."""
+    real = {m.removeprefix(PRIVATE_CORE + ".") for m in module_files() if m.startswith(PRIVATE_CORE + ".")}
+    named = [m for _, modules in SUBLAYERS for m in modules]
+    assert len(named) == len(set(named)), f"named twice: {sorted(m for m in named if named.count(m) > 1)}"
+    assert set(named) == real, f"unplaced: {sorted(real - set(named))}; not modules: {sorted(set(named) - real)}"
+
+
+def test_collectives_import_down_their_sublayers() -> None:
     files = module_files()
     known = set(files)
-    mods = {m: p for m, p in files.items() if m == "sparsync.compress" or m.startswith("sparsync.compress.")}
-    late = [f"{m}:{line}" for m, p in mods.items() for line in _function_level_imports(p.read_text())]
-    assert not late, f"function-level imports: {late}"
-    edges = {
-        m: {t for _, t, _ in imports_of(m, p.read_text(), known) if t in mods and t != m} for m, p in mods.items()
-    }
-    edges["sparsync.compress"] = set()  # the package's __init__ re-exports its modules: not an edge back
-    state: dict[str, int] = {}
+    found = [v for m, path in files.items() for v in sublayer_violations(m, path.read_text(), known)]
+    assert not found, "\n".join(found)
 
-    def cycle_from(m: str, path: list[str]) -> list[str] | None:
+
+@pytest.mark.parametrize(
+    ("module", "source", "expect"),
+    [
+        ("sparsync.collectives.flight", "def f():\n    from sparsync.collectives import meta\n", "ring -> meta"),
+        ("sparsync.collectives.group", "from sparsync.collectives.fifo import submit\n", "state -> queue"),
+        ("sparsync.collectives.peers", "from sparsync.collectives.failure import guard\n", "peers -> failure"),
+        ("sparsync.collectives.comm", "from sparsync.collectives import _gather\n", "comm -> gather"),
+        ("sparsync.collectives.meta", "from sparsync.collectives import allreduce\n", "meta -> algorithms"),
+        ("sparsync.collectives.trace", "from sparsync.collectives import tensor\n", "leaves -> algorithms"),
+        ("sparsync.collectives.dense", "from sparsync.collectives import sparse_allreduce\n", "-> the package"),
+    ],
+)
+def test_the_sublayer_check_catches_an_upward_import(module: str, source: str, expect: str) -> None:
+    found = sublayer_violations(module, source, set(module_files()))
+    assert any(expect in v for v in found), found
+
+
+def test_the_sublayer_check_allows_its_own_and_lower_ones() -> None:
+    known = set(module_files())
+    assert not sublayer_violations("sparsync.collectives.comm", "from sparsync.collectives import wire\n", known)
+    assert not sublayer_violations("sparsync.collectives.meta", "from sparsync.collectives import ops\n", known)
+    assert not sublayer_violations("sparsync.collectives", "from sparsync.collectives import tensor\n", known)
+
+
+def test_sparsync_has_no_late_imports_of_its_own_modules() -> None:
+    """No module of sparsync, in any of its packages, imports a module of src/ inside a function: a late import
+    hides a circle, it does not remove one (a third-party import there, numpy in the planner, is only lazy).
+    sparsync_bench's commands load their modules lazily; the circle check below covers those imports."""
+    files = module_files()
+    known = set(src_files())
+    late = []
+    for m, path in files.items():
+        source = path.read_text()
+        lines = set(_function_level_imports(source))
+        late += [f"{m}:{line} imports {t}" for line, t, _ in imports_of(m, source, known) if line in lines]
+    assert not late, f"function-level imports: {late}"
+
+
+def import_edges(sources: dict[str, str], known: set[str]) -> dict[str, set[str]]:
+    """Module -> the modules of ``known`` it imports when it runs: at import time or inside a function, not under
+    ``if TYPE_CHECKING:``. A package's ``__init__`` re-exports its own modules: no edge back into it."""
+    edges = {}
+    for m, source in sources.items():
+        out = set()
+        for _, target, _ in imports_of(m, source, known, type_checking=False):
+            while target and target not in known:  # a name of a module, or a module that is no file (.so)
+                target = target.rpartition(".")[0]
+            if target and target != m and not (_is_package(m) and target.startswith(m + ".")):
+                out.add(target)
+        edges[m] = out
+    return edges
+
+
+def find_circle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One loop of ``edges`` (its modules in order, the first one again at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done, no loop through it
+
+    def visit(m: str, path: list[str]) -> list[str] | None:
         state[m] = 1
-        for t in sorted(edges[m]):
+        for t in sorted(edges.get(m, ())):
             if state.get(t) == 1:
-                return [*path, m, t]
-            if t not in state and (c := cycle_from(t, [*path, m])) is not None:
+                here = [*path, m]
+                return [*here[here.index(t) :], t]
+            if t not in state and (c := visit(t, [*path, m])) is not None:
                 return c
         state[m] = 2
         return None
 
-    for m in sorted(mods):
-        c = None if m in state else cycle_from(m, [])
-        assert c is None, " -> ".join(c or [])
+    for m in sorted(edges):
+        if m not in state and (c := visit(m, [])) is not None:
+            return c
+    return None
+
+
+def test_no_import_circle_under_src() -> None:
+    """No modules of sparsync or sparsync_bench import each other, directly or round a loop, at import time or
+    in a function (train_demo <-> demo_report and dlrm_train <-> torchrec_baseline once did, behind late
+    imports; the collectives' flight recorder -> meta -> comm -> flight and flight -> peers -> group -> flight
+    too)."""
+    files = src_files()
+    c = find_circle(import_edges({m: p.read_text() for m, p in files.items()}, set(files)))
+    assert c is None, " -> ".join(c or [])
+
+
+def test_the_circle_check_catches_one() -> None:
+    """A circle closed by a late import is found; the same imports without it, or under TYPE_CHECKING, are not."""
+    known = {"sparsync.collectives.flight", "sparsync.collectives.meta", "sparsync.collectives.comm"}
+    sources = {
+        "sparsync.collectives.flight": "def label():\n    from sparsync.collectives import meta\n",
+        "sparsync.collectives.meta": "from sparsync.collectives.comm import Comm\n",
+        "sparsync.collectives.comm": "from sparsync.collectives.flight import FlightEntry\n",
+    }
+    c = find_circle(import_edges(sources, known))
+    assert c is not None and c[0] == c[-1] and len(c) == 4, c
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from sparsync.collectives import meta\n"
+    assert find_circle(import_edges({**sources, "sparsync.collectives.flight": typed}, known)) is None
+    assert find_circle(import_edges({**sources, "sparsync.collectives.flight": ""}, known)) is None
 
 
 def test_the_late_import_check_catches_one() -> None:

@@ -56,6 +56,18 @@ def test_schedulers_checkpoints_and_synchronize() -> None:
             assert np.array_equal(a, c)  # synchronize() then step(): aggregated once, same update
 
 
+def test_a_bound_never_reached_leaves_the_gradients_and_the_norm_unclipped() -> None:
+    """``clip_grad_norm_`` scales by ``max_norm / norm`` clamped to 1: with the norm far below the bound, every
+    aggregated gradient, sparse and dense, keeps its bits and the returned norm is that of no clipping (without
+    the clamp the gradients would be scaled up by about 1e6 / norm)."""
+    res = launch(ow.unreached_clip_worker, nprocs=2)
+    for r in res:
+        assert r["sparse"] == [True, False, False]  # the embedding's gradient, the linear layer's two
+        assert 0 < r["norm"] < 1e6 and r["norm"] == r["unclipped"]
+        for before, after in zip(r["before"], r["after"], strict=True):
+            assert np.array_equal(before, after)
+
+
 def test_a_plan_with_a_compressor_and_a_log() -> None:
     """The plan decides 2.weight's update: the mean of each rank's TopK(0.5) of its gradient (error feedback
     starts at zero), sent as one 18-of-36 sparse call; every other parameter gets the exact mean."""

@@ -6,9 +6,10 @@ See docs/architecture.md.
 """
 
 from sparsync.collectives import allreduce, grouped_allreduce, sparse_allgather, sparse_allreduce
+from sparsync.collectives.background import background_group
 from sparsync.collectives.calibrate import measure_link
 from sparsync.collectives.comm import PeerError
-from sparsync.collectives.group import background_group, set_deterministic, set_link
+from sparsync.collectives.group import set_deterministic, set_link
 from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce
 from sparsync.collectives.meta import NonFiniteError
 from sparsync.collectives.timeline import trace, trace_step

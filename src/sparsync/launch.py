@@ -33,7 +33,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from C++
 
-from sparsync.collectives.group import background_group, stop_queues, write_trace
+from sparsync.collectives.background import background_group
+from sparsync.collectives.fifo import stop_queues
+from sparsync.collectives.timeline import write_trace
 from sparsync.rank_start import START_METHODS, LauncherStd, adopt, context, watch_launcher
 
 

@@ -38,6 +38,9 @@ from sparsync.ps.optim import OptimizerConfig
 from sparsync.record import CommLog, workload_bytes
 
 AUTO = "auto plan"
+DDP_PLAN = "DDP (sparse grads)"
+# run ids (the summaries' "run" key): dense allreduce, DDP with sparse gradients, sparsync plan, automatic plan
+RUNS = ("dense", "ddp_sparse", "sparse", "auto")
 PLACEMENT_WORDS = {"ps": "parameter server", "dense_allreduce": "dense allreduce",
                    "sparse_allreduce": "sparse allreduce", "sketch": "sketch"}  # fmt: skip
 ASSUMED_BANDWIDTH, ASSUMED_LATENCY = 1.25e8, 50e-6  # plan_pricing="assumed": 1 Gbit/s, 50 µs per message
@@ -74,7 +77,7 @@ def measure_compute(ctx: Any, model: torch.nn.Module, batches: list[Any]) -> tup
 
 
 def auto_same_as(plan: Plan) -> str | None:
-    """The run whose placements the automatic plan's equal ("sparse" or "dense": ``train_demo.RUNS``; dense
+    """The run whose placements the automatic plan's equal ("sparse" or "dense": ``RUNS``; dense
     layers always go dense), or None when it puts a parameter on the servers (the hybrid, a run of its own)."""
     kinds = {e.placement for e in plan.entries}
     if "ps" in kinds:
@@ -83,7 +86,7 @@ def auto_same_as(plan: Plan) -> str | None:
 
 
 def run_compute(backward: float, dense_extra: float, plan: Plan) -> dict[str, float]:
-    """Each run's local seconds per step (``measure_compute``'s two parts) by run id (``train_demo.RUNS``): the
+    """Each run's local seconds per step (``measure_compute``'s two parts) by run id (``RUNS``): the
     dense run adds ``dense_extra``; the automatic plan's is that of the run it equals (the hybrid's: the forward
     and backward pass, its servers update the embedding)."""
     out = {"dense": backward + dense_extra, "ddp_sparse": backward, "sparse": backward}
@@ -92,7 +95,7 @@ def run_compute(backward: float, dense_extra: float, plan: Plan) -> dict[str, fl
 
 
 def predicted_steps(plan: Plan, compute: Mapping[str, float]) -> dict[str, float]:
-    """Predicted step seconds of the demo's runs ("dense", "sparse", "auto": ``train_demo.RUNS``): each run's
+    """Predicted step seconds of the demo's runs ("dense", "sparse", "auto": ``RUNS``): each run's
     local ``compute`` (``run_compute``) plus the communication of ``plan``'s parameters as it sends them (module
     doc)."""
     return {k: compute[k] + v for k, v in _communication(plan).items()}

@@ -19,10 +19,9 @@ from typing import Any
 
 from sparsync.plan.planner import Plan
 from sparsync.plan.registry import KINDS
-from sparsync_bench.demo_plan import PLACEMENT_WORDS, predicted_split, predicted_steps
-from sparsync_bench.train_demo import DDP_PLAN, RUNS
+from sparsync_bench.demo_plan import DDP_PLAN, PLACEMENT_WORDS, RUNS, predicted_split, predicted_steps
 
-# Short names of the runs (``train_demo.RUNS``) in the lines on ratios and verdicts.
+# Short names of the runs (``demo_plan.RUNS``) in the lines on ratios and verdicts.
 NAMES = {"dense": "dense allreduce", "ddp_sparse": "DDP", "sparse": "sparsync plan", "auto": "auto plan"}
 # (run, baseline) pairs whose step-time ratio is taken per block: each plan against DDP with sparse gradients,
 # the sparsync plan against dense allreduce, and the automatic plan against the sparsync plan (its target).

@@ -16,6 +16,19 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+# MLP widths (bottom without its last layer, which is the embedding width; top without its input width):
+# "small" keeps a step's dense part to a few hundred kB; "kaggle" is dlrm_s_pytorch.py's Criteo Kaggle
+# configuration (--arch-mlp-bot 13-512-256-64-16 --arch-mlp-top 512-256-1), 1.9 MB of dense gradients.
+# dlrm_s_pytorch.py's configurations (the bottom MLP ends at the embedding width, appended from --dim):
+# kaggle (bench/dlrm_s_criteo_kaggle.sh, dim 16), terabyte (bench/dlrm_s_criteo_terabyte.sh, dim 64) and
+# mlperf (bench/run_and_time.sh, dim 128)
+MLPS = {
+    "small": ((13, 64), (64, 1)),
+    "kaggle": ((13, 512, 256, 64), (512, 256, 1)),
+    "terabyte": ((13, 512, 256), (512, 512, 256, 1)),
+    "mlperf": ((13, 512, 256), (1024, 1024, 512, 256, 1)),
+}
+
 
 def mlp(sizes: Sequence[int], *, last_sigmoid: bool = False) -> nn.Sequential:
     """Linear layers between consecutive ``sizes``, ReLU after each but the last."""

@@ -65,7 +65,7 @@ from sparsync.record import CommLog, workload_bytes
 from sparsync.shard import ShardedTable
 from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows
 from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
-from sparsync_bench.dlrm import DLRM
+from sparsync_bench.dlrm import DLRM, MLPS
 from sparsync_bench.dlrm_shard import SHARD_METHODS, SHARD_OPS, shard_tables, table_figures
 from sparsync_bench.hybrid import ps_remote_bytes
 from sparsync_bench.omnireduce import block_allreduce
@@ -78,18 +78,6 @@ LARGE_TABLE_METHODS = ("sparsync_omnireduce", "sparsync_sketch")
 # sparsync_step: today's sparsync with every gradient reduced in step(), after backward (overlap=False), the
 # way DistributedOptimizer reduced before it overlapped backward
 OPTIONAL = (*LARGE_TABLE_METHODS, *PS_METHODS, *TORCHREC_METHODS, "sparsync_step", *SHARD_METHODS)
-# MLP widths (bottom without its last layer, which is the embedding width; top without its input width):
-# "small" keeps a step's dense part to a few hundred kB; "kaggle" is dlrm_s_pytorch.py's Criteo Kaggle
-# configuration (--arch-mlp-bot 13-512-256-64-16 --arch-mlp-top 512-256-1), 1.9 MB of dense gradients.
-# dlrm_s_pytorch.py's configurations (the bottom MLP ends at the embedding width, appended from --dim):
-# kaggle (bench/dlrm_s_criteo_kaggle.sh, dim 16), terabyte (bench/dlrm_s_criteo_terabyte.sh, dim 64) and
-# mlperf (bench/run_and_time.sh, dim 128)
-MLPS = {
-    "small": ((13, 64), (64, 1)),
-    "kaggle": ((13, 512, 256, 64), (512, 256, 1)),
-    "terabyte": ((13, 512, 256), (512, 512, 256, 1)),
-    "mlperf": ((13, 512, 256), (1024, 1024, 512, 256, 1)),
-}
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ def train_torchrec(
     ``CriteoBatch``) with ``cfg``'s (a ``DlrmBenchConfig``) steps, widths and seed. Collective: every rank of
     the default group calls it."""
     from sparsync_bench.criteo import table_rows
-    from sparsync_bench.dlrm_train import MLPS
+    from sparsync_bench.dlrm import MLPS
 
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     reason = unavailable()

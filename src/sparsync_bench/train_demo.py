@@ -43,7 +43,9 @@ from sparsync.replicator import PER_REPLICA, DenseAllreduce, ReplicaContext, Rep
 from sparsync_bench.ddp_baseline import ddp_step_bytes
 from sparsync_bench.demo_plan import (
     AUTO,
+    DDP_PLAN,
     PLACEMENT_WORDS,
+    RUNS,
     auto_same_as,
     measure_compute,
     measure_plan,
@@ -55,9 +57,6 @@ from sparsync_bench.tables import show_table
 from sparsync_bench.tensorboard import summary_writer
 
 PLANS = ("dense allreduce", "sparsync plan")
-DDP_PLAN = "DDP (sparse grads)"
-# run ids (the summaries' "run" key): dense allreduce, DDP with sparse gradients, sparsync plan, automatic plan
-RUNS = ("dense", "ddp_sparse", "sparse", "auto")
 
 
 @dataclass(frozen=True)

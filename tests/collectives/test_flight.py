@@ -17,8 +17,8 @@ import _flight_workers as fw
 import pytest
 
 from sparsync import LaunchError, launch
-from sparsync.collectives.comm import Traffic
 from sparsync.collectives.flight import FlightRecorder, calls_from_env
+from sparsync.collectives.traffic import Traffic
 
 TESTS = Path(__file__).resolve().parent
 DUMP = re.compile(r"flight recorder: the last calls of rank (\d+) are in (\S+)")

@@ -211,7 +211,8 @@ def hook_behind_the_queue_worker(rank: int) -> list[np.ndarray]:
     """A sparsync call queued on the hook's group (rank 0's starts late), then an uncompressed bucket through
     the hook's allreduce path: each rank must issue the two collectives in the same order (the bucket's behind
     the queue), or they meet the other rank's other collective. Returns both sums."""
-    from sparsync.collectives.group import background_group, submit
+    from sparsync.collectives.background import background_group
+    from sparsync.collectives.fifo import submit
     from sparsync.compress.bucket_allreduce import BucketAllreduce
 
     own = background_group(None)

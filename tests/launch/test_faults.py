@@ -21,7 +21,7 @@ from _pids import read_pids, running
 from torch.distributed import HashStore  # type: ignore[attr-defined]  # re-exported from C++
 
 from sparsync import LaunchError, launch
-from sparsync.collectives.group import background_group
+from sparsync.collectives.background import background_group
 from sparsync.compress import Identity
 from sparsync.compress.hooks import compression_hook
 from sparsync.launch import _host_store

@@ -307,7 +307,8 @@ def test_demo_trains_every_plan_to_the_same_model() -> None:
 
     from rich.console import Console
 
-    from sparsync_bench.train_demo import RUNS, DemoConfig, plan_summary, print_demo, run_demo
+    from sparsync_bench.demo_plan import RUNS
+    from sparsync_bench.train_demo import DemoConfig, plan_summary, print_demo, run_demo
 
     # the hybrid run, deterministically; the runs take turns in blocks of 2 steps (5 timed blocks)
     cfg = DemoConfig(steps=12, warmup=2, plan_pricing="assumed", block=2)

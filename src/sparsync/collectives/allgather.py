@@ -7,8 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from sparsync.collectives._gather import allgather_blocks
-from sparsync.collectives.comm import Comm, payload_of
-from sparsync.collectives.comm import stream_from_payload as _decode
+from sparsync.collectives.comm import Comm
+from sparsync.collectives.wire import payload_of
+from sparsync.collectives.wire import stream_from_payload as _decode
 from sparsync.costmodel import (
     AlgorithmEntry,
     LinkModel,

@@ -12,9 +12,11 @@ import torch.distributed as dist
 
 from sparsync.collectives._gather import allgather_fixed
 from sparsync.collectives.allgather import gather_streams
+from sparsync.collectives.background import background_group
 from sparsync.collectives.calibrate import measure_link
-from sparsync.collectives.comm import Comm, PeerError, Traffic
-from sparsync.collectives.group import background_group, link_state, next_call, resolve_group, submit
+from sparsync.collectives.comm import Comm, PeerError
+from sparsync.collectives.fifo import submit
+from sparsync.collectives.group import link_state, next_call, resolve_group
 from sparsync.collectives.meta import (
     EAGER_LIMIT,
     PARTITION_CODES,
@@ -30,6 +32,7 @@ from sparsync.collectives.meta import (
 from sparsync.collectives.ops import text_key
 from sparsync.collectives.partition import resolve_partition
 from sparsync.collectives.site import call_site
+from sparsync.collectives.traffic import Traffic
 from sparsync.costmodel import (
     REGISTRY,
     Decision,

@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 
 from sparsync.collectives._gather import allgather_blocks, allgather_fixed
-from sparsync.collectives.comm import Comm, Traffic, ring_allreduce_bytes
+from sparsync.collectives.comm import Comm, ring_allreduce_bytes
 from sparsync.collectives.group import resolve_group
 from sparsync.collectives.meta import PARTITION_CODES, exchange_meta
 from sparsync.collectives.partition import resolve_partition
+from sparsync.collectives.traffic import Traffic
 from sparsync.costmodel import REGISTRY, LinkModel, gather_steps
 from sparsync.stream import SparseStream, add
 

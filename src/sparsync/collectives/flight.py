@@ -1,4 +1,4 @@
-"""Flight recorder: each group's last calls, written to a file per rank when a call fails.
+"""Flight recorder: each group's last calls, and the file per rank they are written to when a call fails.
 
 A hang or a ``PeerError`` says which call failed on this rank, not what the ranks were doing before, nor
 which call each one was in. Like torch's NCCL flight recorder (``TORCH_NCCL_DUMP_ON_TIMEOUT``), every
@@ -6,7 +6,8 @@ communicator (``Comm``) notes its call in a ring buffer of its group: the op, th
 number, op code, sizes: the fingerprint the ranks compare), the phase it reached, the bytes it moved, when it
 started and ended, and how it ended. When a call raises (``PeerError``, a timeout, the ``ValueError`` of a
 mismatch), the rank writes every group's ring to ``<dir>/rank<R>.json`` and the error's message gives that
-path, with the dead or stuck peer it could identify (``collectives/peers.py``).
+path, with the dead or stuck peer it could identify (``collectives/peers.py``). This module is the ring and its
+file; when to write it, and whom to blame, is ``collectives/failure.py``'s.
 
 The ring holds small records only (strings, ints, floats; no tensors): ``SPARSYNC_FLIGHT_CALLS`` of them per
 group (default 64, 0 turns the recorder off). The ring lives in the group's state (``group.GroupState``), so it
@@ -24,15 +25,12 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
 
-if TYPE_CHECKING:
-    from sparsync.collectives.comm import Traffic
-
-T = TypeVar("T")
+from sparsync.collectives.ops import op_columns, op_name
+from sparsync.collectives.traffic import Traffic
 
 DEFAULT_CALLS = 64  # enough for a training step's calls (one per parameter or bucket, and their metadata)
 
@@ -88,7 +86,7 @@ class FlightEntry:
         """End the call: ``status`` (done or failed), its end time and the first line of ``error``."""
         self.status, self.ended = status, time.time() if now is None else now
         if error is not None:
-            self.error = f"{type(error).__name__}: {_first_line(error)}"[:300]
+            self.error = f"{type(error).__name__}: {first_line(error)}"[:300]
 
 
 class FlightRecorder:
@@ -111,28 +109,8 @@ class FlightRecorder:
             self.ring.append(entry)
         return entry
 
-    def guard(self, fn: Callable[[], T]) -> Callable[[], T]:
-        """``fn`` that closes the entries its thread began while it ran: done, or failed with the error, which
-        then (a ``RuntimeError``, ``ValueError`` or ``TypeError``) gets the dump's path and the blamed peer
-        appended to its message (``on_failure``; with the recorder off, the blamed peer only)."""
-        recording = bool(self.calls)
-
-        def run() -> T:
-            first = self.begun
-            try:
-                out = fn()
-            except (RuntimeError, ValueError, TypeError) as e:
-                if recording:
-                    self._close(first, "failed", e)
-                on_failure(e, dump_calls=recording)
-                raise
-            if recording:
-                self._close(first, "done", None)
-            return out
-
-        return run
-
-    def _close(self, first: int, status: str, error: BaseException | None) -> None:
+    def close_since(self, first: int, status: str, error: BaseException | None) -> None:
+        """Close the entries this thread began since the ring's count was ``first`` and are still running."""
         me, now = threading.get_ident(), time.time()
         with self.lock:
             entries = list(self.ring)  # another thread may append while this one closes its own
@@ -169,20 +147,16 @@ def _as_dict(e: FlightEntry) -> dict[str, object]:
 
 
 def _labelled(row: tuple[int, ...]) -> dict[str, int] | list[int]:
-    """The metadata row with meta.py's column names when it is a sparse collective's (every op shares the call
-    number and op code columns; the layers above lay out the rest their own way)."""
-    from sparsync.collectives import meta  # here: meta imports the communicator, which imports this module
-
-    if len(row) > 1 and row[1] in (meta.SPARSE_ALLREDUCE, meta.SPARSE_ALLGATHER):
-        return dict(zip(meta.field_names(), row, strict=False))
-    return list(row)
+    """The metadata row with its op's column names where the op registered them (``ops.register_op``: the
+    sparse collectives do; every op shares the call number and op code columns, the layers above lay out the
+    rest their own way)."""
+    columns = op_columns(row[1]) if len(row) > 1 else ()
+    return dict(zip(columns, row, strict=False)) if columns else list(row)
 
 
 def dump(groups: dict[str, list[int]], recorders: Iterable[FlightRecorder], rank: int, reason: str) -> Path:
     """Write the rings to ``flight_dir()/rank<rank>.json`` with ``groups`` (each group's name and global ranks;
     a later dump of this rank replaces the file: the ring holds the earlier calls) and return the path."""
-    from sparsync.collectives.ops import op_name
-
     calls = []
     for rec in recorders:
         calls += rec.snapshot()
@@ -212,39 +186,6 @@ def dump(groups: dict[str, list[int]], recorders: Iterable[FlightRecorder], rank
     return path
 
 
-def on_failure(error: BaseException, *, dump_calls: bool = True) -> None:
-    """A sparsync call raised ``error``: dump every group's ring, name the peers found dead or stuck
-    (``peers.blame``), and append both to the error's message. Never raises: a failed dump must not hide the
-    error."""
-    from sparsync.collectives import peers  # here: peers reads the group table, which imports this module
-
-    if getattr(error, "_sparsync_flight", False):  # already annotated (an inner call's guard)
-        return
-    error._sparsync_flight = True  # type: ignore[attr-defined]
-    notes = []
-    try:
-        # A transport error: give a killed peer's process a moment to show as dead. A mismatch names its ranks.
-        blamed = peers.blame(str(error), settle=0.5 if isinstance(error, RuntimeError) else 0.0)
-        if blamed:
-            notes.append(blamed)
-        rank = peers.report_failure(f"{type(error).__name__}: {_first_line(error)}")
-        if dump_calls:
-            path = dump(*peers.recorders(), rank, f"{type(error).__name__}: {str(error)[:2000]}")
-            notes.append(f"flight recorder: the last calls of rank {rank} are in {path}")
-    except Exception as e:  # the user's error matters more than our diagnostics
-        notes.append(f"flight recorder: no dump ({type(e).__name__}: {e})")
-    if notes:
-        _append(error, "\n".join(notes))
-
-
-def _first_line(error: BaseException) -> str:
+def first_line(error: BaseException) -> str:
     text = str(error)
     return text.splitlines()[0] if text else ""
-
-
-def _append(error: BaseException, text: str) -> None:
-    """Append ``text`` to ``error``'s message (its single string argument), or as a note where it has none."""
-    if len(error.args) == 1 and isinstance(error.args[0], str):
-        error.args = (f"{error.args[0]}\n{text}",)
-    else:
-        error.add_note(text)

@@ -42,19 +42,13 @@ import torch.distributed as dist
 
 from sparsync.collectives.allreduce import problem_of, sparse_allreduce
 from sparsync.collectives.calibrate import measure_link
-from sparsync.collectives.comm import (
-    FRAME_BYTES,
-    Comm,
-    Traffic,
-    framed,
-    max_framed_payload,
-    payload_nbytes,
-    unframe,
-)
+from sparsync.collectives.comm import Comm
 from sparsync.collectives.group import group_state, next_call, resolve_group
 from sparsync.collectives.meta import exchange_meta, update_eager
 from sparsync.collectives.partition import Partition, resolve_partition
 from sparsync.collectives.split_allgather import frame_cap, gather_frames, split_reduce
+from sparsync.collectives.traffic import Traffic
+from sparsync.collectives.wire import FRAME_BYTES, framed, max_framed_payload, payload_nbytes, unframe
 from sparsync.costmodel import (
     REGISTRY,
     Decision,

@@ -32,16 +32,14 @@ import torch
 
 from sparsync.collectives import _hll
 from sparsync.collectives._gather import allgather_var
-from sparsync.collectives.comm import Comm, payload_nbytes, payload_parts
+from sparsync.collectives.comm import Comm
 from sparsync.collectives.group import EAGER_BYTES, group_state
 from sparsync.collectives.ops import op_code, op_name, register_op, text_key
 from sparsync.collectives.site import CallSite
+from sparsync.collectives.wire import payload_nbytes, payload_parts
 from sparsync.costmodel import REGISTRY
 from sparsync.stream import FLOAT_DTYPES, SparseStream
 
-# The "op" column: the sparse collectives' own ops (collectives/ops.py; the layers above register theirs).
-SPARSE_ALLREDUCE = register_op("sparse_allreduce")
-SPARSE_ALLGATHER = register_op("sparse_allgather")
 PARTITION_CODES = ("-", "stride", "range")  # the resolved partition of a call (collectives/partition.py)
 # The algorithm column: 0 auto, each registry entry its own code (costmodel.AlgorithmEntry.code), NO_ALGORITHM
 # for calls with none ("-": sparse_allgather, the hierarchical call's first round, calibration's rows).
@@ -63,6 +61,9 @@ _F = (
     "bad_rows", "shape_key", "ndim", "s0", "s1", "s2", "s3", "auto_key", "nonfinite", "check_nan", "partition",
     "refused", "name_key", "quantize", "device", "inline",
 )  # fmt: skip
+# The "op" column: the sparse collectives' own ops (collectives/ops.py; the layers above register theirs).
+SPARSE_ALLREDUCE = register_op("sparse_allreduce", columns=_F)
+SPARSE_ALLGATHER = register_op("sparse_allgather", columns=_F)
 _COL = {name: i for i, name in enumerate(_F)}
 _NONFINITE = ("", "NaN", "+Inf", "-Inf")
 DEVICE_CODES = ("cpu", "cuda")  # the device column; any other device type is len(DEVICE_CODES)
@@ -152,11 +153,6 @@ def update_eager(comm: Comm, meta: Meta, algorithm: str) -> None:
         limits[meta.signature] = n
         while len(limits) > _MAX_SIGNATURES:
             limits.pop(next(iter(limits)))
-
-
-def field_names() -> tuple[str, ...]:
-    """The sparse collectives' metadata row columns, in order (the flight recorder labels rows with them)."""
-    return _F
 
 
 def _block_length(buf: torch.Tensor) -> int:

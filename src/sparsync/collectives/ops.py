@@ -11,7 +11,8 @@ are imported (``compressed_allreduce``: "reduce"; the replicator's primitives: "
 A code is a 62-bit hash of the op's name, not its position in a list: the same on every rank whatever modules
 that rank imported, in whatever order, so ranks compare codes without knowing each other's registrations. The
 table of names (``_OP_NAMES``) only turns codes back into names for error messages; it is filled at import and
-only grows.
+only grows. An op may register the names of its row's columns (``register_op(columns=...)``): the flight
+recorder labels the rows it dumps with them.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hashlib
 
 _OP_NAMES: dict[int, str] = {}
+_OP_COLUMNS: dict[int, tuple[str, ...]] = {}  # an op's row columns, in order, where it registered them
 
 
 def text_key(text: str) -> int:
@@ -26,9 +28,10 @@ def text_key(text: str) -> int:
     return (int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2) | 1
 
 
-def register_op(name: str) -> int:
+def register_op(name: str, columns: tuple[str, ...] = ()) -> int:
     """Register an operation that runs a metadata round (``meta.allgather_rows``) and return its code for the
-    row's "op" column (``text_key(name)``). Idempotent; call it at import, once per name.
+    row's "op" column (``text_key(name)``). ``columns``: the names of its row's columns, in order (for the flight
+    recorder's dump). Idempotent; call it at import, once per name.
 
     Example::
 
@@ -40,6 +43,8 @@ def register_op(name: str) -> int:
     known = _OP_NAMES.setdefault(code, name)
     if known != name:
         raise ValueError(f"op {name!r} has the code of op {known!r}; rename one of them")
+    if columns:
+        _OP_COLUMNS[code] = columns
     return code
 
 
@@ -55,3 +60,8 @@ def op_name(code: int) -> str:
     """The name of the op with ``code``, for messages; another rank's op may be unknown on this one (its module
     not imported here)."""
     return _OP_NAMES.get(code, f"an op unknown on this rank (code {code})")
+
+
+def op_columns(code: int) -> tuple[str, ...]:
+    """The names of the row columns the op with ``code`` registered (empty when it registered none)."""
+    return _OP_COLUMNS.get(code, ())

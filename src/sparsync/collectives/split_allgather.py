@@ -22,16 +22,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from sparsync.collectives._gather import allgather_blocks, allgather_fixed, allgather_var
-from sparsync.collectives.comm import (
+from sparsync.collectives.comm import Comm
+from sparsync.collectives.partition import Partition
+from sparsync.collectives.wire import (
     FRAME_BYTES,
-    Comm,
     frame_length,
     framed,
     max_framed_payload,
     payload_nbytes,
     unframe,
 )
-from sparsync.collectives.partition import Partition
 from sparsync.costmodel import (
     AlgorithmEntry,
     LinkModel,

@@ -1,4 +1,5 @@
-"""The timeline's public entry points: ``sparsync.trace(dir)`` and ``sparsync.trace_step(n)``.
+"""This process's timeline (``tracer``) and its public entry points: ``sparsync.trace(dir)`` and
+``sparsync.trace_step(n)``.
 
 The tracer is held by the world group's state (``group.GroupState.tracer``), not by a module global: it is one
 per process and per group lifetime, as the timeline file it writes, and the threads that add events (the
@@ -7,15 +8,50 @@ caller's, the group's queue thread, the parameter-server client's I/O thread) al
 
 from __future__ import annotations
 
+import atexit
 import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch.distributed as dist
 
 from sparsync.collectives import trace as events
-from sparsync.collectives.group import resolve_group, set_tracer, tracer
+from sparsync.collectives.group import group_state, resolve_group
+
+
+def tracer() -> events.Tracer | None:
+    """This process's timeline, or None: the one ``sparsync.trace`` set, else one started at the first call
+    when ``SPARSYNC_TRACE`` names a directory (each rank alone: "wall" clock; written at exit, by ``launch``
+    and by ``write_trace``). Held by the world group's state (see ``GroupState.tracer``)."""
+    if not events.RANGES or not dist.is_available() or not dist.is_initialized():
+        return None
+    world = dist.group.WORLD
+    if world is None:
+        return None
+    state = group_state(world)
+    if state.tracer is None and not state.trace_env_checked:
+        state.trace_env_checked = True
+        directory = os.environ.get(events.ENV, "")
+        if directory:
+            state.tracer = events.Tracer(directory, dist.get_rank(), dist.get_world_size())
+            atexit.register(state.tracer.write)
+    return state.tracer
+
+
+def set_tracer(t: events.Tracer | None) -> events.Tracer | None:
+    """Make ``t`` this process's timeline (None: none); returns the one it replaces."""
+    state = group_state(resolve_group(None))
+    state.trace_env_checked = True  # an explicit choice wins over SPARSYNC_TRACE
+    old, state.tracer = state.tracer, t
+    return old
+
+
+def write_trace() -> Path | None:
+    """Write this process's timeline now (``SPARSYNC_TRACE``'s is otherwise written at exit); its path."""
+    t = tracer()
+    return t.write() if t is not None else None
 
 
 @contextmanager

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives.group import group_state, new_group_like
+from sparsync.collectives.background import new_group_like
+from sparsync.collectives.group import group_state
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ import torch.distributed as dist
 from sparsync.collectives import trace
 from sparsync.collectives.allreduce import CallOptions, start_allreduce
 from sparsync.collectives.comm import Comm
-from sparsync.collectives.group import next_call, submit, tracer
+from sparsync.collectives.fifo import submit
+from sparsync.collectives.group import next_call
 from sparsync.collectives.meta import (
     allgather_rows,
     first_differing,
@@ -35,6 +36,7 @@ from sparsync.collectives.meta import (
     shape_fingerprint,
 )
 from sparsync.collectives.ops import register_op
+from sparsync.collectives.timeline import tracer
 from sparsync.compress.base import (
     Aggregator,
     Compressor,

@@ -25,10 +25,14 @@ import torch
 import torch.distributed as dist
 
 from sparsync.collectives import trace
-from sparsync.collectives.comm import PeerError, Traffic
-from sparsync.collectives.flight import FlightEntry, on_failure
-from sparsync.collectives.group import group_state, next_call, submit, tracer
+from sparsync.collectives.comm import PeerError
+from sparsync.collectives.failure import on_failure
+from sparsync.collectives.fifo import submit
+from sparsync.collectives.flight import FlightEntry
+from sparsync.collectives.group import group_state, next_call
 from sparsync.collectives.meta import first_nonfinite
+from sparsync.collectives.timeline import tracer
+from sparsync.collectives.traffic import Traffic
 from sparsync.compress.hook_future import bucket_future
 from sparsync.record import CommLog, CommRecord
 

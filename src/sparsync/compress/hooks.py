@@ -29,7 +29,7 @@ instead of one of each per gradient. A bucket mixing sparsifiers with other comp
 e.g. by ``plan=``) is reduced one gradient at a time.
 
 The reductions run on sparsync's own process group over the same ranks
-(``sparsync.collectives.group.background_group``), made when the hook is built: a model whose backward issues
+(``sparsync.collectives.background.background_group``), made when the hook is built: a model whose backward issues
 collectives of its own on the user's group (DLRM's alltoall) cannot interleave them with the hook's in a
 different order per rank.
 
@@ -48,7 +48,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives.group import background_group, resolve_group
+from sparsync.collectives.background import background_group
+from sparsync.collectives.group import resolve_group
 from sparsync.compress.base import Compressor
 from sparsync.compress.bucket_allreduce import BucketAllreduce
 from sparsync.compress.bucket_sparse import BucketSparse, fusable

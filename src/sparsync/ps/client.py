@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from sparsync.collectives.group import tracer
+from sparsync.collectives.timeline import tracer
 from sparsync.ps import wire
 from sparsync.ps.wire import CurveKeys, Header, Op
 

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from sparsync.collectives.comm import Comm
-from sparsync.collectives.group import submit
+from sparsync.collectives.fifo import submit
 from sparsync.collectives.grouped import grouped_allreduce
 from sparsync.collectives.meta import NonFiniteError, first_nonfinite
 from sparsync.handle import Work

@@ -22,7 +22,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from sparsync.collectives.comm import Comm
-from sparsync.collectives.group import submit
+from sparsync.collectives.fifo import submit
 from sparsync.collectives.meta import NonFiniteError
 from sparsync.placement import ByLayout, NamedParam, Placement, ReduceEnv, aggregate
 from sparsync.placement.base import nan_grad, zero_grad

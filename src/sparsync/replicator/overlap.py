@@ -27,10 +27,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sparsync.collectives.background import background_group, side_group
 from sparsync.collectives.comm import Comm
-from sparsync.collectives.group import background_group, side_group, submit, tracer
+from sparsync.collectives.fifo import submit
 from sparsync.collectives.meta import NonFiniteError
 from sparsync.collectives.ops import text_key
+from sparsync.collectives.timeline import tracer
 from sparsync.handle import Work
 from sparsync.placement import NamedParam, Placement, ReduceEnv
 from sparsync.record import AGREE

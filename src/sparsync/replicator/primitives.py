@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from sparsync.collectives.comm import Comm
-from sparsync.collectives.group import next_call, submit
+from sparsync.collectives.fifo import submit
+from sparsync.collectives.group import next_call
 from sparsync.collectives.meta import (
     allgather_rows,
     first_differing,

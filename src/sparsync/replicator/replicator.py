@@ -19,7 +19,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import HashStore  # type: ignore[attr-defined]  # re-exported from C++
 
-from sparsync.collectives.group import stop_queues
+from sparsync.collectives.fifo import stop_queues
 from sparsync.launch import RankSetup, launch, under_torchrun
 from sparsync.replicator.context import ReplicaContext
 from sparsync.replicator.dctmp import DCTMP

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives.comm import Traffic
+from sparsync.collectives.traffic import Traffic
 from sparsync.record import CommLog, CommRecord
 from sparsync.shard import header
 from sparsync.shard.lazy import LazyLookup, resolve_all
