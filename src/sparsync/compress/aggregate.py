@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from sparsync.collectives import trace
 from sparsync.collectives.allreduce import CallOptions, start_allreduce
-from sparsync.collectives.comm import Comm
+from sparsync.collectives.comm import Comm, ring_allreduce_bytes
 from sparsync.collectives.fifo import submit
 from sparsync.collectives.group import next_call
 from sparsync.collectives.meta import (
@@ -237,7 +237,7 @@ class DenseSumAggregator(PayloadAggregator[DensePayload]):
             buf = p.to_buffer()
             dist.all_reduce(buf, group=call.comm)
             P = call.world_size
-            nb = 2 * (P - 1) * buf.numel() * buf.element_size() // P  # ring allreduce, per rank
+            nb = ring_allreduce_bytes(buf.numel() * buf.element_size(), P)
             record(call, "allreduce", buf.numel(), nb, 2 * (P - 1), device=buf.device)
             return p.from_buffer(buf)
 

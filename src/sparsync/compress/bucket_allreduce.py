@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from sparsync.collectives import trace
-from sparsync.collectives.comm import PeerError
+from sparsync.collectives.comm import PeerError, ring_allreduce_bytes
 from sparsync.collectives.failure import on_failure
 from sparsync.collectives.fifo import submit
 from sparsync.collectives.flight import FlightEntry
@@ -143,6 +143,6 @@ class BucketAllreduce:
 
     def _record(self, buffer: torch.Tensor, t0: float) -> CommRecord:
         P, n = self.size, buffer.numel()
-        nbytes = 2 * (P - 1) * n * buffer.element_size() // P  # gloo's ring allreduce, per rank
+        nbytes = ring_allreduce_bytes(n * buffer.element_size(), P)
         return CommRecord("reduce", "allreduce", self.rank, P, n, n, n, nbytes, nbytes, 2 * (P - 1),
                           time.perf_counter() - t0)  # fmt: skip

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from sparsync.buffers import fresh
+from sparsync.collectives.comm import ring_allreduce_bytes
 from sparsync.compress.aggregate import Result, expect, pipelined
 from sparsync.compress.base import Aggregator, DensePayload, Encoding, ReduceCall
 from sparsync.compress.memory import Memory
@@ -70,7 +71,7 @@ def cast_allreduce(
             widen()
     while in_flight:
         widen()
-    return out, 2 * (P - 1) * n * wire.itemsize // P
+    return out, ring_allreduce_bytes(n * wire.itemsize, P)
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives.comm import Comm
+from sparsync.collectives.comm import Comm, ring_allreduce_bytes
 from sparsync.collectives.tensor import coo_to_stream, pack_bits, stream_to_coo, unpack_bits
 from sparsync.compress.aggregate import PayloadAggregator, Result, collective, decoded, expect, record
 from sparsync.compress.base import (
@@ -269,7 +269,7 @@ def _sketch_allreduce(call: ReduceCall, payload: SketchPayload) -> SketchPayload
         w.wait()
     P = call.world_size
     sent = table.numel() * table.element_size() + words.numel() * words.element_size()  # gloo: payload.nbytes
-    nb = 2 * (P - 1) * sent // P  # two ring allreduces, per rank
+    nb = ring_allreduce_bytes(sent, P)  # two ring allreduces, counted as one of both payloads
     record(call, "allreduce", table.numel() + words.numel(), nb, 4 * (P - 1), device=device)
     flags = words if exact else unpack_bits(words, payload.bitmap.numel()).to(device)
     return SketchPayload(flags.to(table.dtype), table)
