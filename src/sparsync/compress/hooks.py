@@ -55,7 +55,7 @@ from sparsync.compress.bucket_allreduce import BucketAllreduce
 from sparsync.compress.bucket_sparse import BucketSparse, fusable
 from sparsync.compress.hook_future import bucket_future, complete_when_done
 from sparsync.compress.identity import Identity
-from sparsync.compress.memory import ErrorFeedback
+from sparsync.compress.memory import Memory
 from sparsync.compress.reduce import compressed_allreduce
 from sparsync.handle import Work
 from sparsync.record import CommLog
@@ -67,7 +67,7 @@ Route = Callable[["CompressionHook", "_Bucket"], torch.futures.Future[torch.Tens
 
 def compression_hook(
     compressor: Compressor,
-    memory: ErrorFeedback | None = None,
+    memory: Memory | None = None,
     *,
     module: torch.nn.Module | None = None,
     group: dist.ProcessGroup | None = None,
@@ -132,7 +132,7 @@ class CompressionHook:
     def __init__(
         self,
         compressor: Compressor,
-        memory: ErrorFeedback | None,
+        memory: Memory | None,
         *,
         names: dict[int, str],
         plan: dict[str, Compressor],

@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from sparsync.collectives.grouped import grouped_allreduce
 from sparsync.collectives.tensor import allreduce
-from sparsync.compress import Compressor, ErrorFeedback, compressed_allreduce
+from sparsync.compress import Compressor, compressed_allreduce
+from sparsync.compress.memory import Memory
 from sparsync.placement.base import NamedParam, Placement, ReduceEnv
 
 ReduceFn = Callable[[torch.Tensor, str, dist.ProcessGroup], torch.Tensor]
@@ -101,7 +102,7 @@ class Compressed(Placement):
     DCT-DP (DCT Alg. 1). Residuals and the compressor's per-name state are keyed by the parameter's name."""
 
     compressor: Compressor
-    memory: ErrorFeedback | None = None
+    memory: Memory | None = None
     # One compression and one collective for all the dense gradients of a dtype, flattened in plan order under
     # the name "bucket:<name>,<name>,..." (DCT Alg. 1 thresholds the gradient as one vector; per tensor, a model
     # of many small layers pays a collective per layer). Every member's name is in it, so two same-shape members
