@@ -37,11 +37,18 @@ def guard(recorder: FlightRecorder, fn: Callable[[], T]) -> Callable[[], T]:
     return run
 
 
+class RefusalError(ValueError):
+    """Input refused alike on every rank, in a metadata round, before any payload moved (``meta.NonFiniteError``:
+    a NaN or ±Inf the caller asked to refuse). The group is sound, so ``on_failure`` neither dumps the rings nor
+    reports this rank failed: under a GradScaler such a refusal is a routine overflow step, which must not leave
+    the rank marked as failed for a later error's blame."""
+
+
 def on_failure(error: BaseException, *, dump_calls: bool = True) -> None:
     """A sparsync call raised ``error``: dump every group's ring, name the peers found dead or stuck
     (``peers.blame``), and append both to the error's message. Never raises: a failed dump must not hide the
-    error."""
-    if getattr(error, "_sparsync_flight", False):  # already annotated (an inner call's guard)
+    error. A ``RefusalError`` is left as it is."""
+    if isinstance(error, RefusalError) or getattr(error, "_sparsync_flight", False):  # or annotated already
         return
     error._sparsync_flight = True  # type: ignore[attr-defined]
     notes = []

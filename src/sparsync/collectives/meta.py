@@ -33,6 +33,7 @@ import torch
 from sparsync.collectives import _hll
 from sparsync.collectives._gather import allgather_var
 from sparsync.collectives.comm import Comm
+from sparsync.collectives.failure import RefusalError
 from sparsync.collectives.group import EAGER_BYTES, group_state
 from sparsync.collectives.ops import op_code, op_name, register_op, text_key
 from sparsync.collectives.site import CallSite
@@ -373,7 +374,7 @@ def raise_check_nan_mismatch(flags: torch.Tensor, me: int, who: str = "rank") ->
         )
 
 
-class NonFiniteError(ValueError):
+class NonFiniteError(RefusalError):
     """A reduction refused NaN or ±Inf that some rank contributed (``check_nan``). Raised the same on every rank,
     at the same call, before any payload moved: ``DistributedOptimizer`` catches it to defer the error to
     ``step()``, which a ``GradScaler`` skips on an overflow (docs/optimizer.md)."""
