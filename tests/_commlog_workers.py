@@ -13,11 +13,11 @@ import functools
 import threading
 from collections import Counter
 from collections.abc import Callable
-from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _dist_patch import DistPatch
 from torch.distributed import distributed_c10d as c10d
 
 import sparsync
@@ -41,29 +41,19 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class Wire:
+class Wire(DistPatch):
     """Bytes this rank sends through torch.distributed while installed (a context manager), per call name."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.sent: Counter[str] = Counter()
         self.calls: Counter[str] = Counter()
         self.unmodelled: list[str] = []
         self._lock = threading.Lock()  # sparsync's queue threads call too
-        self._saved: dict[str, Any] = {}
 
     def __enter__(self) -> Wire:
-        for name in (*MODELLED, *OTHERS):
-            if hasattr(dist, name):
-                self._saved[name] = getattr(dist, name)
-                setattr(dist, name, self._wrap(name, self._saved[name]))
+        self._patch((*MODELLED, *OTHERS))
         return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        self._saved.clear()
 
     @property
     def total(self) -> int:

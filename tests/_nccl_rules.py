@@ -22,11 +22,11 @@ import functools
 from collections import Counter
 from collections.abc import Callable
 from datetime import timedelta
-from types import TracebackType
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _dist_patch import DistPatch
 from torch.distributed import distributed_c10d as c10d
 
 from sparsync.collectives.group import group_state
@@ -45,8 +45,9 @@ class RefusedError(RuntimeError):
     """A call NCCL would refuse."""
 
 
-class NcclRules:
+class NcclRules(DistPatch):
     def __init__(self, group: dist.ProcessGroup | None = None, *, wait: float = 60.0) -> None:
+        super().__init__()
         world = dist.group.WORLD
         assert isinstance(world, dist.ProcessGroup)
         self.group = group if group is not None else world
@@ -57,7 +58,6 @@ class NcclRules:
         self.rank = dist.get_rank()
         self.sent: Counter[int] = Counter()  # messages sent to each global rank on the group
         self.received: Counter[int] = Counter()
-        self._saved: dict[str, Any] = {}
         # The metadata side group: gloo, the same ranks (collective: every rank constructs NcclRules).
         ranks = dist.get_process_group_ranks(self.group)
         self.meta = dist.new_group(ranks, backend="gloo")
@@ -71,18 +71,8 @@ class NcclRules:
         use_nccl_rules(self.group, self.meta)
         if self.background is not None and self.background_meta is not None:
             use_nccl_rules(self.background, self.background_meta)
-        for name in CHECKED:
-            if hasattr(dist, name):
-                self._saved[name] = getattr(dist, name)
-                setattr(dist, name, self._wrap(name, self._saved[name]))
+        self._patch(CHECKED)
         return self
-
-    def __exit__(
-        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        self._saved.clear()
 
     def summary(self) -> dict[str, Any]:
         return {"calls": dict(self.calls), "refused": list(self.refused)}

@@ -7,6 +7,7 @@ from typing import Any
 import torch.distributed as dist
 
 from sparsync.collectives import calibrate
+from sparsync.collectives.traffic import Traffic
 
 
 def count_barriers(rank: int, reps: int) -> tuple[int, float, float]:
@@ -20,7 +21,7 @@ def count_barriers(rank: int, reps: int) -> tuple[int, float, float]:
 
     dist.barrier = counted  # this rank's process only, for this call
     try:
-        alpha, alpha_a2a = calibrate._collective_latencies(dist.group.WORLD, reps)
+        alpha, alpha_a2a = calibrate._collective_latencies(dist.group.WORLD, reps, Traffic())
     finally:
         dist.barrier = real
     return len(calls), alpha, alpha_a2a

@@ -24,29 +24,10 @@ from sparsync.costmodel import REGISTRY, LinkModel, gather_steps
 from sparsync.stream import SparseStream, add
 
 
-def _count(tally: Traffic | None, sent: int, messages: int) -> None:
-    """Account in ``tally`` (if any) for torch calls that move ``sent`` bytes each way (symmetric exchanges)."""
-    if tally is None:
-        return
-    tally.bytes_sent += sent
-    tally.bytes_recv += sent
-    tally.messages += messages
-
-
-def _merge(tally: Traffic | None, comm: Comm) -> None:
-    if tally is None:
-        return
-    tally.bytes_sent += comm.traffic.bytes_sent
-    tally.bytes_recv += comm.traffic.bytes_recv
-    tally.messages += comm.traffic.messages
-
-
-def _pingpong(
-    group: dist.ProcessGroup, rank: int, peer: int, nbytes: int, reps: int, tally: Traffic | None = None
-) -> float:
+def _pingpong(group: dist.ProcessGroup, rank: int, peer: int, nbytes: int, reps: int, tally: Traffic) -> float:
     """Median one-way time of an ``nbytes`` message between ``rank`` and ``peer``."""
     buf = torch.zeros(max(nbytes, 1), dtype=torch.uint8)
-    _count(tally, (reps + 1) * buf.numel(), reps + 1)
+    tally.add((reps + 1) * buf.numel(), (reps + 1) * buf.numel(), reps + 1)
     times = []
     for _ in range(reps + 1):  # first round warms the connection up
         t0 = time.perf_counter()
@@ -88,9 +69,7 @@ def _reduction_costs(n: int = 200_000) -> tuple[float, float, float, float]:
     return gamma_sparse, gamma_dense, gamma_scatter, gamma_fresh
 
 
-def _collective_latencies(
-    group: dist.ProcessGroup, reps: int, tally: Traffic | None = None
-) -> tuple[float, float]:
+def _collective_latencies(group: dist.ProcessGroup, reps: int, tally: Traffic) -> tuple[float, float]:
     """α as the collectives see it: the median time of one exchange step of a tiny recursive-doubling allgather
     with every rank active, and the median time of one tiny all-to-all round (P-1 messages posted at once).
 
@@ -118,11 +97,11 @@ def _collective_latencies(
         comm.alltoallv(blocks, [1] * comm.size, torch.int64)
         if i:
             t_a2a.append(time.perf_counter() - t0)
-    _merge(tally, comm)
+    tally.add(comm.traffic.bytes_sent, comm.traffic.bytes_recv, comm.traffic.messages)
     return sorted(t_step)[reps // 2], sorted(t_a2a)[reps // 2]
 
 
-def _allreduce_beta(group: dist.ProcessGroup, nbytes: int, reps: int, tally: Traffic | None = None) -> float:
+def _allreduce_beta(group: dist.ProcessGroup, nbytes: int, reps: int, tally: Traffic) -> float:
     """Seconds per byte as a bandwidth-optimal dense allreduce sees it: (t(M) - t(tiny)) / (2(P-1)/P · M).
 
     On a real link this matches the ping-pong; when P processes share a few cores (loopback), the ping-pong of
@@ -132,7 +111,8 @@ def _allreduce_beta(group: dist.ProcessGroup, nbytes: int, reps: int, tally: Tra
     big, tiny = torch.zeros(nbytes // 4), torch.zeros(1)
 
     def timed(t: torch.Tensor) -> float:
-        _count(tally, (reps + 1) * ring_allreduce_bytes(t.numel() * t.element_size(), P), (reps + 1) * 2 * (P - 1))
+        ring = (reps + 1) * ring_allreduce_bytes(t.numel() * t.element_size(), P)
+        tally.add(ring, ring, (reps + 1) * 2 * (P - 1))
         times = []
         for i in range(reps + 1):
             dist.barrier(group=group)
@@ -145,9 +125,7 @@ def _allreduce_beta(group: dist.ProcessGroup, nbytes: int, reps: int, tally: Tra
     return max(timed(big) - timed(tiny), 1e-12) / (2 * (P - 1) / P * nbytes)
 
 
-def _exchange_beta(
-    group: dist.ProcessGroup, nbytes: int, reps: int, alpha_step: float, tally: Traffic | None = None
-) -> float:
+def _exchange_beta(group: dist.ProcessGroup, nbytes: int, reps: int, alpha_step: float, tally: Traffic) -> float:
     """Seconds per byte of sparsync's own exchanges: a recursive-doubling allgather of ``nbytes`` per rank
     after a barrier, as the sparse algorithms run it (not back to back: each phase of a sparse collective
     starts on connections that were idle), minus its latency, over the (P-1)·nbytes each rank receives."""
@@ -164,7 +142,7 @@ def _exchange_beta(
         allgather_blocks(comm, block, [nbytes] * P, doubling=True)
         if i:
             times.append(time.perf_counter() - t0)
-    _merge(tally, comm)
+    tally.add(comm.traffic.bytes_sent, comm.traffic.bytes_recv, comm.traffic.messages)
     t = sorted(times)[reps // 2]
     return max(t - steps * alpha_step, 1e-12) / ((P - 1) * nbytes)
 
@@ -172,9 +150,7 @@ def _exchange_beta(
 FIXED_ROWS, FIXED_ROW = 64, 16  # the stream of ``_fixed_costs``: one stored row of 16 values out of 64
 
 
-def _fixed_costs(
-    group: dist.ProcessGroup, reps: int, names: tuple[str, ...], tally: Traffic | None = None
-) -> list[float]:
+def _fixed_costs(group: dist.ProcessGroup, reps: int, names: tuple[str, ...], tally: Traffic) -> list[float]:
     """Median seconds of each algorithm of ``names`` (registered ones) on a stream of one stored row: its
     metadata round, its rounds and the software around them, everything but β and γ (``LinkModel.fixed``).
     Run on the algorithms' own code (no nested public call: calibration may itself run inside one)."""
@@ -194,7 +170,7 @@ def _fixed_costs(
                 comm, "sparse_allreduce", stream, alg, -1, True, partition=PARTITION_CODES.index(part)
             )
             run(comm, stream, meta, part)
-            _merge(tally, comm)
+            tally.add(comm.traffic.bytes_sent, comm.traffic.bytes_recv, comm.traffic.messages)
             if i:
                 times.append(time.perf_counter() - t0)
         out.append(sorted(times)[reps // 2])
@@ -234,7 +210,8 @@ def measure_link(
         est[7] = _exchange_beta(g, large_bytes // 4, reps, float(est[0]), tally)
         est[9:] = torch.tensor(_fixed_costs(g, 2 * reps + 1, names, tally), dtype=torch.float64)
     dist.all_reduce(est, group=g)
-    _count(tally, ring_allreduce_bytes(est.numel() * est.element_size(), size), 2 * (size - 1))
+    ring = ring_allreduce_bytes(est.numel() * est.element_size(), size)
+    tally.add(ring, ring, 2 * (size - 1))
     if size == 1:
         return LinkModel(alpha=0.0, beta=0.0, gamma_sparse=gs, gamma_dense=gd, gamma_scatter=gsc, gamma_fresh=gf)
     pairs = float(est[4])

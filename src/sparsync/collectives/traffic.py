@@ -16,3 +16,9 @@ class Traffic:
     phases: dict[str, float] = field(default_factory=dict)
     phase_bytes: dict[str, int] = field(default_factory=dict)  # bytes sent inside each named phase
     partition_bytes: list[int] = field(default_factory=list)  # split algorithms: bytes sent to each owner
+
+    def add(self, sent: int, received: int, messages: int) -> None:
+        """Count a transfer (or another tally's totals) in this one. Mutates the counters."""
+        self.bytes_sent += sent
+        self.bytes_recv += received
+        self.messages += messages

@@ -141,7 +141,7 @@ class ReplicatedOptimizer:
 
     def aggregate_deferred(self) -> tuple[list[int], NonFiniteError | None]:
         """``aggregate``, except that a NaN or ±Inf some replica contributed (``check_nan``) is returned, not
-        raised: every gradient then holds NaN on every replica (``bucket_jobs.nan_grad``; the placements refuse
+        raised: every gradient then holds NaN on every replica (``placement.base.nan_grad``; the placements refuse
         before sending, and a compressor's state must not take the values in, so there are no sums), which a
         ``GradScaler``'s inf check sees alike everywhere."""
         codes = [

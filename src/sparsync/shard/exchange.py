@@ -201,9 +201,7 @@ class Exchanger:
             dist.all_to_all_single(out, send.contiguous(), recv_sizes, send_sizes, group=self.group)
         w = send.element_size()
         sent = w * (sum(send_sizes) - send_sizes[self.rank])
-        tally.bytes_sent += sent
-        tally.bytes_recv += w * (sum(recv_sizes) - recv_sizes[self.rank])
-        tally.messages += self.size - 1
+        tally.add(sent, w * (sum(recv_sizes) - recv_sizes[self.rank]), self.size - 1)
         tally.phase_bytes[phase] = tally.phase_bytes.get(phase, 0) + sent
         tally.phases[phase] = tally.phases.get(phase, 0.0) + time.perf_counter() - t0
         return out
