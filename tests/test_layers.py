@@ -45,8 +45,9 @@ LAYERS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     ("placement", 3, ("sparsync.placement",)),
     ("plan", 4, ("sparsync.plan",)),
     ("ps", 4, ("sparsync.ps",)),
-    # Sharded tables: their placement is placement's ``Sharded``; a sibling of plan (whose kind makes it) and ps.
-    ("shard", 4, ("sparsync.shard",)),
+    # Sharded tables: their placement is placement's ``Sharded``; above plan, whose kind prices them and whose
+    # planner their ``plan="auto"`` asks; a sibling of HybridTrainer.
+    ("shard", 5, ("sparsync.shard",)),
     ("hybrid", 5, ("sparsync.hybrid",)),
     ("api", 6, ("sparsync.replicator", "sparsync.optim")),
 )

@@ -196,7 +196,7 @@ def _train(
     log = CommLog()
     forward: nn.Module = model
     if method in SHARD_METHODS:  # before the optimizer: the shards replace the tables' parameters
-        shard_tables(method, model, model.tables, shard.sparse[: cfg.batch], log)
+        shard_tables(method, model, (shard.dense[: cfg.batch], shard.sparse[: cfg.batch]), log)
     opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     trainer: Any = None
     if method in PS_METHODS:

@@ -11,10 +11,11 @@ import torch.distributed as dist
 from torch import nn
 
 import sparsync
+from sparsync.costmodel import LinkModel
 from sparsync.optim import DistributedOptimizer
 from sparsync.placement import Sharded, placement_of
 from sparsync.record import CommLog
-from sparsync.shard import plan_of
+from sparsync.shard import auto_plan, plan_of
 
 # name -> (module, how it is called): every mode of the issue, each table a different shape
 SPECS: dict[str, tuple[Callable[[], nn.Module], str]] = {
@@ -233,7 +234,7 @@ def errors_worker(rank: int) -> dict[str, str]:
     out["max_norm"] = _message(lambda: sparsync.shard(nn.Sequential(nn.Embedding(5, 2, max_norm=1.0))))
     out["scale_grad"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2, scale_grad_by_freq=True)))
     out["server"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2), plan={"": "server"}))
-    out["auto"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2), plan="auto"))
+    out["auto"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2), plan="auto"))  # no sample
     out["unknown"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2), plan={"nope": "sharded"}))
     plain = nn.Embedding(5, 2, sparse=True)
     opt = DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1), plain, plan={"weight": Sharded()},
@@ -244,6 +245,55 @@ def errors_worker(rank: int) -> dict[str, str]:
     _loss(outs).backward()
     out["after"] = f"looked up {len(outs)} tables"
     return out
+
+
+# --- plan="auto" ------------------------------------------------------------------------------------------------
+AUTO_LINK = LinkModel(alpha=2e-6, beta=1e-7, gamma_sparse=0.0, gamma_dense=0.0, gamma_scatter=0.0)
+
+
+class Auto(nn.Module):
+    """A small table every sample reads whole, two large ones each sample reads a few rows of, a dense layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.small = nn.Embedding(8, 4)
+        self.big = nn.EmbeddingBag(5000, 8, mode="sum")
+        self.big2 = nn.Embedding(5000, 8)
+        self.fc = nn.Linear(20, 1)
+
+    def forward(self, small: torch.Tensor, big: torch.Tensor, offsets: torch.Tensor, big2: torch.Tensor) -> Any:
+        pooled = [self.small(small).sum(1), self.big(big, offsets), self.big2(big2).sum(1)]
+        return self.fc(torch.cat(pooled, dim=1)).squeeze(1)
+
+
+def auto_sample(rank: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(100 + rank)
+    n = 6
+    return (
+        torch.arange(8).repeat(n, 1),
+        torch.randint(0, 5000, (3 * n,), generator=g),
+        3 * torch.arange(n),
+        torch.randint(0, 300, (n, 2), generator=g),
+    )
+
+
+def auto_worker(rank: int) -> dict[str, Any]:
+    """``plan="auto"`` on a fixed link model: what it measured and chose, and the modules it swapped."""
+    sparsync.set_link(AUTO_LINK)
+    chosen = auto_plan(Auto(), auto_sample(rank), dist.group.WORLD)
+    model = sparsync.shard(Auto(), "auto", sample=auto_sample(rank))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    opt.zero_grad()
+    model(*auto_sample(rank)).square().mean().backward()
+    opt.step()
+    return {
+        "tables": chosen.tables,
+        "kinds": chosen.plan.kinds,
+        "distinct": dict(chosen.distinct),
+        "modules": {n: type(getattr(model, n)).__name__ for n in ("small", "big", "big2")},
+        "finite": all(bool(p.isfinite().all()) for p in model.parameters()),
+    }
 
 
 # --- checkpoints ------------------------------------------------------------------------------------------------

@@ -13,8 +13,11 @@ from pathlib import Path
 
 import _shard_workers as sw
 import pytest
+import torch
 
 from sparsync import launch
+from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
+from sparsync.shard import AUTO_KINDS
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 TOL = 1e-12  # float64 on both sides: only the order of the sums over ranks differs
@@ -53,7 +56,7 @@ def test_bad_input_gets_the_same_clear_error_on_every_rank() -> None:
     assert "mode='max'" in m["max_mode"] and "EmbeddingBag" in m["max_mode"]
     assert "cannot shard '0'" in m["max_norm"] and "max_norm=1.0" in m["max_norm"]
     assert "scale_grad_by_freq=True" in m["scale_grad"]
-    assert "not built yet" in m["server"] and "not built yet" in m["auto"]
+    assert "not built yet" in m["server"] and "pass sample=" in m["auto"]
     assert m["unknown"].startswith("KeyError") and "nope" in m["unknown"]
     assert "are no shards" in m["unswapped"]
     assert m["after"] == "looked up 7 tables"  # every error left the ranks in step
@@ -66,3 +69,34 @@ def test_a_checkpoint_saved_at_three_ranks_loads_at_five(tmp_path: Path) -> None
         assert r["loaded_equal"]  # the whole tables gathered at 5 ranks are the ones saved at 3
         assert r["step_error"] < TOL  # one more step equals the replicated path's from the same checkpoint
         assert r["local_equal"]  # each rank's own rows round-trip
+
+
+def test_plan_auto_measures_the_tables_and_chooses_what_the_planner_chooses_from_the_measured_counts() -> None:
+    """At P = 3 on a fixed link: every rank makes the same choice, which is make_plan's on the distinct rows
+    counted here from the ranks' samples; the small table read whole stays replicated and the large
+    ones are sharded."""
+    P = 3
+    res = launch(sw.auto_worker, nprocs=P)
+    samples = [sw.auto_sample(r) for r in range(P)]
+    per_table = {"small": [s[0] for s in samples], "big": [s[1] for s in samples], "big2": [s[3] for s in samples]}
+    distinct = {
+        n: (
+            sum(torch.unique(x).numel() for x in xs) / P,
+            torch.unique(torch.cat([x.reshape(-1) for x in xs])).numel(),
+        )
+        for n, xs in per_table.items()
+    }
+    rows = {"small": 8, "big": 5000, "big2": 5000}
+    stats = [
+        ParamStats(f"{n}.weight", (rows[n], 4 if n == "small" else 8), distinct[n][0] / rows[n], True,
+                   distinct[n][0] / rows[n])
+        for n in ("small", "big", "big2")
+    ] + [ParamStats("fc.weight", (1, 20), 1.0, False), ParamStats("fc.bias", (1,), 1.0, False)]  # fmt: skip
+    kinds = [KINDS.entry(k) for k in AUTO_KINDS]
+    want = make_plan(stats, Cluster(P, measured=sw.AUTO_LINK), swap_modules=True, kinds=kinds).kinds
+    for r in res:
+        assert r["distinct"] == distinct
+        assert r["kinds"] == want
+        assert r["tables"] == {"small": "replicated", "big": "sharded", "big2": "sharded"}
+        assert r["modules"] == {"small": "Embedding", "big": "ShardedEmbeddingBag", "big2": "ShardedEmbedding"}
+        assert r["finite"]
