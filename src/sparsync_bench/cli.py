@@ -149,7 +149,7 @@ def _add_dlrm_parser(bsub: Any, parents: dict[str, argparse.ArgumentParser]) -> 
     dl = bsub.add_parser(
         "dlrm",
         help="DLRM on Criteo-format data: torch DDP (dense, sparse) and torchrec vs sparsync (tables replicated "
-        "or sharded: sparsync_sharded, sparsync_auto)",
+        "or sharded: sparsync_sharded, sparsync_auto, sparsync_sharded_bf16)",
         parents=[parents["net"]],
         formatter_class=HelpFormatter,
     )

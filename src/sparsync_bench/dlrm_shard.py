@@ -2,6 +2,8 @@
 the MLPs by ``DistributedOptimizer`` as in ``sparsync``.
 
 - ``sparsync_sharded``: every table sharded;
+- ``sparsync_sharded_bf16``: the same, the rows and gradient rows sent in bf16 (``sparsync.shard(rows="bf16")``:
+  half the rows' bytes, lossy; its loss beside ``sparsync_sharded``'s says how much);
 - ``sparsync_auto``: ``sparsync.shard(model, plan="auto", sample=first batch)``: each table where the cost model
   predicts the faster step (``sparsync.shard.auto``: among dense allreduce, sparse allreduce and sharded, priced on
   the distinct rows of each rank's first batch and the group's measured link). The tables it leaves replicated go
@@ -21,7 +23,7 @@ from torch import nn
 from sparsync.record import CommLog
 from sparsync.shard import ShardedTable, shard
 
-SHARD_METHODS = ("sparsync_sharded", "sparsync_auto")
+SHARD_METHODS = ("sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16")
 SHARD_OPS = ("shard_lookup", "shard_grad")  # the CommLog records of the sharded tables' exchanges
 
 
@@ -34,7 +36,7 @@ def shard_tables(method: str, model: nn.Module, sample: tuple[torch.Tensor, ...]
     if method == "sparsync_auto":
         shard(model, "auto", sample=sample, log=log)
     else:
-        shard(model, log=log)
+        shard(model, log=log, rows="bf16" if method == "sparsync_sharded_bf16" else None)
 
 
 def table_figures(tables: nn.ModuleList, initial: list[torch.Tensor]) -> tuple[float, float]:

@@ -33,7 +33,8 @@ symmetry what the rank's machine, client and colocated server together, sends on
 
 And the tables' rows owned by the ranks (``dlrm_shard``, docs/sharding.md): ``sparsync_sharded`` (every table
 sharded by ``sparsync.shard``, the MLPs by ``DistributedOptimizer`` as in ``sparsync``) and ``sparsync_auto``
-(the tables the cost model's plan places ``sharded``, the rest as in ``sparsync``). Their bytes per step count
+(the tables the cost model's plan places ``sharded``, the rest as in ``sparsync``), and ``sparsync_sharded_bf16``
+(``sparsync_sharded`` with the rows in bf16: lossy). Their bytes per step count
 the shards' exchanges (the ``shard_lookup`` and ``shard_grad`` records), also reported alone
 (``shard_bytes_per_step``), beside how many tables were sharded (``tables_sharded``).
 

@@ -197,7 +197,8 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     P = 3
     cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", P * 6 * 32)), steps=6, batch=32, max_rows=2000,
                           dim=8, warmup=1, tail=3,
-                          methods=("sparsync", "sparsync_sharded", "sparsync_auto"))  # fmt: skip
+                          methods=("sparsync", "sparsync_sharded", "sparsync_auto",
+                                   "sparsync_sharded_bf16"))  # fmt: skip
     data = load(cfg, P)
     rows = {r["method"]: r for r in summarize(launch(dlrm_worker_nominal_link, nprocs=P, args=(cfg, data))[0])}
     base = rows["sparsync"]
@@ -215,3 +216,8 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     mlps = sum(p.numel() * 4 for n, p in _model(cfg, True).named_parameters() if not n.startswith("tables."))
     mlp_bytes = ring_allreduce_bytes(mlps, P).sent
     assert sharded["bytes_per_step"] - exchanges == pytest.approx(mlp_bytes, rel=0.01), (sharded, mlp_bytes)
+    # bf16 rows: the same ids, half the rows' and gradient rows' bytes; lossy, near fp32's loss
+    low = rows["sparsync_sharded_bf16"]
+    assert low["tables_sharded"] == 26 and low["loss"] == pytest.approx(sharded["loss"], rel=1e-3)
+    assert low["param_abs_sum"] != sharded["param_abs_sum"]
+    assert exchanges / 2 < low["shard_bytes_per_step"] < exchanges

@@ -296,6 +296,40 @@ def auto_worker(rank: int) -> dict[str, Any]:
     }
 
 
+# --- rows in a lower precision ---------------------------------------------------------------------------------
+def wire_worker(rank: int) -> dict[str, Any]:
+    """Three SGD steps of float32 tables with the rows sent as they are, in bf16 and in fp16: per precision the
+    bytes of each round, the losses and the shards after the steps."""
+    P = dist.get_world_size()
+    out: dict[str, Any] = {}
+    for rows in (None, "bf16", "fp16"):
+        log = CommLog()
+        model = sparsync.shard(Tables(seed=0).float(), log=log, rows=rows)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, plan=plan_of(model),
+                                   sync_parameters=False)  # fmt: skip
+        losses = []
+        for step in (0, 3, 4):  # the steps of _batch whose ids are spread over every owner
+            batch = {k: tuple(a.float() if a.is_floating_point() else a for a in v)
+                     for k, v in _batch(step, rank, P).items()}  # fmt: skip
+            opt.zero_grad()
+            loss = _loss(model(batch))
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        phases: dict[str, int] = {}
+        for r in log.records:
+            for k, v in (r.phase_bytes or {}).items():
+                phases[k] = phases.get(k, 0) + v
+        out[str(rows)] = {"phases": phases, "losses": losses,
+                          "shards": [p.detach().clone() for p in model.parameters()]}  # fmt: skip
+    try:
+        sparsync.shard(Tables(seed=0), rows="int8")
+        out["bad"] = "no error"
+    except ValueError as e:
+        out["bad"] = str(e)
+    return out
+
+
 # --- checkpoints ------------------------------------------------------------------------------------------------
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range, rank: int, P: int) -> None:
     for step in steps:

@@ -26,7 +26,7 @@ from sparsync.collectives.group import resolve_group
 from sparsync.placement import Placement, Sharded, placement_of
 from sparsync.record import CommLog
 from sparsync.shard.auto import auto_plan
-from sparsync.shard.exchange import Exchanger
+from sparsync.shard.exchange import WIRE, Exchanger
 from sparsync.shard.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
 
 BUILT = ("sharded", "replicated")  # what a plan may name today
@@ -41,6 +41,7 @@ def shard(
     log: CommLog | None = None,
     state_dict: str = "full",
     sample: Sequence[Any] | None = None,
+    rows: str | None = None,
 ) -> nn.Module:
     """Swap the embedding modules of ``model`` for sharded ones, per ``plan``, and return the model (the new
     module when ``model`` is itself an embedding).
@@ -51,7 +52,9 @@ def shard(
     forward of ``model(*sample)`` on every rank and the group's link (``shard.auto``; ``auto_plan`` gives what it
     measured and chose). ``group``: the ranks that own the rows (default: the world). ``log``: a ``CommLog``
     that receives a record per exchange and direction. ``state_dict``: ``"full"`` (each table whole, on rank 0)
-    or ``"local"`` (each rank its rows; ``shard.modules``).
+    or ``"local"`` (each rank its rows; ``shard.modules``). ``rows``: ``"fp16"`` or ``"bf16"`` sends the rows and
+    the gradient rows in that precision, half of fp32's bytes, each value rounded once on the way (lossy: the
+    tables, the pooling and the owners' sums stay in the tables' dtype); None sends them as they are.
 
     Every shard starts from group rank 0's table, so training starts where the replicated path would. Collective
     over ``group``: every rank calls it on the same model; ranks whose tables differ all raise the same
@@ -61,6 +64,8 @@ def shard(
     KeyError for a plan that names no embedding module of the model. Mutates ``model`` (its embedding modules
     are replaced)."""
     g = resolve_group(group)
+    if rows is not None and rows not in WIRE:
+        raise ValueError(f"rows={rows!r}: the rows travel as they are (None) or in one of {sorted(WIRE)}")
     if plan == "auto":
         if sample is None:
             raise ValueError("plan='auto' measures the tables on a sample batch: pass sample=(args of model(...))")
@@ -74,7 +79,7 @@ def shard(
     for name in chosen:
         _check_shardable(model, name, tables[name])
     _agree(chosen, tables, g)
-    exchanger = Exchanger(g, log)
+    exchanger = Exchanger(g, log, None if rows is None else WIRE[rows])
     placement = Sharded()  # one object: DistributedOptimizer keeps every shard in one group of its plan
     swapped: dict[int, ShardedTable] = {}
     for name in chosen:
