@@ -98,6 +98,8 @@ def print_plan(plan: Plan, console: Console | None = None, title: str | None = N
             f"{e.seconds * 1e3:.3f}",
             f"{e.candidates['dense_allreduce'][1] * 1e3:.3f}",
         )
+    for kind, seconds in plan.shared.items():  # one grouped exchange's latency, paid once for all its tables
+        t.add_row(f"({kind}: one exchange)", "", "", "", kind, "", f"{seconds * 1e3:.3f}", "")
     t.add_row("total", "", "", "", "", f"{plan.bytes_per_machine / 1e6:.3f}", f"{plan.seconds * 1e3:.3f}",
               f"{plan.baseline_seconds() * 1e3:.3f}")  # fmt: skip
     show_table(console or Console(), t)
