@@ -66,7 +66,7 @@ from sparsync.record import CommLog, workload_bytes
 from sparsync.shard import ShardedTable
 from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows
 from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
-from sparsync_bench.dlrm import DLRM, MLPS
+from sparsync_bench.dlrm import DLRM, MLPS, dlrm_stats
 from sparsync_bench.dlrm_shard import SHARD_METHODS, SHARD_OPS, shard_tables, table_figures
 from sparsync_bench.hybrid import ps_remote_bytes
 from sparsync_bench.omnireduce import block_allreduce
@@ -140,6 +140,13 @@ def _model(cfg: DlrmBenchConfig, sparse: bool) -> DLRM:
     torch.manual_seed(cfg.seed)
     bottom, top = MLPS[cfg.mlp]
     return DLRM(table_rows(cfg.max_rows), cfg.dim, bottom=(*bottom, cfg.dim), top=top, sparse=sparse)
+
+
+def _mlp_bytes(cfg: DlrmBenchConfig) -> int:
+    """Bytes of the MLPs' parameters (fp32), from the model's description (``dlrm_stats``)."""
+    return sum(
+        4 * s.numel for s in dlrm_stats(table_rows(cfg.max_rows), cfg.dim, cfg.batch, cfg.mlp) if not s.sparse
+    )
 
 
 def _ddp_bytes(model: DLRM, rows: list[list[int]], rank: int, sparse: bool) -> WireBytes:
@@ -291,6 +298,9 @@ def worker(
         else:
             row = _train(m, cfg, shard, rank, P, addresses)
         row["world_size"] = P
+        if row.get("bytes_per_step") is not None:  # the MLPs' part, which every method sends the same way
+            row["dense_bytes_per_step"] = ring_allreduce_bytes(_mlp_bytes(cfg), P).sent
+            row["table_bytes_per_step"] = row["bytes_per_step"] - row["dense_bytes_per_step"]
         out.append(row)
         if rank == 0 and row.get("unavailable"):
             print(f"  {m}: unavailable: {row['unavailable']}", flush=True)
@@ -321,17 +331,19 @@ def markdown(rows: list[dict[str, Any]], cfg: DlrmBenchConfig, where: str) -> st
         f"### DLRM, {where}, {cfg.batch} samples per rank per step, {cfg.steps} steps, tables capped at "
         f"{cfg.max_rows:,} rows, dim {cfg.dim}",
         "",
-        "| P | method | ms/step | MB sent/rank/step | loss (last steps) | vs DDP sparse: speed | loss diff |",
-        "|---|---|---|---|---|---|---|",
+        "| P | method | ms/step | MB sent/rank/step | of which MLPs | of which tables | loss (last steps) "
+        "| vs DDP sparse: speed | loss diff |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         sp, ld = r.get("speedup_vs_ddp_sparse"), r.get("loss_rel_diff")
         if r.get("unavailable"):
-            lines.append(f"| {r['world_size']} | {r['method']} | unavailable: {r['unavailable']} | | | | |")
+            lines.append(f"| {r['world_size']} | {r['method']} | unavailable: {r['unavailable']} | | | | | | |")
             continue
         lines.append(
             f"| {r['world_size']} | {r['method']} | {r['step_s'] * 1e3:.1f} | {r['bytes_per_step'] / 1e6:.2f} | "
-            f"{r['loss']:.5f} | {'-' if sp is None else f'{sp:.2f}x'} | {'-' if ld is None else f'{ld:.2%}'} |"
+            f"{r['dense_bytes_per_step'] / 1e6:.2f} | {r['table_bytes_per_step'] / 1e6:.2f} | {r['loss']:.5f} | "
+            f"{'-' if sp is None else f'{sp:.2f}x'} | {'-' if ld is None else f'{ld:.2%}'} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -216,6 +216,9 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     mlps = sum(p.numel() * 4 for n, p in _model(cfg, True).named_parameters() if not n.startswith("tables."))
     mlp_bytes = ring_allreduce_bytes(mlps, P).sent
     assert sharded["bytes_per_step"] - exchanges == pytest.approx(mlp_bytes, rel=0.01), (sharded, mlp_bytes)
+    # the table's columns: the MLPs' ring allreduce, every method alike, and the rest
+    assert all(r["dense_bytes_per_step"] == mlp_bytes for r in rows.values())
+    assert sharded["table_bytes_per_step"] == pytest.approx(exchanges, rel=0.05)
     # bf16 rows: the same ids, half the rows' and gradient rows' bytes; lossy, near fp32's loss
     low = rows["sparsync_sharded_bf16"]
     assert low["tables_sharded"] == 26 and low["loss"] == pytest.approx(sharded["loss"], rel=1e-3)
