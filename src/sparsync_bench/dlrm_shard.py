@@ -16,27 +16,44 @@ A sharded model holds a part of each table per rank, so the figures the benchmar
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from sparsync.plan import KINDS, make_plan
 from sparsync.record import CommLog
-from sparsync.shard import ShardedTable, shard
+from sparsync.shard import AUTO_KINDS, ShardedTable, auto_plan, shard
 
 SHARD_METHODS = ("sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16")
 SHARD_OPS = ("shard_lookup", "shard_grad")  # the CommLog records of the sharded tables' exchanges
 
 
-def shard_tables(method: str, model: nn.Module, sample: tuple[torch.Tensor, ...], log: CommLog) -> None:
+def shard_tables(
+    method: str, model: nn.Module, sample: tuple[torch.Tensor, ...], log: CommLog
+) -> dict[str, float]:
     """Swap ``model``'s tables for sharded ones per ``method`` (module doc); ``sample``: this rank's first batch,
-    the arguments of ``model(...)``. Collective: every rank calls it with the same method. Mutates ``model`` (its
+    the arguments of ``model(...)``. Returns the cost model's prediction for the placement it ran, from the
+    statistics ``plan="auto"`` measures (every method measures them, so each row has one): the sharded tables'
+    bytes sent per rank and step (``predicted_shard_bytes_per_step``: half of the plan's sent + received) and the
+    step's communication time as ``DistributedOptimizer`` and the exchange send it (``predicted_comm_s``:
+    ``Plan.grouped_seconds``). Collective: every rank calls it with the same method. Mutates ``model`` (its
     tables are replaced; a new optimizer must take its parameters)."""
     if method not in SHARD_METHODS:
         raise KeyError(f"unknown sharded method {method!r}; valid: {', '.join(SHARD_METHODS)}")
-    if method == "sparsync_auto":
-        shard(model, "auto", sample=sample, log=log)
-    else:
-        shard(model, log=log, rows="bf16" if method == "sparsync_sharded_bf16" else None)
+    choice = auto_plan(model, sample, dist.group.WORLD)  # type: ignore[arg-type]
+    plan = choice.plan
+    if method != "sparsync_auto":
+        half = method == "sparsync_sharded_bf16"
+        stats = [dataclasses.replace(s, itemsize=2) if half and s.sparse else s for s in choice.stats]
+        everything = {s.name: "sharded" for s in stats if s.sparse}
+        plan = make_plan(stats, plan.cluster, overrides=everything, kinds=[KINDS.entry(k) for k in AUTO_KINDS])
+    kinds = {n.removesuffix(".weight"): k for n, k in plan.kinds.items() if n.startswith("tables.")}
+    tables = {n: "sharded" if k == "sharded" else "replicated" for n, k in kinds.items()}
+    shard(model, tables, log=log, rows="bf16" if method == "sparsync_sharded_bf16" else None)
+    sent = sum(e.bytes_per_machine for e in plan.entries if e.placement == "sharded") / 2
+    return {"predicted_shard_bytes_per_step": sent, "predicted_comm_s": plan.grouped_seconds}
 
 
 def table_figures(tables: nn.ModuleList, initial: list[torch.Tensor]) -> tuple[float, float]:

@@ -203,8 +203,9 @@ def _train(
     tables0 = [t.weight.detach().clone() for t in model.tables]  # type: ignore[operator]
     log = CommLog()
     forward: nn.Module = model
+    predicted: dict[str, float] = {}
     if method in SHARD_METHODS:  # before the optimizer: the shards replace the tables' parameters
-        shard_tables(method, model, (shard.dense[: cfg.batch], shard.sparse[: cfg.batch]), log)
+        predicted = shard_tables(method, model, (shard.dense[: cfg.batch], shard.sparse[: cfg.batch]), log)
     opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     trainer: Any = None
     if method in PS_METHODS:
@@ -283,7 +284,7 @@ def _train(
     return {"method": method, "step_s": float(t), "bytes_per_step": nbytes, "loss": float(tail) / P,
             "first_loss": losses[0], "param_abs_sum": digest, "tables_moved": moved,
             "shard_bytes_per_step": shard_bytes,
-            "tables_sharded": sum(isinstance(t, ShardedTable) for t in model.tables)}  # fmt: skip
+            "tables_sharded": sum(isinstance(t, ShardedTable) for t in model.tables), **predicted}  # fmt: skip
 
 
 def worker(

@@ -219,8 +219,11 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     # the table's columns: the MLPs' ring allreduce, every method alike, and the rest
     assert all(r["dense_bytes_per_step"] == mlp_bytes for r in rows.values())
     assert sharded["table_bytes_per_step"] == pytest.approx(exchanges, rel=0.05)
+    # the cost model's bytes, priced on the first batch's distinct rows, against the six steps' exchanges
+    assert sharded["predicted_shard_bytes_per_step"] == pytest.approx(exchanges, rel=0.1), (sharded, exchanges)
     # bf16 rows: the same ids, half the rows' and gradient rows' bytes; lossy, near fp32's loss
     low = rows["sparsync_sharded_bf16"]
     assert low["tables_sharded"] == 26 and low["loss"] == pytest.approx(sharded["loss"], rel=1e-3)
     assert low["param_abs_sum"] != sharded["param_abs_sum"]
     assert exchanges / 2 < low["shard_bytes_per_step"] < exchanges
+    assert low["predicted_shard_bytes_per_step"] == pytest.approx(low["shard_bytes_per_step"], rel=0.1), low

@@ -44,6 +44,7 @@ class AutoPlan:
 
     plan: Plan
     distinct: Mapping[str, tuple[float, int]]  # module name -> (u(B) mean over the ranks, u(P·B))
+    stats: tuple[ParamStats, ...]  # what the plan priced, to price another plan on the same cluster
 
     @property
     def tables(self) -> dict[str, str]:
@@ -91,7 +92,7 @@ def auto_plan(
         state.link = link
     plan = make_plan(stats, Cluster(P, measured=link), swap_modules=True,
                      kinds=[KINDS.entry(k) for k in AUTO_KINDS])  # fmt: skip
-    return AutoPlan(plan, distinct)
+    return AutoPlan(plan, distinct, tuple(stats))
 
 
 def _weight_name(module: str) -> str:
