@@ -12,14 +12,9 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsync_bench.allreduce import BASELINES
+from sparsync_bench.fmt import markdown_table, ms
 from sparsync_bench.report import Check, pyplot, save_figure, targets_markdown
 from sparsync_bench.tables import show_table
-
-
-def _fmt(t: float | None) -> str:
-    if t is None or (isinstance(t, float) and math.isnan(t)):
-        return "-"
-    return f"{t * 1e3:.2f}"
 
 
 def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> None:
@@ -37,16 +32,16 @@ def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> Non
     ):
         table.add_column(col, justify="right" if col not in ("method", "auto chose") else "left")
     for r in rows:
-        spread = "-" if math.isnan(r["p25_s"]) else f"{_fmt(r['p25_s'])}-{_fmt(r['p75_s'])}"
+        spread = "-" if math.isnan(r["p25_s"]) else f"{ms(r['p25_s'])}-{ms(r['p75_s'])}"
         table.add_row(
             str(r["world_size"]),
             f"{r['density']:g}",
             r["method"],
-            _fmt(r["median_s"]),
+            ms(r["median_s"]),
             spread,
             f"{r['bytes_sent_per_rank'] / 1e6:.3f}",
-            _fmt(r["predicted_s"]),
-            _fmt(r["lower_bound_s"]),
+            ms(r["predicted_s"]),
+            ms(r["lower_bound_s"]),
             r["chosen"] or r["note"],
         )
     show_table(console, table)
@@ -59,12 +54,12 @@ def markdown(rows: list[dict[str, Any]], checks: list[Check], title: str) -> str
     for r in rows:
         pts[(r["world_size"], r["density"])][r["method"]] = r
     lines = [f"### {title}", "", "Median ms per allreduce (slowest rank), auto's choice in the last column.", ""]
-    lines.append("| P | density | " + " | ".join(methods) + " | auto chose |")
-    lines.append("|---|---|" + "---|" * (len(methods) + 1))
-    for (P, d), by in sorted(pts.items()):
-        cells = [_fmt(by[m]["median_s"]) if m in by else "-" for m in methods]
-        chose = by["auto"]["chosen"] if "auto" in by else ""
-        lines.append(f"| {P} | {d:g} | " + " | ".join(cells) + f" | {chose} |")
+    body = [
+        [P, f"{d:g}", *(ms(by[m]["median_s"]) if m in by else "-" for m in methods),
+         by["auto"]["chosen"] if "auto" in by else ""]
+        for (P, d), by in sorted(pts.items())
+    ]  # fmt: skip
+    lines += markdown_table(["P", "density", *methods, "auto chose"], body)
     return "\n".join(lines + targets_markdown(checks)) + "\n"
 
 

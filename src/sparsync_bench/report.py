@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsync.plan.planner import Plan
+from sparsync_bench.fmt import markdown_table
 from sparsync_bench.tables import show_table
 
 Check = tuple[str, bool, str]  # (target, met, the measured value as text)
@@ -72,8 +73,9 @@ def targets_markdown(checks: list[Check], heading: str | None = None) -> list[st
     """The markdown lines of the target checks: how many were met, then a table (under ``## heading``)."""
     met = sum(ok for _, ok, _ in checks)
     lines = ["", f"## {heading}"] if heading else []
-    lines += ["", f"Targets met: {met} of {len(checks)}.", "", "| target | measured | met |", "|---|---|---|"]
-    return lines + [f"| {name} | {val} | {'yes' if ok else '**no**'} |" for name, ok, val in checks]
+    lines += ["", f"Targets met: {met} of {len(checks)}.", ""]
+    body = [[name, val, "yes" if ok else "**no**"] for name, ok, val in checks]
+    return lines + markdown_table(["target", "measured", "met"], body)
 
 
 def print_plan(plan: Plan, console: Console | None = None, title: str | None = None) -> None:

@@ -52,6 +52,7 @@ from sparsync_bench.demo_plan import (
     run_compute,
     train_hybrid,
 )
+from sparsync_bench.fmt import markdown_table, mb
 from sparsync_bench.interleave import Trainer, interleave
 from sparsync_bench.tables import show_table
 from sparsync_bench.tensorboard import summary_writer
@@ -415,10 +416,13 @@ def print_demo(
             "plan": plan.as_dict() if plan is not None else None,
             "interleaving": dr.interleaving(runs, cfg.block, sizes)}  # fmt: skip
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
-    md = ["| gradient plan | step ms | MB/step/rank | final loss |", "| --- | --- | --- | --- |"]
-    md += [
-        f"| {r['plan']} | {r['step_ms']:.1f} | {r['bytes_per_step'] / 1e6:.3f} | {r['final_loss']:.4f} |"
-        for r in runs
-    ]
+    md = markdown_table(
+        ["gradient plan", "step ms", "MB/step/rank", "final loss"],
+        [
+            [r["plan"], f"{r['step_ms']:.1f}", mb(r["bytes_per_step"], ".3f"), f"{r['final_loss']:.4f}"]
+            for r in runs
+        ],
+        rule=" --- ",
+    )
     out.with_suffix(".md").write_text("\n".join([*md, "", *lines, ""]))
     console.print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
