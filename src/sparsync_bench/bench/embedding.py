@@ -1,4 +1,5 @@
-"""Output of ``sparsync bench embedding``: rich tables, a Markdown report with the issue's
+"""``sparsync bench embedding``: its options, its run (each world size a point of the runner's sweep, every rank
+running ``embedding.worker``), and its output: rich tables, a Markdown report with the issue's
 targets, and a plot of ms per method at every point. Rows are ``embedding.Row`` dicts. The S2 sketch's rows
 (``sketch@λ``) get their own table and targets, stated there at P = 8: compress +
 decompress ≤ 10% of the dense allreduce (torch_dense) on an embedding gradient of density 1%, bytes ≤ 0.3x
@@ -6,8 +7,10 @@ allgather's, time ≤ the row-sparse allreduce's (auto)."""
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +18,14 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsync import costmodel
+from sparsync_bench import options
+from sparsync_bench.allreduce import HIERARCHICAL
+from sparsync_bench.benchmark import Benchmark
+from sparsync_bench.embedding import HOT, EmbeddingBenchConfig, default_methods, worker
 from sparsync_bench.embedding_sketch import is_sketch
 from sparsync_bench.fmt import markdown_table, mb, ms, times
 from sparsync_bench.report import Check, pyplot, save_figure, targets_markdown
+from sparsync_bench.runner import Rows, Run
 from sparsync_bench.tables import show_table
 
 Point = tuple[int, int, float, str]  # (P, dim, zipf, hot)
@@ -282,3 +290,88 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, out.with_suffix(".png"), dpi=100)
+
+
+def add_options(em: argparse.ArgumentParser) -> None:
+    methods = default_methods()
+    em.add_argument("--procs", type=options.ints, default=(2, 4, 8), help="world sizes, e.g. 2,4,8")
+    em.add_argument("--rows", type=options.parse_size, default=2**20, help="embedding rows (default 1M)")
+    em.add_argument("--dims", type=options.ints, default=(16, 64, 128), help="embedding widths, e.g. 16,64,128")
+    em.add_argument("--tokens", type=options.parse_size, default=8192, help="token ids per rank")
+    em.add_argument(
+        "--zipf", type=options.floats, default=(0.9, 1.1, 1.3), help="Zipf exponents, e.g. 0.9,1.1,1.3"
+    )
+    em.add_argument("--hot", type=options.choices(HOT, "hot"), default=HOT,
+                    help=f"where the hot rows are: {', '.join(HOT)} (comma-separated)")  # fmt: skip
+    em.add_argument("--repeats", type=int, default=11, help="timed calls per point (the median is reported)")
+    em.add_argument("--methods", type=options.choices((*methods, *HIERARCHICAL), "methods"), default=methods,
+                    help=f"comma-separated; also {', '.join(HIERARCHICAL)} with --hosts")  # fmt: skip
+    em.add_argument(
+        "--sketch-lambda",
+        type=options.floats,
+        default=(1.0,),
+        dest="sketch_lambdas",
+        help="S2's λ for method 'sketch': one method sketch@λ per value, e.g. 0.5,1,2,4 (ratio = λ·α, α the "
+        "expected row density)",
+    )
+    em.add_argument(
+        "--out", type=Path, default=Path("results/embedding"), help="path stem for .csv/.json/.png/.md"
+    )
+
+
+def command(args: argparse.Namespace, console: Console) -> int:
+    on_hosts = ("torch_coo", "torch_ddp", "allgather", "ssar_split_allgather", "auto", *HIERARCHICAL)
+    procs, per_host, methods = options.hosts_and_methods(args, default_methods(), on_hosts)
+    ecfg = EmbeddingBenchConfig(rows=args.rows, dims=args.dims, tokens=args.tokens, zipf=args.zipf,
+                                hot=args.hot, repeats=args.repeats, methods=methods,
+                                sketch_lambdas=args.sketch_lambdas)  # fmt: skip
+    run_embedding_bench(ecfg, procs, out=args.out, net=args.net, latency=args.latency, console=console,
+                        progress=not args.no_progress, procs_per_host=per_host)  # fmt: skip
+    return 0
+
+
+def run_embedding_bench(
+    cfg: EmbeddingBenchConfig,
+    procs: tuple[int, ...],
+    *,
+    out: Path,
+    net: str | None = None,
+    latency: str | None = None,
+    console: Console | None = None,
+    progress: bool = True,
+    timeout: float = 1800.0,
+    procs_per_host: int | None = None,
+) -> Rows:
+    """``sparsync bench embedding`` at each world size in ``procs`` (hosts of ``procs_per_host`` ranks sharing
+    one namespace and link); print, save, plot. Returns the rows."""
+    meta: dict[str, Any] = {"config": {**cfg.__dict__}, "procs": list(procs), "net": net, "latency": latency,
+                            "procs_per_host": procs_per_host}  # fmt: skip
+    run = Run.start(out, meta, net=net, latency=latency, console=console, procs_per_host=procs_per_host,
+                     link_procs=max(procs))  # fmt: skip
+
+    def header(P: int) -> str:
+        return (f"[bold]P = {P}[/], embedding {cfg.rows:,} rows x {', '.join(map(str, cfg.dims))} fp32, "
+                f"{cfg.tokens:,} Zipf tokens per rank, {run.where}, {cfg.repeats} repeats")  # fmt: skip
+
+    rows = run.sweep(
+        procs, run.linked_point(worker, (cfg, progress), timeout=timeout, procs_per_host=procs_per_host), header
+    )
+    title = f"embedding gradients, {cfg.rows:,} rows, {cfg.tokens:,} tokens/rank, {run.where}"
+    check = partial(check_targets, loopback=run.spec is None)
+    return run.show(rows, title, tables=print_tables, check=check, plot=plot, markdown=markdown, width=170)
+
+
+BENCHMARK = Benchmark(
+    "embedding",
+    "nn.Embedding(sparse=True) gradients: torch's own paths vs sparsync",
+    add_options,
+    command,
+    worker,
+    shared=("net", "hosts", "progress"),
+    grid=lambda p: (
+        "default grid: "
+        f"{options.points(p, 'procs', 'dims', 'zipf', 'hot')}"
+        " points (world sizes x dims x Zipf exponents x hot-row layouts), every method at each "
+        "(docs/results_embedding.md)."
+    ),
+)
