@@ -1,7 +1,7 @@
 """The benchmarks' one way to show and keep results: a run's files (``out.json`` with its meta and rows,
 ``out.csv``, the figures, ``out.md``), the target checks as a table and as markdown, a placement plan as a
 table, rank 0's progress bar, and matplotlib set up for files. What a benchmark's table, markdown and figure
-hold stays with the benchmark (``allreduce_report``, ``embedding_report``, ``hybrid_report``, ``compress``,
+hold stays with the benchmark (``bench.allreduce``, ``bench.embedding``, ``bench.hybrid``, ``compress``,
 ``dlrm_train``)."""
 
 from __future__ import annotations
