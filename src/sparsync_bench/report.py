@@ -18,6 +18,7 @@ from rich.table import Table
 
 from sparsync.plan.planner import Plan
 from sparsync_bench.fmt import markdown_table
+from sparsync_bench.progress import display
 from sparsync_bench.tables import show_table
 
 Check = tuple[str, bool, str]  # (target, met, the measured value as text)
@@ -113,8 +114,6 @@ def progress(show: bool, title: str, total: int) -> Iterator[Callable[[str | Non
     if not show:
         yield lambda _desc, _adv: None
         return
-    from sparsync_bench.progress import display
-
     with display() as bar:
         task = bar.add_task(title, total=total)
 
