@@ -143,8 +143,8 @@ def test_omnireduce_and_sketch_methods_on_the_large_tables(tmp_path: Path) -> No
 def test_parameter_server_methods_train_to_the_same_loss(tmp_path: Path) -> None:
     """Parallax's PS, OptPS and HYB placements on DLRM (servers started by run_dlrm_bench, server-side SGD at
     the same lr, sync, mean): the same SGD steps as sparsync's allreduce, so the same loss to rounding."""
+    from sparsync_bench.bench.dlrm import run_dlrm_bench
     from sparsync_bench.dlrm_train import DlrmBenchConfig
-    from sparsync_bench.runner import run_dlrm_bench
 
     cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", 3 * 6 * 32)), steps=6, batch=32, max_rows=2000,
                           dim=8, warmup=1, tail=3,
