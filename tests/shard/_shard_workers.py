@@ -16,6 +16,7 @@ from sparsync.optim import DistributedOptimizer
 from sparsync.placement import Sharded, placement_of
 from sparsync.record import CommLog
 from sparsync.shard import auto_plan, plan_of
+from sparsync.shard.transfer import INIT_BLOCK
 
 # name -> (module, how it is called): every mode of the issue, each table a different shape
 SPECS: dict[str, tuple[Callable[[], nn.Module], str]] = {
@@ -328,6 +329,32 @@ def wire_worker(rank: int) -> dict[str, Any]:
     except ValueError as e:
         out["bad"] = str(e)
     return out
+
+
+# --- a table never built whole ---------------------------------------------------------------------------------
+META_ROWS = (3 * INIT_BLOCK + 5, 11)  # several init blocks, the last short; a table smaller than P·block too
+
+
+def meta_worker(rank: int) -> dict[str, Any]:
+    """Tables on the meta device: each rank draws only its rows; the whole tables gathered on rank 0, one SGD
+    step, and the shards after it."""
+    model = nn.ModuleDict({"big": nn.EmbeddingBag(META_ROWS[0], 3, mode="sum", device="meta", padding_idx=2),
+                           "small": nn.Embedding(META_ROWS[1], 3, device="meta")})  # fmt: skip
+    model = sparsync.shard(model, seed=7)
+    whole = model.state_dict()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, META_ROWS[0], (8,), generator=g)
+    small = torch.randint(0, META_ROWS[1], (4,), generator=g)
+    (model["big"](ids, torch.arange(0, 8, 2)).sum() + model["small"](small).sum()).backward()
+    opt.step()
+    return {
+        "shapes": [tuple(p.shape) for p in model.parameters()],
+        "whole": {k: v.clone() for k, v in whole.items()},
+        "shards": [p.detach().clone() for p in model.parameters()],
+        "devices": sorted({p.device.type for p in model.parameters()}),
+        "ids": (ids, small),
+    }
 
 
 # --- checkpoints ------------------------------------------------------------------------------------------------

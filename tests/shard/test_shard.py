@@ -17,7 +17,8 @@ import torch
 
 from sparsync import launch
 from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
-from sparsync.shard import AUTO_KINDS
+from sparsync.shard import AUTO_KINDS, Ownership
+from sparsync.shard.transfer import init_rows
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 TOL = 1e-12  # float64 on both sides: only the order of the sums over ranks differs
@@ -125,3 +126,31 @@ def test_rows_in_bf16_or_fp16_halve_the_rows_bytes_and_stay_near_fp32() -> None:
             assert 0 < worst[rows] < bound * scale, (rows, diffs, scale)  # lossy, and said so: not equal
         assert worst["fp16"] < worst["bf16"]
         assert "rows='int8'" in r["bad"] and "bf16" in r["bad"]
+
+
+def test_a_table_on_the_meta_device_is_drawn_in_shards_and_is_the_same_table_at_any_world_size() -> None:
+    """No rank builds it whole: each draws its own rows; gathered, they are the table one process draws (P = 1),
+    ``padding_idx``'s row zero; one SGD step moves exactly the rows looked up, by the summed gradient."""
+    rows, small_rows = sw.META_ROWS
+    ref = {
+        "big.weight": init_rows(Ownership(rows, 1), 0, 3, torch.float32, 7, 2),
+        "small.weight": init_rows(Ownership(small_rows, 1), 0, 3, torch.float32, 7, None),
+    }
+    assert float(ref["big.weight"][2].abs().sum()) == 0 and float(ref["big.weight"].std()) == pytest.approx(
+        1, abs=0.02
+    )
+    res = launch(sw.meta_worker, nprocs=3)
+    assert set(res[0]["whole"]) == set(ref) and all(torch.equal(res[0]["whole"][k], ref[k]) for k in ref)
+    assert all(r["whole"] == {} for r in res[1:])  # the whole tables on rank 0 only
+    step = {k: v.clone() for k, v in ref.items()}
+    for r in res:
+        ids, small = r["ids"]
+        for i in ids[ids != 2]:  # sum pooling: each id's row gets -lr·1 per lookup (padding_idx none)
+            step["big.weight"][i] -= 0.5
+        for i in small:
+            step["small.weight"][i] -= 0.5
+    for rank, r in enumerate(res):
+        assert r["devices"] == ["cpu"]
+        for name, shard in zip(("big.weight", "small.weight"), r["shards"], strict=True):
+            n = step[name].shape[0]
+            assert torch.allclose(shard, step[name][torch.arange(rank, n, 3)], atol=1e-6), (rank, name)

@@ -42,6 +42,7 @@ def shard(
     state_dict: str = "full",
     sample: Sequence[Any] | None = None,
     rows: str | None = None,
+    seed: int = 0,
 ) -> nn.Module:
     """Swap the embedding modules of ``model`` for sharded ones, per ``plan``, and return the model (the new
     module when ``model`` is itself an embedding).
@@ -56,7 +57,10 @@ def shard(
     the gradient rows in that precision, half of fp32's bytes, each value rounded once on the way (lossy: the
     tables, the pooling and the owners' sums stay in the tables' dtype); None sends them as they are.
 
-    Every shard starts from group rank 0's table, so training starts where the replicated path would. Collective
+    Every shard starts from group rank 0's table, so training starts where the replicated path would; a table
+    on the meta device (``device="meta"``: too large for one rank) is never built whole: each rank draws its own
+    rows from ``seed`` (``transfer.init_rows``: N(0, 1), the same table at any P; ``plan="auto"`` cannot run
+    its sample forward through it). Collective
     over ``group``: every rank calls it on the same model; ranks whose tables differ all raise the same
     ValueError. Raises ValueError for a placement not built yet (``"server"``), ``"auto"`` without ``sample``,
     or a module option the sharded modules cannot honour (``mode="max"``, ``max_norm``, ``scale_grad_by_freq``,
@@ -86,9 +90,9 @@ def shard(
         m = tables[name]
         sharded: ShardedTable
         if isinstance(m, nn.EmbeddingBag):
-            sharded = ShardedEmbeddingBag(name, m, exchanger, placement, state_dict)
+            sharded = ShardedEmbeddingBag(name, m, exchanger, placement, state_dict, seed)
         else:
-            sharded = ShardedEmbedding(name, m, exchanger, placement, state_dict)
+            sharded = ShardedEmbedding(name, m, exchanger, placement, state_dict, seed)
         swapped[id(m)] = sharded
     root = swapped.get(id(model), model)
     for parent in list(model.modules()):
@@ -132,7 +136,7 @@ def _check_shardable(model: nn.Module, name: str, m: nn.Embedding | nn.Embedding
         refused.append("scale_grad_by_freq=True")
     if isinstance(m, nn.EmbeddingBag) and m.mode not in ("sum", "mean"):
         refused.append(f"mode={m.mode!r}")
-    if m.weight.device.type != "cpu":
+    if m.weight.device.type not in ("cpu", "meta"):
         refused.append(f"a table on {m.weight.device} (sharded tables live on the CPU for now)")
     holders = [
         n
