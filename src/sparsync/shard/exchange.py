@@ -39,6 +39,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from sparsync.collectives.timeline import tracer
 from sparsync.collectives.traffic import Traffic
 from sparsync.record import CommLog, CommRecord
 from sparsync.shard import header
@@ -219,7 +220,11 @@ class Exchanger:
         sent = w * (sum(send_sizes) - send_sizes[self.rank])
         tally.add(sent, w * (sum(recv_sizes) - recv_sizes[self.rank]), self.size - 1)
         tally.phase_bytes[phase] = tally.phase_bytes.get(phase, 0) + sent
-        tally.phases[phase] = tally.phases.get(phase, 0.0) + time.perf_counter() - t0
+        t1 = time.perf_counter()
+        tally.phases[phase] = tally.phases.get(phase, 0.0) + t1 - t0
+        timeline = tracer()
+        if timeline is not None:  # each round on the rank's timeline (SPARSYNC_TRACE), on the caller's thread
+            timeline.complete(f"shard:{phase}", "shard", t0, t1, {"bytes": sent})
         return out
 
     def record(self, op: str, tally: Traffic, t0: float, *, nnz_in: int, nnz_out: int) -> None:
