@@ -6,8 +6,10 @@ sit in the functions that use them."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -87,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the automatic plan's prices: the demo's measured link and parameter servers, or an "
                            "assumed 1 Gbit/s, 50 µs link")  # fmt: skip
     demo.add_argument("--net", default=None, help="shape each process's link, e.g. 1gbit (needs root)")
+    demo.add_argument("--no-tables", action="store_true",
+                      help="skip the second part: a table set placed by sparsync.shard(plan='auto'), replicated "
+                           "and sharded trained side by side (on loopback)")  # fmt: skip
     demo.add_argument(
         "--trace",
         type=Path,
@@ -247,7 +252,25 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     print_demo(runs, diff, demo_cfg, console, args.out, args.net, plan)
     if args.trace is not None:
         console.print(f"timelines in {args.trace}: sparsync trace merge {args.trace}")
+    if not args.no_tables:
+        tables_part(args.out.with_name(args.out.name + "_tables"), console)
     return 0
+
+
+def tables_part(out: Path, console: Console) -> None:
+    """The demo's second part (``demo_shard``): its lines on screen, its results in ``out``.json / .md."""
+    from sparsync_bench.demo_shard import TablesConfig, run_tables, summary_lines
+
+    cfg = TablesConfig()
+    console.print(f"[bold]tables[/]: sharded or replicated? {cfg.procs} local processes, loopback")
+    res = run_tables(cfg)
+    lines = list(summary_lines(res, cfg))
+    for line in lines:
+        console.print(line)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"config": asdict(cfg), "ranks": res}, indent=1))
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    console.print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
 
 
 def _trace_merge(args: argparse.Namespace, console: Console) -> int:
