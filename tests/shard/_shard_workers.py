@@ -15,7 +15,7 @@ from sparsync.costmodel import LinkModel
 from sparsync.optim import DistributedOptimizer
 from sparsync.placement import Sharded, placement_of
 from sparsync.record import CommLog
-from sparsync.shard import auto_plan, plan_of
+from sparsync.shard import auto_plan, load_optimizer_state_dict, optimizer_state_dict, plan_of
 from sparsync.shard.transfer import INIT_BLOCK
 
 # name -> (module, how it is called): every mode of the issue, each table a different shape
@@ -405,3 +405,43 @@ def load_worker(rank: int, path: str) -> dict[str, Any]:
     again.load_state_dict(mine)
     local_equal = all(torch.equal(a, b) for a, b in zip(mine.values(), again.state_dict().values(), strict=True))
     return {"loaded_equal": loaded_equal, "step_error": error, "local_equal": local_equal}
+
+
+# --- optimizer state across world sizes -------------------------------------------------------------------------
+STATEFUL = ("adagrad", "sparse_adam")
+
+
+def save_state_worker(rank: int, path: str) -> None:
+    """Two steps of each stateful optimizer at this P; rank 0 saves the whole tables and the whole state."""
+    P = dist.get_world_size()
+    saved = {}
+    for name in STATEFUL:
+        model = sparsync.shard(Tables(seed=0))
+        opt = DistributedOptimizer(OPTIMIZERS[name](model.parameters()), model, overlap=False)
+        _train(model, opt, range(2), rank, P)
+        saved[name] = (model.state_dict(), optimizer_state_dict(opt, model))
+    if rank == 0:
+        torch.save(saved, path)
+
+
+def load_state_worker(rank: int, path: str, saved_at: int) -> dict[str, float]:
+    """The checkpoint of another P, one more step at this P; each shard against one float64 process that took the
+    same three steps (two on ``saved_at`` ranks' batches, the third on this P's)."""
+    P = dist.get_world_size()
+    saved = torch.load(path)
+    out = {}
+    for name in STATEFUL:
+        model = sparsync.shard(Tables(seed=rank))  # other values: the checkpoint must replace them
+        opt = DistributedOptimizer(OPTIMIZERS[name](model.parameters()), model, overlap=False)
+        tables, state = saved[name]
+        model.load_state_dict(tables)
+        load_optimizer_state_dict(opt, model, state)
+        _train(model, opt, range(2, 3), rank, P)
+        ref = Tables(seed=0, sparse=True)
+        ref_opt = OPTIMIZERS[name](ref.parameters())
+        for step, world in ((0, saved_at), (1, saved_at), (2, P)):
+            ref_opt.zero_grad()
+            (sum(_loss(ref(_batch(step, r, world))) for r in range(world)) / world).backward()  # type: ignore[operator]
+            ref_opt.step()
+        out[name] = _shard_error(model, ref, rank, P)
+    return out

@@ -154,3 +154,12 @@ def test_a_table_on_the_meta_device_is_drawn_in_shards_and_is_the_same_table_at_
         for name, shard in zip(("big.weight", "small.weight"), r["shards"], strict=True):
             n = step[name].shape[0]
             assert torch.allclose(shard, step[name][torch.arange(rank, n, 3)], atol=1e-6), (rank, name)
+
+
+def test_adagrad_and_sparse_adam_state_saved_at_three_ranks_continues_exactly_at_five(tmp_path: Path) -> None:
+    """The shards' per-row optimizer state (Adagrad's sums, Adam's moments) is gathered whole and dealt to the
+    rows' new owners: one step at 5 ranks after two at 3 equals one float64 process's three steps."""
+    path = str(tmp_path / "state.pt")
+    launch(sw.save_state_worker, nprocs=3, args=(path,))
+    for rank, errors in enumerate(launch(sw.load_state_worker, nprocs=5, args=(path, 3))):
+        assert all(e < TOL for e in errors.values()), (rank, errors)

@@ -14,6 +14,7 @@ from sparsync.shard.auto import AUTO_KINDS, AutoPlan, auto_plan
 from sparsync.shard.exchange import Exchanger
 from sparsync.shard.lazy import LazyLookup
 from sparsync.shard.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
+from sparsync.shard.optim_state import load_optimizer_state_dict, optimizer_state_dict
 from sparsync.shard.ownership import Ownership
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "ShardedEmbeddingBag",
     "ShardedTable",
     "auto_plan",
+    "load_optimizer_state_dict",
+    "optimizer_state_dict",
     "plan_of",
     "shard",
 ]
