@@ -33,8 +33,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-# the registries' leaf (level 0): the model still imports no collective
-from sparsync import registry
+from sparsync.registry import Registry  # a leaf (level 0): the model still imports no collective
 
 if TYPE_CHECKING:
     from sparsync.collectives.comm import Comm
@@ -294,7 +293,7 @@ class AlgorithmEntry:
     rides_metadata: bool = False
 
 
-class AlgorithmRegistry(registry.Registry[AlgorithmEntry]):
+class AlgorithmRegistry(Registry[AlgorithmEntry]):
     """The sparse allreduce algorithms ``auto`` chooses among, by name, in code order. The collectives
     register the built-in ones (``collectives/algorithms.py``); an algorithm from outside the package is one
     ``register`` (or, for a scope such as a test, ``with REGISTRY.registered(entry):``)."""
