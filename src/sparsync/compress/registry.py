@@ -42,7 +42,8 @@ class CompressorRegistry(Registry[type[Compressor]]):
             raise ValueError(f"compressor name {name!r} is taken by {self._by_name[name].__name__}")
 
     def register(self, cls: C) -> C:
-        """Add ``cls`` under ``cls.name`` (usable as a class decorator). ValueError if the name is taken."""
+        """Add ``cls`` under ``cls.name`` (usable as a class decorator). ValueError if the name is taken.
+        Returns ``cls`` typed as itself, so a decorated class keeps its own type (the base's is the entry type)."""
         super().register(cls)
         return cls
 
