@@ -22,8 +22,8 @@ import sparsync
 # longest prefix; a module no prefix matches (the package's ``__init__``) may import anything. The benchmarks,
 # the CLI and the network namespaces are another package, ``sparsync_bench``, which sparsync never imports.
 LAYERS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
-    # A leaf that imports nothing of sparsync: result buffers on huge pages.
-    ("base", 0, ("sparsync.buffers",)),
+    # Leaves that import nothing of sparsync: result buffers on huge pages, the registries' one shape.
+    ("base", 0, ("sparsync.buffers", "sparsync.registry")),
     # The public core: streams, the cost model, the communicator, the metadata exchange, the per-group queue,
     # the collectives, calibration, records and handles, and the process launcher.
     (

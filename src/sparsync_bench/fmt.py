@@ -42,6 +42,12 @@ def short_ms(x: float) -> str:
     return f"{x:.0f}" if abs(x) >= 10 else f"{x:.2g}"
 
 
+def unavailable_row(lead: Sequence[object], reason: object, width: int) -> list[str]:
+    """The row of a method that did not run, ``width`` cells: ``lead`` (what names the row), then
+    ``unavailable: <reason>`` in the first figure's place, ``-`` in the others."""
+    return [*map(str, lead), f"unavailable: {reason}", *[MISSING] * (width - len(lead) - 1)]
+
+
 def md_row(cells: Iterable[object]) -> str:
     """One row of a markdown table: ``| a | b |``."""
     return "| " + " | ".join(map(str, cells)) + " |"

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from rich.table import Table
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import sparsync
 from sparsync.plan.planner import Plan
@@ -192,8 +193,6 @@ def _train_ddp(ctx: ReplicaContext, cfg: DemoConfig, progress: Any) -> Trainer:
     data and SGD as ``_train``. DDP divides each gradient by P before summing, so it averages as ``op="mean"``
     does; the embedding's gradient is reduced in its own bucket by gloo's sparse allreduce, the MLP's in a dense
     bucket. Its autograd hooks sit on its own model, so the runs between its steps do not trigger them."""
-    from torch.nn.parallel import DistributedDataParallel
-
     torch.manual_seed(cfg.seed)
     model = BagClassifier(cfg)
     ddp = DistributedDataParallel(model, process_group=ctx.dp_group)  # broadcasts rank 0's parameters

@@ -15,7 +15,7 @@ import torch
 from sparsync.compress import Threshold
 from sparsync_bench.bench.dlrm import run_dlrm_bench
 from sparsync_bench.dlrm_train import METHODS, OPTIONAL, DlrmBenchConfig, default_data
-from sparsync_bench.fmt import mb, ms, ratio
+from sparsync_bench.fmt import mb, ms, ratio, unavailable_row
 from sparsync_bench.reproduce.common import MS, ROOT, SKETCH_LAMBDA, Ctx, table
 
 
@@ -42,16 +42,14 @@ MLP_TEXT = {"kaggle": "13-512-256-64-16 and 512-256-1 as dlrm_s_pytorch.py's Kag
 
 def dlrm_markdown(rows: list[dict[str, Any]]) -> str:
     by = {r["method"]: r for r in rows}
+    head = ["method", "step ms", "MB per step per rank", "loss", "loss vs DDP sparse (abs)", "speed vs DDP sparse"]
     body = [
-        [m, f"unavailable: {r['unavailable']}", "-", "-", "-", "-"] if r.get("unavailable") else
+        unavailable_row([m], r["unavailable"], len(head)) if r.get("unavailable") else
         [m, ms(r["step_s"], MS), mb(r["bytes_per_step"]), f"{r['loss']:.5f}", f"{100 * r['loss_rel_diff']:.3f}%",
          f"{r['speedup_vs_ddp_sparse']:.2f}x" if r.get("speedup_vs_ddp_sparse") else "-"]
         for m, r in by.items()
     ]  # fmt: skip
-    text = table(
-        ["method", "step ms", "MB per step per rank", "loss", "loss vs DDP sparse (abs)", "speed vs DDP sparse"],
-        body,
-    )
+    text = table(head, body)
     if "sparsync_dct" in by:
         dct = by["sparsync_dct"]["bytes_per_step"]
         for base in ("torch_ddp_dense", "torch_ddp_sparse", "sparsync"):
