@@ -243,9 +243,8 @@ def start_allreduce(
         key = auto_fingerprint(link or link_state(user).link, policy) if algorithm == "auto" else 0
         pcode = PARTITION_CODES.index(part)
         qkey = _quantize_key(quantize)
-        meta = exchange_meta(
-            comm, "sparse_allreduce", stream, algorithm, seq, check_nan, bad, shape, key, pcode, name, qkey, site
-        )
+        meta = exchange_meta(comm, "sparse_allreduce", stream, algorithm, seq, check_nan, bad=bad, shape=shape,
+                             auto_key=key, partition=pcode, name=name, quantize=qkey, site=site)  # fmt: skip
         decision: Decision | None = None
         alg = algorithm
         if alg == "auto":
