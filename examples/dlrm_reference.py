@@ -16,10 +16,19 @@ file::
     dlrm.top_l.register_comm_hook(None, compression_hook(**dct, module=dlrm.top_l))
 
 That is DCT-DP on the data-parallel MLPs (DCT §3.1, Threshold with life-span L); ``--hook identity`` runs the
-hook without compression (DDP's result, through sparsync); ``--hook none`` runs DLRM untouched;
+hook without compression (DDP's result, through sparsync); ``--hook none`` runs DLRM's DDP untouched;
 ``--hook none-own-group`` (a diagnostic) gives DDP's own allreduce a process group apart from the alltoall's.
 DLRM's own ``SummaryWriter`` is replaced by a no-op (no tensorboard needed). At exit every rank prints the bytes
 sparsync's hook sent and the algorithms it ran (its ``CommLog``).
+
+``--shard``: the tables sharded by ``sparsync.shard`` instead of DLRM's model-parallel all-to-all
+(docs/sharding.md). Every rank builds every table (``DLRM_Net.create_emb`` with all indices local; numpy's seed
+makes them the same on every rank), ``sparsync.shard`` keeps each rank's rows, and ``DLRM_Net.distributed_forward``
+is replaced by the data-parallel forward: each rank takes its slice of the global batch (DLRM's ``get_my_slice``,
+as its own path does for the MLPs and the labels), looks its ids up in the sharded tables (one grouped exchange),
+and runs the MLPs and the interaction on its slice. The MLPs stay under DDP (and ``--hook``); the tables' gradient
+is the sum over the ranks, as DLRM's own all-to-all backward gives it. At exit every rank prints the exchanges'
+bytes.
 """
 
 from __future__ import annotations
@@ -31,8 +40,10 @@ import types
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
+import sparsync
 from sparsync.compress import ErrorFeedback, Identity, Threshold
 from sparsync.compress.hooks import compression_hook
 from sparsync.record import CommLog
@@ -52,6 +63,7 @@ def main() -> None:
     ap.add_argument("--hook", choices=("none", "none-own-group", "identity", "threshold"), default="threshold")
     ap.add_argument("--ratio", type=float, default=0.01, help="DCT-DP's η")
     ap.add_argument("--lifespan", type=int, default=10, help="DCT-DP's L")
+    ap.add_argument("--shard", action="store_true", help="the tables sharded by sparsync.shard (see above)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     a = ap.parse_args(argv[:cut])  # after "--": dlrm_s_pytorch.py's own arguments
@@ -94,8 +106,47 @@ def main() -> None:
     atexit.register(report)
     import dlrm_s_pytorch
 
+    if a.shard:
+        _shard_tables(dlrm_s_pytorch, ext_dist, log)
+
     sys.argv = ["dlrm_s_pytorch.py", *argv[cut + 1 :]]
     dlrm_s_pytorch.run()
+
+
+def _shard_tables(dlrm_s_pytorch: Any, ext_dist: Any, log: CommLog) -> None:
+    """Patch DLRM's net (module doc, ``--shard``): every table built, then sharded; the data-parallel forward."""
+    net = dlrm_s_pytorch.DLRM_Net
+    create = net.create_emb
+
+    def create_sharded(self: Any, m: Any, ln: Any, weighted_pooling: Any = None) -> Any:
+        self.local_emb_indices = list(range(len(ln)))  # every table here: sparsync.shard keeps this rank's rows
+        emb_l, v_w_l = create(self, m, ln, weighted_pooling)
+        return sparsync.shard(emb_l, log=log), v_w_l
+
+    def forward_sharded(self: Any, dense_x: Any, lS_o: Any, lS_i: Any) -> Any:
+        mine = ext_dist.get_my_slice(dense_x.size(0))
+        offsets, ids = [], []
+        for o, i in zip(lS_o, lS_i, strict=True):  # this rank's samples of each table's bags
+            start = int(o[mine.start])
+            end = int(o[mine.stop]) if mine.stop < o.numel() else i.numel()
+            offsets.append(o[mine] - start)
+            ids.append(i[start:end])
+        x = self.apply_mlp(dense_x[mine], self.bot_l)
+        ly = self.apply_emb(offsets, ids, self.emb_l, self.v_W_l)  # stand-ins: one exchange at their first use
+        p = self.apply_mlp(self.interact_features(x, ly), self.top_l)
+        if 0.0 < self.loss_threshold < 1.0:
+            return torch.clamp(p, min=self.loss_threshold, max=1.0 - self.loss_threshold)
+        return p
+
+    def report() -> None:
+        if dist.is_initialized():
+            sent = sum(r.bytes_sent for r in log.records if r.op in ("shard_lookup", "shard_grad"))
+            n = len(log.records)
+            print(f"sparsync.shard on rank {dist.get_rank()}: {n} exchanges, {sent / 1e6:.2f} MB sent")
+
+    net.create_emb = create_sharded
+    net.distributed_forward = forward_sharded
+    atexit.register(report)
 
 
 if __name__ == "__main__":

@@ -341,7 +341,8 @@ def test_registry_is_the_one_list_of_algorithms() -> None:
 
 def test_the_cost_model_imports_no_collective() -> None:
     """The model sits below the collectives: its module-level imports name none of them (the registry's runners
-    are imported at first use), so the collectives can import it without a cycle."""
+    are imported at first use), so the collectives can import it without a cycle. Its one import of sparsync is
+    the registries' base, a leaf that imports nothing of sparsync (tests/test_layers.py's level 0)."""
     import ast
     from pathlib import Path
 
@@ -350,4 +351,5 @@ def test_the_cost_model_imports_no_collective() -> None:
     tree = ast.parse(Path(cm.__file__).read_text())
     names = [n.module or "" for n in tree.body if isinstance(n, ast.ImportFrom)]
     names += [a.name for n in tree.body if isinstance(n, ast.Import) for a in n.names]
-    assert names and not [m for m in names if m.startswith("sparsync.")], names
+    leaves = {"sparsync.registry"}
+    assert names and not [m for m in names if m.startswith("sparsync.") and m not in leaves], names

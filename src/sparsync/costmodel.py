@@ -29,10 +29,11 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
+
+from sparsync.registry import Registry  # a leaf (level 0): the model still imports no collective
 
 if TYPE_CHECKING:
     from sparsync.collectives.comm import Comm
@@ -292,20 +293,20 @@ class AlgorithmEntry:
     rides_metadata: bool = False
 
 
-class Registry:
+class AlgorithmRegistry(Registry[AlgorithmEntry]):
     """The sparse allreduce algorithms ``auto`` chooses among, by name, in code order. The collectives
     register the built-in ones (``collectives/algorithms.py``); an algorithm from outside the package is one
     ``register`` (or, for a scope such as a test, ``with REGISTRY.registered(entry):``)."""
 
+    noun = "algorithm"
+
     def __init__(self, entries: Iterable[AlgorithmEntry] = ()) -> None:
-        self._by_name: dict[str, AlgorithmEntry] = {}
         self._names: tuple[str, ...] = ()
         self._simplicity: tuple[str, ...] = ()
-        for e in entries:
-            self.register(e)
+        super().__init__(entries)
 
-    def register(self, entry: AlgorithmEntry) -> AlgorithmEntry:
-        """Add ``entry``; ValueError when its name or code is taken (or reserved: ``auto``, ``-``, code 0)."""
+    def check(self, entry: AlgorithmEntry) -> None:
+        """ValueError when ``entry``'s name or code is taken (or reserved: ``auto``, ``-``, code 0)."""
         if not entry.name or entry.name in ("auto", "-") or entry.name in self._by_name:
             raise ValueError(f"algorithm name {entry.name!r} is reserved or taken; taken: {', '.join(self.names)}")
         taken = {e.code: e.name for e in self._by_name.values()}
@@ -314,40 +315,14 @@ class Registry:
                 f"algorithm {entry.name!r}: code {entry.code} must be >= 1 and unused (the metadata row's column; "
                 f"taken: {sorted(taken.items())})"
             )
-        self._by_name[entry.name] = entry
-        self._reindex()
-        return entry
 
-    def unregister(self, name: str) -> AlgorithmEntry:
-        """Remove and return the entry of ``name``; ``KeyError`` listing the valid names."""
-        entry = self.entry(name)
-        del self._by_name[name]
-        self._reindex()
-        return entry
+    def copy(self) -> AlgorithmRegistry:
+        return AlgorithmRegistry(self)
 
-    @contextmanager
-    def registered(self, entry: AlgorithmEntry) -> Iterator[AlgorithmEntry]:
-        """``entry`` registered for the ``with`` block only."""
-        self.register(entry)
-        try:
-            yield entry
-        finally:
-            self.unregister(entry.name)
-
-    def copy(self) -> Registry:
-        return Registry(self)
-
-    def _reindex(self) -> None:
+    def _changed(self) -> None:
         ordered = sorted(self._by_name.values(), key=lambda e: e.code)
         self._names = tuple(e.name for e in ordered)
         self._simplicity = tuple(e.name for e in sorted(ordered, key=lambda e: e.simplicity))
-
-    def entry(self, name: str) -> AlgorithmEntry:
-        """The entry of ``name``; ``KeyError`` listing the valid names."""
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise KeyError(f"unknown algorithm {name!r}; valid: {', '.join(self.names)}") from None
 
     def by_code(self, code: int) -> AlgorithmEntry:
         """The entry whose metadata code is ``code``; ``KeyError`` when none is."""
@@ -366,19 +341,10 @@ class Registry:
         """The names in ``choose_robust``'s tie order: by ``simplicity``, then code."""
         return self._simplicity
 
-    def __iter__(self) -> Iterator[AlgorithmEntry]:
-        return (self._by_name[n] for n in self._names)
-
-    def __len__(self) -> int:
-        return len(self._by_name)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._by_name
-
 
 # Every algorithm of this process: SparCML §4.1's three cases, Horovod/DDP's allgather, and the dense switch
 # (§3), registered by ``sparsync.collectives`` at import, plus any a user registers.
-REGISTRY = Registry()
+REGISTRY = AlgorithmRegistry()
 
 
 def algorithm(name: str) -> AlgorithmEntry:

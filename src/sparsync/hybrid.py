@@ -90,6 +90,38 @@ class HybridConfig:
             raise ValueError(f"procs_per_machine must be >= 1, got {self.procs_per_machine}")
 
 
+def _sparse_names(emb: Mapping[str, nn.Module], sparse_params: Sequence[str] | None) -> list[str]:
+    """The embeddings the servers keep by rows by default: ``sparse_params`` (each must name an embedding's
+    weight; KeyError naming the others and the embeddings there are), else every embedding."""
+    names = list(sparse_params) if sparse_params is not None else list(emb)
+    bad = [n for n in names if n not in emb]
+    if bad:
+        raise KeyError(f"{bad} are not embedding weights; the PS serves nn.Embedding/EmbeddingBag: {list(emb)}")
+    return names
+
+
+def _placed(
+    cfg: HybridConfig,
+    params: Sequence[str],
+    names: Sequence[str],
+    placements: Plan | Mapping[str, str | Placement] | None,
+) -> tuple[dict[str, str | Placement], dict[str, str]]:
+    """Every parameter's placement (``placements`` over the default), and the default's kind per parameter:
+    the ``names`` embeddings on the servers (in sync mode without ``ps_dense``; else every parameter), the
+    rest ``dense_allreduce``."""
+    default_ps = names if cfg.mode == "sync" and not cfg.ps_dense else list(params)
+    default = {n: "ps" if n in default_ps else "dense_allreduce" for n in params}
+    placed = resolve(list(params), default, placements.kinds if isinstance(placements, Plan) else placements)
+    return placed, default
+
+
+def _push_feedback(cfg: HybridConfig, rank: int, world: int) -> PushFeedback | None:
+    """The compression of pushes to the servers that ``cfg.push_compressor`` asks for (DCT §3.3), or None."""
+    if cfg.push_compressor is None:
+        return None
+    return PushFeedback(cfg.push_compressor, error_feedback=cfg.push_error_feedback, rank=rank, world=world)
+
+
 class HybridTrainer:
     """``trainer.step(closure)``: the closure runs the forward pass and returns the loss.
 
@@ -133,16 +165,9 @@ class HybridTrainer:
         self.dense_optimizer, self.sparse_optimizer = dense_optimizer, sparse_optimizer
         self.log = log
         emb = dict(embedding_modules(model))
-        names = list(sparse_params) if sparse_params is not None else list(emb)
+        names = _sparse_names(emb, sparse_params)
         params = dict(model.named_parameters())
-        bad = [n for n in names if n not in emb]
-        if bad:
-            raise KeyError(
-                f"{bad} are not embedding weights; the PS serves nn.Embedding/EmbeddingBag: {list(emb)}"
-            )
-        default_ps = names if cfg.mode == "sync" and not cfg.ps_dense else list(params)
-        default = {n: "ps" if n in default_ps else "dense_allreduce" for n in params}
-        placed = resolve(list(params), default, placements.kinds if isinstance(placements, Plan) else placements)
+        placed, default = _placed(cfg, list(params), names, placements)
         self.placements = {n: kind_of(pl) for n, pl in placed.items()}
         if cfg.mode == "async" and any(k != "ps" for k in self.placements.values()):
             raise ValueError(f"async mode keeps every parameter on the servers, got placements {self.placements}")
@@ -155,12 +180,7 @@ class HybridTrainer:
         self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)  # accumulated ms per phase
         self.plan = objects(placed, sketch=cfg.sketch, sketch_error_feedback=cfg.sketch_error_feedback)
         self.env = ReduceEnv(group or dist.group.WORLD, self.world, None, log)  # type: ignore[arg-type]
-        push = (
-            None
-            if cfg.push_compressor is None
-            else PushFeedback(cfg.push_compressor, error_feedback=cfg.push_error_feedback, rank=self.rank,
-                              world=self.world)
-        )  # fmt: skip
+        push = _push_feedback(cfg, self.rank, self.world)
         self.servers = ParameterServer(
             PSClient(addresses, keys=keys, timeout=cfg.timeout, sender=self.rank),
             {n: emb[n] for n in by_rows}, [n for n in on_ps if n not in by_rows], params,

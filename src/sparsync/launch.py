@@ -253,6 +253,20 @@ def launch(
         >>> launch(work, nprocs=3, args=(10,))
         [0, 10, 20]
     """
+    _check_launch(nprocs, procs_per_host, setup, start_method)
+    if under_torchrun():
+        return _join_torchrun(fn, args, backend, timeout)
+    try:
+        with _signals_raise(_TERMINATING):
+            return _spawn(fn, nprocs, backend, args, timeout, setup, procs_per_host, start_method)
+    except _Terminated as t:
+        # The ranks are gone (_spawn reaped them); now end as the signal asked, by the caller's own handler.
+        signal.raise_signal(t.signum)
+        raise SystemExit(128 + t.signum) from None  # the caller's handler returned: there is nothing to return
+
+
+def _check_launch(nprocs: int, procs_per_host: int | None, setup: RankSetup | None, start_method: str) -> None:
+    """``launch``'s checks of its arguments, before anything starts (ValueError naming the bad value)."""
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
     if start_method not in START_METHODS:
@@ -270,31 +284,28 @@ def launch(
         raise ValueError(f"procs_per_host={procs_per_host} does not divide nprocs={nprocs}")
     if setup is not None and setup.hosts != hosts:
         raise ValueError(f"setup has {setup.hosts} hosts for {hosts} hosts of {nprocs // hosts} ranks")
-    if under_torchrun():
-        owned = not dist.is_initialized()
-        if owned:
-            use_device(backend, int(os.environ["RANK"]))
-            dist.init_process_group(group_backend(backend), timeout=timedelta(seconds=timeout))
-            _background()
-        finished = False
-        try:
-            out = [fn(dist.get_rank(), *args)]
-            finished = True
-            return out
-        finally:
-            if owned:  # a group we made is ours to tear down; one the caller made stays theirs
-                _teardown(wait=finished)
-            else:  # the caller's group lives on, but fn's leftovers and sparsync's threads go now
-                gc.collect()
-                stop_queues(wait=finished)
-                write_trace()
+
+
+def _join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, timeout: float) -> list[Any]:
+    """``launch`` under torchrun: ``[fn(rank, *args)]`` in this process, on torchrun's group (joined here
+    unless the caller already made a group)."""
+    owned = not dist.is_initialized()
+    if owned:
+        use_device(backend, int(os.environ["RANK"]))
+        dist.init_process_group(group_backend(backend), timeout=timedelta(seconds=timeout))
+        _background()
+    finished = False
     try:
-        with _signals_raise(_TERMINATING):
-            return _spawn(fn, nprocs, backend, args, timeout, setup, procs_per_host, start_method)
-    except _Terminated as t:
-        # The ranks are gone (_spawn reaped them); now end as the signal asked, by the caller's own handler.
-        signal.raise_signal(t.signum)
-        raise SystemExit(128 + t.signum) from None  # the caller's handler returned: there is nothing to return
+        out = [fn(dist.get_rank(), *args)]
+        finished = True
+        return out
+    finally:
+        if owned:  # a group we made is ours to tear down; one the caller made stays theirs
+            _teardown(wait=finished)
+        else:  # the caller's group lives on, but fn's leftovers and sparsync's threads go now
+            gc.collect()
+            stop_queues(wait=finished)
+            write_trace()
 
 
 def _spawn(
@@ -313,27 +324,12 @@ def _spawn(
     ctx = context(start_method)
     forked = ctx.get_start_method() == "forkserver"
     results = ctx.Queue()
-    store: TCPStore | None = None
-    if setup is None or setup.store_host is None:
-        host = "127.0.0.1"  # every rank is on this host: nothing needs the store from outside
-        store = _host_store(host, 0, nprocs + 1, timeout)
-        port = store.port
-    else:
-        host, port = setup.store_host, _NETNS_PORT  # rank 0 hosts it (e.g. inside the namespaces)
-    # gloo listens on the address the host name resolves to, which may face the network; every rank is on this
-    # host, so loopback serves (unless the caller chose an interface).
-    local = {"GLOO_SOCKET_IFNAME": "lo"} if sys.platform.startswith("linux") else {}
-    local = {} if "GLOO_SOCKET_IFNAME" in os.environ else local
-    # One flight-recorder directory per launch (collectives/flight.py), named alike by every rank.
-    run = os.environ.get("SPARSYNC_RUN_ID") or f"launch{os.getpid()}-{time.time_ns() // 1000}"
+    host, port, store = _rendezvous(setup, nprocs, timeout)
+    envs = _rank_envs(nprocs, setup, procs_per_host)
     procs = []
     try:
         k = procs_per_host or 1
         for rank in range(nprocs):
-            env = {} if setup is not None else dict(local)
-            env["SPARSYNC_RUN_ID"] = run
-            if procs_per_host is not None:
-                env.update(GROUP_RANK=str(rank // k), LOCAL_RANK=str(rank % k), LOCAL_WORLD_SIZE=str(k))
             p = ctx.Process(
                 target=_child,
                 args=(
@@ -348,7 +344,7 @@ def _spawn(
                     results,
                     setup,
                     rank // k,
-                    env,
+                    envs[rank],
                     os.getpid(),
                     (dict(os.environ), LauncherStd()) if forked else None,
                 ),
@@ -364,6 +360,36 @@ def _spawn(
         del store
     _reap(procs, grace=30.0)
     return out
+
+
+def _rendezvous(setup: RankSetup | None, nprocs: int, timeout: float) -> tuple[str, int, TCPStore | None]:
+    """(host, port) of the rendezvous store and the store itself when this process serves it (keep it alive
+    until the ranks are done); None when rank 0 serves it at ``setup.store_host``."""
+    if setup is None or setup.store_host is None:
+        host = "127.0.0.1"  # every rank is on this host: nothing needs the store from outside
+        store = _host_store(host, 0, nprocs + 1, timeout)
+        return host, store.port, store
+    return setup.store_host, _NETNS_PORT, None  # rank 0 hosts it (e.g. inside the namespaces)
+
+
+def _rank_envs(nprocs: int, setup: RankSetup | None, procs_per_host: int | None) -> list[dict[str, str]]:
+    """The environment variables each rank sets on top of the launcher's: the run id, the emulated host's
+    torchrun variables with ``procs_per_host``, and without ``setup`` gloo on loopback."""
+    # gloo listens on the address the host name resolves to, which may face the network; every rank is on this
+    # host, so loopback serves (unless the caller chose an interface).
+    local = {"GLOO_SOCKET_IFNAME": "lo"} if sys.platform.startswith("linux") else {}
+    local = {} if "GLOO_SOCKET_IFNAME" in os.environ else local
+    # One flight-recorder directory per launch (collectives/flight.py), named alike by every rank.
+    run = os.environ.get("SPARSYNC_RUN_ID") or f"launch{os.getpid()}-{time.time_ns() // 1000}"
+    k = procs_per_host or 1
+    envs = []
+    for rank in range(nprocs):
+        env = {} if setup is not None else dict(local)
+        env["SPARSYNC_RUN_ID"] = run
+        if procs_per_host is not None:
+            env.update(GROUP_RANK=str(rank // k), LOCAL_RANK=str(rank % k), LOCAL_WORLD_SIZE=str(k))
+        envs.append(env)
+    return envs
 
 
 def _background() -> None:

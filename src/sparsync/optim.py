@@ -70,27 +70,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap: bool = True,
         bucket_cap_mb: float = CAP_BYTES / 2**20,
     ) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if isinstance(optimizer, DistributedOptimizer):
-            raise ValueError("this optimizer is already a DistributedOptimizer: wrapping twice would sum twice")
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "DistributedOptimizer needs torch.distributed: call dist.init_process_group first "
-                "(or run under sparsync.launch / torchrun)"
-            )
+        _check_wrappable(optimizer)
         g = resolve_group(group)
         env = ReduceEnv(g, dist.get_world_size(g), timeout, log, check_nan)
         named = list(model.named_parameters()) if model is not None else None
-        # parameters whose module chose their placement (sparsync.shard's shards) keep it unless plan names them
-        chosen = {n: pl for n, p in named or () if (pl := placement_of(p)) is not None}
-        if chosen and (plan is None or isinstance(plan, Mapping)):
-            plan = {**chosen, **(plan or {})}
-        elif chosen and callable(plan):
-            given = plan
-            plan = lambda n, p: chosen.get(n) or given(n, p)  # noqa: E731
         self.replicated = ReplicatedOptimizer(
-            optimizer, env, op=op, named_parameters=named, plan=plan, default=default,
+            optimizer, env, op=op, named_parameters=named, plan=_with_chosen(plan, named), default=default,
             sync_parameters=sync_parameters,
         )  # fmt: skip
         self.optimizer = optimizer
@@ -101,24 +86,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self._synchronized = False
         self._nonfinite: NonFiniteError | None = None  # without overlap: synchronize()'s, for step()
-        # Gradient accumulation: autograd adds a sparse gradient to ``.grad`` by concatenating indices, so k
-        # micro-batches hold k copies of a hot row. Coalescing after each one keeps one row per index
-        # (docs/optimizer.md measures peak memory against torch's accumulation). Registered before the
-        # reducer's hooks: a bucket starts from the coalesced gradient.
-        for group_ in optimizer.param_groups:
-            for p in group_["params"]:
+        self._hook_accumulation(optimizer)
+        self._reducer = self._overlap_reducer(overlap, env, bucket_cap_mb)
+        self._max_norm_modules = _max_norm_embeddings(model)
+
+    def _hook_accumulation(self, optimizer: torch.optim.Optimizer) -> None:
+        """Gradient accumulation: autograd adds a sparse gradient to ``.grad`` by concatenating indices, so k
+        micro-batches hold k copies of a hot row. Coalescing after each one keeps one row per index
+        (docs/optimizer.md measures peak memory against torch's accumulation). Registered before the reducer's
+        hooks: a bucket starts from the coalesced gradient."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._accumulated)
-        self._reducer: OverlapReducer | None = None
-        if overlap and env.num_replicas > 1 and all(pl.overlaps for pl in self.replicated.plan.values()):
-            if not bucket_cap_mb > 0:
-                raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-            self._reducer = OverlapReducer(self.replicated, cap_bytes=max(1, int(bucket_cap_mb * 2**20)))
-        self._max_norm_modules = [
-            m
-            for m in (model.modules() if model is not None else ())
-            if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.max_norm is not None
-        ]
+
+    def _overlap_reducer(self, overlap: bool, env: ReduceEnv, bucket_cap_mb: float) -> OverlapReducer | None:
+        """The reducer that reduces during backward, or None: off, on one rank, or with a placement in the plan
+        that cannot overlap (a parameter server's)."""
+        if not (overlap and env.num_replicas > 1 and all(pl.overlaps for pl in self.replicated.plan.values())):
+            return None
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        return OverlapReducer(self.replicated, cap_bytes=max(1, int(bucket_cap_mb * 2**20)))
 
     def _accumulated(self, p: torch.Tensor) -> None:
         """After autograd accumulated into ``p.grad``: a new local gradient, which the next ``step()`` (or
@@ -267,6 +256,41 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r})"
+
+
+def _check_wrappable(optimizer: torch.optim.Optimizer) -> None:
+    """Raise unless ``optimizer`` is a plain torch optimizer and torch.distributed is initialized."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if isinstance(optimizer, DistributedOptimizer):
+        raise ValueError("this optimizer is already a DistributedOptimizer: wrapping twice would sum twice")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "DistributedOptimizer needs torch.distributed: call dist.init_process_group first "
+            "(or run under sparsync.launch / torchrun)"
+        )
+
+
+def _with_chosen(plan: PlanSpec, named: list[tuple[str, torch.nn.Parameter]] | None) -> PlanSpec:
+    """``plan`` with the placements that parameters' modules chose (sparsync.shard's shards): each keeps its
+    own unless ``plan`` names it."""
+    chosen = {n: pl for n, p in named or () if (pl := placement_of(p)) is not None}
+    if chosen and (plan is None or isinstance(plan, Mapping)):
+        return {**chosen, **(plan or {})}
+    if chosen and callable(plan):
+        given = plan
+        return lambda n, p: chosen.get(n) or given(n, p)
+    return plan
+
+
+def _max_norm_embeddings(model: torch.nn.Module | None) -> list[torch.nn.Embedding | torch.nn.EmbeddingBag]:
+    """``model``'s embeddings that renormalise looked-up rows (``max_norm`` set): ``step()`` renormalises
+    every rank's rows (``_renorm_union``)."""
+    return [
+        m
+        for m in (model.modules() if model is not None else ())
+        if isinstance(m, torch.nn.Embedding | torch.nn.EmbeddingBag) and m.max_norm is not None
+    ]
 
 
 def _coalesce_grad(p: torch.Tensor) -> None:

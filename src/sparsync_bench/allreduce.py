@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sparsync import costmodel
 from sparsync.collectives.allreduce import sparse_allreduce
 from sparsync.collectives.calibrate import measure_link
 from sparsync.collectives.hierarchical import (
@@ -36,12 +37,26 @@ from sparsync.collectives.hierarchical import (
 )
 from sparsync.collectives.meta import EAGER_LIMIT
 from sparsync.compress import QSGD
-from sparsync.costmodel import ALGORITHMS, LinkModel, Problem, lower_bound, predict
+from sparsync.costmodel import LinkModel, Problem, lower_bound, predict
 from sparsync.record import CommLog, workload_bytes
 from sparsync.stream import SparseStream, index_dtype_for
 from sparsync_bench.report import progress
 
-METHODS = ("gloo_dense", "gloo_sparse_coo", *ALGORITHMS, "auto")
+
+def default_methods() -> tuple[str, ...]:
+    """The default methods: gloo's dense and sparse COO allreduce, every registered SparCML algorithm
+    (``costmodel.ALGORITHMS`` as it is now), and ``auto``."""
+    return ("gloo_dense", "gloo_sparse_coo", *costmodel.ALGORITHMS, "auto")
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``METHODS``: ``default_methods()`` when read, as ``costmodel.ALGORITHMS`` is (an algorithm registered
+    after this module is imported is one of them)."""
+    if name == "METHODS":
+        return default_methods()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 # DSAR with its dense phase quantized by QSGD at 4 or 8 bits (compress/dsar_quantized.py): lossy, so
 # only when asked for (``--methods``), and never auto's choice.
 QUANTIZED = {"dsar_split_allgather/q4": 4, "dsar_split_allgather/q8": 8}
@@ -79,7 +94,7 @@ class BenchConfig:
     # 101: with 21, the medians of two methods running the same code differed by up to 1.26x on 1 Gbit links.
     fast_repeats: int = 101
     batch_s: float = 0.02
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = field(default_factory=default_methods)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -95,7 +110,7 @@ class BenchConfig:
         bad = [d for d in self.densities if not 0.0 <= d <= 1.0]
         if bad:
             raise ValueError(f"densities must lie in [0, 1], got {bad}")
-        valid = [*METHODS, *QUANTIZED, *HIERARCHICAL]
+        valid = [*default_methods(), *QUANTIZED, *HIERARCHICAL]
         unknown = [m for m in self.methods if m not in valid]
         if unknown:
             raise ValueError(f"unknown methods {unknown}; valid: {', '.join(valid)}")
@@ -272,7 +287,7 @@ def _measure_point(
         chosen = ""
         pred: float | None = None
         level_json: dict[str, dict[str, Any]] | None = None
-        if m in ALGORITHMS:
+        if m in costmodel.ALGORITHMS:
             pred = predict(m, problem, link)
         elif m in HIERARCHICAL:
             picks = sorted({rec.algorithm for rec in logs[m].records})

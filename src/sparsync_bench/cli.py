@@ -1,237 +1,28 @@
-"""The ``sparsync`` command: ``demo``, ``bench allreduce``, ``bench compress``, ``bench embedding``,
-``bench hybrid``, ``plan``, ``cluster``, ``trace merge``."""
+"""The ``sparsync`` command: ``demo``, ``bench NAME`` (one subcommand per entry of ``bench.BENCHMARKS``),
+``plan``, ``cluster``, ``trace merge``, ``reproduce``. It imports no module that needs the bench extra until
+``main`` has checked that the extra is there (so it can say so instead of failing on an import): those imports
+sit in the functions that use them."""
 
 from __future__ import annotations
 
 import argparse
-import re
+import json
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rich.console import Console
 
+from sparsync_bench.options import HelpFormatter, choices, parse_size, shared_options, shown_default
+
+if TYPE_CHECKING:
+    from sparsync_bench.benchmark import Benchmark
+
 BENCH_EXTRA = "the sparsync command needs the bench extra: pip install -e '.[bench]' in the checkout"
-
-_SIZE = re.compile(r"^(\d+)([kKmMgG]?)$")
-
-
-def parse_size(text: str) -> int:
-    """'16M' -> 16*2**20, '1000' -> 1000."""
-    m = _SIZE.match(text.strip())
-    if m is None:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: expected e.g. 16M, 1M, 500k, 1000")
-    return int(m.group(1)) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[m.group(2).lower()]
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _sizes(text: str) -> tuple[int, ...]:
-    return tuple(parse_size(x) for x in text.split(","))
-
-
-def _methods(text: str) -> tuple[str, ...]:
-    from sparsync_bench.allreduce import HIERARCHICAL, METHODS, QUANTIZED
-
-    out = tuple(text.split(","))
-    valid = [*METHODS, *QUANTIZED, *HIERARCHICAL]
-    bad = [m for m in out if m not in valid]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown methods {bad}; valid: {', '.join(valid)}")
-    return out
-
-
-def _choices(valid: tuple[str, ...], what: str) -> Callable[[str], tuple[str, ...]]:
-    def parse(text: str) -> tuple[str, ...]:
-        out = tuple(text.split(","))
-        bad = [m for m in out if m not in valid]
-        if bad:
-            raise argparse.ArgumentTypeError(f"unknown {what} {bad}; valid: {', '.join(valid)}")
-        return out
-
-    return parse
-
-
-def shown_default(default: Any) -> str:
-    """An option's default as ``--help`` shows it: a tuple as the comma list the option takes, a list as the
-    separate values, 0 as 0, and nothing given (None, an empty list) as "none"."""
-    if default is None or (isinstance(default, tuple | list) and not default):
-        return "none"
-    if isinstance(default, tuple):
-        return ",".join(map(str, default))
-    if isinstance(default, list):
-        return " ".join(map(str, default))
-    return '""' if default == "" else str(default)
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Every option's help ends with its default (``shown_default``), unless the help already names it. A flag
-    (an option that takes no value, e.g. ``store_true``) has none to show: it is on when given, off otherwise."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if (
-            not action.option_strings
-            or action.nargs == 0
-            or action.default is argparse.SUPPRESS
-            or "default" in text
-        ):
-            return text
-        return f"{text} (default: {shown_default(action.default).replace('%', '%%')})"
-
-
-def _parents() -> dict[str, argparse.ArgumentParser]:
-    """Option groups shared by several subcommands."""
-    net = argparse.ArgumentParser(add_help=False)
-    net.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit, 100mbit (needs root)")
-    net.add_argument("--latency", default=None, help="extra one-way delay per link with --net, e.g. 0.5ms")
-    progress = argparse.ArgumentParser(add_help=False)
-    progress.add_argument("--no-progress", action="store_true", help="no progress bar")
-    hosts = argparse.ArgumentParser(add_help=False)
-    hosts.add_argument("--hosts", type=int, default=None, help="emulated hosts (with --procs-per-host)")
-    hosts.add_argument("--procs-per-host", type=int, default=None, help="ranks per emulated host (shared link)")
-    return {"net": net, "progress": progress, "hosts": hosts}
-
-
-def _add_embedding_parser(bsub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
-    from sparsync_bench.allreduce import HIERARCHICAL
-    from sparsync_bench.embedding import HOT
-    from sparsync_bench.embedding import METHODS as EMB_METHODS
-
-    em = bsub.add_parser(
-        "embedding",
-        help="nn.Embedding(sparse=True) gradients: torch's own paths vs sparsync",
-        parents=[parents["net"], parents["hosts"], parents["progress"]],
-        formatter_class=HelpFormatter,
-    )
-    em.add_argument("--procs", type=_ints, default=(2, 4, 8), help="world sizes, e.g. 2,4,8")
-    em.add_argument("--rows", type=parse_size, default=2**20, help="embedding rows (default 1M)")
-    em.add_argument("--dims", type=_ints, default=(16, 64, 128), help="embedding widths, e.g. 16,64,128")
-    em.add_argument("--tokens", type=parse_size, default=8192, help="token ids per rank")
-    em.add_argument("--zipf", type=_floats, default=(0.9, 1.1, 1.3), help="Zipf exponents, e.g. 0.9,1.1,1.3")
-    em.add_argument("--hot", type=_choices(HOT, "hot"), default=HOT,
-                    help=f"where the hot rows are: {', '.join(HOT)} (comma-separated)")  # fmt: skip
-    em.add_argument("--repeats", type=int, default=11, help="timed calls per point (the median is reported)")
-    em.add_argument("--methods", type=_choices((*EMB_METHODS, *HIERARCHICAL), "methods"), default=EMB_METHODS,
-                    help=f"comma-separated; also {', '.join(HIERARCHICAL)} with --hosts")  # fmt: skip
-    em.add_argument(
-        "--sketch-lambda",
-        type=_floats,
-        default=(1.0,),
-        dest="sketch_lambdas",
-        help="S2's λ for method 'sketch': one method sketch@λ per value, e.g. 0.5,1,2,4 (ratio = λ·α, α the "
-        "expected row density)",
-    )
-    em.add_argument(
-        "--out", type=Path, default=Path("results/embedding"), help="path stem for .csv/.json/.png/.md"
-    )
-    em.set_defaults(func=_bench_embedding)
-
-
-def _add_dlrm_parser(bsub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
-    from sparsync_bench.dlrm_train import METHODS as DLRM_METHODS
-    from sparsync_bench.dlrm_train import OPTIONAL as DLRM_OPTIONAL
-
-    dl = bsub.add_parser(
-        "dlrm",
-        help="DLRM on Criteo-format data: torch DDP (dense, sparse) and torchrec vs sparsync (tables replicated "
-        "or sharded: sparsync_sharded, sparsync_auto)",
-        parents=[parents["net"]],
-        formatter_class=HelpFormatter,
-    )
-    dl.add_argument("--procs", type=_ints, default=(4,), help="world sizes, e.g. 4,8")
-    dl.add_argument("--data", type=Path, default=None, help="a Criteo-format file (default: generate one)")
-    dl.add_argument("--steps", type=int, default=30, help="training steps per method")
-    dl.add_argument("--batch", type=int, default=128, help="samples per rank per step")
-    dl.add_argument("--max-rows", type=parse_size, default=100_000, help="rows per table at most")
-    dl.add_argument("--dim", type=int, default=16, help="embedding width")
-    dl.add_argument(
-        "--mlp",
-        choices=("small", "kaggle", "terabyte", "mlperf"),
-        default="small",
-        help="small, or dlrm_s_pytorch.py's MLPs: kaggle (13-512-256-64-dim, 512-256-1; its dim is 16), "
-        "terabyte (13-512-256-dim, 512-512-256-1; dim 64), mlperf (13-512-256-dim, 1024-1024-512-256-1; dim 128)",
-    )
-    dl.add_argument("--methods", type=_choices((*DLRM_METHODS, *DLRM_OPTIONAL), "methods"), default=None,
-                    help=f"comma-separated (default {','.join(DLRM_METHODS)}, and torchrec_tw,torchrec_rw "
-                         "where scripts/torchrec_env.sh made their environment); "
-                         f"also {','.join(DLRM_OPTIONAL)}")  # fmt: skip
-    dl.add_argument("--out", type=Path, default=Path("results/dlrm"), help="path stem for .json/.md")
-    dl.add_argument("--tensorboard", type=Path, default=None,
-                    help="rank 0 writes per-step bytes, time and algorithm counts here")  # fmt: skip
-    dl.set_defaults(func=_bench_dlrm)
-
-
-def _add_bench_parsers(sub: Any, parents: dict[str, argparse.ArgumentParser]) -> None:
-    from sparsync.compress.registry import COMPRESSORS
-    from sparsync_bench.allreduce import HIERARCHICAL, METHODS, QUANTIZED, BenchConfig
-    from sparsync_bench.compress import DEFAULT_COMPRESSORS
-    from sparsync_bench.hybrid import METHODS as HYBRID_METHODS
-
-    bench = sub.add_parser("bench", help="benchmarks", formatter_class=HelpFormatter)
-    bsub = bench.add_subparsers(dest="bench", required=True)
-    net, progress, hosts = parents["net"], parents["progress"], parents["hosts"]
-    ar = bsub.add_parser("allreduce", help="SparCML Fig. 4: time vs density per algorithm",
-                         parents=[net, hosts, progress], formatter_class=HelpFormatter)  # fmt: skip
-    ar.add_argument("--n", type=parse_size, default=16 * 2**20, help="vector length N (default 16M)")
-    ar.add_argument("--procs", type=_ints, default=(2, 4, 8), help="world sizes, e.g. 2,4,8")
-    ar.add_argument("--densities", type=_floats, default=BenchConfig().densities,
-                    help="fractions of N stored per rank, comma-separated, each in (0, 1]")  # fmt: skip
-    ar.add_argument("--repeats", type=int, default=5, help="timed calls per point (median and quartiles)")
-    ar.add_argument("--methods", type=_methods, default=METHODS,
-                    help=f"comma-separated; also {', '.join((*QUANTIZED, *HIERARCHICAL))}")  # fmt: skip
-    ar.add_argument("--out", type=Path, default=Path("results/allreduce"), help="path stem for .csv/.json/.png")
-    ar.set_defaults(func=_bench_allreduce)
-    cp = bsub.add_parser("compress", help="compressors: time, bytes, error vs a dense allreduce",
-                         parents=[net, progress], formatter_class=HelpFormatter)  # fmt: skip
-    cp.add_argument("--sizes", type=_sizes, default=(1_000_000, 25_000_000), help="N per rank, e.g. 1000000,25M")
-    cp.add_argument("--procs", type=int, default=4, help="world size P")
-    cp.add_argument("--repeats", type=int, default=3, help="timed calls per compressor (the median is reported)")
-    cp.add_argument(
-        "--compressor",
-        action="append",
-        dest="compressors",
-        help="a registry spec such as 'topk:ratio=0.01' (repeatable; names: "
-        f"{', '.join(sorted(COMPRESSORS))}; default: {' '.join(DEFAULT_COMPRESSORS)})",
-    )
-    cp.add_argument("--out", type=Path, default=Path("results/compress"), help="path stem for .csv/.json/.png")
-    cp.set_defaults(func=_bench_compress)
-    hy = bsub.add_parser("hybrid", help="Parallax Table 4: allreduce vs allgather vs PS vs hybrid training",
-                         parents=[net, progress], formatter_class=HelpFormatter)  # fmt: skip
-    hy.add_argument("--procs", type=_ints, default=(4,), help="world sizes (one server per rank)")
-    hy.add_argument("--seq", type=_ints, default=(20,), help="sequence lengths: the α sweep, e.g. 5,20,80")
-    hy.add_argument("--vocab", type=parse_size, default=100_000, help="vocabulary (embedding rows)")
-    hy.add_argument("--dim", type=int, default=128, help="embedding width")
-    hy.add_argument("--hidden", type=int, default=256, help="LSTM width")
-    hy.add_argument("--batch", type=int, default=32, help="sequences per rank per step")
-    hy.add_argument("--steps", type=int, default=10, help="timed steps per method and round")
-    hy.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    hy.add_argument("--rounds", type=int, default=2, help="methods interleave in this many rounds")
-    hy.add_argument("--partitions", type=int, default=None, help="PS partitions per table (default: the plan's)")
-    hy.add_argument("--methods", default=None,
-                    help=f"comma-separated subset of {','.join(HYBRID_METHODS)} (default: all but "
-                    "hybrid_sketch, omnireduce)")  # fmt: skip
-    hy.add_argument("--text", type=Path, nargs="*", default=(), help="train on the words of these text files")
-    hy.add_argument("--out", type=Path, default=Path("results/hybrid"), help="path stem for .csv/.json/.png")
-    hy.add_argument("--search-partitions", action="store_true", help="run Parallax's partition search first")
-    hy.add_argument("--no-prefetch", action="store_true", help="PS methods: pull each step's rows in that step")
-    hy.set_defaults(func=_bench_hybrid)
-    _add_embedding_parser(bsub, parents)
-    _add_dlrm_parser(bsub, parents)
+__all__ = ["BENCH_EXTRA", "HelpFormatter", "build_parser", "main", "parse_size", "shown_default"]
 
 
 def version() -> str:
@@ -247,39 +38,18 @@ def version() -> str:
         return str(sparsync.__version__)
 
 
-def _points(p: argparse.ArgumentParser, *dests: str) -> int:
-    """The size of the grid that ``p``'s defaults for these list options span."""
-    n = 1
-    for d in dests:
-        n *= len(p.get_default(d))
-    return n
-
+Grids = dict[str, Callable[[argparse.ArgumentParser], str]]
 
 # What a subcommand runs by default, for its --help: the grid's size and, where measured, its time on the 2-core
-# development machine (docs/results_*.md).
-GRIDS: dict[str, Callable[[argparse.ArgumentParser], str]] = {
-    "bench allreduce": lambda p: (
-        f"default grid: {len(p.get_default('procs')) * len(p.get_default('densities'))} "
-        "points (world sizes x densities), every method at each; the full sweep took 19 min with --net 1gbit "
-        "(docs/results_allreduce.md)."
-    ),
-    "bench embedding": lambda p: (
-        "default grid: "
-        f"{_points(p, 'procs', 'dims', 'zipf', 'hot')}"
-        " points (world sizes x dims x Zipf exponents x hot-row layouts), every method at each "
-        "(docs/results_embedding.md)."
-    ),
-    "bench compress": lambda p: (
-        f"default grid: {len(p.get_default('sizes'))} sizes x every compressor at P = "
-        f"{p.get_default('procs')}; 251 s with --net 1gbit, 277 s on loopback (docs/results_compress.md)."
-    ),
+# development machine (docs/results_*.md). A benchmark's is its entry's ``grid``.
+GRIDS: Grids = {
     "reproduce": lambda p: (
         "--quick took 5 min 26 s and the full run 21 min 59 s with --net 1gbit (docs/results_reproduce.md)."
     ),
 }
 
 
-def _describe(p: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> None:
+def _describe(p: argparse.ArgumentParser, grids: Grids, path: tuple[str, ...] = ()) -> None:
     """Every subcommand's --help opens with a description (its one-line help where it has none) and, where it runs
     a grid, the grid's size."""
     for a in p._actions:
@@ -290,10 +60,10 @@ def _describe(p: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> None:
             sub = (*path, name)
             if not sp.description:
                 sp.description = helps.get(name) or name
-            grid = GRIDS.get(" ".join(sub))
+            grid = grids.get(" ".join(sub))
             if grid is not None:
                 sp.description = f"{sp.description}\n\n{grid(sp)}"
-            _describe(sp, sub)
+            _describe(sp, grids, sub)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -303,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--version", action="version", version=f"%(prog)s {version()}", help="print the version and exit"
     )
     sub = p.add_subparsers(dest="command", required=True)
-    parents = _parents()
+    parents = shared_options()
     demo = sub.add_parser(
         "demo",
         help="train a sparse-embedding model on 4 local processes: dense allreduce vs sparsync's plans",
@@ -319,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the automatic plan's prices: the demo's measured link and parameter servers, or an "
                            "assumed 1 Gbit/s, 50 µs link")  # fmt: skip
     demo.add_argument("--net", default=None, help="shape each process's link, e.g. 1gbit (needs root)")
+    demo.add_argument("--no-tables", action="store_true",
+                      help="skip the second part: a table set placed by sparsync.shard(plan='auto'), replicated "
+                           "and sharded trained side by side (on loopback)")  # fmt: skip
     demo.add_argument(
         "--trace",
         type=Path,
@@ -347,7 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--from-step", type=int, default=0, help="the slowest among the steps numbered this or more")
     mg.add_argument("--png", type=Path, default=None, help="the picture's path (default: DIR/slowest_step.png)")
     mg.set_defaults(func=_trace_merge)
-    _add_bench_parsers(sub, parents)
+    from sparsync_bench.bench import BENCHMARKS
+
+    _add_bench_parsers(sub, parents, BENCHMARKS)
     cl = sub.add_parser(
         "cluster",
         help="run a script under torchrun on emulated hosts (one network namespace each, shaped links)",
@@ -368,8 +143,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     cli_plan.add_parser(sub, formatter_class=HelpFormatter)
     _add_reproduce_parser(sub)
-    _describe(p)
+    _describe(p, {**GRIDS, **{f"bench {b.name}": b.grid for b in BENCHMARKS if b.grid is not None}})
     return p
+
+
+def _add_bench_parsers(
+    sub: Any, parents: dict[str, argparse.ArgumentParser], benchmarks: tuple[Benchmark, ...]
+) -> None:
+    """``sparsync bench NAME`` for each benchmark: its shared option groups, its own options, its command."""
+    bench = sub.add_parser("bench", help="benchmarks", formatter_class=HelpFormatter)
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    for b in benchmarks:
+        bp = bsub.add_parser(b.name, help=b.help, parents=[parents[s] for s in b.shared],
+                             formatter_class=HelpFormatter)  # fmt: skip
+        b.add_options(bp)
+        bp.set_defaults(func=b.command)
 
 
 def _outputs(out: Path) -> list[Path]:
@@ -402,7 +190,7 @@ def _add_reproduce_parser(sub: Any) -> None:
         "--quick", action="store_true", help="smaller sizes and P: about 5.5 min instead of 22 (measured)"
     )
     rp.add_argument("--net", default=None, help="shape each rank's link, e.g. 1gbit (needs root)")
-    rp.add_argument("--sections", type=_choices(SECTIONS, "sections"), default=SECTIONS,
+    rp.add_argument("--sections", type=choices(SECTIONS, "sections"), default=SECTIONS,
                     help=f"comma-separated subset of {','.join(SECTIONS)}")  # fmt: skip
     rp.add_argument("--corpus", type=Path, default=None,
                     help="text for the language model (default GCIDE: apt-get install dict-gcide)")  # fmt: skip
@@ -417,24 +205,6 @@ def _reproduce(args: argparse.Namespace, console: Console) -> int:
                            corpus=args.corpus, console=console)  # fmt: skip
     console.print(f"[bold]report:[/] {report}")
     return 0
-
-
-def _hosts(args: argparse.Namespace, procs: tuple[int, ...]) -> tuple[tuple[int, ...], int | None]:
-    """(world sizes, ranks per host) from ``--procs`` or ``--hosts`` with ``--procs-per-host``."""
-    if args.hosts is None and args.procs_per_host is None:
-        return procs, None
-    if args.hosts is None or args.procs_per_host is None or min(args.hosts, args.procs_per_host) < 1:
-        raise ValueError("give both --hosts and --procs-per-host (each >= 1)")
-    return (args.hosts * args.procs_per_host,), args.procs_per_host
-
-
-def _hosts_and_methods(
-    args: argparse.Namespace, defaults: tuple[str, ...], on_hosts: tuple[str, ...]
-) -> tuple[tuple[int, ...], int | None, tuple[str, ...]]:
-    """``_hosts``, and the methods: ``on_hosts`` instead of the default list when hosts are emulated."""
-    procs, per_host = _hosts(args, args.procs)
-    methods = on_hosts if per_host is not None and args.methods == defaults else args.methods
-    return procs, per_host, methods
 
 
 def _cluster(args: argparse.Namespace, console: Console) -> int:
@@ -482,7 +252,25 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
     print_demo(runs, diff, demo_cfg, console, args.out, args.net, plan)
     if args.trace is not None:
         console.print(f"timelines in {args.trace}: sparsync trace merge {args.trace}")
+    if not args.no_tables:
+        tables_part(args.out.with_name(args.out.name + "_tables"), console)
     return 0
+
+
+def tables_part(out: Path, console: Console) -> None:
+    """The demo's second part (``demo_shard``): its lines on screen, its results in ``out``.json / .md."""
+    from sparsync_bench.demo_shard import TablesConfig, run_tables, summary_lines
+
+    cfg = TablesConfig()
+    console.print(f"[bold]tables[/]: sharded or replicated? {cfg.procs} local processes, loopback")
+    res = run_tables(cfg)
+    lines = list(summary_lines(res, cfg))
+    for line in lines:
+        console.print(line)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"config": asdict(cfg), "ranks": res}, indent=1))
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    console.print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
 
 
 def _trace_merge(args: argparse.Namespace, console: Console) -> int:
@@ -490,88 +278,6 @@ def _trace_merge(args: argparse.Namespace, console: Console) -> int:
 
     merged, png = merge_and_draw(args.dir, args.step, args.png, args.from_step)
     console.print(f"merged timeline: {merged} (open in https://ui.perfetto.dev); picture: {png}")
-    return 0
-
-
-def _bench_hybrid(args: argparse.Namespace, console: Console) -> int:
-    from sparsync_bench.hybrid import METHODS as HYBRID_METHODS
-    from sparsync_bench.hybrid import HybridBenchConfig
-    from sparsync_bench.runner import run_hybrid_bench
-
-    hcfg = HybridBenchConfig(
-        vocab=args.vocab, dim=args.dim, hidden=args.hidden, batch=args.batch, steps=args.steps,
-        warmup=args.warmup, rounds=args.rounds, partitions=args.partitions, prefetch=not args.no_prefetch,
-        files=tuple(map(str, args.text)),
-        methods=tuple(args.methods.split(",")) if args.methods else HYBRID_METHODS,
-    )  # fmt: skip
-    if args.search_partitions:
-        from sparsync_bench.runner import search_hybrid_partitions
-
-        found = search_hybrid_partitions(hcfg, args.procs[0], console=console)
-        hcfg = HybridBenchConfig(**{**hcfg.__dict__, "partitions": found.best})
-    run_hybrid_bench(hcfg, args.procs, args.seq, out=args.out, net=args.net, latency=args.latency,
-                     console=console, progress=not args.no_progress)  # fmt: skip
-    return 0
-
-
-def _bench_allreduce(args: argparse.Namespace, console: Console) -> int:
-    from sparsync_bench.allreduce import HIERARCHICAL, METHODS, BenchConfig
-    from sparsync_bench.runner import run_allreduce_bench
-
-    on_hosts = ("gloo_dense", "gloo_sparse_coo", "allgather", "auto", *HIERARCHICAL)
-    procs, per_host, methods = _hosts_and_methods(args, METHODS, on_hosts)
-    cfg = BenchConfig(dim=args.n, densities=args.densities, repeats=args.repeats, methods=methods)
-    run_allreduce_bench(cfg, procs, procs_per_host=per_host, out=args.out, net=args.net, latency=args.latency,
-                        console=console, progress=not args.no_progress)  # fmt: skip
-    return 0
-
-
-def _bench_embedding(args: argparse.Namespace, console: Console) -> int:
-    from sparsync_bench.allreduce import HIERARCHICAL
-    from sparsync_bench.embedding import METHODS as EMB_METHODS
-    from sparsync_bench.embedding import EmbeddingBenchConfig
-    from sparsync_bench.runner import run_embedding_bench
-
-    on_hosts = ("torch_coo", "torch_ddp", "allgather", "ssar_split_allgather", "auto", *HIERARCHICAL)
-    procs, per_host, methods = _hosts_and_methods(args, EMB_METHODS, on_hosts)
-    ecfg = EmbeddingBenchConfig(rows=args.rows, dims=args.dims, tokens=args.tokens, zipf=args.zipf,
-                                hot=args.hot, repeats=args.repeats, methods=methods,
-                                sketch_lambdas=args.sketch_lambdas)  # fmt: skip
-    run_embedding_bench(ecfg, procs, out=args.out, net=args.net, latency=args.latency, console=console,
-                        progress=not args.no_progress, procs_per_host=per_host)  # fmt: skip
-    return 0
-
-
-def _bench_dlrm(args: argparse.Namespace, console: Console) -> int:
-    from sparsync_bench.dlrm_train import DlrmBenchConfig, default_data, default_methods
-    from sparsync_bench.runner import run_dlrm_bench
-
-    if args.tensorboard is not None:
-        from sparsync_bench.tensorboard import require_tensorboard
-
-        require_tensorboard()  # before any work: the generated data file alone is megabytes
-    if args.methods is None:
-        args.methods, note = default_methods()
-        if note:
-            console.print(f"[dim]{note}[/]")
-    need = args.steps * args.batch * max(args.procs)
-    data = args.data or default_data(Path("results/criteo_synthetic.txt"), need)
-    dcfg = DlrmBenchConfig(str(data), steps=args.steps, batch=args.batch, max_rows=args.max_rows, dim=args.dim,
-                           methods=args.methods, mlp=args.mlp,
-                           tensorboard=str(args.tensorboard or ""))  # fmt: skip
-    run_dlrm_bench(dcfg, args.procs, out=args.out, net=args.net, latency=args.latency, console=console)
-    return 0
-
-
-def _bench_compress(args: argparse.Namespace, console: Console) -> int:
-    from sparsync_bench.compress import CompressBenchConfig
-    from sparsync_bench.runner import run_compress_bench
-
-    ccfg = CompressBenchConfig(sizes=args.sizes, repeats=args.repeats)
-    if args.compressors:
-        ccfg = CompressBenchConfig(sizes=args.sizes, repeats=args.repeats, compressors=tuple(args.compressors))
-    run_compress_bench(ccfg, procs=args.procs, out=args.out, net=args.net, latency=args.latency, console=console,
-                       progress=not args.no_progress)  # fmt: skip
     return 0
 
 

@@ -31,6 +31,7 @@ from rich.table import Table
 from sparsync.compress import Compressor, Context, Encoding, TensorSpec, compressed_allreduce, from_spec
 from sparsync_bench import hook_cost
 from sparsync_bench.allreduce import _timed
+from sparsync_bench.fmt import markdown_table, ms
 from sparsync_bench.report import Check, progress, pyplot, save_figure, targets_markdown
 from sparsync_bench.tables import show_table
 
@@ -307,18 +308,16 @@ def _short(spec: str) -> str:
 
 
 def markdown(rows: list[dict[str, Any]], checks: list[Check], title: str) -> str:
-    lines = [f"### {title}", ""]
-    lines.append(
-        "| N | compressor | aggregation | compress ms | decompress ms | c+d ns/el | (c+d)/dense | bytes ratio "
-        f"| rel. error | reduce ms | dense allreduce ms | hook µs ({hook_cost.TINY} values) | DDP's hook µs |"
-    )
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        lines.append(
-            f"| {r['n']:,} | {r['compressor']} | {r['aggregation']} | {r['compress_s'] * 1e3:.2f} | "
-            f"{r['decompress_s'] * 1e3:.2f} | {r['cd_ns_per_el']:.2f} | {r['cd_over_dense']:.3f} | "
-            f"{r['bytes_ratio']:.4f} | "
-            f"{r['rel_error']:.3f} | {r['reduce_s'] * 1e3:.1f} | {r['dense_allreduce_s'] * 1e3:.1f} | "
-            f"{r['hook_tiny_s'] * 1e6:.0f} | {r['ddp_hook_tiny_s'] * 1e6:.0f} |"
-        )
+    head = ["N", "compressor", "aggregation", "compress ms", "decompress ms", "c+d ns/el", "(c+d)/dense",
+            "bytes ratio", "rel. error", "reduce ms", "dense allreduce ms", f"hook µs ({hook_cost.TINY} values)",
+            "DDP's hook µs"]  # fmt: skip
+    body = [
+        [f"{r['n']:,}", r["compressor"], r["aggregation"], ms(r["compress_s"]), ms(r["decompress_s"]),
+         f"{r['cd_ns_per_el']:.2f}", f"{r['cd_over_dense']:.3f}", f"{r['bytes_ratio']:.4f}",
+         f"{r['rel_error']:.3f}",
+         ms(r["reduce_s"], ".1f"), ms(r["dense_allreduce_s"], ".1f"), f"{r['hook_tiny_s'] * 1e6:.0f}",
+         f"{r['ddp_hook_tiny_s'] * 1e6:.0f}"]
+        for r in rows
+    ]  # fmt: skip
+    lines = [f"### {title}", "", *markdown_table(head, body)]
     return "\n".join(lines + targets_markdown(checks)) + "\n"

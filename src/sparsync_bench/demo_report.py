@@ -20,6 +20,7 @@ from typing import Any
 from sparsync.plan.planner import Plan
 from sparsync.plan.registry import KINDS
 from sparsync_bench.demo_plan import DDP_PLAN, PLACEMENT_WORDS, RUNS, predicted_split, predicted_steps
+from sparsync_bench.fmt import short_ms
 
 # Short names of the runs (``demo_plan.RUNS``) in the lines on ratios and verdicts.
 NAMES = {"dense": "dense allreduce", "ddp_sparse": "DDP", "sparse": "sparsync plan", "auto": "auto plan"}
@@ -132,10 +133,6 @@ def step_parts(runs: list[dict[str, Any]], plan: Plan) -> dict[str, StepParts]:
             for r in runs}  # fmt: skip
 
 
-def _ms(x: float) -> str:
-    return f"{x:.0f}" if abs(x) >= 10 else f"{x:.2g}"
-
-
 def why_line(name: str, a: StepParts, base: str, b: StepParts, ratio: Spread, link: str) -> str:
     """'<name> vs <base>: <verdict> (<median>x, <min>-<max>): <reason>': the part of the step whose difference
     from ``b`` is largest in the verdict's direction (the most saved for a win, the most lost for a loss, the
@@ -156,24 +153,28 @@ def _differences(name: str, a: StepParts, base: str, b: StepParts, link: str) ->
     """(a's part - b's part in ms, the two in words) for each part of the step: compute, bandwidth, and the
     priced latency and the unpriced rest when both are priced, else the measured rest."""
     mb_a, mb_b = a.bytes_per_step / 1e6, b.bytes_per_step / 1e6
+
+    def vs(x: float, y: float) -> str:
+        return f"{short_ms(x)} ms instead of {short_ms(y)} ms"
+
     out = [
-        (a.compute_ms - b.compute_ms, f"local compute {_ms(a.compute_ms)} ms instead of {_ms(b.compute_ms)} ms"),
-        (a.bandwidth_ms - b.bandwidth_ms, f"{mb_a:.3g} MB/step instead of {mb_b:.3g} MB, {_ms(a.bandwidth_ms)} ms "
-                                          f"instead of {_ms(b.bandwidth_ms)} ms at {link}"),
+        (a.compute_ms - b.compute_ms, f"local compute {vs(a.compute_ms, b.compute_ms)}"),
+        (a.bandwidth_ms - b.bandwidth_ms,
+         f"{mb_a:.3g} MB/step instead of {mb_b:.3g} MB, {vs(a.bandwidth_ms, b.bandwidth_ms)} at {link}"),
     ]  # fmt: skip
     if a.latency_ms is not None and b.latency_ms is not None:
-        out.append((a.latency_ms - b.latency_ms, f"latency {_ms(a.latency_ms)} ms instead of {_ms(b.latency_ms)} "
-                                                 "ms (priced with infinite bandwidth)"))  # fmt: skip
-        rest = f"the unpriced rest {_ms(a.unpriced_ms)} ms instead of {_ms(b.unpriced_ms)} ms"
+        out.append((a.latency_ms - b.latency_ms,
+                    f"latency {vs(a.latency_ms, b.latency_ms)} (priced with infinite bandwidth)"))  # fmt: skip
+        rest = f"the unpriced rest {vs(a.unpriced_ms, b.unpriced_ms)}"
         out.append(
             (a.unpriced_ms - b.unpriced_ms, f"{rest} (measured step - compute - bandwidth - priced latency)")
         )
         return out
-    priced = [f"{n} priced at {_ms(p.latency_ms)} ms with infinite bandwidth" for n, p in ((name, a), (base, b))
-              if p.latency_ms is not None]  # fmt: skip
+    priced = [f"{n} priced at {short_ms(p.latency_ms)} ms with infinite bandwidth"
+              for n, p in ((name, a), (base, b)) if p.latency_ms is not None]  # fmt: skip
     note = "".join(f"; {x}" for x in priced)
-    out.append((a.rest_ms - b.rest_ms, f"the rest {_ms(a.rest_ms)} ms instead of {_ms(b.rest_ms)} ms (measured: "
-                                       f"step - compute - bandwidth{note})"))  # fmt: skip
+    out.append((a.rest_ms - b.rest_ms,
+                f"the rest {vs(a.rest_ms, b.rest_ms)} (measured: step - compute - bandwidth{note})"))  # fmt: skip
     return out
 
 
@@ -206,9 +207,9 @@ def choice_lines(plan: Plan) -> list[str]:
         best = min(alts, key=lambda k: (alts[k][1], alts[k][0]))
         out.append(
             f"auto chose {PLACEMENT_WORDS[e.placement]} for {e.name}{' (an override)' if e.overridden else ''}: "
-            f"{_ms(1e3 * e.seconds)} ms and {e.bytes_per_machine / 1e6:.3g} MB per step priced, against "
-            f"{_ms(1e3 * alts[best][1])} ms and {alts[best][0] / 1e6:.3g} MB by {PLACEMENT_WORDS[best]}, the best "
-            "alternative"
+            f"{short_ms(1e3 * e.seconds)} ms and {e.bytes_per_machine / 1e6:.3g} MB per step priced, against "
+            f"{short_ms(1e3 * alts[best][1])} ms and {alts[best][0] / 1e6:.3g} MB by {PLACEMENT_WORDS[best]}, "
+            "the best alternative"
         )
     return out
 

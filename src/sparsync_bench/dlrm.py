@@ -16,6 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from sparsync.plan import ParamStats, zipf_row_fraction
+
 # MLP widths (bottom without its last layer, which is the embedding width; top without its input width):
 # "small" keeps a step's dense part to a few hundred kB; "kaggle" is dlrm_s_pytorch.py's Criteo Kaggle
 # configuration (--arch-mlp-bot 13-512-256-64-16 --arch-mlp-top 512-256-1), 1.9 MB of dense gradients.
@@ -76,3 +78,30 @@ class DLRM(nn.Module):
         dots = torch.bmm(z, z.transpose(1, 2))[:, self.pairs[0], self.pairs[1]]
         out: torch.Tensor = self.top(torch.cat([x, dots], 1))
         return out.squeeze(1)
+
+
+def dlrm_stats(
+    table_rows: Sequence[int],
+    dim: int,
+    batch: int,
+    mlps: str = "kaggle",
+    *,
+    procs_per_machine: int = 1,
+    zipf: float = 1.05,
+) -> list[ParamStats]:
+    """DLRM's parameters as the planner sees them (``sparsync plan --model dlrm``): per table the expected
+    distinct rows of ``batch`` Zipf(``zipf``) lookups (one per sample, as ``criteo.write_criteo`` draws them; a
+    machine's ``procs_per_machine`` ranks together for α machine), and the MLPs (``MLPS[mlps]``) dense."""
+    bottom, top = MLPS[mlps]
+    vectors = len(table_rows) + 1
+    widths = [(*bottom, dim), (dim + vectors * (vectors - 1) // 2, *top)]
+    out = [
+        ParamStats(f"tables.{j}.weight", (n, dim), zipf_row_fraction(n, batch, zipf), True,
+                   zipf_row_fraction(n, batch * procs_per_machine, zipf))
+        for j, n in enumerate(table_rows)
+    ]  # fmt: skip
+    for name, sizes in zip(("bottom", "top"), widths, strict=True):
+        for i, (a, b) in enumerate(itertools.pairwise(sizes)):
+            out += [ParamStats(f"{name}.{2 * i}.weight", (b, a), 1.0, False),
+                    ParamStats(f"{name}.{2 * i}.bias", (b,), 1.0, False)]  # fmt: skip
+    return out

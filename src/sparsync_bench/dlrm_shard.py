@@ -2,11 +2,13 @@
 the MLPs by ``DistributedOptimizer`` as in ``sparsync``.
 
 - ``sparsync_sharded``: every table sharded;
-- ``sparsync_auto``: the tables the cost model's plan places ``sharded`` (``make_plan(swap_modules=True)`` among
-  the lossless kinds that run inside the training group: dense allreduce, sparse allreduce, sharded), priced on
-  the link measured at the start (``measure_link``) and each table's distinct rows in the first batch (the mean
-  over the ranks). The tables it leaves replicated go the ``sparsync`` way (``DistributedOptimizer``'s default,
-  which chooses its algorithm itself), so the plan decides only where each table lives.
+- ``sparsync_sharded_bf16``: the same, the rows and gradient rows sent in bf16 (``sparsync.shard(rows="bf16")``:
+  half the rows' bytes, lossy; its loss beside ``sparsync_sharded``'s says how much);
+- ``sparsync_auto``: ``sparsync.shard(model, plan="auto", sample=first batch)``: each table where the cost model
+  predicts the faster step (``sparsync.shard.auto``: among dense allreduce, sparse allreduce and sharded, priced on
+  the distinct rows of each rank's first batch and the group's measured link). The tables it leaves replicated go
+  the ``sparsync`` way (``DistributedOptimizer``'s default, which chooses its algorithm itself), so the plan
+  decides only where each table lives.
 
 A sharded model holds a part of each table per rank, so the figures the benchmark compares across methods
 (``table_figures``) are summed over the ranks' shards, each row with its index in the whole table.
@@ -14,44 +16,44 @@ A sharded model holds a part of each table per rank, so the figures the benchmar
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from sparsync.collectives.calibrate import measure_link
-from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
+from sparsync.plan import KINDS, make_plan
 from sparsync.record import CommLog
-from sparsync.shard import ShardedTable, shard
+from sparsync.shard import AUTO_KINDS, ShardedTable, auto_plan, shard
 
-SHARD_METHODS = ("sparsync_sharded", "sparsync_auto")
+SHARD_METHODS = ("sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16")
 SHARD_OPS = ("shard_lookup", "shard_grad")  # the CommLog records of the sharded tables' exchanges
-AUTO_KINDS = ("dense_allreduce", "sparse_allreduce", "sharded")  # lossless, and no process beside the ranks
 
 
-def shard_tables(method: str, model: nn.Module, tables: nn.ModuleList, first: torch.Tensor, log: CommLog) -> None:
-    """Swap ``model``'s ``tables`` (``tables.<j>``) for sharded ones per ``method`` (module doc); ``first``: this
-    rank's first batch of ids, ``[batch, tables]``. Collective: every rank calls it with the same method.
-    Mutates ``model`` (its tables are replaced; a new optimizer must take its parameters)."""
+def shard_tables(
+    method: str, model: nn.Module, sample: tuple[torch.Tensor, ...], log: CommLog
+) -> dict[str, float]:
+    """Swap ``model``'s tables for sharded ones per ``method`` (module doc); ``sample``: this rank's first batch,
+    the arguments of ``model(...)``. Returns the cost model's prediction for the placement it ran, from the
+    statistics ``plan="auto"`` measures (every method measures them, so each row has one): the sharded tables'
+    bytes sent per rank and step (``predicted_shard_bytes_per_step``: half of the plan's sent + received) and the
+    step's communication time as ``DistributedOptimizer`` and the exchange send it (``predicted_comm_s``:
+    ``Plan.grouped_seconds``). Collective: every rank calls it with the same method. Mutates ``model`` (its
+    tables are replaced; a new optimizer must take its parameters)."""
     if method not in SHARD_METHODS:
         raise KeyError(f"unknown sharded method {method!r}; valid: {', '.join(SHARD_METHODS)}")
-    plan = auto_plan(tables, first) if method == "sparsync_auto" else None
-    shard(model, plan, log=log)
-
-
-def auto_plan(tables: nn.ModuleList, first: torch.Tensor) -> dict[str, str]:
-    """``tables.<j>`` -> ``"sharded"`` or ``"replicated"``, the same on every rank (module doc). Collective."""
-    P = dist.get_world_size()
-    distinct = [torch.unique(first[:, j]).numel() / _weight(t).shape[0] for j, t in enumerate(tables)]
-    fractions = torch.tensor(distinct, dtype=torch.float64)
-    dist.all_reduce(fractions)  # every rank prices the same statistics, so every rank makes the same plan
-    stats = [
-        ParamStats(f"tables.{j}.weight", tuple(_weight(t).shape), min(1.0, float(fractions[j]) / P), True)
-        for j, t in enumerate(tables)
-    ]
-    plan = make_plan(stats, Cluster(P, measured=measure_link()), swap_modules=True,
-                     kinds=[k for k in KINDS if k.name in AUTO_KINDS])  # fmt: skip
-    return {e.name.removesuffix(".weight"): "replicated" if e.placement != "sharded" else "sharded"
-            for e in plan.entries}  # fmt: skip
+    choice = auto_plan(model, sample, dist.group.WORLD)  # type: ignore[arg-type]
+    plan = choice.plan
+    if method != "sparsync_auto":
+        half = method == "sparsync_sharded_bf16"
+        stats = [dataclasses.replace(s, itemsize=2) if half and s.sparse else s for s in choice.stats]
+        everything = {s.name: "sharded" for s in stats if s.sparse}
+        plan = make_plan(stats, plan.cluster, overrides=everything, kinds=[KINDS.entry(k) for k in AUTO_KINDS])
+    kinds = {n.removesuffix(".weight"): k for n, k in plan.kinds.items() if n.startswith("tables.")}
+    tables = {n: "sharded" if k == "sharded" else "replicated" for n, k in kinds.items()}
+    shard(model, tables, log=log, rows="bf16" if method == "sparsync_sharded_bf16" else None)
+    sent = sum(e.bytes_per_machine for e in plan.entries if e.placement == "sharded") / 2
+    return {"predicted_shard_bytes_per_step": sent, "predicted_comm_s": plan.grouped_seconds}
 
 
 def table_figures(tables: nn.ModuleList, initial: list[torch.Tensor]) -> tuple[float, float]:

@@ -33,7 +33,8 @@ symmetry what the rank's machine, client and colocated server together, sends on
 
 And the tables' rows owned by the ranks (``dlrm_shard``, docs/sharding.md): ``sparsync_sharded`` (every table
 sharded by ``sparsync.shard``, the MLPs by ``DistributedOptimizer`` as in ``sparsync``) and ``sparsync_auto``
-(the tables the cost model's plan places ``sharded``, the rest as in ``sparsync``). Their bytes per step count
+(the tables the cost model's plan places ``sharded``, the rest as in ``sparsync``), and ``sparsync_sharded_bf16``
+(``sparsync_sharded`` with the rows in bf16: lossy). Their bytes per step count
 the shards' exchanges (the ``shard_lookup`` and ``shard_grad`` records), also reported alone
 (``shard_bytes_per_step``), beside how many tables were sharded (``tables_sharded``).
 
@@ -59,14 +60,17 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sparsync import trace_step
 from sparsync.compress import ErrorFeedback, SparseSketch, Threshold
+from sparsync.hybrid import HybridConfig, HybridTrainer
 from sparsync.optim import DistributedOptimizer
 from sparsync.placement import Compressed, CustomReduce, Placement
+from sparsync.ps import OptimizerConfig
 from sparsync.record import CommLog, workload_bytes
 from sparsync.shard import ShardedTable
-from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows
+from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows, write_criteo
 from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
-from sparsync_bench.dlrm import DLRM, MLPS
+from sparsync_bench.dlrm import DLRM, MLPS, dlrm_stats
 from sparsync_bench.dlrm_shard import SHARD_METHODS, SHARD_OPS, shard_tables, table_figures
+from sparsync_bench.fmt import MISSING, markdown_table, mb, ms, times, unavailable_row
 from sparsync_bench.hybrid import ps_remote_bytes
 from sparsync_bench.omnireduce import block_allreduce
 from sparsync_bench.tensorboard import summary_writer
@@ -141,6 +145,13 @@ def _model(cfg: DlrmBenchConfig, sparse: bool) -> DLRM:
     return DLRM(table_rows(cfg.max_rows), cfg.dim, bottom=(*bottom, cfg.dim), top=top, sparse=sparse)
 
 
+def _mlp_bytes(cfg: DlrmBenchConfig) -> int:
+    """Bytes of the MLPs' parameters (fp32), from the model's description (``dlrm_stats``)."""
+    return sum(
+        4 * s.numel for s in dlrm_stats(table_rows(cfg.max_rows), cfg.dim, cfg.batch, cfg.mlp) if not s.sparse
+    )
+
+
 def _ddp_bytes(model: DLRM, rows: list[list[int]], rank: int, sparse: bool) -> WireBytes:
     """What gloo sends for one DDP step: the dense parameters by ring allreduce (all of them without sparse
     gradients), each table's rows by its sparse allreduce (rows[t][i]: table t's rows on rank i)."""
@@ -177,9 +188,6 @@ def _large_table_plan(
 
 
 def _hybrid_trainer(method: str, model: DLRM, cfg: DlrmBenchConfig, addresses: list[str], log: CommLog) -> Any:
-    from sparsync.hybrid import HybridConfig, HybridTrainer
-    from sparsync.ps import OptimizerConfig
-
     dense = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
     hc = HybridConfig(mode="sync", sparse_reduce="mean", dense_reduce="mean",
                       optimizer=OptimizerConfig("sgd", lr=cfg.lr), ps_dense=method != "sparsync_hybrid",
@@ -195,8 +203,9 @@ def _train(
     tables0 = [t.weight.detach().clone() for t in model.tables]  # type: ignore[operator]
     log = CommLog()
     forward: nn.Module = model
+    predicted: dict[str, float] = {}
     if method in SHARD_METHODS:  # before the optimizer: the shards replace the tables' parameters
-        shard_tables(method, model, model.tables, shard.sparse[: cfg.batch], log)
+        predicted = shard_tables(method, model, (shard.dense[: cfg.batch], shard.sparse[: cfg.batch]), log)
     opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     trainer: Any = None
     if method in PS_METHODS:
@@ -275,7 +284,7 @@ def _train(
     return {"method": method, "step_s": float(t), "bytes_per_step": nbytes, "loss": float(tail) / P,
             "first_loss": losses[0], "param_abs_sum": digest, "tables_moved": moved,
             "shard_bytes_per_step": shard_bytes,
-            "tables_sharded": sum(isinstance(t, ShardedTable) for t in model.tables)}  # fmt: skip
+            "tables_sharded": sum(isinstance(t, ShardedTable) for t in model.tables), **predicted}  # fmt: skip
 
 
 def worker(
@@ -290,6 +299,9 @@ def worker(
         else:
             row = _train(m, cfg, shard, rank, P, addresses)
         row["world_size"] = P
+        if row.get("bytes_per_step") is not None:  # the MLPs' part, which every method sends the same way
+            row["dense_bytes_per_step"] = ring_allreduce_bytes(_mlp_bytes(cfg), P).sent
+            row["table_bytes_per_step"] = row["bytes_per_step"] - row["dense_bytes_per_step"]
         out.append(row)
         if rank == 0 and row.get("unavailable"):
             print(f"  {m}: unavailable: {row['unavailable']}", flush=True)
@@ -315,24 +327,27 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+_COLUMNS = ("P", "method", "ms/step", "MB sent/rank/step", "of which MLPs", "of which tables", "loss (last steps)",
+            "vs DDP sparse: speed", "loss diff")  # fmt: skip
+
+
+def _markdown_row(r: dict[str, Any]) -> list[str]:
+    if r.get("unavailable"):
+        return unavailable_row([r["world_size"], r["method"]], r["unavailable"], len(_COLUMNS))
+    ld = r.get("loss_rel_diff")
+    # "-" for a split a row does not carry (a row of before the MLP/table columns, a test's)
+    mbs = [mb(r.get(k), ".2f") for k in ("bytes_per_step", "dense_bytes_per_step", "table_bytes_per_step")]
+    speed = times(r.get("speedup_vs_ddp_sparse"))
+    return [str(r["world_size"]), r["method"], ms(r["step_s"], ".1f"), *mbs, f"{r['loss']:.5f}", speed,
+            MISSING if ld is None else f"{ld:.2%}"]  # fmt: skip
+
+
 def markdown(rows: list[dict[str, Any]], cfg: DlrmBenchConfig, where: str) -> str:
-    lines = [
+    title = (
         f"### DLRM, {where}, {cfg.batch} samples per rank per step, {cfg.steps} steps, tables capped at "
-        f"{cfg.max_rows:,} rows, dim {cfg.dim}",
-        "",
-        "| P | method | ms/step | MB sent/rank/step | loss (last steps) | vs DDP sparse: speed | loss diff |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        sp, ld = r.get("speedup_vs_ddp_sparse"), r.get("loss_rel_diff")
-        if r.get("unavailable"):
-            lines.append(f"| {r['world_size']} | {r['method']} | unavailable: {r['unavailable']} | | | | |")
-            continue
-        lines.append(
-            f"| {r['world_size']} | {r['method']} | {r['step_s'] * 1e3:.1f} | {r['bytes_per_step'] / 1e6:.2f} | "
-            f"{r['loss']:.5f} | {'-' if sp is None else f'{sp:.2f}x'} | {'-' if ld is None else f'{ld:.2%}'} |"
-        )
-    return "\n".join(lines) + "\n"
+        f"{cfg.max_rows:,} rows, dim {cfg.dim}"
+    )
+    return "\n".join([title, "", *markdown_table(_COLUMNS, map(_markdown_row, rows))]) + "\n"
 
 
 def config_dict(cfg: DlrmBenchConfig) -> dict[str, Any]:
@@ -341,8 +356,6 @@ def config_dict(cfg: DlrmBenchConfig) -> dict[str, Any]:
 
 def default_data(path: Path, samples: int) -> Path:
     """A generated Criteo-format file at ``path`` (written once; reused when it already holds enough lines)."""
-    from sparsync_bench.criteo import write_criteo
-
     if path.exists():
         with path.open() as f:
             if sum(1 for _ in f) >= samples:

@@ -59,12 +59,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import sparsync
+from sparsync import costmodel
 from sparsync.collectives.group import EAGER_BYTES
 from sparsync.collectives.hierarchical import Topology, detect_topology, hierarchical_allreduce
 from sparsync.collectives.meta import EAGER_LIMIT
 from sparsync.collectives.tensor import coo_to_stream, stream_to_coo
 from sparsync.compress import SparseSketch
-from sparsync.costmodel import ALGORITHMS, LinkModel, predict
+from sparsync.costmodel import LinkModel, predict
 from sparsync.record import CommLog
 from sparsync_bench import embedding_sketch as es
 from sparsync_bench.allreduce import COO_MACHINE_SHARE, HIERARCHICAL, coo_too_big
@@ -75,9 +76,22 @@ from sparsync_bench.report import progress
 SPLIT_RANGE = ("ssar_split_allgather/range", "dsar_split_allgather/range")
 TORCH_METHODS = ("torch_dense", "torch_coo", "torch_ddp")
 OMNIREDUCE = "omnireduce"  # S2's baseline: non-zero blocks of 256 values only (omnireduce.py)
-METHODS = (*TORCH_METHODS, *ALGORITHMS, *SPLIT_RANGE, "auto", es.SKETCH, OMNIREDUCE)
 HOT = ("low", "permuted")
 DENSE_COPIES = 3  # torch_dense holds the dense gradient, its per-repeat copy and gloo's buffer on every rank
+
+
+def default_methods() -> tuple[str, ...]:
+    """The default methods: torch's paths, every registered SparCML algorithm (``costmodel.ALGORITHMS`` as it is
+    now), the split algorithms on range partitions, ``auto``, S2's sketch and the OmniReduce-style baseline."""
+    return (*TORCH_METHODS, *costmodel.ALGORITHMS, *SPLIT_RANGE, "auto", es.SKETCH, OMNIREDUCE)
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """``METHODS``: ``default_methods()`` when read, as ``costmodel.ALGORITHMS`` is (an algorithm registered
+    after this module is imported is one of them)."""
+    if name == "METHODS":
+        return default_methods()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass(frozen=True)
@@ -88,7 +102,7 @@ class EmbeddingBenchConfig:
     zipf: tuple[float, ...] = (0.9, 1.1, 1.3)  # exponents s of p(i) ∝ 1/(i+1)^s
     hot: tuple[str, ...] = HOT  # "low": hot rows at low ids; "permuted": spread by a fixed permutation
     repeats: int = 11  # timed repeats per point, after one warm-up
-    methods: tuple[str, ...] = METHODS
+    methods: tuple[str, ...] = field(default_factory=default_methods)
     sketch_lambdas: tuple[float, ...] = (1.0,)  # S2's λ for "sketch": one method sketch@λ per value
     seed: int = 0
 
@@ -99,7 +113,8 @@ class EmbeddingBenchConfig:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if not self.zipf or min(self.zipf) < 0:
             raise ValueError(f"zipf exponents must be >= 0, got {self.zipf}")
-        for name, given, valid in (("hot", self.hot, HOT), ("methods", self.methods, (*METHODS, *HIERARCHICAL))):
+        valid_methods = (*default_methods(), *HIERARCHICAL)
+        for name, given, valid in (("hot", self.hot, HOT), ("methods", self.methods, valid_methods)):
             bad = [x for x in given if x not in valid]
             if bad or not given:
                 raise ValueError(f"unknown {name} {bad or given}; valid: {', '.join(valid)}")
@@ -454,7 +469,7 @@ def _predictions(ctx: _Context) -> dict[str, float]:
     p = dec.problem
     largest = max(p.input_bytes(r) for r in range(p.world_size))
     out = {"auto": dec.predictions[dec.algorithm]}
-    for m in ALGORITHMS:
+    for m in costmodel.ALGORITHMS:
         # Forced allgather grows its signature's inline limit (collectives/meta.py); the others inline only
         # payloads up to the default EAGER_BYTES.
         eager = largest <= (EAGER_LIMIT if m == "allgather" else EAGER_BYTES)

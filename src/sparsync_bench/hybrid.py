@@ -325,7 +325,7 @@ def worker(rank: int, cfg: HybridBenchConfig, show_progress: bool, addresses: li
     total = len(cfg.methods) * (cfg.warmup + max(1, cfg.steps // cfg.rounds) * cfg.rounds)
     title = f"P={dist.get_world_size()} seq={cfg.seq}"
     with progress(show_progress and rank == 0, title, total) as update:
-        link = asdict(measure_link())  # the group's α, β: the plan's predicted time uses them (hybrid_report)
+        link = asdict(measure_link())  # the group's α, β: the plan's predicted time uses them (bench.hybrid)
         runs = {m: _MethodRun(rank, cfg, m, addresses) for m in cfg.methods}
         for r in runs.values():
             r.run(cfg.warmup, measured=False, update=update)

@@ -12,8 +12,11 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsync.plan.cluster import Cluster
+from sparsync.plan.detect import ParamStats
 from sparsync.plan.planner import levels_from_json, make_plan, stats_from_json
 from sparsync.plan.registry import KINDS
+from sparsync_bench.criteo import table_rows
+from sparsync_bench.dlrm import MLPS, dlrm_stats
 from sparsync_bench.lm import lm_stats
 from sparsync_bench.netem import parse_latency, parse_rate
 from sparsync_bench.report import print_plan
@@ -49,16 +52,22 @@ def add_parser(sub: Any, formatter_class: type[argparse.HelpFormatter] = argpars
     src.add_argument(
         "--stats", type=Path, help="recorded statistics: JSON list of {name, shape, row_fraction, sparse}"
     )
-    src.add_argument("--model", default="lm", choices=["lm"], help="built-in model description")
+    src.add_argument("--model", default="lm", choices=["lm", "dlrm"],
+                     help="built-in model description (dlrm: Criteo Kaggle's 26 tables, which may also be "
+                     "sharded over the ranks, sparsync.shard)")  # fmt: skip
     p.add_argument("--vocab", type=int, default=100_000, help="--model lm: vocabulary (embedding rows)")
-    p.add_argument("--dim", type=int, default=128, help="--model lm: embedding width")
+    p.add_argument("--dim", type=int, default=None, help="embedding width (default: lm 128, dlrm 16)")
+    p.add_argument("--batch", type=int, default=512, help="--model dlrm: samples per rank per step")
+    p.add_argument("--max-rows", type=int, default=100_000, help="--model dlrm: rows per table at most")
+    p.add_argument("--mlp", default="kaggle", choices=sorted(MLPS), help="--model dlrm: MLP configuration")
     p.add_argument("--hidden", type=int, default=512, help="--model lm: LSTM width")
     p.add_argument("--tokens", type=int, default=64 * 20, help="tokens per worker per step (batch x sequence)")
-    p.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of the token distribution")
-    p.add_argument("--machines", type=_ints, default=(8, 64, 512, 4096),
+    p.add_argument("--zipf", type=float, default=None,
+                   help="Zipf exponent of the ids (default: lm 1.0, dlrm 1.05 as bench dlrm's data)")  # fmt: skip
+    p.add_argument("--machines", "--world", type=_ints, default=(8, 64, 512, 4096),
                    help="cluster sizes to plan for, comma-separated, each >= 1")  # fmt: skip
     p.add_argument("--procs-per-machine", type=int, default=1, help="ranks per machine (local aggregation)")
-    p.add_argument("--bandwidth", default="10gbit", help="per machine link, e.g. 1gbit, 100gbit")
+    p.add_argument("--bandwidth", "--link", default="10gbit", help="per machine link, e.g. 1gbit, 100gbit")
     p.add_argument("--latency", default="50us", help="per message, e.g. 50us, 1ms")
     p.add_argument(
         "--intra-bandwidth",
@@ -78,6 +87,17 @@ def add_parser(sub: Any, formatter_class: type[argparse.HelpFormatter] = argpars
     p.set_defaults(func=run)
 
 
+def _stats(args: argparse.Namespace) -> list[ParamStats]:
+    if args.stats is not None:
+        return stats_from_json(json.loads(args.stats.read_text()))
+    if args.model == "dlrm":
+        rows = table_rows(args.max_rows)
+        return dlrm_stats(rows, args.dim or 16, args.batch, args.mlp, procs_per_machine=args.procs_per_machine,
+                          zipf=1.05 if args.zipf is None else args.zipf)  # fmt: skip
+    zipf = 1.0 if args.zipf is None else args.zipf
+    return lm_stats(args.vocab, args.dim or 128, args.hidden, args.tokens, args.procs_per_machine, zipf)
+
+
 def run(args: argparse.Namespace, console: Console) -> int:
     if console.width < 140:  # the plan table has eight columns; don't squeeze names into ellipses
         console = Console(width=140, file=console.file)
@@ -89,15 +109,12 @@ def run(args: argparse.Namespace, console: Console) -> int:
     plans = []
     levels = None if args.levels is None else levels_from_json(json.loads(args.levels.read_text()))
     for N in args.machines:
-        if args.stats is not None:
-            stats = stats_from_json(json.loads(args.stats.read_text()))
-        else:
-            stats = lm_stats(args.vocab, args.dim, args.hidden, args.tokens, args.procs_per_machine, args.zipf)
+        stats = _stats(args)
         intra = None if args.intra_bandwidth is None else parse_rate(args.intra_bandwidth) / 8.0
         cluster = Cluster(N, args.procs_per_machine, bw, lat, intra_bandwidth=intra, levels=levels,
                           intra_latency=parse_latency(args.intra_latency) or 0.0)  # fmt: skip
-        plan = make_plan(stats, cluster, overrides=dict(args.override),
-                         allow_lossy=args.allow_lossy)  # fmt: skip
+        plan = make_plan(stats, cluster, overrides=dict(args.override), allow_lossy=args.allow_lossy,
+                         swap_modules=args.stats is None and args.model == "dlrm")  # fmt: skip
         print_plan(plan, console)
         plans.append(plan.as_dict())
         kinds = sorted({e.placement for e in plan.entries})

@@ -1,7 +1,7 @@
 """The benchmarks' one way to show and keep results: a run's files (``out.json`` with its meta and rows,
 ``out.csv``, the figures, ``out.md``), the target checks as a table and as markdown, a placement plan as a
 table, rank 0's progress bar, and matplotlib set up for files. What a benchmark's table, markdown and figure
-hold stays with the benchmark (``allreduce_report``, ``embedding_report``, ``hybrid_report``, ``compress``,
+hold stays with the benchmark (``bench.allreduce``, ``bench.embedding``, ``bench.hybrid``, ``compress``,
 ``dlrm_train``)."""
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsync.plan.planner import Plan
+from sparsync_bench.fmt import markdown_table
+from sparsync_bench.progress import display
 from sparsync_bench.tables import show_table
 
 Check = tuple[str, bool, str]  # (target, met, the measured value as text)
@@ -72,8 +74,9 @@ def targets_markdown(checks: list[Check], heading: str | None = None) -> list[st
     """The markdown lines of the target checks: how many were met, then a table (under ``## heading``)."""
     met = sum(ok for _, ok, _ in checks)
     lines = ["", f"## {heading}"] if heading else []
-    lines += ["", f"Targets met: {met} of {len(checks)}.", "", "| target | measured | met |", "|---|---|---|"]
-    return lines + [f"| {name} | {val} | {'yes' if ok else '**no**'} |" for name, ok, val in checks]
+    lines += ["", f"Targets met: {met} of {len(checks)}.", ""]
+    body = [[name, val, "yes" if ok else "**no**"] for name, ok, val in checks]
+    return lines + markdown_table(["target", "measured", "met"], body)
 
 
 def print_plan(plan: Plan, console: Console | None = None, title: str | None = None) -> None:
@@ -98,6 +101,8 @@ def print_plan(plan: Plan, console: Console | None = None, title: str | None = N
             f"{e.seconds * 1e3:.3f}",
             f"{e.candidates['dense_allreduce'][1] * 1e3:.3f}",
         )
+    for kind, seconds in plan.shared.items():  # one grouped exchange's latency, paid once for all its tables
+        t.add_row(f"({kind}: one exchange)", "", "", "", kind, "", f"{seconds * 1e3:.3f}", "")
     t.add_row("total", "", "", "", "", f"{plan.bytes_per_machine / 1e6:.3f}", f"{plan.seconds * 1e3:.3f}",
               f"{plan.baseline_seconds() * 1e3:.3f}")  # fmt: skip
     show_table(console or Console(), t)
@@ -111,8 +116,6 @@ def progress(show: bool, title: str, total: int) -> Iterator[Callable[[str | Non
     if not show:
         yield lambda _desc, _adv: None
         return
-    from sparsync_bench.progress import display
-
     with display() as bar:
         task = bar.add_task(title, total=total)
 

@@ -23,6 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sparsync_bench.criteo import CriteoBatch, table_rows
+from sparsync_bench.dlrm import MLPS
+
 TORCHREC_METHODS = {"torchrec_tw": "table_wise", "torchrec_rw": "row_wise"}
 _SRC = Path(__file__).resolve().parents[1]  # the folder that holds sparsync_bench
 ENV_SCRIPT = "scripts/torchrec_env.sh"
@@ -57,14 +60,11 @@ def _last_error(text: str) -> str:
 
 
 def train_torchrec(
-    method: str, cfg: Any, shard: Any, rank: int, P: int, *, timeout: float = 600.0
+    method: str, cfg: Any, shard: CriteoBatch, rank: int, P: int, *, timeout: float = 600.0
 ) -> dict[str, Any]:
     """``method``'s row (the same on every rank): this rank's torchrec process on ``shard`` (a
     ``CriteoBatch``) with ``cfg``'s (a ``DlrmBenchConfig``) steps, widths and seed. Collective: every rank of
     the default group calls it."""
-    from sparsync_bench.criteo import table_rows
-    from sparsync_bench.dlrm import MLPS
-
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
     reason = unavailable()
     meta: list[Any] = [_free_port(host) if rank == 0 and reason is None else None]

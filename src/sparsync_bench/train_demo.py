@@ -26,6 +26,7 @@ won or lost.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from contextlib import nullcontext
@@ -34,12 +35,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from rich.table import Table
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import sparsync
 from sparsync.plan.planner import Plan
 from sparsync.record import AGREE, workload_bytes
 from sparsync.replicator import PER_REPLICA, DenseAllreduce, ReplicaContext, Replicator
+from sparsync_bench import demo_report as dr
 from sparsync_bench.ddp_baseline import ddp_step_bytes
 from sparsync_bench.demo_plan import (
     AUTO,
@@ -52,7 +56,13 @@ from sparsync_bench.demo_plan import (
     run_compute,
     train_hybrid,
 )
+from sparsync_bench.demo_report import block_medians, block_sizes
+from sparsync_bench.fmt import markdown_table, mb
 from sparsync_bench.interleave import Trainer, interleave
+from sparsync_bench.netem import net_spec
+from sparsync_bench.progress import display
+from sparsync_bench.report import print_plan
+from sparsync_bench.runner import ranks
 from sparsync_bench.tables import show_table
 from sparsync_bench.tensorboard import summary_writer
 
@@ -183,8 +193,6 @@ def _train_ddp(ctx: ReplicaContext, cfg: DemoConfig, progress: Any) -> Trainer:
     data and SGD as ``_train``. DDP divides each gradient by P before summing, so it averages as ``op="mean"``
     does; the embedding's gradient is reduced in its own bucket by gloo's sparse allreduce, the MLP's in a dense
     bucket. Its autograd hooks sit on its own model, so the runs between its steps do not trigger them."""
-    from torch.nn.parallel import DistributedDataParallel
-
     torch.manual_seed(cfg.seed)
     model = BagClassifier(cfg)
     ddp = DistributedDataParallel(model, process_group=ctx.dp_group)  # broadcasts rank 0's parameters
@@ -246,13 +254,9 @@ def _demo_runs(
 ) -> tuple[list[dict[str, Any]], Plan] | None:
     """The automatic plan's measurements, then every run interleaved (module doc); rank 0's summaries, each
     with its timed blocks' medians (``block_ms``) and its turns' places in the order (``turns``), and the plan."""
-    from sparsync_bench.demo_report import block_medians, block_sizes
-
     torch.set_num_threads(1)
     progress = None
     if show_progress and ctx.replica_id == 0:
-        from sparsync_bench.progress import display
-
         progress = display()  # a bar on a terminal, progress lines on a pipe or in a log
         progress.start()
     try:
@@ -311,9 +315,6 @@ def run_demo(
     with ``net``-shaped links when given, e.g. "1gbit"); returns their summaries, the largest parameter
     difference between any run's final model and the dense run's, and the automatic plan. ``trace_dir``: each
     rank's timeline (``sparsync trace merge`` draws it); ``tensorboard``: per-step scalars of sparsync's plans."""
-    from sparsync_bench.netem import net_spec
-    from sparsync_bench.runner import ranks
-
     repl = Replicator(num_replicas=cfg.replicas, record=True)
     with ranks(cfg.replicas, net_spec(net), servers=True) as where:
         runs, plan = repl.start(
@@ -354,13 +355,6 @@ def print_demo(
     the baselines, predicted against measured, the interleaved blocks' ratios and verdicts), and ``out``.json /
     ``out``.md (the JSON: every run's per-step and per-block times and step parts, the interleaving's order and
     ratios)."""
-    import json
-
-    from rich.table import Table
-
-    from sparsync_bench import demo_report as dr
-    from sparsync_bench.report import print_plan
-
     lines: list[str] = []
     if plan is not None:
         c = plan.cluster
@@ -415,10 +409,13 @@ def print_demo(
             "plan": plan.as_dict() if plan is not None else None,
             "interleaving": dr.interleaving(runs, cfg.block, sizes)}  # fmt: skip
     out.with_suffix(".json").write_text(json.dumps(meta, indent=1))
-    md = ["| gradient plan | step ms | MB/step/rank | final loss |", "| --- | --- | --- | --- |"]
-    md += [
-        f"| {r['plan']} | {r['step_ms']:.1f} | {r['bytes_per_step'] / 1e6:.3f} | {r['final_loss']:.4f} |"
-        for r in runs
-    ]
+    md = markdown_table(
+        ["gradient plan", "step ms", "MB/step/rank", "final loss"],
+        [
+            [r["plan"], f"{r['step_ms']:.1f}", mb(r["bytes_per_step"], ".3f"), f"{r['final_loss']:.4f}"]
+            for r in runs
+        ],
+        rule=" --- ",
+    )
     out.with_suffix(".md").write_text("\n".join([*md, "", *lines, ""]))
     console.print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")

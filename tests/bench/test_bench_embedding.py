@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from sparsync_bench import embedding_sketch as es
+from sparsync_bench.bench.embedding import check_targets
 from sparsync_bench.cli import main
 from sparsync_bench.embedding import METHODS, TORCH_METHODS, EmbeddingBenchConfig, zipf_tokens
-from sparsync_bench.embedding_report import check_targets
 
 
 @pytest.mark.parametrize("s", [0.9, 1.1, 1.3])

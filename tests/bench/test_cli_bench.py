@@ -12,9 +12,8 @@ from rich.console import Console
 
 from sparsync.collectives.meta import EAGER_BYTES, ROW_BYTES
 from sparsync_bench.allreduce import METHODS, BenchConfig, coo_too_big
-from sparsync_bench.allreduce_report import check_targets
+from sparsync_bench.bench.allreduce import check_targets, run_allreduce_bench
 from sparsync_bench.cli import main, parse_size
-from sparsync_bench.runner import run_allreduce_bench
 
 
 def test_parse_size() -> None:

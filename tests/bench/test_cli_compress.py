@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
+from sparsync_bench.bench.compress import run_compress_bench
 from sparsync_bench.cli import main
 from sparsync_bench.compress import TARGET, CompressBenchConfig, check_targets
-from sparsync_bench.runner import run_compress_bench
 
 
 def test_config_rejects_bad_values() -> None:

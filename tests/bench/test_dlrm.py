@@ -143,8 +143,8 @@ def test_omnireduce_and_sketch_methods_on_the_large_tables(tmp_path: Path) -> No
 def test_parameter_server_methods_train_to_the_same_loss(tmp_path: Path) -> None:
     """Parallax's PS, OptPS and HYB placements on DLRM (servers started by run_dlrm_bench, server-side SGD at
     the same lr, sync, mean): the same SGD steps as sparsync's allreduce, so the same loss to rounding."""
+    from sparsync_bench.bench.dlrm import run_dlrm_bench
     from sparsync_bench.dlrm_train import DlrmBenchConfig
-    from sparsync_bench.runner import run_dlrm_bench
 
     cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", 3 * 6 * 32)), steps=6, batch=32, max_rows=2000,
                           dim=8, warmup=1, tail=3,
@@ -197,7 +197,8 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     P = 3
     cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", P * 6 * 32)), steps=6, batch=32, max_rows=2000,
                           dim=8, warmup=1, tail=3,
-                          methods=("sparsync", "sparsync_sharded", "sparsync_auto"))  # fmt: skip
+                          methods=("sparsync", "sparsync_sharded", "sparsync_auto",
+                                   "sparsync_sharded_bf16"))  # fmt: skip
     data = load(cfg, P)
     rows = {r["method"]: r for r in summarize(launch(dlrm_worker_nominal_link, nprocs=P, args=(cfg, data))[0])}
     base = rows["sparsync"]
@@ -215,3 +216,14 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     mlps = sum(p.numel() * 4 for n, p in _model(cfg, True).named_parameters() if not n.startswith("tables."))
     mlp_bytes = ring_allreduce_bytes(mlps, P).sent
     assert sharded["bytes_per_step"] - exchanges == pytest.approx(mlp_bytes, rel=0.01), (sharded, mlp_bytes)
+    # the table's columns: the MLPs' ring allreduce, every method alike, and the rest
+    assert all(r["dense_bytes_per_step"] == mlp_bytes for r in rows.values())
+    assert sharded["table_bytes_per_step"] == pytest.approx(exchanges, rel=0.05)
+    # the cost model's bytes, priced on the first batch's distinct rows, against the six steps' exchanges
+    assert sharded["predicted_shard_bytes_per_step"] == pytest.approx(exchanges, rel=0.1), (sharded, exchanges)
+    # bf16 rows: the same ids, half the rows' and gradient rows' bytes; lossy, near fp32's loss
+    low = rows["sparsync_sharded_bf16"]
+    assert low["tables_sharded"] == 26 and low["loss"] == pytest.approx(sharded["loss"], rel=1e-3)
+    assert low["param_abs_sum"] != sharded["param_abs_sum"]
+    assert exchanges / 2 < low["shard_bytes_per_step"] < exchanges
+    assert low["predicted_shard_bytes_per_step"] == pytest.approx(low["shard_bytes_per_step"], rel=0.1), low

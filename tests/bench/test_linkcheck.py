@@ -11,7 +11,7 @@ from test_netem import CAN_NETNS
 
 from sparsync.launch import launch
 from sparsync_bench import linkcheck
-from sparsync_bench.runner import _Run
+from sparsync_bench.runner import Run
 
 
 def _small(rank: int) -> dict[str, object]:
@@ -52,7 +52,7 @@ def test_summary_and_warning() -> None:
 def test_a_shaped_run_prints_and_keeps_the_check(tmp_path: Path) -> None:
     buf = io.StringIO()
     meta: dict[str, object] = {}
-    _Run.start(tmp_path / "x", meta, net="1gbit", latency=None, console=Console(file=buf, width=200), link_procs=2)
+    Run.start(tmp_path / "x", meta, net="1gbit", latency=None, console=Console(file=buf, width=200), link_procs=2)
     assert "link check (1gbit = 125 MB/s): 1 stream" in buf.getvalue()
     check = meta["link_check"]
     assert isinstance(check, dict) and check["P"] == 2 and check["rate_Bps"] == 125e6

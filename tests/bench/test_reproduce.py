@@ -243,7 +243,7 @@ def test_sketch_bias_averages_out() -> None:
     b = rp.sketch_bias(rows=2000, dim=8, tokens=128, seeds=40)
     assert b["one_rel_error"] > 0.1  # collisions: the check is not trivial
     assert b["mean_rel_error"] < b["one_rel_error"] / 3  # ≈ 1/√40 of it when unbiased
-    assert b["max_abs_z"] < 6 and "unbiased" in rp._bias_text(b)
+    assert b["max_abs_z"] < 6 and "unbiased" in rp.s2._bias_text(b)
 
 
 def test_lm_alpha_is_the_share_of_rows_a_step_touches(tmp_path: Path) -> None:
@@ -274,7 +274,7 @@ def test_replicator_commands_name_the_script_once(tmp_path: Path, monkeypatch: p
         seen.append(cmd)
         return [1.0]
 
-    monkeypatch.setattr(rp, "_curve", fake)
+    monkeypatch.setattr(rp.replicator, "_curve", fake)
     ctx = rp.Ctx(tmp_path, replace(TINY, replicas=(1, 2)), None, tmp_path / "c.txt", Console(quiet=True))
     curves = rp.replicator_curves(ctx)
     assert len(seen) == len(curves) == 4

@@ -346,3 +346,26 @@ def test_levels_from_benchmark_json_and_the_cli(tmp_path: Path, capsys: pytest.C
     assert main([*argv, "--override", "v=sparse_allreduce"]) == 0
     out = capsys.readouterr().out
     assert "hierarchical" in out and "flat" in out, out
+
+
+def test_plan_cli_prices_dlrm_at_any_world_and_link(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``sparsync plan --model dlrm --world W --link L``: DLRM's 26 tables and MLPs (``dlrm_stats``), the sharded
+    kind among the choices with its one exchange's latency shown once, at a scale this machine cannot run."""
+    from sparsync_bench.criteo import table_rows
+    from sparsync_bench.dlrm import dlrm_stats
+
+    out = tmp_path / "plans.json"
+    assert main(["plan", "--model", "dlrm", "--world", "4,256", "--link", "25gbit", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "tables.25.weight" in text and "top.4.bias" in text and "(sharded: one exchange)" in text
+    plans = json.loads(out.read_text())
+    assert [p["cluster"]["machines"] for p in plans] == [4, 256]
+    assert plans[0]["cluster"]["bandwidth"] == pytest.approx(25e9 / 8)
+    stats = dlrm_stats(table_rows(100_000), 16, 512)
+    assert [e["name"] for e in plans[0]["entries"]] == [s.name for s in stats]
+    assert [e["row_fraction"] for e in plans[0]["entries"]] == [s.row_fraction for s in stats]
+    kinds = [{e["placement"] for e in p["entries"] if e["name"].startswith("tables.")} for p in plans]
+    assert "sharded" in kinds[0] and plans[0]["shared"]["sharded"] > 0  # priced once, in the plan's seconds
+    entries = plans[0]["entries"]
+    assert plans[0]["seconds"] == pytest.approx(sum(e["seconds"] for e in entries) + plans[0]["shared"]["sharded"])
+    assert all("sharded" in e["candidates"] for e in entries if e["name"].startswith("tables.1."))

@@ -11,10 +11,12 @@ import torch.distributed as dist
 from torch import nn
 
 import sparsync
+from sparsync.costmodel import LinkModel
 from sparsync.optim import DistributedOptimizer
 from sparsync.placement import Sharded, placement_of
 from sparsync.record import CommLog
-from sparsync.shard import plan_of
+from sparsync.shard import auto_plan, load_optimizer_state_dict, optimizer_state_dict, plan_of
+from sparsync.shard.transfer import INIT_BLOCK
 
 # name -> (module, how it is called): every mode of the issue, each table a different shape
 SPECS: dict[str, tuple[Callable[[], nn.Module], str]] = {
@@ -233,7 +235,7 @@ def errors_worker(rank: int) -> dict[str, str]:
     out["max_norm"] = _message(lambda: sparsync.shard(nn.Sequential(nn.Embedding(5, 2, max_norm=1.0))))
     out["scale_grad"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2, scale_grad_by_freq=True)))
     out["server"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2), plan={"": "server"}))
-    out["auto"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2), plan="auto"))
+    out["auto"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2), plan="auto"))  # no sample
     out["unknown"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2), plan={"nope": "sharded"}))
     plain = nn.Embedding(5, 2, sparse=True)
     opt = DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1), plain, plan={"weight": Sharded()},
@@ -244,6 +246,115 @@ def errors_worker(rank: int) -> dict[str, str]:
     _loss(outs).backward()
     out["after"] = f"looked up {len(outs)} tables"
     return out
+
+
+# --- plan="auto" ------------------------------------------------------------------------------------------------
+AUTO_LINK = LinkModel(alpha=2e-6, beta=1e-7, gamma_sparse=0.0, gamma_dense=0.0, gamma_scatter=0.0)
+
+
+class Auto(nn.Module):
+    """A small table every sample reads whole, two large ones each sample reads a few rows of, a dense layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(5)
+        self.small = nn.Embedding(8, 4)
+        self.big = nn.EmbeddingBag(5000, 8, mode="sum")
+        self.big2 = nn.Embedding(5000, 8)
+        self.fc = nn.Linear(20, 1)
+
+    def forward(self, small: torch.Tensor, big: torch.Tensor, offsets: torch.Tensor, big2: torch.Tensor) -> Any:
+        pooled = [self.small(small).sum(1), self.big(big, offsets), self.big2(big2).sum(1)]
+        return self.fc(torch.cat(pooled, dim=1)).squeeze(1)
+
+
+def auto_sample(rank: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(100 + rank)
+    n = 6
+    return (
+        torch.arange(8).repeat(n, 1),
+        torch.randint(0, 5000, (3 * n,), generator=g),
+        3 * torch.arange(n),
+        torch.randint(0, 300, (n, 2), generator=g),
+    )
+
+
+def auto_worker(rank: int) -> dict[str, Any]:
+    """``plan="auto"`` on a fixed link model: what it measured and chose, and the modules it swapped."""
+    sparsync.set_link(AUTO_LINK)
+    chosen = auto_plan(Auto(), auto_sample(rank), dist.group.WORLD)
+    model = sparsync.shard(Auto(), "auto", sample=auto_sample(rank))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
+    opt.zero_grad()
+    model(*auto_sample(rank)).square().mean().backward()
+    opt.step()
+    return {
+        "tables": chosen.tables,
+        "kinds": chosen.plan.kinds,
+        "distinct": dict(chosen.distinct),
+        "modules": {n: type(getattr(model, n)).__name__ for n in ("small", "big", "big2")},
+        "finite": all(bool(p.isfinite().all()) for p in model.parameters()),
+    }
+
+
+# --- rows in a lower precision ---------------------------------------------------------------------------------
+def wire_worker(rank: int) -> dict[str, Any]:
+    """Three SGD steps of float32 tables with the rows sent as they are, in bf16 and in fp16: per precision the
+    bytes of each round, the losses and the shards after the steps."""
+    P = dist.get_world_size()
+    out: dict[str, Any] = {}
+    for rows in (None, "bf16", "fp16"):
+        log = CommLog()
+        model = sparsync.shard(Tables(seed=0).float(), log=log, rows=rows)
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), model, plan=plan_of(model),
+                                   sync_parameters=False)  # fmt: skip
+        losses = []
+        for step in (0, 3, 4):  # the steps of _batch whose ids are spread over every owner
+            batch = {k: tuple(a.float() if a.is_floating_point() else a for a in v)
+                     for k, v in _batch(step, rank, P).items()}  # fmt: skip
+            opt.zero_grad()
+            loss = _loss(model(batch))
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.detach()))
+        phases: dict[str, int] = {}
+        for r in log.records:
+            for k, v in (r.phase_bytes or {}).items():
+                phases[k] = phases.get(k, 0) + v
+        out[str(rows)] = {"phases": phases, "losses": losses,
+                          "shards": [p.detach().clone() for p in model.parameters()]}  # fmt: skip
+    try:
+        sparsync.shard(Tables(seed=0), rows="int8")
+        out["bad"] = "no error"
+    except ValueError as e:
+        out["bad"] = str(e)
+    return out
+
+
+# --- a table never built whole ---------------------------------------------------------------------------------
+META_ROWS = (3 * INIT_BLOCK + 5, 11)  # several init blocks, the last short; a table smaller than P·block too
+
+
+def meta_worker(rank: int) -> dict[str, Any]:
+    """Tables on the meta device: each rank draws only its rows; the whole tables gathered on rank 0, one SGD
+    step, and the shards after it."""
+    model = nn.ModuleDict({"big": nn.EmbeddingBag(META_ROWS[0], 3, mode="sum", device="meta", padding_idx=2),
+                           "small": nn.Embedding(META_ROWS[1], 3, device="meta")})  # fmt: skip
+    model = sparsync.shard(model, seed=7)
+    whole = model.state_dict()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    g = torch.Generator().manual_seed(rank)
+    ids = torch.randint(0, META_ROWS[0], (8,), generator=g)
+    small = torch.randint(0, META_ROWS[1], (4,), generator=g)
+    (model["big"](ids, torch.arange(0, 8, 2)).sum() + model["small"](small).sum()).backward()
+    opt.step()
+    return {
+        "shapes": [tuple(p.shape) for p in model.parameters()],
+        "whole": {k: v.clone() for k, v in whole.items()},
+        "shards": [p.detach().clone() for p in model.parameters()],
+        "devices": sorted({p.device.type for p in model.parameters()}),
+        "ids": (ids, small),
+    }
 
 
 # --- checkpoints ------------------------------------------------------------------------------------------------
@@ -294,3 +405,43 @@ def load_worker(rank: int, path: str) -> dict[str, Any]:
     again.load_state_dict(mine)
     local_equal = all(torch.equal(a, b) for a, b in zip(mine.values(), again.state_dict().values(), strict=True))
     return {"loaded_equal": loaded_equal, "step_error": error, "local_equal": local_equal}
+
+
+# --- optimizer state across world sizes -------------------------------------------------------------------------
+STATEFUL = ("adagrad", "sparse_adam")
+
+
+def save_state_worker(rank: int, path: str) -> None:
+    """Two steps of each stateful optimizer at this P; rank 0 saves the whole tables and the whole state."""
+    P = dist.get_world_size()
+    saved = {}
+    for name in STATEFUL:
+        model = sparsync.shard(Tables(seed=0))
+        opt = DistributedOptimizer(OPTIMIZERS[name](model.parameters()), model, overlap=False)
+        _train(model, opt, range(2), rank, P)
+        saved[name] = (model.state_dict(), optimizer_state_dict(opt, model))
+    if rank == 0:
+        torch.save(saved, path)
+
+
+def load_state_worker(rank: int, path: str, saved_at: int) -> dict[str, float]:
+    """The checkpoint of another P, one more step at this P; each shard against one float64 process that took the
+    same three steps (two on ``saved_at`` ranks' batches, the third on this P's)."""
+    P = dist.get_world_size()
+    saved = torch.load(path)
+    out = {}
+    for name in STATEFUL:
+        model = sparsync.shard(Tables(seed=rank))  # other values: the checkpoint must replace them
+        opt = DistributedOptimizer(OPTIMIZERS[name](model.parameters()), model, overlap=False)
+        tables, state = saved[name]
+        model.load_state_dict(tables)
+        load_optimizer_state_dict(opt, model, state)
+        _train(model, opt, range(2, 3), rank, P)
+        ref = Tables(seed=0, sparse=True)
+        ref_opt = OPTIMIZERS[name](ref.parameters())
+        for step, world in ((0, saved_at), (1, saved_at), (2, P)):
+            ref_opt.zero_grad()
+            (sum(_loss(ref(_batch(step, r, world))) for r in range(world)) / world).backward()  # type: ignore[operator]
+            ref_opt.step()
+        out[name] = _shard_error(model, ref, rank, P)
+    return out

@@ -101,7 +101,9 @@ def test_the_sharded_kind_prices_the_issue_formula_and_is_chosen_only_where_modu
     assert est is not None
     one_way = (P - 1) / P * u * (8 + 8 * D)  # f·u·(8 + 8D): ids out, rows in, gradient rows out (fp32)
     assert est.nbytes == pytest.approx(2 * one_way)  # and as much served to the others
-    assert est.seconds == pytest.approx(4 * (P - 1) * 1e-4 + one_way / 1.25e8)
+    assert est.seconds == pytest.approx(one_way / 1.25e8)  # a table adds its bytes' time
+    # the four all-to-all rounds' latency, shared by every sharded table of the step's one exchange
+    assert KINDS.entry("sharded").shared_seconds(Cluster(P, 1, 1.25e8, 1e-4)) == pytest.approx(4 * (P - 1) * 1e-4)
     assert KINDS.entry("sharded").estimate(s, Cluster(1), sketch=None) is None  # type: ignore[arg-type]
     assert not KINDS.entry("sharded").lossy
     stats = [s, ParamStats("fc.weight", (64, 64), 1.0, False)]
@@ -117,3 +119,31 @@ def test_the_sharded_kind_prices_the_issue_formula_and_is_chosen_only_where_modu
     assert forced.placement("t.weight") == "sharded"
     assert isinstance(forced.placements()["t.weight"], Sharded)
     assert math.isclose(forced.entries[0].bytes_per_machine, est.nbytes)
+
+
+def test_the_plan_pays_the_grouped_exchange_latency_once_and_shards_where_the_whole_step_gains() -> None:
+    """The sharded tables share one exchange's latency, and the replicated ones one grouped call: the plan
+    shards where the whole step, priced so, is faster. One small table alone stays replicated; 26 such tables
+    are sharded together; the plan's time counts the shared latency once."""
+    P, link = 4, (1.25e8, 1e-4)
+    no_ps = [k for k in KINDS if k.name != "ps"]
+    no_shard = [k for k in no_ps if k.name != "sharded"]
+    fixed = KINDS.entry("sharded").shared_seconds(Cluster(P, 1, *link))
+    mlp = ParamStats("mlp.weight", (1000, 1000), 1.0, False)
+
+    def tables(n: int) -> list[ParamStats]:
+        return [ParamStats(f"t{j}.weight", (100_000, 16), 100 / 100_000, True) for j in range(n)] + [mlp]
+
+    for n, want in ((1, "sparse_allreduce"), (26, "sharded")):
+        plan = make_plan(tables(n), Cluster(P, 1, *link), swap_modules=True, kinds=no_ps)
+        replicated = make_plan(tables(n), Cluster(P, 1, *link), kinds=no_shard)
+        pinned = make_plan(tables(n), Cluster(P, 1, *link), kinds=no_ps,
+                           overrides={f"t{j}.weight": "sharded" for j in range(n)})  # fmt: skip
+        assert {plan.placement(f"t{j}.weight") for j in range(n)} == {want}, n
+        assert plan.placement("mlp.weight") == "dense_allreduce"
+        assert pinned.shared == {"sharded": pytest.approx(fixed)}  # once, for all n tables
+        assert pinned.seconds == pytest.approx(sum(e.seconds for e in pinned.entries) + fixed)
+        best = min(replicated, pinned, key=lambda q: q.grouped_seconds)
+        assert plan.kinds == best.kinds and plan.grouped_seconds == pytest.approx(best.grouped_seconds), n
+        if want == "sparse_allreduce":
+            assert plan.shared == {} and plan.entries[0].detail  # the replicated entry names its algorithm

@@ -222,58 +222,91 @@ def start_allreduce(
     placeholder of the right dimension). ``shape``: (layout, shape) of the caller's tensor, checked across
     ranks. ``name``: a label every rank gives the same call (e.g. the parameter's name), compared across ranks, so
     a call skipped or reordered among calls of one signature raises instead of pairing with another."""
-    algorithm, link, policy, timeout = opts.algorithm, opts.link, opts.policy, opts.timeout
-    check_nan, partition, name, quantize = opts.check_nan, opts.partition, opts.name, opts.quantize
-    try:
-        if algorithm != "auto" and algorithm not in REGISTRY:
-            raise ValueError(f"unknown algorithm {algorithm!r}; valid: auto, {', '.join(REGISTRY.names)}")
-        part = resolve_partition(partition, stream.row)
-        _check_quantize(quantize, algorithm)
-    except (TypeError, ValueError) as e:
-        refuse(group, "sparse_allreduce", e, timeout, async_op)
+    part = _checked_partition(stream, opts, group, async_op)
     user = resolve_group(group)
     g = comm_group(user, async_op)
     seq = next_call(g)
-    site = call_site() if name is None else None  # in the caller's thread: the queue thread has no user frames
+    # in the caller's thread: the queue thread has no user frames
+    site = call_site() if opts.name is None else None
 
     def run() -> T:
         t0 = time.perf_counter()
-        comm = Comm(g, timeout, stream.device)
-        comm.op = f"sparse_allreduce(algorithm={algorithm!r})"
-        key = auto_fingerprint(link or link_state(user).link, policy) if algorithm == "auto" else 0
-        pcode = PARTITION_CODES.index(part)
-        qkey = _quantize_key(quantize)
-        meta = exchange_meta(comm, "sparse_allreduce", stream, algorithm, seq, check_nan, bad=bad, shape=shape,
-                             auto_key=key, partition=pcode, name=name, quantize=qkey, site=site)  # fmt: skip
-        decision: Decision | None = None
-        alg = algorithm
-        if alg == "auto":
-            lm = link or link_state(user).link  # set_link / set_deterministic name the caller's group
-            if lm is None:
-                lm = link_state(user).link = _calibrate(comm)
-            decision = policy(problem_of(stream, meta, comm.size), lm)
-            alg = decision.algorithm
-            if policy not in PURE_POLICIES:
-                agree_algorithm(comm, alg)
+        comm = Comm(g, opts.timeout, stream.device)
+        comm.op = f"sparse_allreduce(algorithm={opts.algorithm!r})"
+        auto = opts.algorithm == "auto"
+        key = auto_fingerprint(opts.link or link_state(user).link, opts.policy) if auto else 0
+        meta = exchange_meta(comm, "sparse_allreduce", stream, opts.algorithm, seq, opts.check_nan, bad=bad,
+                             shape=shape, auto_key=key, partition=PARTITION_CODES.index(part), name=opts.name,
+                             quantize=_quantize_key(opts.quantize), site=site)  # fmt: skip
+        alg, decision = _choose(comm, stream, meta, opts, user)
         update_eager(comm, meta, alg)
         entry = REGISTRY.entry(alg)
         with comm.running(alg, decision):
-            if quantize is None:
+            if opts.quantize is None:
                 result = entry.runner(comm, stream, meta, part)
             else:
-                call = DsarCall(comm, stream, meta.nnz, meta.dense, part, name or "dsar")
-                result = quantize.dsar_allreduce(call)
+                call = DsarCall(comm, stream, meta.nnz, meta.dense, part, opts.name or "dsar")
+                result = opts.quantize.dsar_allreduce(call)
         out = finish(comm, result)
-        if log is not None:
-            log.append(
-                comm.record(
-                    "sparse_allreduce", alg, t0, dim=stream.dim, nnz_in=stream.nnz, nnz_out=result.nnz,
-                    decision=decision, row=stream.row, partition=part if entry.uses_partition else "",
-                )
-            )  # fmt: skip
+        log_allreduce(log, comm, alg, t0, stream, result, decision, part)
         return out
 
-    return submit(user, run, async_op, label=f"sparse_allreduce:{algorithm}", facts=lambda: _facts(stream, g))
+    label = f"sparse_allreduce:{opts.algorithm}"
+    return submit(user, run, async_op, label=label, facts=lambda: _facts(stream, g))
+
+
+def _checked_partition(
+    stream: SparseStream, opts: CallOptions, group: dist.ProcessGroup | None, async_op: bool
+) -> str:
+    """The call's partition kind (``resolve_partition``), once the checks of ``opts`` that need no other rank
+    passed; a bad option is refused on every rank (``refuse``), not only this one."""
+    try:
+        if opts.algorithm != "auto" and opts.algorithm not in REGISTRY:
+            raise ValueError(f"unknown algorithm {opts.algorithm!r}; valid: auto, {', '.join(REGISTRY.names)}")
+        part = resolve_partition(opts.partition, stream.row)
+        _check_quantize(opts.quantize, opts.algorithm)
+    except (TypeError, ValueError) as e:
+        refuse(group, "sparse_allreduce", e, opts.timeout, async_op)
+    return part
+
+
+def _choose(
+    comm: Comm, stream: SparseStream, meta: Meta, opts: CallOptions, user: dist.ProcessGroup
+) -> tuple[str, Decision | None]:
+    """The algorithm the call runs and, for ``auto``, the policy's decision (the link measured at the group's
+    first auto call; a policy outside ``PURE_POLICIES`` has its choice agreed across ranks)."""
+    if opts.algorithm != "auto":
+        return opts.algorithm, None
+    lm = opts.link or link_state(user).link  # set_link / set_deterministic name the caller's group
+    if lm is None:
+        lm = link_state(user).link = _calibrate(comm)
+    decision = opts.policy(problem_of(stream, meta, comm.size), lm)
+    if opts.policy not in PURE_POLICIES:
+        agree_algorithm(comm, decision.algorithm)
+    return decision.algorithm, decision
+
+
+def log_allreduce(
+    log: CommLog | None,
+    comm: Comm,
+    algorithm: str,
+    t0: float,
+    stream: SparseStream,
+    result: SparseStream,
+    decision: Decision | None,
+    partition: str,
+) -> None:
+    """Append a sparse allreduce's ``CommRecord`` to ``log`` (when given): ``stream`` in, ``result`` out, the
+    ``partition`` kind only for an algorithm that partitions (``uses_partition`` in ``REGISTRY``)."""
+    if log is None:
+        return
+    partitions = algorithm in REGISTRY and REGISTRY.entry(algorithm).uses_partition
+    log.append(
+        comm.record(
+            "sparse_allreduce", algorithm, t0, dim=stream.dim, nnz_in=stream.nnz, nnz_out=result.nnz,
+            decision=decision, row=stream.row, partition=partition if partitions else "",
+        )
+    )  # fmt: skip
 
 
 def _calibrate(comm: Comm) -> LinkModel:

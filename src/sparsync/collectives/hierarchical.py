@@ -40,11 +40,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from sparsync.collectives.allreduce import problem_of, sparse_allreduce
+from sparsync.collectives.allreduce import log_allreduce, problem_of, sparse_allreduce
 from sparsync.collectives.calibrate import measure_link
 from sparsync.collectives.comm import Comm
 from sparsync.collectives.group import group_state, next_call, resolve_group
-from sparsync.collectives.meta import exchange_meta, update_eager
+from sparsync.collectives.meta import Meta, exchange_meta, update_eager
 from sparsync.collectives.partition import Partition, resolve_partition
 from sparsync.collectives.split_allgather import frame_cap, gather_frames, split_reduce
 from sparsync.collectives.traffic import Traffic
@@ -276,12 +276,7 @@ def hierarchical_allreduce(
     comm.op = f"hierarchical_allreduce(mode={mode!r})"
     meta = exchange_meta(comm, "sparse_allreduce", stream, "auto", next_call(topology.world), check_nan)
     problem = problem_of(stream, meta, topology.size)
-    two_level = topology.hosts > 1 and topology.local_size > 1
-    preds = predict_levels(problem, topology) if mode == "auto" and two_level else {}
-    chosen = "hierarchical" if two_level and mode != "flat" else "flat"
-    if preds:
-        chosen = "hierarchical" if preds["hierarchical"] * (1 + HIER_MARGIN) < preds["flat"] else "flat"
-    inner = CommLog()
+    chosen, preds = _choose_level(mode, problem, topology)
     if chosen == "flat":
         chosen = policy(problem, _link(topology.world)).algorithm
         update_eager(comm, meta, chosen)
@@ -289,46 +284,73 @@ def hierarchical_allreduce(
             result = REGISTRY.entry(chosen).runner(comm, stream, meta, part_kind)
     else:
         update_eager(comm, meta, "-")
-        host_nnz = tuple(meta.nnz[r] for r in topology.members[topology.host])
-        part = Partition(part_kind, stream.num_rows, topology.local_size)
-        counts, b = part.counts(), stream.row
-        local = Comm(topology.local, timeout, stream.device)
-        local.op = comm.op
-        with comm.phase("host_reduce_scatter"):
-            mine = split_reduce(local, stream, part, host_nnz) if counts[topology.local_rank] else None
-            _absorb(comm, local)
-        # Every partition travels in the largest partition's row space, so that the ranks of a host, whose
-        # partitions differ by a row, exchange streams of one dimension (the metadata rounds check it).
-        width = max(counts) * b
-        with comm.phase("cross_allreduce"):
-            total = sparse_allreduce(_resized(mine, width, stream), group=topology.cross, log=inner,
-                                     timeout=timeout, check_nan=False)  # fmt: skip
-            recs = inner.records
-            comm.count_collective(sum(r.bytes_sent for r in recs), sum(r.bytes_recv for r in recs),
-                                  sum(r.messages for r in recs))  # fmt: skip
-        with comm.phase("host_allgather"):
-            # One round: framed blocks into receives posted for the largest partition result there can be (the
-            # split algorithms' allgather, split_allgather.py), instead of a sizes round and a data round.
-            # The cross allreduce may return its result dense whatever its rows (its algorithm's choice).
-            cap = max(frame_cap(min(sum(meta.nnz), max(counts)), width, stream.dtype, b),
-                      FRAME_BYTES + max_framed_payload(payload_nbytes(True, 0, width, stream.dtype)))  # fmt: skip
-            blocks = gather_frames(local, framed(total), cap)
-            _absorb(comm, local)
-        with comm.phase("assemble"):
-            parts = [unframe(blk, width, stream.dtype, b) for blk in blocks]
-            result = part.assemble(
-                [_resized(p, counts[j] * b, stream) if counts[j] else None for j, p in enumerate(parts)],
-                stream.dim, b, stream.dtype, stream.device,
-            )  # fmt: skip
-    if log is not None:
-        log.append(
-            comm.record(
-                "sparse_allreduce", chosen, t0, dim=stream.dim, nnz_in=stream.nnz, nnz_out=result.nnz,
-                decision=Decision(chosen, preds) if preds else None, row=stream.row,
-                partition=part_kind if chosen in REGISTRY and REGISTRY.entry(chosen).uses_partition else "",
-            )
-        )  # fmt: skip
+        result = _three_stages(comm, stream, meta, topology, part_kind, timeout)
+    log_allreduce(log, comm, chosen, t0, stream, result, Decision(chosen, preds) if preds else None, part_kind)
     return result
+
+
+def _choose_level(mode: str, problem: Problem, topology: Topology) -> tuple[str, dict[str, float]]:
+    """``"hierarchical"`` or ``"flat"`` for ``mode``, with the two-level model's predictions when ``auto``
+    priced both (empty otherwise). One host, or hosts of one rank, leave no level to save: flat."""
+    two_level = topology.hosts > 1 and topology.local_size > 1
+    preds = predict_levels(problem, topology) if mode == "auto" and two_level else {}
+    chosen = "hierarchical" if two_level and mode != "flat" else "flat"
+    if preds:
+        chosen = "hierarchical" if preds["hierarchical"] * (1 + HIER_MARGIN) < preds["flat"] else "flat"
+    return chosen, preds
+
+
+def _three_stages(
+    comm: Comm, stream: SparseStream, meta: Meta, topology: Topology, part_kind: str, timeout: float | None
+) -> SparseStream:
+    """The module doc's three stages (and the assembly), each a phase of ``comm``'s record, which counts every
+    stage's bytes."""
+    host_nnz = tuple(meta.nnz[r] for r in topology.members[topology.host])
+    part = Partition(part_kind, stream.num_rows, topology.local_size)
+    counts, b = part.counts(), stream.row
+    local = Comm(topology.local, timeout, stream.device)
+    local.op = comm.op
+    with comm.phase("host_reduce_scatter"):
+        mine = split_reduce(local, stream, part, host_nnz) if counts[topology.local_rank] else None
+        _absorb(comm, local)
+    # Every partition travels in the largest partition's row space, so that the ranks of a host, whose
+    # partitions differ by a row, exchange streams of one dimension (the metadata rounds check it).
+    width = max(counts) * b
+    with comm.phase("cross_allreduce"):
+        total = _cross_allreduce(comm, _resized(mine, width, stream), topology.cross, timeout)
+    with comm.phase("host_allgather"):
+        # One round: framed blocks into receives posted for the largest partition result there can be (the
+        # split algorithms' allgather, split_allgather.py), instead of a sizes round and a data round.
+        cap = _gather_cap(min(sum(meta.nnz), max(counts)), width, stream)
+        blocks = gather_frames(local, framed(total), cap)
+        _absorb(comm, local)
+    with comm.phase("assemble"):
+        parts = [unframe(blk, width, stream.dtype, b) for blk in blocks]
+        return part.assemble(
+            [_resized(p, counts[j] * b, stream) if counts[j] else None for j, p in enumerate(parts)],
+            stream.dim, b, stream.dtype, stream.device,
+        )  # fmt: skip
+
+
+def _cross_allreduce(
+    comm: Comm, mine: SparseStream, cross: dist.ProcessGroup, timeout: float | None
+) -> SparseStream:
+    """Stage 2: ``sparse_allreduce`` of this rank's partition over the ``cross`` group (auto, on the inter-host
+    link), its bytes counted as ``comm``'s traffic in the current phase."""
+    inner = CommLog()
+    total = sparse_allreduce(mine, group=cross, log=inner, timeout=timeout, check_nan=False)
+    recs = inner.records
+    comm.count_collective(sum(r.bytes_sent for r in recs), sum(r.bytes_recv for r in recs),
+                          sum(r.messages for r in recs))  # fmt: skip
+    return total
+
+
+def _gather_cap(rows: int, width: int, like: SparseStream) -> int:
+    """The bytes to post for one partition result of at most ``rows`` stored rows in a space of ``width``
+    values. The cross allreduce may return its result dense whatever its rows (its algorithm's choice), so
+    never less than a dense frame."""
+    dense = FRAME_BYTES + max_framed_payload(payload_nbytes(True, 0, width, like.dtype))
+    return max(frame_cap(rows, width, like.dtype, like.row), dense)
 
 
 def _absorb(comm: Comm, stage: Comm) -> None:

@@ -117,11 +117,7 @@ def compressed_allreduce(
     site = None if name else call_site()  # an unnamed call is told apart by where it was issued
     t0 = time.perf_counter()
     spec = base.TensorSpec.of(tensor)
-    # The call's fingerprint, checked across ranks by the metadata round (shapes (2, 5) and (5, 2),
-    # FP16 against BF16 bits, or payloads of other sizes were summed, or made gloo abort the process).
-    # The device type too: a CPU rank and a CUDA rank cannot meet in one payload collective.
-    kind = "coo" if spec.is_sparse else "strided"
-    layout = f"reduce/{type(compressor).__name__}/{kind}/{spec.dtype}/{tensor.device.type}"
+    layout = _call_layout(compressor, spec, tensor.device)
     # compensate -> compress -> memory update, on the caller's thread (also with async_op) ...
     local = encode(compressor, tensor, base.Context(name, dist.get_rank(g), P), memory, async_op=async_op)
     call = base.ReduceCall(
@@ -130,6 +126,14 @@ def compressed_allreduce(
     )  # fmt: skip
     # ... then aggregate -> decompress, as the compressor's aggregator does it
     return local.aggregator.aggregate(call, local.payload)
+
+
+def _call_layout(compressor: base.Compressor, spec: base.TensorSpec, device: torch.device) -> str:
+    """The call's fingerprint, checked across ranks by the metadata round (shapes (2, 5) and (5, 2),
+    FP16 against BF16 bits, or payloads of other sizes were summed, or made gloo abort the process).
+    The device type too: a CPU rank and a CUDA rank cannot meet in one payload collective."""
+    kind = "coo" if spec.is_sparse else "strided"
+    return f"reduce/{type(compressor).__name__}/{kind}/{spec.dtype}/{device.type}"
 
 
 def check_input(tensor: Any, compressor: Any, memory: Memory | None, name: str, inplace: bool) -> None:

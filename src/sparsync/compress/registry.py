@@ -8,8 +8,7 @@ A compressor from outside the package is one ``register(cls)`` (or, for a scope 
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, TypeVar
 
@@ -22,53 +21,41 @@ from sparsync.compress.randomk import RandomK
 from sparsync.compress.sketch import SparseSketch
 from sparsync.compress.threshold import Threshold
 from sparsync.compress.topk import TopK
+from sparsync.registry import Registry
 
 C = TypeVar("C", bound=type[Compressor])
 
 
-class CompressorRegistry:
-    """Compressor classes by their ``name``."""
+class CompressorRegistry(Registry[type[Compressor]]):
+    """Compressor classes by their ``name``; ``KeyError`` lists the valid names sorted."""
 
-    def __init__(self, classes: Iterable[type[Compressor]] = ()) -> None:
-        self._classes: dict[str, type[Compressor]] = {}
-        for c in classes:
-            self.register(c)
+    noun = "compressor"
 
-    def register(self, cls: C) -> C:
-        """Add ``cls`` under ``cls.name`` (usable as a class decorator). ValueError if the name is taken."""
+    def check(self, cls: type[Compressor]) -> None:
+        """TypeError unless ``cls`` is a Compressor subclass; ValueError when it has no name or it is taken."""
         if not (isinstance(cls, type) and issubclass(cls, Compressor)):
             raise TypeError(f"register takes a Compressor subclass, got {cls!r}")
         name = getattr(cls, "name", None)
         if not isinstance(name, str) or not name:
             raise ValueError(f"{cls.__name__} has no name: set the class attribute name (a non-empty str)")
-        if name in self._classes:
-            raise ValueError(f"compressor name {name!r} is taken by {self._classes[name].__name__}")
-        self._classes[name] = cls
-        return cls
+        if name in self._by_name:
+            raise ValueError(f"compressor name {name!r} is taken by {self._by_name[name].__name__}")
 
-    def unregister(self, name: str) -> type[Compressor]:
-        cls = self.get(name)
-        del self._classes[name]
+    def register(self, cls: C) -> C:
+        """Add ``cls`` under ``cls.name`` (usable as a class decorator). ValueError if the name is taken.
+        Returns ``cls`` typed as itself, so a decorated class keeps its own type (the base's is the entry type)."""
+        super().register(cls)
         return cls
-
-    @contextmanager
-    def registered(self, cls: C) -> Iterator[C]:
-        """``cls`` registered for the ``with`` block only."""
-        self.register(cls)
-        try:
-            yield cls
-        finally:
-            self.unregister(cls.name)
 
     def get(self, name: str) -> type[Compressor]:
-        try:
-            return self._classes[name]
-        except KeyError:
-            raise KeyError(f"unknown compressor {name!r}; valid: {', '.join(sorted(self._classes))}") from None
+        return self.entry(name)
+
+    def _listed(self) -> list[str]:
+        return sorted(self._by_name)
 
     def view(self) -> Mapping[str, type[Compressor]]:
         """A read-only live view: name -> class."""
-        return MappingProxyType(self._classes)
+        return MappingProxyType(self._by_name)
 
 
 REGISTRY = CompressorRegistry((Identity, FP16, BF16, TopK, Threshold, RandomK, QSGD, SparseSketch, BlockTopK))

@@ -57,7 +57,15 @@ class PlacementKind(ABC):
     @abstractmethod
     def estimate(self, s: ParamStats, c: Cluster, *, sketch: SparseSketch) -> Estimate | None:
         """The cost of ``s`` placed this way on ``c``; None when the kind does not fit the parameter (a
-        sparse placement for a dense one). ``sketch``: the sketch compressor the plan prices."""
+        sparse placement for a dense one). ``sketch``: the sketch compressor the plan prices. A kind whose
+        parameters travel together (``shared_seconds``) gives here only what one more parameter adds."""
+
+    def shared_seconds(self, c: Cluster) -> float:
+        """Time per step that all parameters of this kind share, paid once however many there are: the
+        latency of one grouped exchange (``sharded``). ``make_plan`` uses the kind only where what its
+        parameters save together exceeds it. Default 0: each parameter pays its own."""
+        del c
+        return 0.0
 
     @abstractmethod
     def make(self, options: MakeOptions) -> Placement | None:
@@ -162,7 +170,10 @@ class ShardedKind(PlacementKind):
     (P-m)/P the share owned off the machine. u = ``row_fraction``·rows: α is exactly the distinct rows one
     worker reads per step over the rows, u(B)/R (``RowFractionMeter``). Time: four all-to-all rounds (sizes, ids,
     rows; gradient rows in backward), each (P-1)·α unless the link has a measured ``alpha_a2a``, plus one
-    direction's bytes at the exchange's β. The owners' apply is not priced, as the parameter server's is not."""
+    direction's bytes at the exchange's β. All sharded tables of a model travel in one exchange per direction
+    (``sparsync.shard``), so the four rounds' latency is the kind's ``shared_seconds``, paid once per step, and a
+    table's estimate is only its bytes' time. The owners' apply is not priced, as the parameter server's is
+    not."""
 
     name = "sharded"
     swaps_module = True
@@ -175,10 +186,13 @@ class ShardedKind(PlacementKind):
         rows, D = s.shape[0], s.numel // s.shape[0]
         u = s.row_fraction * rows
         nbytes = 2 * m * u * (P - m) / P * (8 + 2 * s.itemsize * D)
-        link = c.link
+        beta = c.link.beta_exchange if c.link.beta_exchange is not None else c.link.beta
+        return Estimate(nbytes, beta * nbytes / 2)
+
+    def shared_seconds(self, c: Cluster) -> float:
+        P, link = c.machines * c.procs_per_machine, c.link
         a2a = link.alpha_a2a if link.alpha_a2a is not None else (P - 1) * link.alpha
-        beta = link.beta_exchange if link.beta_exchange is not None else link.beta
-        return Estimate(nbytes, 4 * a2a + beta * nbytes / 2)
+        return 4 * a2a
 
     def make(self, options: MakeOptions) -> Placement:
         return Sharded()

@@ -35,8 +35,9 @@ call).
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -71,6 +72,9 @@ class Plan:
     cluster: Cluster
     entries: tuple[Entry, ...]
     sketch: SparseSketch | None = None  # the sketch the ``sketch`` entries were priced with
+    # kind -> the time its entries share per step (``PlacementKind.shared_seconds``: one grouped exchange), for
+    # the kinds the plan uses; the entries' own seconds leave it out
+    shared: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def bytes_per_machine(self) -> float:
@@ -101,7 +105,11 @@ class Plan:
 
     @property
     def seconds(self) -> float:
-        return sum(e.seconds for e in self.entries)
+        return sum(e.seconds for e in self.entries) + self.shared_total
+
+    @property
+    def shared_total(self) -> float:
+        return sum(self.shared.values())
 
     @property
     def fused_seconds(self) -> float:
@@ -109,7 +117,7 @@ class Plan:
         (one flat buffer per dtype, as ``HybridTrainer``'s ``DenseAllreduce`` reduces them); the other
         placements as in ``seconds``."""
         dense = [e for e in self.entries if e.placement == "dense_allreduce"]
-        rest = sum(e.seconds for e in self.entries if e.placement != "dense_allreduce")
+        rest = sum(e.seconds for e in self.entries if e.placement != "dense_allreduce") + self.shared_total
         N, link = self.cluster.machines, self.cluster.link
         return rest + sum(_fused_dense(n, size, N, link) for size, n in _numel_by_itemsize(dense).items())
 
@@ -132,7 +140,8 @@ class Plan:
         sizes = {size for _, size in groups}
         packed = {size: n for size, n in n_dense.items() if size in sizes and n <= Grouped.max_dense}
         N, link = self.cluster.machines, self.cluster.link
-        total = sum(e.seconds for e in self.entries if e.placement not in ("sparse_allreduce", "dense_allreduce"))
+        total = self.shared_total
+        total += sum(e.seconds for e in self.entries if e.placement not in ("sparse_allreduce", "dense_allreduce"))
         first: set[int] = set()
         for (b, size), members in groups.items():
             extra = 0 if size in first else -(-packed.get(size, 0) // b)  # the dense rows, the last zero-padded
@@ -167,6 +176,7 @@ class Plan:
             },
             "bytes_per_machine": self.bytes_per_machine,
             "seconds": self.seconds,
+            "shared": dict(self.shared),
             "entries": [
                 {**e.__dict__, "candidates": {k: list(v) for k, v in e.candidates.items()}} for e in self.entries
             ],
@@ -232,24 +242,80 @@ def make_plan(
             raise KeyError(f"override for unknown parameter {n!r}; parameters: {sorted(names)}")
         if pl not in valid:
             raise KeyError(f"unknown placement {pl!r} for {n!r}; valid: {', '.join(valid)}")
-    entries = []
+    entries, details = [], {}
     for s in stats:
         use = kinds if swap_modules or overrides.get(s.name) in swapping else unswapped
         est = estimates(s, cluster, sketch_ratio=sketch_ratio, sketch=sketch, kinds=use)
         cand = {k: (e.nbytes, e.seconds) for k, e in est.items()}
+        details[s.name] = {k: e.detail for k, e in est.items()}
         if s.name in overrides:
             pl = overrides[s.name]
             if pl not in cand:
                 raise ValueError(f"{s.name!r} is dense: placement {pl!r} needs a sparse parameter")
         else:
-            allowed = [k for k in cand if allow_lossy or k not in lossy]
-            pl = min(allowed, key=lambda k: (cand[k][1], cand[k][0]))
+            pl = _fastest(cand, lambda k: allow_lossy or k not in lossy)
         entries.append(
             Entry(s.name, s.shape, s.row_fraction,
                   machine_row_fraction(s, cluster.procs_per_machine) if s.sparse else 1.0, pl,
                   cand[pl][0], cand[pl][1], cand, s.name in overrides, est[pl].detail, s.itemsize)
         )  # fmt: skip
-    return Plan(cluster, tuple(entries), sketch if sketch is not None else SparseSketch(ratio=sketch_ratio))
+    plan = Plan(cluster, tuple(entries), sketch if sketch is not None else SparseSketch(ratio=sketch_ratio))
+    for kind in kinds:
+        fixed = kind.shared_seconds(cluster)
+        if fixed > 0:
+            plan = _pay_once(plan, kind.name, fixed, lambda k: allow_lossy or k not in lossy, details)
+    return plan
+
+
+def _fastest(cand: Mapping[str, tuple[float, float]], allowed: Callable[[str], bool]) -> str:
+    """The allowed candidate of least (seconds, bytes); the first listed on a tie."""
+    return min((k for k in cand if allowed(k)), key=lambda k: (cand[k][1], cand[k][0]))
+
+
+def _pay_once(
+    plan: Plan,
+    kind: str,
+    fixed: float,
+    allowed: Callable[[str], bool],
+    details: Mapping[str, Mapping[str, str]],
+) -> Plan:
+    """The entries chosen for ``kind`` (each by its own time there, which leaves out the ``fixed`` time they
+    share) kept there only where the whole step is faster so: plans priced whole, the latency of the kind's
+    grouped exchange once and the replicated tables as ``grouped_seconds`` sends them (one grouped call, whose
+    latency they share too). First all of them or none; then, one at a time from the one that saves least, each
+    moved to its best other candidate if that makes the step faster (a small table read whole costs fewer
+    bytes in the replicated group). A greedy pass, not a search over every subset. Overridden entries stay,
+    and pay ``fixed`` anyway."""
+    chosen = [e for e in plan.entries if e.placement == kind]
+    if not chosen:
+        return plan
+    alternative = {
+        e.name: _fastest(e.candidates, lambda k: k != kind and allowed(k)) for e in chosen if not e.overridden
+    }
+
+    def moved(p: Plan, names: set[str]) -> Plan:
+        out = []
+        for e in p.entries:
+            if e.name in names:
+                pl = alternative[e.name]
+                e = dataclasses.replace(e, placement=pl, bytes_per_machine=e.candidates[pl][0],
+                                        seconds=e.candidates[pl][1], detail=details[e.name][pl])  # fmt: skip
+            out.append(e)
+        left = any(e.placement == kind for e in out)
+        return dataclasses.replace(p, entries=tuple(out), shared={**p.shared, **({kind: fixed} if left else {})})
+
+    best = moved(plan, set())
+    for name in sorted(alternative, key=lambda n: _saving(plan, n, alternative[n])):
+        trial = moved(best, {name})
+        if trial.grouped_seconds < best.grouped_seconds:
+            best = trial
+    without = moved(plan, set(alternative))
+    return without if without.grouped_seconds <= best.grouped_seconds else best
+
+
+def _saving(plan: Plan, name: str, alternative: str) -> float:
+    e = next(e for e in plan.entries if e.name == name)
+    return e.candidates[alternative][1] - e.seconds
 
 
 # --- model descriptions -------------------------------------------------------------------------------------

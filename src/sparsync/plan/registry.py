@@ -6,8 +6,7 @@ one ``KINDS.register`` (or, for a scope such as a test, ``with KINDS.registered(
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 
 from sparsync.compress.sketch import SparseSketch
 from sparsync.placement.base import Placement
@@ -20,60 +19,15 @@ from sparsync.plan.kinds import (
     SketchKind,
     SparseAllreduceKind,
 )
+from sparsync.registry import Registry
 
 
-class KindRegistry:
+class KindRegistry(Registry[PlacementKind]):
     """Placement kinds by name, in registration order: the order in which the planner breaks exact ties (the
-    first wins) and lists an entry's candidates."""
+    first wins) and lists an entry's candidates. ``register`` raises ValueError when a name is empty or taken;
+    ``entry`` and ``unregister`` raise ``KeyError`` listing the valid names."""
 
-    def __init__(self, kinds: Iterable[PlacementKind] = ()) -> None:
-        self._by_name: dict[str, PlacementKind] = {}
-        for k in kinds:
-            self.register(k)
-
-    def register(self, kind: PlacementKind) -> PlacementKind:
-        """Add ``kind``; ValueError when its name is empty or taken."""
-        if not kind.name or kind.name in self._by_name:
-            raise ValueError(
-                f"placement kind name {kind.name!r} is empty or taken; taken: {', '.join(self.names)}"
-            )
-        self._by_name[kind.name] = kind
-        return kind
-
-    def unregister(self, name: str) -> PlacementKind:
-        """Remove and return the kind ``name``; ``KeyError`` listing the valid names."""
-        kind = self.entry(name)
-        del self._by_name[name]
-        return kind
-
-    @contextmanager
-    def registered(self, kind: PlacementKind) -> Iterator[PlacementKind]:
-        """``kind`` registered for the ``with`` block only."""
-        self.register(kind)
-        try:
-            yield kind
-        finally:
-            self.unregister(kind.name)
-
-    def entry(self, name: str) -> PlacementKind:
-        """The kind ``name``; ``KeyError`` listing the valid names."""
-        try:
-            return self._by_name[name]
-        except KeyError:
-            raise KeyError(f"unknown placement kind {name!r}; valid: {', '.join(self.names)}") from None
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(self._by_name)
-
-    def __iter__(self) -> Iterator[PlacementKind]:
-        return iter(tuple(self._by_name.values()))
-
-    def __len__(self) -> int:
-        return len(self._by_name)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._by_name
+    noun = "placement kind"
 
 
 # Every placement kind of this process: dense allreduce (Table 3's ring), S2's sketch, SparCML's sparse

@@ -194,9 +194,7 @@ class PSClient:
         poller = zmq.Poller()
         poller.register(self._wake_rx, zmq.POLLIN)
         for s, mon in socks:
-            poller.register(s, zmq.POLLIN)
-            if mon is not None:
-                poller.register(mon, zmq.POLLIN)
+            _register(poller, s, mon)
         pending: dict[int, _Pending] = {}
         # Frames a socket has not taken yet, per server. A DEALER blocks a send while it has no connection to
         # queue into (a server not up yet, or one whose CURVE handshake just failed and is being retried), so
@@ -209,52 +207,19 @@ class PSClient:
             if any(outbox.values()):
                 wait = min(wait, 0.005)  # retry the held frames soon
             events = dict(poller.poll(max(1, min(1000, int(wait * 1000) + 1))))
-            if self._wake_rx in events:
-                while self._wake_rx.poll(0):
-                    self._wake_rx.recv()
-                while not self._queue.empty():
-                    item = self._queue.get()
-                    if item is None:
-                        running = False
-                        continue
-                    server, frame, rid, p = item
-                    pending[rid] = p
-                    outbox.setdefault(server, deque()).append(_Outgoing(rid, wire.fragments(frame)))
+            if self._wake_rx in events and self._take_requests(pending, outbox):
+                running = False
             for server, held in outbox.items():
                 self._flush(socks[server][0], held, pending, server)
-            refused: set[int] = set()
-            for i, (s, mon) in enumerate(socks):
-                if s in events:
-                    while s.poll(0):
-                        self._receive(s, pending, i)
-                if mon is not None and mon in events:
-                    while mon.poll(0):
-                        if recv_monitor_message(mon)["event"] & _REFUSED:
-                            refused.add(i)
-            now = time.monotonic()
-            dead = {p.server for p in pending.values() if p.deadline <= now}
-            for rid, p in list(pending.items()):
-                if p.server in refused:
-                    del pending[rid]
-                    p.future.set_exception(
-                        PSError(f"{p.what}: the server refused our CURVE handshake (not this run's client key?)")
-                    )
-                elif p.deadline <= now or (not running and p.server in dead):
-                    del pending[rid]
-                    p.future.set_exception(
-                        PSTimeoutError(
-                            f"{p.what}: no reply within {self.timeout:g} s (server dead or unreachable?)"
-                        )
-                    )
+            refused = self._read_replies(socks, events, pending)
+            dead = self._fail_expired(pending, refused, running)
             # drop whatever is still queued for these; a restarted server must not see stale requests
             for i in dead | refused:
                 outbox.pop(i, None)
                 self._incoming.forget(_peer(i))
                 _close(poller, *socks[i])
                 socks[i] = self._dealer(i)
-                poller.register(socks[i][0], zmq.POLLIN)
-                if socks[i][1] is not None:
-                    poller.register(socks[i][1], zmq.POLLIN)
+                _register(poller, *socks[i])
             if not running:
                 for rid, p in list(pending.items()):
                     del pending[rid]
@@ -262,6 +227,60 @@ class PSClient:
         for s, mon in socks:
             _close(poller, s, mon)
         self._wake_rx.close(0)
+
+    def _take_requests(self, pending: dict[int, _Pending], outbox: dict[int, deque[_Outgoing]]) -> bool:
+        """Move the requests ``request()`` queued into ``pending`` and their fragments into ``outbox``; True
+        when ``close()`` asked the loop to stop."""
+        while self._wake_rx.poll(0):
+            self._wake_rx.recv()
+        stop = False
+        while not self._queue.empty():
+            item = self._queue.get()
+            if item is None:
+                stop = True
+                continue
+            server, frame, rid, p = item
+            pending[rid] = p
+            outbox.setdefault(server, deque()).append(_Outgoing(rid, wire.fragments(frame)))
+        return stop
+
+    def _read_replies(
+        self,
+        socks: list[tuple[zmq.Socket[bytes], zmq.Socket[bytes] | None]],
+        events: dict[zmq.Socket[bytes], int],
+        pending: dict[int, _Pending],
+    ) -> set[int]:
+        """Receive what the servers with ``events`` sent; the servers whose monitor reports a refused CURVE
+        handshake."""
+        refused: set[int] = set()
+        for i, (s, mon) in enumerate(socks):
+            if s in events:
+                while s.poll(0):
+                    self._receive(s, pending, i)
+            if mon is not None and mon in events:
+                while mon.poll(0):
+                    if recv_monitor_message(mon)["event"] & _REFUSED:
+                        refused.add(i)
+        return refused
+
+    def _fail_expired(self, pending: dict[int, _Pending], refused: set[int], running: bool) -> set[int]:
+        """Fail the requests to ``refused`` servers (``PSError``) and those past their deadline
+        (``PSTimeoutError``; once closing, every request to a server that let one expire); the servers with a
+        request past its deadline, whose sockets are rebuilt."""
+        now = time.monotonic()
+        dead = {p.server for p in pending.values() if p.deadline <= now}
+        for rid, p in list(pending.items()):
+            if p.server in refused:
+                del pending[rid]
+                p.future.set_exception(
+                    PSError(f"{p.what}: the server refused our CURVE handshake (not this run's client key?)")
+                )
+            elif p.deadline <= now or (not running and p.server in dead):
+                del pending[rid]
+                p.future.set_exception(
+                    PSTimeoutError(f"{p.what}: no reply within {self.timeout:g} s (server dead or unreachable?)")
+                )
+        return dead
 
     def _flush(
         self, sock: zmq.Socket[bytes], held: deque[_Outgoing], pending: dict[int, _Pending], server: int
@@ -361,6 +380,13 @@ def _keypair_problem(keys: CurveKeys) -> str | None:
 def _peer(server: int) -> bytes:
     """The reassembler's key for ``server``'s socket."""
     return server.to_bytes(8, "little")
+
+
+def _register(poller: zmq.Poller, s: zmq.Socket[bytes], mon: zmq.Socket[bytes] | None) -> None:
+    """Poll a server's socket ``s`` for replies, and its handshake monitor when it has one."""
+    poller.register(s, zmq.POLLIN)
+    if mon is not None:
+        poller.register(mon, zmq.POLLIN)
 
 
 def _close(poller: zmq.Poller, s: zmq.Socket[bytes], mon: zmq.Socket[bytes] | None) -> None:

@@ -106,41 +106,20 @@ def node_servers(
         with node_servers(checkpoint_dir="ckpt") as servers:
             trainer = HybridTrainer(model, servers.addresses, cfg)
     """
-    if per_node < 1:
-        raise ValueError(f"per_node must be >= 1, got {per_node}")
-    bad = sorted(set(server_fields) & {"server_id", "host", "auth", "parent_pid"})
-    if bad:
-        raise ValueError(f"node_servers sets {bad} itself")
-    ServerConfig(**server_fields)  # bad settings fail here, on every rank, before anything starts
+    _check_fields(per_node, server_fields)
     rank = dist.get_rank()
     node = int(os.environ.get("GROUP_RANK", "0"))
     keys = wire.run_client_keys() if auth else None
-    mine = (rank, node, None if keys is None else keys.public)
-    peers: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(peers, mine, group=group)
+    peers = _allgather((rank, node, None if keys is None else keys.public), group)
     nodes = sorted({n for _, n, _ in peers})
     starter = min(r for r, n, _ in peers if n == node)
     local: list[ServerProcess] = []
     started: tuple[int, list[str], str | None] = (node, [], None)
     if rank == starter:
         admitted = [k for _, _, k in peers if k is not None]
-        try:
-            bind = host or node_address()
-            # the node's servers share its memory (measured here, on the node, not on every rank)
-            limits = {"max_total_bytes": default_max_total_bytes(per_node), **server_fields}
-            for i in range(per_node):
-                cfg = ServerConfig(server_id=node * per_node + i, host=bind, auth=auth, **limits)
-                sp = ServerProcess(cfg, client_keys=keys, admit=admitted)
-                local.append(sp)
-                sp.start(timeout)
-            started = (node, [sp.address or "" for sp in local], None)
-        except Exception as e:  # every rank must learn it, or the others wait in the exchange below
-            for sp in local:
-                sp.kill()
-            local = []
-            started = (node, [], f"{type(e).__name__}: {e}")
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, started, group=group)
+        local, error = _start_node(node, per_node, host, auth, keys, admitted, timeout, server_fields)
+        started = (node, [sp.address or "" for sp in local], error)
+    everyone = _allgather(started, group)
     failed = [(n, err) for n, _, err in everyone if err is not None]
     if failed:
         for sp in local:
@@ -149,6 +128,53 @@ def node_servers(
     by_node = {n: addrs for n, addrs, _ in everyone if addrs}
     addresses = [a for n in nodes for a in by_node[n]]
     return NodeServers(addresses, keys, nodes.index(node), len(nodes), local, group)
+
+
+def _check_fields(per_node: int, server_fields: dict[str, Any]) -> None:
+    """``node_servers``' checks of its settings, on every rank before anything starts."""
+    if per_node < 1:
+        raise ValueError(f"per_node must be >= 1, got {per_node}")
+    bad = sorted(set(server_fields) & {"server_id", "host", "auth", "parent_pid"})
+    if bad:
+        raise ValueError(f"node_servers sets {bad} itself")
+    ServerConfig(**server_fields)  # bad settings fail here, on every rank, before anything starts
+
+
+def _allgather(mine: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``mine`` (picklable), in rank order."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, mine, group=group)
+    return out
+
+
+def _start_node(
+    node: int,
+    per_node: int,
+    host: str | None,
+    auth: bool,
+    keys: CurveKeys | None,
+    admitted: list[str],
+    timeout: float,
+    server_fields: dict[str, Any],
+) -> tuple[list[ServerProcess], str | None]:
+    """This node's ``per_node`` servers, started by its first rank, admitting the ``admitted`` public keys; or
+    none and why: a failure is returned, not raised, since every rank must learn it, or the others wait in
+    ``node_servers``' exchange."""
+    local: list[ServerProcess] = []
+    try:
+        bind = host or node_address()
+        # the node's servers share its memory (measured here, on the node, not on every rank)
+        limits = {"max_total_bytes": default_max_total_bytes(per_node), **server_fields}
+        for i in range(per_node):
+            cfg = ServerConfig(server_id=node * per_node + i, host=bind, auth=auth, **limits)
+            sp = ServerProcess(cfg, client_keys=keys, admit=admitted)
+            local.append(sp)
+            sp.start(timeout)
+    except Exception as e:
+        for sp in local:
+            sp.kill()
+        return [], f"{type(e).__name__}: {e}"
+    return local, None
 
 
 def procs_per_machine_from_env() -> int:

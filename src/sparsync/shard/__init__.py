@@ -2,25 +2,33 @@
 whose id is its rank modulo P (``ownership``), looks rows up and pushes gradient rows in one grouped all-to-all per
 direction for all of a model's tables (``exchange``: the sizes round of ``header``, the ids of ``route``), and
 holds only its own rows (``modules``). ``sparsync.shard(model, plan=...)`` swaps a model's embedding modules
-for sharded ones (``api``); ``plan_of(model)`` gives ``DistributedOptimizer`` their placement (``Sharded``).
+for sharded ones (``api``), with ``plan="auto"`` where the cost model says (``auto``); ``plan_of(model)``
+gives ``DistributedOptimizer`` their placement (``Sharded``).
 
 Note: ``sparsync.shard`` (the package's attribute of ``sparsync``) is the function; import the rest from here:
 ``from sparsync.shard import plan_of``.
 """
 
 from sparsync.shard.api import plan_of, shard
+from sparsync.shard.auto import AUTO_KINDS, AutoPlan, auto_plan
 from sparsync.shard.exchange import Exchanger
 from sparsync.shard.lazy import LazyLookup
 from sparsync.shard.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
+from sparsync.shard.optim_state import load_optimizer_state_dict, optimizer_state_dict
 from sparsync.shard.ownership import Ownership
 
 __all__ = [
+    "AUTO_KINDS",
+    "AutoPlan",
     "Exchanger",
     "LazyLookup",
     "Ownership",
     "ShardedEmbedding",
     "ShardedEmbeddingBag",
     "ShardedTable",
+    "auto_plan",
+    "load_optimizer_state_dict",
+    "optimizer_state_dict",
     "plan_of",
     "shard",
 ]

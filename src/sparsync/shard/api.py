@@ -16,7 +16,8 @@ unchanged for its caller. The alternative, a collection module that looks every 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -24,11 +25,12 @@ from torch import nn
 from sparsync.collectives.group import resolve_group
 from sparsync.placement import Placement, Sharded, placement_of
 from sparsync.record import CommLog
-from sparsync.shard.exchange import Exchanger
+from sparsync.shard.auto import auto_plan
+from sparsync.shard.exchange import WIRE, Exchanger
 from sparsync.shard.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
 
 BUILT = ("sharded", "replicated")  # what a plan may name today
-LATER = ("server", "auto")  # placements of the design not built yet (docs/sharding.md)
+LATER = ("server",)  # placements of the design not built yet (docs/sharding.md)
 
 
 def shard(
@@ -38,42 +40,59 @@ def shard(
     group: dist.ProcessGroup | None = None,
     log: CommLog | None = None,
     state_dict: str = "full",
+    sample: Sequence[Any] | None = None,
+    rows: str | None = None,
+    seed: int = 0,
 ) -> nn.Module:
     """Swap the embedding modules of ``model`` for sharded ones, per ``plan``, and return the model (the new
     module when ``model`` is itself an embedding).
 
     ``plan``: module name -> ``"sharded"`` or ``"replicated"`` (left as it is: ``DistributedOptimizer``'s default
     path reduces it); modules it does not name are sharded; None shards every ``nn.Embedding`` and
-    ``nn.EmbeddingBag``. ``group``: the ranks that own the rows (default: the world). ``log``: a ``CommLog``
+    ``nn.EmbeddingBag``; ``"auto"`` places each table where the cost model predicts the faster step, from one
+    forward of ``model(*sample)`` on every rank and the group's link (``shard.auto``; ``auto_plan`` gives what it
+    measured and chose). ``group``: the ranks that own the rows (default: the world). ``log``: a ``CommLog``
     that receives a record per exchange and direction. ``state_dict``: ``"full"`` (each table whole, on rank 0)
-    or ``"local"`` (each rank its rows; ``shard.modules``).
+    or ``"local"`` (each rank its rows; ``shard.modules``). ``rows``: ``"fp16"`` or ``"bf16"`` sends the rows and
+    the gradient rows in that precision, half of fp32's bytes, each value rounded once on the way (lossy: the
+    tables, the pooling and the owners' sums stay in the tables' dtype); None sends them as they are.
 
-    Every shard starts from group rank 0's table, so training starts where the replicated path would. Collective
+    Every shard starts from group rank 0's table, so training starts where the replicated path would; a table
+    on the meta device (``device="meta"``: too large for one rank) is never built whole: each rank draws its own
+    rows from ``seed`` (``transfer.init_rows``: N(0, 1), the same table at any P; ``plan="auto"`` cannot run
+    its sample forward through it). Collective
     over ``group``: every rank calls it on the same model; ranks whose tables differ all raise the same
-    ValueError. Raises ValueError for a placement not built yet (``"server"``, ``"auto"``) or a module option the
-    sharded modules cannot honour (``mode="max"``, ``max_norm``, ``scale_grad_by_freq``, a subclass with its own
-    forward, a weight tied to another module, a table off the CPU), naming the module; KeyError for a plan
-    that names no embedding module of the model. Mutates ``model`` (its embedding modules are replaced)."""
+    ValueError. Raises ValueError for a placement not built yet (``"server"``), ``"auto"`` without ``sample``,
+    or a module option the sharded modules cannot honour (``mode="max"``, ``max_norm``, ``scale_grad_by_freq``,
+    a subclass with its own forward, a weight tied to another module, a table off the CPU), naming the module;
+    KeyError for a plan that names no embedding module of the model. Mutates ``model`` (its embedding modules
+    are replaced)."""
     g = resolve_group(group)
-    if isinstance(plan, str):
+    if rows is not None and rows not in WIRE:
+        raise ValueError(f"rows={rows!r}: the rows travel as they are (None) or in one of {sorted(WIRE)}")
+    if plan == "auto":
+        if sample is None:
+            raise ValueError("plan='auto' measures the tables on a sample batch: pass sample=(args of model(...))")
+        plan = auto_plan(model, sample, g).tables
+    elif isinstance(plan, str):
         if plan in LATER:
             raise ValueError(f"plan={plan!r} is not built yet; pass a dict of module name -> one of {BUILT}")
-        raise ValueError(f"plan must be a dict of module name -> one of {BUILT}, or None; got {plan!r}")
+        raise ValueError(f"plan must be 'auto', a dict of module name -> one of {BUILT}, or None; got {plan!r}")
     tables = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
     chosen = _chosen(tables, dict(plan or {}))
     for name in chosen:
         _check_shardable(model, name, tables[name])
     _agree(chosen, tables, g)
-    exchanger = Exchanger(g, log)
+    exchanger = Exchanger(g, log, None if rows is None else WIRE[rows])
     placement = Sharded()  # one object: DistributedOptimizer keeps every shard in one group of its plan
     swapped: dict[int, ShardedTable] = {}
     for name in chosen:
         m = tables[name]
         sharded: ShardedTable
         if isinstance(m, nn.EmbeddingBag):
-            sharded = ShardedEmbeddingBag(name, m, exchanger, placement, state_dict)
+            sharded = ShardedEmbeddingBag(name, m, exchanger, placement, state_dict, seed)
         else:
-            sharded = ShardedEmbedding(name, m, exchanger, placement, state_dict)
+            sharded = ShardedEmbedding(name, m, exchanger, placement, state_dict, seed)
         swapped[id(m)] = sharded
     root = swapped.get(id(model), model)
     for parent in list(model.modules()):
@@ -117,7 +136,7 @@ def _check_shardable(model: nn.Module, name: str, m: nn.Embedding | nn.Embedding
         refused.append("scale_grad_by_freq=True")
     if isinstance(m, nn.EmbeddingBag) and m.mode not in ("sum", "mean"):
         refused.append(f"mode={m.mode!r}")
-    if m.weight.device.type != "cpu":
+    if m.weight.device.type not in ("cpu", "meta"):
         refused.append(f"a table on {m.weight.device} (sharded tables live on the CPU for now)")
     holders = [
         n

@@ -39,12 +39,16 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from sparsync.collectives.timeline import tracer
 from sparsync.collectives.traffic import Traffic
 from sparsync.record import CommLog, CommRecord
 from sparsync.shard import header
 from sparsync.shard.lazy import LazyLookup, resolve_all
 from sparsync.shard.ownership import Ownership
 from sparsync.shard.route import Asked, Served, dedupe, ids_payload, parse_requests
+
+# ``sparsync.shard(rows=...)``: the lower precisions rows and gradient rows may travel in
+WIRE: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 # (rows gathered for the table [u, D], positions of the call's ids among them (flat), the row of padding_idx
 # among them or None) -> the call's output
@@ -104,10 +108,15 @@ class Route:
 class Exchanger:
     """The sharded tables of one model: their pending lookups and the grouped exchange (module doc). One per
     ``sparsync.shard`` call; ``group``: the ranks that own the rows. ``log`` receives a ``CommRecord`` per
-    exchange and direction (``shard_lookup``, ``shard_grad``)."""
+    exchange and direction (``shard_lookup``, ``shard_grad``). ``wire``: a lower precision (``WIRE``) the rows
+    and gradient rows travel in, each rounded once on the way (lossy); the tables, the pooling and the owners'
+    sums keep the tables' dtype."""
 
-    def __init__(self, group: dist.ProcessGroup, log: CommLog | None = None) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, log: CommLog | None = None, wire: torch.dtype | None = None
+    ) -> None:
         self.group = group
+        self.wire = wire  # the dtype rows and gradient rows travel in (``WIRE``); None: the tables' own
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.log = log
@@ -189,6 +198,14 @@ class Exchanger:
             nnz_in=sum(a.distinct.numel() for a in asked), nnz_out=sum(int(g.shape[0]) for g in gathered),
         )  # fmt: skip
 
+    def rows_all_to_all(
+        self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], phase: str, tally: Traffic
+    ) -> torch.Tensor:
+        """``all_to_all`` of row values, in ``wire`` precision when set, back in ``send``'s dtype."""
+        if self.wire is None or self.wire == send.dtype:
+            return self.all_to_all(send, send_sizes, recv_sizes, phase, tally)
+        return self.all_to_all(send.to(self.wire), send_sizes, recv_sizes, phase, tally).to(send.dtype)
+
     def all_to_all(
         self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], phase: str, tally: Traffic
     ) -> torch.Tensor:
@@ -203,7 +220,11 @@ class Exchanger:
         sent = w * (sum(send_sizes) - send_sizes[self.rank])
         tally.add(sent, w * (sum(recv_sizes) - recv_sizes[self.rank]), self.size - 1)
         tally.phase_bytes[phase] = tally.phase_bytes.get(phase, 0) + sent
-        tally.phases[phase] = tally.phases.get(phase, 0.0) + time.perf_counter() - t0
+        t1 = time.perf_counter()
+        tally.phases[phase] = tally.phases.get(phase, 0.0) + t1 - t0
+        timeline = tracer()
+        if timeline is not None:  # each round on the rank's timeline (SPARSYNC_TRACE), on the caller's thread
+            timeline.complete(f"shard:{phase}", "shard", t0, t1, {"bytes": sent})
         return out
 
     def record(self, op: str, tally: Traffic, t0: float, *, nnz_in: int, nnz_out: int) -> None:
@@ -248,8 +269,8 @@ class RowExchange(torch.autograd.Function):
         rows = [s.detach().index_select(0, r) for s, r in zip(shards, route.served.rows, strict=True)]
         per_req = [torch.split(rows[t], list(route.served.counts[t])) for t in range(T)]
         reply = _flat([per_req[t][i] for i in range(P) for t in range(T)], dtype)
-        got = ex.all_to_all(reply, [route.rows_to(i) for i in range(P)], [route.rows_from(j) for j in range(P)],
-                            "rows", tally)  # fmt: skip
+        to_req, from_owner = [route.rows_to(i) for i in range(P)], [route.rows_from(j) for j in range(P)]
+        got = ex.rows_all_to_all(reply, to_req, from_owner, "rows", tally)
         # output dist: owner after owner, table after table -> per table, owner after owner
         by_table: list[list[torch.Tensor]] = [[] for _ in range(T)]
         for j, block in enumerate(torch.split(got, [route.rows_from(j) for j in range(P)])):
@@ -270,8 +291,8 @@ class RowExchange(torch.autograd.Function):
         # grad dist: one gradient row per distinct id, to its owner (the forward's row splits, reversed)
         per_owner = [torch.split(grads[t], list(route.asked[t])) for t in range(T)]
         send = _flat([per_owner[t][j] for j in range(P) for t in range(T)], dtype)
-        got = ex.all_to_all(send, [route.rows_from(j) for j in range(P)], [route.rows_to(i) for i in range(P)],
-                            "grads", tally)  # fmt: skip
+        to_owner, from_req = [route.rows_from(j) for j in range(P)], [route.rows_to(i) for i in range(P)]
+        got = ex.rows_all_to_all(send, to_owner, from_req, "grads", tally)
         by_table: list[list[torch.Tensor]] = [[] for _ in range(T)]
         for i, block in enumerate(torch.split(got, [route.rows_to(i) for i in range(P)])):
             sizes = [route.served.counts[t][i] * route.dims[t] for t in range(T)]

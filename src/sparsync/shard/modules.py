@@ -28,7 +28,7 @@ from sparsync.placement.sharded import mark
 from sparsync.shard.exchange import Exchanger
 from sparsync.shard.lazy import LazyLookup
 from sparsync.shard.ownership import Ownership
-from sparsync.shard.transfer import gather_rows, scatter_rows
+from sparsync.shard.transfer import gather_rows, init_rows, scatter_rows
 
 STATE_DICT_LAYOUTS = ("full", "local")
 ID_DTYPES = (torch.int64, torch.int32)  # what torch's embeddings take
@@ -47,6 +47,7 @@ class ShardedTable(nn.Module):
         exchanger: Exchanger,
         placement: Placement,
         state_dict_layout: str,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         if state_dict_layout not in STATE_DICT_LAYOUTS:
@@ -58,7 +59,11 @@ class ShardedTable(nn.Module):
         self.exchanger = exchanger
         self.state_dict_layout = state_dict_layout
         self.ownership = Ownership(self.num_embeddings, exchanger.size)
-        rows = scatter_rows(source.weight, self.ownership, exchanger.group)
+        if source.weight.device.type == "meta":  # too large for one rank: each makes its own rows
+            rows = init_rows(self.ownership, exchanger.rank, self.embedding_dim, source.weight.dtype, seed,
+                             self.padding_idx)  # fmt: skip
+        else:
+            rows = scatter_rows(source.weight, self.ownership, exchanger.group)
         self.weight = nn.Parameter(rows, requires_grad=source.weight.requires_grad)
         mark(self.weight, placement)
 
@@ -166,8 +171,9 @@ class ShardedEmbeddingBag(ShardedTable):
         exchanger: Exchanger,
         placement: Placement,
         state_dict_layout: str,
+        seed: int = 0,
     ) -> None:
-        super().__init__(name, source, exchanger, placement, state_dict_layout)
+        super().__init__(name, source, exchanger, placement, state_dict_layout, seed)
         self.mode = source.mode
         self.include_last_offset = source.include_last_offset
 

@@ -1,12 +1,16 @@
-"""What ``sparsync bench hybrid`` shows (run by ``runner.run_hybrid_bench``): the table, the targets of the
+"""``sparsync bench hybrid`` (Parallax Table 4): its options, its run (each world size and sequence length a
+point of the runner's sweep, one server per rank, every rank running ``hybrid.worker``; Parallax's partition
+search first with ``--search-partitions``), and what it shows: the table, the targets of the
 hybrid issue, the speeds relative to the baselines, and the plan's predictions next to the measurements
 (``sparsync plan`` validation): bytes per machine per step, and communication time per step priced with the link
 each run measured (``Cluster(measured=...)``, the dense allreduce fused as the trainers send it)."""
 
 from __future__ import annotations
 
+import argparse
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -14,11 +18,18 @@ from rich.table import Table
 from sparsync.costmodel import LinkModel
 from sparsync.plan.cluster import Cluster
 from sparsync.plan.detect import ParamStats
+from sparsync.plan.partition_search import search_partitions
 from sparsync.plan.planner import Plan, make_plan
-from sparsync_bench.hybrid import HybridBenchConfig
+from sparsync_bench import options, report
+from sparsync_bench.benchmark import Benchmark
+from sparsync_bench.hybrid import METHODS, HybridBenchConfig, config_dict, worker
 from sparsync_bench.lm import SampledLM
 from sparsync_bench.report import Check, pyplot, save_figure
+from sparsync_bench.runner import Rows, Run, run_ranks
 from sparsync_bench.tables import show_table
+
+if TYPE_CHECKING:
+    from sparsync.plan.partition_search import PartitionSearch
 
 # method -> the plan placement of the embedding that describes it (dense parameters: dense allreduce)
 PLAN_OF = {
@@ -177,3 +188,114 @@ def plot(rows: list[dict[str, Any]], out: Path, title: str) -> Path:
     axes[0].legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, out.with_suffix(".png"), dpi=120)
+
+
+def add_options(hy: argparse.ArgumentParser) -> None:
+    hy.add_argument("--procs", type=options.ints, default=(4,), help="world sizes (one server per rank)")
+    hy.add_argument("--seq", type=options.ints, default=(20,), help="sequence lengths: the α sweep, e.g. 5,20,80")
+    hy.add_argument("--vocab", type=options.parse_size, default=100_000, help="vocabulary (embedding rows)")
+    hy.add_argument("--dim", type=int, default=128, help="embedding width")
+    hy.add_argument("--hidden", type=int, default=256, help="LSTM width")
+    hy.add_argument("--batch", type=int, default=32, help="sequences per rank per step")
+    hy.add_argument("--steps", type=int, default=10, help="timed steps per method and round")
+    hy.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    hy.add_argument("--rounds", type=int, default=2, help="methods interleave in this many rounds")
+    hy.add_argument("--partitions", type=int, default=None, help="PS partitions per table (default: the plan's)")
+    hy.add_argument("--methods", default=None,
+                    help=f"comma-separated subset of {','.join(METHODS)} (default: all but "
+                    "hybrid_sketch, omnireduce)")  # fmt: skip
+    hy.add_argument("--text", type=Path, nargs="*", default=(), help="train on the words of these text files")
+    hy.add_argument("--out", type=Path, default=Path("results/hybrid"), help="path stem for .csv/.json/.png")
+    hy.add_argument("--search-partitions", action="store_true", help="run Parallax's partition search first")
+    hy.add_argument("--no-prefetch", action="store_true", help="PS methods: pull each step's rows in that step")
+
+
+def command(args: argparse.Namespace, console: Console) -> int:
+    hcfg = HybridBenchConfig(
+        vocab=args.vocab, dim=args.dim, hidden=args.hidden, batch=args.batch, steps=args.steps,
+        warmup=args.warmup, rounds=args.rounds, partitions=args.partitions, prefetch=not args.no_prefetch,
+        files=tuple(map(str, args.text)),
+        methods=tuple(args.methods.split(",")) if args.methods else METHODS,
+    )  # fmt: skip
+    if args.search_partitions:
+        found = search_hybrid_partitions(hcfg, args.procs[0], console=console)
+        hcfg = HybridBenchConfig(**{**hcfg.__dict__, "partitions": found.best})
+    run_hybrid_bench(hcfg, args.procs, args.seq, out=args.out, net=args.net, latency=args.latency,
+                     console=console, progress=not args.no_progress)  # fmt: skip
+    return 0
+
+
+def run_hybrid_bench(
+    cfg: HybridBenchConfig,
+    procs: tuple[int, ...],
+    seqs: tuple[int, ...],
+    *,
+    out: Path,
+    net: str | None = None,
+    latency: str | None = None,
+    console: Console | None = None,
+    progress: bool = True,
+    timeout: float = 1800.0,
+) -> Rows:
+    """``sparsync bench hybrid`` (Parallax Table 4) at each world size and sequence length, one server per rank;
+    print, save, plot, with the plan's predictions beside the measurements. Returns the rows."""
+    meta: dict[str, Any] = {"config": config_dict(cfg), "procs": list(procs), "seqs": list(seqs), "net": net}
+    run = Run.start(out, meta, net=net, latency=latency, console=console, width=130, link_procs=max(procs))
+    console = run.console
+
+    def point(at: tuple[int, int]) -> Rows:
+        P, seq = at
+        c = replace(cfg, seq=seq)
+        rows: Rows = run_ranks(worker, P, (c, progress), spec=run.spec, timeout=timeout, servers=True)
+        add_predictions(rows, c, P, net)
+        return rows
+
+    def header(at: tuple[int, int]) -> str:
+        return (
+            f"[bold]P = {at[0]}[/], seq = {at[1]}, vocab {cfg.vocab:,} x {cfg.dim}, LSTM {cfg.hidden}, {run.where}"
+        )
+
+    rows = run.sweep([(P, seq) for P in procs for seq in seqs], point, header)
+    title = f"hybrid training, vocab {cfg.vocab:,} x {cfg.dim}, batch {cfg.batch}, {run.where}"
+    print_table(rows, console, title)
+    for line in compare_lines(rows):
+        console.print(line)
+    checks = check_targets(rows)
+    report.print_targets(checks, console)
+    errors = plan_time_errors(rows)
+    for m, e in errors.items():
+        console.print(f"plan's communication time vs measured, {m}: mean |error| {100 * e:.1f}%")
+    pngs = [plot(rows, out, title), *([plot_plan_time(rows, out, title)] if errors else [])]
+    return run.finish(rows, checks, pngs=pngs, speedup_vs_baselines=relative_speed(rows),
+                      plan_time_mean_abs_error=errors)  # fmt: skip
+
+
+def search_hybrid_partitions(
+    cfg: HybridBenchConfig, P: int, *, console: Console, max_partitions: int = 256, timeout: float = 900.0
+) -> PartitionSearch:
+    """Parallax §3.2 for real: iteration times of the hybrid method on loopback for sampled partition counts,
+    the fit, and the chosen count."""
+
+    def measure(parts: int) -> list[float]:
+        c = replace(cfg, partitions=parts, methods=("hybrid",))
+        times: list[float] = run_ranks(worker, P, (c, False), spec=None, timeout=timeout, servers=True)[0][
+            "times_s"
+        ]
+        console.print(f"  partitions = {parts}: {1e3 * sum(times) / len(times):.1f} ms/step")
+        return times
+
+    console.print(f"[bold]partition search[/] (Parallax §3.2), hybrid, P = {P}, loopback")
+    res = search_partitions(measure, P, max_partitions=max_partitions, servers=P)  # one server per rank
+    t0, t1, t2 = res.theta
+    console.print(f"  fit t(P) = {t0 * 1e3:.2f} + {t1 * 1e3:.2f}/P + {t2 * 1e3:.4f}·P ms; chosen P = {res.best}")
+    return res
+
+
+BENCHMARK = Benchmark(
+    "hybrid",
+    "Parallax Table 4: allreduce vs allgather vs PS vs hybrid training",
+    add_options,
+    command,
+    worker,
+    shared=("net", "progress"),
+)

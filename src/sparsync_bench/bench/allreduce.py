@@ -1,8 +1,11 @@
-"""What ``sparsync bench allreduce`` shows: a table on screen, a markdown summary, a log-log PNG like SparCML
-Fig. 4, and the side-by-side target checks of the foundation issue (files and target tables: ``report``)."""
+"""``sparsync bench allreduce`` (SparCML Fig. 4): its options, its run (each world size a point of the runner's
+sweep, every rank running ``allreduce.worker``), and what it shows: a table on screen, a markdown summary, a
+log-log PNG like SparCML Fig. 4, and the side-by-side target checks of the foundation issue (files and target
+tables: ``report``)."""
 
 from __future__ import annotations
 
+import argparse
 import math
 from collections import defaultdict
 from pathlib import Path
@@ -11,15 +14,13 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from sparsync_bench.allreduce import BASELINES
+from sparsync_bench import options
+from sparsync_bench.allreduce import BASELINES, HIERARCHICAL, QUANTIZED, BenchConfig, default_methods, worker
+from sparsync_bench.benchmark import Benchmark
+from sparsync_bench.fmt import markdown_table, ms
 from sparsync_bench.report import Check, pyplot, save_figure, targets_markdown
+from sparsync_bench.runner import Rows, Run
 from sparsync_bench.tables import show_table
-
-
-def _fmt(t: float | None) -> str:
-    if t is None or (isinstance(t, float) and math.isnan(t)):
-        return "-"
-    return f"{t * 1e3:.2f}"
 
 
 def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> None:
@@ -37,16 +38,16 @@ def print_table(rows: list[dict[str, Any]], console: Console, title: str) -> Non
     ):
         table.add_column(col, justify="right" if col not in ("method", "auto chose") else "left")
     for r in rows:
-        spread = "-" if math.isnan(r["p25_s"]) else f"{_fmt(r['p25_s'])}-{_fmt(r['p75_s'])}"
+        spread = "-" if math.isnan(r["p25_s"]) else f"{ms(r['p25_s'])}-{ms(r['p75_s'])}"
         table.add_row(
             str(r["world_size"]),
             f"{r['density']:g}",
             r["method"],
-            _fmt(r["median_s"]),
+            ms(r["median_s"]),
             spread,
             f"{r['bytes_sent_per_rank'] / 1e6:.3f}",
-            _fmt(r["predicted_s"]),
-            _fmt(r["lower_bound_s"]),
+            ms(r["predicted_s"]),
+            ms(r["lower_bound_s"]),
             r["chosen"] or r["note"],
         )
     show_table(console, table)
@@ -59,12 +60,12 @@ def markdown(rows: list[dict[str, Any]], checks: list[Check], title: str) -> str
     for r in rows:
         pts[(r["world_size"], r["density"])][r["method"]] = r
     lines = [f"### {title}", "", "Median ms per allreduce (slowest rank), auto's choice in the last column.", ""]
-    lines.append("| P | density | " + " | ".join(methods) + " | auto chose |")
-    lines.append("|---|---|" + "---|" * (len(methods) + 1))
-    for (P, d), by in sorted(pts.items()):
-        cells = [_fmt(by[m]["median_s"]) if m in by else "-" for m in methods]
-        chose = by["auto"]["chosen"] if "auto" in by else ""
-        lines.append(f"| {P} | {d:g} | " + " | ".join(cells) + f" | {chose} |")
+    body = [
+        [P, f"{d:g}", *(ms(by[m]["median_s"]) if m in by else "-" for m in methods),
+         by["auto"]["chosen"] if "auto" in by else ""]
+        for (P, d), by in sorted(pts.items())
+    ]  # fmt: skip
+    lines += markdown_table(["P", "density", *methods, "auto chose"], body)
     return "\n".join(lines + targets_markdown(checks)) + "\n"
 
 
@@ -137,3 +138,69 @@ def check_targets(rows: list[dict[str, Any]]) -> list[Check]:
             ratio = m["auto"] / m["gloo_dense"]
             out.append((f"P={P} d={d:g}: auto within 1.2x of gloo dense", ratio <= 1.2, f"{ratio:.2f}x"))
     return out
+
+
+def add_options(ar: argparse.ArgumentParser) -> None:
+    ar.add_argument("--n", type=options.parse_size, default=16 * 2**20, help="vector length N (default 16M)")
+    ar.add_argument("--procs", type=options.ints, default=(2, 4, 8), help="world sizes, e.g. 2,4,8")
+    ar.add_argument("--densities", type=options.floats, default=BenchConfig().densities,
+                    help="fractions of N stored per rank, comma-separated, each in (0, 1]")  # fmt: skip
+    ar.add_argument("--repeats", type=int, default=5, help="timed calls per point (median and quartiles)")
+    methods = default_methods()
+    also = (*QUANTIZED, *HIERARCHICAL)
+    ar.add_argument("--methods", type=options.choices((*methods, *also), "methods"), default=methods,
+                    help=f"comma-separated; also {', '.join(also)}")  # fmt: skip
+    ar.add_argument("--out", type=Path, default=Path("results/allreduce"), help="path stem for .csv/.json/.png")
+
+
+def command(args: argparse.Namespace, console: Console) -> int:
+    on_hosts = ("gloo_dense", "gloo_sparse_coo", "allgather", "auto", *HIERARCHICAL)
+    procs, per_host, methods = options.hosts_and_methods(args, default_methods(), on_hosts)
+    cfg = BenchConfig(dim=args.n, densities=args.densities, repeats=args.repeats, methods=methods)
+    run_allreduce_bench(cfg, procs, procs_per_host=per_host, out=args.out, net=args.net, latency=args.latency,
+                        console=console, progress=not args.no_progress)  # fmt: skip
+    return 0
+
+
+def run_allreduce_bench(
+    cfg: BenchConfig,
+    procs: tuple[int, ...],
+    *,
+    out: Path,
+    net: str | None = None,
+    latency: str | None = None,
+    console: Console | None = None,
+    progress: bool = True,
+    timeout: float = 600.0,
+    show_targets: bool = True,
+    procs_per_host: int | None = None,
+) -> Rows:
+    """``sparsync bench allreduce`` (SparCML Fig. 4) at each world size in ``procs``; print, save, plot. Returns
+    the rows. ``procs_per_host``: ranks per emulated host (one namespace and link per host with ``net``)."""
+    meta: dict[str, Any] = {"config": {**cfg.__dict__}, "procs": list(procs), "net": net, "latency": latency,
+                            "procs_per_host": procs_per_host}  # fmt: skip
+    run = Run.start(out, meta, net=net, latency=latency, console=console, procs_per_host=procs_per_host,
+                     link_procs=max(procs))  # fmt: skip
+    rows = run.sweep(
+        procs,
+        run.linked_point(worker, (cfg, progress), timeout=timeout, procs_per_host=procs_per_host),
+        lambda P: f"[bold]P = {P}[/], N = {cfg.dim:,} float32, {run.where}, {cfg.repeats} repeats",
+    )
+    title = f"sparse allreduce, N={cfg.dim:,}, {run.where}"
+    return run.show(rows, title, tables=print_table, check=check_targets, plot=plot, markdown=markdown,
+                    show_targets=show_targets)  # fmt: skip
+
+
+BENCHMARK = Benchmark(
+    "allreduce",
+    "SparCML Fig. 4: time vs density per algorithm",
+    add_options,
+    command,
+    worker,
+    shared=("net", "hosts", "progress"),
+    grid=lambda p: (
+        f"default grid: {len(p.get_default('procs')) * len(p.get_default('densities'))} "
+        "points (world sizes x densities), every method at each; the full sweep took 19 min with --net 1gbit "
+        "(docs/results_allreduce.md)."
+    ),
+)

@@ -1,0 +1,131 @@
+"""``sparsync.shard(model, plan="auto", sample=...)``: each table placed where the cost model says the step is
+fastest, from statistics measured on a sample batch and the link measured on the group (Parallax §3.1's
+placement by measured sparsity, with the sharded kind beside its two allreduce kinds).
+
+What is measured, per ``nn.Embedding`` / ``nn.EmbeddingBag`` of the model, by one forward of ``model(*sample)``
+without gradients on every rank: u_t(B), the distinct rows the rank's batch reads, and u_t(P·B), the distinct
+rows of all ranks' batches together (the union the replicated tables' sparse allreduce carries). The link: the
+group's link model when one is set (``set_link``, ``set_deterministic``), else ``measure_link`` on the group,
+kept as the group's model so that "auto" in the optimizer's reductions does not measure it again.
+
+What is chosen, per table, among the kinds that run inside the training group without loss (``AUTO_KINDS``):
+dense allreduce and sparse allreduce (``"replicated"``: the table stays whole and ``DistributedOptimizer``
+reduces it) and ``sharded``, by ``make_plan(swap_modules=True)``, which prices the sharded tables' one exchange
+and the replicated tables' one grouped call as they run (``planner._pay_once``). The parameter server
+(``"server"``) is not among them: ``sparsync.shard`` cannot place a table there yet.
+
+The choice is the same on every rank: the statistics are averaged over the ranks (``all_reduce``) and the link
+model is agreed, so every rank prices the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sparsync.collectives.calibrate import measure_link
+from sparsync.collectives.group import link_state
+from sparsync.costmodel import LinkModel
+from sparsync.plan import KINDS, Cluster, ParamStats, Plan, make_plan
+
+AUTO_KINDS = ("dense_allreduce", "sparse_allreduce", "sharded")  # lossless, and no process beside the ranks
+
+
+@dataclass(frozen=True)
+class AutoPlan:
+    """What ``plan="auto"`` measured and chose: the plan over the model's parameters (tables and the rest, which
+    are priced as dense allreduce), and per table module the mean distinct rows a rank read (u(B)) and the
+    distinct rows of all ranks' batches (u(P·B))."""
+
+    plan: Plan
+    distinct: Mapping[str, tuple[float, int]]  # module name -> (u(B) mean over the ranks, u(P·B))
+    stats: tuple[ParamStats, ...]  # what the plan priced, to price another plan on the same cluster
+
+    @property
+    def tables(self) -> dict[str, str]:
+        """Module name -> ``"sharded"`` or ``"replicated"``: the plan as ``sparsync.shard`` takes it."""
+        return {
+            name: "sharded" if self.plan.placement(_weight_name(name)) == "sharded" else "replicated"
+            for name in self.distinct
+        }
+
+
+def auto_plan(
+    model: nn.Module,
+    sample: Sequence[Any],
+    group: dist.ProcessGroup,
+    *,
+    link: LinkModel | None = None,
+) -> AutoPlan:
+    """Measure and plan (module doc). ``sample``: positional arguments of one ``model(*sample)`` call, this rank's
+    batch (it runs once, without gradients; the model is not changed). ``link``: price with this model instead
+    of the group's. Collective over ``group``. Raises ValueError when the model has no embedding table."""
+    tables = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
+    if not tables:
+        raise ValueError("plan='auto': the model has no nn.Embedding or nn.EmbeddingBag to place")
+    seen = _distinct_ids(model, tables, sample)
+    P = dist.get_world_size(group)
+    mine = torch.tensor([float(seen[n].numel()) for n in tables], dtype=torch.float64)
+    dist.all_reduce(mine, group=group)
+    unions = _union_sizes([seen[n] for n in tables], group)
+    distinct = {n: (float(mine[j]) / P, unions[j]) for j, n in enumerate(tables)}
+    weights = {_weight_name(n): m for n, m in tables.items()}
+    stats = []
+    for pname, p in model.named_parameters():
+        m = weights.get(pname)
+        if m is None:
+            stats.append(ParamStats(pname, tuple(p.shape), 1.0, False, itemsize=p.element_size()))
+            continue
+        name, rows = pname.removesuffix(".weight"), p.shape[0]
+        u_b, u_pb = distinct[name if name != "weight" else ""]
+        stats.append(ParamStats(pname, tuple(p.shape), min(1.0, u_b / rows), True, min(1.0, u_b / rows),
+                                p.element_size()))  # fmt: skip
+        del u_pb  # reported, not priced: the kinds model a rank's union from its own fraction
+    if link is None:
+        state = link_state(group)
+        link = state.link if state.link is not None else measure_link(group)
+        state.link = link
+    plan = make_plan(stats, Cluster(P, measured=link), swap_modules=True,
+                     kinds=[KINDS.entry(k) for k in AUTO_KINDS])  # fmt: skip
+    return AutoPlan(plan, distinct, tuple(stats))
+
+
+def _weight_name(module: str) -> str:
+    return f"{module}.weight" if module else "weight"
+
+
+def _distinct_ids(model: nn.Module, tables: Mapping[str, nn.Module], sample: Sequence[Any]) -> dict[str, Any]:
+    """Per table module, the distinct ids its calls read in one ``model(*sample)``."""
+    seen: dict[str, list[torch.Tensor]] = {n: [] for n in tables}
+
+    def hook(name: str) -> Any:
+        def record(m: nn.Module, args: tuple[Any, ...]) -> None:
+            del m
+            if args and isinstance(args[0], torch.Tensor):
+                seen[name].append(args[0].reshape(-1))
+
+        return record
+
+    handles = [m.register_forward_pre_hook(hook(n)) for n, m in tables.items()]
+    try:
+        with torch.no_grad():
+            model(*sample)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: torch.unique(torch.cat(v)) if v else torch.empty(0, dtype=torch.int64) for n, v in seen.items()}
+
+
+def _union_sizes(ids: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[int]:
+    """Per table, the distinct ids of every rank's sample together. Collective."""
+    everyone: list[list[torch.Tensor] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, [t.to(torch.int64) for t in ids], group=group)
+    return [
+        int(torch.unique(torch.cat([theirs[j] for theirs in everyone if theirs is not None])).numel())
+        for j in range(len(ids))
+    ]
