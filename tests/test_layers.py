@@ -59,7 +59,7 @@ PRIVATE_CORE = "sparsync.collectives"  # its private modules and names stay insi
 # metadata exchange and the peers inside functions, for its failure policy: a circle behind a late import).
 # The package's ``__init__`` sits above them all; a module of the package missing here fails the test.
 SUBLAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("leaves", ("ops", "trace", "site", "traffic", "_hll", "partition")),
+    ("leaves", ("ops", "trace", "site", "traffic", "_hll", "partition", "row")),
     ("flight ring", ("flight",)),
     ("group state", ("group", "timeline", "background")),
     ("peers", ("peers",)),

@@ -235,10 +235,9 @@ def start_allreduce(
         comm.op = f"sparse_allreduce(algorithm={opts.algorithm!r})"
         auto = opts.algorithm == "auto"
         key = auto_fingerprint(opts.link or link_state(user).link, opts.policy) if auto else 0
-        meta = exchange_meta(
-            comm, "sparse_allreduce", stream, opts.algorithm, seq, opts.check_nan, bad, shape, key,
-            PARTITION_CODES.index(part), opts.name, _quantize_key(opts.quantize), site,
-        )  # fmt: skip
+        meta = exchange_meta(comm, "sparse_allreduce", stream, opts.algorithm, seq, opts.check_nan, bad=bad,
+                             shape=shape, auto_key=key, partition=PARTITION_CODES.index(part), name=opts.name,
+                             quantize=_quantize_key(opts.quantize), site=site)  # fmt: skip
         alg, decision = _choose(comm, stream, meta, opts, user)
         update_eager(comm, meta, alg)
         entry = REGISTRY.entry(alg)

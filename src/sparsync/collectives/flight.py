@@ -29,7 +29,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from sparsync.collectives.ops import op_columns, op_name
+from sparsync.collectives import row
+from sparsync.collectives.ops import op_name
 from sparsync.collectives.traffic import Traffic
 
 DEFAULT_CALLS = 64  # enough for a training step's calls (one per parameter or bucket, and their metadata)
@@ -77,7 +78,7 @@ class FlightEntry:
     started: float  # time.time(): comparable across the ranks of a host
     traffic: Traffic  # the call's counters (bytes each way, messages; ints only)
     phase: str = ""  # the last named phase entered (``Comm.phase``)
-    fingerprint: tuple[int, ...] = ()  # the metadata row this rank sent (collectives/meta.py's columns)
+    fingerprint: tuple[int, ...] = ()  # the metadata row this rank sent (its op's layout: collectives/row.py)
     status: str = "running"  # running, done or failed
     ended: float = 0.0
     error: str = ""  # the first line of the error, when failed
@@ -140,18 +141,10 @@ def _as_dict(e: FlightEntry) -> dict[str, object]:
         "bytes_sent": tr.bytes_sent,
         "bytes_recv": tr.bytes_recv,
         "messages": tr.messages,
-        "fingerprint": _labelled(e.fingerprint),
+        "fingerprint": row.label(e.fingerprint),
         "thread": e.thread,
         "error": e.error,
     }
-
-
-def _labelled(row: tuple[int, ...]) -> dict[str, int] | list[int]:
-    """The metadata row with its op's column names where the op registered them (``ops.register_op``: the
-    sparse collectives do; every op shares the call number and op code columns, the layers above lay out the
-    rest their own way)."""
-    columns = op_columns(row[1]) if len(row) > 1 else ()
-    return dict(zip(columns, row, strict=False)) if columns else list(row)
 
 
 def dump(groups: dict[str, list[int]], recorders: Iterable[FlightRecorder], rank: int, reason: str) -> Path:
@@ -163,9 +156,9 @@ def dump(groups: dict[str, list[int]], recorders: Iterable[FlightRecorder], rank
     calls.sort(key=lambda c: float(c["started"]))  # type: ignore[arg-type]  # a float, set in _as_dict
     for c in calls:
         fp = c["fingerprint"]
-        row = list(fp.values()) if isinstance(fp, dict) else fp
-        if isinstance(row, list) and len(row) > 1:
-            c["op_code_name"] = op_name(int(row[1]))
+        words = list(fp.values()) if isinstance(fp, dict) else fp
+        if isinstance(words, list) and len(words) > row.OP:
+            c["op_code_name"] = op_name(int(words[row.OP]))
     body = {
         "rank": rank,
         "pid": os.getpid(),

@@ -30,12 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsync.collectives import _hll
+from sparsync.collectives import _hll, row
 from sparsync.collectives._gather import allgather_var
 from sparsync.collectives.comm import Comm
 from sparsync.collectives.failure import RefusalError
 from sparsync.collectives.group import EAGER_BYTES, group_state
-from sparsync.collectives.ops import op_code, op_name, register_op, text_key
+from sparsync.collectives.ops import op_code, text_key
+from sparsync.collectives.row import Agree, Column, Describe, Disagreement, Facts, mismatch_text
 from sparsync.collectives.site import CallSite
 from sparsync.collectives.wire import payload_nbytes, payload_parts
 from sparsync.costmodel import REGISTRY
@@ -45,32 +46,11 @@ PARTITION_CODES = ("-", "stride", "range")  # the resolved partition of a call (
 # The algorithm column: 0 auto, each registry entry its own code (costmodel.AlgorithmEntry.code), NO_ALGORITHM
 # for calls with none ("-": sparse_allgather, the hierarchical call's first round, calibration's rows).
 NO_ALGORITHM = -1
-# nnz: stored rows (indices); bad/bad_value: position and value of an out-of-range index (-1: none), in tensor
-# bad_tensor (-1: the call's only tensor; grouped_allreduce numbers its tensors) of bad_rows rows;
-# inline: payload bytes that follow the row (-1: not inlined). Callers may pass fewer columns (zero-padded).
-# Then the HyperLogLog registers of the row ids (collectives/_hll.py; zero for element or dense streams).
-# shape_key: a hash of the caller's tensor layout and full shape (0: a bare stream), with ndim and the first
-# four dims for the message; auto_key: a hash of auto's link model and policy (0: forced, or not measured yet);
-# nan/nonfinite: position and kind (1 NaN, 2 +Inf, 3 -Inf) of the first non-finite value (-1/0: none);
-# check_nan and partition: the call's options, which every rank must share; refused: 1 when this rank's input
-# was refused before its call (the row then carries the error message as its payload, ``report_refusal``);
-# name_key: a hash of the call's ``name=`` (0: unnamed), which tells apart calls of one signature; quantize: a
-# hash of DSAR's ``quantize=`` settings (0: none); device: where the payload lives (DEVICE_CODES), which every
-# rank must share (a CPU rank and a CUDA rank cannot meet in one NCCL call).
-_F = (
-    "seq", "op", "dim", "dtype", "nnz", "dense", "nan", "algorithm", "row", "bad", "bad_value", "bad_tensor",
-    "bad_rows", "shape_key", "ndim", "s0", "s1", "s2", "s3", "auto_key", "nonfinite", "check_nan", "partition",
-    "refused", "name_key", "quantize", "device", "inline",
-)  # fmt: skip
-# The "op" column: the sparse collectives' own ops (collectives/ops.py; the layers above register theirs).
-SPARSE_ALLREDUCE = register_op("sparse_allreduce", columns=_F)
-SPARSE_ALLGATHER = register_op("sparse_allgather", columns=_F)
-_COL = {name: i for i, name in enumerate(_F)}
 _NONFINITE = ("", "NaN", "+Inf", "-Inf")
 DEVICE_CODES = ("cpu", "cuda")  # the device column; any other device type is len(DEVICE_CODES)
-_INLINE = _F.index("inline")
-_WORDS = len(_F) + _hll.WORDS
-ROW_BYTES = 8 * _WORDS
+# The HyperLogLog registers of the row ids follow the row's columns (collectives/_hll.py; zero when not sent).
+_HLL = row.WIDTH
+ROW_BYTES = 8 * (row.WIDTH + _hll.WORDS)
 EAGER_MAX = 1 << 20  # the most payload bytes a row carries inline (EAGER_BYTES: the default; module doc)
 _MAX_SIGNATURES = 64  # eager limits remembered per group (the oldest forgotten first)
 
@@ -159,7 +139,7 @@ def update_eager(comm: Comm, meta: Meta, algorithm: str) -> None:
 def _block_length(buf: torch.Tensor) -> int:
     if buf.numel() < ROW_BYTES or buf.storage_offset() % 8:
         return -1
-    inline = int(buf[:ROW_BYTES].view(torch.int64)[_INLINE])
+    inline = int(buf[:ROW_BYTES].view(torch.int64)[row.INLINE])
     return ROW_BYTES + _pad8(max(inline, 0)) if inline <= EAGER_MAX else -1
 
 
@@ -168,37 +148,39 @@ def _pad8(n: int) -> int:
 
 
 def allgather_rows(
-    comm: Comm, row: torch.Tensor, eager: list[torch.Tensor] | None = None, hll: torch.Tensor | None = None
+    comm: Comm, words: torch.Tensor, eager: list[torch.Tensor] | None = None, hll: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Allgather every rank's int64 ``row`` (at most ``len(_F)`` columns, zero-padded) plus the bytes of
-    ``eager`` (uint8 pieces, written one after the other: ``payload_parts`` of a stream).
+    """Allgather every rank's metadata row ``words`` (int64, at most ``row.WIDTH``: a ``row.meta_row``
+    layout's ``pack``, zero-padded) plus the bytes of ``eager`` (uint8 pieces, written one after the other:
+    ``payload_parts`` of a stream); the row's ``inline`` column is set here.
 
     Every metadata round on a group goes through here, whatever the operation (the replicator's primitives
     included). ``hll``: HyperLogLog registers of the row ids. Returns the [P, ROW_BYTES / 8] table and
     each rank's inline payload (empty when it sent none).
     """
-    if row.dtype != torch.int64 or row.dim() != 1 or row.numel() > _INLINE:
-        raise ValueError(f"a metadata row is at most {_INLINE} int64, got {row.numel()} {row.dtype}")
+    if words.dtype != torch.int64 or words.dim() != 1 or words.numel() > row.WIDTH:
+        raise ValueError(f"a metadata row is at most {row.WIDTH} int64, got {words.numel()} {words.dtype}")
     n = -1 if eager is None else sum(int(p.numel()) for p in eager)
     if n > EAGER_MAX:
         raise ValueError(f"eager payload of {n} bytes exceeds EAGER_MAX = {EAGER_MAX}")
     buf = torch.zeros(ROW_BYTES + _pad8(max(n, 0)), dtype=torch.uint8)
-    words = buf[:ROW_BYTES].view(torch.int64)
-    words[: row.numel()] = row
-    words[_INLINE] = n
+    out = buf[:ROW_BYTES].view(torch.int64)
+    out[: words.numel()] = words
+    out[row.INLINE] = n
     if hll is not None:
-        words[len(_F) :] = _hll.words(hll)
+        out[_HLL:] = _hll.words(hll)
     off = ROW_BYTES
     for piece in eager or ():  # one copy of the payload, into the message
         buf[off : off + piece.numel()] = piece
         off += piece.numel()
     if comm.flight is not None:  # the fingerprint the ranks compare, for the flight recorder
-        comm.flight.fingerprint = tuple(words[: len(_F)].tolist())
+        comm.flight.fingerprint = tuple(out[: row.WIDTH].tolist())
     with comm.phase("meta"):
         blocks = allgather_var(comm.meta, buf, ROW_BYTES + EAGER_MAX, _block_length)
     # Each block is a slice at a multiple of 8 bytes (blocks are padded to 8): int64-aligned.
     table = torch.stack([b[:ROW_BYTES].view(torch.int64) for b in blocks])
-    payloads = [b[ROW_BYTES : ROW_BYTES + max(int(t[_INLINE]), 0)] for b, t in zip(blocks, table, strict=True)]
+    inline = table[:, row.INLINE].tolist()
+    payloads = [b[ROW_BYTES : ROW_BYTES + max(k, 0)] for b, k in zip(blocks, inline, strict=True)]
     return table, payloads
 
 
@@ -209,6 +191,7 @@ def exchange_meta(
     algorithm: str,
     seq: int,
     check_nan: bool,
+    *,
     bad: BadIndex | None = None,
     shape: tuple[str, tuple[int, ...]] | None = None,
     auto_key: int = 0,
@@ -217,109 +200,96 @@ def exchange_meta(
     quantize: int = 0,
     site: CallSite | None = None,
 ) -> Meta:
-    """``bad``: an out-of-range index this rank found in its input; every rank then raises the same
+    """The metadata round of a sparse collective ``op`` on ``stream`` (``SPARSE_ROW``): every rank raises the
+    same error unless all agree on the call, then every rank's sizes, payload (when all inlined) and unions.
+
+    ``bad``: an out-of-range index this rank found in its input; every rank then raises the same
     ValueError naming it (the stream passed is a placeholder). ``shape``: (layout, full shape) of the tensor
     the caller was given, so tensors of one size but different shapes are refused ((5, 2) and (2, 5)
     were summed). ``auto_key``: ``auto_fingerprint`` of the link model and policy auto will use. ``site``:
     where an unnamed call was issued (compared like a name)."""
     if bad is None and shape is None:  # a bare stream; a tensor's rows were range-checked when it was converted
         bad = out_of_range(stream)
-    nan_pos, kind = -1, 0
-    # ±Inf is refused like NaN, since +Inf on one rank and -Inf on another would silently sum to NaN.
-    pos = first_nonfinite(stream.values) if check_nan else -1
-    if pos >= 0:
-        v = float(stream.values[pos])
-        kind = 1 if v != v else (2 if v > 0 else 3)
-        b = stream.row
-        nan_pos = pos if stream.indices is None else int(stream.indices[pos // b]) * b + pos % b
-    dims = [0, 0, 0, 0, 0, 0]
-    if shape is not None:
-        dims = [shape_fingerprint(*shape), len(shape[1]), *(list(shape[1][:4]) + [0] * 4)[:4]]
+    words = SPARSE_ROW.pack(
+        seq=seq, op=op_code(op), algorithm=algorithm_code(algorithm), dim=stream.dim, row=stream.row,
+        dtype=FLOAT_DTYPES.index(stream.dtype), check_nan=int(check_nan), partition=partition,
+        quantize=quantize, device=device_code(stream.device), auto_key=auto_key, name_key=name_key(name, site),
+        nnz=stream.nrows, dense=int(stream.is_dense),
+        **_shape_columns(shape), **_bad_columns(bad), **_nonfinite_columns(stream, check_nan),
+    )  # fmt: skip
     sig = signature(stream)
-    row = torch.tensor(
-        [
-            seq,
-            op_code(op),
-            stream.dim,
-            sig[2],
-            stream.nrows,
-            int(stream.is_dense),
-            nan_pos,
-            algorithm_code(algorithm),
-            stream.row,
-            -1 if bad is None else bad.position,
-            -1 if bad is None else bad.value,
-            -1 if bad is None else bad.tensor,
-            -1 if bad is None else bad.rows,
-            *dims,
-            auto_key,
-            kind,
-            int(check_nan),
-            partition,
-            0,
-            name_key(name, site),
-            quantize,
-            device_code(stream.device),
-        ],
-        dtype=torch.int64,
-    )
     mine = payload_nbytes(stream.is_dense, stream.nrows, stream.dim, stream.dtype, stream.row)
     limit = group_state(comm.group).eager_limits.get(sig, EAGER_BYTES)
-    # Only "auto" reads the registers (every rank agrees on the algorithm, checked below): forced calls skip them.
-    # At P = 2 the union cannot change the choice: allgather sends k rows, a split at least (k + U)/2 >= k.
-    hll = None
-    if algorithm == "auto" and stream.row > 1 and stream.indices is not None and comm.size > 2:
-        hll = _hll.registers(stream.indices)
     # A device payload small enough to ride along is copied to the host with the row (at most EAGER_MAX bytes:
     # the row's own round trip dominates such a call anyway; transport.py).
     inline = [p.cpu() for p in payload_parts(stream)] if mine <= limit else None
-    table, blocks = allgather_rows(comm, row, inline, hll)
-    if not _all_clear(table):  # one vectorized test; the detailed checks name what went wrong
-        raise_refusals(table, blocks, comm.rank)
-        _check(table, comm.rank)
-    raise_name_mismatch(table[:, _COL["name_key"]], comm.rank, name, site=site)
-    nnz = tuple(int(x) for x in table[:, 4])
-    dense = tuple(bool(x) for x in table[:, 5])
-    sizes = [payload_nbytes(dense[r], nnz[r], stream.dim, stream.dtype, stream.row) for r in range(comm.size)]
+    idx = stream.indices
+    hll = _hll.registers(idx) if idx is not None and _reads_unions(comm, stream, algorithm) else None
+    table, blocks = allgather_rows(comm, words, inline, hll)
+    rows = SPARSE_ROW.check(table, Facts(comm.rank, name=name, site=site, blocks=blocks))
+    return _meta_of(rows, table, blocks, stream, algorithm)
+
+
+def _reads_unions(comm: Comm, stream: SparseStream, algorithm: str) -> bool:
+    """Whether this call sends (and reads) HyperLogLog registers of its row ids. Only "auto" reads them (every
+    rank agrees on the algorithm, checked in the round): forced calls skip them. At P = 2 the union cannot change
+    the choice: allgather sends k rows, a split at least (k + U)/2 >= k."""
+    return algorithm == "auto" and stream.row > 1 and comm.size > 2
+
+
+def _meta_of(
+    rows: list[list[int]], table: torch.Tensor, blocks: list[torch.Tensor], stream: SparseStream, algorithm: str
+) -> Meta:
+    """The ``Meta`` of a checked round: every rank's sizes, its payloads when every rank inlined, the unions."""
+    nnz = tuple(SPARSE_ROW.get(rows, "nnz"))
+    dense = tuple(bool(x) for x in SPARSE_ROW.get(rows, "dense"))
+    sizes = tuple(
+        payload_nbytes(d, k, stream.dim, stream.dtype, stream.row) for d, k in zip(dense, nnz, strict=True)
+    )
     eager = None
-    if all(int(x) >= 0 for x in table[:, _INLINE]):
+    if all(x >= 0 for x in SPARSE_ROW.get(rows, "inline")):
         for r, (blk, n) in enumerate(zip(blocks, sizes, strict=True)):
             if blk.numel() != n:
                 raise ValueError(f"rank {r} inlined {blk.numel()} payload bytes for a stream of {n} (corrupt row)")
         eager = tuple(blocks)
     unions: tuple[tuple[float, float], ...] = ()
-    if algorithm == "auto" and stream.row > 1 and not any(dense) and comm.size > 2:
-        regs = [_hll.unpack(t[len(_F) :]) for t in table]
-        unions = _hll.union_curve(regs, nnz)
-    return Meta(nnz=nnz, dense=dense, eager=eager, sizes=tuple(sizes), signature=sig, unions=unions)
+    if algorithm == "auto" and stream.row > 1 and not any(dense) and len(rows) > 2:
+        unions = _hll.union_curve([_hll.unpack(t[_HLL:]) for t in table], nnz)
+    return Meta(nnz=nnz, dense=dense, eager=eager, sizes=sizes, signature=signature(stream), unions=unions)
 
 
-# Columns every rank must hold the same value in, and columns that flag a problem when >= 0 (or != 0).
-_AGREE = tuple(_COL[c] for c in ("op", "seq", "algorithm", "dim", "row", "dtype", "check_nan", "partition",
-                                  "shape_key", "auto_key", "quantize", "device"))  # fmt: skip
-_FLAGS = (_COL["bad"], _COL["nan"])
+def _shape_columns(shape: tuple[str, tuple[int, ...]] | None) -> dict[str, int]:
+    """The shape columns of a call given a tensor of ``shape`` (layout, full shape); none for a bare stream."""
+    if shape is None:
+        return {}
+    layout, dims = shape
+    first = (list(dims[:4]) + [0] * 4)[:4]
+    dims_of = {f"s{i}": first[i] for i in range(4)}
+    return {"shape_key": shape_fingerprint(layout, dims), "ndim": len(dims), **dims_of}
 
 
-def _all_clear(table: torch.Tensor) -> bool:
-    """Whether ``_check`` and ``raise_refusals`` would pass: every agreed column equal, no flag raised.
-    On Python lists: for a table of P x 60 numbers that is several times faster than torch's small ops."""
-    rows = table.tolist()
-    first = rows[0]
-    return all(
-        all(r[c] == first[c] for c in _AGREE) and all(r[c] < 0 for c in _FLAGS) and r[_COL["refused"]] == 0
-        for r in rows
-    )
+def _bad_columns(bad: BadIndex | None) -> dict[str, int]:
+    if bad is None:
+        return {}
+    return {"bad": bad.position, "bad_value": bad.value, "bad_tensor": bad.tensor, "bad_rows": bad.rows}
+
+
+def _nonfinite_columns(stream: SparseStream, check_nan: bool) -> dict[str, int]:
+    """The position (in the stream's vector) and kind of its first NaN or ±Inf; none when it has none, or
+    unchecked. ±Inf is refused like NaN, since +Inf on one rank and -Inf on another would silently sum to NaN."""
+    pos = first_nonfinite(stream.values) if check_nan else -1
+    if pos < 0:
+        return {}
+    v = float(stream.values[pos])
+    b = stream.row
+    at = pos if stream.indices is None else int(stream.indices[pos // b]) * b + pos % b
+    return {"nan": at, "nonfinite": 1 if v != v else (2 if v > 0 else 3)}
 
 
 def first_rank(mask: torch.Tensor) -> int | None:
     """The first rank (row of the metadata table) where ``mask`` holds, or None."""
     hits = torch.nonzero(mask, as_tuple=True)[0]
     return int(hits[0]) if hits.numel() else None
-
-
-def first_differing(table: torch.Tensor, col: int) -> int | None:
-    """The first rank whose column ``col`` differs from rank 0's, or None."""
-    return first_rank(table[:, col] != table[0, col])
 
 
 def first_nonfinite(values: torch.Tensor) -> int:
@@ -340,38 +310,31 @@ def name_key(name: str | None, site: CallSite | None = None) -> int:
     return 0 if site is None else site.key
 
 
-def raise_name_mismatch(
-    keys: torch.Tensor, me: int, name: str | None, who: str = "rank", site: CallSite | None = None
-) -> None:
-    """Raise the same ValueError on every rank of a metadata round whose ``keys`` column (each rank's
-    ``name_key``) differs: calls of one signature are told apart only by their names (or, unnamed, their call
-    sites), so a call skipped or swapped on one rank would otherwise be summed with another."""
-    r = first_rank(keys != keys[0])
-    if r is None:
-        return
+def name_mismatch(d: Disagreement) -> BaseException:
+    """The ``name_key`` column differs: calls of one signature are told apart only by their names (or, unnamed,
+    their call sites), so a call skipped or swapped on one rank would otherwise be summed with another."""
+    who, r, me, name, site = d.facts.who, d.rank, d.facts.me, d.facts.name, d.facts.site
     if not name and site is not None and site.known:
-        raise ValueError(
+        return ValueError(
             f"call site mismatch across {who}s: {who} {r}'s call was issued from another line than {who} 0's "
             f"(this {who}, {me}, called from {site.where}): a call skipped or issued in another order on some "
             f"{who}. If the {who}s issue this call from different lines on purpose, pass the same name= on every "
             f"{who}"
         )
     shown = repr(name) if name is None or len(name) <= 200 else repr(name[:200]) + "..."  # a bucket's names
-    raise ValueError(
+    return ValueError(
         f"call name mismatch across {who}s: {who} {r}'s call is not {who} 0's (this {who}, {me}, called "
         f"name={shown}): a call skipped or issued in another order on some {who}"
     )
 
 
-def raise_check_nan_mismatch(flags: torch.Tensor, me: int, who: str = "rank") -> None:
-    """Raise the same ValueError on every rank of a metadata round whose ``flags`` column (each rank's
-    ``check_nan``) differs: a rank that skipped the check could send NaN to one that asked for it."""
-    r = first_rank(flags != flags[0])
-    if r is not None:
-        raise ValueError(
-            f"check_nan mismatch across {who}s: {who} 0 has check_nan={bool(flags[0])}, {who} {r} has "
-            f"check_nan={bool(flags[r])} (seen on {who} {me}); every {who} must pass the same check_nan"
-        )
+def check_nan_mismatch(d: Disagreement) -> BaseException:
+    """The ``check_nan`` column differs: a rank that skipped the check could send NaN to one that asked for it."""
+    who, r = d.facts.who, d.rank
+    return ValueError(
+        f"check_nan mismatch across {who}s: {who} 0 has check_nan={bool(d.value(rank=0))}, {who} {r} has "
+        f"check_nan={bool(d.value())} (seen on {who} {d.facts.me}); every {who} must pass the same check_nan"
+    )
 
 
 class NonFiniteError(RefusalError):
@@ -380,39 +343,40 @@ class NonFiniteError(RefusalError):
     ``step()``, which a ``GradScaler`` skips on an overflow (docs/optimizer.md)."""
 
 
-def raise_nonfinite(op: str, positions: torch.Tensor, seen_on: int, *, who: str, where: str, hint: str) -> None:
-    """Raise the same ValueError on every rank of a metadata round whose ``positions`` column (each rank's first
-    non-finite position, -1: none) shows NaN or ±Inf anywhere; ``who``: "rank" or "replica", ``where``: what the
-    position counts ("at index", "in leaf"), ``hint``: how to let non-finite values through."""
-    r = first_rank(positions >= 0)
-    if r is not None:
-        raise NonFiniteError(
-            f"{op}: {who} {r} holds NaN or ±Inf {where} {int(positions[r])} (seen on {who} {seen_on}); refusing "
-            f"to reduce it ({hint})"
+def nonfinite_at(where: str, hint: str) -> Describe:
+    """The description of an ``Agree.UNSET`` column holding each rank's first non-finite position (-1: none):
+    ``where``: what the position counts ("at index", "in leaf"), ``hint``: how to let non-finite values
+    through."""
+
+    def describe(d: Disagreement) -> BaseException:
+        who = d.facts.who
+        return NonFiniteError(
+            f"{d.facts.op}: {who} {d.rank} holds NaN or ±Inf {where} {d.value()} (seen on {who} {d.facts.me}); "
+            f"refusing to reduce it ({hint})"
         )
+
+    return describe
+
+
+# The columns every agreement round names alike: the call's name (or call site), and check_nan where a differing
+# check_nan is described on its own (the sparse collectives' row lists it with their other options).
+NAME_KEY = Column("name_key", Agree.SAME, describe=name_mismatch, doc="name_key(name=, call site); 0: unnamed")
+CHECK_NAN = Column("check_nan", Agree.SAME, describe=check_nan_mismatch, doc="1: the call refuses NaN and ±Inf")
 
 
 def report_refusal(comm: Comm, op: str, seq: int, error: Exception) -> None:
     """This rank refused its input before its call (wrong type, dtype, option...): send a row saying so, with
     the message as its payload, into the metadata round the other ranks are in, so that they raise it too at
-    once instead of waiting for the timeout. The caller raises ``error`` afterwards."""
-    row = torch.zeros(_COL["refused"] + 1, dtype=torch.int64)
-    row[0], row[1], row[_COL["refused"]] = seq, op_code(op), 1
+    once instead of waiting for the timeout (the ``refused`` column of ``row.FRAME``, which every operation's
+    row starts with). The caller raises ``error`` afterwards."""
+    words = row.HEAD.pack(seq=seq, op=op_code(op), refused=1)
     text = f"{type(error).__name__}: {error}".encode()[:4096]
-    table, _ = allgather_rows(comm, row, [torch.frombuffer(bytearray(text), dtype=torch.uint8)])
-    others = [r for r in range(comm.size) if r != comm.rank and int(table[r, _COL["refused"]])]
+    table, _ = allgather_rows(comm, words, [torch.frombuffer(bytearray(text), dtype=torch.uint8)])
+    refused = row.HEAD.column(table, "refused").tolist()
+    others = [r for r in range(comm.size) if r != comm.rank and refused[r]]
     if others:  # several ranks refused: each raises its own error, naming the others
         kind = TypeError if isinstance(error, TypeError) else ValueError
         raise kind(f"{error}; also refused on rank(s) {others}") from error
-
-
-def raise_refusals(table: torch.Tensor, blocks: list[torch.Tensor], me: int) -> None:
-    """Raise the first refusal another rank reported in this metadata round (``report_refusal``)."""
-    r = first_rank(table[:, _COL["refused"]] != 0)
-    if r is not None:
-        text = bytes(blocks[r].numpy()).decode(errors="replace")
-        kind = TypeError if text.startswith("TypeError:") else ValueError  # the type the refusing rank raises
-        raise kind(f"rank {r} refused its input: {text} (seen on rank {me})")
 
 
 def out_of_range(stream: SparseStream) -> BadIndex | None:
@@ -448,78 +412,88 @@ def auto_fingerprint(link: object, policy: object) -> int:
     return text_key(repr((link, name)))
 
 
-def _check(table: torch.Tensor, me: int) -> None:
-    def names(col: int, r: int) -> str:
-        v = int(table[r, col])
-        if _F[col] == "op":
-            return op_name(v)
-        if _F[col] == "dtype":
-            return str(FLOAT_DTYPES[v])
-        if _F[col] == "algorithm":
-            return algorithm_name(v)
-        if _F[col] == "partition":
-            return PARTITION_CODES[v]
-        if _F[col] == "check_nan":
-            return str(bool(v))
-        if _F[col] == "device":
-            return DEVICE_CODES[v] if v < len(DEVICE_CODES) else "other"
-        return str(v)
+def _shape(d: Disagreement, r: int) -> str:
+    n = d.value("ndim", r)
+    dims = [str(d.value(f"s{i}", r)) for i in range(min(n, 4))] + (["..."] if n > 4 else [])
+    return f"({', '.join(dims)}{',' if n == 1 else ''})"
 
-    def shape(r: int) -> str:
-        n = int(table[r, _COL["ndim"]])
-        dims = [str(int(table[r, _COL[f"s{i}"]])) for i in range(min(n, 4))] + (["..."] if n > 4 else [])
-        return f"({', '.join(dims)}{',' if n == 1 else ''})"
 
-    for col, what in (
-        (1, "collective"),
-        (0, "call number"),
-        (7, "algorithm"),
-        (2, "dim"),
-        (8, "row width"),
-        (3, "dtype"),
-        (_COL["check_nan"], "check_nan"),
-        (_COL["partition"], "partition"),
-        (_COL["quantize"], "quantize= setting"),
-        (_COL["device"], "device"),
-    ):
-        r = first_differing(table, col)
-        if r is not None:
-            raise ValueError(
-                f"{what} mismatch across ranks: rank 0 has {_F[col]}={names(col, 0)}, "
-                f"rank {r} has {_F[col]}={names(col, r)} (seen on rank {me}); every rank must issue the same "
-                "collectives in the same order on streams of the same dimension and dtype"
-            )
-    r = first_differing(table, _COL["shape_key"])
-    if r is not None:
-        what = (
-            f"rank 0 passed shape {shape(0)}, rank {r} shape {shape(r)}"
-            if shape(0) != shape(r)
-            else f"rank 0 and rank {r} passed the same shape with another layout (dense vs COO), or another list "
-            "of shapes and layouts (grouped_allreduce)"
-        )
-        raise ValueError(
-            f"shape mismatch across ranks: {what} (seen on rank {me}); every rank must pass tensors of the same "
-            "shape and layout"
-        )
-    r = first_differing(table, _COL["auto_key"])
-    if r is not None:
-        raise ValueError(
-            f"auto's inputs differ across ranks: rank {r} uses another link model or policy than rank 0 (seen on "
-            f"rank {me}); ranks would choose different algorithms. Pass the same link=/policy= on every rank, "
-            "or call sparsync.set_link on every rank"
-        )
-    r = first_rank(table[:, 9] >= 0)
-    if r is not None:
-        t = int(table[r, 11])
-        where = f" of tensor {t}" if t >= 0 else ""
-        raise ValueError(
-            f"rank {r} passed index {int(table[r, 10])} at position {int(table[r, 9])}{where}, out of range "
-            f"[0, {int(table[r, 12])}) (seen on rank {me})"
-        )
-    r = first_rank(table[:, 6] >= 0)
-    if r is not None:
-        what = _NONFINITE[int(table[r, _COL["nonfinite"]])] or "NaN"
-        raise NonFiniteError(
-            f"rank {r} contributed {what} (at vector index {int(table[r, 6])}); refusing to reduce a non-finite "
-            "value (pass check_nan=False to sum NaN and ±Inf as IEEE 754 does)"
-        )
+def _shape_mismatch(d: Disagreement) -> BaseException:
+    r, me = d.rank, d.facts.me
+    what = (
+        f"rank 0 passed shape {_shape(d, 0)}, rank {r} shape {_shape(d, r)}"
+        if _shape(d, 0) != _shape(d, r)
+        else f"rank 0 and rank {r} passed the same shape with another layout (dense vs COO), or another list "
+        "of shapes and layouts (grouped_allreduce)"
+    )
+    return ValueError(
+        f"shape mismatch across ranks: {what} (seen on rank {me}); every rank must pass tensors of the same "
+        "shape and layout"
+    )
+
+
+def _auto_mismatch(d: Disagreement) -> BaseException:
+    return ValueError(
+        f"auto's inputs differ across ranks: rank {d.rank} uses another link model or policy than rank 0 (seen on "
+        f"rank {d.facts.me}); ranks would choose different algorithms. Pass the same link=/policy= on every rank, "
+        "or call sparsync.set_link on every rank"
+    )
+
+
+def _bad_index(d: Disagreement) -> BaseException:
+    t = d.value("bad_tensor")
+    where = f" of tensor {t}" if t >= 0 else ""
+    return ValueError(
+        f"rank {d.rank} passed index {d.value('bad_value')} at position {d.value()}{where}, out of range "
+        f"[0, {d.value('bad_rows')}) (seen on rank {d.facts.me})"
+    )
+
+
+def _nonfinite_value(d: Disagreement) -> BaseException:
+    what = _NONFINITE[d.value("nonfinite")] or "NaN"
+    return NonFiniteError(
+        f"rank {d.rank} contributed {what} (at vector index {d.value()}); refusing to reduce a non-finite "
+        "value (pass check_nan=False to sum NaN and ±Inf as IEEE 754 does)"
+    )
+
+
+def _sparse_mismatch(d: Disagreement) -> BaseException:
+    return ValueError(
+        f"{mismatch_text(d)}; every rank must issue the same collectives in the same order on streams of the same "
+        "dimension and dtype"
+    )
+
+
+def _device_name(code: int) -> str:
+    return DEVICE_CODES[code] if code < len(DEVICE_CODES) else "other"
+
+
+_SAME, _OWN, _UNSET = Agree.SAME, Agree.OWN, Agree.UNSET
+# The sparse collectives' row, checked in this order (after the frame's refusal, op and call number). OWN
+# columns: nnz: stored rows (indices); dense: 1 for a dense stream; ndim and s0-s3: the caller's tensor's rank
+# and first four dims (0: a bare stream), for shape_key's message; bad_value, bad_tensor, bad_rows: the value of
+# bad's index, its tensor (-1: the call's only tensor; grouped_allreduce numbers its tensors) and its valid
+# range [0, rows); nonfinite: the kind (1 NaN, 2 +Inf, 3 -Inf) of the value at nan.
+SPARSE_ROW = row.meta_row(
+    Column("algorithm", _SAME, show=algorithm_name, doc="algorithm_code: 0 auto, NO_ALGORITHM none"),
+    Column("dim", _SAME, doc="the stream's dimension"),
+    Column("row", _SAME, "row width", doc="values per stored index"),
+    Column("dtype", _SAME, show=lambda v: str(FLOAT_DTYPES[v]), doc="index in stream.FLOAT_DTYPES"),
+    Column("check_nan", _SAME, show=lambda v: str(bool(v)), doc="1: the call refuses NaN and ±Inf"),
+    Column("partition", _SAME, show=PARTITION_CODES.__getitem__, doc="index in PARTITION_CODES"),
+    Column("quantize", _SAME, "quantize= setting", doc="a hash of DSAR's quantize= settings (0: none)"),
+    Column("device", _SAME, show=_device_name, doc="device_code: a CPU rank cannot meet a CUDA rank in NCCL"),
+    Column("shape_key", _SAME, describe=_shape_mismatch, doc="shape_fingerprint(layout, shape); 0: a bare stream"),
+    *(Column(c, _OWN) for c in ("ndim", "s0", "s1", "s2", "s3")),
+    Column("auto_key", _SAME, describe=_auto_mismatch, doc="auto_fingerprint (0: forced, or not measured yet)"),
+    Column("bad", _UNSET, describe=_bad_index, default=-1, doc="position of an out-of-range index (-1: none)"),
+    *(Column(c, _OWN, default=-1) for c in ("bad_value", "bad_tensor", "bad_rows")),
+    Column("nan", _UNSET, describe=_nonfinite_value, default=-1, doc="vector index of the first NaN or ±Inf"),
+    Column("nonfinite", _OWN),
+    NAME_KEY,
+    Column("nnz", _OWN),
+    Column("dense", _OWN),
+    mismatch=_sparse_mismatch,
+)
+SPARSE_ALLREDUCE = row.register_row("sparse_allreduce", SPARSE_ROW)
+SPARSE_ALLGATHER = row.register_row("sparse_allgather", SPARSE_ROW)

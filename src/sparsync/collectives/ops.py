@@ -1,18 +1,18 @@
 """Codes of the operations that run a metadata round (the row's "op" column, ``collectives/meta.py``), and the
 62-bit text keys of the row's hashed columns.
 
-Every operation that runs a metadata round on a group shares the table's first two columns (call number, op)
-and the group's call counter (``group.next_call``), so an operation issued on one rank while another rank
-issues a different one is reported as a collective mismatch on every rank, instead of one rank misreading the
-other's row. ``meta`` registers the sparse collectives' own ops; the layers above register theirs when they
-are imported (``compressed_allreduce``: "reduce"; the replicator's primitives: "all_reduce", "all_gather",
-...), so this layer names none of theirs.
+Every operation that runs a metadata round on a group shares the row's frame (``row.FRAME``: refusal, op,
+call number, inline bytes) and the group's call counter (``group.next_call``), so an operation issued on one
+rank while another rank issues a different one is reported as a collective mismatch on every rank, instead of
+one rank misreading the other's row. ``meta`` registers the sparse collectives' own ops; the layers above
+register theirs when they are imported (``compressed_allreduce``: "reduce"; the replicator's primitives:
+"all_reduce", "all_gather", ...), so this layer names none of theirs.
 
 A code is a 62-bit hash of the op's name, not its position in a list: the same on every rank whatever modules
 that rank imported, in whatever order, so ranks compare codes without knowing each other's registrations. The
 table of names (``_OP_NAMES``) only turns codes back into names for error messages; it is filled at import and
-only grows. An op may register the names of its row's columns (``register_op(columns=...)``): the flight
-recorder labels the rows it dumps with them.
+only grows. An op may register the names of its row's columns (``register_op(columns=...)``; ``row.register_row``
+registers a layout's): the flight recorder labels the rows it dumps with them (``row.label``).
 """
 
 from __future__ import annotations

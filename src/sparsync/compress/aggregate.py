@@ -25,17 +25,15 @@ from sparsync.collectives.comm import Comm, ring_allreduce_bytes
 from sparsync.collectives.fifo import submit
 from sparsync.collectives.group import next_call
 from sparsync.collectives.meta import (
+    CHECK_NAN,
+    NAME_KEY,
     allgather_rows,
-    first_differing,
     first_nonfinite,
     name_key,
-    raise_check_nan_mismatch,
-    raise_name_mismatch,
-    raise_nonfinite,
-    raise_refusals,
+    nonfinite_at,
     shape_fingerprint,
 )
-from sparsync.collectives.ops import register_op
+from sparsync.collectives.row import Agree, Column, Disagreement, Facts, meta_row, register_row
 from sparsync.collectives.timeline import tracer
 from sparsync.compress.base import (
     Aggregator,
@@ -53,9 +51,26 @@ from sparsync.compress.memory import Memory
 from sparsync.handle import Work
 from sparsync.stream import SparseStream
 
-# The metadata row's "op" code of compressed_allreduce's own rounds (collectives/ops.py); its sparse payloads go
-# through sparse_allreduce, whose rounds carry that op.
-REDUCE_OP = register_op("reduce")
+
+def _reduce_mismatch(d: Disagreement) -> BaseException:
+    return ValueError(
+        f"reduce: {d.column.what} mismatch across ranks: rank {d.rank} differs from rank 0 (seen on rank "
+        f"{d.facts.me}){d.facts.detail()}; every rank must reduce the same shape with the same compressor settings"
+    )
+
+
+# The row of compressed_allreduce's own metadata rounds (the dense, allgather and quantized paths), checked in this
+# order after the frame's refusal, op and call number; its sparse payloads go through sparse_allreduce's round.
+REDUCE_ROW = meta_row(
+    Column("shape_key", Agree.SAME, "shape, layout, dtype or compressor", doc="shape_fingerprint(layout, shape)"),
+    Column("nbytes", Agree.SAME, "payload size (compressor settings)", doc="payload bytes per rank"),
+    NAME_KEY,
+    CHECK_NAN,
+    Column("nonfinite", Agree.UNSET, describe=nonfinite_at("at index", "check_nan=False to let it through"),
+           default=-1, doc="flat index of the first NaN or ±Inf (-1: none, or unchecked)"),
+    mismatch=_reduce_mismatch,
+)  # fmt: skip
+REDUCE_OP = register_row("reduce", REDUCE_ROW)  # the op column's code of these rounds (collectives/ops.py)
 
 PayloadT = TypeVar("PayloadT", bound=Payload)
 T = TypeVar("T")
@@ -176,37 +191,27 @@ def pipelined(
 
 
 def agree(call: ReduceCall, seq: int, nbytes: int) -> None:
-    """The metadata round of the dense, allgather and quantized paths: raise the same ValueError on every rank
-    unless all passed the same shape, layout, dtype, compressor, ``name`` and ``check_nan`` and will send
-    payloads of one size, and (``check_nan``) none holds NaN or ±Inf; a rank whose input was refused is
+    """The metadata round of the dense, allgather and quantized paths (``REDUCE_ROW``): raise the same ValueError
+    on every rank unless all passed the same shape, layout, dtype, compressor, ``name`` and ``check_nan`` and will
+    send payloads of one size, and (``check_nan``) none holds NaN or ±Inf; a rank whose input was refused is
     reported here too. The name tells apart calls of one shape (two layers' gradients swapped on one rank were
     summed with each other), and check_nan is agreed because a rank that skips the check would hand its NaN to
     the ranks that asked for it. The row is host metadata (one scalar read of ``x``'s sum on a device), on the
     group's CPU side (``Comm.meta``) for a payload on ``x``'s device."""
     x, spec, layout, check_nan = call.enc.x, call.spec, call.layout, call.check_nan
     nonfinite = first_nonfinite(x) if check_nan and not x.is_sparse else -1
-    row = torch.tensor(
-        [seq, REDUCE_OP, shape_fingerprint(layout, tuple(spec.shape)), nbytes, nonfinite, int(check_nan),
-         name_key(call.name, call.site)],
-        dtype=torch.int64,
-    )  # fmt: skip
+    words = REDUCE_ROW.pack(seq=seq, op=REDUCE_OP, shape_key=shape_fingerprint(layout, tuple(spec.shape)),
+                            nbytes=nbytes, name_key=name_key(call.name, call.site), check_nan=int(check_nan),
+                            nonfinite=nonfinite)  # fmt: skip
     comm = Comm(call.comm, call.timeout, x.device)
     comm.op = "reduce"
-    table, blocks = allgather_rows(comm, row)
-    raise_refusals(table, blocks, comm.rank)
-    for col, what in ((1, "collective"), (0, "call number"), (2, "shape, layout, dtype or compressor"),
-                      (3, "payload size (compressor settings)")):  # fmt: skip
-        r = first_differing(table, col)
-        if r is not None:
-            detail = f" (this rank: {layout}, shape {tuple(spec.shape)}, {nbytes} payload bytes)"
-            raise ValueError(
-                f"reduce: {what} mismatch across ranks: rank {r} differs from rank 0 (seen on rank {comm.rank})"
-                f"{detail}; every rank must reduce the same shape with the same compressor settings"
-            )
-    raise_name_mismatch(table[:, 6], comm.rank, call.name or None, site=call.site)
-    raise_check_nan_mismatch(table[:, 5], comm.rank)
-    raise_nonfinite("reduce", table[:, 4], comm.rank, who="rank", where="at index",
-                    hint="check_nan=False to let it through")  # fmt: skip
+    table, blocks = allgather_rows(comm, words)
+
+    def detail() -> str:
+        return f" (this rank: {layout}, shape {tuple(spec.shape)}, {nbytes} payload bytes)"
+
+    REDUCE_ROW.check(table, Facts(comm.rank, op="reduce", name=call.name or None, site=call.site, blocks=blocks,
+                                  detail=detail))  # fmt: skip
 
 
 def record(call: ReduceCall, alg: str, n: int, nbytes: int, msgs: int, *, device: torch.device) -> None:

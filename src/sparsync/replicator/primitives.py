@@ -1,11 +1,12 @@
 """Cross-replica primitives on nested structures of tensors (TF-Replicator §3.4): all_reduce, all_gather,
 broadcast, and their gradients.
 
-Every call starts with the foundation's metadata exchange (``collectives/meta.py``'s row layout: call number,
-collective, then our own fields) over the data-parallel group, sharing the group's call counter with the sparse
-collectives. Every replica checks the whole table, so a call issued in a different order, or with a different
-structure, shape or dtype, raises the same ``ValueError`` on every replica instead of hanging. Leaves of one dtype
-travel in one flat buffer (one torch collective per dtype, like DDP's buckets).
+Every call starts with the foundation's metadata exchange (``collectives/meta.py``; its row is
+``PRIMITIVE_ROW``: ``collectives/row.py``'s frame, then our own named columns) over the data-parallel group,
+sharing the group's call counter with the sparse collectives. Every replica checks the whole table, so a call
+issued in a different order, or with a different structure, shape or dtype, raises the same ``ValueError`` on
+every replica instead of hanging. Leaves of one dtype travel in one flat buffer (one torch collective per dtype,
+like DDP's buckets).
 
 ``all_reduce(op="sum"|"mean")``, ``all_gather`` and ``broadcast`` are differentiable: with y_r = Σ_q x_q on
 every replica r and a training objective Σ_r L_r, ∂/∂x_r = Σ_q ∂L_q/∂y_q, so the backward of a sum is again an
@@ -28,17 +29,9 @@ import torch.utils._pytree as pytree
 from sparsync.collectives.comm import Comm
 from sparsync.collectives.fifo import submit
 from sparsync.collectives.group import next_call
-from sparsync.collectives.meta import (
-    allgather_rows,
-    first_differing,
-    first_nonfinite,
-    name_key,
-    raise_check_nan_mismatch,
-    raise_name_mismatch,
-    raise_nonfinite,
-    raise_refusals,
-)
-from sparsync.collectives.ops import op_code, op_name, register_op
+from sparsync.collectives.meta import CHECK_NAN, NAME_KEY, allgather_rows, first_nonfinite, name_key, nonfinite_at
+from sparsync.collectives.ops import op_code
+from sparsync.collectives.row import Agree, Column, Disagreement, Facts, meta_row, register_row
 from sparsync.collectives.site import CallSite, call_site
 from sparsync.record import CommLog
 
@@ -49,14 +42,46 @@ _TORCH_OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
-# The primitives' metadata row; "label": the caller's ``name=`` (0: unnamed), which tells apart calls of one
-# structure (two all_sums of one shape in another order on one replica were summed with each other).
-_F = ("seq", "op", "numel", "dtypes", "leaves", "structure", "shapes", "arg", "nonfinite", "check_nan", "label")
-_COL = {name: i for i, name in enumerate(_F)}
+
+
+def _call_mismatch(d: Disagreement) -> BaseException:
+    return ValueError(
+        f"{d.column.what} mismatch across replicas: replica 0 called {d.shown(0)}, replica {d.rank} called "
+        f"{d.shown(d.rank)} (seen on replica {d.facts.me}, in {d.facts.op}); every replica must issue the same "
+        "primitives in the same order with the same arguments"
+    )
+
+
+def _structure_mismatch(d: Disagreement) -> BaseException:
+    # Hashes do not say what differs: ``detail`` names both structures (a second exchange every replica takes part
+    # in, since everyone saw the same table).
+    return ValueError(f"{d.facts.op}: mismatched structure/shape/dtype across replicas: {d.facts.detail()}")
+
+
+def _structure(name: str, doc: str) -> Column:
+    return Column(name, Agree.SAME, describe=_structure_mismatch, doc=doc)
+
+
+# The primitives' metadata row, checked in this order after the frame's refusal, op and call number. name_key: the
+# caller's ``name=`` (or, unnamed, its call site), which tells apart calls of one structure (two all_sums of one
+# shape in another order on one replica were summed with each other).
+PRIMITIVE_ROW = meta_row(
+    Column("arg", Agree.SAME, "argument", doc="the reduce op's index in REDUCE_OPS, or the broadcast source"),
+    _structure("numel", "elements over all leaves"),
+    _structure("dtypes", "crc32 of each leaf's dtype and requires_grad"),
+    _structure("leaves", "number of leaves"),
+    _structure("structure", "crc32 of the pytree spec"),
+    _structure("shapes", "crc32 of the leaves' shapes"),
+    NAME_KEY,
+    CHECK_NAN,
+    Column("nonfinite", Agree.UNSET, default=-1, doc="the first leaf holding NaN or ±Inf (-1: none, or unchecked)",
+           describe=nonfinite_at("in leaf", "pass check_nan=False to sum non-finite values as IEEE 754 does")),
+    mismatch=_call_mismatch,
+)  # fmt: skip
 # The primitives' codes in the metadata row's "op" column (collectives/ops.py), so that a primitive on one
 # replica against another primitive or a sparse collective on another is a "collective mismatch" on every replica.
 OP_CODES = tuple(
-    register_op(name)
+    register_row(name, PRIMITIVE_ROW)
     for name in ("all_reduce", "all_gather", "broadcast", "all_reduce_grad", "all_gather_grad", "broadcast_grad")
 )
 
@@ -119,51 +144,33 @@ def agree(
     label: str | None = None,
     site: CallSite | None = None,
 ) -> None:
-    """The metadata exchange: raise the same ValueError on every replica unless all issued the same call (with
-    the same ``label``, the caller's ``name=``, and the same ``check_nan``), and, with ``check_nan``, when any
-    replica holds NaN or ±Inf (a sum silently gave NaN everywhere)."""
-    row = torch.tensor(
-        [
-            seq,
-            op_code(op),
-            sum(t.numel() for t in tensors),
-            _crc(",".join(f"{t.dtype}/{t.requires_grad}" for t in tensors)),
-            len(tensors),
-            _crc(str(spec)),
-            _crc(";".join(str(tuple(t.shape)) for t in tensors)),
-            arg,
-            first_nonfinite_leaf(tensors) if check_nan else -1,
-            int(check_nan),
-            name_key(label, site),
-        ],
-        dtype=torch.int64,
+    """The metadata exchange (``PRIMITIVE_ROW`` in the sparse collectives' round): raise the same ValueError on
+    every replica unless all issued the same call (with the same ``label``, the caller's ``name=``, and the same
+    ``check_nan``), and, with ``check_nan``, when any replica holds NaN or ±Inf (a sum silently gave NaN
+    everywhere)."""
+    words = PRIMITIVE_ROW.pack(
+        seq=seq,
+        op=op_code(op),
+        numel=sum(t.numel() for t in tensors),
+        dtypes=_crc(",".join(f"{t.dtype}/{t.requires_grad}" for t in tensors)),
+        leaves=len(tensors),
+        structure=_crc(str(spec)),
+        shapes=_crc(";".join(str(tuple(t.shape)) for t in tensors)),
+        arg=arg,
+        nonfinite=first_nonfinite_leaf(tensors) if check_nan else -1,
+        check_nan=int(check_nan),
+        name_key=name_key(label, site),
     )
-    table, blocks = allgather_rows(comm, row)  # the sparse collectives' metadata round, same checks
-    raise_refusals(table, blocks, comm.rank)  # a replica whose input was refused before its call
-    for col, what in ((1, "collective"), (0, "call number"), (7, "argument")):
-        r = first_differing(table, col)
-        if r is not None:
-            a, b = int(table[0, col]), int(table[r, col])
-            a_s, b_s = (op_name(a), op_name(b)) if col == 1 else (str(a), str(b))
-            raise ValueError(
-                f"{what} mismatch across replicas: replica 0 called {a_s}, replica {r} called {b_s} "
-                f"(seen on replica {comm.rank}, in {op}); every replica must issue the same primitives in the "
-                "same order with the same arguments"
-            )
-    if bool((table[:, 2:7] != table[0, 2:7]).any()):
-        # Everyone saw the same table, so everyone takes this branch: a second exchange names the difference.
+    table, blocks = allgather_rows(comm, words)
+
+    def both() -> str:  # every replica's structure in words, gathered on the host side (NCCL)
         descr: list[Any] = [None] * comm.size
-        dist.all_gather_object(descr, _describe(tensors, spec), group=comm.meta.group)  # host side (NCCL)
+        dist.all_gather_object(descr, _describe(tensors, spec), group=comm.meta.group)
         r = next(i for i in range(comm.size) if descr[i] != descr[0])
-        raise ValueError(
-            f"{op}: mismatched structure/shape/dtype across replicas: replica 0 has [{descr[0]}], "
-            f"replica {r} has [{descr[r]}]"
-        )
-    raise_name_mismatch(table[:, _COL["label"]], comm.rank, label, who="replica", site=site)
-    # A replica that skipped the check would hand its NaN to the replicas that asked for it.
-    raise_check_nan_mismatch(table[:, _COL["check_nan"]], comm.rank, who="replica")
-    raise_nonfinite(op, table[:, _COL["nonfinite"]], comm.rank, who="replica", where="in leaf",
-                    hint="pass check_nan=False to sum non-finite values as IEEE 754 does")  # fmt: skip
+        return f"replica 0 has [{descr[0]}], replica {r} has [{descr[r]}]"
+
+    facts = Facts(comm.rank, who="replica", op=op, name=label, site=site, blocks=blocks, detail=both)
+    PRIMITIVE_ROW.check(table, facts)
 
 
 def _facts(tensors: list[torch.Tensor], env: Env) -> dict[str, object]:

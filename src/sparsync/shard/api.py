@@ -60,26 +60,18 @@ def shard(
     Every shard starts from group rank 0's table, so training starts where the replicated path would; a table
     on the meta device (``device="meta"``: too large for one rank) is never built whole: each rank draws its own
     rows from ``seed`` (``transfer.init_rows``: N(0, 1), the same table at any P; ``plan="auto"`` cannot run
-    its sample forward through it). Collective
-    over ``group``: every rank calls it on the same model; ranks whose tables differ all raise the same
-    ValueError. Raises ValueError for a placement not built yet (``"server"``), ``"auto"`` without ``sample``,
-    or a module option the sharded modules cannot honour (``mode="max"``, ``max_norm``, ``scale_grad_by_freq``,
-    a subclass with its own forward, a weight tied to another module, a table off the CPU), naming the module;
-    KeyError for a plan that names no embedding module of the model. Mutates ``model`` (its embedding modules
-    are replaced)."""
+    its sample forward through it). Collective over ``group``: every rank calls it on the same model; ranks
+    whose tables differ all raise the same ValueError. Raises ValueError for a placement not built yet
+    (``"server"``), ``"auto"`` without ``sample``, or a module option the sharded modules cannot honour
+    (``mode="max"``, ``max_norm``, ``scale_grad_by_freq``, a subclass with its own forward, a weight tied to
+    another module, a table off the CPU), naming the module; KeyError for a plan that names no embedding module
+    of the model. Mutates ``model`` (its embedding modules are replaced)."""
     g = resolve_group(group)
     if rows is not None and rows not in WIRE:
         raise ValueError(f"rows={rows!r}: the rows travel as they are (None) or in one of {sorted(WIRE)}")
-    if plan == "auto":
-        if sample is None:
-            raise ValueError("plan='auto' measures the tables on a sample batch: pass sample=(args of model(...))")
-        plan = auto_plan(model, sample, g).tables
-    elif isinstance(plan, str):
-        if plan in LATER:
-            raise ValueError(f"plan={plan!r} is not built yet; pass a dict of module name -> one of {BUILT}")
-        raise ValueError(f"plan must be 'auto', a dict of module name -> one of {BUILT}, or None; got {plan!r}")
+    names = _plan_dict(model, plan, sample, g)
     tables = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
-    chosen = _chosen(tables, dict(plan or {}))
+    chosen = _chosen(tables, names)
     for name in chosen:
         _check_shardable(model, name, tables[name])
     _agree(chosen, tables, g)
@@ -88,12 +80,8 @@ def shard(
     swapped: dict[int, ShardedTable] = {}
     for name in chosen:
         m = tables[name]
-        sharded: ShardedTable
-        if isinstance(m, nn.EmbeddingBag):
-            sharded = ShardedEmbeddingBag(name, m, exchanger, placement, state_dict, seed)
-        else:
-            sharded = ShardedEmbedding(name, m, exchanger, placement, state_dict, seed)
-        swapped[id(m)] = sharded
+        kind = ShardedEmbeddingBag if isinstance(m, nn.EmbeddingBag) else ShardedEmbedding
+        swapped[id(m)] = kind(name, m, exchanger, placement, state_dict, seed)  # type: ignore[arg-type]
     root = swapped.get(id(model), model)
     for parent in list(model.modules()):
         for child_name, child in list(parent._modules.items()):  # every name, a module held twice included
@@ -101,6 +89,22 @@ def shard(
                 setattr(parent, child_name, swapped[id(child)])
     root.register_forward_hook(exchanger.finish_forward)
     return root
+
+
+def _plan_dict(
+    model: nn.Module, plan: Mapping[str, str] | str | None, sample: Sequence[Any] | None, group: dist.ProcessGroup
+) -> dict[str, str]:
+    """``shard``'s ``plan`` as module name -> placement: ``"auto"`` measured and priced (collective), a dict as
+    given; ValueError for any other string."""
+    if plan == "auto":
+        if sample is None:
+            raise ValueError("plan='auto' measures the tables on a sample batch: pass sample=(args of model(...))")
+        return auto_plan(model, sample, group).tables
+    if isinstance(plan, str):
+        if plan in LATER:
+            raise ValueError(f"plan={plan!r} is not built yet; pass a dict of module name -> one of {BUILT}")
+        raise ValueError(f"plan must be 'auto', a dict of module name -> one of {BUILT}, or None; got {plan!r}")
+    return dict(plan or {})
 
 
 def plan_of(model: nn.Module) -> dict[str, Placement]:

@@ -1,37 +1,33 @@
 """The sizes round of a sharded lookup: one small all-to-all before any payload moves, whose row from each rank to
 each peer says how many ids follow and whether the ranks may go on.
 
-The row is a schema (``COLUMNS``): each column named once, with how the ranks must agree on it and what a
-disagreement means. ``status`` and ``tables`` are the same in every row a rank sends, so every rank learns every
-rank's verdict and makes the same decision: go on, or raise. Only in that second case does a slower round run
-(``agree``): the ranks gather each one's reason in words, and every rank raises the same ``ValueError``, naming
-the rank and its reason, instead of some ranks raising while the others wait in the next all-to-all (the same
-contract as ``sparsync.collectives.allreduce.refuse``, on this exchange's own round).
+The row is a schema (``HEADER``, a ``collectives.row.Schema`` as the metadata rounds' rows are): each column
+named once, with how the ranks must agree on it and what it holds. ``status`` and ``tables`` are the same in
+every row a rank sends, so every rank learns every rank's verdict and makes the same decision: go on, or raise.
+Only in that second case does a slower round run (``agree``): the ranks gather each one's reason in words, and
+every rank raises the same ``ValueError``, naming the rank and its reason, instead of some ranks raising while
+the others wait in the next all-to-all (the same contract as ``sparsync.collectives.allreduce.refuse``, on this
+exchange's own round).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from sparsync.collectives.ops import text_key
+from sparsync.collectives.row import Agree, Column, Schema
 
-
-@dataclass(frozen=True)
-class Column:
-    name: str
-    agreement: str  # how the ranks must agree on it, and what a disagreement means
-
-
-COLUMNS = (
-    Column("status", "0 on every rank; a rank that refused its own input sends 1, and then every rank raises"),
-    Column("tables", "the key of the tables this exchange carries, in order: equal on every rank, else all raise"),
-    Column("count", "int64 elements this rank sends that peer in the ids round: differs per peer, never checked"),
+HEADER = Schema(
+    (
+        Column("status", Agree.ZERO, doc="0 on every rank; a rank that refused its own input sends 1 (all raise)"),
+        Column("tables", Agree.SAME, doc="the key of the tables this exchange carries, in order (else all raise)"),
+        Column("count", Agree.OWN, doc="int64 elements this rank sends that peer in the ids round (per peer)"),
+    )
 )
-STATUS, TABLES, COUNT = range(len(COLUMNS))
+COLUMNS = HEADER.columns
 OK, REFUSED = 0, 1
 
 
@@ -43,9 +39,9 @@ def tables_key(descriptions: Sequence[str]) -> int:
 def rows_to_peers(status: int, key: int, counts: Sequence[int]) -> torch.Tensor:
     """This rank's rows of the sizes round, one per peer: ``[P, len(COLUMNS)]`` int64."""
     out = torch.empty(len(counts), len(COLUMNS), dtype=torch.int64)
-    out[:, STATUS] = status
-    out[:, TABLES] = key
-    out[:, COUNT] = torch.tensor(list(counts), dtype=torch.int64)
+    out[:, HEADER.index("status")] = status
+    out[:, HEADER.index("tables")] = key
+    out[:, HEADER.index("count")] = torch.tensor(list(counts), dtype=torch.int64)
     return out
 
 
@@ -60,18 +56,17 @@ def agree(
     every sender is OK and carries this rank's tables. Otherwise every rank raises the same ValueError: the
     first refusing rank and its ``refusal``, or, when none refused, the first rank whose tables differ from
     rank 0's, with both lists. Collective (only the error path communicates again)."""
-    status = received[:, STATUS]
-    keys = received[:, TABLES]
-    if bool((status == OK).all()) and bool((keys == keys[0]).all()):
-        counts: list[int] = received[:, COUNT].tolist()
-        return counts
+    rows: list[list[int]] = received.tolist()
+    if HEADER.all_clear(rows):
+        return HEADER.get(rows, "count")
+    keys = HEADER.get(rows, "tables")
     reasons: list[tuple[str | None, list[str]] | None] = [None] * int(received.shape[0])
     dist.all_gather_object(reasons, (refusal, list(descriptions)), group=group)
     for rank, reason in enumerate(reasons):
         assert reason is not None  # all_gather_object filled every slot
         if reason[0] is not None:
             raise ValueError(f"sharded lookup refused on rank {rank}: {reason[0]}")
-    first = next(r for r in range(len(reasons)) if int(keys[r]) != int(keys[0]))
+    first = next(r for r in range(len(reasons)) if keys[r] != keys[0])
     ours, theirs = (reasons[r] for r in (0, first))
     assert ours is not None and theirs is not None
     raise ValueError(
