@@ -249,7 +249,7 @@ def errors_worker(rank: int) -> dict[str, str]:
 
 
 # --- plan="auto" ------------------------------------------------------------------------------------------------
-AUTO_LINK = LinkModel(alpha=2e-6, beta=1e-7, gamma_sparse=0.0, gamma_dense=0.0, gamma_scatter=0.0)
+AUTO_LINK = LinkModel(alpha=2e-6, beta=1e-4, gamma_sparse=0.0, gamma_dense=0.0, gamma_scatter=0.0)
 
 
 class Auto(nn.Module):
@@ -292,6 +292,7 @@ def auto_worker(rank: int) -> dict[str, Any]:
         "tables": chosen.tables,
         "kinds": chosen.plan.kinds,
         "distinct": dict(chosen.distinct),
+        "backward": chosen.backward_seconds,
         "modules": {n: type(getattr(model, n)).__name__ for n in ("small", "big", "big2")},
         "finite": all(bool(p.isfinite().all()) for p in model.parameters()),
     }

@@ -147,3 +147,24 @@ def test_the_plan_pays_the_grouped_exchange_latency_once_and_shards_where_the_wh
         assert plan.kinds == best.kinds and plan.grouped_seconds == pytest.approx(best.grouped_seconds), n
         if want == "sparse_allreduce":
             assert plan.shared == {} and plan.entries[0].detail  # the replicated entry names its algorithm
+
+
+def test_backward_hides_the_replicated_reduction_and_not_the_exchange() -> None:
+    """With backward's compute as overlap, the replicated tables' reduction hides behind it and the sharded
+    exchange does not: the 26 tables the plan shards with no overlap stay replicated once backward is as long as
+    their reduction; the exposed time of each plan is what the model says."""
+    P, link = 4, (1.25e8, 1e-4)
+    no_ps = [k for k in KINDS if k.name != "ps"]
+    stats = [ParamStats(f"t{j}.weight", (100_000, 16), 100 / 100_000, True) for j in range(26)]
+    stats.append(ParamStats("mlp.weight", (1000, 1000), 1.0, False))
+    bare = make_plan(stats, Cluster(P, 1, *link), swap_modules=True, kinds=no_ps)
+    assert set(bare.kinds.values()) == {"sharded", "dense_allreduce"} and bare.overlap == 0
+    assert bare.exposed_seconds == pytest.approx(bare.grouped_seconds)
+    replicated = make_plan(stats, Cluster(P, 1, *link), kinds=[k for k in no_ps if k.name != "sharded"])
+    hidden = replicated.grouped_seconds
+    plan = make_plan(stats, Cluster(P, 1, *link), swap_modules=True, kinds=no_ps, overlap_seconds=hidden)
+    assert "sharded" not in plan.kinds.values() and plan.exposed_seconds == 0.0
+    pinned = make_plan(stats, Cluster(P, 1, *link), kinds=no_ps, overlap_seconds=hidden,
+                       overrides={s.name: "sharded" for s in stats if s.sparse})  # fmt: skip
+    exchange = pinned.shared["sharded"] + sum(e.seconds for e in pinned.entries if e.placement == "sharded")
+    assert pinned.exposed_seconds == pytest.approx(exchange)  # the MLP's allreduce hides, the exchange does not

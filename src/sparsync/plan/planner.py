@@ -75,6 +75,10 @@ class Plan:
     # kind -> the time its entries share per step (``PlacementKind.shared_seconds``: one grouped exchange), for
     # the kinds the plan uses; the entries' own seconds leave it out
     shared: Mapping[str, float] = field(default_factory=dict)
+    # compute time per step during which the replicated kinds' reduction runs beside backward
+    # (``DistributedOptimizer``'s reduction during backward); the kinds with a shared time (the sharded tables'
+    # exchange, on the caller's thread) run on the step's path and hide behind nothing
+    overlap: float = 0.0
 
     @property
     def bytes_per_machine(self) -> float:
@@ -110,6 +114,14 @@ class Plan:
     @property
     def shared_total(self) -> float:
         return sum(self.shared.values())
+
+    @property
+    def exposed_seconds(self) -> float:
+        """``grouped_seconds`` as the step sees it: the replicated part less the ``overlap`` it hides behind (not
+        below zero), plus the exchange's part (the kinds in ``shared``: their entries and their shared time)
+        whole. Equals ``grouped_seconds`` with no overlap."""
+        own = self.shared_total + sum(e.seconds for e in self.entries if e.placement in self.shared)
+        return max(0.0, self.grouped_seconds - own - self.overlap) + own
 
     @property
     def fused_seconds(self) -> float:
@@ -177,6 +189,7 @@ class Plan:
             "bytes_per_machine": self.bytes_per_machine,
             "seconds": self.seconds,
             "shared": dict(self.shared),
+            "overlap": self.overlap,
             "entries": [
                 {**e.__dict__, "candidates": {k: list(v) for k, v in e.candidates.items()}} for e in self.entries
             ],
@@ -225,11 +238,14 @@ def make_plan(
     sketch: SparseSketch | None = None,
     kinds: Iterable[PlacementKind] = KINDS,
     swap_modules: bool = False,
+    overlap_seconds: float = 0.0,
 ) -> Plan:
     """Choose each parameter's placement among ``kinds`` (default: the registered ones) by predicted time
     (lossless kinds unless ``allow_lossy``; kinds that swap their module, ``sharded``, only with
     ``swap_modules``: the caller then swaps them, as ``sparsync.shard`` does); ``overrides`` maps parameter names
-    to a kind and wins over the model."""
+    to a kind and wins over the model. ``overlap_seconds``: backward's compute per step, behind which the
+    replicated kinds' reduction runs and the sharded exchange does not (``Plan.overlap``: the kinds with a
+    shared time are kept only where the step's exposed time, ``Plan.exposed_seconds``, is less with them)."""
     kinds = tuple(kinds)
     swapping = {k.name for k in kinds if k.swaps_module}
     unswapped = tuple(k for k in kinds if not k.swaps_module)
@@ -259,7 +275,8 @@ def make_plan(
                   machine_row_fraction(s, cluster.procs_per_machine) if s.sparse else 1.0, pl,
                   cand[pl][0], cand[pl][1], cand, s.name in overrides, est[pl].detail, s.itemsize)
         )  # fmt: skip
-    plan = Plan(cluster, tuple(entries), sketch if sketch is not None else SparseSketch(ratio=sketch_ratio))
+    sk = sketch if sketch is not None else SparseSketch(ratio=sketch_ratio)
+    plan = Plan(cluster, tuple(entries), sk, overlap=overlap_seconds)
     for kind in kinds:
         fixed = kind.shared_seconds(cluster)
         if fixed > 0:
@@ -279,13 +296,13 @@ def _pay_once(
     allowed: Callable[[str], bool],
     details: Mapping[str, Mapping[str, str]],
 ) -> Plan:
-    """The entries chosen for ``kind`` (each by its own time there, which leaves out the ``fixed`` time they
-    share) kept there only where the whole step is faster so: plans priced whole, the latency of the kind's
-    grouped exchange once and the replicated tables as ``grouped_seconds`` sends them (one grouped call, whose
-    latency they share too). First all of them or none; then, one at a time from the one that saves least, each
-    moved to its best other candidate if that makes the step faster (a small table read whole costs fewer
-    bytes in the replicated group). A greedy pass, not a search over every subset. Overridden entries stay,
-    and pay ``fixed`` anyway."""
+    """The entries chosen for ``kind`` (each by its own time there, which leaves out the ``fixed`` time they share)
+    kept there only where the whole step is faster so: plans priced whole, the latency of the kind's grouped
+    exchange once and the replicated tables as ``grouped_seconds`` sends them (one grouped call, whose latency they
+    share too), less what hides behind backward (``Plan.exposed_seconds``). First all of them or none; then, one at
+    a time from the one that saves least, each moved to its best other candidate if that makes the step faster (a
+    small table read whole costs fewer bytes in the replicated group). A greedy pass, not a search over every
+    subset. Overridden entries stay, and pay ``fixed`` anyway."""
     chosen = [e for e in plan.entries if e.placement == kind]
     if not chosen:
         return plan
@@ -307,10 +324,10 @@ def _pay_once(
     best = moved(plan, set())
     for name in sorted(alternative, key=lambda n: _saving(plan, n, alternative[n])):
         trial = moved(best, {name})
-        if trial.grouped_seconds < best.grouped_seconds:
+        if trial.exposed_seconds < best.exposed_seconds:
             best = trial
     without = moved(plan, set(alternative))
-    return without if without.grouped_seconds <= best.grouped_seconds else best
+    return without if without.exposed_seconds <= best.exposed_seconds else best
 
 
 def _saving(plan: Plan, name: str, alternative: str) -> float:

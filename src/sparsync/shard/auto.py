@@ -3,8 +3,11 @@ fastest, from statistics measured on a sample batch and the link measured on the
 placement by measured sparsity, with the sharded kind beside its two allreduce kinds).
 
 What is measured, per ``nn.Embedding`` / ``nn.EmbeddingBag`` of the model, by one forward of ``model(*sample)``
-without gradients on every rank: u_t(B), the distinct rows the rank's batch reads, and u_t(P·B), the distinct
-rows of all ranks' batches together (the union the replicated tables' sparse allreduce carries). The link: the
+on every rank: u_t(B), the distinct rows the rank's batch reads, and u_t(P·B), the distinct rows of all ranks'
+batches together (the union the replicated tables' sparse allreduce carries); and the time of one backward
+from the sum of the outputs (the gradients it leaves are put back as they were), the slowest rank's: the compute
+behind which ``DistributedOptimizer`` reduces the replicated tables while the sharded tables' exchange, on the
+caller's thread, hides behind nothing (``make_plan(overlap_seconds=...)``). The link: the
 group's link model when one is set (``set_link``, ``set_deterministic``), else ``measure_link`` on the group,
 kept as the group's model so that "auto" in the optimizer's reductions does not measure it again.
 
@@ -20,6 +23,7 @@ model is agreed, so every rank prices the same numbers.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +49,7 @@ class AutoPlan:
     plan: Plan
     distinct: Mapping[str, tuple[float, int]]  # module name -> (u(B) mean over the ranks, u(P·B))
     stats: tuple[ParamStats, ...]  # what the plan priced, to price another plan on the same cluster
+    backward_seconds: float  # the sample's backward, the slowest rank's (the plan's overlap)
 
     @property
     def tables(self) -> dict[str, str]:
@@ -61,15 +66,19 @@ def auto_plan(
     group: dist.ProcessGroup,
     *,
     link: LinkModel | None = None,
+    backward_seconds: float | None = None,
 ) -> AutoPlan:
     """Measure and plan (module doc). ``sample``: positional arguments of one ``model(*sample)`` call, this rank's
     batch (it runs once, without gradients; the model is not changed). ``link``: price with this model instead
-    of the group's. Collective over ``group``. Raises ValueError when the model has no embedding table."""
+    of the group's. ``backward_seconds``: the overlap to price with instead of the measured backward. Collective
+    over ``group``. Raises ValueError when the model has no embedding table."""
     tables = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
     if not tables:
         raise ValueError("plan='auto': the model has no nn.Embedding or nn.EmbeddingBag to place")
-    seen = _distinct_ids(model, tables, sample)
+    seen, backward = _distinct_ids(model, tables, sample)
     P = dist.get_world_size(group)
+    slowest = torch.tensor([backward if backward_seconds is None else backward_seconds], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     mine = torch.tensor([float(seen[n].numel()) for n in tables], dtype=torch.float64)
     dist.all_reduce(mine, group=group)
     unions = _union_sizes([seen[n] for n in tables], group)
@@ -90,35 +99,63 @@ def auto_plan(
         state = link_state(group)
         link = state.link if state.link is not None else measure_link(group)
         state.link = link
-    plan = make_plan(stats, Cluster(P, measured=link), swap_modules=True,
+    plan = make_plan(stats, Cluster(P, measured=link), swap_modules=True, overlap_seconds=float(slowest),
                      kinds=[KINDS.entry(k) for k in AUTO_KINDS])  # fmt: skip
-    return AutoPlan(plan, distinct, tuple(stats))
+    return AutoPlan(plan, distinct, tuple(stats), float(slowest))
 
 
 def _weight_name(module: str) -> str:
     return f"{module}.weight" if module else "weight"
 
 
-def _distinct_ids(model: nn.Module, tables: Mapping[str, nn.Module], sample: Sequence[Any]) -> dict[str, Any]:
-    """Per table module, the distinct ids its calls read in one ``model(*sample)``."""
+def _distinct_ids(
+    model: nn.Module, tables: Mapping[str, nn.Module], sample: Sequence[Any]
+) -> tuple[dict[str, torch.Tensor], float]:
+    """Per table module, the distinct ids its calls read in one ``model(*sample)``; and the seconds of one backward
+    from the sum of the outputs (0 when no output needs a gradient), the parameters' ``.grad`` put back as they
+    were."""
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in tables}
 
     def hook(name: str) -> Any:
         def record(m: nn.Module, args: tuple[Any, ...]) -> None:
             del m
             if args and isinstance(args[0], torch.Tensor):
-                seen[name].append(args[0].reshape(-1))
+                seen[name].append(args[0].detach().reshape(-1))
 
         return record
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in tables.items()]
     try:
-        with torch.no_grad():
-            model(*sample)
+        out = model(*sample)
     finally:
         for h in handles:
             h.remove()
-    return {n: torch.unique(torch.cat(v)) if v else torch.empty(0, dtype=torch.int64) for n, v in seen.items()}
+    ids = {n: torch.unique(torch.cat(v)) if v else torch.empty(0, dtype=torch.int64) for n, v in seen.items()}
+    return ids, _backward_seconds(model, out)
+
+
+def _backward_seconds(model: nn.Module, out: Any) -> float:
+    leaves = [t for t in _tensors(out) if t.requires_grad]
+    if not leaves:
+        return 0.0
+    params = [p for p in model.parameters() if p.requires_grad]
+    kept = [p.grad for p in params]
+    t0 = time.perf_counter()
+    torch.autograd.backward([t.sum() for t in leaves])
+    seconds = time.perf_counter() - t0
+    for p, g in zip(params, kept, strict=True):
+        p.grad = g
+    return seconds
+
+
+def _tensors(out: Any) -> list[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, Mapping):
+        return [t for v in out.values() for t in _tensors(v)]
+    if isinstance(out, list | tuple):
+        return [t for v in out for t in _tensors(v)]
+    return []
 
 
 def _union_sizes(ids: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[int]:
