@@ -167,8 +167,10 @@ def summary_lines(res: list[dict[str, Any]], cfg: TablesConfig) -> Iterator[str]
         "the exchange's rounds on the step's path"
     )
     agree = "the plan chose it" if won == plan_says else f"the plan chose {plan_says}"
+    fewer = sent[won] < sent[lost]
+    ratio = sent[lost] / max(sent[won], 1e-12) if fewer else sent[won] / max(sent[lost], 1e-12)
     yield (
-        f"{won} won: {step[lost] / step[won]:.2f}x faster than {lost}, {sent[lost] / max(sent[won], 1e-12):.2f}x "
-        f"{'fewer' if sent[won] < sent[lost] else 'more'} bytes ({why}); {agree}. Losses equal to "
+        f"{won} won: {step[lost] / step[won]:.2f}x faster than {lost}, with {ratio:.2f}x "
+        f"{'fewer' if fewer else 'more'} bytes ({why}); {agree}. Losses equal to "
         f"{abs(loss['sharded'] - loss['replicated']):.1e} (the same SGD steps, summed in another order)"
     )

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.profiler import ProfilerActivity, profile, schedule
 
 from sparsync_bench.dlrm import DLRM
 
@@ -186,6 +187,7 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
     wire = _WireCount(rank, P)
     wire.install()
     times, losses = [], []
+    profile = _profiler(rank, warmup, steps)
     for s in range(steps):
         sl = slice(s * batch, (s + 1) * batch)
         kjt = _kjt(model.keys, shard["sparse"][sl])
@@ -197,6 +199,10 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
         opt.step()
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
+        if profile is not None:
+            profile.step()
+    if profile is not None:
+        profile.stop()
     t = torch.tensor([statistics.median(times[warmup:])], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     mean_tail = torch.tensor([statistics.fmean(losses[-tail:])], dtype=torch.float64)
@@ -212,6 +218,29 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
     return {"step_s": float(t), "bytes_per_step": sent, "loss": float(mean_tail) / P, "first_loss": losses[0],
             "sharding": shards, "torchrec": getattr(torchrec, "__version__", "?"),
             "torch": torch.__version__}  # fmt: skip
+
+
+PROFILE_ENV = "SPARSYNC_TORCHREC_PROFILE"  # a directory: rank 0's torch.profiler table of the timed steps
+
+
+def _profiler(rank: int, warmup: int, steps: int) -> Any:
+    """With ``PROFILE_ENV`` set, on rank 0: a started ``torch.profiler`` over the steps after ``warmup`` that
+    writes its operator table (self CPU time, the top 40) to ``<dir>/torchrec_rank0.txt`` when they end; else
+    None. The profiler slows the steps it records: a profiled run's times are not the benchmark's."""
+    directory = os.environ.get(PROFILE_ENV, "")
+    if not directory or rank != 0:
+        return None
+
+    def write(prof: Any) -> None:
+        os.makedirs(directory, exist_ok=True)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+        with open(os.path.join(directory, "torchrec_rank0.txt"), "w") as f:
+            f.write(table)
+
+    p = profile(activities=[ProfilerActivity.CPU], on_trace_ready=write,
+                schedule=schedule(wait=warmup, warmup=1, active=max(1, steps - warmup - 1), repeat=1))  # fmt: skip
+    p.start()
+    return p
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,58 @@
+"""The sharded-embeddings issue's grid in one table: per point (P, samples per rank, link) each method's ms per
+step, the tables `sparsync_auto` sharded, auto's step against the best of the others and against torchrec's, and
+the tables' bytes against torchrec's, from `sparsync bench dlrm` JSON files named
+``<prefix>_p<P>_b<B>_<net>.json`` (the commands in docs/sharding.md).
+
+    .venv/bin/python scripts/dlrm_grid_table.py docs/data/dlrm_grid2 --out docs/data/dlrm_grid2_table.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+METHODS = ("torch_ddp_sparse", "sparsync", "sparsync_sharded", "sparsync_auto", "torchrec_tw")
+OURS = ("sparsync", "sparsync_sharded")  # auto's two single placements
+
+
+def rows_for(prefix: str) -> list[str]:
+    out = [
+        "| P | samples | link | " + " | ".join(f"{m} ms" for m in METHODS)
+        + " | auto sharded | auto vs best single | torchrec rate / auto rate | auto table MB / torchrec's |",
+        "|" + "---|" * (len(METHODS) + 7),
+    ]  # fmt: skip
+    for P in (4, 8):
+        for B in (128, 512):
+            for net in ("loopback", "1gbit"):
+                path = Path(f"{prefix}_p{P}_b{B}_{net}.json")
+                if not path.exists():
+                    continue
+                rows = {r["method"]: r for r in json.loads(path.read_text())["rows"]}
+                ms = {m: rows[m]["step_s"] * 1e3 for m in METHODS if rows.get(m, {}).get("step_s")}
+                auto = rows["sparsync_auto"]
+                best = min(ms[m] for m in OURS)
+                tr = rows["torchrec_tw"]
+                cells = [f"{ms[m]:.1f}" if m in ms else "-" for m in METHODS]
+                out.append(
+                    f"| {P} | {B} | {net} | " + " | ".join(cells)
+                    + f" | {auto['tables_sharded']} of 26 | {ms['sparsync_auto'] / best:.2f}x"
+                    f" | {ms['sparsync_auto'] / ms['torchrec_tw']:.2f}"
+                    f" | {auto['table_bytes_per_step'] / tr['table_bytes_per_step']:.2f} |"
+                )  # fmt: skip
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("prefix", help="path prefix of the JSON files, e.g. docs/data/dlrm_grid2")
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    text = "\n".join(rows_for(a.prefix)) + "\n"
+    print(text, end="")
+    if a.out is not None:
+        a.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
