@@ -24,9 +24,8 @@ import torch.distributed as dist
 from torch import nn
 
 import sparsync
-from sparsync.plan import KINDS, make_plan
 from sparsync.record import CommLog, workload_bytes
-from sparsync.shard import AUTO_KINDS, auto_plan
+from sparsync.shard import auto_plan
 from sparsync_bench.demo_report import block_sizes
 from sparsync_bench.interleave import Trainer, interleave
 
@@ -112,13 +111,7 @@ def worker(rank: int, cfg: TablesConfig) -> dict[str, Any]:
     """Plan, then train both placements interleaved. Collective."""
     data = batches(cfg, rank)
     choice = auto_plan(TableModel(cfg), (data[0][0],), dist.group.WORLD)  # type: ignore[arg-type]
-    kinds = [KINDS.entry(k) for k in AUTO_KINDS]
-    stats = list(choice.stats)
-    sharded = {s.name: "sharded" for s in stats if s.sparse}
-    priced = {
-        "sharded": make_plan(stats, choice.plan.cluster, overrides=sharded, kinds=kinds),
-        "replicated": make_plan(stats, choice.plan.cluster, kinds=[k for k in kinds if k.name != "sharded"]),
-    }
+    priced = {p: choice.every_table(p) for p in PLACEMENTS}
     trainers = {p: _trainer(p, cfg, data) for p in PLACEMENTS}
     out, order = interleave(trainers, [cfg.warmup, *block_sizes(cfg.steps, cfg.warmup, cfg.block)])
     return {

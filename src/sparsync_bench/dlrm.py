@@ -92,16 +92,21 @@ def dlrm_stats(
     """DLRM's parameters as the planner sees them (``sparsync plan --model dlrm``): per table the expected
     distinct rows of ``batch`` Zipf(``zipf``) lookups (one per sample, as ``criteo.write_criteo`` draws them; a
     machine's ``procs_per_machine`` ranks together for α machine), and the MLPs (``MLPS[mlps]``) dense."""
-    bottom, top = MLPS[mlps]
-    vectors = len(table_rows) + 1
-    widths = [(*bottom, dim), (dim + vectors * (vectors - 1) // 2, *top)]
-    out = [
+    tables = [
         ParamStats(f"tables.{j}.weight", (n, dim), zipf_row_fraction(n, batch, zipf), True,
                    zipf_row_fraction(n, batch * procs_per_machine, zipf))
         for j, n in enumerate(table_rows)
     ]  # fmt: skip
+    return tables + [ParamStats(name, shape, 1.0, False) for name, shape in mlp_shapes(len(table_rows), dim, mlps)]
+
+
+def mlp_shapes(tables: int, dim: int, mlps: str = "kaggle") -> list[tuple[str, tuple[int, ...]]]:
+    """(parameter name, shape) of ``DLRM``'s two MLPs (``MLPS[mlps]``) over ``tables`` tables of width ``dim``."""
+    bottom, top = MLPS[mlps]
+    vectors = tables + 1
+    widths = [(*bottom, dim), (dim + vectors * (vectors - 1) // 2, *top)]
+    out: list[tuple[str, tuple[int, ...]]] = []
     for name, sizes in zip(("bottom", "top"), widths, strict=True):
         for i, (a, b) in enumerate(itertools.pairwise(sizes)):
-            out += [ParamStats(f"{name}.{2 * i}.weight", (b, a), 1.0, False),
-                    ParamStats(f"{name}.{2 * i}.bias", (b,), 1.0, False)]  # fmt: skip
+            out += [(f"{name}.{2 * i}.weight", (b, a)), (f"{name}.{2 * i}.bias", (b,))]
     return out

@@ -16,15 +16,12 @@ A sharded model holds a part of each table per rank, so the figures the benchmar
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from sparsync.plan import KINDS, make_plan
 from sparsync.record import CommLog
-from sparsync.shard import AUTO_KINDS, ShardedTable, auto_plan, shard
+from sparsync.shard import ShardedTable, auto_plan, shard
 
 SHARD_METHODS = ("sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16")
 SHARD_OPS = ("shard_lookup", "shard_grad")  # the CommLog records of the sharded tables' exchanges
@@ -45,10 +42,7 @@ def shard_tables(
     choice = auto_plan(model, sample, dist.group.WORLD)  # type: ignore[arg-type]
     plan = choice.plan
     if method != "sparsync_auto":
-        half = method == "sparsync_sharded_bf16"
-        stats = [dataclasses.replace(s, itemsize=2) if half and s.sparse else s for s in choice.stats]
-        everything = {s.name: "sharded" for s in stats if s.sparse}
-        plan = make_plan(stats, plan.cluster, overrides=everything, kinds=[KINDS.entry(k) for k in AUTO_KINDS])
+        plan = choice.every_table("sharded", itemsize=2 if method == "sparsync_sharded_bf16" else None)
     kinds = {n.removesuffix(".weight"): k for n, k in plan.kinds.items() if n.startswith("tables.")}
     tables = {n: "sharded" if k == "sharded" else "replicated" for n, k in kinds.items()}
     shard(model, tables, log=log, rows="bf16" if method == "sparsync_sharded_bf16" else None)

@@ -47,6 +47,7 @@ only float rounding separates them; DCT's lossy MLP gradients may move it).
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -68,7 +69,7 @@ from sparsync.record import CommLog, workload_bytes
 from sparsync.shard import ShardedTable
 from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows, write_criteo
 from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
-from sparsync_bench.dlrm import DLRM, MLPS, dlrm_stats
+from sparsync_bench.dlrm import DLRM, MLPS, mlp_shapes
 from sparsync_bench.dlrm_shard import SHARD_METHODS, SHARD_OPS, shard_tables, table_figures
 from sparsync_bench.fmt import MISSING, markdown_table, mb, ms, times, unavailable_row
 from sparsync_bench.hybrid import ps_remote_bytes
@@ -146,10 +147,8 @@ def _model(cfg: DlrmBenchConfig, sparse: bool) -> DLRM:
 
 
 def _mlp_bytes(cfg: DlrmBenchConfig) -> int:
-    """Bytes of the MLPs' parameters (fp32), from the model's description (``dlrm_stats``)."""
-    return sum(
-        4 * s.numel for s in dlrm_stats(table_rows(cfg.max_rows), cfg.dim, cfg.batch, cfg.mlp) if not s.sparse
-    )
+    """Bytes of the MLPs' parameters (fp32), from the model's description (``mlp_shapes``)."""
+    return sum(4 * math.prod(shape) for _, shape in mlp_shapes(len(table_rows(cfg.max_rows)), cfg.dim, cfg.mlp))
 
 
 def _ddp_bytes(model: DLRM, rows: list[list[int]], rank: int, sparse: bool) -> WireBytes:
@@ -292,6 +291,7 @@ def worker(
 ) -> list[dict[str, Any]]:
     P = dist.get_world_size()
     shard = _shard(data, rank, P, cfg)
+    mlp_sent = ring_allreduce_bytes(_mlp_bytes(cfg), P).sent
     out = []
     for m in cfg.methods:
         if m in TORCHREC_METHODS:
@@ -300,7 +300,7 @@ def worker(
             row = _train(m, cfg, shard, rank, P, addresses)
         row["world_size"] = P
         if row.get("bytes_per_step") is not None:  # the MLPs' part, which every method sends the same way
-            row["dense_bytes_per_step"] = ring_allreduce_bytes(_mlp_bytes(cfg), P).sent
+            row["dense_bytes_per_step"] = mlp_sent
             row["table_bytes_per_step"] = row["bytes_per_step"] - row["dense_bytes_per_step"]
         out.append(row)
         if rank == 0 and row.get("unavailable"):

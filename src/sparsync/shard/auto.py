@@ -23,6 +23,7 @@ model is agreed, so every rank prices the same numbers.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from torch import nn
 from sparsync.collectives.calibrate import measure_link
 from sparsync.collectives.group import link_state
 from sparsync.costmodel import LinkModel
+from sparsync.placement.embeddings import rows_of_input
 from sparsync.plan import KINDS, Cluster, ParamStats, Plan, make_plan
 
 AUTO_KINDS = ("dense_allreduce", "sparse_allreduce", "sharded")  # lossless, and no process beside the ranks
@@ -58,6 +60,21 @@ class AutoPlan:
             name: "sharded" if self.plan.placement(_weight_name(name)) == "sharded" else "replicated"
             for name in self.distinct
         }
+
+    def every_table(self, placement: str, *, itemsize: int | None = None) -> Plan:
+        """The plan with every table ``"sharded"``, or ``"replicated"`` (each on its best replicated kind), priced
+        on the same statistics, cluster and overlap, for comparing with ``plan``. ``itemsize``: the tables'
+        bytes per value on the wire instead of their own (2 for ``rows="bf16"``)."""
+        stats = [dataclasses.replace(s, itemsize=itemsize) if itemsize and s.sparse else s for s in self.stats]
+        kinds = [KINDS.entry(k) for k in AUTO_KINDS]
+        if placement == "sharded":
+            pinned = {s.name: "sharded" for s in stats if s.sparse}
+            return make_plan(stats, self.plan.cluster, overrides=pinned, kinds=kinds,
+                             overlap_seconds=self.backward_seconds)  # fmt: skip
+        if placement == "replicated":
+            return make_plan(stats, self.plan.cluster, kinds=[k for k in kinds if k.name != "sharded"],
+                             overlap_seconds=self.backward_seconds)  # fmt: skip
+        raise ValueError(f"placement must be 'sharded' or 'replicated', got {placement!r}")
 
 
 def auto_plan(
@@ -118,9 +135,8 @@ def _distinct_ids(
 
     def hook(name: str) -> Any:
         def record(m: nn.Module, args: tuple[Any, ...]) -> None:
-            del m
             if args and isinstance(args[0], torch.Tensor):
-                seen[name].append(args[0].detach().reshape(-1))
+                seen[name].append(rows_of_input(m, args))
 
         return record
 

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from sparsync.collectives.timeline import tracer
+from sparsync.collectives.trace import scope
 from sparsync.collectives.traffic import Traffic
 from sparsync.record import CommLog, CommRecord
 from sparsync.shard import header
@@ -209,22 +210,20 @@ class Exchanger:
     def all_to_all(
         self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], phase: str, tally: Traffic
     ) -> torch.Tensor:
-        """``dist.all_to_all_single`` with split sizes (elements); counts what crossed to other ranks."""
-        t0 = time.perf_counter()
-        if self.size == 1:
-            out = send
-        else:
-            out = send.new_empty(sum(recv_sizes))
-            dist.all_to_all_single(out, send.contiguous(), recv_sizes, send_sizes, group=self.group)
+        """``dist.all_to_all_single`` with split sizes (elements); counts what crossed to other ranks. Each round
+        is a ``trace.scope`` (``shard:<phase>``: a profiler range, and an event on the rank's timeline)."""
         w = send.element_size()
         sent = w * (sum(send_sizes) - send_sizes[self.rank])
+        t0 = time.perf_counter()
+        with scope(tracer(), "shard", f"shard:{phase}", bytes=sent):
+            if self.size == 1:
+                out = send
+            else:
+                out = send.new_empty(sum(recv_sizes))
+                dist.all_to_all_single(out, send.contiguous(), recv_sizes, send_sizes, group=self.group)
         tally.add(sent, w * (sum(recv_sizes) - recv_sizes[self.rank]), self.size - 1)
         tally.phase_bytes[phase] = tally.phase_bytes.get(phase, 0) + sent
-        t1 = time.perf_counter()
-        tally.phases[phase] = tally.phases.get(phase, 0.0) + t1 - t0
-        timeline = tracer()
-        if timeline is not None:  # each round on the rank's timeline (SPARSYNC_TRACE), on the caller's thread
-            timeline.complete(f"shard:{phase}", "shard", t0, t1, {"bytes": sent})
+        tally.phases[phase] = tally.phases.get(phase, 0.0) + time.perf_counter() - t0
         return out
 
     def record(self, op: str, tally: Traffic, t0: float, *, nnz_in: int, nnz_out: int) -> None:
