@@ -18,7 +18,7 @@ import torch
 from sparsync import launch
 from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
 from sparsync.shard import AUTO_KINDS, Ownership
-from sparsync.shard.transfer import init_rows
+from sparsync.shard.transfer import INIT_BLOCK, init_rows
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 TOL = 1e-12  # float64 on both sides: only the order of the sums over ranks differs
@@ -141,6 +141,13 @@ def test_a_table_on_the_meta_device_is_drawn_in_shards_and_is_the_same_table_at_
     assert float(ref["big.weight"][2].abs().sum()) == 0 and float(ref["big.weight"].std()) == pytest.approx(
         1, abs=0.02
     )
+    # the documented rule, written out here: block b of 65,536 rows from a generator seeded by (seed, b)
+    seeded = [torch.Generator().manual_seed(7 * 1_000_003 + b) for b in range(-(-rows // INIT_BLOCK))]
+    blocks = [torch.randn(min(INIT_BLOCK, rows - start), 3, generator=g)
+              for g, start in zip(seeded, range(0, rows, INIT_BLOCK), strict=True)]  # fmt: skip
+    want = torch.cat(blocks)
+    want[2] = 0  # padding_idx
+    assert torch.equal(ref["big.weight"], want)
     res = launch(sw.meta_worker, nprocs=3)
     assert set(res[0]["whole"]) == set(ref) and all(torch.equal(res[0]["whole"][k], ref[k]) for k in ref)
     assert all(r["whole"] == {} for r in res[1:])  # the whole tables on rank 0 only
