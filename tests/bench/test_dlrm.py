@@ -162,21 +162,25 @@ def test_parameter_server_methods_train_to_the_same_loss(tmp_path: Path) -> None
 
 def _shard_exchange_bytes(cfg: Any, data: Any, P: int) -> float:
     """What rank 0 sends per step in the exchanges of every table sharded (docs/sharding.md's rounds), from the
-    samples alone: the sizes round, its ids to the other owners (with a count per table and peer), the rows it
-    serves the other ranks, and one gradient row per distinct id owned elsewhere."""
+    samples alone: its blocks of ids to the other owners (a 4-word header, a count per table, the distinct ids
+    that owner owns, zero-padded to the capacity that the last step's widest count set: ``shard.header``), the
+    rows it serves the other ranks, and one gradient row per distinct id owned elsewhere."""
+    from sparsync.shard.header import capacity_after
     from sparsync_bench.dlrm_train import _shard
 
     batches = [_shard(data, i, P, cfg).sparse for i in range(P)]
     tables, row = batches[0].shape[1], 4 * cfg.dim
-    total = 0
+    total, capacity = 0, 0
     for s in range(cfg.steps):
         ids = [b[s * cfg.batch : (s + 1) * cfg.batch] for b in batches]
-        total += 24 * (P - 1) + 8 * tables * (P - 1)
+        distinct = [[torch.unique(x[:, t]) for t in range(tables)] for x in ids]
+        counts = [[tables + sum(int((d % P == j).sum()) for d in mine) for j in range(P)] for mine in distinct]
+        total += 8 * 4 * (P - 1) + sum(8 * max(capacity, counts[0][j]) for j in range(1, P))
         for t in range(tables):
-            mine = torch.unique(ids[0][:, t])
-            elsewhere = int((mine % P != 0).sum())
-            served = sum(int((torch.unique(ids[i][:, t]) % P == 0).sum()) for i in range(1, P))
-            total += (8 + row) * elsewhere + row * served
+            elsewhere = int((distinct[0][t] % P != 0).sum())
+            served = sum(int((distinct[i][t] % P == 0).sum()) for i in range(1, P))
+            total += row * elsewhere + row * served
+        capacity = capacity_after(max(max(c) for c in counts))
     return total / cfg.steps
 
 

@@ -141,10 +141,11 @@ def test_the_flight_recorder_labels_rows_by_their_layout() -> None:
 
 
 def test_the_sharded_lookup_header_is_a_schema_too() -> None:
-    assert HEADER.names == ("status", "tables", "count")
-    rows = [[0, 7, 3], [0, 7, 5]]
+    assert HEADER.names == ("status", "tables", "count", "widest")
+    rows = [[0, 7, 3, 4], [0, 7, 5, 9]]
     assert HEADER.all_clear(rows) and HEADER.get(rows, "count") == [3, 5]
-    assert not HEADER.all_clear([[0, 7, 3], [1, 7, 5]]) and not HEADER.all_clear([[0, 7, 3], [0, 8, 5]])
+    assert not HEADER.all_clear([[0, 7, 3, 4], [1, 7, 5, 5]])
+    assert not HEADER.all_clear([[0, 7, 3, 3], [0, 8, 5, 5]])
 
 
 DUMP = re.compile(r"flight recorder: the last calls of rank (\d+) are in (\S+)")

@@ -137,6 +137,8 @@ def exact_worker(rank: int) -> dict[str, Any]:
             "errors": errors,
             "identical": identical,
             "ops": [r.op for r in log.records],
+            # all-to-all rounds of each step's lookup: the ids (one, or two when a pair overflowed), the rows
+            "rounds": [r.messages // max(P - 1, 1) for r in log.records if r.op == "shard_lookup"],
             "plain": all(type(v) is torch.Tensor for v in got.values()),
         }
     out["mixed"] = mixed_case(rank, P)
@@ -152,7 +154,7 @@ def _bytes_as_counted(log: CommLog, model: nn.Module, rank: int, P: int) -> list
     return [
         (lookup.phase_bytes["ids"], 8 * (len(SPECS) * (P - 1) + sum(elsewhere.values()))),
         (grad.bytes_sent, 8 * sum(n * dims[name] for name, n in elsewhere.items())),
-        (lookup.phase_bytes["sizes"], 8 * 3 * (P - 1)),
+        (lookup.phase_bytes["header"], 8 * 4 * (P - 1)),  # a 4-word header row to each peer
     ]
 
 

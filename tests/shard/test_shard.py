@@ -33,6 +33,9 @@ def test_sharded_tables_equal_one_float64_process(P: int) -> None:
             assert r["identical"] == [True], (P, rank, opt)  # the pooled outputs equal torch's, bit for bit
             # all seven tables in one exchange per direction and step
             assert r["ops"] == ["shard_lookup", "shard_grad"] * sw.STEPS, r["ops"]
+            if P > 1:  # the first step's ids overflow capacity 0; later steps' fit, except the one with every id
+                # on one owner, wider than any before it (both paths of the ids round, header.py)
+                assert r["rounds"][0] == 3 and 2 in r["rounds"], r["rounds"]
             assert r["plain"]  # model(x) hands back tensors
             assert all(got == want for got, want in r["bytes"]), r["bytes"]  # each distinct id once, each row once
         for opt, r in res["mixed"].items():
@@ -118,9 +121,8 @@ def test_rows_in_bf16_or_fp16_halve_the_rows_bytes_and_stay_near_fp32() -> None:
             low = r[rows]
             assert low["phases"]["rows"] * 2 == fp32["phases"]["rows"], rows
             assert low["phases"]["grads"] * 2 == fp32["phases"]["grads"], rows
-            assert (
-                low["phases"]["ids"] == fp32["phases"]["ids"] and low["phases"]["sizes"] == fp32["phases"]["sizes"]
-            )
+            for phase in ("ids", "header", "padding"):  # the ids travel alike
+                assert low["phases"][phase] == fp32["phases"][phase], (rows, phase)
             assert low["losses"] == pytest.approx(fp32["losses"], rel=5e-3), rows
             diffs = [float((a - b).abs().max()) for a, b in zip(low["shards"], fp32["shards"], strict=True)]
             scale = max(float(b.abs().max()) for b in fp32["shards"])

@@ -12,7 +12,9 @@ from torch import nn
 from sparsync.placement import NamedParam, ReduceEnv, Sharded, placement_of
 from sparsync.placement.sharded import mark
 from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
+from sparsync.plan.kinds import ID_WIRE_BYTES
 from sparsync.shard import LazyLookup, Ownership, plan_of
+from sparsync.shard.header import MARGIN
 from sparsync.shard.route import dedupe, ids_payload, parse_requests
 
 
@@ -99,11 +101,12 @@ def test_the_sharded_kind_prices_the_issue_formula_and_is_chosen_only_where_modu
     s = ParamStats("t.weight", (rows, D), u / rows, True)
     est = KINDS.entry("sharded").estimate(s, Cluster(P, 1, 1.25e8, 1e-4), sketch=None)  # type: ignore[arg-type]
     assert est is not None
-    one_way = (P - 1) / P * u * (8 + 8 * D)  # f·u·(8 + 8D): ids out, rows in, gradient rows out (fp32)
+    one_way = (P - 1) / P * u * (10 + 8 * D)  # f·u·(i + 8D): ids out, rows in, gradient rows out (fp32)
+    assert ID_WIRE_BYTES == 8 * MARGIN  # i: an int64 id, in blocks padded to MARGIN x the widest count
     assert est.nbytes == pytest.approx(2 * one_way)  # and as much served to the others
     assert est.seconds == pytest.approx(one_way / 1.25e8)  # a table adds its bytes' time
-    # the four all-to-all rounds' latency, shared by every sharded table of the step's one exchange
-    assert KINDS.entry("sharded").shared_seconds(Cluster(P, 1, 1.25e8, 1e-4)) == pytest.approx(4 * (P - 1) * 1e-4)
+    # the three all-to-all rounds' latency, shared by every sharded table of the step's one exchange
+    assert KINDS.entry("sharded").shared_seconds(Cluster(P, 1, 1.25e8, 1e-4)) == pytest.approx(3 * (P - 1) * 1e-4)
     assert KINDS.entry("sharded").estimate(s, Cluster(1), sketch=None) is None  # type: ignore[arg-type]
     assert not KINDS.entry("sharded").lossy
     stats = [s, ParamStats("fc.weight", (64, 64), 1.0, False)]

@@ -160,18 +160,25 @@ class ParameterServerKind(PlacementKind):
         return options.servers
 
 
+ROUNDS = 3  # all-to-all rounds of a sharded step (``shard.exchange``): ids, rows; gradient rows
+# i, an id's bytes on the wire: an int64 in a block padded to 1.25x the widest count (``shard.header.MARGIN``)
+ID_WIRE_BYTES = 10.0
+
+
 class ShardedKind(PlacementKind):
     """Rows owned by the ranks (``sparsync.shard``): each rank sends each of its u distinct ids once to the
     owner, receives each row once and pushes one gradient row per distinct id back, all in the training group.
 
-    Per rank and step the requests cost f·u·(8 + 2·w·D) bytes one way (an int64 id, a row in, a gradient row
-    out; f = (P-1)/P of them cross to another rank: the issue's f·Σ_t u_t(B)·(8 + 8D) at w = 4), and serving the
-    others' requests as much again, so sent + received per machine of m workers is 2·m·f_m·u·(8 + 2·w·D), f_m =
+    Per rank and step the requests cost f·u·(i + 2·w·D) bytes one way (an int64 id, a row in, a gradient row
+    out; f = (P-1)/P of them cross to another rank: the issue's f·Σ_t u_t(B)·(8 + 8D) at w = 4 and i = 8), and
+    serving the others' requests as much again, so sent + received per machine of m workers is
+    2·m·f_m·u·(i + 2·w·D), f_m =
     (P-m)/P the share owned off the machine. u = ``row_fraction``·rows: α is exactly the distinct rows one
-    worker reads per step over the rows, u(B)/R (``RowFractionMeter``). Time: four all-to-all rounds (sizes, ids,
-    rows; gradient rows in backward), each (P-1)·α unless the link has a measured ``alpha_a2a``, plus one
-    direction's bytes at the exchange's β. All sharded tables of a model travel in one exchange per direction
-    (``sparsync.shard``), so the four rounds' latency is the kind's ``shared_seconds``, paid once per step, and a
+    worker reads per step over the rows, u(B)/R (``RowFractionMeter``). Time: three all-to-all rounds (ids headed
+    by their counts, rows; gradient rows in backward: ``shard.exchange``), each (P-1)·α unless the link has a
+    measured ``alpha_a2a``, plus one direction's bytes at the exchange's β. All sharded tables of a model travel
+    in one exchange per direction (``sparsync.shard``), so the rounds' latency is the kind's ``shared_seconds``,
+    paid once per step, and a
     table's estimate is only its bytes' time. The owners' apply is not priced, as the parameter server's is
     not."""
 
@@ -185,14 +192,14 @@ class ShardedKind(PlacementKind):
             return None
         rows, D = s.shape[0], s.numel // s.shape[0]
         u = s.row_fraction * rows
-        nbytes = 2 * m * u * (P - m) / P * (8 + 2 * s.itemsize * D)
+        nbytes = 2 * m * u * (P - m) / P * (ID_WIRE_BYTES + 2 * s.itemsize * D)
         beta = c.link.beta_exchange if c.link.beta_exchange is not None else c.link.beta
         return Estimate(nbytes, beta * nbytes / 2)
 
     def shared_seconds(self, c: Cluster) -> float:
         P, link = c.machines * c.procs_per_machine, c.link
         a2a = link.alpha_a2a if link.alpha_a2a is not None else (P - 1) * link.alpha
-        return 4 * a2a
+        return ROUNDS * a2a
 
     def make(self, options: MakeOptions) -> Placement:
         return Sharded()

@@ -1,6 +1,6 @@
 """Sharded embedding tables inside the training group (docs/sharding.md): each rank owns the rows of a table
 whose id is its rank modulo P (``ownership``), looks rows up and pushes gradient rows in one grouped all-to-all per
-direction for all of a model's tables (``exchange``: the sizes round of ``header``, the ids of ``route``), and
+direction for all of a model's tables (``exchange``: the ids of ``route`` headed by ``header``'s row), and
 holds only its own rows (``modules``). ``sparsync.shard(model, plan=...)`` swaps a model's embedding modules
 for sharded ones (``api``), with ``plan="auto"`` where the cost model says (``auto``); ``plan_of(model)``
 gives ``DistributedOptimizer`` their placement (``Sharded``).

@@ -1,15 +1,16 @@
 """The grouped exchange of a model's sharded tables: every lookup registered since the last exchange travels in
 one all-to-all per direction, whatever the number of tables.
 
-Forward, four stages (torchrec's input dist, lookup, output dist, then the pooling):
+Forward, three stages (torchrec's input dist, lookup, output dist), then the pooling:
 
-1. sizes (``header``): one all-to-all of a 3-column row per peer: this rank's verdict on its own input, the
-   key of the tables it carries, and how many ids it sends that peer. Any refusal or mismatch: every rank
-   raises the same error here, before any payload moves.
-2. input dist (``route``): each rank's distinct ids per table, each sent once, to its owner: one all-to-all.
-3. lookup and output dist: each owner reads the asked rows of its shards and sends each requester its rows:
+1. input dist (``header``, ``route``): each rank's distinct ids per table, each sent once, to its owner, in
+   one all-to-all whose block to each peer opens with a header row: this rank's verdict on its own input, the
+   key of the tables it carries, how many ids follow. Any refusal or mismatch: every rank raises the same error
+   here, before any row moves. The blocks have a length every rank knows without a sizes round (the capacity
+   agreed from the last exchange); ids beyond it follow in a second round, run only when some pair overflowed.
+2. lookup and output dist: each owner reads the asked rows of its shards and sends each requester its rows:
    one all-to-all (``RowExchange.forward``). Each rank now holds one row per distinct id it looked up.
-4. pooling, locally: each lookup's own function (``nn.functional.embedding`` or ``embedding_bag`` on the
+3. pooling, locally: each lookup's own function (``nn.functional.embedding`` or ``embedding_bag`` on the
    gathered rows, the positions of its ids among them standing for the ids), so the pooled values are what
    torch's module computes on the whole table, bit for bit.
 
@@ -21,7 +22,8 @@ servers, §3.1, with the servers being the ranks themselves).
 
 Bytes per rank and step (``sparsync.plan.kinds.ShardedKind``): f·Σ_t u_t·(8 + 2·w·D_t) requested (ids out,
 rows in, gradient rows out; f = (P-1)/P of the ids go to another rank, u_t distinct ids of table t, w bytes per
-value), plus as much served; the sizes round adds 24·(P-1) bytes each way.
+value), plus as much served; the headers add 32·(P-1) bytes each way, and the blocks' padding the capacity less the
+count per peer (``header``: a few percent when the ranks' batches are alike).
 
 The exchange runs on the caller's group in the caller's thread, as a model's own collective (DLRM's
 all-to-all): sparsync's background work (``DistributedOptimizer``'s reductions during backward) runs on its
@@ -122,6 +124,7 @@ class Exchanger:
         self.size = dist.get_world_size(group)
         self.log = log
         self.pending: list[Lookup] = []
+        self.capacity = 0  # ids per block of the next ids round (``header``), the same on every rank
 
     def register(self, table: Table, ids: torch.Tensor, pool: Pool, refusal: str | None) -> LazyLookup:
         """Queue one call of ``table``; its output is the returned stand-in (``lazy``)."""
@@ -164,15 +167,10 @@ class Exchanger:
         if refusal is None:
             asked = [dedupe(torch.cat([lk.ids for lk in lookups if lk.table is t]), t.ownership) for t in tables]
             payload, send_sizes = ids_payload(asked, self.size)
-        # 1. sizes
-        W = len(header.COLUMNS)
-        mine = header.rows_to_peers(
-            header.OK if refusal is None else header.REFUSED, header.tables_key(descriptions), send_sizes
-        )
-        got = self.all_to_all(mine.view(-1), [W] * self.size, [W] * self.size, "sizes", tally)
-        recv_sizes = header.agree(got.view(self.size, W), self.group, refusal=refusal, descriptions=descriptions)
-        # 2. input dist
-        ids_in = self.all_to_all(payload, send_sizes, recv_sizes, "ids", tally)
+        # 1. input dist, headed by the counts (``header``): one round, a second only for what overflows
+        status = header.OK if refusal is None else header.REFUSED
+        key = header.tables_key(descriptions)
+        recv_sizes, ids_in = self._ids_round(status, key, payload, send_sizes, tally, refusal, descriptions)
         served = parse_requests(ids_in, recv_sizes, [t.ownership for t in tables])
         route = Route(
             self,
@@ -182,11 +180,11 @@ class Exchanger:
             tuple(t.shard.shape[0] for t in tables),
             tuple(_local_padding(t, self.rank) for t in tables),
         )
-        # 3. lookup and output dist (autograd's node: its backward sends the gradient rows)
+        # 2. lookup and output dist (autograd's node: its backward sends the gradient rows)
         gathered: tuple[torch.Tensor, ...] = RowExchange.apply(  # type: ignore[no-untyped-call]
             route, tally, *(t.shard for t in tables)
         )
-        # 4. pooling
+        # 3. pooling
         t_pool = time.perf_counter()
         for t, (table, a) in enumerate(zip(tables, asked, strict=True)):
             mine_ = [lk for lk in lookups if lk.table is table]
@@ -198,6 +196,37 @@ class Exchanger:
             "shard_lookup", tally, t0,
             nnz_in=sum(a.distinct.numel() for a in asked), nnz_out=sum(int(g.shape[0]) for g in gathered),
         )  # fmt: skip
+
+    def _ids_round(
+        self,
+        status: int,
+        key: int,
+        payload: torch.Tensor,
+        counts: list[int],
+        tally: Traffic,
+        refusal: str | None,
+        descriptions: list[str],
+    ) -> tuple[list[int], torch.Tensor]:
+        """The ids round (``header``'s module doc): each peer's block, the header row and up to ``capacity`` ids;
+        then, when any pair of ranks sends more, the rest in a second round. Returns the counts each peer sent
+        and every peer's ids in rank order (``route.parse_requests``' payload). Collective."""
+        P, W, C = self.size, len(header.COLUMNS), self.capacity
+        blocks = header.blocks_to_peers(status, key, payload, counts, C)
+        got = self.all_to_all(blocks.view(-1), [W + C] * P, [W + C] * P, "ids", tally).view(P, W + C)
+        recv, widest = header.agree(got, self.group, refusal=refusal, descriptions=descriptions)
+        others = [n for j, n in enumerate(counts) if j != self.rank]
+        carried = sum(min(n, C) for n in others)
+        tally.phase_bytes["header"] = tally.phase_bytes.get("header", 0) + 8 * W * (P - 1)
+        tally.phase_bytes["padding"] = tally.phase_bytes.get("padding", 0) + 8 * (C * (P - 1) - carried)
+        tally.phase_bytes["ids"] -= 8 * (W * (P - 1) + C * (P - 1) - carried)  # ids alone, as before
+        parts = [got[i, W : W + min(n, C)] for i, n in enumerate(recv)]
+        if widest > C:  # the rest, in a round every rank runs (every rank saw every sender's widest)
+            rest, rest_sizes = header.overflow(payload, counts, C)
+            beyond = [max(n - C, 0) for n in recv]
+            more = torch.split(self.all_to_all(rest, rest_sizes, beyond, "ids", tally), beyond)
+            parts = [t for pair in zip(parts, more, strict=True) for t in pair]
+        self.capacity = header.capacity_after(widest)
+        return recv, torch.cat(parts)
 
     def rows_all_to_all(
         self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], phase: str, tally: Traffic
@@ -257,7 +286,7 @@ def _flat(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
 
 
 class RowExchange(torch.autograd.Function):
-    """Stage 3 and its backward (module doc): inputs the tables' shards, outputs each table's gathered rows."""
+    """Stage 2 and its backward (module doc): inputs the tables' shards, outputs each table's gathered rows."""
 
     @staticmethod
     def forward(ctx: Any, route: Route, tally: Traffic, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -6,9 +6,9 @@ The ids payload a rank sends owner j carries every table of the exchange:
 
     [ c_0, ..., c_{T-1} | ids of table 0 owned by j | ... | ids of table T-1 owned by j ]
 
-(c_t: how many ids of table t follow). The sizes round (``header``) tells j how long it is; the T counts tell j
-where each table's ids start. Ids travel as global row ids (int64, 8 bytes, the issue's bytes formula), so the
-owner maps them to its rows itself.
+(c_t: how many ids of table t follow). The header in front of it (``header``) tells j how long it is; the T
+counts tell j where each table's ids start. Ids travel as global row ids (int64, 8 bytes, the issue's bytes
+formula), so the owner maps them to its rows itself.
 """
 
 from __future__ import annotations
