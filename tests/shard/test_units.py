@@ -15,7 +15,7 @@ from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
 from sparsync.plan.kinds import ID_WIRE_BYTES
 from sparsync.shard import LazyLookup, Ownership, plan_of
 from sparsync.shard.header import MARGIN
-from sparsync.shard.route import dedupe, ids_payload, parse_requests
+from sparsync.shard.route import dedupe, dedupe_tables, ids_payload, parse_requests
 
 
 @pytest.mark.parametrize(("rows", "P"), [(1, 1), (7, 3), (10, 5), (3, 5), (30, 3)])
@@ -57,6 +57,29 @@ def test_each_distinct_id_travels_once_to_its_owner() -> None:
             want = asked[t].distinct[own.owner(asked[t].distinct) == j]
             assert torch.equal(served.rows[t] * P + j, want)
             assert served.counts[t] == (want.numel(),)
+
+
+def test_the_batched_dedupe_equals_one_table_at_a_time() -> None:
+    """``dedupe_tables`` (one unique and one sort for all tables) against ``dedupe`` per table, over random tables,
+    empty lookups and every P of the tests."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        P = (1, 2, 3, 5, 8)[trial % 5]
+        rows = [int(torch.randint(1, 60, (1,), generator=g)) for _ in range(1 + trial % 6)]
+        ids = [torch.randint(0, r, ((0, 1, 7, 50)[(trial + k) % 4],), generator=g) for k, r in enumerate(rows)]
+        singles = [dedupe(x, Ownership(r, P)) for x, r in zip(ids, rows, strict=True)]
+        for one, batched in zip(singles, dedupe_tables(ids, P), strict=True):
+            assert torch.equal(one.distinct, batched.distinct) and torch.equal(one.positions, batched.positions)
+            assert one.per_owner == batched.per_owner
+    assert dedupe_tables([], 3) == []
+
+
+def test_an_ids_payload_whose_counts_do_not_add_up_is_refused() -> None:
+    owns = [Ownership(9, 2), Ownership(9, 2)]
+    with pytest.raises(RuntimeError, match=r"ids payloads of \[4\] elements carry counts \[\[1, 0\]\]"):
+        parse_requests(torch.tensor([1, 0, 5, 5]), [4], owns)  # one id announced, two sent
+    with pytest.raises(RuntimeError, match="an ids payload of 1 elements cannot hold the counts of 2 tables"):
+        parse_requests(torch.tensor([0]), [1], owns)
 
 
 def test_a_lazy_lookup_runs_the_exchange_at_its_first_use() -> None:

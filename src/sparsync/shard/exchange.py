@@ -48,7 +48,7 @@ from sparsync.record import CommLog, CommRecord
 from sparsync.shard import header
 from sparsync.shard.lazy import LazyLookup, resolve_all
 from sparsync.shard.ownership import Ownership
-from sparsync.shard.route import Asked, Served, dedupe, ids_payload, parse_requests
+from sparsync.shard.route import Asked, Served, dedupe_tables, ids_payload, parse_requests
 
 # ``sparsync.shard(rows=...)``: the lower precisions rows and gradient rows may travel in
 WIRE: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -165,7 +165,9 @@ class Exchanger:
         asked: list[Asked] = []
         payload, send_sizes = torch.empty(0, dtype=torch.int64), [0] * self.size
         if refusal is None:
-            asked = [dedupe(torch.cat([lk.ids for lk in lookups if lk.table is t]), t.ownership) for t in tables]
+            asked = dedupe_tables(
+                [torch.cat([lk.ids for lk in lookups if lk.table is t]) for t in tables], self.size
+            )
             payload, send_sizes = ids_payload(asked, self.size)
         # 1. input dist, headed by the counts (``header``): one round, a second only for what overflows
         status = header.OK if refusal is None else header.REFUSED
