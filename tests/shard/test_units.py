@@ -14,6 +14,7 @@ from sparsync.placement.sharded import mark
 from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
 from sparsync.plan.kinds import ID_WIRE_BYTES
 from sparsync.shard import LazyLookup, Ownership, plan_of
+from sparsync.shard.exchange import _peer_major, _table_major
 from sparsync.shard.header import MARGIN
 from sparsync.shard.route import dedupe, dedupe_tables, ids_payload, parse_requests
 
@@ -72,6 +73,21 @@ def test_the_batched_dedupe_equals_one_table_at_a_time() -> None:
             assert torch.equal(one.distinct, batched.distinct) and torch.equal(one.positions, batched.positions)
             assert one.per_owner == batched.per_owner
     assert dedupe_tables([], 3) == []
+
+
+@pytest.mark.parametrize("dims", [(4, 4, 4), (4, 2, 3)])  # one width (one sort) and several (a copy per piece)
+def test_rows_go_peer_major_for_the_wire_and_back_to_table_major(dims: tuple[int, ...]) -> None:
+    g = torch.Generator().manual_seed(5)
+    P = 3
+    counts = torch.randint(0, 4, (len(dims), P), generator=g).tolist()  # counts[t][j]: rows of table t, peer j
+    counts[1][2] = 0
+    rows = [torch.randn(sum(c), d, generator=g, dtype=torch.float64) for c, d in zip(counts, dims, strict=True)]
+    per_peer = [torch.split(r, c) for r, c in zip(rows, counts, strict=True)]
+    want = torch.cat([per_peer[t][j].reshape(-1) for j in range(P) for t in range(len(dims))])
+    flat = _peer_major(rows, counts, torch.float64)
+    assert torch.equal(flat, want)
+    back = _table_major(flat, counts, dims)
+    assert all(torch.equal(a, b) for a, b in zip(back, rows, strict=True))
 
 
 def test_an_ids_payload_whose_counts_do_not_add_up_is_refused() -> None:

@@ -287,28 +287,53 @@ def _flat(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([p.reshape(-1) for p in parts]) if parts else torch.empty(0, dtype=dtype)
 
 
+def _peer_major(rows: Sequence[torch.Tensor], counts: Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
+    """Per table ``[n_t, D_t]`` rows, peer after peer (``counts[t][j]`` of them for peer j), as one flat payload
+    peer after peer, table after table within (what an all-to-all sends). Tables of one width: one stable sort
+    by peer over all rows instead of a split and a copy per table and peer."""
+    P = len(counts[0]) if counts else 0
+    if len({r.shape[1] for r in rows}) == 1 and P:
+        peer = torch.repeat_interleave(torch.arange(P).repeat(len(rows)), torch.tensor(counts).reshape(-1))
+        return torch.cat(list(rows)).index_select(0, torch.sort(peer, stable=True).indices).reshape(-1)
+    per_peer = [torch.split(r, list(c)) for r, c in zip(rows, counts, strict=True)]
+    return _flat([per_peer[t][j] for j in range(P) for t in range(len(rows))], dtype)
+
+
+def _table_major(
+    flat: torch.Tensor, counts: Sequence[Sequence[int]], dims: Sequence[int]
+) -> tuple[torch.Tensor, ...]:
+    """``_peer_major``'s inverse: a flat payload received peer after peer, table after table within
+    (``counts[t][j]`` rows of table t from peer j), as per table ``[n_t, D_t]`` rows, peer after peer."""
+    T, P = len(dims), len(counts[0]) if counts else 0
+    totals = [sum(c) for c in counts]
+    if len(set(dims)) == 1 and P:
+        table = torch.repeat_interleave(torch.arange(T).repeat(P), torch.tensor(counts).t().reshape(-1))
+        rows = flat.view(-1, dims[0]).index_select(0, torch.sort(table, stable=True).indices)
+        return torch.split(rows, totals)
+    by_table: list[list[torch.Tensor]] = [[] for _ in range(T)]
+    widths = [sum(counts[t][j] * dims[t] for t in range(T)) for j in range(P)]
+    for j, block in enumerate(torch.split(flat, widths)):
+        for t, seg in enumerate(torch.split(block, [counts[t][j] * dims[t] for t in range(T)])):
+            by_table[t].append(seg)
+    return tuple(_flat(by_table[t], flat.dtype).view(-1, dims[t]) for t in range(T))
+
+
 class RowExchange(torch.autograd.Function):
     """Stage 2 and its backward (module doc): inputs the tables' shards, outputs each table's gathered rows."""
 
     @staticmethod
     def forward(ctx: Any, route: Route, tally: Traffic, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ex = route.exchanger
-        P, T = ex.size, len(shards)
-        dtype = shards[0].dtype
+        P, dtype = ex.size, shards[0].dtype
         # lookup: each requester's rows, table after table
         rows = [s.detach().index_select(0, r) for s, r in zip(shards, route.served.rows, strict=True)]
-        per_req = [torch.split(rows[t], list(route.served.counts[t])) for t in range(T)]
-        reply = _flat([per_req[t][i] for i in range(P) for t in range(T)], dtype)
+        reply = _peer_major(rows, route.served.counts, dtype)
         to_req, from_owner = [route.rows_to(i) for i in range(P)], [route.rows_from(j) for j in range(P)]
         got = ex.rows_all_to_all(reply, to_req, from_owner, "rows", tally)
         # output dist: owner after owner, table after table -> per table, owner after owner
-        by_table: list[list[torch.Tensor]] = [[] for _ in range(T)]
-        for j, block in enumerate(torch.split(got, [route.rows_from(j) for j in range(P)])):
-            sizes = [route.asked[t][j] * route.dims[t] for t in range(T)]
-            for t, seg in enumerate(torch.split(block, sizes)):
-                by_table[t].append(seg)
+        gathered = _table_major(got, route.asked, route.dims)
         ctx.route = route
-        return tuple(_flat(by_table[t], dtype).view(-1, route.dims[t]) for t in range(T))
+        return tuple(gathered)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -319,22 +344,17 @@ class RowExchange(torch.autograd.Function):
         t0 = time.perf_counter()
         tally = Traffic()
         # grad dist: one gradient row per distinct id, to its owner (the forward's row splits, reversed)
-        per_owner = [torch.split(grads[t], list(route.asked[t])) for t in range(T)]
-        send = _flat([per_owner[t][j] for j in range(P) for t in range(T)], dtype)
+        send = _peer_major(grads, route.asked, dtype)
         to_owner, from_req = [route.rows_from(j) for j in range(P)], [route.rows_to(i) for i in range(P)]
         got = ex.rows_all_to_all(send, to_owner, from_req, "grads", tally)
-        by_table: list[list[torch.Tensor]] = [[] for _ in range(T)]
-        for i, block in enumerate(torch.split(got, [route.rows_to(i) for i in range(P)])):
-            sizes = [route.served.counts[t][i] * route.dims[t] for t in range(T)]
-            for t, seg in enumerate(torch.split(block, sizes)):
-                by_table[t].append(seg)
+        by_table = _table_major(got, route.served.counts, route.dims)
         out: list[torch.Tensor | None] = [None, None]
         for t in range(T):
             if not ctx.needs_input_grad[2 + t]:
                 out.append(None)
                 continue
             rows = route.served.rows[t]
-            values = _flat(by_table[t], dtype).view(-1, route.dims[t])
+            values = by_table[t]
             pad = route.padding_local[t]
             if pad is not None:  # torch's embedding backward leaves padding_idx out
                 keep = rows != pad
