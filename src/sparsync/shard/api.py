@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sparsync.collectives.group import resolve_group
+from sparsync.collectives.transport import meta_group
 from sparsync.placement import Placement, Sharded, placement_of
 from sparsync.record import CommLog
 from sparsync.shard.auto import auto_plan
@@ -162,7 +163,7 @@ def _agree(chosen: list[str], tables: Mapping[str, nn.Module], group: dist.Proce
     rank, naming the first rank that differs from rank 0. Collective."""
     mine = [f"{n}: {tables[n]!r} {tables[n].weight.dtype}" for n in chosen]
     everyone: list[list[str] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    dist.all_gather_object(everyone, mine, group=meta_group(group))  # host objects: never on the payload group
     for rank, theirs in enumerate(everyone):
         if theirs != everyone[0]:
             raise ValueError(
