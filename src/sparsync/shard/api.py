@@ -60,8 +60,8 @@ def shard(
 
     Every shard starts from group rank 0's table, so training starts where the replicated path would; a table
     on the meta device (``device="meta"``: too large for one rank) is never built whole: each rank draws its own
-    rows from ``seed`` (``transfer.init_rows``: N(0, 1), the same table at any P; ``plan="auto"`` cannot run
-    its sample forward through it). Collective over ``group``: every rank calls it on the same model; ranks
+    rows from ``seed`` (``transfer.init_rows``: N(0, 1), the same table at any P; ``plan="auto"`` shards it,
+    its ids counted by a stand-in). Collective over ``group``: every rank calls it on the same model; ranks
     whose tables differ all raise the same ValueError. Raises ValueError for a placement not built yet
     (``"server"``), ``"auto"`` without ``sample``, or a module option the sharded modules cannot honour
     (``mode="max"``, ``max_norm``, ``scale_grad_by_freq``, a subclass with its own forward, a weight tied to
