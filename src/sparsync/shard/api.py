@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sparsync.collectives.group import resolve_group
+from sparsync.collectives.transport import meta_group
 from sparsync.placement import Placement, Sharded, placement_of
 from sparsync.record import CommLog
 from sparsync.shard.auto import auto_plan
@@ -59,8 +60,8 @@ def shard(
 
     Every shard starts from group rank 0's table, so training starts where the replicated path would; a table
     on the meta device (``device="meta"``: too large for one rank) is never built whole: each rank draws its own
-    rows from ``seed`` (``transfer.init_rows``: N(0, 1), the same table at any P; ``plan="auto"`` cannot run
-    its sample forward through it). Collective over ``group``: every rank calls it on the same model; ranks
+    rows from ``seed`` (``transfer.init_rows``: N(0, 1), the same table at any P; ``plan="auto"`` shards it,
+    its ids counted by a stand-in). Collective over ``group``: every rank calls it on the same model; ranks
     whose tables differ all raise the same ValueError. Raises ValueError for a placement not built yet
     (``"server"``), ``"auto"`` without ``sample``, or a module option the sharded modules cannot honour
     (``mode="max"``, ``max_norm``, ``scale_grad_by_freq``, a subclass with its own forward, a weight tied to
@@ -162,7 +163,7 @@ def _agree(chosen: list[str], tables: Mapping[str, nn.Module], group: dist.Proce
     rank, naming the first rank that differs from rank 0. Collective."""
     mine = [f"{n}: {tables[n]!r} {tables[n].weight.dtype}" for n in chosen]
     everyone: list[list[str] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    dist.all_gather_object(everyone, mine, group=meta_group(group))  # host objects: never on the payload group
     for rank, theirs in enumerate(everyone):
         if theirs != everyone[0]:
             raise ValueError(

@@ -19,13 +19,29 @@ and the replicated tables' one grouped call as they run (``planner._pay_once``).
 
 The choice is the same on every rank: the statistics are averaged over the ranks (``all_reduce``) and the link
 model is agreed, so every rank prices the same numbers.
+
+A table on the meta device (``nn.EmbeddingBag(rows, D, device="meta")``: too large for one rank, its shards
+drawn by ``transfer.init_rows``) has no rows to look up, so for the sample forward only its forward is stood in
+for, on the module itself (an instance attribute, deleted when the forward returns or raises; its pre-hooks, which
+record the ids, run as for any table): the stand-in returns zeros on the CPU of the shape and dtype the table's
+own forward gives (that forward run on meta copies of the arguments: the shape without the rows), needing a
+gradient when the weight does. Nothing of the table is ever made: neither its rows nor a gradient of its shape.
+Its ids are counted as any table's, and it is priced by its real shape and dtype (rows, D, bytes per value).
+The backward timed from those zeros runs through every layer above the table, the compute that hides the
+replicated tables' reduction (its time does not depend on the values, zeros here instead of rows), and stops at
+the stand-in: it leaves out the table's own backward, which, sharded,
+is the pooling's backward on the gathered rows (u·D adds) and the exchange the planner prices by itself; a real
+table's backward here would also build its gradient (``[rows, D]`` dense for an ``EmbeddingBag`` without
+``sparse=True``), work that no sharded step does. A meta table is always placed ``sharded`` (an override of
+the planner's choice; it is still measured and priced): replicated, it would have to exist whole on every rank.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,6 +51,7 @@ from torch import nn
 
 from sparsync.collectives.calibrate import measure_link
 from sparsync.collectives.group import link_state
+from sparsync.collectives.transport import meta_group
 from sparsync.costmodel import LinkModel
 from sparsync.placement.embeddings import rows_of_input
 from sparsync.plan import KINDS, Cluster, ParamStats, Plan, make_plan
@@ -86,9 +103,10 @@ def auto_plan(
     backward_seconds: float | None = None,
 ) -> AutoPlan:
     """Measure and plan (module doc). ``sample``: positional arguments of one ``model(*sample)`` call, this rank's
-    batch (it runs once, without gradients; the model is not changed). ``link``: price with this model instead
-    of the group's. ``backward_seconds``: the overlap to price with instead of the measured backward. Collective
-    over ``group``. Raises ValueError when the model has no embedding table."""
+    batch (it runs once, and one backward from it; the model is left as it was: its gradients put back, a meta
+    table's forward restored). ``link``: price with this model instead of the group's. ``backward_seconds``: the
+    overlap to price with instead of the measured backward. Tables on the meta device are placed ``sharded``
+    (module doc). Collective over ``group``. Raises ValueError when the model has no embedding table."""
     tables = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
     if not tables:
         raise ValueError("plan='auto': the model has no nn.Embedding or nn.EmbeddingBag to place")
@@ -116,8 +134,9 @@ def auto_plan(
         state = link_state(group)
         link = state.link if state.link is not None else measure_link(group)
         state.link = link
+    on_meta = {_weight_name(n): "sharded" for n, m in tables.items() if m.weight.device.type == "meta"}
     plan = make_plan(stats, Cluster(P, measured=link), swap_modules=True, overlap_seconds=float(slowest),
-                     kinds=[KINDS.entry(k) for k in AUTO_KINDS])  # fmt: skip
+                     kinds=[KINDS.entry(k) for k in AUTO_KINDS], overrides=on_meta)  # fmt: skip
     return AutoPlan(plan, distinct, tuple(stats), float(slowest))
 
 
@@ -142,12 +161,47 @@ def _distinct_ids(
 
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in tables.items()]
     try:
-        out = model(*sample)
+        with _meta_tables_stood_in(tables.values()):
+            out = model(*sample)
     finally:
         for h in handles:
             h.remove()
     ids = {n: torch.unique(torch.cat(v)) if v else torch.empty(0, dtype=torch.int64) for n, v in seen.items()}
     return ids, _backward_seconds(model, out)
+
+
+@contextmanager
+def _meta_tables_stood_in(tables: Iterable[nn.Module]) -> Iterator[None]:
+    """Each table on the meta device answers its calls with ``_zeros_like_output`` (module doc) until the block
+    ends. Mutates the tables for the block's duration (an instance ``forward``), not after it."""
+    meta = [m for m in tables if isinstance(m, nn.Embedding | nn.EmbeddingBag) and m.weight.device.type == "meta"]
+    own = [vars(m).get("forward") for m in meta]  # a forward set on the instance before: put back, not deleted
+    for m in meta:
+        m.forward = _zeros_like_output(m.forward, m.weight.requires_grad)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for m, forward in zip(meta, own, strict=True):
+            if forward is None:
+                del m.forward
+            else:
+                m.forward = forward  # type: ignore[method-assign]
+
+
+def _zeros_like_output(forward: Callable[..., torch.Tensor], requires_grad: bool) -> Callable[..., torch.Tensor]:
+    """A stand-in for a meta table's ``forward`` (bound): zeros on the CPU of the shape and dtype of its output,
+    which ``forward`` gives on meta copies of the arguments, without any rows."""
+
+    def stand_in(*args: Any, **kwargs: Any) -> torch.Tensor:
+        with torch.no_grad():
+            shaped = forward(*map(_on_meta, args), **{k: _on_meta(v) for k, v in kwargs.items()})
+        return torch.zeros(shaped.shape, dtype=shaped.dtype, requires_grad=requires_grad)
+
+    return stand_in
+
+
+def _on_meta(arg: Any) -> Any:
+    return arg.to("meta") if isinstance(arg, torch.Tensor) else arg
 
 
 def _backward_seconds(model: nn.Module, out: Any) -> float:
@@ -177,7 +231,7 @@ def _tensors(out: Any) -> list[torch.Tensor]:
 def _union_sizes(ids: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[int]:
     """Per table, the distinct ids of every rank's sample together. Collective."""
     everyone: list[list[torch.Tensor] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, [t.to(torch.int64) for t in ids], group=group)
+    dist.all_gather_object(everyone, [t.to(torch.int64) for t in ids], group=meta_group(group))  # host objects
     return [
         int(torch.unique(torch.cat([theirs[j] for theirs in everyone if theirs is not None])).numel())
         for j in range(len(ids))

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from sparsync.collectives.ops import text_key
 from sparsync.collectives.row import Agree, Column, Schema
+from sparsync.collectives.transport import meta_group
 
 HEADER = Schema(
     (
@@ -97,7 +98,7 @@ def agree(
         return HEADER.get(rows, "count"), max(HEADER.get(rows, "widest"), default=0)
     keys = HEADER.get(rows, "tables")
     reasons: list[tuple[str | None, list[str]] | None] = [None] * int(received.shape[0])
-    dist.all_gather_object(reasons, (refusal, list(descriptions)), group=group)
+    dist.all_gather_object(reasons, (refusal, list(descriptions)), group=meta_group(group))
     for rank, reason in enumerate(reasons):
         assert reason is not None  # all_gather_object filled every slot
         if reason[0] is not None:

@@ -47,7 +47,11 @@ def optimizer_state_dict(opt: Any, model: nn.Module) -> dict[str, Any] | None:
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     for i, table in _shards(inner, model):
         rank0 = table.exchanger.rank == 0
-        state = sd["state"].get(i, {})
+        # a copy: torch's state_dict() holds the optimizer's live per-parameter dicts, which must keep the shard's
+        # rows (a step after saving would otherwise find the whole table, or None, in place of its state)
+        if i not in sd["state"]:
+            continue
+        state = sd["state"][i] = dict(sd["state"][i])
         for key in sorted(state):
             value = state[key]
             if isinstance(value, torch.Tensor) and value.shape == table.weight.shape and value.dim() == 2:
