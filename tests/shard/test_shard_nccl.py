@@ -25,7 +25,7 @@ def test_the_sharded_path_under_nccl_rules_equals_the_run_without_them(tmp_path:
     for rank, s in enumerate(rules):
         calls = s["calls"]
         # the payload went on the ruled group: the exchanges, the scatter at shard(), the gathers of state dicts
-        assert calls.get("all_to_all_single", 0) >= 4 * 5, (rank, calls)
+        assert calls.get("all_to_all_single", 0) >= 3 * 5, (rank, calls)  # 3 rounds an exchange, 5 exchanges
         assert calls.get("scatter", 0) >= 2 and calls.get("gather", 0) >= 3, (rank, calls)
     for rank, (a, r) in enumerate(zip(plain, (o["result"] for o in ruled), strict=True)):
         assert a["losses"] == r["losses"] and a["resumed_loss"] == r["resumed_loss"], rank
