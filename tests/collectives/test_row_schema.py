@@ -1,6 +1,6 @@
 """The one schema of metadata rows (collectives/row.py): a row is named columns, each saying how the ranks must
 agree on it and how a disagreement on it is described, and every reader (the sparse collectives' round,
-compressed_allreduce's, the replicator's primitives', the sharded lookup's sizes round, the flight recorder's
+compressed_allreduce's, the replicator's primitives', the sharded lookup's header rows, the flight recorder's
 labels) goes through it. Unit tests on hand-made tables, then two ranks of a real gloo group that disagree on a
 column and get an error naming it."""
 
