@@ -1,7 +1,7 @@
 """The sharded-embeddings issue's grid in one table: per point (P, samples per rank, link) each method's ms per
-step, the tables `sparsync_auto` sharded, auto's step against the best of the others and against torchrec's, and
-the tables' bytes against torchrec's, from `sparsync bench dlrm` JSON files named
-``<prefix>_p<P>_b<B>_<net>.json`` (the commands in docs/sharding.md).
+step, the tables `sparsync_auto` sharded, auto's step against the best of the others and against torchrec's,
+the tables' bytes against torchrec's, and auto's predicted step over its measured one, from `sparsync bench dlrm`
+JSON files named ``<prefix>_p<P>_b<B>_<net>.json`` (the commands in docs/sharding.md).
 
     .venv/bin/python scripts/dlrm_grid_table.py docs/data/dlrm_grid2 --out docs/data/dlrm_grid2_table.md
 """
@@ -19,8 +19,9 @@ OURS = ("sparsync", "sparsync_sharded")  # auto's two single placements
 def rows_for(prefix: str) -> list[str]:
     out = [
         "| P | samples | link | " + " | ".join(f"{m} ms" for m in METHODS)
-        + " | auto sharded | auto vs best single | torchrec rate / auto rate | auto table MB / torchrec's |",
-        "|" + "---|" * (len(METHODS) + 7),
+        + " | auto sharded | auto vs best single | torchrec rate / auto rate | auto table MB / torchrec's"
+        + " | auto's step predicted / measured |",
+        "|" + "---|" * (len(METHODS) + 8),
     ]  # fmt: skip
     for P in (4, 8):
         for B in (128, 512):
@@ -38,9 +39,16 @@ def rows_for(prefix: str) -> list[str]:
                     f"| {P} | {B} | {net} | " + " | ".join(cells)
                     + f" | {auto['tables_sharded']} of 26 | {ms['sparsync_auto'] / best:.2f}x"
                     f" | {ms['sparsync_auto'] / ms['torchrec_tw']:.2f}"
-                    f" | {auto['table_bytes_per_step'] / tr['table_bytes_per_step']:.2f} |"
+                    f" | {auto['table_bytes_per_step'] / tr['table_bytes_per_step']:.2f}"
+                    f" | {_predicted(auto)} |"
                 )  # fmt: skip
     return out
+
+
+def _predicted(row: dict[str, float]) -> str:
+    """``AutoPlan.step_seconds`` over the measured step (files older than the prediction have none)."""
+    predicted = row.get("predicted_step_s")
+    return f"{predicted / row['step_s']:.2f}" if predicted else "-"
 
 
 def main() -> None:

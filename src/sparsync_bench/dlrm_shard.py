@@ -33,10 +33,12 @@ def shard_tables(
     """Swap ``model``'s tables for sharded ones per ``method`` (module doc); ``sample``: this rank's first batch,
     the arguments of ``model(...)``. Returns the cost model's prediction for the placement it ran, from the
     statistics ``plan="auto"`` measures (every method measures them, so each row has one): the sharded tables'
-    bytes sent per rank and step (``predicted_shard_bytes_per_step``: half of the plan's sent + received) and the
+    bytes sent per rank and step (``predicted_shard_bytes_per_step``: half of the plan's sent + received), the
     step's communication time as ``DistributedOptimizer`` and the exchange send it (``predicted_comm_s``:
-    ``Plan.grouped_seconds``). Collective: every rank calls it with the same method. Mutates ``model`` (its
-    tables are replaced; a new optimizer must take its parameters)."""
+    ``Plan.grouped_seconds``), and the step's time (``predicted_step_s``: ``AutoPlan.step_seconds``, the
+    sample's forward and backward plus the communication the step waits for). Collective: every rank calls it
+    with the same method. Mutates ``model`` (its tables are replaced; a new optimizer must take its
+    parameters)."""
     if method not in SHARD_METHODS:
         raise KeyError(f"unknown sharded method {method!r}; valid: {', '.join(SHARD_METHODS)}")
     choice = auto_plan(model, sample, dist.group.WORLD)  # type: ignore[arg-type]
@@ -47,7 +49,8 @@ def shard_tables(
     tables = {n: "sharded" if k == "sharded" else "replicated" for n, k in kinds.items()}
     shard(model, tables, log=log, rows="bf16" if method == "sparsync_sharded_bf16" else None)
     sent = sum(e.bytes_per_machine for e in plan.entries if e.placement == "sharded") / 2
-    return {"predicted_shard_bytes_per_step": sent, "predicted_comm_s": plan.grouped_seconds}
+    return {"predicted_shard_bytes_per_step": sent, "predicted_comm_s": plan.grouped_seconds,
+            "predicted_step_s": choice.step_seconds(plan)}  # fmt: skip
 
 
 def table_figures(tables: nn.ModuleList, initial: list[torch.Tensor]) -> tuple[float, float]:

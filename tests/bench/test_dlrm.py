@@ -223,6 +223,9 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     # the table's columns: the MLPs' ring allreduce, every method alike, and the rest
     assert all(r["dense_bytes_per_step"] == mlp_bytes for r in rows.values())
     assert sharded["table_bytes_per_step"] == pytest.approx(exchanges, rel=0.05)
+    # the predicted step: the sample's measured forward and backward, plus the communication it waits for
+    for m in ("sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16"):
+        assert rows[m]["predicted_step_s"] > 0 and rows[m]["predicted_comm_s"] > 0, (m, rows[m])
     # the cost model's bytes, priced on the first batch's distinct rows, against the six steps' exchanges
     assert sharded["predicted_shard_bytes_per_step"] == pytest.approx(exchanges, rel=0.1), (sharded, exchanges)
     # bf16 rows: the same ids, half the rows' and gradient rows' bytes; lossy, near fp32's loss

@@ -69,6 +69,14 @@ class AutoPlan:
     distinct: Mapping[str, tuple[float, int]]  # module name -> (u(B) mean over the ranks, u(P·B))
     stats: tuple[ParamStats, ...]  # what the plan priced, to price another plan on the same cluster
     backward_seconds: float  # the sample's backward, the slowest rank's (the plan's overlap)
+    forward_seconds: float = 0.0  # the sample's forward, the slowest rank's
+
+    def step_seconds(self, plan: Plan | None = None) -> float:
+        """The predicted step of ``plan`` (default: the chosen one): the sample's forward and backward as
+        measured, plus the communication the step waits for (``Plan.exposed_seconds``: the replicated tables'
+        reduction less what hides behind backward, the sharded exchange whole). Not priced: the optimizer's
+        apply, and the waiting of ranks that share cores, which ``docs/sharding.md`` measures."""
+        return self.forward_seconds + self.backward_seconds + (plan or self.plan).exposed_seconds
 
     @property
     def tables(self) -> dict[str, str]:
@@ -110,9 +118,11 @@ def auto_plan(
     tables = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
     if not tables:
         raise ValueError("plan='auto': the model has no nn.Embedding or nn.EmbeddingBag to place")
-    seen, backward = _distinct_ids(model, tables, sample)
+    seen, forward, backward = _distinct_ids(model, tables, sample)
     P = dist.get_world_size(group)
-    slowest = torch.tensor([backward if backward_seconds is None else backward_seconds], dtype=torch.float64)
+    slowest = torch.tensor(
+        [backward if backward_seconds is None else backward_seconds, forward], dtype=torch.float64
+    )
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
     mine = torch.tensor([float(seen[n].numel()) for n in tables], dtype=torch.float64)
     dist.all_reduce(mine, group=group)
@@ -135,9 +145,9 @@ def auto_plan(
         link = state.link if state.link is not None else measure_link(group)
         state.link = link
     on_meta = {_weight_name(n): "sharded" for n, m in tables.items() if m.weight.device.type == "meta"}
-    plan = make_plan(stats, Cluster(P, measured=link), swap_modules=True, overlap_seconds=float(slowest),
+    plan = make_plan(stats, Cluster(P, measured=link), swap_modules=True, overlap_seconds=float(slowest[0]),
                      kinds=[KINDS.entry(k) for k in AUTO_KINDS], overrides=on_meta)  # fmt: skip
-    return AutoPlan(plan, distinct, tuple(stats), float(slowest))
+    return AutoPlan(plan, distinct, tuple(stats), float(slowest[0]), float(slowest[1]))
 
 
 def _weight_name(module: str) -> str:
@@ -146,10 +156,10 @@ def _weight_name(module: str) -> str:
 
 def _distinct_ids(
     model: nn.Module, tables: Mapping[str, nn.Module], sample: Sequence[Any]
-) -> tuple[dict[str, torch.Tensor], float]:
-    """Per table module, the distinct ids its calls read in one ``model(*sample)``; and the seconds of one backward
-    from the sum of the outputs (0 when no output needs a gradient), the parameters' ``.grad`` put back as they
-    were."""
+) -> tuple[dict[str, torch.Tensor], float, float]:
+    """Per table module, the distinct ids its calls read in one ``model(*sample)``; the seconds of that forward;
+    and the seconds of one backward from the sum of the outputs (0 when no output needs a gradient), the
+    parameters' ``.grad`` put back as they were."""
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in tables}
 
     def hook(name: str) -> Any:
@@ -162,12 +172,14 @@ def _distinct_ids(
     handles = [m.register_forward_pre_hook(hook(n)) for n, m in tables.items()]
     try:
         with _meta_tables_stood_in(tables.values()):
+            t0 = time.perf_counter()
             out = model(*sample)
+            forward = time.perf_counter() - t0
     finally:
         for h in handles:
             h.remove()
     ids = {n: torch.unique(torch.cat(v)) if v else torch.empty(0, dtype=torch.int64) for n, v in seen.items()}
-    return ids, _backward_seconds(model, out)
+    return ids, forward, _backward_seconds(model, out)
 
 
 @contextmanager
