@@ -135,8 +135,7 @@ def _message(fn: Callable[[], object]) -> str:
 
 
 def refusals(rank: int, addresses: list[str]) -> dict[str, str]:
-    """What HybridTrainer and DistributedOptimizer refuse of a model placed by ``PLAN`` (``DistributedOptimizer``
-    aggregates nothing at P = 1, so it refuses only at P > 1)."""
+    """What HybridTrainer and DistributedOptimizer refuse of a model placed by ``PLAN`` (the test reads P = 3)."""
     out = {}
     model = sparsync.shard(Trio(seed=0), plan=PLAN)
     out["async"] = _message(lambda: HybridTrainer(model, addresses, HybridConfig(mode="async", timeout=10.0)))
