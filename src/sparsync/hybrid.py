@@ -22,6 +22,15 @@ Placements (sync mode): ``placements=`` (a ``Plan`` from ``make_plan``, or a dic
 the default (the ``sparse_params`` embeddings on the servers, everything else dense allreduce) for any
 parameter: ``dense_allreduce`` (one flat dense allreduce), ``ps`` (an embedding by rows, any other parameter as
 a whole table), ``sparse_allreduce`` and ``sketch`` (``reduced.py``), each followed by the local optimizers.
+
+A model placed by ``sparsync.shard(model, plan={...})`` brings its own placements (``plan_of(model)``), read off
+the model here: a table placed ``"server"`` goes on the servers by rows (whatever its ``sparse`` flag), a
+sharded table keeps its own exchange (``Sharded``: its gradient is already the sum over the ranks when backward
+leaves, so only ``sparse_reduce="mean"`` divides it, as it divides a replicated table's; its shard differs per
+rank and is never broadcast), and the tables the plan left replicated are no longer on the servers by default:
+they take the collective default (``dense_allreduce``) unless ``sparse_params`` or ``placements`` say otherwise
+(with ``ps_dense``, which puts every parameter a plan does not place on the servers, they go there whole, as the
+dense ones do). Async mode runs no collective, so it refuses sharded tables.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ from torch import nn
 
 from sparsync.compress.base import Compressor
 from sparsync.compress.sketch import SparseSketch
-from sparsync.placement import NamedParam, Placement, ReduceEnv, aggregate
+from sparsync.placement import NamedParam, Placement, ReduceEnv, aggregate, plan_of
 from sparsync.placement.base import zero_grad
 from sparsync.placement.embeddings import embedding_modules
 from sparsync.plan.planner import Plan
@@ -90,14 +99,40 @@ class HybridConfig:
             raise ValueError(f"procs_per_machine must be >= 1, got {self.procs_per_machine}")
 
 
-def _sparse_names(emb: Mapping[str, nn.Module], sparse_params: Sequence[str] | None) -> list[str]:
+def _sparse_names(
+    emb: Mapping[str, nn.Module], sparse_params: Sequence[str] | None, default: Sequence[str]
+) -> list[str]:
     """The embeddings the servers keep by rows by default: ``sparse_params`` (each must name an embedding's
-    weight; KeyError naming the others and the embeddings there are), else every embedding."""
-    names = list(sparse_params) if sparse_params is not None else list(emb)
+    weight; KeyError naming the others and the embeddings there are), else ``default``."""
+    names = list(sparse_params) if sparse_params is not None else list(default)
     bad = [n for n in names if n not in emb]
     if bad:
         raise KeyError(f"{bad} are not embedding weights; the PS serves nn.Embedding/EmbeddingBag: {list(emb)}")
     return names
+
+
+def _with_marks(
+    cfg: HybridConfig, marked: Mapping[str, Placement], placements: Plan | Mapping[str, str | Placement] | None
+) -> dict[str, str | Placement]:
+    """``placements`` over the placements ``sparsync.shard`` marked on the model (``plan_of``): its server
+    tables as ``ps``, its shards as their ``Sharded``. ValueError naming the shards when async mode is asked
+    for, or when ``placements`` moves a shard to another kind: a shard holds one rank's rows only, so no other
+    placement could train it."""
+    given = dict(placements.kinds if isinstance(placements, Plan) else placements or {})
+    shards = [n for n, pl in marked.items() if not pl.replicated]
+    if shards and cfg.mode == "async":
+        raise ValueError(
+            f"mode='async' cannot train the sharded tables {shards}: their rows are exchanged by a collective of "
+            "every rank each step, and async mode runs none; use mode='sync', or place those tables 'server' "
+            "(or 'replicated') in sparsync.shard's plan"
+        )
+    moved = {n: kind_of(given[n]) for n in shards if n in given and kind_of(given[n]) != marked[n].kind}
+    if moved:
+        raise ValueError(
+            f"placements {moved} name shards of sparsync.shard, which each rank holds only its own rows of; "
+            "they can only stay 'sharded' (to place such a table otherwise, choose it in sparsync.shard's plan)"
+        )
+    return {**{n: "ps" if kind_of(pl) == "ps" else pl for n, pl in marked.items()}, **given}
 
 
 def _placed(
@@ -135,6 +170,11 @@ class HybridTrainer:
     for servers that authenticate (default: the run's, from the environment ``start_servers`` set up).
     ``placements``: a ``Plan``, or per parameter name a kind (``dense_allreduce``, ``sparse_allreduce``,
     ``sketch``, ``ps``) or a ``Placement`` object (e.g. ``Compressed(Threshold(...), ErrorFeedback())``).
+    A model from ``sparsync.shard(model, plan={...})`` brings its placements (module doc): its server tables on
+    the servers by rows, its shards through their own exchange, the tables it left replicated reduced by the
+    collective default; ``placements`` wins for any parameter but a shard, and the local optimizers step the
+    shards (their gradients are sparse COO: SGD, Adagrad, SparseAdam). Raises ValueError for sharded tables in
+    async mode or a shard given another placement, naming them.
     """
 
     def __init__(
@@ -164,10 +204,15 @@ class HybridTrainer:
         aggregator = MachineAggregator(self.rank, self.world, m) if self.local_agg else None
         self.dense_optimizer, self.sparse_optimizer = dense_optimizer, sparse_optimizer
         self.log = log
-        emb = dict(embedding_modules(model))
-        names = _sparse_names(emb, sparse_params)
+        marked = plan_of(model)  # sparsync.shard's placements
+        served = [n for n, pl in marked.items() if kind_of(pl) == "ps"]
+        emb: dict[str, nn.Module] = dict(embedding_modules(model))
+        emb.update({n: model.get_submodule(n.rpartition(".")[0]) for n in served})  # any sparse flag
+        # sparsync.shard placed the tables: the servers keep, by default, only those it placed there
+        names = _sparse_names(emb, sparse_params, served if marked and cfg.mode == "sync" else list(emb))
+        names += [n for n in served if n not in names]
         params = dict(model.named_parameters())
-        placed, default = _placed(cfg, list(params), names, placements)
+        placed, default = _placed(cfg, list(params), names, _with_marks(cfg, marked, placements))
         self.placements = {n: kind_of(pl) for n, pl in placed.items()}
         if cfg.mode == "async" and any(k != "ps" for k in self.placements.values()):
             raise ValueError(f"async mode keeps every parameter on the servers, got placements {self.placements}")
@@ -175,7 +220,9 @@ class HybridTrainer:
         # By rows: the sparse_params embeddings, and embeddings placed "ps" explicitly; others as whole tables.
         by_rows = [n for n in on_ps if n in names or (n in emb and default[n] != "ps")]
         self.sparse_names = by_rows
-        self.mean = {n: (cfg.sparse_reduce if n in emb else cfg.dense_reduce) == "mean" for n in params}
+        # a table's sum divides as sparse_reduce says, whether replicated, sharded or on the servers
+        tables = set(emb) | set(marked)
+        self.mean = {n: (cfg.sparse_reduce if n in tables else cfg.dense_reduce) == "mean" for n in params}
         self.sparse_grads = {n for n, mod in emb.items() if getattr(mod, "sparse", False)}
         self.phases: dict[str, float] = dict.fromkeys(PHASES, 0.0)  # accumulated ms per phase
         self.plan = objects(placed, sketch=cfg.sketch, sketch_error_feedback=cfg.sketch_error_feedback)
@@ -190,8 +237,9 @@ class HybridTrainer:
             phases=self.phases,
         )  # fmt: skip
         self.servers.start(params, group)
+        own = {n for n, pl in self.plan.items() if not pl.replicated}  # shards: sparsync.shard scattered rank 0's
         for n, p in params.items():  # rank 0's initial weights win
-            if n not in self.servers.tables:
+            if n not in self.servers.tables and n not in own:
                 dist.broadcast(p.data, src=0, group=group)
 
     # the parameter server's parts, under the names the trainer always had

@@ -236,7 +236,7 @@ def errors_worker(rank: int) -> dict[str, str]:
     out["max_mode"] = _message(lambda: sparsync.shard(nn.EmbeddingBag(5, 2, mode="max")))
     out["max_norm"] = _message(lambda: sparsync.shard(nn.Sequential(nn.Embedding(5, 2, max_norm=1.0))))
     out["scale_grad"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2, scale_grad_by_freq=True)))
-    out["server"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2), plan={"": "server"}))
+    out["server"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2), plan="server"))  # a dict may name it
     out["auto"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2), plan="auto"))  # no sample
     out["unknown"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2), plan={"nope": "sharded"}))
     plain = nn.Embedding(5, 2, sparse=True)

@@ -60,7 +60,7 @@ def test_bad_input_gets_the_same_clear_error_on_every_rank() -> None:
     assert "mode='max'" in m["max_mode"] and "EmbeddingBag" in m["max_mode"]
     assert "cannot shard '0'" in m["max_norm"] and "max_norm=1.0" in m["max_norm"]
     assert "scale_grad_by_freq=True" in m["scale_grad"]
-    assert "not built yet" in m["server"] and "pass sample=" in m["auto"]
+    assert "plan='server' would put every table" in m["server"] and "pass sample=" in m["auto"]
     assert m["unknown"].startswith("KeyError") and "nope" in m["unknown"]
     assert "are no shards" in m["unswapped"]
     assert m["after"] == "looked up 7 tables"  # every error left the ranks in step

@@ -1,15 +1,19 @@
 """Single-process parts of ``sparsync.shard``: the stride ownership, the ids payload's round trip, the lazy
-stand-in, the ``sharded`` placement and its plan kind."""
+stand-in, the ``sharded`` placement and its plan kind, the ``server`` placement's mark and refusals."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed import HashStore
 
-from sparsync.placement import NamedParam, ReduceEnv, Sharded, placement_of
+import sparsync
+from sparsync.placement import NamedParam, OnServer, ReduceEnv, Sharded, placement_of
 from sparsync.placement.sharded import mark
 from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
 from sparsync.plan.kinds import ID_WIRE_BYTES
@@ -132,6 +136,50 @@ def test_the_sharded_placement_refuses_parameters_that_are_no_shards() -> None:
     model = nn.Sequential(nn.Linear(2, 2))
     model[0].weight = shard
     assert plan_of(model) == {"0.weight": placement}
+
+
+@pytest.fixture
+def one_rank_group() -> Iterator[None]:
+    """A gloo group of this process alone: ``sparsync.shard`` is collective, at P = 1 over this process only."""
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+class _Two(nn.Module):
+    def __init__(self, meta: bool = False) -> None:
+        super().__init__()
+        self.users = nn.EmbeddingBag(10, 2, mode="sum", device="meta" if meta else None)
+        self.items = nn.Embedding(8, 2)
+        self.fc = nn.Linear(4, 1)
+
+
+def test_a_server_table_stays_whole_and_plan_of_reports_it(one_rank_group: None) -> None:
+    model = _Two()
+    users, weight = model.users, model.users.weight.detach().clone()
+    out = sparsync.shard(model, plan={"users": "server", "items": "sharded"})
+    assert out is model and model.users is users and torch.equal(model.users.weight, weight)  # whole, untouched
+    plan = plan_of(model)
+    assert set(plan) == {"users.weight", "items.weight"}
+    assert isinstance(plan["users.weight"], OnServer) and plan["users.weight"].kind == "ps"
+    assert isinstance(plan["items.weight"], Sharded) and type(model.items).__name__ == "ShardedEmbedding"
+    assert plan["users.weight"].replicated and not plan["users.weight"].overlaps  # whole on every rank
+    with pytest.raises(ValueError, match=r"\['users.weight'\] are placed on the parameter server.*HybridTrainer"):
+        plan["users.weight"].aggregate([NamedParam("users.weight", model.users.weight)], ReduceEnv(None, 2))  # type: ignore[arg-type]
+    assert plan_of(sparsync.shard(_Two(), plan={"users": "replicated", "items": "replicated"})) == {}
+
+
+def test_the_server_placement_refuses_what_it_cannot_place(one_rank_group: None) -> None:
+    with pytest.raises(KeyError, match=r"plan names \['fc'\], which are no nn.Embedding or nn.EmbeddingBag"):
+        sparsync.shard(_Two(), plan={"fc": "server"})
+    with pytest.raises(ValueError, match=r"plan='server' would put every table on the parameter server"):
+        sparsync.shard(_Two(), plan="server")
+    with pytest.raises(ValueError, match=r"cannot place 'users' on the server: its table is on the meta device"):
+        sparsync.shard(_Two(meta=True), plan={"users": "server"})
+    with pytest.raises(ValueError, match=r"plan\['users'\] = 'servers': unknown placement; choose one of"):
+        sparsync.shard(_Two(), plan={"users": "servers"})
 
 
 def test_the_sharded_kind_prices_the_issue_formula_and_is_chosen_only_where_modules_are_swapped() -> None:

@@ -2,9 +2,10 @@
 the gradients by their sum over the group) with one implementation per way: ``DenseAllreduce``,
 ``SparseAllreduce`` (SparCML), ``Compressed`` (any compressor with error feedback, e.g. DCT-DP),
 ``CustomReduce``, ``Grouped``, ``ByLayout``, ``Sketch`` (S2), ``Sharded`` (rows owned by the ranks,
-``sparsync.shard``), and the parameter server (``sparsync.ps.ParameterServer``, Parallax). ``sparsync.plan``
-names them by kind (``plan.registry.KINDS``) and chooses among them; the replicator's ``wrap_optimizer``,
-``DistributedOptimizer`` and ``HybridTrainer`` run them."""
+``sparsync.shard``), and the parameter server (``sparsync.ps.ParameterServer``, Parallax; ``OnServer`` is
+``sparsync.shard``'s mark of a table for it). ``sparsync.plan`` names them by kind (``plan.registry.KINDS``) and
+chooses among them; the replicator's ``wrap_optimizer``, ``DistributedOptimizer`` and ``HybridTrainer`` run
+them."""
 
 from sparsync.placement.base import NamedParam, Placement, ReduceEnv, aggregate, load_optional_state
 from sparsync.placement.collective import (
@@ -16,7 +17,8 @@ from sparsync.placement.collective import (
     ReduceFn,
     SparseAllreduce,
 )
-from sparsync.placement.sharded import Sharded, placement_of
+from sparsync.placement.server import OnServer
+from sparsync.placement.sharded import Sharded, placement_of, plan_of
 from sparsync.placement.sketch import Sketch
 
 __all__ = [
@@ -26,6 +28,7 @@ __all__ = [
     "DenseAllreduce",
     "Grouped",
     "NamedParam",
+    "OnServer",
     "Placement",
     "ReduceEnv",
     "ReduceFn",
@@ -35,4 +38,5 @@ __all__ = [
     "aggregate",
     "load_optional_state",
     "placement_of",
+    "plan_of",
 ]

@@ -8,8 +8,9 @@ left for an optimizer wrapper to send: ``communicates`` is False and ``aggregate
 shards; ``DistributedOptimizer`` divides by P for ``op="mean"`` as for any placement.
 
 The shard parameters carry their placement (``PLACEMENT_ATTR``): ``placement_of(param)`` finds it, so a plan can
-be read off the model (``sparsync.shard.plan_of``) and a plan that names ``sharded`` for a module nobody swapped
-is refused instead of silently not reducing it.
+be read off the model (``plan_of``, also ``sparsync.shard.plan_of``; the server tables' mark, ``OnServer``, is
+read the same way) and a plan that names ``sharded`` for a module nobody swapped is refused instead of silently
+not reducing it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Sharded(Placement):
             )
 
 
-def mark(param: torch.nn.Parameter, placement: Placement) -> None:
+def mark(param: torch.Tensor, placement: Placement) -> None:
     """Record on ``param`` the placement its module chose for it. Mutates ``param`` (one attribute)."""
     setattr(param, PLACEMENT_ATTR, placement)
 
@@ -52,3 +53,11 @@ def placement_of(param: torch.Tensor) -> Placement | None:
     """The placement recorded on ``param`` by its module (``mark``), or None."""
     pl = getattr(param, PLACEMENT_ATTR, None)
     return pl if isinstance(pl, Placement) else None
+
+
+def plan_of(model: torch.nn.Module) -> dict[str, Placement]:
+    """Parameter name -> placement, for every parameter ``sparsync.shard`` placed: its shards (``Sharded``) and
+    the weights of its server tables (``OnServer``). Pass it to ``DistributedOptimizer(plan=...)``, which
+    reduces the other parameters by its default (and refuses server tables), or let ``HybridTrainer`` read it
+    off the model. Tables placed ``"replicated"`` carry no placement and are not in it."""
+    return {n: pl for n, p in model.named_parameters() if (pl := placement_of(p)) is not None}

@@ -2,14 +2,16 @@
 whose id is its rank modulo P (``ownership``), looks rows up and pushes gradient rows in one grouped all-to-all per
 direction for all of a model's tables (``exchange``: the ids of ``route`` headed by ``header``'s row), and
 holds only its own rows (``modules``). ``sparsync.shard(model, plan=...)`` swaps a model's embedding modules
-for sharded ones (``api``), with ``plan="auto"`` where the cost model says (``auto``); ``plan_of(model)``
-gives ``DistributedOptimizer`` their placement (``Sharded``).
+for sharded ones (``api``), with ``plan="auto"`` where the cost model says (``auto``), and marks the tables a
+dict plan places ``"server"`` for the parameter server (``OnServer``: they stay whole); ``plan_of(model)`` gives
+``DistributedOptimizer`` their placement (``Sharded``), and ``HybridTrainer`` reads both off the model.
 
 Note: ``sparsync.shard`` (the package's attribute of ``sparsync``) is the function; import the rest from here:
 ``from sparsync.shard import plan_of``.
 """
 
-from sparsync.shard.api import plan_of, shard
+from sparsync.placement.sharded import plan_of
+from sparsync.shard.api import shard
 from sparsync.shard.auto import AUTO_KINDS, AutoPlan, auto_plan
 from sparsync.shard.exchange import Exchanger
 from sparsync.shard.lazy import LazyLookup

@@ -1,9 +1,17 @@
 """``sparsync.shard(model, plan=...)``: swap a model's embedding tables for sharded ones, in place, every rank at
-once; ``plan_of(model)``: the placement of each shard parameter, for ``DistributedOptimizer(plan=...)``.
+once, or mark them for the parameter server; ``plan_of(model)``: the placement of each parameter the plan
+placed, for ``DistributedOptimizer(plan=...)`` or ``HybridTrainer``.
 
     model = sparsync.shard(model)                              # every Embedding / EmbeddingBag sharded
     opt = sparsync.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model,
                                         plan=plan_of(model), sync_parameters=False)
+
+    model = sparsync.shard(model, plan={"users": "server", "items": "sharded", "tags": "replicated"})
+    trainer = HybridTrainer(model, addresses, cfg, dense_optimizer=...)   # reads the plan off the model
+
+A table placed ``"server"`` stays the model's own ``nn.Embedding`` / ``nn.EmbeddingBag``; its weight is marked
+``OnServer`` (``placement.server``), and ``HybridTrainer`` keeps its rows on the servers (pulled before the
+forward, pushed after backward); ``DistributedOptimizer`` refuses such a model, as nothing else runs the servers.
 
 How the tables of one model travel together: one ``Exchanger`` per call, shared by the model's sharded tables;
 a table's forward registers its ids and returns a stand-in (``shard.lazy``), the first use of any stand-in runs
@@ -24,14 +32,14 @@ from torch import nn
 
 from sparsync.collectives.group import resolve_group
 from sparsync.collectives.transport import meta_group
-from sparsync.placement import Placement, Sharded, placement_of
+from sparsync.placement import OnServer, Sharded
+from sparsync.placement.sharded import mark
 from sparsync.record import CommLog
 from sparsync.shard.auto import auto_plan
 from sparsync.shard.exchange import WIRE, Exchanger
 from sparsync.shard.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
 
-BUILT = ("sharded", "replicated")  # what a plan may name today
-LATER = ("server",)  # placements of the design not built yet (docs/sharding.md)
+BUILT = ("sharded", "replicated", "server")  # what a dict plan may name for a table
 
 
 def shard(
@@ -48,34 +56,44 @@ def shard(
     """Swap the embedding modules of ``model`` for sharded ones, per ``plan``, and return the model (the new
     module when ``model`` is itself an embedding).
 
-    ``plan``: module name -> ``"sharded"`` or ``"replicated"`` (left as it is: ``DistributedOptimizer``'s default
-    path reduces it); modules it does not name are sharded; None shards every ``nn.Embedding`` and
-    ``nn.EmbeddingBag``; ``"auto"`` places each table where the cost model predicts the faster step, from one
-    forward of ``model(*sample)`` on every rank and the group's link (``shard.auto``; ``auto_plan`` gives what it
-    measured and chose). ``group``: the ranks that own the rows (default: the world). ``log``: a ``CommLog``
-    that receives a record per exchange and direction. ``state_dict``: ``"full"`` (each table whole, on rank 0)
-    or ``"local"`` (each rank its rows; ``shard.modules``). ``rows``: ``"fp16"`` or ``"bf16"`` sends the rows and
-    the gradient rows in that precision, half of fp32's bytes, each value rounded once on the way (lossy: the
-    tables, the pooling and the owners' sums stay in the tables' dtype); None sends them as they are.
+    ``plan``: module name -> ``"sharded"``, ``"replicated"`` (left as it is: ``DistributedOptimizer``'s default
+    path, or ``HybridTrainer``'s collective one, reduces it) or ``"server"`` (left as it is, its weight marked
+    ``OnServer``: ``HybridTrainer`` keeps its rows on the parameter server; module doc); modules it does not name
+    are sharded; None shards every ``nn.Embedding`` and ``nn.EmbeddingBag``; ``"auto"`` places each table where
+    the cost model predicts the faster step, from one forward of ``model(*sample)`` on every rank and the
+    group's link (``shard.auto``; ``auto_plan`` gives what it measured and chose; it never chooses ``"server"``,
+    which needs servers started beside the ranks: name it in a dict). ``group``: the ranks that own the rows
+    (default: the world). ``log``: a ``CommLog`` that receives a record per exchange and direction.
+    ``state_dict``: ``"full"`` (each table whole, on rank 0) or ``"local"`` (each rank its rows;
+    ``shard.modules``). ``rows``: ``"fp16"`` or ``"bf16"`` sends the rows and the gradient rows in that
+    precision, half of fp32's bytes, each value rounded once on the way (lossy: the tables, the pooling and the
+    owners' sums stay in the tables' dtype); None sends them as they are.
 
     Every shard starts from group rank 0's table, so training starts where the replicated path would; a table
     on the meta device (``device="meta"``: too large for one rank) is never built whole: each rank draws its own
     rows from ``seed`` (``transfer.init_rows``: N(0, 1), the same table at any P; ``plan="auto"`` shards it,
     its ids counted by a stand-in). Collective over ``group``: every rank calls it on the same model; ranks
-    whose tables differ all raise the same ValueError. Raises ValueError for a placement not built yet
-    (``"server"``), ``"auto"`` without ``sample``, or a module option the sharded modules cannot honour
-    (``mode="max"``, ``max_norm``, ``scale_grad_by_freq``, a subclass with its own forward, a weight tied to
-    another module, a table off the CPU), naming the module; KeyError for a plan that names no embedding module
-    of the model. Mutates ``model`` (its embedding modules are replaced)."""
+    whose tables to shard or to put on the server differ all raise the same ValueError. Raises ValueError for
+    ``plan="server"`` (a string: name the tables in a dict), ``"auto"`` without ``sample``, a table on the meta
+    device placed ``"server"``, or a module option the sharded modules cannot honour (``mode="max"``,
+    ``max_norm``, ``scale_grad_by_freq``, a subclass with its own forward, a weight tied to another module, a
+    table off the CPU), naming the module; KeyError for a plan that names no embedding module of the model.
+    Mutates ``model`` (its embedding modules are replaced, the server tables' weights marked)."""
     g = resolve_group(group)
     if rows is not None and rows not in WIRE:
         raise ValueError(f"rows={rows!r}: the rows travel as they are (None) or in one of {sorted(WIRE)}")
     names = _plan_dict(model, plan, sample, g)
     tables = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
-    chosen = _chosen(tables, names)
+    chosen = _chosen(tables, names, "sharded")
     for name in chosen:
         _check_shardable(model, name, tables[name])
-    _agree(chosen, tables, g)
+    on_server = _chosen(tables, names, "server")
+    for name in on_server:
+        _check_for_server(name, tables[name])
+    _agree(chosen, on_server, tables, g)
+    server = OnServer()  # one object, as the shards' Sharded below
+    for name in on_server:
+        mark(tables[name].weight, server)
     exchanger = Exchanger(g, log, None if rows is None else WIRE[rows])
     placement = Sharded()  # one object: DistributedOptimizer keeps every shard in one group of its plan
     swapped: dict[int, ShardedTable] = {}
@@ -102,32 +120,40 @@ def _plan_dict(
             raise ValueError("plan='auto' measures the tables on a sample batch: pass sample=(args of model(...))")
         return auto_plan(model, sample, group).tables
     if isinstance(plan, str):
-        if plan in LATER:
-            raise ValueError(f"plan={plan!r} is not built yet; pass a dict of module name -> one of {BUILT}")
+        if plan == "server":
+            raise ValueError(
+                "plan='server' would put every table on the parameter server, which HybridTrainer does without "
+                "sparsync.shard (its default keeps every sparse embedding there); to place some tables there, "
+                "pass a dict of module name -> one of "
+                f"{BUILT}, e.g. {{'emb': 'server'}}"
+            )
         raise ValueError(f"plan must be 'auto', a dict of module name -> one of {BUILT}, or None; got {plan!r}")
     return dict(plan or {})
 
 
-def plan_of(model: nn.Module) -> dict[str, Placement]:
-    """Parameter name -> placement, for every parameter a module chose its placement for (``sparsync.shard``'s
-    shards: ``Sharded``). Pass it to ``DistributedOptimizer(plan=...)``, which reduces the other parameters by its
-    default."""
-    return {n: pl for n, p in model.named_parameters() if (pl := placement_of(p)) is not None}
-
-
-def _chosen(tables: Mapping[str, nn.Module], plan: dict[str, str]) -> list[str]:
+def _chosen(tables: Mapping[str, nn.Module], plan: dict[str, str], kind: str) -> list[str]:
+    """The tables ``plan`` places ``kind`` (``"sharded"``: those it does not name too), in the model's order.
+    KeyError for a name that is no embedding module, ValueError for an unknown placement."""
     unknown = sorted(set(plan) - set(tables))
     if unknown:
         raise KeyError(
             f"plan names {unknown}, which are no nn.Embedding or nn.EmbeddingBag modules of the model; "
             f"its embedding modules: {sorted(tables)}"
         )
-    for name, kind in plan.items():
-        if kind in LATER:
-            raise ValueError(f"plan[{name!r}] = {kind!r}: that placement is not built yet; choose one of {BUILT}")
-        if kind not in BUILT:
-            raise ValueError(f"plan[{name!r}] = {kind!r}: unknown placement; choose one of {BUILT}")
-    return [n for n in tables if plan.get(n, "sharded") == "sharded"]
+    for name, given in plan.items():
+        if given not in BUILT:
+            raise ValueError(f"plan[{name!r}] = {given!r}: unknown placement; choose one of {BUILT}")
+    return [n for n in tables if plan.get(n, "sharded") == kind]
+
+
+def _check_for_server(name: str, m: nn.Embedding | nn.EmbeddingBag) -> None:
+    """ValueError naming the module when rank 0 could not write ``m``'s rows to the servers."""
+    if m.weight.device.type == "meta":
+        raise ValueError(
+            f"sparsync.shard cannot place {name!r} on the server: its table is on the meta device, and "
+            "HybridTrainer writes rank 0's table to the servers; build it on the CPU, or place it 'sharded' "
+            "(each rank then draws its own rows)"
+        )
 
 
 def _check_shardable(model: nn.Module, name: str, m: nn.Embedding | nn.EmbeddingBag) -> None:
@@ -158,10 +184,14 @@ def _check_shardable(model: nn.Module, name: str, m: nn.Embedding | nn.Embedding
         )
 
 
-def _agree(chosen: list[str], tables: Mapping[str, nn.Module], group: dist.ProcessGroup) -> None:
-    """Every rank shards the same tables (names, classes, shapes, options): else the same ValueError on every
-    rank, naming the first rank that differs from rank 0. Collective."""
+def _agree(
+    chosen: list[str], on_server: list[str], tables: Mapping[str, nn.Module], group: dist.ProcessGroup
+) -> None:
+    """Every rank shards the same tables and places the same ones on the server (names, classes, shapes,
+    options): else the same ValueError on every rank, naming the first rank that differs from rank 0.
+    Collective."""
     mine = [f"{n}: {tables[n]!r} {tables[n].weight.dtype}" for n in chosen]
+    mine += [f"{n} (server): {tables[n]!r} {tables[n].weight.dtype}" for n in on_server]
     everyone: list[list[str] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=meta_group(group))  # host objects: never on the payload group
     for rank, theirs in enumerate(everyone):

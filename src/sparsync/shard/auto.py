@@ -15,7 +15,8 @@ What is chosen, per table, among the kinds that run inside the training group wi
 dense allreduce and sparse allreduce (``"replicated"``: the table stays whole and ``DistributedOptimizer``
 reduces it) and ``sharded``, by ``make_plan(swap_modules=True)``, which prices the sharded tables' one exchange
 and the replicated tables' one grouped call as they run (``planner._pay_once``). The parameter server
-(``"server"``) is not among them: ``sparsync.shard`` cannot place a table there yet.
+(``"server"``) is not among them: a dict plan may place a table there (trained by ``HybridTrainer``), but it
+needs server processes beside the ranks, which "auto" neither starts nor prices here.
 
 The choice is the same on every rank: the statistics are averaged over the ranks (``all_reduce``) and the link
 model is agreed, so every rank prices the same numbers.
