@@ -111,6 +111,20 @@ def _sparse_names(
     return names
 
 
+def _tables(
+    model: nn.Module, cfg: HybridConfig, sparse_params: Sequence[str] | None
+) -> tuple[dict[str, Placement], dict[str, nn.Module], list[str]]:
+    """The placements ``sparsync.shard`` marked on ``model`` (``plan_of``); the embeddings by weight name, a
+    table placed ``"server"`` included whatever its ``sparse`` flag; and the tables the servers keep by rows
+    by default: once ``sparsync.shard`` placed the tables (sync mode), only those it placed there."""
+    marked = plan_of(model)
+    served = [n for n, pl in marked.items() if kind_of(pl) == "ps"]
+    emb: dict[str, nn.Module] = dict(embedding_modules(model))
+    emb.update({n: model.get_submodule(n.rpartition(".")[0]) for n in served})
+    names = _sparse_names(emb, sparse_params, served if marked and cfg.mode == "sync" else list(emb))
+    return marked, emb, names + [n for n in served if n not in names]
+
+
 def _with_marks(
     cfg: HybridConfig, marked: Mapping[str, Placement], placements: Plan | Mapping[str, str | Placement] | None
 ) -> dict[str, str | Placement]:
@@ -204,13 +218,7 @@ class HybridTrainer:
         aggregator = MachineAggregator(self.rank, self.world, m) if self.local_agg else None
         self.dense_optimizer, self.sparse_optimizer = dense_optimizer, sparse_optimizer
         self.log = log
-        marked = plan_of(model)  # sparsync.shard's placements
-        served = [n for n, pl in marked.items() if kind_of(pl) == "ps"]
-        emb: dict[str, nn.Module] = dict(embedding_modules(model))
-        emb.update({n: model.get_submodule(n.rpartition(".")[0]) for n in served})  # any sparse flag
-        # sparsync.shard placed the tables: the servers keep, by default, only those it placed there
-        names = _sparse_names(emb, sparse_params, served if marked and cfg.mode == "sync" else list(emb))
-        names += [n for n in served if n not in names]
+        marked, emb, names = _tables(model, cfg, sparse_params)
         params = dict(model.named_parameters())
         placed, default = _placed(cfg, list(params), names, _with_marks(cfg, marked, placements))
         self.placements = {n: kind_of(pl) for n, pl in placed.items()}

@@ -91,9 +91,7 @@ def shard(
     for name in on_server:
         _check_for_server(name, tables[name])
     _agree(chosen, on_server, tables, g)
-    server = OnServer()  # one object, as the shards' Sharded below
-    for name in on_server:
-        mark(tables[name].weight, server)
+    _mark_on_server([tables[n] for n in on_server])
     exchanger = Exchanger(g, log, None if rows is None else WIRE[rows])
     placement = Sharded()  # one object: DistributedOptimizer keeps every shard in one group of its plan
     swapped: dict[int, ShardedTable] = {}
@@ -101,13 +99,26 @@ def shard(
         m = tables[name]
         kind = ShardedEmbeddingBag if isinstance(m, nn.EmbeddingBag) else ShardedEmbedding
         swapped[id(m)] = kind(name, m, exchanger, placement, state_dict, seed)  # type: ignore[arg-type]
-    root = swapped.get(id(model), model)
-    for parent in list(model.modules()):
-        for child_name, child in list(parent._modules.items()):  # every name, a module held twice included
-            if child is not None and id(child) in swapped:
-                setattr(parent, child_name, swapped[id(child)])
+    root = _swap(model, swapped)
     root.register_forward_hook(exchanger.finish_forward)
     return root
+
+
+def _mark_on_server(tables: Sequence[nn.Module]) -> None:
+    """Mark each table's weight ``OnServer``: one object for all, as the shards share one ``Sharded``."""
+    server = OnServer()
+    for m in tables:
+        mark(m.weight, server)  # type: ignore[arg-type]
+
+
+def _swap(model: nn.Module, swapped: Mapping[int, nn.Module]) -> nn.Module:
+    """Put each module of ``swapped`` (by the id of the module it replaces) in every place ``model`` holds the
+    old one, a module held twice included; the new root (``model``, unless it was swapped itself)."""
+    for parent in list(model.modules()):
+        for child_name, child in list(parent._modules.items()):
+            if child is not None and id(child) in swapped:
+                setattr(parent, child_name, swapped[id(child)])
+    return swapped.get(id(model), model)
 
 
 def _plan_dict(
