@@ -36,7 +36,8 @@ def shard_tables(
     bytes sent per rank and step (``predicted_shard_bytes_per_step``: half of the plan's sent + received), the
     step's communication time as ``DistributedOptimizer`` and the exchange send it (``predicted_comm_s``:
     ``Plan.grouped_seconds``), and the step's time (``predicted_step_s``: ``AutoPlan.step_seconds``, the
-    sample's forward and backward plus the communication the step waits for). Collective: every rank calls it
+    sample's forward and backward plus the communication the step waits for), with the all-to-all round it
+    priced (``round_s``: ``AutoPlan.round_seconds``, 0 when none was measured). Collective: every rank calls it
     with the same method. Mutates ``model`` (its tables are replaced; a new optimizer must take its
     parameters)."""
     if method not in SHARD_METHODS:
@@ -50,7 +51,7 @@ def shard_tables(
     shard(model, tables, log=log, rows="bf16" if method == "sparsync_sharded_bf16" else None)
     sent = sum(e.bytes_per_machine for e in plan.entries if e.placement == "sharded") / 2
     return {"predicted_shard_bytes_per_step": sent, "predicted_comm_s": plan.grouped_seconds,
-            "predicted_step_s": choice.step_seconds(plan)}  # fmt: skip
+            "predicted_step_s": choice.step_seconds(plan), "round_s": choice.round_seconds or 0.0}  # fmt: skip
 
 
 def table_figures(tables: nn.ModuleList, initial: list[torch.Tensor]) -> tuple[float, float]:

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import sparsync
+from sparsync.collectives.group import group_state, link_state
 from sparsync.costmodel import LinkModel
 from sparsync.optim import DistributedOptimizer
 from sparsync.placement import Sharded, placement_of
@@ -297,7 +298,23 @@ def auto_worker(rank: int) -> dict[str, Any]:
         "backward": chosen.backward_seconds,
         "modules": {n: type(getattr(model, n)).__name__ for n in ("small", "big", "big2")},
         "finite": all(bool(p.isfinite().all()) for p in model.parameters()),
+        "round": chosen.round_seconds,
     }
+
+
+def auto_round_worker(rank: int) -> dict[str, Any]:
+    """The round "auto" prices: given (slow and free, on the fixed link), and measured with the link on a group
+    whose link nobody set (then kept on the group for the next "auto")."""
+    world = dist.group.WORLD
+    slow = auto_plan(Auto(), auto_sample(rank), world, link=AUTO_LINK, round_seconds=1.0)
+    free = auto_plan(Auto(), auto_sample(rank), world, link=AUTO_LINK, round_seconds=0.0)
+    measured = auto_plan(Auto(), auto_sample(rank), world)  # nothing set: the link and the round measured here
+    again = auto_plan(Auto(), auto_sample(rank), world)
+    return {
+        "slow": slow.tables, "free": free.tables,
+        "round": measured.round_seconds, "again": again.round_seconds,
+        "kept": group_state(world).exchange_round, "a2a": link_state(world).link.alpha_a2a,  # type: ignore[union-attr]
+    }  # fmt: skip
 
 
 # --- rows in a lower precision ---------------------------------------------------------------------------------

@@ -106,6 +106,19 @@ def test_plan_auto_measures_the_tables_and_chooses_what_the_planner_chooses_from
         assert r["tables"] == {"small": "replicated", "big": "sharded", "big2": "sharded"}
         assert r["modules"] == {"small": "Embedding", "big": "ShardedEmbeddingBag", "big2": "ShardedEmbedding"}
         assert r["finite"]
+        assert r["round"] is None  # a link the user set: no measured round, the choice depends on the data alone
+
+
+def test_plan_auto_prices_each_round_as_measured_after_compute() -> None:
+    """A round priced at 1 s keeps every table replicated where a free one shards the large tables (the
+    exchange's three rounds, paid once: ``Plan.shared``); with nothing set, "auto" measures the round after the
+    sample's forward, the same on every rank, and keeps it on the group for the next "auto"."""
+    res = launch(sw.auto_round_worker, nprocs=3)
+    for r in res:
+        assert r["slow"] == {"small": "replicated", "big": "replicated", "big2": "replicated"}, r["slow"]
+        assert r["free"] == {"small": "replicated", "big": "sharded", "big2": "sharded"}, r["free"]
+        assert r["round"] == res[0]["round"] > 0 and r["again"] == r["round"] == r["kept"]
+        assert r["a2a"] is not None  # measure_link's, which the plan prices rounds at least at
 
 
 def test_rows_in_bf16_or_fp16_halve_the_rows_bytes_and_stay_near_fp32() -> None:

@@ -33,6 +33,9 @@ class GroupState:
     """Mutable per-group state, attached to the ProcessGroup object (see ``group_state``)."""
 
     link: LinkModel | None = None  # α-β model measured at first use of "auto" (or set by the user)
+    # seconds of an all-to-all round that follows compute, measured by sparsync.shard's plan="auto" with the
+    # link (shard/auto.py); None when the user set the link (set_link, set_deterministic): "auto" prices by it
+    exchange_round: float | None = None
     calls: int = 0  # collectives issued on this group, to detect ranks that diverge
     # Inline payload limits per call signature (dim, row, dtype code) grown by allgather calls
     # (collectives.meta); a signature not in it inlines up to EAGER_BYTES.

@@ -11,6 +11,18 @@ caller's thread, hides behind nothing (``make_plan(overlap_seconds=...)``). The 
 group's link model when one is set (``set_link``, ``set_deterministic``), else ``measure_link`` on the group,
 kept as the group's model so that "auto" in the optimizer's reductions does not measure it again.
 
+The rounds, when the link is measured here: the sharded tables' exchange puts three all-to-all rounds on the
+step's path, and each waits for the slowest rank; where ranks share cores, that wait, not the link's latency,
+is what a round costs (docs/sharding.md, the breakdown: 7-26 ms a round at P = 8 on 2 cores, where
+``measure_link``'s ``alpha_a2a``, a round of tiny messages between idle ranks, is under a millisecond). So
+"auto" times what it prices: the sample's forward, then one all-to-all round of a header's size, three times;
+a round costs each rank the wait for the slowest plus the latency, and the step pays, on average over the
+ranks, that mean (``_round_seconds``: the ranks' mean of their medians). The plan prices every all-to-all round
+at the larger of that and the link's ``alpha_a2a`` (the replicated kinds' split algorithms too, whose rounds
+run beside backward, where the overlap hides them). It is kept with the group's link model
+(``GroupState.exchange_round``), so a later "auto" on the group prices the same rounds; with a link the user
+set there is no such measurement, and the choice depends on the data alone (``set_deterministic``).
+
 What is chosen, per table, among the kinds that run inside the training group without loss (``AUTO_KINDS``):
 dense allreduce and sparse allreduce (``"replicated"``: the table stays whole and ``DistributedOptimizer``
 reduces it) and ``sharded``, by ``make_plan(swap_modules=True)``, which prices the sharded tables' one exchange
@@ -71,6 +83,7 @@ class AutoPlan:
     stats: tuple[ParamStats, ...]  # what the plan priced, to price another plan on the same cluster
     backward_seconds: float  # the sample's backward, the slowest rank's (the plan's overlap)
     forward_seconds: float = 0.0  # the sample's forward, the slowest rank's
+    round_seconds: float | None = None  # an all-to-all round after compute, as measured (module doc); None: not
 
     def step_seconds(self, plan: Plan | None = None) -> float:
         """The predicted step of ``plan`` (default: the chosen one): the sample's forward and backward as
@@ -110,12 +123,16 @@ def auto_plan(
     *,
     link: LinkModel | None = None,
     backward_seconds: float | None = None,
+    round_seconds: float | None = None,
 ) -> AutoPlan:
     """Measure and plan (module doc). ``sample``: positional arguments of one ``model(*sample)`` call, this rank's
-    batch (it runs once, and one backward from it; the model is left as it was: its gradients put back, a meta
-    table's forward restored). ``link``: price with this model instead of the group's. ``backward_seconds``: the
-    overlap to price with instead of the measured backward. Tables on the meta device are placed ``sharded``
-    (module doc). Collective over ``group``. Raises ValueError when the model has no embedding table."""
+    batch (it runs once, and one backward from it, and, when the link is measured here, three more forwards
+    without gradients, each before a timed round; the model is left as it was: its gradients put back, a meta
+    table's forward restored). ``link``: price with this model instead of the group's (and no measured round).
+    ``backward_seconds``: the overlap to price with instead of the measured backward. ``round_seconds``: the
+    all-to-all round to price with instead of the measured one. Tables on the meta device are placed
+    ``sharded`` (module doc). Collective over ``group``. Raises ValueError when the model has no embedding
+    table."""
     tables = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
     if not tables:
         raise ValueError("plan='auto': the model has no nn.Embedding or nn.EmbeddingBag to place")
@@ -141,14 +158,66 @@ def auto_plan(
         stats.append(ParamStats(pname, tuple(p.shape), min(1.0, u_b / rows), True, min(1.0, u_b / rows),
                                 p.element_size()))  # fmt: skip
         del u_pb  # reported, not priced: the kinds model a rank's union from its own fraction
-    if link is None:
-        state = link_state(group)
-        link = state.link if state.link is not None else measure_link(group)
-        state.link = link
+    link, round_s = _link_and_round(model, tables, sample, group, link, round_seconds)
     on_meta = {_weight_name(n): "sharded" for n, m in tables.items() if m.weight.device.type == "meta"}
-    plan = make_plan(stats, Cluster(P, measured=link), swap_modules=True, overlap_seconds=float(slowest[0]),
-                     kinds=[KINDS.entry(k) for k in AUTO_KINDS], overrides=on_meta)  # fmt: skip
-    return AutoPlan(plan, distinct, tuple(stats), float(slowest[0]), float(slowest[1]))
+    plan = make_plan(stats, Cluster(P, measured=_priced(link, round_s, P)), swap_modules=True,
+                     overlap_seconds=float(slowest[0]), kinds=[KINDS.entry(k) for k in AUTO_KINDS],
+                     overrides=on_meta)  # fmt: skip
+    return AutoPlan(plan, distinct, tuple(stats), float(slowest[0]), float(slowest[1]), round_s)
+
+
+def _link_and_round(
+    model: nn.Module,
+    tables: Mapping[str, nn.Module],
+    sample: Sequence[Any],
+    group: dist.ProcessGroup,
+    link: LinkModel | None,
+    round_seconds: float | None,
+) -> tuple[LinkModel, float | None]:
+    """The link model to price with and the measured round (module doc): ``link`` as given; else the group's,
+    with the round measured with it (both kept on the group: ``measure_link`` and ``_round_seconds`` the first
+    time, the same numbers after); a link the user set comes with no round. ``round_seconds`` wins."""
+    if link is not None:
+        return link, round_seconds
+    state = link_state(group)
+    if state.link is None:
+        state.link = measure_link(group)
+        state.exchange_round = _round_seconds(model, tables, sample, group)
+    return state.link, round_seconds if round_seconds is not None else state.exchange_round
+
+
+def _priced(link: LinkModel, round_s: float | None, P: int) -> LinkModel:
+    """``link`` with every all-to-all round priced at least ``round_s`` (module doc)."""
+    if round_s is None:
+        return link
+    a2a = link.alpha_a2a if link.alpha_a2a is not None else (P - 1) * link.alpha
+    return dataclasses.replace(link, alpha_a2a=max(a2a, round_s))
+
+
+ROUND_TRIALS = 3  # forwards, each followed by a timed round (``_round_seconds``)
+
+
+def _round_seconds(
+    model: nn.Module, tables: Mapping[str, nn.Module], sample: Sequence[Any], group: dist.ProcessGroup
+) -> float:
+    """What an all-to-all round costs right after compute (module doc): the sample's forward without gradients,
+    then one round of a header's size (4 int64 to each peer), ``ROUND_TRIALS`` times; this rank's median round,
+    averaged over the ranks (the same number on every rank). Collective."""
+    P = dist.get_world_size(group)
+    if P == 1:
+        return 0.0  # no peer to wait for
+    send = torch.zeros(4 * P, dtype=torch.int64)
+    got = torch.empty_like(send)
+    times = []
+    for _ in range(ROUND_TRIALS):
+        with torch.no_grad(), _meta_tables_stood_in(tables.values()):
+            model(*sample)
+        t0 = time.perf_counter()
+        dist.all_to_all_single(got, send, group=group)
+        times.append(time.perf_counter() - t0)
+    mean = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
+    dist.all_reduce(mean, group=group)
+    return float(mean) / P
 
 
 def _weight_name(module: str) -> str:
