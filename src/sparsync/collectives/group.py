@@ -33,8 +33,9 @@ class GroupState:
     """Mutable per-group state, attached to the ProcessGroup object (see ``group_state``)."""
 
     link: LinkModel | None = None  # α-β model measured at first use of "auto" (or set by the user)
-    # seconds of an all-to-all round that follows compute, measured by sparsync.shard's plan="auto" with the
-    # link (shard/auto.py); None when the user set the link (set_link, set_deterministic): "auto" prices by it
+    link_set: bool = False  # ``link`` came from the user (set_link, set_deterministic), not from a measurement
+    # seconds of an all-to-all round that follows compute, measured by sparsync.shard's plan="auto" unless the
+    # user set the link (shard/auto.py), then kept for the next "auto" on the group
     exchange_round: float | None = None
     calls: int = 0  # collectives issued on this group, to detect ranks that diverge
     # Inline payload limits per call signature (dim, row, dtype code) grown by allgather calls
@@ -114,7 +115,8 @@ def set_link(link: LinkModel | None, *, group: dist.ProcessGroup | None = None) 
 
     Call it with the same model on every rank: ranks that hold different models may choose differently.
     """
-    link_state(resolve_group(group)).link = link
+    state = link_state(resolve_group(group))
+    state.link, state.link_set = link, link is not None
 
 
 def set_deterministic(*, group: dist.ProcessGroup | None = None, link: LinkModel = REFERENCE_LINK) -> None:

@@ -11,7 +11,7 @@ caller's thread, hides behind nothing (``make_plan(overlap_seconds=...)``). The 
 group's link model when one is set (``set_link``, ``set_deterministic``), else ``measure_link`` on the group,
 kept as the group's model so that "auto" in the optimizer's reductions does not measure it again.
 
-The rounds, when the link is measured here: the sharded tables' exchange puts three all-to-all rounds on the
+The rounds, unless the user set the link: the sharded tables' exchange puts three all-to-all rounds on the
 step's path, and each waits for the slowest rank; where ranks share cores, that wait, not the link's latency,
 is what a round costs (docs/sharding.md, the breakdown: 7-26 ms a round at P = 8 on 2 cores, where
 ``measure_link``'s ``alpha_a2a``, a round of tiny messages between idle ranks, is under a millisecond). So
@@ -126,13 +126,13 @@ def auto_plan(
     round_seconds: float | None = None,
 ) -> AutoPlan:
     """Measure and plan (module doc). ``sample``: positional arguments of one ``model(*sample)`` call, this rank's
-    batch (it runs once, and one backward from it, and, when the link is measured here, three more forwards
-    without gradients, each before a timed round; the model is left as it was: its gradients put back, a meta
-    table's forward restored). ``link``: price with this model instead of the group's (and no measured round).
-    ``backward_seconds``: the overlap to price with instead of the measured backward. ``round_seconds``: the
-    all-to-all round to price with instead of the measured one. Tables on the meta device are placed
-    ``sharded`` (module doc). Collective over ``group``. Raises ValueError when the model has no embedding
-    table."""
+    batch (it runs once, and one backward from it, and, unless the user set the link, the first time on the
+    group three more forwards without gradients, each before a timed round; the model is left as it was: its
+    gradients put back, a meta table's forward restored). ``link``: price with this model instead of the
+    group's (and no measured round). ``backward_seconds``: the overlap to price with instead of the measured
+    backward. ``round_seconds``: the all-to-all round to price with instead of the measured one. Tables on the
+    meta device are placed ``sharded`` (module doc). Collective over ``group``. Raises ValueError when the model
+    has no embedding table."""
     tables = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
     if not tables:
         raise ValueError("plan='auto': the model has no nn.Embedding or nn.EmbeddingBag to place")
@@ -174,16 +174,19 @@ def _link_and_round(
     link: LinkModel | None,
     round_seconds: float | None,
 ) -> tuple[LinkModel, float | None]:
-    """The link model to price with and the measured round (module doc): ``link`` as given; else the group's,
-    with the round measured with it (both kept on the group: ``measure_link`` and ``_round_seconds`` the first
-    time, the same numbers after); a link the user set comes with no round. ``round_seconds`` wins."""
+    """The link model to price with and the measured round (module doc): ``link`` as given; else the group's
+    (``measure_link`` when it has none) with the round measured (``_round_seconds`` the first time, then kept on
+    the group); a link the user set comes with no round. ``round_seconds`` wins."""
     if link is not None:
         return link, round_seconds
     state = link_state(group)
     if state.link is None:
         state.link = measure_link(group)
-        state.exchange_round = _round_seconds(model, tables, sample, group)
-    return state.link, round_seconds if round_seconds is not None else state.exchange_round
+    if round_seconds is None and not state.link_set:
+        if state.exchange_round is None:
+            state.exchange_round = _round_seconds(model, tables, sample, group)
+        round_seconds = state.exchange_round
+    return state.link, round_seconds
 
 
 def _priced(link: LinkModel, round_s: float | None, P: int) -> LinkModel:
