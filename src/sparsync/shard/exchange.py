@@ -156,7 +156,10 @@ class Exchanger:
     def _exchange(self, lookups: list[Lookup]) -> None:
         t0 = time.perf_counter()
         tally = Traffic()
-        tables = list(dict.fromkeys(lk.table for lk in lookups))
+        calls: dict[Table, list[Lookup]] = {}  # each table's lookups, in registration order
+        for lk in lookups:
+            calls.setdefault(lk.table, []).append(lk)
+        tables = list(calls)
         descriptions = [t.describe() for t in tables]
         refusal = next((lk.refusal for lk in lookups if lk.refusal is not None), None)
         dtypes = {t.shard.dtype for t in tables}
@@ -165,9 +168,7 @@ class Exchanger:
         asked: list[Asked] = []
         payload, send_sizes = torch.empty(0, dtype=torch.int64), [0] * self.size
         if refusal is None:
-            asked = dedupe_tables(
-                [torch.cat([lk.ids for lk in lookups if lk.table is t]) for t in tables], self.size
-            )
+            asked = dedupe_tables([torch.cat([lk.ids for lk in calls[t]]) for t in tables], self.size)
             payload, send_sizes = ids_payload(asked, self.size)
         # 1. input dist, headed by the counts (``header``): one round, a second only for what overflows
         status = header.OK if refusal is None else header.REFUSED
@@ -189,9 +190,9 @@ class Exchanger:
         # 3. pooling
         t_pool = time.perf_counter()
         for t, (table, a) in enumerate(zip(tables, asked, strict=True)):
-            mine_ = [lk for lk in lookups if lk.table is table]
+            mine = calls[table]
             pad = _padding_position(a, table.padding_row)
-            for lk, pos in zip(mine_, torch.split(a.positions, [lk.ids.numel() for lk in mine_]), strict=True):
+            for lk, pos in zip(mine, torch.split(a.positions, [lk.ids.numel() for lk in mine]), strict=True):
                 lk.out.resolve(lk.pool(gathered[t], pos, pad))
         tally.phases["pool"] = time.perf_counter() - t_pool
         self.record(
