@@ -20,7 +20,7 @@ from sparsync.plan.kinds import ID_WIRE_BYTES
 from sparsync.shard import LazyLookup, Ownership, plan_of
 from sparsync.shard.exchange import _peer_major, _table_major
 from sparsync.shard.header import MARGIN
-from sparsync.shard.route import dedupe, dedupe_tables, ids_payload, parse_requests
+from sparsync.shard.route import Asked, dedupe_tables, ids_payload, parse_requests
 
 
 @pytest.mark.parametrize(("rows", "P"), [(1, 1), (7, 3), (10, 5), (3, 5), (30, 3)])
@@ -44,11 +44,23 @@ def test_hot_consecutive_ids_spread_over_the_owners() -> None:
     assert sorted(own.owner(torch.arange(4)).tolist()) == [0, 1, 2, 3]
 
 
+def dedupe(ids: torch.Tensor, ownership: Ownership) -> Asked:
+    """The reference for one table: ``ids`` as distinct ids in owner order, and where each id finds its row
+    among them (``dedupe_tables`` does every table of an exchange at once)."""
+    distinct, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+    owner = ownership.owner(distinct)
+    order = torch.sort(owner, stable=True).indices  # distinct ids are sorted, so each owner's stay sorted
+    place = torch.empty_like(order)
+    place[order] = torch.arange(order.numel(), dtype=order.dtype)
+    per_owner = torch.bincount(owner, minlength=ownership.parts).tolist()
+    return Asked(distinct[order], place[inverse], tuple(per_owner))
+
+
 def test_each_distinct_id_travels_once_to_its_owner() -> None:
     P = 3
     owns = [Ownership(10, P), Ownership(7, P)]
     lookups = [torch.tensor([4, 1, 4, 9, 0, 1, 3]), torch.tensor([6, 6, 6])]
-    asked = [dedupe(ids, own) for ids, own in zip(lookups, owns, strict=True)]
+    asked = dedupe_tables(lookups, P)
     for ids, a, own in zip(lookups, asked, owns, strict=True):
         assert torch.equal(a.distinct[a.positions], ids)  # every id finds its row among the distinct ones
         assert a.distinct.numel() == ids.unique().numel()

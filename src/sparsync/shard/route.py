@@ -30,21 +30,11 @@ class Asked:
     per_owner: tuple[int, ...]  # distinct ids asked of each owner
 
 
-def dedupe(ids: torch.Tensor, ownership: Ownership) -> Asked:
-    """``ids`` (int64, flat) as distinct ids in owner order, and where each id finds its row among them."""
-    distinct, inverse = torch.unique(ids, sorted=True, return_inverse=True)
-    owner = ownership.owner(distinct)
-    order = torch.sort(owner, stable=True).indices  # distinct ids are sorted, so each owner's stay sorted
-    place = torch.empty_like(order)
-    place[order] = torch.arange(order.numel(), dtype=order.dtype)
-    per_owner = torch.bincount(owner, minlength=ownership.parts).tolist()
-    return Asked(distinct[order], place[inverse], tuple(per_owner))
-
-
 def dedupe_tables(ids: Sequence[torch.Tensor], parts: int) -> list[Asked]:
-    """``dedupe`` of every table of an exchange at once (equal to ``[dedupe(x, Ownership(rows_t, parts)) ...]``,
-    the stride ownership's owner being an id's value mod ``parts`` whatever the table): the tables' ids offset
-    into one key space, one ``unique`` and one sort for all of them instead of several small ops per table,
+    """Each table's ids (int64, flat) as its distinct ids in owner order (the stride ownership over ``parts``
+    ranks: an id's owner is its value mod ``parts``, whatever the table), and where each id finds its row among
+    them: the tables' ids offset into one key space, one ``unique`` and one sort for all of them instead of
+    several small ops per table (``tests/shard/test_units.py`` holds the one-table reference it equals),
     which on a host whose ranks share cores cost more than the ids' bytes."""
     T = len(ids)
     lens = [int(x.numel()) for x in ids]
