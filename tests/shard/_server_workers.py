@@ -4,11 +4,11 @@ placements of ``sparsync.shard`` (one table replicated, one sharded, one on the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from _shard_workers import message
 from torch import nn
 
 import sparsync
@@ -126,23 +126,15 @@ def mixed_worker(rank: int, addresses: list[str], prefix: str) -> dict[str, Any]
     return out
 
 
-def _message(fn: Callable[[], object]) -> str:
-    try:
-        fn()
-    except (ValueError, KeyError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def refusals(rank: int, addresses: list[str]) -> dict[str, str]:
     """What HybridTrainer and DistributedOptimizer refuse of a model placed by ``PLAN`` (the test reads P = 3)."""
     out = {}
     model = sparsync.shard(Trio(seed=0), plan=PLAN)
-    out["async"] = _message(lambda: HybridTrainer(model, addresses, HybridConfig(mode="async", timeout=10.0)))
+    out["async"] = message(lambda: HybridTrainer(model, addresses, HybridConfig(mode="async", timeout=10.0)))
     cfg = HybridConfig(timeout=10.0, table_prefix="refused/")
-    out["moved"] = _message(lambda: HybridTrainer(model, addresses, cfg, placements={"sh.weight": "ps"}))
+    out["moved"] = message(lambda: HybridTrainer(model, addresses, cfg, placements={"sh.weight": "ps"}))
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR), model, overlap=False)
     opt.zero_grad()
     loss_of(model, batch(0, rank)).backward()
-    out["distributed_optimizer"] = _message(opt.step)
+    out["distributed_optimizer"] = message(opt.step)
     return out

@@ -208,7 +208,8 @@ def mixed_case(rank: int, P: int) -> dict[str, Any]:
 
 
 # --- bad input --------------------------------------------------------------------------------------------------
-def _message(fn: Callable[[], object]) -> str:
+def message(fn: Callable[[], object]) -> str:
+    """What ``fn`` raised (a ValueError or KeyError), as type and text; "no error" when it returned."""
     try:
         fn()
     except (ValueError, KeyError) as e:
@@ -226,25 +227,25 @@ def errors_worker(rank: int) -> dict[str, str]:
     def with_ids(name: str, ids: torch.Tensor) -> dict[str, tuple[Any, ...]]:
         return {**good, name: (ids.view(-1, 3),)}
 
-    out["out_of_range"] = _message(lambda: model(with_ids("emb", torch.tensor([0, 1, 17 if rank == 1 else 2]))))
-    out["negative"] = _message(lambda: model(with_ids("bag_mean", torch.tensor([0, -1 if rank == 2 else 1, 2]))))
+    out["out_of_range"] = message(lambda: model(with_ids("emb", torch.tensor([0, 1, 17 if rank == 1 else 2]))))
+    out["negative"] = message(lambda: model(with_ids("bag_mean", torch.tensor([0, -1 if rank == 2 else 1, 2]))))
     psw = {**good, "bag_pad": (*good["bag_pad"], torch.ones(good["bag_pad"][0].numel(), dtype=torch.float64))}
-    out["torch_refuses"] = _message(lambda: model(psw if rank == 0 else good))
+    out["torch_refuses"] = message(lambda: model(psw if rank == 0 else good))
     skip = {k: v for k, v in good.items() if k != "bag_last"}
-    out["other_tables"] = _message(lambda: model(skip if rank == P - 1 else good))
+    out["other_tables"] = message(lambda: model(skip if rank == P - 1 else good))
     wrong = nn.Embedding(17 + (rank == 1), 4)
-    out["mismatched_at_shard"] = _message(lambda: sparsync.shard(nn.ModuleDict({"a": wrong})))
-    out["max_mode"] = _message(lambda: sparsync.shard(nn.EmbeddingBag(5, 2, mode="max")))
-    out["max_norm"] = _message(lambda: sparsync.shard(nn.Sequential(nn.Embedding(5, 2, max_norm=1.0))))
-    out["scale_grad"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2, scale_grad_by_freq=True)))
-    out["server"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2), plan="server"))  # a dict may name it
-    out["auto"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2), plan="auto"))  # no sample
-    out["unknown"] = _message(lambda: sparsync.shard(nn.Embedding(5, 2), plan={"nope": "sharded"}))
+    out["mismatched_at_shard"] = message(lambda: sparsync.shard(nn.ModuleDict({"a": wrong})))
+    out["max_mode"] = message(lambda: sparsync.shard(nn.EmbeddingBag(5, 2, mode="max")))
+    out["max_norm"] = message(lambda: sparsync.shard(nn.Sequential(nn.Embedding(5, 2, max_norm=1.0))))
+    out["scale_grad"] = message(lambda: sparsync.shard(nn.Embedding(5, 2, scale_grad_by_freq=True)))
+    out["server"] = message(lambda: sparsync.shard(nn.Embedding(5, 2), plan="server"))  # a dict may name it
+    out["auto"] = message(lambda: sparsync.shard(nn.Embedding(5, 2), plan="auto"))  # no sample
+    out["unknown"] = message(lambda: sparsync.shard(nn.Embedding(5, 2), plan={"nope": "sharded"}))
     plain = nn.Embedding(5, 2, sparse=True)
     opt = DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1), plain, plan={"weight": Sharded()},
                                overlap=False)  # fmt: skip
     plain(torch.tensor([1])).sum().backward()
-    out["unswapped"] = _message(opt.step)
+    out["unswapped"] = message(opt.step)
     outs = model(good)  # still in step with the others
     _loss(outs).backward()
     out["after"] = f"looked up {len(outs)} tables"
