@@ -215,13 +215,10 @@ class Exchanger:
         and every peer's ids in rank order (``route.parse_requests``' payload). Collective."""
         P, W, C = self.size, len(header.COLUMNS), self.capacity
         blocks = header.blocks_to_peers(status, key, payload, counts, C)
-        got = self.all_to_all(blocks.view(-1), [W + C] * P, [W + C] * P, "ids", tally).view(P, W + C)
+        carried = sum(min(n, C) for j, n in enumerate(counts) if j != self.rank)  # ids sent in the blocks
+        split = {"header": 8 * W * (P - 1), "ids": 8 * carried, "padding": 8 * (C * (P - 1) - carried)}
+        got = self.all_to_all(blocks.view(-1), [W + C] * P, [W + C] * P, "ids", tally, split).view(P, W + C)
         recv, widest = header.agree(got, self.group, refusal=refusal, descriptions=descriptions)
-        others = [n for j, n in enumerate(counts) if j != self.rank]
-        carried = sum(min(n, C) for n in others)
-        tally.phase_bytes["header"] = tally.phase_bytes.get("header", 0) + 8 * W * (P - 1)
-        tally.phase_bytes["padding"] = tally.phase_bytes.get("padding", 0) + 8 * (C * (P - 1) - carried)
-        tally.phase_bytes["ids"] -= 8 * (W * (P - 1) + C * (P - 1) - carried)  # ids alone, as before
         parts = [got[i, W : W + min(n, C)] for i, n in enumerate(recv)]
         if widest > C:  # the rest, in a round every rank runs (every rank saw every sender's widest)
             rest, rest_sizes = header.overflow(payload, counts, C)
@@ -240,9 +237,16 @@ class Exchanger:
         return self.all_to_all(send.to(self.wire), send_sizes, recv_sizes, phase, tally).to(send.dtype)
 
     def all_to_all(
-        self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], phase: str, tally: Traffic
+        self,
+        send: torch.Tensor,
+        send_sizes: list[int],
+        recv_sizes: list[int],
+        phase: str,
+        tally: Traffic,
+        split: dict[str, int] | None = None,
     ) -> torch.Tensor:
-        """``dist.all_to_all_single`` with split sizes (elements); counts what crossed to other ranks. Each round
+        """``dist.all_to_all_single`` with split sizes (elements); counts what crossed to other ranks, under
+        ``phase`` or, given ``split``, under its phases (bytes sent each; they add up to the round's). Each round
         is a ``trace.scope`` (``shard:<phase>``: a profiler range, and an event on the rank's timeline)."""
         w = send.element_size()
         sent = w * (sum(send_sizes) - send_sizes[self.rank])
@@ -254,7 +258,8 @@ class Exchanger:
                 out = send.new_empty(sum(recv_sizes))
                 dist.all_to_all_single(out, send.contiguous(), recv_sizes, send_sizes, group=self.group)
         tally.add(sent, w * (sum(recv_sizes) - recv_sizes[self.rank]), self.size - 1)
-        tally.phase_bytes[phase] = tally.phase_bytes.get(phase, 0) + sent
+        for name, n in (split or {phase: sent}).items():
+            tally.phase_bytes[name] = tally.phase_bytes.get(name, 0) + n
         tally.phases[phase] = tally.phases.get(phase, 0.0) + time.perf_counter() - t0
         return out
 
