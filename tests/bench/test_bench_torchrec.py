@@ -50,10 +50,14 @@ def _run(tmp_path: Path, methods: tuple[str, ...]) -> dict[str, dict[str, object
 
 @pytest.mark.multiprocess
 def test_the_bench_degrades_to_an_unavailable_row(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """No environment: the row names the reason on every rank, and the other methods' rows are untouched."""
+    """No environment: the row names the reason on every rank, and the other methods' rows are untouched. The
+    other method is sparsync's: twice in full test runs (2026-11-28) a rank of torch's DDP with sparse gradients
+    aborted in this test on a heap-corruption check (``malloc_consolidate(): invalid chunk size``, ``malloc():
+    unaligned tcache chunk detected``), which no run of this test alone reproduced (0 of 18); DDP's sparse path
+    stays tested in tests/bench/test_dlrm.py and runs in every ``bench dlrm`` (docs/results_tests.md)."""
     monkeypatch.setenv("SPARSYNC_TORCHREC_PYTHON", str(tmp_path / "missing" / "python"))
-    rows = _run(tmp_path, ("torchrec_tw", "torch_ddp_sparse"))
-    assert rows["torch_ddp_sparse"]["step_s"] and not rows["torch_ddp_sparse"].get("unavailable")
+    rows = _run(tmp_path, ("torchrec_tw", "sparsync"))
+    assert rows["sparsync"]["step_s"] and not rows["sparsync"].get("unavailable")
     assert "no torchrec environment" in str(rows["torchrec_tw"]["unavailable"])
     assert rows["torchrec_tw"]["step_s"] is None and rows["torchrec_tw"]["world_size"] == 2
 
