@@ -4,6 +4,9 @@ the MLPs by ``DistributedOptimizer`` as in ``sparsync``.
 - ``sparsync_sharded``: every table sharded;
 - ``sparsync_sharded_bf16``: the same, the rows and gradient rows sent in bf16 (``sparsync.shard(rows="bf16")``:
   half the rows' bytes, lossy; its loss beside ``sparsync_sharded``'s says how much);
+- ``sparsync_sharded_lookahead``: ``sparsync_sharded`` with its batches through ``sparsync.shard.Lookahead``: each
+  batch's ids round runs during the step before it, so the forward waits for the rows round only (the same
+  values, bit for bit);
 - ``sparsync_auto``: ``sparsync.shard(model, plan="auto", sample=first batch)``: each table where the cost model
   predicts the faster step (``sparsync.shard.auto``: among dense allreduce, sparse allreduce and sharded, priced on
   the distinct rows of each rank's first batch and the group's measured link). The tables it leaves replicated go
@@ -16,14 +19,19 @@ A sharded model holds a part of each table per rank, so the figures the benchmar
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from sparsync.record import CommLog
-from sparsync.shard import ShardedTable, auto_plan, shard
+from sparsync.shard import Lookahead, ShardedTable, auto_plan, shard
 
-SHARD_METHODS = ("sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16")
+Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # dense features, categorical ids [n, tables], labels
+
+SHARD_METHODS = ("sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16", "sparsync_sharded_lookahead")
+LOOKAHEAD_METHODS = ("sparsync_sharded_lookahead",)  # their batches through Lookahead (``batches``)
 SHARD_OPS = ("shard_lookup", "shard_grad")  # the CommLog records of the sharded tables' exchanges
 
 
@@ -52,6 +60,15 @@ def shard_tables(
     sent = sum(e.bytes_per_machine for e in plan.entries if e.placement == "sharded") / 2
     return {"predicted_shard_bytes_per_step": sent, "predicted_comm_s": plan.grouped_seconds,
             "predicted_step_s": choice.step_seconds(plan), "round_s": choice.round_seconds or 0.0}  # fmt: skip
+
+
+def batches(method: str, model: nn.Module, steps: list[Batch]) -> Iterator[Batch]:
+    """The steps' batches for ``method``: as they are, or through ``Lookahead`` (``LOOKAHEAD_METHODS``), DLRM's
+    table j looked up with column j of the ids (``DLRM.forward``)."""
+    if method not in LOOKAHEAD_METHODS:
+        return iter(steps)
+    sharded = [n for n, m in model.named_modules() if isinstance(m, ShardedTable)]
+    return Lookahead(steps, model, ids=lambda b: {n: b[1][:, int(n.split(".")[-1])] for n in sharded})
 
 
 def table_figures(tables: nn.ModuleList, initial: list[torch.Tensor]) -> tuple[float, float]:

@@ -70,10 +70,11 @@ from sparsync.shard import ShardedTable
 from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows, write_criteo
 from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
 from sparsync_bench.dlrm import DLRM, MLPS, mlp_shapes
-from sparsync_bench.dlrm_shard import SHARD_METHODS, SHARD_OPS, shard_tables, table_figures
+from sparsync_bench.dlrm_shard import SHARD_METHODS, SHARD_OPS, batches, shard_tables, table_figures
 from sparsync_bench.fmt import MISSING, markdown_table, mb, ms, times, unavailable_row
 from sparsync_bench.hybrid import ps_remote_bytes
 from sparsync_bench.omnireduce import block_allreduce
+from sparsync_bench.op_profile import step_profiler
 from sparsync_bench.tensorboard import summary_writer
 from sparsync_bench.torchrec_baseline import TORCHREC_METHODS, train_torchrec, unavailable
 
@@ -221,16 +222,18 @@ def _train(
         elif method in LARGE_TABLE_METHODS:
             plan = _large_table_plan(method, model, shard.sparse[: cfg.batch], cfg, log)
         opt = DistributedOptimizer(opt, model, plan=plan, log=log, overlap=method != "sparsync_step")
-    times, losses, rows = [], [], []
+    times, cpu, losses, rows = [], [], [], []
     constructed = len(log)  # the steps' records from here: the broadcast at construction is no step's
     writer = summary_writer(Path(cfg.tensorboard) / f"P{P}") if cfg.tensorboard and rank == 0 else None
+    profile = step_profiler(method, rank, cfg.warmup, cfg.steps)
+    cut = [slice(s * cfg.batch, (s + 1) * cfg.batch) for s in range(cfg.steps)]
+    source = batches(method, model, [(shard.dense[sl], shard.sparse[sl], shard.label[sl]) for sl in cut])
     for s in range(cfg.steps):
         before = len(log)
-        sl = slice(s * cfg.batch, (s + 1) * cfg.batch)
-        dense, cats, label = shard.dense[sl], shard.sparse[sl], shard.label[sl]
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with trace_step(s):  # the step on SPARSYNC_TRACE's timeline
+            dense, cats, label = next(source)  # a lookahead's ids round for the next batch starts here
             if trainer is not None:
                 losses.append(trainer.step(lambda d=dense, c=cats, y=label: bce(model(d, c), y)))
             else:
@@ -240,16 +243,21 @@ def _train(
                 opt.step()
                 losses.append(loss.item())
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         if writer is not None:  # torch DDP's steps log nothing: their curves stay empty
             log.to_tensorboard(writer, s, since=before, prefix=f"sparsync/{method}")
             writer.add_scalar(f"step_seconds/{method}", times[-1], s)
         if method.startswith("torch_ddp"):  # the rows gloo's sparse allreduce sends (_ddp_bytes)
             rows.append([int(torch.unique(cats[:, j]).numel()) for j in range(cats.shape[1])])
-
+        if profile is not None:
+            profile.step()
+    if profile is not None:
+        profile.stop()
     if writer is not None:
         writer.close()
     t = torch.tensor([statistics.median(times[cfg.warmup :])], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    cpu_s = _mean_over_ranks(statistics.median(cpu[cfg.warmup :]))
     tail = torch.tensor([statistics.fmean(losses[-cfg.tail :])], dtype=torch.float64)
     dist.all_reduce(tail)
     if method.startswith("torch_ddp"):
@@ -280,10 +288,16 @@ def _train(
     in_tables = {id(p) for p in model.tables.parameters()}
     digest = tables_abs + float(sum(p.detach().double().abs().sum() for p in model.parameters()
                                     if id(p) not in in_tables))  # fmt: skip
-    return {"method": method, "step_s": float(t), "bytes_per_step": nbytes, "loss": float(tail) / P,
-            "first_loss": losses[0], "param_abs_sum": digest, "tables_moved": moved,
+    return {"method": method, "step_s": float(t), "cpu_s": cpu_s, "bytes_per_step": nbytes,
+            "loss": float(tail) / P, "first_loss": losses[0], "param_abs_sum": digest, "tables_moved": moved,
             "shard_bytes_per_step": shard_bytes,
             "tables_sharded": sum(isinstance(t, ShardedTable) for t in model.tables), **predicted}  # fmt: skip
+
+
+def _mean_over_ranks(x: float) -> float:
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
 
 
 def worker(
@@ -327,8 +341,8 @@ def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
-_COLUMNS = ("P", "method", "ms/step", "MB sent/rank/step", "of which MLPs", "of which tables", "loss (last steps)",
-            "vs DDP sparse: speed", "loss diff")  # fmt: skip
+_COLUMNS = ("P", "method", "ms/step", "CPU ms/step", "MB sent/rank/step", "of which MLPs", "of which tables",
+            "loss (last steps)", "vs DDP sparse: speed", "loss diff")  # fmt: skip
 
 
 def _markdown_row(r: dict[str, Any]) -> list[str]:
@@ -338,7 +352,8 @@ def _markdown_row(r: dict[str, Any]) -> list[str]:
     # "-" for a split a row does not carry (a row of before the MLP/table columns, a test's)
     mbs = [mb(r.get(k), ".2f") for k in ("bytes_per_step", "dense_bytes_per_step", "table_bytes_per_step")]
     speed = times(r.get("speedup_vs_ddp_sparse"))
-    return [str(r["world_size"]), r["method"], ms(r["step_s"], ".1f"), *mbs, f"{r['loss']:.5f}", speed,
+    cpu = MISSING if r.get("cpu_s") is None else ms(r["cpu_s"], ".1f")
+    return [str(r["world_size"]), r["method"], ms(r["step_s"], ".1f"), cpu, *mbs, f"{r['loss']:.5f}", speed,
             MISSING if ld is None else f"{ld:.2%}"]  # fmt: skip
 
 

@@ -79,7 +79,7 @@ def train_torchrec(
                     "steps": cfg.steps, "batch": cfg.batch, "warmup": cfg.warmup, "tail": cfg.tail, "lr": cfg.lr,
                     "seed": cfg.seed, "table_rows": table_rows(cfg.max_rows), "dim": cfg.dim,
                     "bottom": [*bottom, cfg.dim], "top": list(top),
-                    "sharding": TORCHREC_METHODS[method]}  # fmt: skip
+                    "sharding": TORCHREC_METHODS[method], "method": method}  # fmt: skip
             Path(f"{tmp}/spec.json").write_text(json.dumps(spec))
             env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
             env["PYTHONPATH"] = os.pathsep.join([str(_SRC), *filter(None, [env.get("PYTHONPATH")])])

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import ProfilerActivity, profile, schedule
 
 from sparsync_bench.dlrm import DLRM
+from sparsync_bench.op_profile import step_profiler
 
 SHARDING = {"table_wise": "TABLE_WISE", "row_wise": "ROW_WISE"}
 
@@ -186,25 +186,28 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
     mlp_bytes = sum(p.numel() * p.element_size() for p in (*ref.bottom.parameters(), *ref.top.parameters()))
     wire = _WireCount(rank, P)
     wire.install()
-    times, losses = [], []
-    profile = _profiler(rank, warmup, steps)
+    times, cpu, losses = [], [], []
+    profile = step_profiler(spec["method"], rank, warmup, steps)
     for s in range(steps):
         sl = slice(s * batch, (s + 1) * batch)
         kjt = _kjt(model.keys, shard["sparse"][sl])
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad()
         loss = nn.functional.binary_cross_entropy_with_logits(dmp(shard["dense"][sl], kjt), shard["label"][sl])
         loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         if profile is not None:
             profile.step()
     if profile is not None:
         profile.stop()
     t = torch.tensor([statistics.median(times[warmup:])], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    cpu_s = torch.tensor([statistics.median(cpu[warmup:])], dtype=torch.float64)
+    dist.all_reduce(cpu_s)
     mean_tail = torch.tensor([statistics.fmean(losses[-tail:])], dtype=torch.float64)
     dist.all_reduce(mean_tail)
     sent = wire.sent / steps + 2 * (P - 1) / P * mlp_bytes
@@ -215,32 +218,10 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
         return None
     import torchrec
 
-    return {"step_s": float(t), "bytes_per_step": sent, "loss": float(mean_tail) / P, "first_loss": losses[0],
+    return {"step_s": float(t), "cpu_s": float(cpu_s) / P, "bytes_per_step": sent, "loss": float(mean_tail) / P,
+            "first_loss": losses[0],
             "sharding": shards, "torchrec": getattr(torchrec, "__version__", "?"),
             "torch": torch.__version__}  # fmt: skip
-
-
-PROFILE_ENV = "SPARSYNC_TORCHREC_PROFILE"  # a directory: rank 0's torch.profiler table of the timed steps
-
-
-def _profiler(rank: int, warmup: int, steps: int) -> Any:
-    """With ``PROFILE_ENV`` set, on rank 0: a started ``torch.profiler`` over the steps after ``warmup`` that
-    writes its operator table (self CPU time, the top 40) to ``<dir>/torchrec_rank0.txt`` when they end; else
-    None. The profiler slows the steps it records: a profiled run's times are not the benchmark's."""
-    directory = os.environ.get(PROFILE_ENV, "")
-    if not directory or rank != 0:
-        return None
-
-    def write(prof: Any) -> None:
-        os.makedirs(directory, exist_ok=True)
-        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
-        with open(os.path.join(directory, "torchrec_rank0.txt"), "w") as f:
-            f.write(table)
-
-    p = profile(activities=[ProfilerActivity.CPU], on_trace_ready=write,
-                schedule=schedule(wait=warmup, warmup=1, active=max(1, steps - warmup - 1), repeat=1))  # fmt: skip
-    p.start()
-    return p
 
 
 def main(argv: list[str]) -> int:

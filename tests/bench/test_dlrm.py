@@ -202,7 +202,7 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", P * 6 * 32)), steps=6, batch=32, max_rows=2000,
                           dim=8, warmup=1, tail=3,
                           methods=("sparsync", "sparsync_sharded", "sparsync_auto",
-                                   "sparsync_sharded_bf16"))  # fmt: skip
+                                   "sparsync_sharded_bf16", "sparsync_sharded_lookahead"))  # fmt: skip
     data = load(cfg, P)
     rows = {r["method"]: r for r in summarize(launch(dlrm_worker_nominal_link, nprocs=P, args=(cfg, data))[0])}
     base = rows["sparsync"]
@@ -233,4 +233,11 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     assert low["tables_sharded"] == 26 and low["loss"] == pytest.approx(sharded["loss"], rel=1e-3)
     assert low["param_abs_sum"] != sharded["param_abs_sum"]
     assert exchanges / 2 < low["shard_bytes_per_step"] < exchanges
+    # the lookahead: the same training, bit for bit; the same exchanges, each rows round's blocks opening with one
+    # fp32 verdict word
+    ahead = rows["sparsync_sharded_lookahead"]
+    for key in ("loss", "first_loss", "param_abs_sum", "tables_moved"):
+        assert ahead[key] == sharded[key], (key, ahead[key], sharded[key])
+    assert ahead["shard_bytes_per_step"] == pytest.approx(exchanges + 4 * (P - 1), rel=1e-12)
+    assert all(r["cpu_s"] > 0 for r in rows.values())
     assert low["predicted_shard_bytes_per_step"] == pytest.approx(low["shard_bytes_per_step"], rel=0.1), low

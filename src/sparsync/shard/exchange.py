@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import torch
@@ -75,6 +75,8 @@ class Table(Protocol):
 
     def describe(self) -> str: ...
 
+    def checked_ids(self, input: Any) -> tuple[torch.Tensor, str | None]: ...
+
 
 @dataclass
 class Lookup:
@@ -98,6 +100,10 @@ class Route:
     served: Served
     shard_rows: tuple[int, ...]
     padding_local: tuple[int | None, ...]  # per table: padding_idx's row in this rank's shard, if it owns it
+    # a looked-ahead exchange (``Prefetched``): the rows round carries each rank's verdict on its forward's calls
+    # (one word per block: 0, or 1 when ``refusal`` says why this rank cannot go on); None: no such word
+    status: int | None = None
+    refusal: str | None = None
 
     def rows_from(self, j: int) -> int:
         """Values this rank receives from owner j (forward) and sends it (backward)."""
@@ -106,6 +112,82 @@ class Route:
     def rows_to(self, i: int) -> int:
         """Values this rank sends requester i (forward) and receives from it (backward)."""
         return sum(self.served.counts[t][i] * d for t, d in enumerate(self.dims))
+
+
+@dataclass
+class IdsRound:
+    """One ids round on its way (``Exchanger._ids``): what was sent, and the blocks being received."""
+
+    exchanger: Exchanger
+    tables: tuple[Table, ...]
+    ids: tuple[torch.Tensor, ...]  # per table, the flat ids sent (checked)
+    asked: list[Asked]
+    payload: torch.Tensor
+    counts: list[int]  # ids sent each peer
+    capacity: int  # ids per block, as sent
+    got: torch.Tensor  # the blocks received, [P·(len(HEADER) + capacity)]
+    work: Any  # the all-to-all's work, None once waited (or with no peer)
+    tally: Traffic
+    refusal: str | None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            t0 = time.perf_counter()
+            self.work.wait()
+            self.work = None
+            self.tally.phases["ids"] = self.tally.phases.get("ids", 0.0) + time.perf_counter() - t0
+
+    def finish(self) -> tuple[list[Asked], list[int], torch.Tensor]:
+        """(what this rank asks each owner per table, the counts each peer sent, every peer's ids in rank order:
+        ``route.parse_requests``' payload) once every rank's header says go on; else every rank raises the same
+        ValueError (``header.agree``). The ids past the capacity in a second round, which every rank runs when
+        any pair overflowed (every rank saw every sender's widest). Collective."""
+        self.wait()
+        ex, C = self.exchanger, self.capacity
+        P, W = ex.size, len(header.COLUMNS)
+        got = self.got.view(P, W + C)
+        descriptions = [t.describe() for t in self.tables]
+        recv, widest = header.agree(got, ex.group, refusal=self.refusal, descriptions=descriptions)
+        parts = [got[i, W : W + min(n, C)] for i, n in enumerate(recv)]
+        if widest > C:
+            rest, rest_sizes = header.overflow(self.payload, self.counts, C)
+            beyond = [max(n - C, 0) for n in recv]
+            more = torch.split(ex.all_to_all(rest, rest_sizes, beyond, "ids", self.tally), beyond)
+            parts = [t for pair in zip(parts, more, strict=True) for t in pair]
+        ex.capacity = header.capacity_after(widest)
+        return self.asked, recv, torch.cat(parts)
+
+
+@dataclass(frozen=True)
+class Prefetched:
+    """A batch's ids round, run ahead and read (``Exchanger.settle``): all the forward's exchange still needs but
+    its rows round."""
+
+    tables: tuple[Table, ...]
+    ids: tuple[torch.Tensor, ...]  # per table, the ids sent ahead
+    asked: list[Asked]
+    route: Route
+    tally: Traffic  # the ids round's bytes, counted in the exchange's record
+
+    def differs(self, calls: dict[Table, list[Lookup]]) -> str | None:
+        """Why the forward's calls are not the ones whose ids went ahead, or None when they are."""
+        hint = (
+            "; the lookahead's ids function must give, per sharded table, the ids the model's forward looks it "
+            "up with on that batch (all its calls', in call order), and the forward must look them up in one "
+            "exchange"
+        )
+        if set(calls) != set(self.tables):
+            called = sorted(t.table_name for t in calls)
+            sent = sorted(t.table_name for t in self.tables)
+            return f"the forward looked up the tables {called}, but the lookahead sent ids for {sent}{hint}"
+        for t, sent_ids in zip(self.tables, self.ids, strict=True):
+            looked = torch.cat([lk.ids for lk in calls[t]])
+            if not torch.equal(looked, sent_ids):
+                return (
+                    f"the forward looked up {looked.numel()} ids of {t.describe()}, not the {sent_ids.numel()} "
+                    f"the lookahead sent for this batch{hint}"
+                )
+        return None
 
 
 class Exchanger:
@@ -125,6 +207,7 @@ class Exchanger:
         self.log = log
         self.pending: list[Lookup] = []
         self.capacity = 0  # ids per block of the next ids round (``header``), the same on every rank
+        self.ready: Prefetched | None = None  # the next exchange's ids round, run ahead (``shard.lookahead``)
 
     def register(self, table: Table, ids: torch.Tensor, pool: Pool, refusal: str | None) -> LazyLookup:
         """Queue one call of ``table``; its output is the returned stand-in (``lazy``)."""
@@ -137,6 +220,23 @@ class Exchanger:
         del module, args
         self.flush()
         return resolve_all(output)
+
+    def send_ahead(self, tables: Sequence[Table], ids: Sequence[Any]) -> IdsRound:
+        """Start the ids round of a batch the model has not seen yet, in the background (``shard.lookahead``):
+        ``ids[t]``, what ``tables[t]`` will be called with (all its calls' ids, in call order), checked as its
+        forward checks them (a refusal travels in the header: every rank raises it at ``settle``). Collective:
+        every rank sends ahead the same tables at the same point."""
+        checked = [t.checked_ids(x) for t, x in zip(tables, ids, strict=True)]
+        refusal = next((r for _, r in checked if r is not None), None)
+        return self._ids(tables, [i for i, _ in checked], refusal, Traffic(), wait=False)
+
+    def settle(self, flight: IdsRound) -> None:
+        """Wait for ``flight`` (``send_ahead``) and read it: the next exchange then runs only its rows round, with
+        these ids (``_exchange_prefetched``). Collective (a second round when a pair of ranks overflowed)."""
+        asked, recv, ids_in = flight.finish()
+        served = parse_requests(ids_in, recv, [t.ownership for t in flight.tables])
+        self.ready = Prefetched(flight.tables, flight.ids, asked, self._route(flight.tables, asked, served),
+                                flight.tally)  # fmt: skip
 
     def flush(self) -> None:
         """One grouped exchange of every pending lookup; each stand-in gets its tensor (or, when the exchange
@@ -155,39 +255,43 @@ class Exchanger:
     # --- the stages ---------------------------------------------------------------------------------------------
     def _exchange(self, lookups: list[Lookup]) -> None:
         t0 = time.perf_counter()
+        calls = _by_table(lookups)
+        ready, self.ready = self.ready, None
+        if ready is not None:  # the ids went ahead (``shard.lookahead``): only the rows round is left
+            self._exchange_prefetched(calls, lookups, ready, t0)
+            return
         tally = Traffic()
-        calls: dict[Table, list[Lookup]] = {}  # each table's lookups, in registration order
-        for lk in lookups:
-            calls.setdefault(lk.table, []).append(lk)
         tables = list(calls)
-        descriptions = [t.describe() for t in tables]
+        ids = [torch.cat([lk.ids for lk in calls[t]]) for t in tables]
         refusal = next((lk.refusal for lk in lookups if lk.refusal is not None), None)
-        dtypes = {t.shard.dtype for t in tables}
-        if refusal is None and len(dtypes) > 1:
-            refusal = f"the tables of one exchange must share a dtype, these have {sorted(map(str, dtypes))}"
-        asked: list[Asked] = []
-        payload, send_sizes = torch.empty(0, dtype=torch.int64), [0] * self.size
-        if refusal is None:
-            asked = dedupe_tables([torch.cat([lk.ids for lk in calls[t]]) for t in tables], self.size)
-            payload, send_sizes = ids_payload(asked, self.size)
-        # 1. input dist, headed by the counts (``header``): one round, a second only for what overflows
-        status = header.OK if refusal is None else header.REFUSED
-        key = header.tables_key(descriptions)
-        recv_sizes, ids_in = self._ids_round(status, key, payload, send_sizes, tally, refusal, descriptions)
-        served = parse_requests(ids_in, recv_sizes, [t.ownership for t in tables])
-        route = Route(
-            self,
-            tuple(t.shard.shape[1] for t in tables),
-            tuple(a.per_owner for a in asked),
-            served,
-            tuple(t.shard.shape[0] for t in tables),
-            tuple(_local_padding(t, self.rank) for t in tables),
-        )
-        # 2. lookup and output dist (autograd's node: its backward sends the gradient rows)
+        asked, recv_sizes, ids_in = self._ids(tables, ids, refusal, tally, wait=True).finish()
+        route = self._route(tables, asked, parse_requests(ids_in, recv_sizes, [t.ownership for t in tables]))
+        self._rows_and_pool(route, tables, calls, asked, tally, t0)
+
+    def _exchange_prefetched(
+        self, calls: dict[Table, list[Lookup]], lookups: list[Lookup], ready: Prefetched, t0: float
+    ) -> None:
+        """The forward's exchange after a lookahead sent its ids: the rows round, headed by each rank's verdict
+        (``Route.status``): a call refused here, or calls that differ from the ids sent ahead, make every rank
+        raise after the round, where the ranks are together."""
+        refusal = next((lk.refusal for lk in lookups if lk.refusal is not None), None) or ready.differs(calls)
+        route = replace(ready.route, status=header.OK if refusal is None else header.REFUSED, refusal=refusal)
+        self._rows_and_pool(route, list(ready.tables), calls, ready.asked, ready.tally, t0)
+
+    def _rows_and_pool(
+        self,
+        route: Route,
+        tables: list[Table],
+        calls: dict[Table, list[Lookup]],
+        asked: Sequence[Asked],
+        tally: Traffic,
+        t0: float,
+    ) -> None:
+        """Stages 2 and 3 (module doc): the rows round (autograd's node: its backward sends the gradient rows),
+        then each call pooled on its table's gathered rows."""
         gathered: tuple[torch.Tensor, ...] = RowExchange.apply(  # type: ignore[no-untyped-call]
             route, tally, *(t.shard for t in tables)
         )
-        # 3. pooling
         t_pool = time.perf_counter()
         for t, (table, a) in enumerate(zip(tables, asked, strict=True)):
             mine = calls[table]
@@ -200,41 +304,60 @@ class Exchanger:
             nnz_in=sum(a.distinct.numel() for a in asked), nnz_out=sum(int(g.shape[0]) for g in gathered),
         )  # fmt: skip
 
-    def _ids_round(
-        self,
-        status: int,
-        key: int,
-        payload: torch.Tensor,
-        counts: list[int],
-        tally: Traffic,
-        refusal: str | None,
-        descriptions: list[str],
-    ) -> tuple[list[int], torch.Tensor]:
-        """The ids round (``header``'s module doc): each peer's block, the header row and up to ``capacity`` ids;
-        then, when any pair of ranks sends more, the rest in a second round. Returns the counts each peer sent
-        and every peer's ids in rank order (``route.parse_requests``' payload). Collective."""
+    def _route(self, tables: Sequence[Table], asked: Sequence[Asked], served: Served) -> Route:
+        return Route(
+            self,
+            tuple(t.shard.shape[1] for t in tables),
+            tuple(a.per_owner for a in asked),
+            served,
+            tuple(t.shard.shape[0] for t in tables),
+            tuple(_local_padding(t, self.rank) for t in tables),
+        )
+
+    def _ids(
+        self, tables: Sequence[Table], ids: Sequence[torch.Tensor], refusal: str | None, tally: Traffic, wait: bool
+    ) -> IdsRound:
+        """Start the ids round (``header``'s module doc) of ``tables``' flat ids: each peer's block, the header
+        row and up to ``capacity`` ids, sent at once (``wait``) or in the background; ``IdsRound.finish`` reads
+        the blocks and runs the second round when any pair of ranks sends more. Collective."""
+        descriptions = [t.describe() for t in tables]
+        dtypes = {t.shard.dtype for t in tables}
+        if refusal is None and len(dtypes) > 1:
+            refusal = f"the tables of one exchange must share a dtype, these have {sorted(map(str, dtypes))}"
+        asked: list[Asked] = []
+        payload, counts = torch.empty(0, dtype=torch.int64), [0] * self.size
+        if refusal is None:
+            asked = dedupe_tables(ids, self.size)
+            payload, counts = ids_payload(asked, self.size)
+        status = header.OK if refusal is None else header.REFUSED
         P, W, C = self.size, len(header.COLUMNS), self.capacity
-        blocks = header.blocks_to_peers(status, key, payload, counts, C)
+        blocks = header.blocks_to_peers(status, header.tables_key(descriptions), payload, counts, C)
         carried = sum(min(n, C) for j, n in enumerate(counts) if j != self.rank)  # ids sent in the blocks
         split = {"header": 8 * W * (P - 1), "ids": 8 * carried, "padding": 8 * (C * (P - 1) - carried)}
-        got = self.all_to_all(blocks.view(-1), [W + C] * P, [W + C] * P, "ids", tally, split).view(P, W + C)
-        recv, widest = header.agree(got, self.group, refusal=refusal, descriptions=descriptions)
-        parts = [got[i, W : W + min(n, C)] for i, n in enumerate(recv)]
-        if widest > C:  # the rest, in a round every rank runs (every rank saw every sender's widest)
-            rest, rest_sizes = header.overflow(payload, counts, C)
-            beyond = [max(n - C, 0) for n in recv]
-            more = torch.split(self.all_to_all(rest, rest_sizes, beyond, "ids", tally), beyond)
-            parts = [t for pair in zip(parts, more, strict=True) for t in pair]
-        self.capacity = header.capacity_after(widest)
-        return recv, torch.cat(parts)
+        got, work = self.all_to_all_start(blocks.view(-1), [W + C] * P, [W + C] * P, "ids", tally, split)
+        flight = IdsRound(self, tuple(tables), tuple(ids), asked, payload, counts, C, got, work, tally, refusal)
+        if wait:
+            flight.wait()
+        return flight
 
     def rows_all_to_all(
-        self, send: torch.Tensor, send_sizes: list[int], recv_sizes: list[int], phase: str, tally: Traffic
+        self,
+        send: torch.Tensor,
+        send_sizes: list[int],
+        recv_sizes: list[int],
+        phase: str,
+        tally: Traffic,
+        verdicts: bool = False,
     ) -> torch.Tensor:
-        """``all_to_all`` of row values, in ``wire`` precision when set, back in ``send``'s dtype."""
-        if self.wire is None or self.wire == send.dtype:
-            return self.all_to_all(send, send_sizes, recv_sizes, phase, tally)
-        return self.all_to_all(send.to(self.wire), send_sizes, recv_sizes, phase, tally).to(send.dtype)
+        """``all_to_all`` of row values, in ``wire`` precision when set, back in ``send``'s dtype. ``verdicts``:
+        each block opens with one word that is no row (``_rows_with_verdicts``), counted as ``header``."""
+        wire = send.dtype if self.wire is None else self.wire
+        split = None
+        if verdicts:
+            header_bytes = wire.itemsize * (self.size - 1)
+            rows_bytes = wire.itemsize * (sum(send_sizes) - send_sizes[self.rank]) - header_bytes
+            split = {phase: rows_bytes, "header": header_bytes}
+        return self.all_to_all(send.to(wire), send_sizes, recv_sizes, phase, tally, split).to(send.dtype)
 
     def all_to_all(
         self,
@@ -248,20 +371,54 @@ class Exchanger:
         """``dist.all_to_all_single`` with split sizes (elements); counts what crossed to other ranks, under
         ``phase`` or, given ``split``, under its phases (bytes sent each; they add up to the round's). Each round
         is a ``trace.scope`` (``shard:<phase>``: a profiler range, and an event on the rank's timeline)."""
-        w = send.element_size()
-        sent = w * (sum(send_sizes) - send_sizes[self.rank])
         t0 = time.perf_counter()
-        with scope(tracer(), "shard", f"shard:{phase}", bytes=sent):
-            if self.size == 1:
-                out = send
-            else:
-                out = send.new_empty(sum(recv_sizes))
-                dist.all_to_all_single(out, send.contiguous(), recv_sizes, send_sizes, group=self.group)
+        with scope(tracer(), "shard", f"shard:{phase}", bytes=self._sent(send, send_sizes)):
+            out, work = self._start(send, send_sizes, recv_sizes, phase, tally, split)
+            if work is not None:
+                work.wait()
+        tally.phases[phase] = tally.phases.get(phase, 0.0) + time.perf_counter() - t0
+        return out
+
+    def all_to_all_start(
+        self,
+        send: torch.Tensor,
+        send_sizes: list[int],
+        recv_sizes: list[int],
+        phase: str,
+        tally: Traffic,
+        split: dict[str, int] | None = None,
+    ) -> tuple[torch.Tensor, Any]:
+        """``all_to_all`` started in the background (``shard:<phase> start`` on the timeline): the tensor it fills
+        and the work to wait for (None when there is no peer). The bytes are counted now; the time is the
+        waiter's."""
+        with scope(tracer(), "shard", f"shard:{phase} start", bytes=self._sent(send, send_sizes)):
+            return self._start(send, send_sizes, recv_sizes, phase, tally, split)
+
+    def _sent(self, send: torch.Tensor, send_sizes: list[int]) -> int:
+        return send.element_size() * (sum(send_sizes) - send_sizes[self.rank])
+
+    def _start(
+        self,
+        send: torch.Tensor,
+        send_sizes: list[int],
+        recv_sizes: list[int],
+        phase: str,
+        tally: Traffic,
+        split: dict[str, int] | None,
+    ) -> tuple[torch.Tensor, Any]:
+        w, sent = send.element_size(), self._sent(send, send_sizes)
+        work = None
+        if self.size == 1:
+            out = send
+        else:
+            out = send.new_empty(sum(recv_sizes))
+            work = dist.all_to_all_single(
+                out, send.contiguous(), recv_sizes, send_sizes, group=self.group, async_op=True
+            )
         tally.add(sent, w * (sum(recv_sizes) - recv_sizes[self.rank]), self.size - 1)
         for name, n in (split or {phase: sent}).items():
             tally.phase_bytes[name] = tally.phase_bytes.get(name, 0) + n
-        tally.phases[phase] = tally.phases.get(phase, 0.0) + time.perf_counter() - t0
-        return out
+        return out, work
 
     def record(self, op: str, tally: Traffic, t0: float, *, nnz_in: int, nnz_out: int) -> None:
         if self.log is None:
@@ -272,6 +429,31 @@ class Exchanger:
                 tally.messages, time.perf_counter() - t0, dict(tally.phases), None, dict(tally.phase_bytes),
             )
         )  # fmt: skip
+
+
+def _rows_with_verdicts(
+    route: Route, reply: torch.Tensor, to_req: list[int], from_owner: list[int], tally: Traffic
+) -> torch.Tensor:
+    """The rows round of a looked-ahead exchange: each block opens with this rank's verdict on its forward's calls
+    (``Route.status``), so after the round every rank knows every rank's and, when any refused, every rank raises
+    the same error (``header.raise_refused``); else the rows, as ``rows_all_to_all`` gives them."""
+    ex = route.exchanger
+    assert route.status is not None
+    verdict = reply.new_full((1,), float(route.status))
+    send = torch.cat([x for part in torch.split(reply, to_req) for x in (verdict, part)])
+    sizes_out, sizes_in = [n + 1 for n in to_req], [n + 1 for n in from_owner]
+    got = ex.rows_all_to_all(send, sizes_out, sizes_in, "rows", tally, verdicts=True)
+    blocks = torch.split(got, sizes_in)
+    header.raise_refused([int(b[0]) for b in blocks], ex.group, route.refusal)
+    return torch.cat([b[1:] for b in blocks])
+
+
+def _by_table(lookups: Sequence[Lookup]) -> dict[Table, list[Lookup]]:
+    """Each table's lookups, tables and calls in registration order."""
+    calls: dict[Table, list[Lookup]] = {}
+    for lk in lookups:
+        calls.setdefault(lk.table, []).append(lk)
+    return calls
 
 
 def _local_padding(table: Table, rank: int) -> int | None:
@@ -335,7 +517,10 @@ class RowExchange(torch.autograd.Function):
         rows = [s.detach().index_select(0, r) for s, r in zip(shards, route.served.rows, strict=True)]
         reply = _peer_major(rows, route.served.counts, dtype)
         to_req, from_owner = [route.rows_to(i) for i in range(P)], [route.rows_from(j) for j in range(P)]
-        got = ex.rows_all_to_all(reply, to_req, from_owner, "rows", tally)
+        if route.status is None:
+            got = ex.rows_all_to_all(reply, to_req, from_owner, "rows", tally)
+        else:
+            got = _rows_with_verdicts(route, reply, to_req, from_owner, tally)
         # output dist: owner after owner, table after table -> per table, owner after owner
         gathered = _table_major(got, route.asked, route.dims)
         ctx.route = route

@@ -81,6 +81,18 @@ def overflow(payload: torch.Tensor, counts: Sequence[int], capacity: int) -> tup
     return (torch.cat(rest) if rest else payload[:0]), [int(r.numel()) for r in rest]
 
 
+def raise_refused(statuses: Sequence[int], group: dist.ProcessGroup, refusal: str | None) -> None:
+    """Nothing when every rank's status (``statuses[r]``, the same list on every rank) is OK; else every rank
+    raises the same ValueError, naming the first refusing rank and its ``refusal`` (gathered on the meta group).
+    Collective on that path only."""
+    if not any(statuses):
+        return
+    reasons: list[str | None] = [None] * len(statuses)
+    dist.all_gather_object(reasons, refusal, group=meta_group(group))
+    rank = next(r for r, s in enumerate(statuses) if s)
+    raise ValueError(f"sharded lookup refused on rank {rank}: {reasons[rank]}")
+
+
 def agree(
     received: torch.Tensor,
     group: dist.ProcessGroup,

@@ -85,7 +85,7 @@ def run_dlrm_bench(
 BENCHMARK = Benchmark(
     "dlrm",
     "DLRM on Criteo-format data: torch DDP (dense, sparse) and torchrec vs sparsync (tables replicated or "
-    "sharded: sparsync_sharded, sparsync_auto, sparsync_sharded_bf16)",
+    "sharded: sparsync_sharded, sparsync_auto, sparsync_sharded_bf16, sparsync_sharded_lookahead)",
     add_options,
     command,
     dt.worker,
