@@ -1,6 +1,7 @@
 """The sharded-embeddings issue's grid in one table: per point (P, samples per rank, link) each method's ms per
 step, the tables `sparsync_auto` sharded, auto's step against the best of the others and against torchrec's,
-the tables' bytes against torchrec's, and auto's predicted step over its measured one, from `sparsync bench dlrm`
+the tables' bytes against torchrec's, auto's predicted step over its measured one, the lookahead's step against
+the sharded one's, and the CPU seconds per step of auto and torchrec, from `sparsync bench dlrm`
 JSON files named ``<prefix>_p<P>_b<B>_<net>.json`` (the commands in docs/sharding.md).
 
     .venv/bin/python scripts/dlrm_grid_table.py docs/data/dlrm_grid2 --out docs/data/dlrm_grid2_table.md
@@ -12,7 +13,8 @@ import argparse
 import json
 from pathlib import Path
 
-METHODS = ("torch_ddp_sparse", "sparsync", "sparsync_sharded", "sparsync_auto", "torchrec_tw")
+METHODS = ("torch_ddp_sparse", "sparsync", "sparsync_sharded", "sparsync_sharded_lookahead", "sparsync_auto",
+           "torchrec_tw")  # fmt: skip
 OURS = ("sparsync", "sparsync_sharded")  # auto's two single placements
 
 
@@ -20,8 +22,9 @@ def rows_for(prefix: str) -> list[str]:
     out = [
         "| P | samples | link | " + " | ".join(f"{m} ms" for m in METHODS)
         + " | auto sharded | auto vs best single | torchrec rate / auto rate | auto table MB / torchrec's"
-        + " | auto's step predicted / measured |",
-        "|" + "---|" * (len(METHODS) + 8),
+        + " | auto's step predicted / measured | sharded step with lookahead / without"
+        + " | CPU ms per step: auto, torchrec |",
+        "|" + "---|" * (len(METHODS) + 10),
     ]  # fmt: skip
     for P in (4, 8):
         for B in (128, 512):
@@ -40,9 +43,19 @@ def rows_for(prefix: str) -> list[str]:
                     + f" | {auto['tables_sharded']} of 26 | {ms['sparsync_auto'] / best:.2f}x"
                     f" | {ms['sparsync_auto'] / ms['torchrec_tw']:.2f}"
                     f" | {auto['table_bytes_per_step'] / tr['table_bytes_per_step']:.2f}"
-                    f" | {_predicted(auto)} |"
+                    f" | {_predicted(auto)} | {_ratio(ms, 'sparsync_sharded_lookahead', 'sparsync_sharded')}"
+                    f" | {_cpu(auto)}, {_cpu(tr)} |"
                 )  # fmt: skip
     return out
+
+
+def _ratio(ms: dict[str, float], a: str, b: str) -> str:
+    return f"{ms[a] / ms[b]:.2f}" if a in ms and b in ms else "-"
+
+
+def _cpu(row: dict[str, float]) -> str:
+    """The ranks' mean CPU seconds per step (files older than the column have none)."""
+    return f"{row['cpu_s'] * 1e3:.1f}" if row.get("cpu_s") else "-"
 
 
 def _predicted(row: dict[str, float]) -> str:

@@ -258,18 +258,22 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
 
 
 def tables_part(out: Path, console: Console) -> None:
-    """The demo's second part (``demo_shard``): its lines on screen, its results in ``out``.json / .md."""
-    from sparsync_bench.demo_shard import TablesConfig, run_tables, summary_lines
+    """The demo's second part (``demo_shard``): each table set's lines on screen, the results in ``out``.json /
+    .md."""
+    from sparsync_bench.demo_shard import TABLE_SETS, run_tables, summary_lines
 
-    cfg = TablesConfig()
-    console.print(f"[bold]tables[/]: sharded or replicated? {cfg.procs} local processes, loopback")
-    res = run_tables(cfg)
-    lines = list(summary_lines(res, cfg))
-    for line in lines:
-        console.print(line)
+    sets, lines = [], []
+    for cfg in TABLE_SETS:
+        console.print(f"[bold]tables, dim {cfg.dim}[/]: sharded or replicated? {cfg.procs} processes, loopback")
+        res = run_tables(cfg)
+        mine = list(summary_lines(res, cfg))
+        for line in mine:
+            console.print(line)
+        sets.append({"config": asdict(cfg), "ranks": res})
+        lines += [*mine, ""]
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"config": asdict(cfg), "ranks": res}, indent=1))
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".json").write_text(json.dumps({"sets": sets}, indent=1))
+    out.with_suffix(".md").write_text("\n".join(lines))
     console.print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
 
 

@@ -297,6 +297,7 @@ def auto_worker(rank: int) -> dict[str, Any]:
         "kinds": chosen.plan.kinds,
         "distinct": dict(chosen.distinct),
         "backward": chosen.backward_seconds,
+        "overlap": chosen.overlap,
         "modules": {n: type(getattr(model, n)).__name__ for n in ("small", "big", "big2")},
         "finite": all(bool(p.isfinite().all()) for p in model.parameters()),
         "round": chosen.round_seconds,

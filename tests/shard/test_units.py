@@ -206,7 +206,11 @@ def test_the_sharded_kind_prices_the_issue_formula_and_is_chosen_only_where_modu
     assert est.seconds == pytest.approx(one_way / 1.25e8)  # a table adds its bytes' time
     # the three all-to-all rounds' latency, shared by every sharded table of the step's one exchange
     assert KINDS.entry("sharded").shared_seconds(Cluster(P, 1, 1.25e8, 1e-4)) == pytest.approx(3 * (P - 1) * 1e-4)
-    assert KINDS.entry("sharded").estimate(s, Cluster(1), sketch=None) is None  # type: ignore[arg-type]
+    # one rank: nothing crosses; chosen only when pinned (a tie goes to the kind listed first)
+    alone = KINDS.entry("sharded").estimate(s, Cluster(1), sketch=None)  # type: ignore[arg-type]
+    assert alone is not None and (alone.nbytes, alone.seconds) == (0.0, 0.0)
+    assert make_plan([s], Cluster(1), swap_modules=True).placement("t.weight") != "sharded"
+    assert make_plan([s], Cluster(1), overrides={"t.weight": "sharded"}).placement("t.weight") == "sharded"
     assert not KINDS.entry("sharded").lossy
     stats = [s, ParamStats("fc.weight", (64, 64), 1.0, False)]
     plain = make_plan(stats, Cluster(P, 1, 1.25e8, 1e-4))
@@ -270,3 +274,14 @@ def test_backward_hides_the_replicated_reduction_and_not_the_exchange() -> None:
                        overrides={s.name: "sharded" for s in stats if s.sparse})  # fmt: skip
     exchange = pinned.shared["sharded"] + sum(e.seconds for e in pinned.entries if e.placement == "sharded")
     assert pinned.exposed_seconds == pytest.approx(exchange)  # the MLP's allreduce hides, the exchange does not
+
+
+def test_the_replicated_reduction_hides_behind_backward_only_where_a_core_is_spare_for_it() -> None:
+    from sparsync.shard.auto import _hidden_share
+
+    assert _hidden_share([("a", 2, True)] * 4) == 0.0  # 4 ranks on 2 cores: the reduction takes backward's cores
+    assert _hidden_share([("a", 2, True)] * 2) == 0.0
+    assert _hidden_share([("a", 16, True)] * 4) == 1.0  # a spare core per rank
+    assert _hidden_share([("a", 6, True)] * 4) == 0.5  # two spare cores for four ranks
+    assert _hidden_share([("a", 8, True)] * 2 + [("b", 8, True)] * 6) == pytest.approx(2 / 6)  # the fullest host
+    assert _hidden_share([("a", 2, False)] * 8) == 1.0  # backward on a GPU: the CPU is free for the reduction

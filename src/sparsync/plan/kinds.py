@@ -188,8 +188,10 @@ class ShardedKind(PlacementKind):
     def estimate(self, s: ParamStats, c: Cluster, *, sketch: SparseSketch) -> Estimate | None:
         m = c.procs_per_machine
         P = c.machines * m
-        if not s.sparse or P == 1:
+        if not s.sparse:
             return None
+        if P == 1:  # the whole table on the one rank: nothing crosses (chosen only when pinned: ties go first-listed)
+            return Estimate(0.0, 0.0)
         rows, D = s.shape[0], s.numel // s.shape[0]
         u = s.row_fraction * rows
         nbytes = 2 * m * u * (P - m) / P * (ID_WIRE_BYTES + 2 * s.itemsize * D)
