@@ -4,7 +4,7 @@ the tables' bytes against torchrec's, auto's predicted step over its measured on
 the sharded one's, and the CPU seconds per step of auto and torchrec, from `sparsync bench dlrm`
 JSON files named ``<prefix>_p<P>_b<B>_<net>.json`` (the commands in docs/sharding.md).
 
-    .venv/bin/python scripts/dlrm_grid_table.py docs/data/dlrm_grid2 --out docs/data/dlrm_grid2_table.md
+    .venv/bin/python scripts/dlrm_grid_table.py docs/data/dlrm_grid6 --out docs/data/dlrm_grid6_table.md
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _predicted(row: dict[str, float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("prefix", help="path prefix of the JSON files, e.g. docs/data/dlrm_grid2")
+    ap.add_argument("prefix", help="path prefix of the JSON files, e.g. docs/data/dlrm_grid6")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     text = "\n".join(rows_for(a.prefix)) + "\n"
