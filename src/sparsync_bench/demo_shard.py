@@ -3,11 +3,11 @@ widths (``TABLE_SETS``).
 
 Twelve ``nn.EmbeddingBag`` tables of 200,000 rows (one Zipf(1.05) id per sample and table, as ``bench dlrm``'s
 data), of width 16 and then 256, a small MLP over the pooled vectors, 1,024 samples per process and step. The
-automatic plan measures each table's distinct rows on the first batch and the link (``shard.auto``) and prices
-the step both ways: every table replicated (``DistributedOptimizer``'s grouped sparse allreduce of the gradients, whose bytes grow with
-the union of the processes' rows) against sharded (each process sends each of its distinct ids once to the
-row's owner and receives each row once, then pushes one gradient row per id). Then the demo trains both, from
-the same weights on the same samples, interleaved block by block (``interleave``, as the first part), and says
+automatic plan measures each table's distinct rows on the first batch and the link (``shard.auto``) and prices the
+step both ways: every table replicated (``DistributedOptimizer``'s grouped sparse allreduce of the gradients, whose
+bytes grow with the union of the processes' rows) against sharded (each process sends each of its distinct ids once
+to the row's owner and receives each row once, then pushes one gradient row per id). Then the demo trains both,
+from the same weights on the same samples, interleaved block by block (``interleave``, as the first part), and says
 which placement won, by how much, why (bytes and predicted time), and whether the plan chose it.
 """
 

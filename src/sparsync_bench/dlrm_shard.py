@@ -4,9 +4,9 @@ the MLPs by ``DistributedOptimizer`` as in ``sparsync``.
 - ``sparsync_sharded``: every table sharded;
 - ``sparsync_sharded_bf16``: the same, the rows and gradient rows sent in bf16 (``sparsync.shard(rows="bf16")``:
   half the rows' bytes, lossy; its loss beside ``sparsync_sharded``'s says how much);
-- ``sparsync_sharded_lookahead``: ``sparsync_sharded`` with its batches through ``sparsync.shard.Lookahead``: each
-  batch's ids round runs during the step before it, so the forward waits for the rows round only (the same
-  values, bit for bit);
+- ``sparsync_sharded_lookahead``: ``sparsync_sharded`` with its batches through ``sparsync.shard``'s
+  ``Lookahead``: each batch's ids round runs during the step before it, so the forward waits for the rows round
+  only (the same values, bit for bit);
 - ``sparsync_auto``: ``sparsync.shard(model, plan="auto", sample=first batch)``: each table where the cost model
   predicts the faster step (``sparsync.shard.auto``: among dense allreduce, sparse allreduce and sharded, priced on
   the distinct rows of each rank's first batch and the group's measured link). The tables it leaves replicated go

@@ -190,8 +190,8 @@ class ShardedKind(PlacementKind):
         P = c.machines * m
         if not s.sparse:
             return None
-        if P == 1:  # the whole table on the one rank: nothing crosses (chosen only when pinned: ties go first-listed)
-            return Estimate(0.0, 0.0)
+        if P == 1:  # the whole table on the one rank: nothing crosses (chosen only when pinned: a tie goes to the
+            return Estimate(0.0, 0.0)  # kind listed first)
         rows, D = s.shape[0], s.numel // s.shape[0]
         u = s.row_fraction * rows
         nbytes = 2 * m * u * (P - m) / P * (ID_WIRE_BYTES + 2 * s.itemsize * D)

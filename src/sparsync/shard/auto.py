@@ -331,9 +331,7 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
-def _union_sizes(
-    ids: Sequence[torch.Tensor], on_cpu: bool, group: dist.ProcessGroup
-) -> tuple[list[int], float]:
+def _union_sizes(ids: Sequence[torch.Tensor], on_cpu: bool, group: dist.ProcessGroup) -> tuple[list[int], float]:
     """Per table, the distinct ids of every rank's sample together; and the share of backward a replicated
     reduction hides behind (``_hidden_share``), from every rank's host, cores and whether it computes on the CPU
     (``on_cpu``). Collective (one gather)."""

@@ -1,7 +1,9 @@
 """``Lookahead``: a data iterator over which a sharded model's ids round runs one batch ahead (the issue's
 "exact lookahead"; torchrec's ``TrainPipelineSparseDist`` moves its input dist ahead the same way).
 
-    batches = sparsync.shard.Lookahead(loader, model, ids=lambda b: {"tables.0": b.cats[:, 0], ...})
+    from sparsync.shard import Lookahead
+
+    batches = Lookahead(loader, model, ids=lambda b: {"tables.0": b.cats[:, 0], ...})
     for b in batches:                     # yields loader's batches, unchanged
         loss = loss_fn(model(b.dense, b.cats), b.label) ...
 
