@@ -9,7 +9,6 @@ id on one owner; 3 two tables' ids absent from the whole step; 4 the upper half 
 
 from __future__ import annotations
 
-import os
 import socket
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import torch
 from sparsync import launch
 from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
 from sparsync.shard import AUTO_KINDS, Ownership
-from sparsync.shard.auto import _hidden_share
+from sparsync.shard.auto import _cores, _hidden_share
 from sparsync.shard.transfer import INIT_BLOCK, init_rows
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
@@ -103,7 +102,7 @@ def test_plan_auto_measures_the_tables_and_chooses_what_the_planner_chooses_from
     for r in res:
         assert r["backward"] == res[0]["backward"] > 0  # the slowest rank's backward, on every rank
         # the part of it the replicated reduction hides behind: none where the 3 ranks use all of a host's cores
-        share = _hidden_share([(socket.gethostname(), len(os.sched_getaffinity(0)), True)] * P)
+        share = _hidden_share([(socket.gethostname(), _cores(), True)] * P)
         assert r["overlap"] == r["backward"] * share
         want = make_plan(stats, Cluster(P, measured=sw.AUTO_LINK), swap_modules=True, kinds=kinds,
                          overlap_seconds=r["overlap"]).kinds  # fmt: skip

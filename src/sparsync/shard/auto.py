@@ -335,11 +335,17 @@ def _union_sizes(ids: Sequence[torch.Tensor], on_cpu: bool, group: dist.ProcessG
     """Per table, the distinct ids of every rank's sample together; and the share of backward a replicated
     reduction hides behind (``_hidden_share``), from every rank's host, cores and whether it computes on the CPU
     (``on_cpu``). Collective (one gather)."""
-    mine = (socket.gethostname(), len(os.sched_getaffinity(0)), on_cpu, [t.to(torch.int64) for t in ids])
+    mine = (socket.gethostname(), _cores(), on_cpu, [t.to(torch.int64) for t in ids])
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=meta_group(group))  # host objects
     unions = [int(torch.unique(torch.cat([theirs[3][j] for theirs in everyone])).numel()) for j in range(len(ids))]
     return unions, _hidden_share([(h, c, cpu) for h, c, cpu, _ in everyone])
+
+
+def _cores() -> int:
+    """The cores this process may run on (its CPU affinity where the system has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else os.cpu_count() or 1
 
 
 def _hidden_share(ranks: Sequence[tuple[str, int, bool]]) -> float:
