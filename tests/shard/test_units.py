@@ -18,9 +18,9 @@ from sparsync.placement.sharded import mark
 from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
 from sparsync.plan.kinds import ID_WIRE_BYTES
 from sparsync.shard import LazyLookup, Ownership, plan_of
-from sparsync.shard.exchange import _peer_major, _table_major
 from sparsync.shard.header import MARGIN
 from sparsync.shard.route import Asked, dedupe_tables, ids_payload, parse_requests
+from sparsync.shard.rows import peer_major, table_major
 
 
 @pytest.mark.parametrize(("rows", "P"), [(1, 1), (7, 3), (10, 5), (3, 5), (30, 3)])
@@ -100,9 +100,9 @@ def test_rows_go_peer_major_for_the_wire_and_back_to_table_major(dims: tuple[int
     rows = [torch.randn(sum(c), d, generator=g, dtype=torch.float64) for c, d in zip(counts, dims, strict=True)]
     per_peer = [torch.split(r, c) for r, c in zip(rows, counts, strict=True)]
     want = torch.cat([per_peer[t][j].reshape(-1) for j in range(P) for t in range(len(dims))])
-    flat = _peer_major(rows, counts, torch.float64)
+    flat = peer_major(rows, counts, torch.float64)
     assert torch.equal(flat, want)
-    back = _table_major(flat, counts, dims)
+    back = table_major(flat, counts, dims)
     assert all(torch.equal(a, b) for a, b in zip(back, rows, strict=True))
 
 

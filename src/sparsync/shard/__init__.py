@@ -1,6 +1,7 @@
 """Sharded embedding tables inside the training group (docs/sharding.md): each rank owns the rows of a table
 whose id is its rank modulo P (``ownership``), looks rows up and pushes gradient rows in one grouped all-to-all per
-direction for all of a model's tables (``exchange``: the ids of ``route`` headed by ``header``'s row), and
+direction for all of a model's tables (``exchange``: the ids of ``route`` headed by ``header``'s row, then the
+rows of ``rows``), and
 holds only its own rows (``modules``). ``sparsync.shard(model, plan=...)`` swaps a model's embedding modules
 for sharded ones (``api``), with ``plan="auto"`` where the cost model says (``auto``), and marks the tables a
 dict plan places ``"server"`` for the parameter server (``OnServer``: they stay whole); ``plan_of(model)`` gives
