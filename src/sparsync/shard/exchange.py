@@ -122,6 +122,7 @@ class IdsRound:
     exchanger: Exchanger
     tables: tuple[Table, ...]
     ids: tuple[torch.Tensor, ...]  # per table, the flat ids sent (checked)
+    descriptions: tuple[str, ...]  # per table, ``Table.describe()`` (the header's key, the errors)
     asked: list[Asked]
     payload: torch.Tensor
     counts: list[int]  # ids sent each peer
@@ -147,8 +148,7 @@ class IdsRound:
         ex, C = self.exchanger, self.capacity
         P, W = ex.size, len(header.COLUMNS)
         got = self.got.view(P, W + C)
-        descriptions = [t.describe() for t in self.tables]
-        recv, widest = header.agree(got, ex.group, refusal=self.refusal, descriptions=descriptions)
+        recv, widest = header.agree(got, ex.group, refusal=self.refusal, descriptions=self.descriptions)
         parts = [got[i, W : W + min(n, C)] for i, n in enumerate(recv)]
         if widest > C:
             rest, rest_sizes = header.overflow(self.payload, self.counts, C)
@@ -335,11 +335,9 @@ class Exchanger:
         blocks = header.blocks_to_peers(status, header.tables_key(descriptions), payload, counts, C)
         carried = sum(min(n, C) for j, n in enumerate(counts) if j != self.rank)  # ids sent in the blocks
         split = {"header": 8 * W * (P - 1), "ids": 8 * carried, "padding": 8 * (C * (P - 1) - carried)}
-        got, work = self.all_to_all_start(blocks.view(-1), [W + C] * P, [W + C] * P, "ids", tally, split)
-        flight = IdsRound(self, tuple(tables), tuple(ids), asked, payload, counts, C, got, work, tally, refusal)
-        if wait:
-            flight.wait()
-        return flight
+        got, work = self.all_to_all_start(blocks.view(-1), [W + C] * P, [W + C] * P, "ids", tally, split, wait)
+        sent = (tuple(tables), tuple(ids), tuple(descriptions))
+        return IdsRound(self, *sent, asked, payload, counts, C, got, work, tally, refusal)
 
     def rows_all_to_all(
         self,
@@ -369,16 +367,8 @@ class Exchanger:
         tally: Traffic,
         split: dict[str, int] | None = None,
     ) -> torch.Tensor:
-        """``dist.all_to_all_single`` with split sizes (elements); counts what crossed to other ranks, under
-        ``phase`` or, given ``split``, under its phases (bytes sent each; they add up to the round's). Each round
-        is a ``trace.scope`` (``shard:<phase>``: a profiler range, and an event on the rank's timeline)."""
-        t0 = time.perf_counter()
-        with scope(tracer(), "shard", f"shard:{phase}", bytes=self._sent(send, send_sizes)):
-            out, work = self._start(send, send_sizes, recv_sizes, phase, tally, split)
-            if work is not None:
-                work.wait()
-        tally.phases[phase] = tally.phases.get(phase, 0.0) + time.perf_counter() - t0
-        return out
+        """``dist.all_to_all_single`` with split sizes (elements), waited for (``all_to_all_start``)."""
+        return self.all_to_all_start(send, send_sizes, recv_sizes, phase, tally, split, wait=True)[0]
 
     def all_to_all_start(
         self,
@@ -388,37 +378,34 @@ class Exchanger:
         phase: str,
         tally: Traffic,
         split: dict[str, int] | None = None,
+        wait: bool = False,
     ) -> tuple[torch.Tensor, Any]:
-        """``all_to_all`` started in the background (``shard:<phase> start`` on the timeline): the tensor it fills
-        and the work to wait for (None when there is no peer). The bytes are counted now; the time is the
-        waiter's."""
-        with scope(tracer(), "shard", f"shard:{phase} start", bytes=self._sent(send, send_sizes)):
-            return self._start(send, send_sizes, recv_sizes, phase, tally, split)
-
-    def _sent(self, send: torch.Tensor, send_sizes: list[int]) -> int:
-        return send.element_size() * (sum(send_sizes) - send_sizes[self.rank])
-
-    def _start(
-        self,
-        send: torch.Tensor,
-        send_sizes: list[int],
-        recv_sizes: list[int],
-        phase: str,
-        tally: Traffic,
-        split: dict[str, int] | None,
-    ) -> tuple[torch.Tensor, Any]:
-        w, sent = send.element_size(), self._sent(send, send_sizes)
+        """``dist.all_to_all_single`` with split sizes (elements), started: the tensor it fills and the work to
+        wait for (None once waited, with ``wait``, or with no peer). Counts what crossed to other ranks, under
+        ``phase`` or, given ``split``, under its phases (bytes sent each; they add up to the round's), and with
+        ``wait`` the time under ``phase`` (else the waiter's). Each round is a ``trace.scope`` (a profiler range,
+        and an event on the rank's timeline): ``shard:<phase>``, or ``shard:<phase> start`` for a round not waited
+        for here."""
+        w = send.element_size()
+        sent = w * (sum(send_sizes) - send_sizes[self.rank])
+        t0 = time.perf_counter()
         work = None
-        if self.size == 1:
-            out = send
-        else:
-            out = send.new_empty(sum(recv_sizes))
-            work = dist.all_to_all_single(
-                out, send.contiguous(), recv_sizes, send_sizes, group=self.group, async_op=True
-            )
+        with scope(tracer(), "shard", f"shard:{phase}" if wait else f"shard:{phase} start", bytes=sent):
+            if self.size == 1:
+                out = send
+            else:
+                out = send.new_empty(sum(recv_sizes))
+                work = dist.all_to_all_single(
+                    out, send.contiguous(), recv_sizes, send_sizes, group=self.group, async_op=True
+                )
+                if wait:
+                    work.wait()
+                    work = None
         tally.add(sent, w * (sum(recv_sizes) - recv_sizes[self.rank]), self.size - 1)
         for name, n in (split or {phase: sent}).items():
             tally.phase_bytes[name] = tally.phase_bytes.get(name, 0) + n
+        if wait:
+            tally.phases[phase] = tally.phases.get(phase, 0.0) + time.perf_counter() - t0
         return out, work
 
     def record(self, op: str, tally: Traffic, t0: float, *, nnz_in: int, nnz_out: int) -> None:
