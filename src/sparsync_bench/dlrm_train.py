@@ -38,6 +38,12 @@ sharded by ``sparsync.shard``, the MLPs by ``DistributedOptimizer`` as in ``spar
 the shards' exchanges (the ``shard_lookup`` and ``shard_grad`` records), also reported alone
 (``shard_bytes_per_step``), beside how many tables were sharded (``tables_sharded``).
 
+And a floor beside them all, ``floor_tables_unsent``: DDP over the MLPs (torch's own allreduce, as torchrec's
+dense layers), each rank's tables stepped on its own batch's gradient and never sent (``DistributedDataParallel``
+told to ignore them), so the replicas' tables drift apart and its loss is no method's. Its step is what any
+data-parallel system's step would take on this host if its tables cost nothing on the wire and nothing beyond a
+local lookup and update; a step rate above it is out of reach for every placement.
+
 Per method: median seconds per training step (forward, backward, aggregation, SGD) after ``warmup`` steps, the
 slowest rank's; bytes sent per rank per step (sparsync's ``CommLog``; DDP's computed from what gloo sends,
 ``ddp_baseline.py``); the mean training loss over the last ``tail`` steps averaged over ranks, and its
@@ -83,7 +89,9 @@ PS_METHODS = ("sparsync_ps", "sparsync_ps_split", "sparsync_hybrid")
 LARGE_TABLE_METHODS = ("sparsync_omnireduce", "sparsync_sketch")
 # sparsync_step: today's sparsync with every gradient reduced in step(), after backward (overlap=False), the
 # way DistributedOptimizer reduced before it overlapped backward
-OPTIONAL = (*LARGE_TABLE_METHODS, *PS_METHODS, *TORCHREC_METHODS, "sparsync_step", *SHARD_METHODS)
+# floor_tables_unsent: a floor, not a way to train (module doc): DDP over the MLPs, the tables never sent
+FLOOR = "floor_tables_unsent"
+OPTIONAL = (*LARGE_TABLE_METHODS, *PS_METHODS, *TORCHREC_METHODS, "sparsync_step", *SHARD_METHODS, FLOOR)
 
 
 @dataclass(frozen=True)
@@ -212,7 +220,10 @@ def _train(
         if not addresses:
             raise ValueError(f"{method} needs parameter servers (run_dlrm_bench starts them)")
         trainer = _hybrid_trainer(method, model, cfg, addresses, log)
-    elif method.startswith("torch_ddp"):
+    elif method.startswith("torch_ddp") or method == FLOOR:
+        if method == FLOOR:  # the tables stay out of DDP: each rank's own, never sent
+            tables = [n for n, _ in model.named_parameters() if n.startswith("tables.")]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, tables)
         forward = DistributedDataParallel(model)
     else:
         plan: dict[str, Placement] | None = None
@@ -260,7 +271,9 @@ def _train(
     cpu_s = _mean_over_ranks(statistics.median(cpu[cfg.warmup :]))
     tail = torch.tensor([statistics.fmean(losses[-cfg.tail :])], dtype=torch.float64)
     dist.all_reduce(tail)
-    if method.startswith("torch_ddp"):
+    if method == FLOOR:  # the MLPs by DDP's ring allreduce, nothing else
+        nbytes = ring_allreduce_bytes(_mlp_bytes(cfg), P).sent
+    elif method.startswith("torch_ddp"):
         everyone: list[Any] = [None] * P
         dist.all_gather_object(everyone, rows)
         per_step = [

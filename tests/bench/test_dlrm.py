@@ -241,3 +241,27 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     assert ahead["shard_bytes_per_step"] == pytest.approx(exchanges + 4 * (P - 1), rel=1e-12)
     assert all(r["cpu_s"] > 0 for r in rows.values())
     assert low["predicted_shard_bytes_per_step"] == pytest.approx(low["shard_bytes_per_step"], rel=0.1), low
+
+
+@pytest.mark.multiprocess
+def test_the_floor_sends_the_mlps_alone_and_keeps_each_ranks_tables_its_own(tmp_path: Path) -> None:
+    """``floor_tables_unsent``: on one rank it is DDP's step (nothing to send; DDP's sparse path sums a table's
+    duplicate rows in another order, a rounding apart); on three its bytes are
+    the MLPs' ring allreduce alone and its tables are not the averaged ones (each rank's own batch moved them)."""
+    from sparsync import launch
+    from sparsync_bench.ddp_baseline import ring_allreduce_bytes
+    from sparsync_bench.dlrm_train import FLOOR, DlrmBenchConfig, _mlp_bytes, load, summarize, worker
+
+    cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", 3 * 5 * 32)), steps=5, batch=32, max_rows=2000,
+                          dim=8, warmup=1, tail=2, methods=("torch_ddp_sparse", FLOOR))  # fmt: skip
+    for P in (1, 3):
+        rows = {r["method"]: r for r in summarize(launch(worker, nprocs=P, args=(cfg, load(cfg, P)))[0])}
+        base, floor = rows["torch_ddp_sparse"], rows[FLOOR]
+        assert floor["bytes_per_step"] == ring_allreduce_bytes(_mlp_bytes(cfg), P).sent
+        assert math.isfinite(floor["loss"]) and floor["step_s"] > 0
+        if P == 1:
+            assert floor["loss"] == pytest.approx(base["loss"], rel=1e-6)
+            assert floor["param_abs_sum"] == pytest.approx(base["param_abs_sum"], rel=1e-6)
+        else:
+            assert floor["bytes_per_step"] < base["bytes_per_step"]
+            assert floor["tables_moved"] != pytest.approx(base["tables_moved"], rel=1e-3)
