@@ -1,10 +1,11 @@
 """The sharded-embeddings issue's grid in one table: per point (P, samples per rank, link) each method's ms per
 step, the tables `sparsync_auto` sharded, auto's step against the best of the others and against torchrec's,
 the tables' bytes against torchrec's, auto's predicted step over its measured one, the lookahead's step against
-the sharded one's, and the CPU seconds per step of auto and torchrec, from `sparsync bench dlrm`
-JSON files named ``<prefix>_p<P>_b<B>_<net>.json`` (the commands in docs/sharding.md).
+the sharded one's, the floor's step rate over torchrec's (``floor_tables_unsent``: the tables never sent, the most
+any placement could reach), and the CPU seconds per step of auto, torchrec and the floor, from
+`sparsync bench dlrm` JSON files named ``<prefix>_p<P>_b<B>_<net>.json`` (the commands in docs/sharding.md).
 
-    .venv/bin/python scripts/dlrm_grid_table.py docs/data/dlrm_grid6 --out docs/data/dlrm_grid6_table.md
+    .venv/bin/python scripts/dlrm_grid_table.py docs/data/dlrm_grid7 --out docs/data/dlrm_grid7_table.md
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 from pathlib import Path
 
 METHODS = ("torch_ddp_sparse", "sparsync", "sparsync_sharded", "sparsync_sharded_lookahead", "sparsync_auto",
-           "torchrec_tw")  # fmt: skip
+           "torchrec_tw", "floor_tables_unsent")  # fmt: skip
 OURS = ("sparsync", "sparsync_sharded")  # auto's two single placements
 
 
@@ -23,8 +24,8 @@ def rows_for(prefix: str) -> list[str]:
         "| P | samples | link | " + " | ".join(f"{m} ms" for m in METHODS)
         + " | auto sharded | auto vs best single | torchrec rate / auto rate | auto table MB / torchrec's"
         + " | auto's step predicted / measured | sharded step with lookahead / without"
-        + " | CPU ms per step: auto, torchrec |",
-        "|" + "---|" * (len(METHODS) + 10),
+        + " | floor rate / torchrec rate | CPU ms per step: auto, torchrec, floor |",
+        "|" + "---|" * (len(METHODS) + 11),
     ]  # fmt: skip
     for P in (4, 8):
         for B in (128, 512):
@@ -44,7 +45,8 @@ def rows_for(prefix: str) -> list[str]:
                     f" | {ms['sparsync_auto'] / ms['torchrec_tw']:.2f}"
                     f" | {auto['table_bytes_per_step'] / tr['table_bytes_per_step']:.2f}"
                     f" | {_predicted(auto)} | {_ratio(ms, 'sparsync_sharded_lookahead', 'sparsync_sharded')}"
-                    f" | {_cpu(auto)}, {_cpu(tr)} |"
+                    f" | {_ratio(ms, 'torchrec_tw', 'floor_tables_unsent')}"
+                    f" | {_cpu(auto)}, {_cpu(tr)}, {_cpu(rows.get('floor_tables_unsent', {}))} |"
                 )  # fmt: skip
     return out
 
@@ -66,7 +68,7 @@ def _predicted(row: dict[str, float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("prefix", help="path prefix of the JSON files, e.g. docs/data/dlrm_grid6")
+    ap.add_argument("prefix", help="path prefix of the JSON files, e.g. docs/data/dlrm_grid7")
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     text = "\n".join(rows_for(a.prefix)) + "\n"

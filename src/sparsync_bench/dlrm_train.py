@@ -223,7 +223,7 @@ def _train(
     elif method.startswith("torch_ddp") or method == FLOOR:
         if method == FLOOR:  # the tables stay out of DDP: each rank's own, never sent
             tables = [n for n, _ in model.named_parameters() if n.startswith("tables.")]
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, tables)
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, tables)  # type: ignore[no-untyped-call]
         forward = DistributedDataParallel(model)
     else:
         plan: dict[str, Placement] | None = None
