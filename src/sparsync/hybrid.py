@@ -186,9 +186,10 @@ class HybridTrainer:
     ``sketch``, ``ps``) or a ``Placement`` object (e.g. ``Compressed(Threshold(...), ErrorFeedback())``).
     A model from ``sparsync.shard(model, plan={...})`` brings its placements (module doc): its server tables on
     the servers by rows, its shards through their own exchange, the tables it left replicated reduced by the
-    collective default; ``placements`` wins for any parameter but a shard, and the local optimizers step the
-    shards (their gradients are sparse COO: SGD, Adagrad, SparseAdam). Raises ValueError for sharded tables in
-    async mode or a shard given another placement, naming them.
+    collective default (with ``ps_dense``, pushed whole to the servers like every unsharded parameter);
+    ``placements`` wins for any parameter but a shard, and the local optimizers step the shards (their gradients
+    are sparse COO: SGD, Adagrad, SparseAdam). Raises ValueError for sharded tables in async mode or a shard given
+    another placement, naming them.
     """
 
     def __init__(

@@ -138,3 +138,31 @@ def refusals(rank: int, addresses: list[str]) -> dict[str, str]:
     loss_of(model, batch(0, rank)).backward()
     out["distributed_optimizer"] = message(opt.step)
     return out
+
+
+def ps_dense_worker(rank: int, addresses: list[str], prefix: str) -> dict[str, Any]:
+    """``Trio`` placed by ``PLAN`` under ``HybridConfig(ps_dense=True)`` (every parameter the plan does not shard
+    on the servers: the replicated table and the dense layer whole, the server table by rows): each parameter's
+    largest error against ``reference`` over the steps, the servers' from rank 0, and the placements."""
+    P = dist.get_world_size()
+    model = sparsync.shard(Trio(seed=rank), plan=PLAN)
+    cfg = HybridConfig(mode="sync", sparse_reduce="mean", dense_reduce="mean", ps_dense=True,
+                       optimizer=OptimizerConfig("sgd", lr=LR), table_prefix=prefix, timeout=30.0)  # fmt: skip
+    shard = [p for n, p in model.named_parameters() if n == "sh.weight"]
+    tr = HybridTrainer(model, addresses, cfg, dense_optimizer=torch.optim.SGD(shard, lr=LR))
+    want = reference(P, "mean", "mean")
+    errors: dict[str, float] = {}
+    for step in range(STEPS):
+        b = batch(step, rank)
+        tr.step(lambda b=b, m=model: loss_of(m, b))
+        for n, p in model.named_parameters():
+            if n == "sh.weight":
+                got, w = p.detach(), want[step][n][rank::P]
+            elif rank == 0:  # on the servers
+                got, w = tr.tables[n].read_all().to(torch.float64).reshape(p.shape), want[step][n]
+            else:
+                continue
+            errors[n] = max(errors.get(n, 0.0), float((got - w).abs().max()))
+    out = {"kinds": dict(tr.placements), "errors": errors}
+    tr.close()
+    return out

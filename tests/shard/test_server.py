@@ -83,3 +83,18 @@ def test_the_trainers_refuse_what_they_cannot_run_on_a_mixed_plan(
     refused = m["distributed_optimizer"]
     assert refused.startswith("ValueError: parameters ['srv.weight'] are placed on the parameter server"), m
     assert "HybridTrainer" in refused, m
+
+
+def test_ps_dense_puts_what_the_plan_does_not_shard_on_the_servers(server: list[str]) -> None:
+    """``ps_dense=True`` with a shard plan: the table the plan left replicated and the dense layer go to the
+    servers whole (the table's sparse gradient pushed as its dense form), the server table by rows, the shard
+    keeps its exchange; all train as one float64 process, the servers' parameters to their float32 rounding."""
+    res = launch(sw.ps_dense_worker, nprocs=3, args=(server, "psdense/"), timeout=120)
+    for rank, r in enumerate(res):
+        assert r["kinds"] == {
+            "rep.weight": "ps", "sh.weight": "sharded", "srv.weight": "ps", "fc.weight": "ps", "fc.bias": "ps",
+        }, rank  # fmt: skip
+        assert set(r["errors"]) == ({"rep.weight", "sh.weight", "srv.weight", "fc.weight", "fc.bias"}
+                                    if rank == 0 else {"sh.weight"})  # fmt: skip
+        for name, error in r["errors"].items():
+            assert error < (DOWNSTREAM_TOL if name == "sh.weight" else SERVER_TOL), (rank, name, error)

@@ -189,6 +189,8 @@ class ParameterServer(Placement):
                 works.append(self.tables[n].push(rows, vals, step=self.step, coalesce=self.coalesce))
             else:
                 g = p.param.grad if p.param.grad is not None else torch.zeros_like(p.param)
+                if g.is_sparse:  # a table pushed whole (e.g. left "replicated" by a shard plan, under ps_dense)
+                    g = g.to_dense()
                 nrows, dim = table_shape(p.param)
                 g = g.reshape(nrows, dim)
                 rows, vals = (
