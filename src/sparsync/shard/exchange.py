@@ -153,7 +153,8 @@ class IdsRound:
         if widest > C:
             rest, rest_sizes = header.overflow(self.payload, self.counts, C)
             beyond = [max(n - C, 0) for n in recv]
-            more = torch.split(ex.all_to_all(rest, rest_sizes, beyond, "ids", self.tally), beyond)
+            got, _ = ex.all_to_all_start(rest, rest_sizes, beyond, "ids", self.tally, wait=True)
+            more = torch.split(got, beyond)
             parts = [t for pair in zip(parts, more, strict=True) for t in pair]
         ex.capacity = header.capacity_after(widest)
         return self.asked, recv, torch.cat(parts)
@@ -348,27 +349,17 @@ class Exchanger:
         tally: Traffic,
         verdicts: bool = False,
     ) -> torch.Tensor:
-        """``all_to_all`` of row values, in ``wire`` precision when set, back in ``send``'s dtype. ``verdicts``:
-        each block opens with one word that is no row (``rows.rows_with_verdicts``), counted as ``header``."""
+        """An all-to-all of row values (``all_to_all_start``, waited for), in ``wire`` precision when set, back in
+        ``send``'s dtype. ``verdicts``: each block opens with one word that is no row
+        (``rows.rows_with_verdicts``), counted as ``header``."""
         wire = send.dtype if self.wire is None else self.wire
         split = None
         if verdicts:
             header_bytes = wire.itemsize * (self.size - 1)
             rows_bytes = wire.itemsize * (sum(send_sizes) - send_sizes[self.rank]) - header_bytes
             split = {phase: rows_bytes, "header": header_bytes}
-        return self.all_to_all(send.to(wire), send_sizes, recv_sizes, phase, tally, split).to(send.dtype)
-
-    def all_to_all(
-        self,
-        send: torch.Tensor,
-        send_sizes: list[int],
-        recv_sizes: list[int],
-        phase: str,
-        tally: Traffic,
-        split: dict[str, int] | None = None,
-    ) -> torch.Tensor:
-        """``dist.all_to_all_single`` with split sizes (elements), waited for (``all_to_all_start``)."""
-        return self.all_to_all_start(send, send_sizes, recv_sizes, phase, tally, split, wait=True)[0]
+        got, _ = self.all_to_all_start(send.to(wire), send_sizes, recv_sizes, phase, tally, split, wait=True)
+        return got.to(send.dtype)
 
     def all_to_all_start(
         self,
