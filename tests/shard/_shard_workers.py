@@ -217,6 +217,13 @@ def message(fn: Callable[[], object]) -> str:
     return "no error"
 
 
+def same_on_every_rank(res: list[dict[str, str]]) -> dict[str, str]:
+    """Asserts that every rank got the same message in each case (the ranks' ``message`` dicts); rank 0's."""
+    for case, said in res[0].items():
+        assert all(r[case] == said for r in res), (case, [r[case] for r in res])
+    return res[0]
+
+
 def errors_worker(rank: int) -> dict[str, str]:
     """Each bad use on a process group of P ranks; the group stays usable after each (the last case looks up)."""
     P = dist.get_world_size()

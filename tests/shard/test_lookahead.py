@@ -36,9 +36,7 @@ def test_training_through_lookahead_equals_training_without_it_bit_for_bit(P: in
 
 def test_ids_that_differ_from_the_forwards_get_the_same_clear_error_on_every_rank() -> None:
     res = launch(lw.errors_worker, nprocs=3)
-    for case, message in res[0].items():
-        assert all(r[case] == message for r in res), (case, [r[case] for r in res])
-    m = res[0]
+    m = sw.same_on_every_rank(res)
     assert m["other_ids"].startswith("ValueError: sharded lookup refused on rank 1: the forward looked up")
     assert "'t.emb'" in m["other_ids"] and "the lookahead sent" in m["other_ids"]
     assert m["bad_id"].startswith("ValueError: sharded lookup refused on rank 2: 't.bag_mean'")
