@@ -1,11 +1,13 @@
 """What a DLRM step's CPU is made of, variant by variant, in interleaved rounds
 (docs/sharding.md#measured-the-grid-2026-11-28).
 
-Each variant trains `bench dlrm`'s model (Kaggle MLPs, 26 tables capped at 100,000 rows, dim 16, Zipf ids) for
-25 steps on P local gloo ranks, one thread each, and reports the ranks' mean process CPU per step (median over
-the steps after 5) and rank 0's main-thread CPU:
+Each variant trains `bench dlrm`'s model on its data (`dlrm_model`, `rank_samples`: Kaggle MLPs, 26 tables
+capped at 100,000 rows, dim 16, the generated Criteo file's Zipf ids, results/criteo_synthetic.txt) for 25 steps
+of ``--batch`` samples on P local gloo ranks, one thread each, and reports the ranks' mean process CPU per step
+(median over the steps after 5) and rank 0's main-thread CPU:
 
-- ``ddp``: DDP over the MLPs, the tables left out of DDP (each rank's own, never sent: ``floor_tables_unsent``);
+- ``ddp``: DDP over the MLPs, the tables left out of DDP (``ddp_over_mlps``: each rank's own, never sent, as
+  ``floor_tables_unsent``);
 - ``dmlp``: the same with ``sparsync.DistributedOptimizer`` over the MLPs instead of DDP;
 - ``shard+ddp``, ``shard+dmlp``: the same with every table sharded (``sparsync.shard``).
 
@@ -26,22 +28,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+
+from sparsync import DistributedOptimizer, launch
+from sparsync.record import CommLog
+from sparsync_bench.criteo import CriteoBatch
+from sparsync_bench.dlrm_shard import shard_tables
+from sparsync_bench.dlrm_train import DlrmBenchConfig, ddp_over_mlps, default_data, dlrm_model, load, rank_samples
 
 VARIANTS = ("ddp", "dmlp", "shard+ddp", "shard+dmlp")
-STEPS, WARMUP = 25, 5
+DATA = Path("results/criteo_synthetic.txt")  # bench dlrm's generated file
+
+
+def _config(batch: int) -> DlrmBenchConfig:
+    return DlrmBenchConfig(str(DATA), steps=25, batch=batch, mlp="kaggle", warmup=5)
 
 
 class _Both:
     """``DistributedOptimizer`` over the MLPs, plain SGD over each rank's own tables."""
 
-    def __init__(self, model: nn.Module) -> None:
-        from sparsync import DistributedOptimizer
-
+    def __init__(self, model: nn.Module, lr: float) -> None:
         mlps = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
         tables = [p for n, p in model.named_parameters() if n.startswith("tables.")]
-        self.mlps = DistributedOptimizer(torch.optim.SGD(mlps, lr=0.01))
-        self.tables = torch.optim.SGD(tables, lr=0.01)
+        self.mlps = DistributedOptimizer(torch.optim.SGD(mlps, lr=lr))
+        self.tables = torch.optim.SGD(tables, lr=lr)
 
     def zero_grad(self) -> None:
         self.mlps.zero_grad()
@@ -52,40 +61,23 @@ class _Both:
         self.tables.step()
 
 
-def _batches(rows: list[int], batch: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(rank)
-    out = []
-    for _ in range(STEPS):
-        u = torch.rand(batch, len(rows), generator=g)
-        ids = torch.stack([(float(n) ** u[:, j] - 1).long().clamp(0, n - 1) for j, n in enumerate(rows)], 1)
-        out.append((torch.randn(batch, 13, generator=g), ids, torch.rand(batch, generator=g).round()))
-    return out
-
-
-def _worker(rank: int, variant: str, batch: int) -> dict[str, float]:
-    from sparsync.record import CommLog
-    from sparsync_bench.criteo import table_rows
-    from sparsync_bench.dlrm import DLRM, MLPS
-    from sparsync_bench.dlrm_shard import shard_tables
-
-    torch.manual_seed(0)
-    rows = table_rows(100_000)
-    bottom, top = MLPS["kaggle"]
-    model = DLRM(rows, 16, bottom=(*bottom, 16), top=top, sparse=True)
-    data = _batches(rows, batch, rank)
+def _worker(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> dict[str, float]:
+    P = dist.get_world_size()
+    model = dlrm_model(cfg, sparse=True)
+    mine = rank_samples(data, rank, P, cfg)
+    cut = [slice(s * cfg.batch, (s + 1) * cfg.batch) for s in range(cfg.steps)]
+    steps = [(mine.dense[sl], mine.sparse[sl], mine.label[sl]) for sl in cut]
     if variant.startswith("shard+"):
-        shard_tables("sparsync_sharded", model, data[0][:2], CommLog())
+        shard_tables("sparsync_sharded", model, steps[0][:2], CommLog())
     forward: nn.Module = model
     opt: Any
     if variant.endswith("ddp"):
-        tables = [n for n, _ in model.named_parameters() if n.startswith("tables.")]
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, tables)  # type: ignore[no-untyped-call]
-        forward = DistributedDataParallel(model)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        forward = ddp_over_mlps(model)
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     else:
-        opt = _Both(model)
+        opt = _Both(model, cfg.lr)
     cpu, main = [], []
-    for dense, ids, label in data:
+    for dense, ids, label in steps:
         dist.barrier()
         c0, m0 = time.process_time(), time.thread_time()
         opt.zero_grad()
@@ -95,24 +87,28 @@ def _worker(rank: int, variant: str, batch: int) -> dict[str, float]:
         loss.item()
         cpu.append(time.process_time() - c0)
         main.append(time.thread_time() - m0)
-    t = torch.tensor([statistics.median(cpu[WARMUP:])], dtype=torch.float64)
+    t = torch.tensor([statistics.median(cpu[cfg.warmup :])], dtype=torch.float64)
     dist.all_reduce(t)
-    return {"cpu_ms": float(t) / dist.get_world_size() * 1e3, "main_ms": statistics.median(main[WARMUP:]) * 1e3}
+    return {
+        "cpu_ms": float(t) / dist.get_world_size() * 1e3,
+        "main_ms": statistics.median(main[cfg.warmup :]) * 1e3,
+    }
 
 
 def main() -> None:
-    from sparsync import launch
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
+    cfg = _config(a.batch)
+    default_data(DATA, cfg.steps * a.batch * a.procs)  # generated once, as bench dlrm does
+    data = load(cfg, a.procs)
     got: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     for r in range(a.rounds):
         for v in VARIANTS:
-            res = launch(_worker, nprocs=a.procs, args=(v, a.batch))[0]
+            res = launch(_worker, nprocs=a.procs, args=(v, cfg, data))[0]
             got[v].append(res)
             print(
                 f"round {r + 1}/{a.rounds} {v}: CPU {res['cpu_ms']:.1f} ms/step, main thread {res['main_ms']:.1f}"

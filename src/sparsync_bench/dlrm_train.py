@@ -135,7 +135,7 @@ def default_methods() -> tuple[tuple[str, ...], str | None]:
     return METHODS, f"torchrec rows left out: {why}"
 
 
-def _shard(data: CriteoBatch, rank: int, P: int, cfg: DlrmBenchConfig) -> CriteoBatch:
+def rank_samples(data: CriteoBatch, rank: int, P: int, cfg: DlrmBenchConfig) -> CriteoBatch:
     """Rank r's samples: consecutive global batches of P·batch, rank r taking its slice of each."""
     need = cfg.steps * cfg.batch * P
     if data.label.numel() < need:
@@ -149,10 +149,18 @@ def bce(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
     return nn.functional.binary_cross_entropy_with_logits(logits, label)
 
 
-def _model(cfg: DlrmBenchConfig, sparse: bool) -> DLRM:
+def dlrm_model(cfg: DlrmBenchConfig, sparse: bool) -> DLRM:
+    """Every method's model: ``cfg``'s tables and MLPs, from ``cfg.seed``."""
     torch.manual_seed(cfg.seed)
     bottom, top = MLPS[cfg.mlp]
     return DLRM(table_rows(cfg.max_rows), cfg.dim, bottom=(*bottom, cfg.dim), top=top, sparse=sparse)
+
+
+def ddp_over_mlps(model: DLRM) -> DistributedDataParallel:
+    """``model`` in DDP with its tables left out (``FLOOR``): each rank's own, never sent."""
+    tables = [n for n, _ in model.named_parameters() if n.startswith("tables.")]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, tables)  # type: ignore[no-untyped-call]
+    return DistributedDataParallel(model)
 
 
 def _mlp_bytes(cfg: DlrmBenchConfig) -> int:
@@ -207,7 +215,7 @@ def _train(
     method: str, cfg: DlrmBenchConfig, shard: CriteoBatch, rank: int, P: int, addresses: list[str] | None = None
 ) -> dict[str, Any]:
     sparse = method != "torch_ddp_dense"
-    model = _model(cfg, sparse)
+    model = dlrm_model(cfg, sparse)
     tables0 = [t.weight.detach().clone() for t in model.tables]  # type: ignore[operator]
     log = CommLog()
     forward: nn.Module = model
@@ -220,10 +228,9 @@ def _train(
         if not addresses:
             raise ValueError(f"{method} needs parameter servers (run_dlrm_bench starts them)")
         trainer = _hybrid_trainer(method, model, cfg, addresses, log)
-    elif method.startswith("torch_ddp") or method == FLOOR:
-        if method == FLOOR:  # the tables stay out of DDP: each rank's own, never sent
-            tables = [n for n, _ in model.named_parameters() if n.startswith("tables.")]
-            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, tables)  # type: ignore[no-untyped-call]
+    elif method == FLOOR:
+        forward = ddp_over_mlps(model)
+    elif method.startswith("torch_ddp"):
         forward = DistributedDataParallel(model)
     else:
         plan: dict[str, Placement] | None = None
@@ -317,7 +324,7 @@ def worker(
     rank: int, cfg: DlrmBenchConfig, data: CriteoBatch, addresses: list[str] | None = None
 ) -> list[dict[str, Any]]:
     P = dist.get_world_size()
-    shard = _shard(data, rank, P, cfg)
+    shard = rank_samples(data, rank, P, cfg)
     mlp_sent = ring_allreduce_bytes(_mlp_bytes(cfg), P).sent
     out = []
     for m in cfg.methods:

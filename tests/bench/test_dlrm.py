@@ -166,9 +166,9 @@ def _shard_exchange_bytes(cfg: Any, data: Any, P: int) -> float:
     that owner owns, zero-padded to the capacity that the last step's widest count set: ``shard.header``), the
     rows it serves the other ranks, and one gradient row per distinct id owned elsewhere."""
     from sparsync.shard.header import capacity_after
-    from sparsync_bench.dlrm_train import _shard
+    from sparsync_bench.dlrm_train import rank_samples
 
-    batches = [_shard(data, i, P, cfg).sparse for i in range(P)]
+    batches = [rank_samples(data, i, P, cfg).sparse for i in range(P)]
     tables, row = batches[0].shape[1], 4 * cfg.dim
     total, capacity = 0, 0
     for s in range(cfg.steps):
@@ -196,7 +196,7 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
 
     from sparsync import launch
     from sparsync_bench.ddp_baseline import ring_allreduce_bytes
-    from sparsync_bench.dlrm_train import DlrmBenchConfig, _model, load, summarize
+    from sparsync_bench.dlrm_train import DlrmBenchConfig, dlrm_model, load, summarize
 
     P = 3
     cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", P * 6 * 32)), steps=6, batch=32, max_rows=2000,
@@ -217,7 +217,7 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     exchanges = _shard_exchange_bytes(cfg, data, P)
     assert sharded["shard_bytes_per_step"] == pytest.approx(exchanges, rel=1e-12)
     # the rest is the MLPs' gradients by a ring allreduce (within 1%: a few hundred bytes of agreement rounds)
-    mlps = sum(p.numel() * 4 for n, p in _model(cfg, True).named_parameters() if not n.startswith("tables."))
+    mlps = sum(p.numel() * 4 for n, p in dlrm_model(cfg, True).named_parameters() if not n.startswith("tables."))
     mlp_bytes = ring_allreduce_bytes(mlps, P).sent
     assert sharded["bytes_per_step"] - exchanges == pytest.approx(mlp_bytes, rel=0.01), (sharded, mlp_bytes)
     # the table's columns: the MLPs' ring allreduce, every method alike, and the rest
