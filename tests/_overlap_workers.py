@@ -180,3 +180,60 @@ def bad_worker(rank: int, case: str) -> str:
         return "no error"
     except (ValueError, RuntimeError) as e:
         return f"{type(e).__name__}: {e}"
+
+
+class Dropped(nn.Module):
+    """An MLP with a head every rank uses at step 0 and none uses after (``first`` True only then)."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.emb = nn.EmbeddingBag(200, width, mode="sum")  # dense gradients: Adam takes no sparse ones
+        self.fc = nn.Linear(width, width)
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor, first: bool) -> torch.Tensor:
+        h = torch.tanh(self.fc(self.emb(x)))
+        return h.square().sum() + self.head(h).sum() if first else h.square().sum()
+
+
+DROPPED_OPTIMIZERS = {
+    "momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+}
+
+
+def dropped_layer_worker(rank: int) -> dict[str, Any]:
+    """A layer with a gradient on every rank in the first round and on none later: after each later step its
+    ``.grad`` must stay None (as under DDP and a single process), so momentum and Adam leave it where step 0
+    put it. Per optimizer: our parameters, the float64 single-process reference's, and whether the head's
+    ``.grad`` was None after each step."""
+    P = dist.get_world_size()
+    out: dict[str, Any] = {}
+    for name, make in DROPPED_OPTIMIZERS.items():
+        torch.manual_seed(0)
+        model = Dropped().double()
+        opt = sparsync.DistributedOptimizer(make(model.parameters()), model)
+        grads = []
+        for step in range(STEPS):
+            opt.zero_grad()
+            model(_batch(step, rank), step == 0).backward()
+            opt.step()
+            grads.append(model.head.weight.grad is None)
+        out[name] = {"ours": [p.detach().numpy().copy() for p in model.parameters()], "head_grad_none": grads}
+        out[name]["ref"] = _dropped_reference(P, name)
+    return out
+
+
+def _dropped_reference(P: int, name: str) -> list[np.ndarray]:
+    torch.manual_seed(0)
+    model = Dropped().double()
+    opt = DROPPED_OPTIMIZERS[name](model.parameters())
+    for step in range(STEPS):
+        opt.zero_grad()
+        for r in range(P):
+            model(_batch(step, r), step == 0).backward()
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad = p.grad / P
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]

@@ -96,3 +96,14 @@ def test_bad_input_is_refused_on_every_rank(case: str, expect: str) -> None:
 def _same(message: str) -> str:
     """A message without what differs by rank: the rank that saw it, the flight recorder's file."""
     return re.sub(r"\(?seen on (rank|replica) \d+\)?|flight recorder:.*", "", message, flags=re.S)
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_a_layer_no_rank_uses_after_the_first_round_keeps_no_gradient(P: int) -> None:
+    """Used on every rank in the first round (laid out in a bucket), on none later: its ``.grad`` stays None, as
+    under DDP, so SGD with momentum and Adam skip it; the parameters equal the float64 single process's."""
+    for rank, r in enumerate(launch(ov.dropped_layer_worker, nprocs=P, timeout=240)):
+        for name, got in r.items():
+            assert got["head_grad_none"] == [False] + [True] * (ov.STEPS - 1), (P, rank, name, got)
+            for ours, ref in zip(got["ours"], got["ref"], strict=True):
+                np.testing.assert_allclose(ours, ref, rtol=1e-10, atol=1e-12, err_msg=f"{name} rank {rank}")

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 import sparsync
-from sparsync.optim import DistributedOptimizer
+from sparsync.optim import LAYOUT_KEY, DistributedOptimizer
 from sparsync.shard import load_optimizer_state_dict, optimizer_state_dict, plan_of
 
 PLAN = {"rep": "replicated"}  # "bag" and "emb" sharded
@@ -63,6 +63,16 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
     return _copy(dict(model.named_parameters()))
 
 
+def _layout(opt: DistributedOptimizer) -> Any:
+    """The bucket layout ``opt`` reduces in (or was loaded to reduce in before its first round); None if none."""
+    state = opt.state_dict().get(LAYOUT_KEY)
+    reducer = opt._reducer
+    if state is None and reducer is not None and reducer.loaded is not None:
+        order, layouts = reducer.loaded
+        return {"order": list(order), "layouts": list(layouts)}
+    return state
+
+
 def _copy(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Copies: a state dict's replicated entries share the live parameters, which later steps change."""
     return {k: v.detach().clone() for k, v in tensors.items()}
@@ -84,10 +94,14 @@ def sharded_run(rank: int, path: str) -> dict[str, Any]:
     loaded, loaded_opt = _build(seed=100 + rank)  # other values: the checkpoint must replace them
     loaded.load_state_dict(saved)
     load_optimizer_state_dict(loaded_opt, loaded, saved_state)
+    # the path itself, not the values' luck: the resumed optimizer holds the saved bucket layout before its
+    # first round (without it that round reduces the step-time way, whose last bits differ only for some values)
+    given_layout = _layout(loaded_opt)
     reloaded = _copy(loaded.state_dict())
     losses.append(_step(model, opt, 2, rank))
     resumed_loss = _step(loaded, loaded_opt, 2, rank)
     third = _params(model)
+    layouts = {"saved": (state or {}).get(LAYOUT_KEY), "given": given_layout, "resumed": _layout(loaded_opt)}
     x, ids, offsets, y = batch(3, rank)
     if rank == 1:
         ids = ids.clone()
@@ -107,5 +121,6 @@ def sharded_run(rank: int, path: str) -> dict[str, Any]:
         "full": full,
         "reloaded": reloaded,
         "refused": refused,
+        "layouts": layouts,
         "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
     }

@@ -46,5 +46,9 @@ def test_the_sharded_path_under_nccl_rules_equals_the_run_without_them(tmp_path:
             assert r["resumed_loss"] == r["losses"][2]  # the checkpoint continues exactly
             assert all(torch.equal(r["third"][k], v) for k, v in r["resumed"].items()), rank
             assert r["refused"] == res[0]["refused"]  # the same error on every rank
+            # the checkpoint carries the bucket layout; the resumed optimizer reduces in it from its first round
+            lay = r["layouts"]
+            assert rank != 0 or lay["saved"] is not None, lay
+            assert lay["given"] is not None and lay["given"] == lay["resumed"] == res[0]["layouts"]["saved"], lay
         assert res[0]["refused"].startswith("ValueError: sharded lookup refused on rank 1: 'bag'")
         assert f"id {nw.BAD_ID} is out of range" in res[0]["refused"]

@@ -43,7 +43,9 @@ def optimizer_state_dict(opt: Any, model: nn.Module) -> dict[str, Any] | None:
     ``opt``: a torch optimizer over ``model``'s parameters (or a ``DistributedOptimizer``).
     Collective over the shards' group: every rank calls it."""
     inner = _optimizer(opt)
-    sd = inner.state_dict()
+    # the wrapper's own state_dict: a DistributedOptimizer adds its bucket layout, without which the resumed
+    # run's first round would reduce the step-time way and differ in the last bits
+    sd = opt.state_dict()
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     for i, table in _shards(inner, model):
         rank0 = table.exchanger.rank == 0
@@ -61,14 +63,16 @@ def optimizer_state_dict(opt: Any, model: nn.Module) -> dict[str, Any] | None:
 
 def load_optimizer_state_dict(opt: Any, model: nn.Module, state_dict: dict[str, Any]) -> None:
     """Load ``state_dict`` (from ``optimizer_state_dict``, saved at any P) into ``opt``: each shard's whole per-row
-    state ``[rows, D]`` gives this rank its rows. Every rank calls it with the same dict. Mutates ``opt``."""
+    state ``[rows, D]`` gives this rank its rows; a ``DistributedOptimizer`` also takes the saved bucket layout,
+    so the resumed run reduces in the same buckets from its first step. Every rank calls it with the same dict.
+    Mutates ``opt``."""
     inner = _optimizer(opt)
     states = {i: dict(s) for i, s in state_dict["state"].items()}
-    sd = {"state": states, "param_groups": state_dict["param_groups"]}
+    sd = {**state_dict, "state": states}  # other keys (a DistributedOptimizer's bucket layout) as saved
     for i, table in _shards(inner, model):
         state = sd["state"].get(i, {})
         whole = (table.num_embeddings, table.embedding_dim)
         for key, value in state.items():
             if isinstance(value, torch.Tensor) and tuple(value.shape) == whole:
                 state[key] = value[table.ownership.global_rows(table.exchanger.rank)].clone()
-    inner.load_state_dict(sd)
+    opt.load_state_dict(sd)
