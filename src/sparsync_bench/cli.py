@@ -88,7 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--plan-pricing", choices=("measured", "assumed"), default="measured",
                       help="the automatic plan's prices: the demo's measured link and parameter servers, or an "
                            "assumed 1 Gbit/s, 50 µs link")  # fmt: skip
-    demo.add_argument("--net", default=None, help="shape each process's link, e.g. 1gbit (needs root)")
+    demo.add_argument("--net", default="auto",
+                      help="each process's link: a rate such as 1gbit (emulated: a network namespace and a "
+                           "tc-shaped link per process, needs root), 'loopback', or 'auto': 1gbit when run as "
+                           "root with ip and tc, else loopback")  # fmt: skip
     demo.add_argument("--no-tables", action="store_true",
                       help="skip the second part: a table set placed by sparsync.shard(plan='auto'), replicated "
                            "and sharded trained side by side (on loopback)")  # fmt: skip
@@ -227,6 +230,25 @@ def _cluster(args: argparse.Namespace, console: Console) -> int:
     return 0 if res.ok else 1
 
 
+def demo_link(net: str) -> tuple[str | None, str]:
+    """The demo's ``--net`` resolved: (the rate to emulate, or None for loopback; the words that say which and
+    why). "auto" emulates 1 Gbit/s links, the setting sparsync is meant for, where this process may (root, with
+    ``ip`` and ``tc``); on loopback, where the dense allreduce is a memory copy, its advantage does not show."""
+    import os
+    import shutil
+
+    if net == "loopback":
+        return None, "loopback (asked for)"
+    if net != "auto":
+        return net, f"emulated {net} links, one network namespace per process (asked for)"
+    if os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc"):
+        return "1gbit", "emulated 1gbit links, one network namespace per process (running as root)"
+    return None, (
+        "loopback: emulated links need root, ip and tc; a loopback allreduce is a memory copy, where sending fewer "
+        "bytes gains little (run as root, or with --net 1gbit, for the setting sparsync is meant for)"
+    )
+
+
 def _demo(args: argparse.Namespace, console: Console) -> int:
     from sparsync_bench.train_demo import DemoConfig, print_demo, run_demo
 
@@ -237,6 +259,8 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
             f"--steps {args.steps}"
         )
     demo_cfg = DemoConfig(steps=args.steps, plan_pricing=args.plan_pricing, block=args.block)
+    args.net, why = demo_link(args.net)
+    console.print(f"links: {why}")
     console.print(
         f"[bold]sparsync demo[/]: {demo_cfg.replicas} local processes train a classifier with a sparse "
         f"embedding (vocab {demo_cfg.vocab:,}, Zipf tokens), {demo_cfg.steps} steps per gradient plan, the plans "

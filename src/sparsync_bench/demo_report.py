@@ -25,7 +25,7 @@ from sparsync_bench.fmt import short_ms
 # Short names of the runs (``demo_plan.RUNS``) in the lines on ratios and verdicts.
 NAMES = {"dense": "dense allreduce", "ddp_sparse": "DDP", "sparse": "sparsync plan", "auto": "auto plan"}
 # (run, baseline) pairs whose step-time ratio is taken per block: each plan against DDP with sparse gradients,
-# the sparsync plan against dense allreduce, and the automatic plan against the sparsync plan (its target).
+# the sparsync plan against dense allreduce, and the automatic plan against the sparsync plan (it should beat it).
 PAIRS = (("dense", "ddp_sparse"), ("sparse", "ddp_sparse"), ("auto", "ddp_sparse"), ("sparse", "dense"),
          ("auto", "sparse"))  # fmt: skip
 
@@ -227,28 +227,37 @@ def interleaving(runs: list[dict[str, Any]], block: int, sizes: Sequence[int]) -
 
 def compare_lines(runs: list[dict[str, Any]]) -> list[str]:
     """Each run's step time and bytes relative to both baselines, dense allreduce and DDP with sparse gradients
-    ("0.62x dense allreduce" = 0.62 times its step time), and the demo's target: the sparse-allreduce plan
-    (sparsync's default plan) faster than both."""
+    ("0.62x dense allreduce" = 0.62 times its step time)."""
     by = {r["run"]: r for r in runs}
     bases = [by[k] for k in RUNS[:2] if k in by]
 
     def rel(r: dict[str, Any], key: str) -> str:
         return ", ".join(f"{r[key] / b[key]:.3g}x {b['plan']}" for b in bases if b is not r)
 
-    out = [f"{r['plan']}: step time {rel(r, 'step_ms')}; bytes per step {rel(r, 'bytes_per_step')}"
-           for r in runs if r is not bases[0]]  # fmt: skip
-    sp = by.get(RUNS[2])
-    if sp is not None and len(bases) == 2:
-        ok = all(sp["step_ms"] < b["step_ms"] for b in bases)
-        out.append(f"target: {sp['plan']} (sparse allreduce) faster per step than dense allreduce "
-                   f"and {DDP_PLAN}: {'met' if ok else 'not met'} ({rel(sp, 'step_ms')})")  # fmt: skip
-    return out
+    return [f"{r['plan']}: step time {rel(r, 'step_ms')}; bytes per step {rel(r, 'bytes_per_step')}"
+            for r in runs if r is not bases[0]]  # fmt: skip
+
+
+def headline(runs: list[dict[str, Any]], where: str) -> str:
+    """The demo's answer in one line: which run had the shortest step, and how each sparsync run's step compares
+    with DDP's (with sparse gradients: what a PyTorch user would run), on ``where`` (the links' words)."""
+    by = {r["run"]: r for r in runs}
+    fastest = min(runs, key=lambda r: r["step_ms"])
+    words = [f"fastest on {where}: {fastest['plan']} ({fastest['step_ms']:.1f} ms a step)"]
+    ddp = by.get(RUNS[1])
+    if ddp is not None:
+        for r in runs:
+            if r["run"] in RUNS[2:] and "same_as" not in r:
+                q = ddp["step_ms"] / r["step_ms"]
+                how = f"{q:.2f}x faster than" if q >= 1 else f"{1 / q:.2f}x slower than"
+                words.append(f"{r['plan']} is {how} {ddp['plan']}")
+    return "; ".join(words)
 
 
 def prediction_lines(runs: list[dict[str, Any]], plan: Plan) -> list[str]:
     """Each priced run's predicted step (``demo_plan.predicted_steps``, from each run's ``compute_ms``) against
-    its measured one, and the target: within 1.5x (either way) for every plan the model prices. Sets
-    ``predicted_ms`` in each priced run."""
+    its measured one, and how far the predictions are from the measurements. Sets ``predicted_ms`` in each
+    priced run."""
     by = {r["run"]: r for r in runs}
     pred = predicted_steps(plan, {k: r["compute_ms"] / 1e3 for k, r in by.items()})
     fb, dense = by["sparse"]["compute_ms"], by["dense"]["compute_ms"]
@@ -261,11 +270,9 @@ def prediction_lines(runs: list[dict[str, Any]], plan: Plan) -> list[str]:
         ratios.append(r["predicted_ms"] / r["step_ms"])
         parts.append(f"{r['plan']} {r['predicted_ms']:.1f} ms predicted / {r['step_ms']:.1f} measured "
                      f"({ratios[-1]:.2f}x)")  # fmt: skip
-    ok = all(1 / 1.5 <= q <= 1.5 for q in ratios)
     return [
         f"predicted step = local compute (measured, no communication: forward and backward {fb:.1f} ms; the dense "
         f"run {dense - fb:.1f} ms more to densify the embedding's gradient, fill the bucket and update every row) "
         f"+ the plan's communication as each run sends it: {'; '.join(parts)}",
-        f"target: predicted step within 1.5x of measured for every priced plan: {'met' if ok else 'not met'} "
-        f"({min(ratios):.2f}x-{max(ratios):.2f}x)",
+        f"the cost model's predicted steps are {min(ratios):.2f}x-{max(ratios):.2f}x the measured ones",
     ]

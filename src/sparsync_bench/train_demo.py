@@ -374,7 +374,7 @@ def print_demo(
         for line in lines:
             console.print(line)
     shown = len(lines)
-    where = f"{net} links" if net else "loopback"
+    where = f"emulated {net} links" if net else "loopback"
     table = Table(title=f"{cfg.replicas} processes, {cfg.steps} steps, batch {cfg.batch}/replica ({where})")
     for col in ("gradient plan", "step time ms (median)", "MB sent/step/rank", "final loss", "algorithms"):
         table.add_column(col, justify="left" if col in ("gradient plan", "algorithms") else "right")
@@ -388,7 +388,7 @@ def print_demo(
         )
     show_table(console, table)
     s = runs[-1]
-    lines += dr.compare_lines(runs)
+    lines += [dr.headline(runs, where), *dr.compare_lines(runs)]
     sizes = dr.block_sizes(cfg.steps, cfg.warmup, cfg.block)
     if plan is not None and "compute_ms" in s:
         lines += dr.prediction_lines(runs, plan)

@@ -343,7 +343,11 @@ def test_demo_trains_every_plan_to_the_same_model() -> None:
     assert "plan chose: parameter server for emb.weight" in md
     assert "| DDP (sparse grads) |" in md
     assert re.search(r"sparsync plan: step time [\d.]+x dense allreduce, [\d.]+x DDP \(sparse grads\)", md)
-    assert "target: sparsync plan (sparse allreduce) faster per step" in md
+    fastest = min(runs, key=lambda r: r["step_ms"])
+    assert f"fastest on loopback: {fastest['plan']} ({fastest['step_ms']:.1f} ms a step)" in md
+    q = ddp["step_ms"] / sparse["step_ms"]
+    assert f"{sparse['plan']} is {q:.2f}x faster than" in md if q >= 1 else f"{1 / q:.2f}x slower than" in md
+    assert "target" not in md and " met" not in md  # a user's report: no internal targets
     assert "plan chose: parameter server for emb.weight" in console.export_text()
     # Each priced run's predicted step: the measured local compute plus the plan's communication as it sends it.
     from sparsync_bench.demo_plan import predicted_steps
@@ -357,7 +361,7 @@ def test_demo_trains_every_plan_to_the_same_model() -> None:
     assert pred["auto"] == pytest.approx(auto["compute_ms"] / 1e3 + plan.fused_seconds)  # the hybrid's
     agree = 2 * (plan.cluster.machines - 1) * plan.cluster.link.alpha  # wrap_optimizer's agreement round
     assert pred["sparse"] > agree + sparse["compute_ms"] / 1e3 and pred["dense"] > pred["sparse"]
-    assert re.search(r"target: predicted step within 1.5x of measured for every priced plan: (met|not met)", md)
+    assert re.search(r"the cost model's predicted steps are [\d.]+x-[\d.]+x the measured ones", md)
     # Interleaved: the warm-up turn, then 5 blocks of 2 steps, every run in turn each time.
     inter = meta["interleaving"]
     assert inter["sizes"] == [2] * 5
