@@ -244,8 +244,8 @@ def demo_link(net: str) -> tuple[str | None, str]:
     if os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc"):
         return "1gbit", "emulated 1gbit links, one network namespace per process (running as root)"
     return None, (
-        "loopback: emulated links need root, ip and tc; a loopback allreduce is a memory copy, where sending fewer "
-        "bytes gains little (run as root, or with --net 1gbit, for the setting sparsync is meant for)"
+        "loopback: emulated links need root, ip and tc; a loopback allreduce is a memory copy, where sending "
+        "fewer bytes gains little (run as root, or with --net 1gbit, for the setting sparsync is meant for)"
     )
 
 
