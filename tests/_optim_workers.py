@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sparsync.compress import ErrorFeedback, TopK
-from sparsync.optim import DistributedOptimizer
+from sparsync.optim import LAYOUT_KEY, DistributedOptimizer
 from sparsync.placement import Compressed
 from sparsync.record import CommLog
 
@@ -70,6 +70,8 @@ def scheduler_worker(rank: int) -> dict[str, Any]:
     """An LR scheduler on the wrapper; a checkpoint after 2 steps loaded into a fresh wrapper resumes to the
     same parameters as an uninterrupted run; synchronize() + clipping aggregates once."""
 
+    layouts: list[Any] = []
+
     def run(resume_at: int | None, clip: bool) -> tuple[list[np.ndarray], list[float]]:
         model = _model(0)
         opt = DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.5), model)
@@ -84,6 +86,9 @@ def scheduler_worker(rank: int) -> dict[str, Any]:
                 sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
                 opt.load_state_dict(state["opt"])
                 sched.load_state_dict(state["sched"])
+                # the path, not the values' luck: the saved bucket layout, and the resumed optimizer holding it
+                # before its first round (without it that round would reduce the step-time way)
+                layouts.append((state["opt"].get(LAYOUT_KEY), opt.state_dict().get(LAYOUT_KEY)))
             opt.zero_grad()
             model(_batch(step, rank, 1.0)).square().mean().backward()
             if clip:
@@ -98,7 +103,8 @@ def scheduler_worker(rank: int) -> dict[str, Any]:
     straight, lrs = run(None, False)
     resumed, lrs2 = run(2, False)
     clipped, _ = run(None, True)
-    return {"straight": straight, "resumed": resumed, "clipped": clipped, "lrs": lrs, "lrs2": lrs2}
+    return {"straight": straight, "resumed": resumed, "clipped": clipped, "lrs": lrs, "lrs2": lrs2,
+            "layouts": layouts}  # fmt: skip
 
 
 def unreached_clip_worker(rank: int) -> dict[str, Any]:

@@ -51,6 +51,8 @@ def test_schedulers_checkpoints_and_synchronize() -> None:
     res = launch(ow.scheduler_worker, nprocs=3)
     for r in res:
         assert r["lrs"] == [0.25, 0.125, 0.0625, 0.03125] and r["lrs2"] == r["lrs"]  # the scheduler reached it
+        [(saved, resumed)] = r["layouts"]
+        assert saved is not None and resumed == saved, r["layouts"]
         for a, b, c in zip(r["straight"], r["resumed"], r["clipped"], strict=True):
             assert np.array_equal(a, b)  # resumed from state_dict: same bits
             assert np.array_equal(a, c)  # synchronize() then step(): aggregated once, same update

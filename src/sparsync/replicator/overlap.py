@@ -262,8 +262,14 @@ class OverlapReducer:
     def layout_state(self) -> dict[str, list[int]] | None:
         """The agreed layout, for a checkpoint: a run resumed from it reduces in the same buckets from its
         first step, so it gives the same bits as the run it resumes (a first round laid out afresh would sum in
-        another order)."""
-        return None if self.buckets is None else {"order": list(self.order), "layouts": list(self.layouts)}
+        another order). Loaded from a checkpoint and not yet used: the loaded layout, so that a checkpoint saved
+        before the first round keeps it."""
+        if self.buckets is None:
+            if self.loaded is None:
+                return None
+            order, layouts = self.loaded
+            return {"order": list(order), "layouts": list(layouts)}
+        return {"order": list(self.order), "layouts": list(self.layouts)}
 
     def load_layout(self, state: dict[str, list[int]]) -> None:
         n = len(self.params)
