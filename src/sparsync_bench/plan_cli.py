@@ -11,15 +11,15 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from sparsync.plan.backend import BACKENDS
 from sparsync.plan.cluster import Cluster
 from sparsync.plan.detect import ParamStats
-from sparsync.plan.planner import levels_from_json, make_plan, stats_from_json
+from sparsync.plan.planner import Plan, levels_from_json, make_plan, stats_from_json
 from sparsync.plan.registry import KINDS
 from sparsync_bench.criteo import table_rows
 from sparsync_bench.dlrm import MLPS, dlrm_stats
 from sparsync_bench.lm import lm_stats
 from sparsync_bench.netem import parse_latency, parse_rate
-from sparsync_bench.report import print_plan
 from sparsync_bench.tables import show_table
 
 
@@ -75,6 +75,9 @@ def add_parser(sub: Any, formatter_class: type[argparse.HelpFormatter] = argpars
         help="link between the ranks of a machine (e.g. 100gbit): price sparse allreduce on two levels",
     )
     p.add_argument("--intra-latency", default="5us", help="per message inside a machine")
+    p.add_argument("--backend", default="gloo", choices=BACKENDS,
+                   help="whose dense allreduce prices the buckets: gloo runs a ring at every size, nccl a ring "
+                   "or a tree, whichever its model finds faster (docs/hybrid.md, the step)")  # fmt: skip
     p.add_argument(
         "--levels",
         type=Path,
@@ -103,8 +106,9 @@ def run(args: argparse.Namespace, console: Console) -> int:
         console = Console(width=140, file=console.file)
     bw = parse_rate(args.bandwidth) / 8.0
     lat = parse_latency(args.latency) or 0.0
-    summary = Table(title=f"predicted communication per step ({args.bandwidth}, {args.latency} per message)")
-    for col in ("machines", "placements", "MB/machine", "plan ms", "all dense AR ms", "speedup"):
+    summary = Table(title=f"predicted communication per step ({args.bandwidth}, {args.latency} per message, "
+                          f"{args.backend})")  # fmt: skip
+    for col in ("machines", "placements", "MB/machine", "step ms", "all dense AR ms", "speedup"):
         summary.add_column(col, justify="right" if col != "placements" else "left")
     plans = []
     levels = None if args.levels is None else levels_from_json(json.loads(args.levels.read_text()))
@@ -112,15 +116,17 @@ def run(args: argparse.Namespace, console: Console) -> int:
         stats = _stats(args)
         intra = None if args.intra_bandwidth is None else parse_rate(args.intra_bandwidth) / 8.0
         cluster = Cluster(N, args.procs_per_machine, bw, lat, intra_bandwidth=intra, levels=levels,
-                          intra_latency=parse_latency(args.intra_latency) or 0.0)  # fmt: skip
+                          intra_latency=parse_latency(args.intra_latency) or 0.0,
+                          backend=args.backend)  # fmt: skip
         plan = make_plan(stats, cluster, overrides=dict(args.override), allow_lossy=args.allow_lossy,
                          swap_modules=args.stats is None and args.model == "dlrm")  # fmt: skip
-        print_plan(plan, console)
+        print_entries(plan, console)
+        print_step(plan, console)
         plans.append(plan.as_dict())
         kinds = sorted({e.placement for e in plan.entries})
-        base = plan.baseline_seconds()
-        speedup = f"{base / plan.seconds:.1f}x" if plan.seconds else "-"
-        mb, ms = f"{plan.bytes_per_machine / 1e6:.2f}", f"{plan.seconds * 1e3:.2f}"
+        base = plan.with_kind("dense_allreduce").step_seconds
+        speedup = f"{base / plan.step_seconds:.1f}x" if plan.step_seconds else "-"
+        mb, ms = f"{plan.bytes_per_machine / 1e6:.2f}", f"{plan.step_seconds * 1e3:.2f}"
         summary.add_row(str(N), ", ".join(kinds), mb, ms, f"{base * 1e3:.2f}", speedup)
     show_table(console, summary)
     if args.json is not None:
@@ -128,3 +134,44 @@ def run(args: argparse.Namespace, console: Console) -> int:
         args.json.write_text(json.dumps(plans, indent=1))
         console.print(f"wrote {args.json}")
     return 0
+
+
+def _title(plan: Plan) -> str:
+    c = plan.cluster
+    two = f", {c.intra_bandwidth * 8 / 1e9:g} Gbit/s inside" if c.two_level and c.intra_bandwidth else ""
+    return (f"plan: {c.machines} machines x {c.procs_per_machine} procs, {c.bandwidth * 8 / 1e9:g} Gbit/s{two}, "
+            f"{c.latency * 1e6:g} µs, {c.backend}")  # fmt: skip
+
+
+def print_entries(plan: Plan, console: Console) -> None:
+    """Per parameter its α, placement, bytes and what it adds to its kind's call (``Entry.seconds``)."""
+    t = Table(title=_title(plan))
+    for col in ("parameter", "shape", "α", "α machine", "placement", "MB/machine/step", "adds ms"):
+        t.add_column(col, justify="left" if col in ("parameter", "placement") else "right")
+    for e in plan.entries:
+        t.add_row(
+            e.name,
+            "x".join(map(str, e.shape)),
+            f"{e.row_fraction:.4g}",
+            f"{e.row_fraction_machine:.4g}",
+            e.placement + (" (override)" if e.overridden else "") + (f" via {e.detail}" if e.detail else ""),
+            f"{e.bytes_per_machine / 1e6:.3f}",
+            f"{e.seconds * 1e3:.3f}",
+        )
+    show_table(console, t)
+
+
+def print_step(plan: Plan, console: Console) -> None:
+    """The step as the trainer sends the plan (``Plan.step``): each call or round, what it carries, the algorithm
+    that runs it and its time; then the step's total and what of it is exposed behind backward."""
+    t = Table(title=f"the step: {plan.cluster.machines} machines ({plan.cluster.backend})")
+    for col in ("part", "parameters", "MB/machine", "algorithm", "ms", "beside backward"):
+        t.add_column(col, justify="left" if col in ("part", "algorithm") else "right")
+    for p in plan.step.parts:
+        shared = plan.shared.get(p.kind)
+        how = p.algorithm or (f"{shared * 1e3:.3g} ms shared + each its own" if shared else "each its own")
+        t.add_row(p.label, str(len(p.members)), f"{p.nbytes / 1e6:.3f}", how, f"{p.seconds * 1e3:.3f}",
+                  "yes" if p.hidden else "no")  # fmt: skip
+    t.add_row("step", str(len(plan.entries)), f"{plan.bytes_per_machine / 1e6:.3f}", "",
+              f"{plan.step_seconds * 1e3:.3f}", "")  # fmt: skip
+    show_table(console, t)

@@ -46,8 +46,13 @@ class Cluster:
     # measured (world, intra-machine, inter-machine) links of a two-level run (``bench allreduce --hosts``'s
     # JSON, ``collectives.hierarchical.measured_levels``): price both levels with them instead, γ included
     levels: tuple[LinkModel, LinkModel, LinkModel] | None = None
+    # the backend whose collective algorithms price a dense allreduce (``plan.backend``): "gloo" runs rings,
+    # "nccl" rings or trees by message size
+    backend: str = "gloo"
 
     def __post_init__(self) -> None:
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
         if self.machines < 1 or self.procs_per_machine < 1:
             raise ValueError(
                 f"machines and procs_per_machine must be >= 1, got {self.machines}, {self.procs_per_machine}"

@@ -1,7 +1,9 @@
 """The placement kinds a plan chooses among (Parallax §3.1, Table 3), one record each: its name, whether it is
-lossy, its cost estimate (bytes per machine per step and the α-β time of one step's communication of one
-parameter; ``planner``'s module doc gives the formulas) and how to make its ``Placement``. ``plan.registry``
-collects them; a kind from outside the package is one more ``PlacementKind``, registered there."""
+lossy, its cost estimate (bytes per machine per step, and the α-β time one more parameter adds to the step's
+call of its kind: its marginal cost; the call's latency, paid once, is the kind's ``shared_seconds`` or the
+step model's, ``plan.step``; ``planner``'s module doc gives the formulas) and how to make its ``Placement``.
+``plan.registry`` collects them; a kind from outside the package is one more ``PlacementKind``, registered
+there."""
 
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from sparsync.placement.base import Placement
 from sparsync.placement.collective import DenseAllreduce, SparseAllreduce
 from sparsync.placement.sharded import Sharded
 from sparsync.placement.sketch import Sketch
+from sparsync.plan.backend import all_to_all_latency, allreduce_candidates, dense_allreduce
 from sparsync.plan.cluster import Cluster
 from sparsync.plan.detect import ParamStats
+from sparsync.plan.step import CAP_BYTES, without_latency
 from sparsync.stream import index_dtype_for
 
 
@@ -87,14 +91,18 @@ def _share(c: Cluster) -> float:
 
 
 class DenseAllreduceKind(PlacementKind):
-    """Ring dense allreduce: 4w(N-1)/N bytes (Table 3)."""
+    """Dense allreduce in ``DistributedOptimizer``'s buckets: 4w(N-1)/N bytes (Table 3). One more parameter adds
+    its bytes to a bucket sent anyway (``plan.step``), at the bandwidth of the algorithm the backend runs for a
+    full bucket (``plan.backend``): its estimate. The buckets' latency is the step's (``Plan.step``), however
+    many parameters they carry."""
 
     name = "dense_allreduce"
 
     def estimate(self, s: ParamStats, c: Cluster, *, sketch: SparseSketch) -> Estimate:
-        N = c.machines
-        dense_p = Problem(N, s.numel, (s.numel,) * N, s.itemsize, 4)
-        return Estimate(4 * float(s.nbytes) * _share(c), predict("dense", dense_p, c.link))
+        alg, _ = dense_allreduce(CAP_BYTES, c, s.itemsize)
+        cand = allreduce_candidates(float(s.nbytes), c, s.itemsize)
+        empty = allreduce_candidates(0.0, c, s.itemsize)
+        return Estimate(4 * float(s.nbytes) * _share(c), cand[alg] - empty[alg], f"{alg} bucket")
 
     def make(self, options: MakeOptions) -> Placement:
         return DenseAllreduce()
@@ -118,7 +126,9 @@ class SketchKind(PlacementKind):
 
 class SparseAllreduceKind(PlacementKind):
     """SparCML: the algorithm ``auto`` would pick for N ranks each holding α_m of the rows (flat or, on two
-    levels, hierarchical)."""
+    levels, hierarchical). On one level the replicated sparse parameters of one row width travel in one
+    ``grouped_allreduce`` (``plan.step``): a parameter's estimate is what its rows add to it (the call priced
+    without its per-message terms). On two levels, its own call."""
 
     name = "sparse_allreduce"
 
@@ -135,15 +145,20 @@ class SparseAllreduceKind(PlacementKind):
             (nbytes, seconds), how = _two_level(s, c, p)
             return Estimate(nbytes, seconds, how)
         d = choose_robust(p, c.link)  # what auto would run (its default policy)
-        return Estimate(algorithm(d.algorithm).nbytes(p), d.predictions[d.algorithm], d.algorithm)
+        # what its rows add to the grouped call the step makes anyway (``plan.step``): their bytes and merges
+        added = predict(d.algorithm, p, without_latency(c.link))
+        return Estimate(algorithm(d.algorithm).nbytes(p), added, d.algorithm)
 
     def make(self, options: MakeOptions) -> Placement:
         return SparseAllreduce()
 
 
 class ParameterServerKind(PlacementKind):
-    """Parallax's servers: 4·α_m·w(N-1)/N bytes (Table 3); four latencies (pull and push, request and reply)
-    plus two for the chief's update, or the cluster's measured ``ServerModel``."""
+    """Parallax's servers: 4·α_m·w(N-1)/N bytes (Table 3). A sync step costs a table one pull (request and
+    reply: its forward hook waits for it) and the step one push and one apply, every table's to every server at
+    once (``ps.placement.ParameterServer.aggregate`` waits for them together): four latencies shared by the
+    kind (``shared_seconds``), two more per table. With the cluster's measured ``ServerModel``: one round trip
+    per table, two shared."""
 
     name = "ps"
 
@@ -153,8 +168,14 @@ class ParameterServerKind(PlacementKind):
         am = machine_row_fraction(s, c.procs_per_machine)
         ps_bytes = 4 * am * float(s.nbytes) * _share(c)
         if c.server is not None:  # measured: the request path and the servers' CPU included
-            return Estimate(ps_bytes, c.server.step_seconds(am * float(s.nbytes)), "measured server")
-        return Estimate(ps_bytes, 6 * c.link.alpha + c.link.beta * ps_bytes / 2)
+            pull = am * float(s.nbytes)
+            return Estimate(ps_bytes, c.server.round_trip + 2 * c.server.per_byte * pull, "measured server")
+        return Estimate(ps_bytes, 2 * c.link.alpha + c.link.beta * ps_bytes / 2)
+
+    def shared_seconds(self, c: Cluster) -> float:
+        if c.server is not None:
+            return 2 * c.server.round_trip
+        return 4 * c.link.alpha
 
     def make(self, options: MakeOptions) -> Placement | None:
         return options.servers
@@ -176,10 +197,10 @@ class ShardedKind(PlacementKind):
     (P-m)/P the share owned off the machine. u = ``row_fraction``·rows: α is exactly the distinct rows one
     worker reads per step over the rows, u(B)/R (``RowFractionMeter``). Time: three all-to-all rounds (ids headed
     by their counts, rows; gradient rows in backward: ``shard.exchange``), each (P-1)·α unless the link has a
-    measured ``alpha_a2a``, plus one direction's bytes at the exchange's β. All sharded tables of a model travel
-    in one exchange per direction (``sparsync.shard``), so the rounds' latency is the kind's ``shared_seconds``,
-    paid once per step, and a
-    table's estimate is only its bytes' time. The owners' apply is not priced, as the parameter server's is
+    measured ``alpha_a2a`` (on two levels ``plan.backend.all_to_all_latency``), plus one direction's bytes at
+    the exchange's β. All sharded tables of a model travel in one exchange per direction (``sparsync.shard``),
+    so the rounds' latency is the kind's ``shared_seconds``, paid once per step, and a table's estimate is only
+    its bytes' time. The owners' apply is not priced, as the parameter server's is
     not."""
 
     name = "sharded"
@@ -199,9 +220,7 @@ class ShardedKind(PlacementKind):
         return Estimate(nbytes, beta * nbytes / 2)
 
     def shared_seconds(self, c: Cluster) -> float:
-        P, link = c.machines * c.procs_per_machine, c.link
-        a2a = link.alpha_a2a if link.alpha_a2a is not None else (P - 1) * link.alpha
-        return ROUNDS * a2a
+        return ROUNDS * all_to_all_latency(c)
 
     def make(self, options: MakeOptions) -> Placement:
         return Sharded()

@@ -6,7 +6,7 @@ registered from outside), chosen by predicted communication time (Parallax §3.1
 Bytes per machine per step (w: the parameter's bytes, N: machines, α_m: fraction of rows the machine's
 workers touch together, i.e. after local aggregation):
 
-- dense allreduce: 4w(N-1)/N (Table 3, ring);
+- dense allreduce: 4w(N-1)/N (Table 3, ring; bytes alike for NCCL's tree, priced apart in ``plan.backend``);
 - parameter server: 4·α_m·w(N-1)/N (Table 3, partitions spread evenly over the N colocated servers): a machine
   pulls and pushes α_m·w(N-1)/N to remote servers, and its server serves the same to the others;
 - sparse allreduce: the SparCML algorithm ``auto`` would pick for N ranks each holding α_m of the rows, on the
@@ -21,8 +21,10 @@ workers touch together, i.e. after local aggregation):
 
 Time: the α-β model with the cluster's latency and bandwidth, one direction of a full-duplex link. A
 parameter-server step costs four latencies (pull and push, request and reply) plus two for the chief's
-update, or, with ``Cluster(server=ServerModel)``, what the running servers were measured to cost. The step's
-communication time is the sum over parameters (no overlap between them: an upper bound);
+update, or, with ``Cluster(server=ServerModel)``, what the running servers were measured to cost. An entry's
+time is what it adds to its kind's call (``kinds``); the step's communication time, ``Plan.step_seconds``, prices
+the calls as ``DistributedOptimizer`` makes them (``plan.step``: DDP's buckets, one grouped call, one exchange)
+with the algorithm the backend runs for each (``plan.backend``), and ``make_plan`` chooses by it;
 ``Plan.fused_seconds`` prices the dense-allreduce parameters as one fused call per item size
 (``ParamStats.itemsize``), as ``HybridTrainer`` sends them;
 ``Plan.grouped_seconds`` the allreduce parameters as ``wrap_optimizer``'s default plan sends them (one grouped
@@ -36,20 +38,21 @@ call).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sparsync.compress.sketch import SparseSketch
-from sparsync.costmodel import LinkModel, Problem, choose_robust, predict
+from sparsync.costmodel import LinkModel, Problem, predict
 from sparsync.placement.base import Placement
 from sparsync.placement.collective import Grouped
 from sparsync.plan.cluster import Cluster
 from sparsync.plan.detect import ParamStats
 from sparsync.plan.kinds import Estimate, PlacementKind, machine_row_fraction
 from sparsync.plan.registry import KINDS, objects
-from sparsync.stream import index_dtype_for
+from sparsync.plan.step import Step, grouped_call, price_step
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,13 @@ class Entry:
     overridden: bool = False
     detail: str = ""  # e.g. the SparCML algorithm behind sparse_allreduce
     itemsize: int = 4  # bytes per element (``ParamStats.itemsize``), for the fused and grouped prices
+    details: dict[str, str] = field(default_factory=dict)  # placement -> its detail, as ``detail`` for the chosen
+
+    def moved(self, placement: str) -> Entry:
+        """This entry placed ``placement`` (one of its candidates), priced as its candidate there."""
+        nbytes, seconds = self.candidates[placement]
+        return dataclasses.replace(self, placement=placement, bytes_per_machine=nbytes, seconds=seconds,
+                                   detail=self.details.get(placement, ""))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -79,6 +89,38 @@ class Plan:
     # (``DistributedOptimizer``'s reduction during backward); the kinds with a shared time (the sharded tables'
     # exchange, on the caller's thread) run on the step's path and hide behind nothing
     overlap: float = 0.0
+    # every kind's shared time per step (``PlacementKind.shared_seconds``), used or not: what a move into it pays
+    kind_shared: Mapping[str, float] = field(default_factory=dict)
+
+    @functools.cached_property
+    def step(self) -> Step:
+        """The step as the trainer sends the plan (``plan.step``): the dense parameters in their buckets, the
+        replicated sparse ones in their grouped calls, each other kind's entries and its shared time; each part
+        with the algorithm the backend runs for it."""
+        return price_step(self.entries, self.cluster, self.shared)
+
+    @property
+    def step_seconds(self) -> float:
+        """Predicted communication per step: ``step``'s parts together."""
+        return self.step.seconds
+
+    @property
+    def step_exposed_seconds(self) -> float:
+        """``step_seconds`` less what of the replicated reduction hides behind ``overlap``: what ``make_plan``
+        minimises."""
+        return self.step.exposed(self.overlap)
+
+    def moved(self, changes: Mapping[str, str]) -> Plan:
+        """The plan with the entries named in ``changes`` moved to the kind given (one of their candidates),
+        ``shared`` again the shared time of the kinds left in use."""
+        entries = tuple(e.moved(changes[e.name]) if e.name in changes else e for e in self.entries)
+        used = {e.placement for e in entries}
+        shared = {k: t for k, t in self.kind_shared.items() if k in used and t > 0}
+        return dataclasses.replace(self, entries=entries, shared=shared)
+
+    def with_kind(self, kind: str = "dense_allreduce") -> Plan:
+        """Every parameter that ``kind`` fits placed there (the rest as planned): e.g. the all-dense baseline."""
+        return self.moved({e.name: kind for e in self.entries if kind in e.candidates})
 
     @property
     def bytes_per_machine(self) -> float:
@@ -109,6 +151,8 @@ class Plan:
 
     @property
     def seconds(self) -> float:
+        """The entries' own prices (each what it adds to its kind's call) plus the kinds' shared times: the step
+        without the calls' latency. The step: ``step_seconds``."""
         return sum(e.seconds for e in self.entries) + self.shared_total
 
     @property
@@ -158,11 +202,7 @@ class Plan:
         for (b, size), members in groups.items():
             extra = 0 if size in first else -(-packed.get(size, 0) // b)  # the dense rows, the last zero-padded
             first.add(size)
-            rows = sum(e.shape[0] for e in members) + extra
-            k = sum(max(1, round(e.row_fraction_machine * e.shape[0])) for e in members) + extra
-            p = Problem(N, rows, (min(k, rows),) * N, size * b, index_dtype_for(rows).itemsize, row=b)
-            d = choose_robust(p, link)
-            total += d.predictions[d.algorithm]
+            total += grouped_call(members, extra, b, size, N, link)[1]
         for size, n in n_dense.items():
             left = n - packed.get(size, 0)
             if left:
@@ -188,6 +228,8 @@ class Plan:
             },
             "bytes_per_machine": self.bytes_per_machine,
             "seconds": self.seconds,
+            "step_seconds": self.step_seconds,
+            "step": [asdict(p) for p in self.step.parts],
             "shared": dict(self.shared),
             "overlap": self.overlap,
             "entries": [
@@ -240,48 +282,59 @@ def make_plan(
     swap_modules: bool = False,
     overlap_seconds: float = 0.0,
 ) -> Plan:
-    """Choose each parameter's placement among ``kinds`` (default: the registered ones) by predicted time
-    (lossless kinds unless ``allow_lossy``; kinds that swap their module, ``sharded``, only with
+    """Choose each parameter's placement among ``kinds`` (default: the registered ones) by what it adds to the
+    step (lossless kinds unless ``allow_lossy``; kinds that swap their module, ``sharded``, only with
     ``swap_modules``: the caller then swaps them, as ``sparsync.shard`` does); ``overrides`` maps parameter names
     to a kind and wins over the model. ``overlap_seconds``: backward's compute per step, behind which the
-    replicated kinds' reduction runs and the sharded exchange does not (``Plan.overlap``: the kinds with a
-    shared time are kept only where the step's exposed time, ``Plan.exposed_seconds``, is less with them)."""
+    replicated kinds' reduction runs and the sharded exchange does not (``Plan.overlap``).
+
+    Each parameter first takes the kind whose estimate (its marginal cost inside its kind's call) is least; then
+    the step is priced whole (``Plan.step_exposed_seconds``: the buckets, grouped calls, exchange and servers as
+    the trainer sends them) and kept where it is faster: each kind with a shared time kept only where its
+    parameters save more than it (``_pay_once``), then one parameter at a time moved to another of its kinds
+    while that makes the step faster (``_settle``)."""
     kinds = tuple(kinds)
+    overrides = dict(overrides or {})
+    _check_overrides(stats, kinds, overrides)
     swapping = {k.name for k in kinds if k.swaps_module}
     unswapped = tuple(k for k in kinds if not k.swaps_module)
-    overrides = dict(overrides or {})
+    lossy = {k.name for k in kinds if k.lossy}
+
+    def allowed(k: str) -> bool:
+        return allow_lossy or k not in lossy
+
+    entries = []
+    for s in stats:
+        use = kinds if swap_modules or overrides.get(s.name) in swapping else unswapped
+        est = estimates(s, cluster, sketch_ratio=sketch_ratio, sketch=sketch, kinds=use)
+        cand = {k: (e.nbytes, e.seconds) for k, e in est.items()}
+        if s.name in overrides and overrides[s.name] not in cand:
+            raise ValueError(f"{s.name!r} is dense: placement {overrides[s.name]!r} needs a sparse parameter")
+        pl = overrides[s.name] if s.name in overrides else _fastest(cand, allowed)
+        am = machine_row_fraction(s, cluster.procs_per_machine) if s.sparse else 1.0
+        entries.append(
+            Entry(s.name, s.shape, s.row_fraction, am, pl, cand[pl][0], cand[pl][1], cand, s.name in overrides,
+                  est[pl].detail, s.itemsize, {k: e.detail for k, e in est.items()})
+        )  # fmt: skip
+    sk = sketch if sketch is not None else SparseSketch(ratio=sketch_ratio)
+    fixed = {k.name: k.shared_seconds(cluster) for k in kinds}
+    plan = Plan(cluster, tuple(entries), sk, overlap=overlap_seconds, kind_shared=fixed).moved({})
+    for kind, t in fixed.items():
+        if t > 0:
+            plan = _pay_once(plan, kind, allowed)
+    return _settle(plan, allowed)
+
+
+def _check_overrides(
+    stats: Sequence[ParamStats], kinds: Sequence[PlacementKind], overrides: Mapping[str, str]
+) -> None:
     names = {s.name for s in stats}
     valid = [k.name for k in kinds]
-    lossy = {k.name for k in kinds if k.lossy}
     for n, pl in overrides.items():
         if n not in names:
             raise KeyError(f"override for unknown parameter {n!r}; parameters: {sorted(names)}")
         if pl not in valid:
             raise KeyError(f"unknown placement {pl!r} for {n!r}; valid: {', '.join(valid)}")
-    entries, details = [], {}
-    for s in stats:
-        use = kinds if swap_modules or overrides.get(s.name) in swapping else unswapped
-        est = estimates(s, cluster, sketch_ratio=sketch_ratio, sketch=sketch, kinds=use)
-        cand = {k: (e.nbytes, e.seconds) for k, e in est.items()}
-        details[s.name] = {k: e.detail for k, e in est.items()}
-        if s.name in overrides:
-            pl = overrides[s.name]
-            if pl not in cand:
-                raise ValueError(f"{s.name!r} is dense: placement {pl!r} needs a sparse parameter")
-        else:
-            pl = _fastest(cand, lambda k: allow_lossy or k not in lossy)
-        entries.append(
-            Entry(s.name, s.shape, s.row_fraction,
-                  machine_row_fraction(s, cluster.procs_per_machine) if s.sparse else 1.0, pl,
-                  cand[pl][0], cand[pl][1], cand, s.name in overrides, est[pl].detail, s.itemsize)
-        )  # fmt: skip
-    sk = sketch if sketch is not None else SparseSketch(ratio=sketch_ratio)
-    plan = Plan(cluster, tuple(entries), sk, overlap=overlap_seconds)
-    for kind in kinds:
-        fixed = kind.shared_seconds(cluster)
-        if fixed > 0:
-            plan = _pay_once(plan, kind.name, fixed, lambda k: allow_lossy or k not in lossy, details)
-    return plan
 
 
 def _fastest(cand: Mapping[str, tuple[float, float]], allowed: Callable[[str], bool]) -> str:
@@ -289,45 +342,46 @@ def _fastest(cand: Mapping[str, tuple[float, float]], allowed: Callable[[str], b
     return min((k for k in cand if allowed(k)), key=lambda k: (cand[k][1], cand[k][0]))
 
 
-def _pay_once(
-    plan: Plan,
-    kind: str,
-    fixed: float,
-    allowed: Callable[[str], bool],
-    details: Mapping[str, Mapping[str, str]],
-) -> Plan:
-    """The entries chosen for ``kind`` (each by its own time there, which leaves out the ``fixed`` time they share)
-    kept there only where the whole step is faster so: plans priced whole, the latency of the kind's grouped
-    exchange once and the replicated tables as ``grouped_seconds`` sends them (one grouped call, whose latency they
-    share too), less what hides behind backward (``Plan.exposed_seconds``). First all of them or none; then, one at
-    a time from the one that saves least, each moved to its best other candidate if that makes the step faster (a
-    small table read whole costs fewer bytes in the replicated group). A greedy pass, not a search over every
-    subset. Overridden entries stay, and pay ``fixed`` anyway."""
+def _pay_once(plan: Plan, kind: str, allowed: Callable[[str], bool]) -> Plan:
+    """The entries chosen for ``kind`` (each by its own time there, which leaves out the time they share) kept
+    there only where the whole step is faster so (``Plan.step_exposed_seconds``). First all of them or none; then,
+    one at a time from the one that saves least, each moved to its best other candidate if that makes the step
+    faster (a small table read whole costs fewer bytes in the replicated group). A greedy pass, not a search over
+    every subset. Overridden entries stay, and pay the shared time anyway."""
     chosen = [e for e in plan.entries if e.placement == kind]
     if not chosen:
         return plan
     alternative = {
-        e.name: _fastest(e.candidates, lambda k: k != kind and allowed(k)) for e in chosen if not e.overridden
+        e.name: _fastest(e.candidates, lambda k: k != kind and allowed(k))
+        for e in chosen
+        if not e.overridden and any(k != kind and allowed(k) for k in e.candidates)
     }
-
-    def moved(p: Plan, names: set[str]) -> Plan:
-        out = []
-        for e in p.entries:
-            if e.name in names:
-                pl = alternative[e.name]
-                e = dataclasses.replace(e, placement=pl, bytes_per_machine=e.candidates[pl][0],
-                                        seconds=e.candidates[pl][1], detail=details[e.name][pl])  # fmt: skip
-            out.append(e)
-        left = any(e.placement == kind for e in out)
-        return dataclasses.replace(p, entries=tuple(out), shared={**p.shared, **({kind: fixed} if left else {})})
-
-    best = moved(plan, set())
+    best = plan
     for name in sorted(alternative, key=lambda n: _saving(plan, n, alternative[n])):
-        trial = moved(best, {name})
-        if trial.exposed_seconds < best.exposed_seconds:
+        trial = best.moved({name: alternative[name]})
+        if trial.step_exposed_seconds < best.step_exposed_seconds:
             best = trial
-    without = moved(plan, set(alternative))
-    return without if without.exposed_seconds <= best.exposed_seconds else best
+    without = plan.moved(alternative)
+    return without if without.step_exposed_seconds <= best.step_exposed_seconds else best
+
+
+def _settle(plan: Plan, allowed: Callable[[str], bool], passes: int = 4) -> Plan:
+    """Move one parameter at a time to the allowed kind that makes the whole step fastest, until no move helps
+    (at most ``passes`` rounds over the parameters): a parameter's placement is then what it costs inside its
+    kind's call, priced with the others as they are, and not what a call of its own would cost."""
+    for _ in range(passes):
+        changed = False
+        for e in plan.entries:
+            if e.overridden:
+                continue
+            here = next(x for x in plan.entries if x.name == e.name).placement
+            for kind in (k for k in e.candidates if k != here and allowed(k)):
+                trial = plan.moved({e.name: kind})
+                if trial.step_exposed_seconds < plan.step_exposed_seconds * (1 - 1e-9):
+                    plan, changed = trial, True
+        if not changed:
+            break
+    return plan
 
 
 def _saving(plan: Plan, name: str, alternative: str) -> float:
