@@ -22,6 +22,12 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+# why torch.compile leaves a sharded lookup out of its graph: ``fullgraph=True`` raises with this reason
+EAGER = (
+    "sparsync.shard: a sharded lookup runs its exchange (all-to-alls between the ranks) eagerly, outside the "
+    "compiled graph"
+)
+
 
 class LazyLookup:
     """The output of one sharded lookup, computed at the first use (module doc)."""
@@ -32,6 +38,7 @@ class LazyLookup:
         self._value: torch.Tensor | None = None
         self._error: BaseException | None = None
 
+    @torch.compiler.disable(reason=EAGER)  # type: ignore[no-untyped-call, untyped-decorator]
     def wait(self) -> torch.Tensor:
         """The looked-up tensor, running the pending exchange first if it has not run. Collective the first
         time (the exchange): every rank resolves its lookups at the same point of the same model."""

@@ -26,7 +26,7 @@ from torch import nn
 from sparsync.placement import Placement
 from sparsync.placement.sharded import mark
 from sparsync.shard.exchange import Exchanger
-from sparsync.shard.lazy import LazyLookup
+from sparsync.shard.lazy import EAGER, LazyLookup
 from sparsync.shard.ownership import Ownership
 from sparsync.shard.transfer import gather_rows, init_rows, scatter_rows
 
@@ -148,6 +148,7 @@ class ShardedEmbedding(ShardedTable):
 
     kind = "Embedding"
 
+    @torch.compiler.disable(reason=EAGER)  # type: ignore[no-untyped-call, untyped-decorator]
     def forward(self, input: torch.Tensor) -> LazyLookup:
         ids, refusal = self.checked_ids(input)
         shape = input.shape if refusal is None else torch.Size([0])
@@ -182,6 +183,7 @@ class ShardedEmbeddingBag(ShardedTable):
             f"mode={self.mode!r}, padding_idx={self.padding_idx}, include_last_offset={self.include_last_offset}"
         )
 
+    @torch.compiler.disable(reason=EAGER)  # type: ignore[no-untyped-call, untyped-decorator]
     def forward(
         self,
         input: torch.Tensor,
