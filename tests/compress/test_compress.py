@@ -79,6 +79,7 @@ def test_registry_has_every_compressor_and_rejects_unknown_names() -> None:
         "qsgd",
         "sketch",
         "blocktopk",
+        "powersgd",
     }
     with pytest.raises(KeyError, match="bogus") as ei:
         make("bogus")

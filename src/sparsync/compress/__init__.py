@@ -1,4 +1,4 @@
-"""Gradient compressors with error feedback: S2 sparse sketch, DCT threshold, top-k, QSGD, ...
+"""Gradient compressors with error feedback: S2 sparse sketch, DCT threshold, top-k, QSGD, PowerSGD, ...
 
 Three axes: a ``Compressor`` turns a tensor into a typed ``Payload`` and names the ``Aggregator`` that combines
 the ranks' payloads, a ``Memory`` (``ErrorFeedback``) keeps residuals per name, and ``compressed_allreduce``
@@ -24,6 +24,7 @@ from sparsync.compress.cast import BF16, FP16
 from sparsync.compress.hooks import compression_hook
 from sparsync.compress.identity import Identity
 from sparsync.compress.memory import ErrorFeedback, Memory
+from sparsync.compress.powersgd import LowRankPayload, PowerSGD
 from sparsync.compress.qsgd import QSGD
 from sparsync.compress.randomk import RandomK
 from sparsync.compress.reduce import compressed_allreduce
@@ -47,8 +48,10 @@ __all__ = [
     "Encoding",
     "ErrorFeedback",
     "Identity",
+    "LowRankPayload",
     "Memory",
     "Payload",
+    "PowerSGD",
     "QuantizedPayload",
     "RandomK",
     "ReduceCall",

@@ -28,6 +28,10 @@ the bucket's flat buffer, named after the bucket's members. One metadata round a
 instead of one of each per gradient. A bucket mixing sparsifiers with other compressors (or with ``Identity``,
 e.g. by ``plan=``) is reduced one gradient at a time.
 
+A dense bucket whose gradients all go by ``PowerSGD`` is sent with two allreduces in all, one of the bucket's Ps
+(and its vectors, sent whole), one of its Qs (``bucket_powersgd.py``), residuals and warm-start Qs per parameter
+name; unlike torch's ``powerSGD_hook``, with any number of buckets in flight on gloo.
+
 The reductions run on sparsync's own process group over the same ranks
 (``sparsync.collectives.background.background_group``), made when the hook is built: a model whose backward issues
 collectives of its own on the user's group (DLRM's alltoall) cannot interleave them with the hook's in a
@@ -52,6 +56,7 @@ from sparsync.collectives.background import background_group
 from sparsync.collectives.group import resolve_group
 from sparsync.compress.base import Compressor
 from sparsync.compress.bucket_allreduce import BucketAllreduce
+from sparsync.compress.bucket_powersgd import BucketPowerSGD, low_rank
 from sparsync.compress.bucket_sparse import BucketSparse, fusable
 from sparsync.compress.hook_future import bucket_future, complete_when_done
 from sparsync.compress.identity import Identity
@@ -158,6 +163,8 @@ class CompressionHook:
         self.fused = BucketSparse(
             self.own, memory=memory, average=average, async_op=async_op, algorithm=algorithm, log=log
         )
+        # Dense buckets of PowerSGD gradients: per-parameter plan, two allreduces per bucket (bucket_powersgd.py)
+        self.factored = BucketPowerSGD(self.own, memory=memory, average=average, async_op=async_op, log=log)
         # Every dense gradient goes by Identity whatever its name: a dense bucket needs no look at its parameters.
         self.dense_identity = not plan and isinstance(compressor, Identity)
 
@@ -212,6 +219,13 @@ class CompressionHook:
     def _fused(self, b: _Bucket) -> torch.futures.Future[torch.Tensor]:
         return self.fused(b.buffer, b.todo, b.comps)
 
+    def _low_rank_accepts(self, b: _Bucket) -> bool:
+        """A dense bucket of PowerSGD gradients: its Ps in one allreduce, its Qs in another (bucket_powersgd)."""
+        return low_rank(b.buffer, b.comps)
+
+    def _low_rank(self, b: _Bucket) -> torch.futures.Future[torch.Tensor]:
+        return self.factored(b.buffer, b.todo, b.comps)
+
     def _each(self, b: _Bucket) -> torch.futures.Future[torch.Tensor]:
         """Anything else: one ``compressed_allreduce`` per gradient (for the flat route, one for the buffer)."""
         works: list[Work[torch.Tensor]] = []
@@ -243,6 +257,7 @@ class CompressionHook:
         ("plain", _plain_accepts, _plain),
         ("flat", _flat_accepts, _each),
         ("fused", _fused_accepts, _fused),
+        ("low_rank", _low_rank_accepts, _low_rank),
         ("each", lambda self, b: True, _each),
     )
 

@@ -16,6 +16,7 @@ from sparsync.compress.base import Compressor
 from sparsync.compress.blocktopk import BlockTopK
 from sparsync.compress.cast import BF16, FP16
 from sparsync.compress.identity import Identity
+from sparsync.compress.powersgd import PowerSGD
 from sparsync.compress.qsgd import QSGD
 from sparsync.compress.randomk import RandomK
 from sparsync.compress.sketch import SparseSketch
@@ -58,7 +59,9 @@ class CompressorRegistry(Registry[type[Compressor]]):
         return MappingProxyType(self._by_name)
 
 
-REGISTRY = CompressorRegistry((Identity, FP16, BF16, TopK, Threshold, RandomK, QSGD, SparseSketch, BlockTopK))
+REGISTRY = CompressorRegistry(
+    (Identity, FP16, BF16, TopK, Threshold, RandomK, QSGD, SparseSketch, BlockTopK, PowerSGD)
+)
 COMPRESSORS: Mapping[str, type[Compressor]] = REGISTRY.view()
 register = REGISTRY.register
 

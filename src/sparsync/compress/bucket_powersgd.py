@@ -1,0 +1,155 @@
+"""The DDP hook's path for a dense bucket whose gradients all go by ``PowerSGD``: two allreduces per bucket.
+
+``compression_hook`` sends a bucket here when every gradient in it goes by a ``PowerSGD``. The local half stays
+per parameter, under its name, on the autograd thread: the memory's residual of that name is added
+(``Memory.compensate``), and the compressor counts the call and picks the name's warm-start Q
+(``PowerSGD.factor``). The exchange is batched (PowerSGD Algorithm 1, as the paper's code and torch's hook batch
+it): one allreduce of every matrix's P and every vector (sent whole) of the bucket, the Ps orthogonalized, one
+allreduce of every Q (``lowrank.exchange``). Then each parameter's residual (``x - P̂ Q_i^T``) and warm-start
+Q are stored under its name, and the bucket's buffer receives the sums, divided by the world size with
+``average``.
+
+Why it cannot hang with many buckets in flight (torch's ``powerSGD_hook`` does on gloo with more than one
+bucket): torch issues each bucket's second and third allreduce from a callback of the previous one's future, so
+two buckets' collectives interleave in whatever order their callbacks run, which differs per rank; here the
+whole exchange of a bucket is one job on sparsync's queue for the hook's group, and the queue runs jobs in issue
+order, which DDP makes the same on every rank (it launches buckets in index order).
+
+The bucket's metadata round (``aggregate.collective``) compares the bucket's members (its name is theirs, in
+order), its size and payload bytes across ranks, and refuses a NaN or ±Inf from any rank, on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from sparsync.collectives.allreduce import comm_group, refuse
+from sparsync.compress.aggregate import collective, record
+from sparsync.compress.base import Compressor, Context, Encoding, ReduceCall, TensorSpec
+from sparsync.compress.bucket_sparse import bucket_name
+from sparsync.compress.hook_future import bucket_future, complete_when_done
+from sparsync.compress.lowrank import Factor, exchange, payload_nbytes, wire_bytes
+from sparsync.compress.memory import Memory
+from sparsync.compress.powersgd import PowerSGD
+from sparsync.compress.reduce import check_input
+from sparsync.handle import Work
+from sparsync.record import CommLog
+
+
+def low_rank(buffer: torch.Tensor, comps: Sequence[Compressor]) -> bool:
+    """Whether a bucket goes by ``BucketPowerSGD``: a dense buffer whose gradients all go by PowerSGD."""
+    return not buffer.is_sparse and bool(comps) and all(isinstance(c, PowerSGD) for c in comps)
+
+
+class BucketPowerSGD:
+    """``(bucket, gradients, compressors) -> Future`` for dense buckets of PowerSGD gradients.
+
+    ``group``: sparsync's own group (``background_group(user)``), where the hook's reductions run. ``memory``:
+    the error-feedback residuals, per parameter name (None: no error feedback); ``average``: divide the sum by
+    the world size; ``async_op``: queue the exchange and return at once (False: reduce before returning);
+    ``log``: one CommRecord per bucket.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        *,
+        memory: Memory | None,
+        average: bool,
+        async_op: bool,
+        log: CommLog | None,
+    ) -> None:
+        self.group = group
+        self.comm = comm_group(group, async_op)  # where compressed_allreduce(group=group) would send
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.memory = memory
+        self.average = average
+        self.async_op = async_op
+        self.log = log
+
+    def __call__(
+        self, buffer: torch.Tensor, todo: Sequence[tuple[str, torch.Tensor]], comps: Sequence[Compressor]
+    ) -> torch.futures.Future[torch.Tensor]:
+        """Compensate and plan each ``(name, gradient)`` of ``todo`` (views of ``buffer``, in its order) with its
+        PowerSGD, queue the bucket's exchange and return the future of ``buffer``, which holds the result when it
+        completes. Mutates the memory's residuals and the compressors' state of each name: the call counts here,
+        the residuals and warm-start Qs when the exchange completes."""
+        flat = buffer.view(-1)
+        try:
+            xs, factors = self._prepare(flat, todo, comps)
+        except (TypeError, ValueError) as e:  # every rank raises it, not only this one
+            refuse(self.group, "reduce", e, None, self.async_op)
+        names = [n for n, _ in todo]
+        call = self._call(flat, comps[0], bucket_name(names))
+
+        def run() -> torch.Tensor:
+            self._exchange(call, flat, names, xs, factors, comps)
+            return buffer
+
+        res = collective(call, "powersgd", payload_nbytes(factors), run)
+        work = res if isinstance(res, Work) else Work.done(res)
+        fut: torch.futures.Future[torch.Tensor] = bucket_future(buffer)
+        complete_when_done(work, fut, work.wait)
+        return fut
+
+    def _prepare(
+        self, flat: torch.Tensor, todo: Sequence[tuple[str, torch.Tensor]], comps: Sequence[Compressor]
+    ) -> tuple[list[torch.Tensor], list[Factor]]:
+        """Each gradient compensated under its name (``xs``) and as its PowerSGD sends it this call."""
+        xs: list[torch.Tensor] = []
+        factors: list[Factor] = []
+        offset = 0
+        for (name, grad), c in zip(todo, comps, strict=True):
+            check_input(grad, c, self.memory, name, inplace=False)
+            assert isinstance(c, PowerSGD)  # low_rank() chose this route
+            x = self.memory.compensate(name, grad) if self.memory is not None else grad
+            xs.append(x)
+            factors.append(c.factor(name, x))
+            offset += grad.numel()
+        if offset != flat.numel():
+            raise ValueError(f"a bucket of {flat.numel()} values holds gradients of {offset} values in all")
+        if len({f.x.dtype for f in factors}) > 1:
+            raise ValueError(f"a PowerSGD bucket mixes dtypes {sorted({str(f.x.dtype) for f in factors})}")
+        return xs, factors
+
+    def _call(self, flat: torch.Tensor, comp: Compressor, name: str) -> ReduceCall:
+        """The bucket as one call of the metadata round: its flat buffer's shape, dtype and NaN check, its name."""
+        spec = TensorSpec.of(flat)
+        enc = Encoding(comp, flat, flat, spec, Context(name, self.rank, self.size), async_op=self.async_op,
+                       feedback=self.memory is not None)  # fmt: skip
+        layout = f"hook/powersgd-bucket/{flat.dtype}/{flat.device.type}"
+        return ReduceCall(enc, spec, self.group, self.comm, layout, average=self.average, log=self.log,
+                          t0=time.perf_counter())  # fmt: skip
+
+    def _exchange(
+        self,
+        call: ReduceCall,
+        flat: torch.Tensor,
+        names: Sequence[str],
+        xs: Sequence[torch.Tensor],
+        factors: Sequence[Factor],
+        comps: Sequence[Compressor],
+    ) -> None:
+        """The queued half: the two allreduces, each name's residual and warm start, the sums into ``flat``."""
+        memory = self.memory
+        results = exchange(factors, self.comm, local=memory is not None)
+        offset = 0
+        for name, x, out, c in zip(names, xs, results, comps, strict=True):
+            assert isinstance(c, PowerSGD)
+            c.settle(name, out)
+            if memory is not None and out.local is not None:
+                memory.update(name, x, out.local.to(x.dtype))
+        for x, out in zip(xs, results, strict=True):  # after every residual: x may be a view of flat
+            piece = flat[offset : offset + x.numel()]
+            piece.copy_(out.total.reshape(-1))
+            if self.average and self.size > 1:
+                piece.div_(self.size)
+            offset += x.numel()
+        msgs = 2 * (self.size - 1) * (1 + any(f.q is not None for f in factors))
+        n = sum(f.wire_numel for f in factors)
+        record(call, "powersgd", n, wire_bytes(factors, self.size), msgs, device=flat.device)
