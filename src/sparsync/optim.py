@@ -24,8 +24,8 @@ import torch.distributed as dist
 from sparsync.collectives.group import resolve_group
 from sparsync.collectives.meta import NonFiniteError
 from sparsync.placement import Placement, ReduceEnv, placement_of
+from sparsync.placement.bucketing import CAP_BYTES
 from sparsync.record import CommLog
-from sparsync.replicator.buckets import CAP_BYTES
 from sparsync.replicator.optimizer import PlanSpec, ReplicatedOptimizer
 from sparsync.replicator.overlap import OverlapReducer
 

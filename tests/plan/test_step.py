@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from sparsync.placement import DenseAllreduce, NamedParam
+from sparsync.placement.bucketing import CAP_BYTES, FIRST_CAP_BYTES
 from sparsync.plan import Cluster, ParamStats, make_plan
 from sparsync.plan.backend import TREE_BUS_SHARE, all_to_all_latency, dense_allreduce
-from sparsync.plan.step import CAP_BYTES, FIRST_CAP_BYTES, bucket_layout
+from sparsync.plan.step import bucket_layout
 from sparsync.replicator import buckets
 from sparsync_bench.cli import main
 from sparsync_bench.criteo import table_rows

@@ -16,13 +16,14 @@ from sparsync.collectives.hierarchical import HIER_MARGIN, flat_link, price_leve
 from sparsync.compress.sketch import SparseSketch
 from sparsync.costmodel import Problem, algorithm, choose_robust, predict
 from sparsync.placement.base import Placement
+from sparsync.placement.bucketing import CAP_BYTES
 from sparsync.placement.collective import DenseAllreduce, SparseAllreduce
 from sparsync.placement.sharded import Sharded
 from sparsync.placement.sketch import Sketch
 from sparsync.plan.backend import all_to_all_latency, allreduce_candidates, dense_allreduce
 from sparsync.plan.cluster import Cluster
 from sparsync.plan.detect import ParamStats
-from sparsync.plan.step import CAP_BYTES, without_latency
+from sparsync.plan.step import without_latency
 from sparsync.stream import index_dtype_for
 
 

@@ -3,11 +3,8 @@ buckets, the replicated sparse ones in one grouped call per row width and item s
 exchange, the parameter-server tables in one push and apply round to every server, each priced by the algorithm
 the backend runs for that call at that size and P (``plan.backend``).
 
-The buckets are DDP's (Li et al., "PyTorch Distributed", VLDB 2020, §3.2.3): the parameters in reverse
-registration order (backward meets the last layers first), a bucket closed once it holds ``FIRST_CAP_BYTES``
-(the first) or ``CAP_BYTES`` (the rest), and a new one at each change of dtype: the rule
-``replicator.buckets.lay_out`` applies to the dense gradients of a first step. The plan layer sits below the
-replicator and cannot import it; ``tests/plan/test_step.py`` checks that ``bucket_layout`` and ``lay_out`` agree.
+The buckets are DDP's, cut by the rule ``DistributedOptimizer`` uses (``placement.bucketing``): the parameters
+in reverse registration order (backward meets the last layers first), a new bucket at each change of dtype.
 """
 
 from __future__ import annotations
@@ -19,12 +16,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from sparsync.costmodel import LinkModel, Problem, algorithm, choose_robust
+from sparsync.placement.bucketing import DenseRuns
 from sparsync.plan.backend import dense_allreduce
 from sparsync.plan.cluster import Cluster
 from sparsync.stream import index_dtype_for
 
-FIRST_CAP_BYTES = 1 << 20  # DDP's first bucket (``replicator.buckets.FIRST_CAP_BYTES``)
-CAP_BYTES = 25 << 20  # DDP's bucket_cap_mb default (``replicator.buckets.CAP_BYTES``)
 # The kinds the step model prices as calls of their own (the rest: their shared time plus their entries')
 CALLS = ("dense_allreduce", "sparse_allreduce")
 # The kinds whose reduction runs beside backward (``DistributedOptimizer``'s reduction during backward); the
@@ -81,19 +77,11 @@ class Step:
 def bucket_layout(sizes: Sequence[tuple[int, int]]) -> list[list[int]]:
     """The dense buckets of parameters of (bytes, item size) ``sizes`` in registration order: each bucket's
     indices, in launch order (module doc)."""
-    runs: list[list[int]] = []
-    keys: list[int] = []
-    filled = 0
+    runs = DenseRuns()
     for i in reversed(range(len(sizes))):
         nbytes, itemsize = sizes[i]
-        cap = FIRST_CAP_BYTES if len(runs) == 1 else CAP_BYTES
-        if not runs or keys[-1] != itemsize or filled >= cap:
-            runs.append([])
-            keys.append(itemsize)
-            filled = 0
-        runs[-1].append(i)
-        filled += nbytes
-    return runs
+        runs.add(i, itemsize, nbytes)
+    return runs.runs
 
 
 def price_step(entries: Sequence[Priced], cluster: Cluster, shared: Mapping[str, float]) -> Step:

@@ -30,9 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from sparsync.placement import ByLayout, DenseAllreduce, NamedParam, Placement, SparseAllreduce
-
-FIRST_CAP_BYTES = 1 << 20  # DDP's first bucket: small, so the first allreduce starts early in backward
-CAP_BYTES = 25 << 20  # DDP's bucket_cap_mb default
+from sparsync.placement.bucketing import CAP_BYTES, FIRST_CAP_BYTES, DenseRuns
 
 NONE, DENSE, SPARSE = 0, 1, 2  # a gradient's layout as the first round agreed it (fill_missing_grads's codes)
 
@@ -109,11 +107,9 @@ def lay_out(
     """The buckets, in the order every rank launches them: a bucket's position is when its last member becomes
     ready in ``order``."""
     pos = {i: k for k, i in enumerate(order)}
-    runs: list[list[int]] = []  # consecutive dense members of one fast key, up to the cap
-    run_keys: list[tuple[int, torch.dtype]] = []
+    runs = DenseRuns(cap_bytes, first_cap_bytes)  # consecutive dense members of one fast key, up to the cap
     sparse: dict[tuple[int, int, torch.dtype], list[int]] = {}  # the rest of a splitting placement, by key
     whole: dict[int, list[int]] = {}  # one bucket per non-splitting placement object
-    filled = 0
     for i in order:
         p = params[i]
         pl = plan[p.name]
@@ -122,14 +118,8 @@ def lay_out(
         elif not is_fast(pl, layouts[i]):  # sparse gradients: one call for all (their sizes need a round each)
             sparse.setdefault((id(pl), layouts[i], p.param.dtype), []).append(i)
         else:
-            cap = first_cap_bytes if len(runs) == 1 else cap_bytes  # DDP's small first bucket
-            if not runs or run_keys[-1] != (id(pl), p.param.dtype) or filled >= cap:
-                runs.append([])
-                run_keys.append((id(pl), p.param.dtype))
-                filled = 0
-            runs[-1].append(i)
-            filled += p.param.numel() * p.param.element_size()
-    groups = [(members, True) for members in runs]
+            runs.add(i, (id(pl), p.param.dtype), p.param.numel() * p.param.element_size())
+    groups = [(members, True) for members in runs.runs]
     groups += [(members, False) for members in sparse.values()]
     # a non-splitting placement sees its parameters in plan order, the call step()-time reduction made
     groups += [(sorted(members), False) for members in whole.values()]

@@ -35,9 +35,10 @@ from sparsync.collectives.ops import text_key
 from sparsync.collectives.timeline import tracer
 from sparsync.handle import Work
 from sparsync.placement import NamedParam, Placement, ReduceEnv
+from sparsync.placement.bucketing import CAP_BYTES
 from sparsync.record import AGREE
 from sparsync.replicator import bucket_jobs as jobs
-from sparsync.replicator.buckets import CAP_BYTES, Bucket, default_order, lay_out
+from sparsync.replicator.buckets import Bucket, default_order, lay_out
 from sparsync.replicator.optimizer import ReplicatedOptimizer
 
 # the autograd engine's end-of-backward callbacks (DDP's reducer queues its finalisation the same way)
