@@ -20,6 +20,7 @@ from sparsync_bench.criteo import table_rows
 from sparsync_bench.dlrm import MLPS, dlrm_stats
 from sparsync_bench.lm import lm_stats
 from sparsync_bench.netem import parse_latency, parse_rate
+from sparsync_bench.report import ENTRY_COLUMNS, entry_cells
 from sparsync_bench.tables import show_table
 
 
@@ -146,18 +147,10 @@ def _title(plan: Plan) -> str:
 def print_entries(plan: Plan, console: Console) -> None:
     """Per parameter its α, placement, bytes and what it adds to its kind's call (``Entry.seconds``)."""
     t = Table(title=_title(plan))
-    for col in ("parameter", "shape", "α", "α machine", "placement", "MB/machine/step", "adds ms"):
+    for col in (*ENTRY_COLUMNS, "adds ms"):
         t.add_column(col, justify="left" if col in ("parameter", "placement") else "right")
     for e in plan.entries:
-        t.add_row(
-            e.name,
-            "x".join(map(str, e.shape)),
-            f"{e.row_fraction:.4g}",
-            f"{e.row_fraction_machine:.4g}",
-            e.placement + (" (override)" if e.overridden else "") + (f" via {e.detail}" if e.detail else ""),
-            f"{e.bytes_per_machine / 1e6:.3f}",
-            f"{e.seconds * 1e3:.3f}",
-        )
+        t.add_row(*entry_cells(e))
     show_table(console, t)
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from sparsync.plan.planner import Plan
+from sparsync.plan.planner import Entry, Plan
 from sparsync_bench.fmt import markdown_table
 from sparsync_bench.progress import display
 from sparsync_bench.tables import show_table
@@ -79,6 +79,16 @@ def targets_markdown(checks: list[Check], heading: str | None = None) -> list[st
     return lines + markdown_table(["target", "measured", "met"], body)
 
 
+ENTRY_COLUMNS = ("parameter", "shape", "α", "α machine", "placement", "MB/machine/step")
+
+
+def entry_cells(e: Entry) -> list[str]:
+    """A plan entry's cells under ``ENTRY_COLUMNS``, then what it adds to its kind's call in ms."""
+    how = e.placement + (" (override)" if e.overridden else "") + (f" via {e.detail}" if e.detail else "")
+    return [e.name, "x".join(map(str, e.shape)), f"{e.row_fraction:.4g}", f"{e.row_fraction_machine:.4g}", how,
+            f"{e.bytes_per_machine / 1e6:.3f}", f"{e.seconds * 1e3:.3f}"]  # fmt: skip
+
+
 def print_plan(plan: Plan, console: Console | None = None, title: str | None = None) -> None:
     """A placement plan as a table: per parameter its α, placement, bytes and what it adds to its kind's call
     (``ms/step``; ``all-AR ms``: what it would add to the dense buckets), then the step as the trainer sends it
@@ -89,19 +99,10 @@ def print_plan(plan: Plan, console: Console | None = None, title: str | None = N
         or f"plan: {c.machines} machines x {c.procs_per_machine} procs, {c.bandwidth * 8 / 1e9:g} Gbit/s, "
         f"{c.latency * 1e6:g} µs"
     )
-    for col in ("parameter", "shape", "α", "α machine", "placement", "MB/machine/step", "ms/step", "all-AR ms"):
+    for col in (*ENTRY_COLUMNS, "ms/step", "all-AR ms"):
         t.add_column(col, justify="left" if col in ("parameter", "placement") else "right")
     for e in plan.entries:
-        t.add_row(
-            e.name,
-            "x".join(map(str, e.shape)),
-            f"{e.row_fraction:.4g}",
-            f"{e.row_fraction_machine:.4g}",
-            e.placement + (" (override)" if e.overridden else "") + (f" via {e.detail}" if e.detail else ""),
-            f"{e.bytes_per_machine / 1e6:.3f}",
-            f"{e.seconds * 1e3:.3f}",
-            f"{e.candidates['dense_allreduce'][1] * 1e3:.3f}",
-        )
+        t.add_row(*entry_cells(e), f"{e.candidates['dense_allreduce'][1] * 1e3:.3f}")
     for kind, seconds in plan.shared.items():  # one grouped exchange's latency, paid once for all its tables
         t.add_row(f"({kind}: one exchange)", "", "", "", kind, "", f"{seconds * 1e3:.3f}", "")
     all_dense = plan.with_kind("dense_allreduce").step_seconds
