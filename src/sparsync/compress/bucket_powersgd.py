@@ -32,7 +32,7 @@ from sparsync.compress.aggregate import collective, record
 from sparsync.compress.base import Compressor, Context, Encoding, ReduceCall, TensorSpec
 from sparsync.compress.bucket_sparse import bucket_name
 from sparsync.compress.hook_future import bucket_future, complete_when_done
-from sparsync.compress.lowrank import Factor, exchange, payload_nbytes, wire_bytes
+from sparsync.compress.lowrank import Factor, exchange, payload_nbytes, traffic
 from sparsync.compress.memory import Memory
 from sparsync.compress.powersgd import PowerSGD
 from sparsync.compress.reduce import check_input
@@ -150,6 +150,4 @@ class BucketPowerSGD:
             if self.average and self.size > 1:
                 piece.div_(self.size)
             offset += x.numel()
-        msgs = 2 * (self.size - 1) * (1 + any(f.q is not None for f in factors))
-        n = sum(f.wire_numel for f in factors)
-        record(call, "powersgd", n, wire_bytes(factors, self.size), msgs, device=flat.device)
+        record(call, "powersgd", *traffic(factors, self.size), device=flat.device)

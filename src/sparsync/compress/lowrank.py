@@ -44,12 +44,19 @@ class Factor:
         return self.x.reshape(self.x.shape[0], -1)
 
     @property
+    def q_numel(self) -> int:
+        """Values this tensor adds to the second allreduce: m·r as factors, none whole."""
+        return 0 if self.q is None else self.q.numel()
+
+    @property
+    def p_numel(self) -> int:
+        """Values this tensor adds to the first allreduce: n·r as factors, numel whole."""
+        return self.x.numel() if self.q is None else self.x.shape[0] * self.q.shape[1]
+
+    @property
     def wire_numel(self) -> int:
-        """Values this tensor adds to the two allreduces: n·r + m·r as factors, numel whole."""
-        if self.q is None:
-            return self.x.numel()
-        r = self.q.shape[1]
-        return (self.x.shape[0] + self.q.shape[0]) * r
+        """Values this tensor adds to the two allreduces."""
+        return self.p_numel + self.q_numel
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,12 +76,15 @@ def payload_nbytes(items: Sequence[Factor]) -> int:
     return sum(f.wire_numel * f.x.element_size() for f in items)
 
 
-def wire_bytes(items: Sequence[Factor], world_size: int) -> int:
-    """Bytes one rank sends in the two ring allreduces (gloo's) of ``items``."""
-    esize = items[0].x.element_size() if items else 0
-    p = sum(f.wire_numel - (0 if f.q is None else f.q.numel()) for f in items)
-    q = sum(0 if f.q is None else f.q.numel() for f in items)
-    return sum(ring_allreduce_bytes(k * esize, world_size) for k in (p, q) if k)
+def traffic(items: Sequence[Factor], world_size: int) -> tuple[int, int, int]:
+    """(values, bytes, messages) one rank puts on the wire in ``exchange`` of ``items``: the two ring allreduces
+    (gloo's), the second only when some tensor goes as factors."""
+    if not items:
+        return 0, 0, 0
+    esize = items[0].x.element_size()
+    p, q = sum(f.p_numel for f in items), sum(f.q_numel for f in items)
+    nbytes = sum(ring_allreduce_bytes(k * esize, world_size) for k in (p, q) if k)
+    return p + q, nbytes, 2 * (world_size - 1) * (1 + (q > 0))
 
 
 def exchange(items: Sequence[Factor], group: dist.ProcessGroup | None, *, local: bool = False) -> list[Exchanged]:
@@ -123,7 +133,7 @@ def _split_ps(
     wholes: list[torch.Tensor | None] = []
     offset = 0
     for f in items:
-        k = f.wire_numel - (0 if f.q is None else f.q.numel())
+        k = f.p_numel
         piece = pbuf[offset : offset + k]
         offset += k
         if f.q is None:

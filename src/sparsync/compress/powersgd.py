@@ -58,7 +58,7 @@ from sparsync.compress.base import (
     TensorSpec,
     check_positive_int,
 )
-from sparsync.compress.lowrank import Exchanged, Factor, exchange, payload_nbytes, wire_bytes
+from sparsync.compress.lowrank import Exchanged, Factor, exchange, payload_nbytes, traffic
 from sparsync.compress.memory import Memory
 
 
@@ -239,8 +239,7 @@ class PowerSGDReduce(Aggregator[LowRankPayload]):
             self.comp.settle(name, out)
             if memory is not None and out.local is not None:
                 memory.update(name, x, out.local.to(x.dtype))
-            msgs = 2 * (P - 1) * (1 if f.q is None else 2)
-            record(call, "powersgd", f.wire_numel, wire_bytes([f], P), msgs, device=x.device)
+            record(call, "powersgd", *traffic([f], P), device=x.device)
             return call.finish(out.total)
 
         return collective(call, "powersgd", payload_nbytes([f]), run)
