@@ -17,7 +17,7 @@ from sparsync.compress import ErrorFeedback, Identity, TopK
 from sparsync.compress.hooks import compression_hook
 from sparsync.optim import DistributedOptimizer
 from sparsync.record import CommLog
-from sparsync.shard import plan_of
+from sparsync.sharding import plan_of
 
 STEPS = 3
 

@@ -29,7 +29,7 @@ from sparsync.handle import Work
 from sparsync.launch import LaunchError, RankSetup, launch
 from sparsync.optim import DistributedOptimizer
 from sparsync.record import CommLog, CommRecord
-from sparsync.shard import shard
+from sparsync.sharding import shard
 from sparsync.stream import SparseStream, add, dense_threshold, sum_streams
 
 __all__ = [

@@ -26,7 +26,7 @@ from torch import nn
 
 import sparsync
 from sparsync.record import CommLog, workload_bytes
-from sparsync.shard import auto_plan
+from sparsync.sharding import auto_plan
 from sparsync_bench.demo_report import block_sizes
 from sparsync_bench.interleave import Trainer, interleave
 

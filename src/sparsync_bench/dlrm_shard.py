@@ -8,9 +8,9 @@ the MLPs by ``DistributedOptimizer`` as in ``sparsync``.
   ``Lookahead``: each batch's ids round runs during the step before it, so the forward waits for the rows round
   only (the same values, bit for bit);
 - ``sparsync_auto``: ``sparsync.shard(model, plan="auto", sample=first batch)``: each table where the cost model
-  predicts the faster step (``sparsync.shard.auto``: among dense allreduce, sparse allreduce and sharded, priced on
-  the distinct rows of each rank's first batch and the group's measured link). The tables it leaves replicated go
-  the ``sparsync`` way (``DistributedOptimizer``'s default, which chooses its algorithm itself), so the plan
+  predicts the faster step (``sparsync.sharding.auto``: among dense allreduce, sparse allreduce and sharded, priced
+  on the distinct rows of each rank's first batch and the group's measured link). The tables it leaves replicated
+  go the ``sparsync`` way (``DistributedOptimizer``'s default, which chooses its algorithm itself), so the plan
   decides only where each table lives.
 
 A sharded model holds a part of each table per rank, so the figures the benchmark compares across methods
@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from sparsync.record import CommLog
-from sparsync.shard import Lookahead, ShardedTable, auto_plan, shard
+from sparsync.sharding import Lookahead, ShardedTable, auto_plan, shard
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # dense features, categorical ids [n, tables], labels
 

@@ -72,7 +72,7 @@ from sparsync.optim import DistributedOptimizer
 from sparsync.placement import Compressed, CustomReduce, Placement
 from sparsync.ps import OptimizerConfig
 from sparsync.record import CommLog, workload_bytes
-from sparsync.shard import ShardedTable
+from sparsync.sharding import ShardedTable
 from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows, write_criteo
 from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
 from sparsync_bench.dlrm import DLRM, MLPS, mlp_shapes

@@ -35,7 +35,7 @@ class GroupState:
     link: LinkModel | None = None  # α-β model measured at first use of "auto" (or set by the user)
     link_set: bool = False  # ``link`` came from the user (set_link, set_deterministic), not from a measurement
     # seconds of an all-to-all round that follows compute, measured by sparsync.shard's plan="auto" unless the
-    # user set the link (shard/auto.py), then kept for the next "auto" on the group
+    # user set the link (sharding/auto.py), then kept for the next "auto" on the group
     exchange_round: float | None = None
     calls: int = 0  # collectives issued on this group, to detect ranks that diverge
     # Inline payload limits per call signature (dim, row, dtype code) grown by allgather calls

@@ -8,7 +8,7 @@ left for an optimizer wrapper to send: ``communicates`` is False and ``aggregate
 shards; ``DistributedOptimizer`` divides by P for ``op="mean"`` as for any placement.
 
 The shard parameters carry their placement (``PLACEMENT_ATTR``): ``placement_of(param)`` finds it, so a plan can
-be read off the model (``plan_of``, also ``sparsync.shard.plan_of``; the server tables' mark, ``OnServer``, is
+be read off the model (``plan_of``, also ``sparsync.sharding.plan_of``; the server tables' mark, ``OnServer``, is
 read the same way) and a plan that names ``sharded`` for a module nobody swapped is refused instead of silently
 not reducing it.
 """

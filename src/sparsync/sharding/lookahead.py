@@ -1,7 +1,7 @@
 """``Lookahead``: a data iterator over which a sharded model's ids round runs one batch ahead (the issue's
 "exact lookahead"; torchrec's ``TrainPipelineSparseDist`` moves its input dist ahead the same way).
 
-    from sparsync.shard import Lookahead
+    from sparsync.sharding import Lookahead
 
     batches = Lookahead(loader, model, ids=lambda b: {"tables.0": b.cats[:, 0], ...})
     for b in batches:                     # yields loader's batches, unchanged
@@ -36,8 +36,8 @@ from typing import Any, Generic, TypeVar
 
 from torch import nn
 
-from sparsync.shard.exchange import Exchanger, IdsRound
-from sparsync.shard.modules import ShardedTable
+from sparsync.sharding.exchange import Exchanger, IdsRound
+from sparsync.sharding.modules import ShardedTable
 
 B = TypeVar("B")
 

@@ -45,11 +45,11 @@ from sparsync.collectives.timeline import tracer
 from sparsync.collectives.trace import scope
 from sparsync.collectives.traffic import Traffic
 from sparsync.record import CommLog, CommRecord
-from sparsync.shard import header
-from sparsync.shard.lazy import LazyLookup, resolve_all
-from sparsync.shard.ownership import Ownership
-from sparsync.shard.route import Asked, Served, dedupe_tables, ids_payload, parse_requests
-from sparsync.shard.rows import RowExchange
+from sparsync.sharding import header
+from sparsync.sharding.lazy import LazyLookup, resolve_all
+from sparsync.sharding.ownership import Ownership
+from sparsync.sharding.route import Asked, Served, dedupe_tables, ids_payload, parse_requests
+from sparsync.sharding.rows import RowExchange
 
 # ``sparsync.shard(rows=...)``: the lower precisions rows and gradient rows may travel in
 WIRE: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}

@@ -14,7 +14,7 @@ from torch import nn
 import sparsync
 from sparsync.optim import DistributedOptimizer
 from sparsync.record import CommLog
-from sparsync.shard import Lookahead, plan_of
+from sparsync.sharding import Lookahead, plan_of
 
 Batch = dict[str, tuple[Any, ...]]
 

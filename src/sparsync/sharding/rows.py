@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sparsync.collectives.traffic import Traffic
-from sparsync.shard import header
+from sparsync.sharding import header
 
 if TYPE_CHECKING:
-    from sparsync.shard.exchange import Route
+    from sparsync.sharding.exchange import Route
 
 
 def _flat(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

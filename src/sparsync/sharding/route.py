@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sparsync.shard.ownership import Ownership
+from sparsync.sharding.ownership import Ownership
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ def dedupe_tables(ids: Sequence[torch.Tensor], parts: int) -> list[Asked]:
     """Each table's ids (int64, flat) as its distinct ids in owner order (the stride ownership over ``parts``
     ranks: an id's owner is its value mod ``parts``, whatever the table), and where each id finds its row among
     them: the tables' ids offset into one key space, one ``unique`` and one sort for all of them instead of
-    several small ops per table (``tests/shard/test_units.py`` holds the one-table reference it equals),
+    several small ops per table (``tests/sharding/test_units.py`` holds the one-table reference it equals),
     which on a host whose ranks share cores cost more than the ids' bytes."""
     T = len(ids)
     lens = [int(x.numel()) for x in ids]

@@ -25,10 +25,10 @@ from torch import nn
 
 from sparsync.placement import Placement
 from sparsync.placement.sharded import mark
-from sparsync.shard.exchange import Exchanger
-from sparsync.shard.lazy import EAGER, LazyLookup
-from sparsync.shard.ownership import Ownership
-from sparsync.shard.transfer import gather_rows, init_rows, scatter_rows
+from sparsync.sharding.exchange import Exchanger
+from sparsync.sharding.lazy import EAGER, LazyLookup
+from sparsync.sharding.ownership import Ownership
+from sparsync.sharding.transfer import gather_rows, init_rows, scatter_rows
 
 STATE_DICT_LAYOUTS = ("full", "local")
 ID_DTYPES = (torch.int64, torch.int32)  # what torch's embeddings take

@@ -16,7 +16,7 @@ from sparsync.hybrid import HybridConfig, HybridTrainer
 from sparsync.optim import DistributedOptimizer
 from sparsync.placement import Sharded, placement_of
 from sparsync.ps import OptimizerConfig
-from sparsync.shard import plan_of
+from sparsync.sharding import plan_of
 
 PLAN = {"rep": "replicated", "sh": "sharded", "srv": "server"}
 LR = 0.1

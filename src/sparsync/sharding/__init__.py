@@ -8,19 +8,19 @@ dict plan places ``"server"`` for the parameter server (``OnServer``: they stay 
 ``DistributedOptimizer`` their placement (``Sharded``), and ``HybridTrainer`` reads both off the model.
 ``Lookahead`` runs the ids round of a batch during the step before it (``lookahead``).
 
-Note: ``sparsync.shard`` (the package's attribute of ``sparsync``) is the function; import the rest from here:
-``from sparsync.shard import plan_of``.
+``sparsync.shard`` is the function; this package is ``sparsync.sharding``
+(``from sparsync.sharding import plan_of``, ``import sparsync.sharding.exchange as ex``).
 """
 
 from sparsync.placement.sharded import plan_of
-from sparsync.shard.api import shard
-from sparsync.shard.auto import AUTO_KINDS, AutoPlan, auto_plan
-from sparsync.shard.exchange import Exchanger
-from sparsync.shard.lazy import LazyLookup
-from sparsync.shard.lookahead import Lookahead
-from sparsync.shard.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
-from sparsync.shard.optim_state import load_optimizer_state_dict, optimizer_state_dict
-from sparsync.shard.ownership import Ownership
+from sparsync.sharding.api import shard
+from sparsync.sharding.auto import AUTO_KINDS, AutoPlan, auto_plan
+from sparsync.sharding.exchange import Exchanger
+from sparsync.sharding.lazy import LazyLookup
+from sparsync.sharding.lookahead import Lookahead
+from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
+from sparsync.sharding.optim_state import load_optimizer_state_dict, optimizer_state_dict
+from sparsync.sharding.ownership import Ownership
 
 __all__ = [
     "AUTO_KINDS",

@@ -11,7 +11,7 @@ from torch import nn
 
 import sparsync
 from sparsync.optim import LAYOUT_KEY, DistributedOptimizer
-from sparsync.shard import load_optimizer_state_dict, optimizer_state_dict, plan_of
+from sparsync.sharding import load_optimizer_state_dict, optimizer_state_dict, plan_of
 
 PLAN = {"rep": "replicated"}  # "bag" and "emb" sharded
 BAD_ID = 31  # one past the last row of "bag"

@@ -35,9 +35,9 @@ from sparsync.collectives.transport import meta_group
 from sparsync.placement import OnServer, Sharded
 from sparsync.placement.sharded import mark
 from sparsync.record import CommLog
-from sparsync.shard.auto import auto_plan
-from sparsync.shard.exchange import WIRE, Exchanger
-from sparsync.shard.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
+from sparsync.sharding.auto import auto_plan
+from sparsync.sharding.exchange import WIRE, Exchanger
+from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
 
 BUILT = ("sharded", "replicated", "server")  # what a dict plan may name for a table
 

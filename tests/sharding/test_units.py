@@ -17,10 +17,10 @@ from sparsync.placement import NamedParam, OnServer, ReduceEnv, Sharded, placeme
 from sparsync.placement.sharded import mark
 from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
 from sparsync.plan.kinds import ID_WIRE_BYTES
-from sparsync.shard import LazyLookup, Ownership, plan_of
-from sparsync.shard.header import MARGIN
-from sparsync.shard.route import Asked, dedupe_tables, ids_payload, parse_requests
-from sparsync.shard.rows import peer_major, table_major
+from sparsync.sharding import LazyLookup, Ownership, plan_of
+from sparsync.sharding.header import MARGIN
+from sparsync.sharding.route import Asked, dedupe_tables, ids_payload, parse_requests
+from sparsync.sharding.rows import peer_major, table_major
 
 
 @pytest.mark.parametrize(("rows", "P"), [(1, 1), (7, 3), (10, 5), (3, 5), (30, 3)])
@@ -277,7 +277,7 @@ def test_backward_hides_the_replicated_reduction_and_not_the_exchange() -> None:
 
 
 def test_the_replicated_reduction_hides_behind_backward_only_where_a_core_is_spare_for_it() -> None:
-    from sparsync.shard.auto import _hidden_share
+    from sparsync.sharding.auto import _hidden_share
 
     assert _hidden_share([("a", 2, True)] * 4) == 0.0  # 4 ranks on 2 cores: the reduction takes backward's cores
     assert _hidden_share([("a", 2, True)] * 2) == 0.0

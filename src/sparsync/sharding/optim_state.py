@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from sparsync.shard.modules import ShardedTable
-from sparsync.shard.transfer import gather_rows
+from sparsync.sharding.modules import ShardedTable
+from sparsync.sharding.transfer import gather_rows
 
 
 def _optimizer(opt: Any) -> torch.optim.Optimizer:
