@@ -165,7 +165,7 @@ def _shard_exchange_bytes(cfg: Any, data: Any, P: int) -> float:
     samples alone: its blocks of ids to the other owners (a 4-word header, a count per table, the distinct ids
     that owner owns, zero-padded to the capacity that the last step's widest count set: ``shard.header``), the
     rows it serves the other ranks, and one gradient row per distinct id owned elsewhere."""
-    from sparsync.sharding.header import capacity_after
+    from sparsync.sharding.ids import capacity_after
     from sparsync_bench.dlrm_train import rank_samples
 
     batches = [rank_samples(data, i, P, cfg).sparse for i in range(P)]

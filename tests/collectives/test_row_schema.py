@@ -21,7 +21,7 @@ from sparsync.collectives.ops import op_name, register_op
 from sparsync.collectives.row import Agree, Column, Facts, Schema
 from sparsync.compress.aggregate import REDUCE_ROW
 from sparsync.replicator.primitives import PRIMITIVE_ROW
-from sparsync.sharding.header import HEADER
+from sparsync.sharding.ids import HEADER
 
 COLORS = ("red", "green", "blue")
 

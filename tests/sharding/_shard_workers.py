@@ -116,7 +116,7 @@ def exact_worker(rank: int) -> dict[str, Any]:
         model = sparsync.shard(Tables(seed=rank), log=log)  # different inits: rank 0's rows win
         ref = Tables(seed=0, sparse=True)
         opt = DistributedOptimizer(
-            make_opt(model.parameters()), model, plan=plan_of(model), sync_parameters=False, overlap=False
+            make_opt(model.parameters()), model, plan=plan_of(model), sync_parameters=False
         )
         ref_opt = make_opt(ref.parameters())
         errors, identical = [], []
@@ -148,12 +148,13 @@ def exact_worker(rank: int) -> dict[str, Any]:
 
 def _bytes_as_counted(log: CommLog, model: nn.Module, rank: int, P: int) -> list[tuple[int, int]]:
     """(recorded, counted) bytes of step 0 that this rank sent as a requester: 8 per distinct id owned elsewhere
-    (plus the T counts heading each payload) and one gradient row per such id, 8·D bytes in float64."""
+    (plus the G counts heading each payload, one per table group: the tables of one width) and one gradient row
+    per such id, 8·D bytes in float64."""
     elsewhere = {name: int((args[0].unique() % P != rank).sum()) for name, args in _batch(0, rank, P).items()}
     dims = {name: model.t[name].embedding_dim for name in SPECS}
     lookup, grad = log.records[0], log.records[1]
     return [
-        (lookup.phase_bytes["ids"], 8 * (len(SPECS) * (P - 1) + sum(elsewhere.values()))),
+        (lookup.phase_bytes["ids"], 8 * (len(set(dims.values())) * (P - 1) + sum(elsewhere.values()))),
         (grad.bytes_sent, 8 * sum(n * dims[name] for name, n in elsewhere.items())),
         (lookup.phase_bytes["header"], 8 * 4 * (P - 1)),  # a 4-word header row to each peer
     ]

@@ -18,9 +18,8 @@ from sparsync.placement.sharded import mark
 from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
 from sparsync.plan.kinds import ID_WIRE_BYTES
 from sparsync.sharding import LazyLookup, Ownership, plan_of
-from sparsync.sharding.header import MARGIN
-from sparsync.sharding.route import Asked, dedupe_tables, ids_payload, parse_requests
-from sparsync.sharding.rows import peer_major, table_major
+from sparsync.sharding.ids import MARGIN, Asked, dedupe_groups, ids_payload, parse_requests
+from sparsync.sharding.rows import group_major, peer_major
 
 
 @pytest.mark.parametrize(("rows", "P"), [(1, 1), (7, 3), (10, 5), (3, 5), (30, 3)])
@@ -46,7 +45,7 @@ def test_hot_consecutive_ids_spread_over_the_owners() -> None:
 
 def dedupe(ids: torch.Tensor, ownership: Ownership) -> Asked:
     """The reference for one table: ``ids`` as distinct ids in owner order, and where each id finds its row
-    among them (``dedupe_tables`` does every table of an exchange at once)."""
+    among them (``dedupe_groups`` does every table of an exchange at once)."""
     distinct, inverse = torch.unique(ids, sorted=True, return_inverse=True)
     owner = ownership.owner(distinct)
     order = torch.sort(owner, stable=True).indices  # distinct ids are sorted, so each owner's stay sorted
@@ -60,7 +59,7 @@ def test_each_distinct_id_travels_once_to_its_owner() -> None:
     P = 3
     owns = [Ownership(10, P), Ownership(7, P)]
     lookups = [torch.tensor([4, 1, 4, 9, 0, 1, 3]), torch.tensor([6, 6, 6])]
-    asked = dedupe_tables(lookups, P)
+    asked = dedupe_groups(lookups, P)
     for ids, a, own in zip(lookups, asked, owns, strict=True):
         assert torch.equal(a.distinct[a.positions], ids)  # every id finds its row among the distinct ones
         assert a.distinct.numel() == ids.unique().numel()
@@ -69,7 +68,7 @@ def test_each_distinct_id_travels_once_to_its_owner() -> None:
     payload, sizes = ids_payload(asked, P)
     assert sizes == [2 + asked[0].per_owner[j] + asked[1].per_owner[j] for j in range(P)]
     for j, part in enumerate(torch.split(payload, sizes)):
-        served = parse_requests(part, [sizes[j]], owns)  # owner j's view, this rank its only requester
+        served = parse_requests(part, [sizes[j]], len(owns), P)  # owner j's view, this rank its only requester
         for t, own in enumerate(owns):
             want = asked[t].distinct[own.owner(asked[t].distinct) == j]
             assert torch.equal(served.rows[t] * P + j, want)
@@ -77,7 +76,7 @@ def test_each_distinct_id_travels_once_to_its_owner() -> None:
 
 
 def test_the_batched_dedupe_equals_one_table_at_a_time() -> None:
-    """``dedupe_tables`` (one unique and one sort for all tables) against ``dedupe`` per table, over random tables,
+    """``dedupe_groups`` (one unique and one sort for all tables) against ``dedupe`` per table, over random tables,
     empty lookups and every P of the tests."""
     g = torch.Generator().manual_seed(3)
     for trial in range(200):
@@ -85,14 +84,14 @@ def test_the_batched_dedupe_equals_one_table_at_a_time() -> None:
         rows = [int(torch.randint(1, 60, (1,), generator=g)) for _ in range(1 + trial % 6)]
         ids = [torch.randint(0, r, ((0, 1, 7, 50)[(trial + k) % 4],), generator=g) for k, r in enumerate(rows)]
         singles = [dedupe(x, Ownership(r, P)) for x, r in zip(ids, rows, strict=True)]
-        for one, batched in zip(singles, dedupe_tables(ids, P), strict=True):
+        for one, batched in zip(singles, dedupe_groups(ids, P), strict=True):
             assert torch.equal(one.distinct, batched.distinct) and torch.equal(one.positions, batched.positions)
             assert one.per_owner == batched.per_owner
-    assert dedupe_tables([], 3) == []
+    assert dedupe_groups([], 3) == []
 
 
 @pytest.mark.parametrize("dims", [(4, 4, 4), (4, 2, 3)])  # one width (one sort) and several (a copy per piece)
-def test_rows_go_peer_major_for_the_wire_and_back_to_table_major(dims: tuple[int, ...]) -> None:
+def test_rows_go_peer_major_for_the_wire_and_back_to_group_major(dims: tuple[int, ...]) -> None:
     g = torch.Generator().manual_seed(5)
     P = 3
     counts = torch.randint(0, 4, (len(dims), P), generator=g).tolist()  # counts[t][j]: rows of table t, peer j
@@ -102,16 +101,16 @@ def test_rows_go_peer_major_for_the_wire_and_back_to_table_major(dims: tuple[int
     want = torch.cat([per_peer[t][j].reshape(-1) for j in range(P) for t in range(len(dims))])
     flat = peer_major(rows, counts, torch.float64)
     assert torch.equal(flat, want)
-    back = table_major(flat, counts, dims)
+    back = group_major(flat, counts, dims)
     assert all(torch.equal(a, b) for a, b in zip(back, rows, strict=True))
 
 
 def test_an_ids_payload_whose_counts_do_not_add_up_is_refused() -> None:
     owns = [Ownership(9, 2), Ownership(9, 2)]
     with pytest.raises(RuntimeError, match=r"ids payloads of \[4\] elements carry counts \[\[1, 0\]\]"):
-        parse_requests(torch.tensor([1, 0, 5, 5]), [4], owns)  # one id announced, two sent
-    with pytest.raises(RuntimeError, match="an ids payload of 1 elements cannot hold the counts of 2 tables"):
-        parse_requests(torch.tensor([0]), [1], owns)
+        parse_requests(torch.tensor([1, 0, 5, 5]), [4], len(owns), 2)  # one id announced, two sent
+    with pytest.raises(RuntimeError, match="an ids payload of 1 elements cannot hold the counts of 2 groups"):
+        parse_requests(torch.tensor([0]), [1], len(owns), 2)
 
 
 def test_a_lazy_lookup_runs_the_exchange_at_its_first_use() -> None:

@@ -36,7 +36,9 @@ from sparsync.placement import OnServer, Sharded
 from sparsync.placement.sharded import mark
 from sparsync.record import CommLog
 from sparsync.sharding.auto import auto_plan
-from sparsync.sharding.exchange import WIRE, Exchanger
+from sparsync.sharding.exchange import Exchanger
+from sparsync.sharding.group import Slot, TableGroup, group_key
+from sparsync.sharding.link import WIRE
 from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
 
 BUILT = ("sharded", "replicated", "server")  # what a dict plan may name for a table
@@ -92,16 +94,34 @@ def shard(
         _check_for_server(name, tables[name])
     _agree(chosen, on_server, tables, g)
     _mark_on_server([tables[n] for n in on_server])
-    exchanger = Exchanger(g, log, None if rows is None else WIRE[rows])
+    exchanger = Exchanger.on(g, log, None if rows is None else WIRE[rows])
     placement = Sharded()  # one object: DistributedOptimizer keeps every shard in one group of its plan
+    slots = _grouped(exchanger, [tables[n] for n in chosen])
     swapped: dict[int, ShardedTable] = {}
-    for name in chosen:
+    for name, at in zip(chosen, slots, strict=True):
         m = tables[name]
         kind = ShardedEmbeddingBag if isinstance(m, nn.EmbeddingBag) else ShardedEmbedding
-        swapped[id(m)] = kind(name, m, exchanger, placement, state_dict, seed)  # type: ignore[arg-type]
+        swapped[id(m)] = kind(name, m, exchanger, at, placement, state_dict, seed)  # type: ignore[arg-type]
     root = _swap(model, swapped)
     root.register_forward_hook(exchanger.finish_forward)
     return root
+
+
+def _grouped(exchanger: Exchanger, tables: Sequence[nn.Embedding | nn.EmbeddingBag]) -> list[tuple[int, Slot]]:
+    """The tables' groups (``group``: one per width and dtype, in the order of their first table), made on
+    ``exchanger``; each table's (group, slot), in ``tables``' order."""
+    members: dict[tuple[int, str], list[int]] = {}
+    for i, m in enumerate(tables):
+        members.setdefault(group_key(int(m.embedding_dim), m.weight.dtype), []).append(i)
+    at: dict[int, tuple[int, Slot]] = {}
+    link = exchanger.link
+    for gi, idx in enumerate(members.values()):
+        first = tables[idx[0]]
+        group = TableGroup([int(tables[i].num_embeddings) for i in idx], int(first.embedding_dim),
+                           first.weight.dtype, link.size, link.rank)  # fmt: skip
+        exchanger.groups.append(group)
+        at.update({i: (gi, group.slots[t]) for t, i in enumerate(idx)})
+    return [at[i] for i in range(len(tables))]
 
 
 def _mark_on_server(tables: Sequence[nn.Module]) -> None:

@@ -7,7 +7,7 @@
     for b in batches:                     # yields loader's batches, unchanged
         loss = loss_fn(model(b.dense, b.cats), b.label) ...
 
-When it hands out batch i it has already read batch i + 1 from ``loader`` and started that batch's ids round in
+When it hands out batch i it has already read batch i + 1 from ``loader`` and started that batch's ids stage in
 the background (``Exchanger.send_ahead``: each distinct id to its owner, the header in front), so the round runs
 while step i computes. The forward of batch i + 1 then runs only the rows round, which reads the owners' rows
 as they are after step i's update: the values are those of the run without lookahead, bit for bit, and no row
@@ -36,7 +36,8 @@ from typing import Any, Generic, TypeVar
 
 from torch import nn
 
-from sparsync.sharding.exchange import Exchanger, IdsRound
+from sparsync.sharding.exchange import Ahead, Exchanger, Sent
+from sparsync.sharding.ids import IdsRound
 from sparsync.sharding.modules import ShardedTable
 
 B = TypeVar("B")
@@ -62,7 +63,7 @@ class Lookahead(Generic[B]):
         self._exchanger: Exchanger = next(iter(exchangers.values()))
         self._batches = iter(batches)
         self._ids = ids
-        self._ahead: tuple[B, IdsRound] | None = None
+        self._ahead: tuple[B, Sent, IdsRound] | None = None
         self._started = False
 
     def __iter__(self) -> Iterator[B]:
@@ -75,15 +76,15 @@ class Lookahead(Generic[B]):
             self._ahead = self._send(next(self._batches))
         if self._ahead is None:
             raise StopIteration
-        batch, flight = self._ahead
+        batch, sent, flight = self._ahead
         self._ahead = None
-        self._exchanger.settle(flight)
+        self._exchanger.settle(sent, flight)
         following = next(self._batches, _END)
         if following is not _END:
             self._ahead = self._send(following)  # type: ignore[arg-type]
         return batch
 
-    def _send(self, batch: B) -> tuple[B, IdsRound]:
+    def _send(self, batch: B) -> tuple[B, Sent, IdsRound]:
         given = dict(self._ids(batch))
         unknown = sorted(set(given) - set(self._tables))
         if unknown:
@@ -91,8 +92,13 @@ class Lookahead(Generic[B]):
                 f"Lookahead: ids names {unknown}, which are no sharded tables of the model; its sharded tables: "
                 f"{sorted(self._tables)}"
             )
-        tables = [self._tables[n] for n in given]
-        return batch, self._exchanger.send_ahead(tables, list(given.values()))
+        ahead, refusal = [], None
+        for name, x in given.items():
+            t = self._tables[name]
+            keys, why = t.checked_ids(x)
+            refusal = refusal or why
+            ahead.append(Ahead(t.group_index, t.slot, t.describe(), keys))
+        return (batch, *self._exchanger.send_ahead(ahead, refusal))
 
 
 _END = object()

@@ -1,18 +1,19 @@
 """The sharded modules that stand in for ``nn.Embedding`` and ``nn.EmbeddingBag``: each rank holds the rows it
-owns (``weight``: ``[rows owned, D]``, a parameter marked ``Sharded``), and a forward registers its ids with the
-model's ``Exchanger`` and returns a ``LazyLookup`` (``shard.lazy``), pooled by torch's own functional on the rows
-gathered for it (``shard.exchange``).
+owns (``weight``: ``[rows owned, D]``, a parameter marked ``Sharded``, a view of its slice of the table group's
+flat tensor, ``group``), and a forward registers its call with the model's ``Exchanger`` and returns a
+``LazyLookup`` (``lazy``), pooled by torch's own functional on the rows gathered for it (``rows.pool``).
 
-A call's ids are checked here, on the rank that makes it, and a bad call is not raised here but handed to the
-exchange as a refusal, so that every rank raises it at once (``shard.header``): a negative id, an id beyond the
-table, a tensor of the wrong dtype, and, for a bag, anything torch's ``embedding_bag`` itself refuses (offsets,
-``per_sample_weights`` of another shape or outside mode ``sum``), found by running it on a one-column stand-in
-table before the exchange.
+A call's arguments are checked here, in Python, on the rank that makes it, and a bad call is not raised here but
+handed to the exchange as a refusal, so that every rank raises it at once (``ids``): a negative id, an id beyond
+the table, a tensor of the wrong dtype, and, for a bag, what torch's ``embedding_bag`` refuses (the input's
+dimensions, offsets that do not start at 0, decrease or run past the input, ``per_sample_weights`` of another
+shape or dtype or outside mode ``sum``), with the same words.
 
 ``state_dict()``: with ``state_dict="full"`` (the default) the whole table under ``<name>.weight`` on rank 0,
 gathered (so every rank must call it, as FSDP's full state dict asks), nothing on the others; ``"local"``: each
 rank its own shard. ``load_state_dict`` takes either: a whole table ``[rows, D]`` (saved at any number of ranks,
-or by the unsharded model) gives each rank its rows; anything else loads as this rank's shard.
+or by the unsharded model) gives each rank its rows; anything else loads as this rank's shard. Both copy into
+the parameter in place, so it keeps viewing the group's flat tensor.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from torch import nn
 from sparsync.placement import Placement
 from sparsync.placement.sharded import mark
 from sparsync.sharding.exchange import Exchanger
+from sparsync.sharding.group import Slot, TableGroup
 from sparsync.sharding.lazy import EAGER, LazyLookup
 from sparsync.sharding.ownership import Ownership
+from sparsync.sharding.rows import Call
 from sparsync.sharding.transfer import gather_rows, init_rows, scatter_rows
 
 STATE_DICT_LAYOUTS = ("full", "local")
@@ -35,8 +38,9 @@ ID_DTYPES = (torch.int64, torch.int32)  # what torch's embeddings take
 
 
 class ShardedTable(nn.Module):
-    """What the two sharded modules share: the shard, its ownership, the exchange, the state dict (module doc).
-    Built by ``sparsync.shard`` from an unsharded module (``from_module``): collective, every rank at once."""
+    """What the two sharded modules share: the shard, its ownership, its group, the state dict (module doc).
+    Built by ``sparsync.shard`` from an unsharded module: collective, every rank at once. ``group``: the index of
+    its group among ``exchanger.groups``; ``slot``: its place in it."""
 
     kind = "table"
 
@@ -45,6 +49,7 @@ class ShardedTable(nn.Module):
         name: str,
         source: nn.Embedding | nn.EmbeddingBag,
         exchanger: Exchanger,
+        at: tuple[int, Slot],
         placement: Placement,
         state_dict_layout: str,
         seed: int = 0,
@@ -57,15 +62,26 @@ class ShardedTable(nn.Module):
         self.embedding_dim = int(source.embedding_dim)
         self.padding_idx: int | None = source.padding_idx
         self.exchanger = exchanger
+        self.group_index, self.slot = at
         self.state_dict_layout = state_dict_layout
-        self.ownership = Ownership(self.num_embeddings, exchanger.size)
+        link = exchanger.link
+        self.ownership = Ownership(self.num_embeddings, link.size)
         if source.weight.device.type == "meta":  # too large for one rank: each makes its own rows
-            rows = init_rows(self.ownership, exchanger.rank, self.embedding_dim, source.weight.dtype, seed,
+            rows = init_rows(self.ownership, link.rank, self.embedding_dim, source.weight.dtype, seed,
                              self.padding_idx)  # fmt: skip
         else:
-            rows = scatter_rows(source.weight, self.ownership, exchanger.group)
-        self.weight = nn.Parameter(rows, requires_grad=source.weight.requires_grad)
+            rows = scatter_rows(source.weight, self.ownership, link.group)
+        self.weight = self.group.param_view(self.slot, rows, source.weight.requires_grad, self.padding_idx)
         mark(self.weight, placement)
+        self._padding_key = None if self.padding_idx is None else self.slot.base + self.padding_idx
+        self._description = (
+            f"{self.table_name!r} (sharded {self.kind}({self.num_embeddings}, {self.embedding_dim}, "
+            f"{self.options()}), {self.weight.dtype})"
+        )
+
+    @property
+    def group(self) -> TableGroup:
+        return self.exchanger.groups[self.group_index]
 
     # --- what the exchanger reads (``exchange.Table``) ----------------------------------------------------------
     @property
@@ -80,13 +96,10 @@ class ShardedTable(nn.Module):
         return f"padding_idx={self.padding_idx}"
 
     def describe(self) -> str:
-        return (
-            f"{self.table_name!r} (sharded {self.kind}({self.num_embeddings}, {self.embedding_dim}, "
-            f"{self.options()}), {self.weight.dtype})"
-        )
+        return self._description
 
     def extra_repr(self) -> str:
-        rank, P = self.exchanger.rank, self.exchanger.size
+        rank, P = self.exchanger.link.rank, self.exchanger.link.size
         return (
             f"{self.num_embeddings}, {self.embedding_dim}, {self.options()}, rows {rank}::{P} of the table on "
             f"rank {rank} of {P}"
@@ -94,7 +107,8 @@ class ShardedTable(nn.Module):
 
     # --- one call -----------------------------------------------------------------------------------------------
     def checked_ids(self, input: Any) -> tuple[torch.Tensor, str | None]:
-        """(the call's ids, flat int64, or an empty tensor when refused; why it is refused, or None)."""
+        """(the call's keys: its ids, flat int64, plus the table's base in its group, or an empty tensor when
+        refused; why it is refused, or None)."""
         empty = torch.empty(0, dtype=torch.int64)
         if not isinstance(input, torch.Tensor):
             return empty, f"{self.describe()}: the input must be a tensor of ids, got {type(input).__name__}"
@@ -102,7 +116,7 @@ class ShardedTable(nn.Module):
             return empty, f"{self.describe()}: ids must be int64 or int32, got {input.dtype}"
         ids = input.detach().reshape(-1).to(torch.int64)
         if ids.numel():
-            low, high = int(ids.min()), int(ids.max())
+            low, high = torch.stack(torch.aminmax(ids)).tolist()
             if low < 0:
                 return (
                     empty,
@@ -112,14 +126,22 @@ class ShardedTable(nn.Module):
                 return empty, (
                     f"{self.describe()}: id {high} is out of range; ids must lie in [0, {self.num_embeddings})"
                 )
-        return ids, None
+        return ids + self.slot.base if self.slot.base else ids, None
+
+    def _call(self, input: Any, refusal: str | None, keys: torch.Tensor, **how: Any) -> LazyLookup:
+        """Register this call with the exchanger: its keys, and how to pool it (``rows.Call``)."""
+        shape = input.shape if refusal is None else torch.Size([0])
+        out = LazyLookup(self.exchanger.flush, self._description)
+        call = Call(self.group_index, self.slot, self._description, refusal, keys, shape,
+                    padding=self._padding_key, out=out, **how)  # fmt: skip
+        return self.exchanger.register(call)
 
     # --- the state dict -----------------------------------------------------------------------------------------
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
         if self.state_dict_layout == "local":
             super()._save_to_state_dict(destination, prefix, keep_vars)
             return
-        full = gather_rows(self.weight, self.ownership, self.exchanger.group)
+        full = gather_rows(self.weight, self.ownership, self.exchanger.link.group)
         if full is not None:
             destination[prefix + "weight"] = full
 
@@ -136,7 +158,7 @@ class ShardedTable(nn.Module):
         key = prefix + "weight"
         given = state_dict.get(key)
         if isinstance(given, torch.Tensor) and tuple(given.shape) == (self.num_embeddings, self.embedding_dim):
-            mine = given[self.ownership.global_rows(self.exchanger.rank)]
+            mine = given[self.ownership.global_rows(self.exchanger.link.rank)]
             state_dict = {**state_dict, key: mine}
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -150,13 +172,8 @@ class ShardedEmbedding(ShardedTable):
 
     @torch.compiler.disable(reason=EAGER)  # type: ignore[no-untyped-call, untyped-decorator]
     def forward(self, input: torch.Tensor) -> LazyLookup:
-        ids, refusal = self.checked_ids(input)
-        shape = input.shape if refusal is None else torch.Size([0])
-
-        def pool(rows: torch.Tensor, positions: torch.Tensor, padding: int | None) -> torch.Tensor:
-            return nn.functional.embedding(positions.view(shape), rows, padding)
-
-        return self.exchanger.register(self, ids, pool, refusal)
+        keys, refusal = self.checked_ids(input)
+        return self._call(input, refusal, keys, bag=False, mode="", offsets=None, last=False, weights=None)
 
 
 class ShardedEmbeddingBag(ShardedTable):
@@ -170,13 +187,14 @@ class ShardedEmbeddingBag(ShardedTable):
         name: str,
         source: nn.EmbeddingBag,
         exchanger: Exchanger,
+        at: tuple[int, Slot],
         placement: Placement,
         state_dict_layout: str,
         seed: int = 0,
     ) -> None:
-        super().__init__(name, source, exchanger, placement, state_dict_layout, seed)
         self.mode = source.mode
         self.include_last_offset = source.include_last_offset
+        super().__init__(name, source, exchanger, at, placement, state_dict_layout, seed)
 
     def options(self) -> str:
         return (
@@ -190,33 +208,56 @@ class ShardedEmbeddingBag(ShardedTable):
         offsets: torch.Tensor | None = None,
         per_sample_weights: torch.Tensor | None = None,
     ) -> LazyLookup:
-        ids, refusal = self.checked_ids(input)
-        offsets64 = offsets.to(torch.int64) if isinstance(offsets, torch.Tensor) else offsets
+        keys, refusal = self.checked_ids(input)
         if refusal is None:
-            refusal = self._refused_by_torch(input, offsets64, per_sample_weights)
-        shape = input.shape if refusal is None else torch.Size([0])
+            refusal = self._refused(input, offsets, per_sample_weights)
+        offsets64 = offsets.to(torch.int64) if refusal is None and offsets is not None else None
+        psw = per_sample_weights if refusal is None else None
+        return self._call(input, refusal, keys if refusal is None else keys[:0], bag=True, mode=self.mode,
+                          offsets=offsets64, last=self.include_last_offset, weights=psw)  # fmt: skip
 
-        def pool(rows: torch.Tensor, positions: torch.Tensor, padding: int | None) -> torch.Tensor:
-            return nn.functional.embedding_bag(
-                positions.view(shape), rows, offsets64, mode=self.mode, per_sample_weights=per_sample_weights,
-                include_last_offset=self.include_last_offset, padding_idx=padding,
-            )  # fmt: skip
-
-        return self.exchanger.register(self, ids, pool, refusal)
-
-    def _refused_by_torch(
-        self, input: torch.Tensor, offsets: torch.Tensor | None, per_sample_weights: torch.Tensor | None
+    def _refused(
+        self, input: torch.Tensor, offsets: torch.Tensor | None, weights: torch.Tensor | None
     ) -> str | None:
-        """What torch's ``embedding_bag`` says of these arguments, on a one-row, one-column stand-in table
-        (every position 0: the checks never depend on which rows are read)."""
-        stand_in = torch.zeros(1, 1, dtype=self.weight.dtype)
-        psw = per_sample_weights.detach() if isinstance(per_sample_weights, torch.Tensor) else per_sample_weights
-        try:
-            with torch.no_grad():
-                nn.functional.embedding_bag(
-                    torch.zeros(input.shape, dtype=torch.int64), stand_in, offsets, mode=self.mode,
-                    per_sample_weights=psw, include_last_offset=self.include_last_offset,
-                )  # fmt: skip
-        except (RuntimeError, ValueError, TypeError, IndexError, NotImplementedError) as e:
-            return f"{self.describe()}: torch's embedding_bag refuses the arguments: {e}"
-        return None
+        """What torch's ``embedding_bag`` would refuse of these arguments (module doc), or None."""
+        why = _bag_arguments(input, offsets, weights, self.mode, self.include_last_offset, self.weight.dtype)
+        return None if why is None else f"{self.describe()}: embedding_bag refuses the arguments: {why}"
+
+
+def _bag_arguments(
+    input: torch.Tensor,
+    offsets: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    mode: str,
+    last: bool,
+    dtype: torch.dtype,
+) -> str | None:
+    if input.dim() not in (1, 2):
+        return f"input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}"
+    if weights is not None:
+        if mode != "sum":
+            return f"per_sample_weights is only supported for mode='sum' (got mode={mode!r})"
+        if not isinstance(weights, torch.Tensor) or weights.shape != input.shape or weights.dtype != dtype:
+            got = (tuple(weights.shape), weights.dtype) if isinstance(weights, torch.Tensor) else type(weights)
+            return (
+                f"per_sample_weights must have the input's shape {tuple(input.shape)} and dtype {dtype}, got {got}"
+            )
+    if input.dim() == 2:
+        return None if offsets is None else "if input is 2D, then offsets has to be None"
+    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype not in ID_DTYPES:
+        return f"offsets has to be a 1D tensor of int64 or int32, got {_what(offsets)}"
+    if last and offsets.numel() < 1:
+        return "include_last_offset: number of offset should be at least 1"
+    if offsets.numel():
+        first, end = int(offsets[0]), int(offsets[-1])
+        if first != 0:
+            return f"offsets[0] has to be 0, got {first}"
+        if end > input.numel():
+            return f"offsets[-1] can not be greater than input's length {input.numel()}, got {end}"
+        if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+            return "offsets must not decrease"
+    return None
+
+
+def _what(x: Any) -> str:
+    return f"a {x.dim()}-D {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__

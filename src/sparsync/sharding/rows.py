@@ -1,124 +1,256 @@
-"""The rows stage of a sharded lookup (``shard.exchange``'s stage 2, torchrec's lookup and output dist) and its
-backward: ``RowExchange``, the autograd node whose forward sends each requester the rows it asked for and whose
-backward sends each owner one gradient row per distinct id, summed into a sparse COO gradient of its shard; and
-the regrouping of rows between table-major (what the tables hold) and peer-major (what an all-to-all sends),
-one stable sort when the tables share a width.
+"""The rows stage of a sharded step and its backward, the gradient rows stage (``exchange``'s module doc):
+``RowExchange``, the autograd node whose forward reads the rows each requester asked for out of the owner's flat
+tensors (one ``index_select`` per group) and sends them (one all-to-all round), and whose backward sends each
+owner one gradient row per distinct key (one round) and sums them per row (one ``coalesce`` per group); then the
+pooling of the calls on the gathered rows (``pool``), one ``embedding_bag`` or ``embedding`` per group and call
+signature, however many tables.
+
+The owner's sum becomes each table's gradient (a sparse COO tensor per table called, cut out of the group's sum
+without another sort), or, when the tables were sharded with an optimizer (``fused``), the rows' update, applied
+in place, with no gradient left behind.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from sparsync.collectives.traffic import Traffic
-from sparsync.sharding import header
+from sparsync.sharding.group import Slot, TableGroup
+from sparsync.sharding.ids import OK, Ids, raise_refused
+from sparsync.sharding.lazy import LazyLookup
+from sparsync.sharding.link import Link
 
-if TYPE_CHECKING:
-    from sparsync.sharding.exchange import Route
+
+@dataclass
+class Call:
+    """One call of a sharded table, as its forward registered it: what to pool, how, and where the output goes."""
+
+    group: int  # the table's group, in the exchanger's order
+    slot: Slot
+    table: str  # the table's description (errors, the header's key)
+    refusal: str | None  # why this rank refuses the call (every rank then raises it), None when valid
+    keys: torch.Tensor  # flat int64: the call's ids + the table's base (``group``); empty when refused
+    shape: torch.Size  # the input's shape
+    bag: bool  # nn.EmbeddingBag (else nn.Embedding)
+    mode: str  # the bag's mode
+    offsets: torch.Tensor | None  # int64, as the call gave them
+    last: bool  # include_last_offset
+    weights: torch.Tensor | None  # per_sample_weights
+    padding: int | None  # padding_idx's key, or None
+    out: LazyLookup
 
 
-def _flat(parts: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat([p.reshape(-1) for p in parts]) if parts else torch.empty(0, dtype=dtype)
+@dataclass(frozen=True)
+class Route:
+    """What both directions of the rows stage need, per group: the stage ids' answer, the groups, and the
+    looked-ahead verdict word (``status``: None without lookahead; else OK, or REFUSED with ``refusal``)."""
+
+    ids: Ids
+    groups: tuple[TableGroup, ...]
+    inputs: tuple[tuple[int, Slot], ...]  # (group, slot) of each table parameter handed to the node
+    status: int | None = None
+    refusal: str | None = None
+
+    def rows_from(self, j: int) -> int:
+        """Values this rank receives from owner j (forward) and sends it (backward)."""
+        return sum(a.per_owner[j] * g.dim for a, g in zip(self.ids.asked, self.groups, strict=True))
+
+    def rows_to(self, i: int) -> int:
+        """Values this rank sends requester i (forward) and receives from it (backward)."""
+        return sum(c[i] * g.dim for c, g in zip(self.ids.served.counts, self.groups, strict=True))
 
 
 def peer_major(rows: Sequence[torch.Tensor], counts: Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
-    """Per table ``[n_t, D_t]`` rows, peer after peer (``counts[t][j]`` of them for peer j), as one flat payload
-    peer after peer, table after table within (what an all-to-all sends). Tables of one width: one stable sort
-    by peer over all rows instead of a split and a copy per table and peer."""
+    """Per group ``[n_g, D_g]`` rows, peer after peer (``counts[g][j]`` of them for peer j), as one flat payload
+    peer after peer, group after group within (what an all-to-all sends)."""
     P = len(counts[0]) if counts else 0
-    if len({r.shape[1] for r in rows}) == 1 and P:
-        peer = torch.repeat_interleave(torch.arange(P).repeat(len(rows)), torch.tensor(counts).reshape(-1))
-        return torch.cat(list(rows)).index_select(0, torch.sort(peer, stable=True).indices).reshape(-1)
+    if len(rows) == 1:
+        return rows[0].reshape(-1)
     per_peer = [torch.split(r, list(c)) for r, c in zip(rows, counts, strict=True)]
-    return _flat([per_peer[t][j] for j in range(P) for t in range(len(rows))], dtype)
+    parts = [per_peer[g][j].reshape(-1) for j in range(P) for g in range(len(rows))]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
 
 
-def table_major(
+def group_major(
     flat: torch.Tensor, counts: Sequence[Sequence[int]], dims: Sequence[int]
 ) -> tuple[torch.Tensor, ...]:
-    """``peer_major``'s inverse: a flat payload received peer after peer, table after table within
-    (``counts[t][j]`` rows of table t from peer j), as per table ``[n_t, D_t]`` rows, peer after peer."""
-    T, P = len(dims), len(counts[0]) if counts else 0
-    totals = [sum(c) for c in counts]
-    if len(set(dims)) == 1 and P:
-        table = torch.repeat_interleave(torch.arange(T).repeat(P), torch.tensor(counts).t().reshape(-1))
-        rows = flat.view(-1, dims[0]).index_select(0, torch.sort(table, stable=True).indices)
-        return torch.split(rows, totals)
-    by_table: list[list[torch.Tensor]] = [[] for _ in range(T)]
-    widths = [sum(counts[t][j] * dims[t] for t in range(T)) for j in range(P)]
+    """``peer_major``'s inverse: a flat payload received peer after peer, group after group within
+    (``counts[g][j]`` rows of group g from peer j), as per group ``[n_g, D_g]`` rows, peer after peer."""
+    G, P = len(dims), len(counts[0]) if counts else 0
+    if G == 1:
+        return (flat.view(-1, dims[0]),)
+    by_group: list[list[torch.Tensor]] = [[] for _ in range(G)]
+    widths = [sum(counts[g][j] * dims[g] for g in range(G)) for j in range(P)]
     for j, block in enumerate(torch.split(flat, widths)):
-        for t, seg in enumerate(torch.split(block, [counts[t][j] * dims[t] for t in range(T)])):
-            by_table[t].append(seg)
-    return tuple(_flat(by_table[t], flat.dtype).view(-1, dims[t]) for t in range(T))
+        for g, seg in enumerate(torch.split(block, [counts[g][j] * dims[g] for g in range(G)])):
+            by_group[g].append(seg)
+    return tuple(torch.cat(by_group[g]).view(-1, dims[g]) for g in range(G))
 
 
 class RowExchange(torch.autograd.Function):
-    """Stage 2 and its backward (module doc): inputs the tables' shards, outputs each table's gathered rows."""
+    """The rows stage and its backward (module doc): inputs the called tables' parameters (autograd's edges;
+    the rows are read from the groups' flat tensors they view), outputs each group's gathered rows."""
 
     @staticmethod
-    def forward(ctx: Any, route: Route, tally: Traffic, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ex = route.exchanger
-        P, dtype = ex.size, shards[0].dtype
-        # lookup: each requester's rows, table after table
-        rows = [s.detach().index_select(0, r) for s, r in zip(shards, route.served.rows, strict=True)]
-        reply = peer_major(rows, route.served.counts, dtype)
-        to_req, from_owner = [route.rows_to(i) for i in range(P)], [route.rows_from(j) for j in range(P)]
+    def forward(
+        ctx: Any, route: Route, link: Link, tally: Traffic, *params: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        del params
+        served = route.ids.served
+        rows = [g.flat.index_select(0, r) for g, r in zip(route.groups, served.rows, strict=True)]
+        reply = peer_major(rows, served.counts, route.groups[0].dtype)
+        to_req, from_owner = (
+            [route.rows_to(i) for i in range(link.size)],
+            [route.rows_from(j) for j in range(link.size)],
+        )
         if route.status is None:
-            got = ex.rows_all_to_all(reply, to_req, from_owner, "rows", tally)
+            got = link.rows(reply, to_req, from_owner, "rows", tally)
         else:
-            got = rows_with_verdicts(route, reply, to_req, from_owner, tally)
-        # output dist: owner after owner, table after table -> per table, owner after owner
-        gathered = table_major(got, route.asked, route.dims)
-        ctx.route = route
-        return tuple(gathered)
+            got = with_verdicts(link, route, reply, to_req, from_owner, tally)
+        ctx.route, ctx.link = route, link
+        asked = [a.per_owner for a in route.ids.asked]
+        return group_major(got, asked, [g.dim for g in route.groups])
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         route: Route = ctx.route
-        ex = route.exchanger
-        P, T = ex.size, len(grads)
-        dtype = grads[0].dtype
+        link: Link = ctx.link
         t0 = time.perf_counter()
         tally = Traffic()
-        # grad dist: one gradient row per distinct id, to its owner (the forward's row splits, reversed)
-        send = peer_major(grads, route.asked, dtype)
-        to_owner, from_req = [route.rows_from(j) for j in range(P)], [route.rows_to(i) for i in range(P)]
-        got = ex.rows_all_to_all(send, to_owner, from_req, "grads", tally)
-        by_table = table_major(got, route.served.counts, route.dims)
-        out: list[torch.Tensor | None] = [None, None]
-        for t in range(T):
-            if not ctx.needs_input_grad[2 + t]:
-                out.append(None)
-                continue
-            rows = route.served.rows[t]
-            values = by_table[t]
-            pad = route.padding_local[t]
-            if pad is not None:  # torch's embedding backward leaves padding_idx out
-                keep = rows != pad
-                rows, values = rows[keep], values[keep]
-            shape = (route.shard_rows[t], route.dims[t])
-            coo = torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, check_invariants=False)  # rows < shape
-            out.append(coo.coalesce())  # one row per id: the sum over the requesters
-        ex.record("shard_grad", tally, t0, nnz_in=sum(int(g.shape[0]) for g in grads),
-                  nnz_out=sum(int(r.numel()) for r in route.served.rows))  # fmt: skip
+        dense = [
+            gr if gr is not None else g.flat.new_zeros(a.distinct.numel(), g.dim)
+            for gr, g, a in zip(grads, route.groups, route.ids.asked, strict=True)
+        ]
+        send = peer_major(dense, [a.per_owner for a in route.ids.asked], route.groups[0].dtype)
+        P = link.size
+        got = link.rows(send, [route.rows_from(j) for j in range(P)], [route.rows_to(i) for i in range(P)],
+                        "grads", tally)  # fmt: skip
+        by_group = group_major(got, route.ids.served.counts, [g.dim for g in route.groups])
+        sums = [_owner_sum(g, r, v) for g, r, v in zip(route.groups, route.ids.served.rows, by_group, strict=True)]
+        out: list[torch.Tensor | None] = [None, None, None]
+        for k, (gi, slot) in enumerate(route.inputs):
+            group = route.groups[gi]
+            out.append(
+                None if group.fused is not None or not ctx.needs_input_grad[3 + k] else _cut(sums[gi], slot)
+            )
+        for group, (rows, values) in zip(route.groups, sums, strict=True):
+            if group.fused is not None:
+                group.fused.apply(group, rows, values, [s for gi, s in route.inputs if route.groups[gi] is group])
+        link.record("shard_grad", tally, t0, nnz_in=sum(d.shape[0] for d in dense),
+                    nnz_out=sum(int(r.numel()) for r in route.ids.served.rows))  # fmt: skip
         return tuple(out)
 
 
-def rows_with_verdicts(
-    route: Route, reply: torch.Tensor, to_req: list[int], from_owner: list[int], tally: Traffic
+def _owner_sum(group: TableGroup, rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient rows received for ``group`` summed per row (one sort): (rows ascending, their sums), the
+    tables' padding rows left out (torch's embedding backward leaves padding_idx out)."""
+    if group.padding_rows.numel():
+        keep = ~torch.isin(rows, group.padding_rows)
+        rows, values = rows[keep], values[keep]
+    coo = torch.sparse_coo_tensor(rows.unsqueeze(0), values, (group.flat.shape[0], group.dim),
+                                  check_invariants=False).coalesce()  # fmt: skip
+    return coo.indices()[0], coo.values()
+
+
+def _cut(summed: tuple[torch.Tensor, torch.Tensor], slot: Slot) -> torch.Tensor:
+    """Table ``slot``'s gradient, a coalesced sparse COO tensor of its shard's shape, out of the group's sum."""
+    rows, values = summed
+    lo, hi = torch.searchsorted(rows, torch.tensor([slot.first, slot.first + slot.owned])).tolist()
+    shape = (slot.owned, values.shape[1])
+    index = (rows[lo:hi] - slot.first).unsqueeze(0)
+    return torch.sparse_coo_tensor(index, values[lo:hi], shape, is_coalesced=True, check_invariants=False)
+
+
+def with_verdicts(
+    link: Link, route: Route, reply: torch.Tensor, to_req: list[int], from_owner: list[int], tally: Traffic
 ) -> torch.Tensor:
     """The rows round of a looked-ahead exchange: each block opens with this rank's verdict on its forward's calls
     (``Route.status``), so after the round every rank knows every rank's and, when any refused, every rank raises
-    the same error (``header.raise_refused``); else the rows, as ``rows_all_to_all`` gives them."""
-    ex = route.exchanger
-    assert route.status is not None
-    verdict = reply.new_full((1,), float(route.status))
+    the same error (``ids.raise_refused``); else the rows, as ``Link.rows`` gives them."""
+    verdict = reply.new_full((1,), float(OK if route.status is None else route.status))
     send = torch.cat([x for part in torch.split(reply, to_req) for x in (verdict, part)])
     sizes_out, sizes_in = [n + 1 for n in to_req], [n + 1 for n in from_owner]
-    got = ex.rows_all_to_all(send, sizes_out, sizes_in, "rows", tally, verdicts=True)
+    got = link.rows(send, sizes_out, sizes_in, "rows", tally, verdicts=True)
     blocks = torch.split(got, sizes_in)
-    header.raise_refused([int(b[0]) for b in blocks], ex.group, route.refusal)
+    raise_refused([int(b[0]) for b in blocks], link.group, route.refusal)
     return torch.cat([b[1:] for b in blocks])
+
+
+# --- the pooling -------------------------------------------------------------------------------------------------
+def pool(
+    gathered: torch.Tensor, calls: Sequence[Call], positions: torch.Tensor, padding_at: dict[int, int]
+) -> None:
+    """Resolve each of one group's ``calls`` with its output, computed by torch's own functional on the group's
+    ``gathered`` rows, the positions of its keys among them (``positions``: every call's, in call order) standing
+    for its ids: the calls that share a signature in one ``embedding_bag`` (or ``embedding``), their outputs split
+    apart; a call with a padding row alone (``padding_at``: padding key -> its row among ``gathered``)."""
+    per_call = torch.split(positions, [c.keys.numel() for c in calls])
+    fused: dict[tuple[Any, ...], list[tuple[Call, torch.Tensor]]] = {}
+    for call, pos in zip(calls, per_call, strict=True):
+        if call.padding is not None:
+            call.out.resolve(_pool_one(gathered, call, pos, padding_at.get(call.padding)))
+        else:
+            fused.setdefault((call.bag, call.mode, call.weights is not None), []).append((call, pos))
+    for (bag, mode, weighted), members in fused.items():
+        if bag:
+            _pool_bags(gathered, members, mode, weighted)
+        else:
+            _pool_embeddings(gathered, members)
+
+
+def _pool_one(gathered: torch.Tensor, call: Call, pos: torch.Tensor, padding: int | None) -> torch.Tensor:
+    if not call.bag:
+        return nn.functional.embedding(pos.view(call.shape), gathered, padding)
+    return nn.functional.embedding_bag(
+        pos.view(call.shape), gathered, call.offsets, mode=call.mode, per_sample_weights=call.weights,
+        include_last_offset=call.last, padding_idx=padding,
+    )  # fmt: skip
+
+
+def _pool_embeddings(gathered: torch.Tensor, members: Sequence[tuple[Call, torch.Tensor]]) -> None:
+    out = nn.functional.embedding(torch.cat([p for _, p in members]), gathered)
+    for (call, _), part in zip(members, torch.split(out, [p.numel() for _, p in members]), strict=True):
+        call.out.resolve(part.view(*call.shape, gathered.shape[1]))
+
+
+def _pool_bags(
+    gathered: torch.Tensor, members: Sequence[tuple[Call, torch.Tensor]], mode: str, weighted: bool
+) -> None:
+    """One ``embedding_bag`` over the members' bags, each call's bags one after another (offsets shifted)."""
+    positions, offsets, bags = [], [], []
+    weights: list[torch.Tensor] = []
+    at = 0
+    for call, pos in members:
+        flat, offs, w = _as_bags(call, pos)
+        positions.append(flat)
+        offsets.append(offs + at)
+        if w is not None:
+            weights.append(w)
+        bags.append(offs.numel())
+        at += flat.numel()
+    out = nn.functional.embedding_bag(
+        torch.cat(positions), gathered, torch.cat(offsets), mode=mode,
+        per_sample_weights=torch.cat(weights) if weighted else None,
+    )  # fmt: skip
+    for (call, _), part in zip(members, torch.split(out, bags), strict=True):
+        call.out.resolve(part)
+
+
+def _as_bags(call: Call, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A bag call as (positions, offsets without a last one, per-sample weights), flat: a 2-D input's rows are its
+    bags; with ``include_last_offset`` the ids past the last offset are left out, as torch leaves them out."""
+    w = call.weights.reshape(-1) if call.weights is not None else None
+    if len(call.shape) == 2:
+        B, L = call.shape
+        return pos, torch.arange(B, dtype=torch.int64) * L, w
+    assert call.offsets is not None
+    if not call.last:
+        return pos, call.offsets, w
+    end = int(call.offsets[-1]) if call.offsets.numel() else 0
+    return pos[:end], call.offsets[:-1], (w[:end] if w is not None else None)

@@ -1,0 +1,98 @@
+"""Table groups, the layout of fbgemm's table-batched embedding (TBE: one weight, ``weights_offsets``): the
+sharded tables of one width and dtype held as one flat tensor per rank, each table's shard a slice of it, so a
+step reads, sends and sums the rows of all the group's tables in one op each, however many tables there are.
+
+The key space. Table t of the group gets the keys ``base_t + id`` for its ids, ``base_t = P · first_t``
+with ``first_t`` the sum of ``ceil(R_s / P)`` over the tables s before it. A key's owner is then
+``key mod P`` = ``id mod P`` (the table's own stride ownership, ``ownership``) and its row in the owner's flat
+tensor ``key div P`` = ``first_t + id div P``: the group is one stride-owned table of ``P · Σ ceil(R_t / P)``
+rows, and one modulo and one division route every key of every table. A rank that owns fewer than
+``ceil(R_t / P)`` rows of table t holds one row past its last (zero, never looked up: the ids are checked
+against ``R_t``, so no key reaches it).
+
+The tables' parameters stay the modules' own (``nn.Parameter`` per table, named and saved as before): each is a
+view of its slice of the flat tensor (``param_view``), so an optimizer's update of a table, ``load_state_dict``
+and the exchange's reads all see the same storage. ``aliased`` says whether that still holds: a conversion that
+replaces a parameter's storage (``model.double()`` after ``sparsync.shard``) breaks it, and the exchange then
+refuses rather than read stale rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from sparsync.sharding.ownership import Ownership
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Table t's place in its group (module doc)."""
+
+    index: int  # t, the table's position in the group
+    base: int  # its first key, P · first
+    first: int  # its first row in each rank's flat tensor
+    rows: int  # R_t, the table's rows
+    owned: int  # the rows of it this rank owns
+
+
+class Fused(Protocol):
+    """An optimizer applied to a group's rows at the end of backward (``fused``)."""
+
+    def apply(self, group: TableGroup, rows: torch.Tensor, values: torch.Tensor, slots: list[Slot]) -> None: ...
+
+
+class TableGroup:
+    """The flat tensor of a group of sharded tables (module doc): ``rows[t]`` rows in table t, ``dim`` columns,
+    ``dtype``, over ``parts`` ranks, as rank ``rank`` holds it."""
+
+    def __init__(self, rows: Sequence[int], dim: int, dtype: torch.dtype, parts: int, rank: int) -> None:
+        chunks = [-(-int(r) // parts) for r in rows]
+        firsts = [sum(chunks[:t]) for t in range(len(rows))]
+        self.dim, self.dtype, self.parts, self.rank = dim, dtype, parts, rank
+        self.slots = tuple(
+            Slot(t, parts * f, f, int(r), Ownership(int(r), parts).counts()[rank])
+            for t, (f, r) in enumerate(zip(firsts, rows, strict=True))
+        )
+        self.ownership = Ownership(parts * sum(chunks), parts)  # the key space's: owner = key mod P
+        self.flat = torch.zeros(sum(chunks), dim, dtype=dtype)
+        self.params: list[nn.Parameter] = []
+        self.padding_rows = torch.empty(0, dtype=torch.int64)  # the tables' padding rows this rank holds
+        self.fused: Fused | None = None  # the optimizer applied in backward (``fused``), if the tables have one
+
+    def param_view(self, slot: Slot, rows: torch.Tensor, requires_grad: bool, padding: int | None) -> nn.Parameter:
+        """Table ``slot``'s parameter: ``rows`` (its shard, ``[owned, dim]``) copied into its slice of the flat
+        tensor, and a parameter viewing that slice; ``padding``: the table's padding_idx. Mutates the flat tensor;
+        records the parameter and the padding row."""
+        view = self.flat[slot.first : slot.first + slot.owned]
+        view.copy_(rows)
+        if padding is not None and padding % self.parts == self.rank:
+            row = torch.tensor([slot.first + padding // self.parts])
+            self.padding_rows = torch.cat([self.padding_rows, row])
+        param = nn.Parameter(view, requires_grad=requires_grad)
+        self.params.append(param)
+        return param
+
+    def aliased(self) -> str | None:
+        """None while every table's parameter views its slice of the flat tensor; else which does not."""
+        for slot, p in zip(self.slots, self.params, strict=True):
+            if slot.owned and p.data_ptr() != self.flat[slot.first].data_ptr():
+                return (
+                    f"table {slot.index} of the group of {len(self.slots)} sharded tables of width {self.dim}: "
+                    "its weight no longer views the group's storage (its parameter was replaced after "
+                    "sparsync.shard, e.g. by model.to(dtype) or .data = ...); convert the model before sharding it"
+                )
+        return None
+
+    def local_rows(self, slot: Slot) -> slice:
+        """Table ``slot``'s rows in the flat tensor."""
+        return slice(slot.first, slot.first + slot.owned)
+
+
+def group_key(dim: int, dtype: torch.dtype) -> tuple[int, str]:
+    """The tables that share a group: one width, one dtype."""
+    return dim, str(dtype)
