@@ -23,7 +23,7 @@ from sparsync.compress.blocktopk import BlockTopK
 from sparsync.compress.cast import BF16, FP16
 from sparsync.compress.hooks import compression_hook
 from sparsync.compress.identity import Identity
-from sparsync.compress.memory import ErrorFeedback, Memory
+from sparsync.compress.memory import ErrorFeedback, Memory, MomentumCorrection
 from sparsync.compress.powersgd import LowRankPayload, PowerSGD
 from sparsync.compress.qsgd import QSGD
 from sparsync.compress.randomk import RandomK
@@ -50,6 +50,7 @@ __all__ = [
     "Identity",
     "LowRankPayload",
     "Memory",
+    "MomentumCorrection",
     "Payload",
     "PowerSGD",
     "QuantizedPayload",

@@ -109,3 +109,85 @@ class ErrorFeedback(Memory):
             raise ValueError(f"bad decay in state: {decay!r}")
         self.decay = float(decay)
         self._errors = {str(k): v.clone() for k, v in errors.items()}
+
+
+class MomentumCorrection(Memory):
+    """Deep Gradient Compression's local accumulation (Lin et al., ICLR 2018, §3.2 and Alg. 1 lines 11-17):
+    momentum correction and momentum factor masking, for a sparsifier.
+
+    Per name, a velocity u and an accumulator v: ``compensate`` computes u = m·u + g and returns v + u, what
+    the sparsifier selects from; ``update`` keeps the unsent part as v and zeroes u where something was sent
+    (the masking: a stale momentum would keep pushing a coordinate already applied). Sparsifying the
+    accumulated velocity instead of the gradient is what makes top-k behave like momentum SGD; the optimizer
+    must then step without momentum of its own (plain SGD on the aggregated velocities). With ``momentum=0``
+    this is ``ErrorFeedback``.
+    """
+
+    def __init__(self, momentum: float = 0.9) -> None:
+        if not 0.0 <= momentum < 1.0:
+            raise ValueError(f"momentum must lie in [0, 1), got {momentum!r}")
+        self.momentum = momentum
+        self._velocity: dict[str, torch.Tensor] = {}
+        self._errors: dict[str, torch.Tensor] = {}
+
+    def compensate(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Mutates the velocity of ``name`` (u = m·u + g); returns v + u, a new tensor."""
+        g = (tensor.to_dense() if tensor.is_sparse else tensor).detach()
+        u = self._velocity.get(name)
+        if u is not None and u.shape != g.shape:
+            raise ValueError(
+                f"momentum-correction velocity for {name!r} has shape {tuple(u.shape)}, the tensor has "
+                f"{tuple(g.shape)}: one name per tensor"
+            )
+        u = g.clone(memory_format=torch.contiguous_format) if u is None else u.mul_(self.momentum).add_(g)
+        self._velocity[name] = u
+        v = self._errors.get(name)
+        return u.clone() if v is None else v + u
+
+    def update(self, name: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
+        """v = compensated - transmitted; u = 0 where ``transmitted`` is non-zero."""
+        c = compensated.to_dense() if compensated.is_sparse else compensated
+        t = transmitted.to_dense() if transmitted.is_sparse else transmitted
+        self._errors[name] = (c - t).detach()
+        u = self._velocity.get(name)
+        if u is not None:
+            u.masked_fill_(t != 0, 0.0)
+
+    def update_selected(
+        self, name: str, compensated: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, owned: bool
+    ) -> None:
+        """``update`` for a payload of ``values`` at the flat ``indices``: v = compensated, v[indices] -= values
+        (in place when ``owned``), u[indices] = 0."""
+        c = compensated.detach()
+        e = c if owned and c.is_contiguous() else c.clone(memory_format=torch.contiguous_format)
+        self._errors[name] = e
+        idx = indices.to(torch.int64)
+        flat = e.view(-1)
+        flat[idx] = flat[idx] - values.to(e.dtype)
+        u = self._velocity.get(name)
+        if u is not None:
+            u.view(-1)[idx] = 0.0
+
+    def error(self, name: str) -> torch.Tensor | None:
+        return self._errors.get(name)
+
+    def velocity(self, name: str) -> torch.Tensor | None:
+        return self._velocity.get(name)
+
+    def state_dict(self) -> dict[str, object]:
+        return {
+            "momentum": self.momentum,
+            "errors": {k: v.clone() for k, v in self._errors.items()},
+            "velocity": {k: v.clone() for k, v in self._velocity.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        errors, velocity = state.get("errors"), state.get("velocity")
+        if not isinstance(errors, dict) or not isinstance(velocity, dict):
+            raise ValueError(f"state needs 'errors' and 'velocity' dicts (keys: {sorted(state)})")
+        momentum = state.get("momentum", 0.9)
+        if not isinstance(momentum, float | int):
+            raise ValueError(f"bad momentum in state: {momentum!r}")
+        self.momentum = float(momentum)
+        self._errors = {str(k): v.clone() for k, v in errors.items()}
+        self._velocity = {str(k): v.clone() for k, v in velocity.items()}

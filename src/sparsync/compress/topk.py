@@ -2,14 +2,18 @@
 ceil(ratio·bucket) largest of every bucket of consecutive entries (SparCML §6.1, which selects "the biggest
 elements in magnitude" per bucket of 512 so the selection parallelises; we select exactly, not randomised).
 
+``TopK(ratio, warmup=W)``: Deep Gradient Compression's warm-up (Lin et al. 2018, §3.4): the fraction kept
+starts at 25% and falls exponentially, 25%, 6.25%, 1.5625%, 0.39%, one stage per quarter of the first W calls
+of each name, to ``ratio`` (never below it); the call count is kept per name and checkpointed.
+
 A contraction in the sense of Stich et al. (2018) Def. 2.1, the property DCT §2.1 relies on:
-‖x - topk(x)‖² ≤ (1 - k/n)‖x‖². Biased: use it with error feedback.
+‖x - topk(x)‖² ≤ (1 - k/n)‖x‖². Biased: use it with error feedback (or ``MomentumCorrection``, DGC).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 
@@ -25,20 +29,44 @@ class TopK(Sparsifier):
     accepts_sparse: ClassVar[bool] = True
 
     bucket: int | None = None  # None: exact top-k over the whole tensor; else top ceil(ratio·bucket) per bucket
+    warmup: int = 0  # DGC's warm-up: calls per name over which the kept fraction falls from 25% to ratio
+    _calls: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # name -> calls (warm-up)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.bucket is not None:
             base.check_positive_int(self.bucket, "bucket")
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            raise ValueError(f"warmup must be a non-negative int (calls), got {self.warmup!r}")
+
+    def ratio_at(self, call: int) -> float:
+        """The fraction kept at a name's ``call``-th call (from 0): DGC's exponential warm-up, then ``ratio``."""
+        if call >= self.warmup:
+            return self.ratio
+        return max(self.ratio, 0.25 ** (1 + 4 * call // self.warmup))
 
     def compress(self, tensor: torch.Tensor, ctx: base.Context = base.NO_CONTEXT) -> base.SparsePayload:
         values, indices = base.flat_values(tensor)
         n = values.numel()
+        ratio = self.ratio
+        if self.warmup:
+            call = self._calls.get(ctx.name, 0)
+            self._calls[ctx.name] = call + 1
+            ratio = self.ratio_at(call)
         if self.bucket is None or n <= self.bucket:
-            pos = largest(values.abs(), base.count_for(self.ratio, n))
+            pos = largest(values.abs(), base.count_for(ratio, n))
         else:
-            pos = _bucket_topk(values.abs(), self.bucket, base.count_for(self.ratio, self.bucket))
+            pos = _bucket_topk(values.abs(), self.bucket, base.count_for(ratio, self.bucket))
         return base.selected(values, indices, pos, tensor.numel())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {name: {"calls": c} for name, c in self._calls.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state and not self.warmup:
+            raise ValueError(f"TopK without warmup keeps no state, got keys {sorted(state)}")
+        self._calls.clear()
+        self._calls.update({name: int(st["calls"]) for name, st in state.items()})
 
 
 SAMPLE = 1 << 16  # magnitudes sampled to pick the candidates' threshold (``largest``)

@@ -4,7 +4,7 @@ its ranks run is the module of that name one level up, which the ranks import), 
 
 from __future__ import annotations
 
-from sparsync_bench.bench import allreduce, compress, dlrm, embedding, hybrid
+from sparsync_bench.bench import allreduce, compress, dlrm, embedding, hybrid, tta
 from sparsync_bench.benchmark import Benchmark
 
 BENCHMARKS: tuple[Benchmark, ...] = (
@@ -13,6 +13,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     hybrid.BENCHMARK,
     embedding.BENCHMARK,
     dlrm.BENCHMARK,
+    tta.BENCHMARK,
 )
 
 

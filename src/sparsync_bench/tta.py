@@ -1,0 +1,293 @@
+"""``sparsync bench tta``: time to accuracy. Every method trains the same model from the same initial weights
+(bit for bit: built from one seed, their hash recorded) on the same samples (each rank's batch at step s is
+drawn from a generator seeded by (seed, rank, s)), one method after the other in one run, and rank 0 keeps the
+wall time after every step, the loss (the mean over ranks of each rank's batch loss), and the bytes its link
+interface sent.
+
+Methods (``METHODS``): DDP's dense allreduce; DDP with torch's fp16 hook; torch's PowerSGD hook at ranks
+1, 2, 4 (DDP with one bucket for the whole model: with several buckets in flight the hook deadlocks on gloo,
+since it issues a bucket's second allreduce from the first's future callback); sparsync's compressors through
+``compression_hook`` (QSGD, TopK + ErrorFeedback, DGC's top-k, Threshold = DCT-DP + ErrorFeedback, sparsync's
+PowerSGD), and through ``DistributedOptimizer``.
+
+Models (``MODELS``): a small causal transformer with dense gradients only, and an LSTM language model with a
+large embedding (``lm.SampledLM``, its gradient dense here as a DDP user's ``nn.Embedding`` sends it). Data:
+a Zipf-Markov token stream (each token follows its fixed successor with probability ``follow``, else a fresh
+Zipf draw), so both models have structure to learn beyond the unigram.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from sparsync.compress import ErrorFeedback, Memory, from_spec
+from sparsync.compress.hooks import compression_hook
+from sparsync.compress.memory import MomentumCorrection
+from sparsync.optim import DistributedOptimizer
+from sparsync.placement import Compressed
+from sparsync_bench.lm import SampledLM
+from sparsync_bench.report import progress
+
+
+@dataclass(frozen=True)
+class Method:
+    """One way to reduce the gradients. ``kind``: "ddp" (DDP, ``torch_hook`` naming torch's hook or None),
+    "hook" (DDP with sparsync's ``compression_hook``), "opt" (sparsync's ``DistributedOptimizer``)."""
+
+    label: str
+    kind: str
+    spec: str = ""  # sparsync compressor (``from_spec``) for "hook"/"opt"
+    memory: str = ""  # "" none, "ef" ErrorFeedback, "dgc" MomentumCorrection (then SGD without momentum)
+    torch_hook: str | None = None  # "fp16" or "powersgd"
+    rank: int = 0  # torch PowerSGD's matrix_approximation_rank
+
+
+METHODS: dict[str, Method] = {
+    m.label: m
+    for m in (
+        Method("ddp", "ddp"),
+        Method("ddp-fp16", "ddp", torch_hook="fp16"),
+        Method("torch-powersgd-r1", "ddp", torch_hook="powersgd", rank=1),
+        Method("torch-powersgd-r2", "ddp", torch_hook="powersgd", rank=2),
+        Method("torch-powersgd-r4", "ddp", torch_hook="powersgd", rank=4),
+        Method("qsgd4", "hook", "qsgd:bits=4,bucket=512"),
+        Method("topk-ef", "hook", "topk:ratio=0.01", "ef"),
+        Method("dgc", "hook", "topk:ratio=0.01,warmup=40", "dgc"),
+        Method("dctdp-ef", "hook", "threshold:ratio=0.01,lifespan=1000", "ef"),
+        Method("powersgd-r2", "hook", "powersgd:rank=2,start_iter=2", "ef"),
+        Method("opt-powersgd-r2", "opt", "powersgd:rank=2,start_iter=2", "ef"),
+        Method("opt-qsgd4", "opt", "qsgd:bits=4,bucket=512"),
+    )
+}
+TORCH_POWERSGD_START = 2  # torch's least start_powerSGD_iter with error feedback and warm start
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    kind: str  # "transformer" or "lm"
+    vocab: int
+    dim: int
+    hidden: int  # transformer: feed-forward width; lm: LSTM width
+    layers: int  # transformer layers (lm: unused)
+    seq: int
+    batch: int  # sequences per rank per step
+    lr: float
+    negatives: int = 0  # lm: shared negative samples per step (sampled softmax)
+
+
+MODELS: dict[str, ModelSpec] = {
+    "transformer": ModelSpec("transformer", 512, 256, 1024, 3, 32, 4, 0.05),
+    "lm": ModelSpec("lm", 100_000, 64, 256, 1, 20, 8, 0.5, negatives=512),
+    "tiny-transformer": ModelSpec("transformer", 64, 16, 32, 1, 8, 2, 0.05),
+    "tiny-lm": ModelSpec("lm", 500, 8, 16, 1, 6, 2, 0.5, negatives=16),
+}
+
+
+@dataclass(frozen=True)
+class TTAConfig:
+    model: str = "transformer"  # a key of MODELS
+    steps: int = 60  # training steps per method
+    methods: tuple[str, ...] = tuple(METHODS)  # keys of METHODS, trained in this order
+    momentum: float = 0.9  # SGD momentum (DGC applies it in its memory instead)
+    zipf: float = 1.1  # the stream's Zipf exponent
+    follow: float = 0.7  # probability that a token is followed by its fixed successor
+    seed: int = 0
+    spec: ModelSpec = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; valid: {', '.join(MODELS)}")
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad:
+            raise ValueError(f"unknown methods {bad}; valid: {', '.join(METHODS)}")
+        if self.steps < 4:
+            raise ValueError(f"steps must be >= 4 (the target is the dense run's loss at 3/4), got {self.steps}")
+        for m in self.methods:
+            if METHODS[m].spec:
+                from_spec(METHODS[m].spec)  # a bad spec raises before any process starts
+        object.__setattr__(self, "spec", MODELS[self.model])
+
+
+# --- models and data ------------------------------------------------------------------------------------------
+class TinyTransformer(nn.Module):
+    """Token + position embeddings, causal pre-norm transformer layers (no dropout), a linear head."""
+
+    def __init__(self, s: ModelSpec) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(s.vocab, s.dim)
+        self.pos = nn.Parameter(torch.randn(s.seq, s.dim) * 0.02)
+        layer = nn.TransformerEncoderLayer(s.dim, max(1, s.dim // 64), s.hidden, dropout=0.0, batch_first=True,
+                                           norm_first=True)  # fmt: skip
+        self.body = nn.TransformerEncoder(layer, s.layers, enable_nested_tensor=False)
+        self.norm = nn.LayerNorm(s.dim)
+        self.head = nn.Linear(s.dim, s.vocab)
+        self.mask: torch.Tensor
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(s.seq), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
+        del negatives
+        inp, tgt = tokens[:, :-1], tokens[:, 1:]
+        x = self.emb(inp) + self.pos[: inp.shape[1]]
+        h = self.norm(self.body(x, mask=self.mask[: inp.shape[1], : inp.shape[1]], is_causal=True))
+        return nn.functional.cross_entropy(self.head(h).reshape(-1, self.head.out_features), tgt.reshape(-1))
+
+
+def build_model(s: ModelSpec, seed: int) -> nn.Module:
+    """The model, its weights drawn from ``seed`` alone."""
+    torch.manual_seed(seed)
+    if s.kind == "transformer":
+        return TinyTransformer(s)
+    m = SampledLM(s.vocab, s.dim, s.hidden, seed=seed)
+    m.emb.sparse = False  # a dense gradient, as DDP's hooks take it
+    return m
+
+
+def weights_hash(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, p in model.state_dict().items():
+        h.update(name.encode())
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Stream:
+    """The Zipf-Markov token stream; ``batch(rank, step)`` depends on (seed, rank, step) only."""
+
+    def __init__(self, cfg: TTAConfig) -> None:
+        s = cfg.spec
+        p = 1.0 / np.arange(1, s.vocab + 1, dtype=float) ** cfg.zipf
+        self.cdf = np.cumsum(p / p.sum())
+        self.succ = np.random.default_rng([cfg.seed, 7]).permutation(s.vocab)
+        self.cfg = cfg
+
+    def _zipf(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return np.minimum(np.searchsorted(self.cdf, rng.random(n)), len(self.cdf) - 1)
+
+    def batch(self, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.cfg.spec
+        rng = np.random.default_rng([self.cfg.seed, rank, step])
+        out = np.empty((s.batch, s.seq + 1), dtype=np.int64)
+        out[:, 0] = self._zipf(rng, s.batch)
+        for t in range(1, s.seq + 1):
+            follow = rng.random(s.batch) < self.cfg.follow
+            out[:, t] = np.where(follow, self.succ[out[:, t - 1]], self._zipf(rng, s.batch))
+        neg = rng.integers(0, s.vocab, max(1, s.negatives))
+        return torch.from_numpy(out), torch.from_numpy(neg)
+
+
+# --- the methods ----------------------------------------------------------------------------------------------
+def _memory(method: Method, momentum: float) -> Memory | None:
+    if method.memory == "ef":
+        return ErrorFeedback()
+    if method.memory == "dgc":
+        return MomentumCorrection(momentum)
+    return None
+
+
+def wrap(method: Method, model: nn.Module, cfg: TTAConfig) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model as the method trains it (DDP-wrapped, or itself) and its optimizer: SGD with momentum, or
+    without where DGC's momentum correction applies it before compression."""
+    momentum = 0.0 if method.memory == "dgc" else cfg.momentum
+    sgd = torch.optim.SGD(model.parameters(), lr=cfg.spec.lr, momentum=momentum)
+    memory = _memory(method, cfg.momentum)
+    if method.kind == "opt":
+        opt = DistributedOptimizer(sgd, model, default=Compressed(from_spec(method.spec), memory))
+        return model, opt
+    if method.torch_hook == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+
+        # one bucket for the whole model: with two or more in flight torch's hook deadlocks on gloo
+        ddp = DistributedDataParallel(model, bucket_cap_mb=1024)
+        state = ps.PowerSGDState(None, matrix_approximation_rank=method.rank, random_seed=cfg.seed,
+                                 start_powerSGD_iter=TORCH_POWERSGD_START)  # fmt: skip
+        ddp.register_comm_hook(state, ps.powerSGD_hook)
+        return ddp, sgd
+    ddp = DistributedDataParallel(model)
+    if method.torch_hook == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif method.kind == "hook":
+        ddp.register_comm_hook(None, compression_hook(from_spec(method.spec), memory, module=ddp))
+    return ddp, sgd
+
+
+def sent_bytes() -> int:
+    """Bytes this process's network namespace sent on its gloo interface (``/proc/self/net/dev``); on
+    loopback, everything every process of the host sent on ``lo``."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    for line in Path("/proc/self/net/dev").read_text().splitlines()[2:]:
+        name, _, stats = line.partition(":")
+        if name.strip() == ifname:
+            return int(stats.split()[8])
+    return 0
+
+
+def warm_up(cfg: TTAConfig, stream: Stream, rank: int) -> None:
+    """One untimed step of every method of ``cfg`` on a throwaway model: what a process sets up once (sparsync's
+    own group, the link calibration of its sparse allreduce) is then charged to no method's time."""
+    for label in cfg.methods:
+        net, opt = wrap(METHODS[label], build_model(cfg.spec, cfg.seed), cfg)
+        net(*stream.batch(rank, 0)).backward()
+        opt.step()
+    dist.barrier()
+
+
+def train(rank: int, cfg: TTAConfig, method: Method, stream: Stream, tick: Callable[[], None]) -> dict[str, Any]:
+    """One method's run: ``cfg.steps`` steps from the seed's weights; rank 0's row (others: the same keys)."""
+    P = dist.get_world_size()
+    model = build_model(cfg.spec, cfg.seed)
+    weights = weights_hash(model)
+    net, opt = wrap(METHODS[method.label], model, cfg)
+    first = stream.batch(rank, 0)
+    samples = hashlib.sha256(first[0].numpy().tobytes()).hexdigest()[:16]
+    losses, times = [], []
+    dist.barrier()
+    b0, t0 = sent_bytes(), time.perf_counter()
+    for step in range(cfg.steps):
+        tokens, negatives = stream.batch(rank, step)
+        opt.zero_grad(set_to_none=True)
+        loss = net(tokens, negatives)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - t0)
+        tick()
+    sent = sent_bytes() - b0
+    mean = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(mean)
+    local = "lo" if "GLOO_SOCKET_IFNAME" not in os.environ else "link"
+    per_rank = sent / (P if local == "lo" else 1)
+    return {"model": cfg.model, "method": method.label, "P": P, "steps": cfg.steps, "weights": weights,
+            "samples": samples, "loss": (mean / P).tolist(), "times_s": times,
+            "bytes_per_step": per_rank / cfg.steps, "bytes_from": local}  # fmt: skip
+
+
+def worker(rank: int, cfg: TTAConfig, show_progress: bool) -> list[dict[str, Any]]:
+    """Every method of ``cfg`` in turn on this rank; rank 0 returns the rows."""
+    stream = Stream(cfg)
+    rows = []
+    total = cfg.steps * len(cfg.methods)
+    with progress(show_progress and rank == 0, f"{cfg.model}", total) as update:
+        update(f"{cfg.model}: warm-up", 0)
+        warm_up(cfg, stream, rank)
+        for label in cfg.methods:
+            update(f"{cfg.model}: {label}", 0)
+            rows.append(train(rank, cfg, METHODS[label], stream, lambda: update(None, 1)))
+    return rows if rank == 0 else []
+
+
+def with_methods(cfg: TTAConfig, methods: tuple[str, ...]) -> TTAConfig:
+    return replace(cfg, methods=methods)
