@@ -115,9 +115,7 @@ def exact_worker(rank: int) -> dict[str, Any]:
         log = CommLog()
         model = sparsync.shard(Tables(seed=rank), log=log)  # different inits: rank 0's rows win
         ref = Tables(seed=0, sparse=True)
-        opt = DistributedOptimizer(
-            make_opt(model.parameters()), model, plan=plan_of(model), sync_parameters=False
-        )
+        opt = DistributedOptimizer(make_opt(model.parameters()), model, plan=plan_of(model), sync_parameters=False)
         ref_opt = make_opt(ref.parameters())
         errors, identical = [], []
         for step in range(STEPS):

@@ -16,6 +16,7 @@ from sparsync.placement.sharded import plan_of
 from sparsync.sharding.api import shard
 from sparsync.sharding.auto import AUTO_KINDS, AutoPlan, auto_plan
 from sparsync.sharding.exchange import Exchanger
+from sparsync.sharding.fused import SGD, Adagrad, Adam, RowwiseAdagrad, dense_parameters
 from sparsync.sharding.lazy import LazyLookup
 from sparsync.sharding.lookahead import Lookahead
 from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
@@ -24,15 +25,20 @@ from sparsync.sharding.ownership import Ownership
 
 __all__ = [
     "AUTO_KINDS",
+    "SGD",
+    "Adagrad",
+    "Adam",
     "AutoPlan",
     "Exchanger",
     "LazyLookup",
     "Lookahead",
     "Ownership",
+    "RowwiseAdagrad",
     "ShardedEmbedding",
     "ShardedEmbeddingBag",
     "ShardedTable",
     "auto_plan",
+    "dense_parameters",
     "load_optimizer_state_dict",
     "optimizer_state_dict",
     "plan_of",

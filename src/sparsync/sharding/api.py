@@ -37,6 +37,7 @@ from sparsync.placement.sharded import mark
 from sparsync.record import CommLog
 from sparsync.sharding.auto import auto_plan
 from sparsync.sharding.exchange import Exchanger
+from sparsync.sharding.fused import OPTIMIZERS, Fused
 from sparsync.sharding.group import Slot, TableGroup, group_key
 from sparsync.sharding.link import WIRE
 from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
@@ -54,6 +55,7 @@ def shard(
     sample: Sequence[Any] | None = None,
     rows: str | None = None,
     seed: int = 0,
+    optimizer: Fused | None = None,
 ) -> nn.Module:
     """Swap the embedding modules of ``model`` for sharded ones, per ``plan``, and return the model (the new
     module when ``model`` is itself an embedding).
@@ -69,7 +71,11 @@ def shard(
     ``state_dict``: ``"full"`` (each table whole, on rank 0) or ``"local"`` (each rank its rows;
     ``shard.modules``). ``rows``: ``"fp16"`` or ``"bf16"`` sends the rows and the gradient rows in that
     precision, half of fp32's bytes, each value rounded once on the way (lossy: the tables, the pooling and the
-    owners' sums stay in the tables' dtype); None sends them as they are.
+    owners' sums stay in the tables' dtype); None sends them as they are. ``optimizer``: one of ``fused``'s
+    optimizers (``SGD``, ``Adagrad``, ``RowwiseAdagrad``, ``Adam``), applied to the sharded tables' rows at the
+    end of backward, in place, with the mean of the ranks' gradients; the tables then get no ``.grad``: give the
+    rest of the model's optimizer ``dense_parameters(model)``. None: the tables get a sparse gradient, the sum over
+    the ranks, for any torch optimizer that takes sparse gradients (``DistributedOptimizer`` divides it by P).
 
     Every shard starts from group rank 0's table, so training starts where the replicated path would; a table
     on the meta device (``device="meta"``: too large for one rank) is never built whole: each rank draws its own
@@ -97,6 +103,15 @@ def shard(
     exchanger = Exchanger.on(g, log, None if rows is None else WIRE[rows])
     placement = Sharded()  # one object: DistributedOptimizer keeps every shard in one group of its plan
     slots = _grouped(exchanger, [tables[n] for n in chosen])
+    if optimizer is not None:
+        if not isinstance(optimizer, Fused):
+            names = [o.__name__ for o in OPTIMIZERS]
+            raise TypeError(
+                f"optimizer must be one of sparsync.sharding.fused's {names}, got {type(optimizer).__name__} (for "
+                "a torch optimizer over the tables' sparse gradients, leave optimizer None)"
+            )
+        for table_group in exchanger.groups:
+            table_group.fused = optimizer.bind(table_group)
     swapped: dict[int, ShardedTable] = {}
     for name, at in zip(chosen, slots, strict=True):
         m = tables[name]
