@@ -1,0 +1,258 @@
+"""``SparsyncStrategy``: PyTorch Lightning's ``Trainer`` (the ``lightning`` package, ``lightning.pytorch``)
+training a ``LightningModule`` through sparsync.
+
+    trainer = lightning.pytorch.Trainer(strategy=SparsyncStrategy(), accelerator="cpu", max_epochs=1)
+    trainer.fit(module)   # configure_optimizers' torch optimizer, wrapped in DistributedOptimizer
+
+Two paths, chosen by ``comm_hook``:
+
+- ``comm_hook=None`` (the default): the module is not wrapped; each optimizer that ``configure_optimizers``
+  returns is wrapped in ``sparsync.DistributedOptimizer(optimizer, module, **optimizer_options)``, which reduces
+  the gradients during backward (sparse tables row-sparse, dense layers in buckets, a ``plan=`` of placements
+  compressing any of them). ``shard_plan``: ``sparsync.shard(module, plan=shard_plan, **shard_options)`` runs
+  first, before ``configure_optimizers``, so the optimizers hold the shards (``{}`` shards every table, as
+  ``sparsync.shard``'s default does). Gradient accumulation (``accumulate_grad_batches``) runs the
+  optimizers' ``no_sync()``, as DDPStrategy runs DDP's.
+- ``comm_hook=hook``: DDPStrategy's path (the module wrapped in ``DistributedDataParallel(**ddp_options)``), with
+  ``ddp.register_comm_hook(comm_state, hook)`` on every device, CPU included (Lightning's own ``DDPStrategy``
+  registers a hook on CUDA only), e.g. ``sparsync.compress.hooks.compression_hook(TopK(0.01), ErrorFeedback(),
+  module=module)``.
+
+Inside ranks that exist already (``sparsync.launch``, or a script that called ``init_process_group``) the
+strategy takes their group (``ProcessGroupEnvironment``) and Lightning starts no processes; otherwise Lightning's
+own environments and launcher apply, as for ``DDPStrategy``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Generator, Mapping
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn.parallel import DistributedDataParallel
+
+from sparsync.optim import DistributedOptimizer
+from sparsync.placement import Sharded, placement_of
+from sparsync.sharding import shard
+
+# Lightning's precision flags under which the two paths are tested (tests/integrations/test_lightning.py); the
+# others (half-precision weights "16-true"/"bf16-true", "16-mixed"'s GradScaler, quantised and FP8 plugins) are
+# refused rather than run untested.
+PRECISIONS = ("32-true", "64-true", "bf16-mixed")
+
+
+class ProcessGroupEnvironment(ClusterEnvironment):
+    """Lightning's view of a torch.distributed default group that is initialised already: the group's ranks and
+    size, and processes that exist (Lightning launches none). ``LOCAL_RANK`` and ``NODE_RANK`` (or torchrun's
+    ``GROUP_RANK``) are read from the environment where set, else the global rank and 0."""
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        return True
+
+    @property
+    def main_address(self) -> str:
+        return os.environ.get("MASTER_ADDR", "127.0.0.1")
+
+    @property
+    def main_port(self) -> int:
+        return int(os.environ.get("MASTER_PORT", "0"))
+
+    @staticmethod
+    def detect() -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
+    def set_world_size(self, size: int) -> None:
+        """The group's size is fixed: Lightning's count (nodes x devices per node) is not used."""
+
+    def global_rank(self) -> int:
+        return dist.get_rank()
+
+    def set_global_rank(self, rank: int) -> None:
+        """The group's rank is fixed: Lightning's count is not used."""
+
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+
+    def node_rank(self) -> int:
+        return int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")))
+
+
+class SparsyncStrategy(DDPStrategy):
+    """Lightning's data-parallel strategy with sparsync's reductions (module doc).
+
+    ``optimizer_options``: keyword arguments of ``DistributedOptimizer`` (``plan``, ``op``, ``overlap``,
+    ``log``, ...). ``shard_plan``: ``sparsync.shard``'s ``plan``, or None (no table sharded); ``shard_options``:
+    its other keyword arguments (``log``, ``rows``, ``state_dict``, ``sample``). ``comm_hook``/``comm_state``:
+    a DDP communication hook and its state: the module is then wrapped in DDP, with ``ddp_options``
+    (DDP's keyword arguments), and none of the three sparsync options above applies. ``cluster_environment``:
+    default ``ProcessGroupEnvironment`` when torch.distributed is initialised, else Lightning's choice.
+    Raises ValueError for options of the other path, or a ``precision`` outside ``PRECISIONS`` (at ``fit``).
+    """
+
+    def __init__(
+        self,
+        *,
+        optimizer_options: Mapping[str, Any] | None = None,
+        shard_plan: Mapping[str, str] | str | None = None,
+        shard_options: Mapping[str, Any] | None = None,
+        comm_hook: Callable[..., Any] | None = None,
+        comm_state: object = None,
+        ddp_options: Mapping[str, Any] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        _check_paths(comm_hook, optimizer_options, shard_plan, shard_options, ddp_options)
+        if cluster_environment is None and ProcessGroupEnvironment.detect():
+            cluster_environment = ProcessGroupEnvironment()
+        super().__init__(
+            cluster_environment=cluster_environment, ddp_comm_state=comm_state, ddp_comm_hook=comm_hook,
+            process_group_backend=process_group_backend, timeout=timeout,
+            **dict(ddp_options or {}),
+        )  # fmt: skip
+        self._optimizer_options = dict(optimizer_options or {})
+        self._shard_plan = shard_plan
+        self._shard_options = dict(shard_options or {})
+
+    @property
+    def wraps_in_ddp(self) -> bool:
+        """True on the DDP path (``comm_hook`` given), False on ``DistributedOptimizer``'s."""
+        return self._ddp_comm_hook is not None
+
+    @property
+    def root_device(self) -> torch.device:
+        """In an existing group: this process's device (the current CUDA device, which ``sparsync.launch`` and
+        torchrun's scripts choose per rank), not Lightning's list indexed by local rank."""
+        if not isinstance(self.cluster_environment, ProcessGroupEnvironment):
+            return super().root_device
+        device = (self.parallel_devices or [torch.device("cpu")])[0]
+        return torch.device("cuda", torch.cuda.current_device()) if device.type == "cuda" else device
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        _check_precision(self.precision_plugin.precision)
+        if self.wraps_in_ddp:
+            super().setup(trainer)
+            return
+        assert self.accelerator is not None and self.model is not None  # set by the Trainer before setup
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync is not None:
+            self.model = self._layer_sync.apply(self.model)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self._shard()
+        if fitting:
+            self.setup_optimizers(trainer)
+        else:  # no optimizer to broadcast rank 0's parameters, as DDPStrategy syncs the module there
+            broadcast_replicated(self.model)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _shard(self) -> None:
+        """``sparsync.shard`` the module once (a second ``fit`` or ``validate`` finds its shards in place)."""
+        module = self.lightning_module
+        assert module is not None
+        if self._shard_plan is None or any(isinstance(placement_of(p), Sharded) for p in module.parameters()):
+            return
+        shard(module, plan=self._shard_plan, **self._shard_options)
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Lightning's optimizers and schedulers, then (off the DDP path) each optimizer in a
+        ``DistributedOptimizer``; the schedulers keep the wrapped optimizer, whose ``param_groups`` the wrapper
+        shares."""
+        super().setup_optimizers(trainer)
+        if not self.wraps_in_ddp:
+            self.optimizers = [self._distributed(opt) for opt in self.optimizers]
+
+    def _distributed(self, optimizer: Any) -> DistributedOptimizer:
+        if isinstance(optimizer, DistributedOptimizer):
+            return optimizer  # configure_optimizers wrapped it itself
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"SparsyncStrategy: configure_optimizers returned a {type(optimizer).__qualname__}, not a "
+                "torch.optim.Optimizer; DistributedOptimizer wraps torch optimizers only (it shares their "
+                "param_groups and state)"
+            )
+        return DistributedOptimizer(optimizer, self.lightning_module, **self._optimizer_options)
+
+    def _register_ddp_hooks(self) -> None:
+        """The hook on every device: DDP runs comm hooks on gloo and CPU tensors too."""
+        if self._ddp_comm_hook is not None:
+            assert isinstance(self.model, DistributedDataParallel)
+            self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Gradient accumulation's micro-batches: DDP's ``no_sync()`` on the DDP path, else every
+        ``DistributedOptimizer``'s ``no_sync()`` (the next backward outside it reduces what accumulated)."""
+        if self.wraps_in_ddp:
+            with super().block_backward_sync():
+                yield
+            return
+        with contextlib.ExitStack() as stack:
+            for opt in self.optimizers:
+                if isinstance(opt, DistributedOptimizer):
+                    stack.enter_context(opt.no_sync())
+            yield
+
+
+def broadcast_replicated(module: torch.nn.Module) -> None:
+    """Rank 0's parameters and buffers to every rank, but a shard's rows (each rank's own). Collective.
+    Mutates: the module's parameters and buffers."""
+    with torch.no_grad():
+        for p in module.parameters():
+            if not isinstance(placement_of(p), Sharded):
+                dist.broadcast(p.data, src=0)
+        for b in module.buffers():
+            dist.broadcast(b, src=0)
+
+
+def _check_paths(
+    comm_hook: Callable[..., Any] | None,
+    optimizer_options: Mapping[str, Any] | None,
+    shard_plan: Mapping[str, str] | str | None,
+    shard_options: Mapping[str, Any] | None,
+    ddp_options: Mapping[str, Any] | None,
+) -> None:
+    """ValueError naming the options that the chosen path (module doc) would ignore."""
+    if comm_hook is not None:
+        given = {"optimizer_options": optimizer_options, "shard_plan": shard_plan, "shard_options": shard_options}
+        ignored = [k for k, v in given.items() if v is not None]
+        if ignored:
+            raise ValueError(
+                f"SparsyncStrategy: {ignored} apply to the DistributedOptimizer path, not with comm_hook= (the "
+                "module wrapped in DDP, its optimizers as they are; DDP checks that every rank's parameters "
+                "have the same shapes, so sharded tables cannot go this way): drop comm_hook= or these"
+            )
+    elif ddp_options:
+        raise ValueError(
+            f"SparsyncStrategy: ddp_options {sorted(ddp_options)} apply only with comm_hook= (the module is "
+            "wrapped in DDP only there)"
+        )
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"SparsyncStrategy: precision={precision!r} is not supported; tested: {list(PRECISIONS)} "
+            "(docs/integrations.md)"
+        )

@@ -1,0 +1,158 @@
+"""Workers for test_lightning.py (module-level: ``launch`` pickles them). Each case trains one small
+LightningModule (a sparse-gradient table, a sparse-gradient bag, a dense layer) twice from the same seed on the
+same samples: once by ``Trainer(strategy=SparsyncStrategy(...))`` and once by the hand-written loop that the
+case's path stands for (``DistributedOptimizer``, ``sparsync.shard``, DDP with ``compression_hook``), and returns
+both runs' parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import nullcontext
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import sparsync
+from sparsync.compress import ErrorFeedback, TopK
+from sparsync.compress.hooks import compression_hook
+from sparsync.integrations.lightning import SparsyncStrategy
+
+SAMPLES, BATCH, EPOCHS = 24, 4, 2
+SHARD_PLAN = {"emb": "sharded", "bag": "sharded"}
+
+
+class Net(pl.LightningModule):
+    """A sparse-gradient table, a sparse-gradient bag and a linear layer over both; Adagrad (it takes sparse
+    gradients). ``optimizer``: what ``configure_optimizers`` returns instead, for the misuse cases."""
+
+    def __init__(self, optimizer: Callable[[nn.Module], Any] | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(40, 4, sparse=True)
+        self.bag = nn.EmbeddingBag(24, 4, mode="sum", sparse=True)
+        self.fc = nn.Linear(8, 1)
+        self._optimizer = optimizer
+
+    def forward(self, a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        looked = [self.emb(a), self.bag(c)]  # both looked up before either is used: one exchange when sharded
+        return self.fc(torch.cat([looked[0].sum(1), looked[1]], 1)).squeeze(1)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        a, c, y = batch
+        return (self(a, c) - y).square().mean()
+
+    def configure_optimizers(self) -> Any:
+        if self._optimizer is not None:
+            return self._optimizer(self)
+        return torch.optim.Adagrad(self.parameters(), lr=0.1)
+
+
+def dataset() -> TensorDataset:
+    """The same samples on every rank; each rank trains on its DistributedSampler's share."""
+    g = torch.Generator().manual_seed(7)
+    a = torch.randint(0, 40, (SAMPLES, 3), generator=g)
+    c = torch.randint(0, 24, (SAMPLES, 2), generator=g)
+    return TensorDataset(a, c, torch.randn(SAMPLES, generator=g))
+
+
+def _trainer(strategy: SparsyncStrategy, **kwargs: Any) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )  # fmt: skip
+
+
+def _params(model: nn.Module) -> dict[str, np.ndarray]:
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+def lightning_run(case: str, accumulate: int) -> dict[str, np.ndarray]:
+    """``fit`` under ``SparsyncStrategy``; Lightning puts its DistributedSampler on the loader."""
+    module = Net()
+    if case == "hook":
+        hook = compression_hook(TopK(0.5), ErrorFeedback(), module=module)
+        strategy = SparsyncStrategy(comm_hook=hook)
+    else:
+        strategy = SparsyncStrategy(shard_plan=SHARD_PLAN if case == "shard" else None)
+    trainer = _trainer(strategy, accumulate_grad_batches=accumulate)
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    return _params(module)
+
+
+def plain_run(case: str, accumulate: int, rank: int, world: int) -> dict[str, np.ndarray]:
+    """The loop a sparsync user writes by hand, on the same samples (the sampler Lightning inserts in training: shuffled, seed 0), with
+    Lightning's accumulation: the loss divided by ``accumulate``, a step every ``accumulate`` batches and at
+    the epoch's last batch, the micro-batches before a step inside ``no_sync()``."""
+    model = Net()
+    if case == "hook":
+        call: nn.Module = nn.parallel.DistributedDataParallel(model)
+        call.register_comm_hook(None, compression_hook(TopK(0.5), ErrorFeedback(), module=model))
+        opt: Any = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    else:
+        if case == "shard":
+            sparsync.shard(model, plan=SHARD_PLAN)
+        call = model
+        opt = sparsync.DistributedOptimizer(torch.optim.Adagrad(model.parameters(), lr=0.1), model)
+    sampler = DistributedSampler(dataset(), num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(dataset(), batch_size=BATCH, sampler=sampler)
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        for i, (a, c, y) in enumerate(loader):
+            stepping = (i + 1) % accumulate == 0 or i + 1 == len(loader)
+            with nullcontext() if stepping else call.no_sync() if case == "hook" else opt.no_sync():
+                ((call(a, c) - y).square().mean() / accumulate).backward()
+            if stepping:
+                opt.step()
+                opt.zero_grad()
+    return _params(model)
+
+
+def compare_worker(rank: int, cases: tuple[tuple[str, int], ...]) -> dict[str, Any]:
+    """Per (case, accumulate_grad_batches): Lightning's parameters and the plain loop's, and the first
+    parameters (to check that training moved them)."""
+    sparsync.set_deterministic()
+    world = torch.distributed.get_world_size()
+    out: dict[str, Any] = {"start": _params(Net())}
+    for case, accumulate in cases:
+        out[f"{case}/{accumulate}"] = {
+            "lightning": lightning_run(case, accumulate),
+            "plain": plain_run(case, accumulate, rank, world),
+        }
+    return out
+
+
+class NotATorchOptimizer:
+    """Lightning takes any object with step() and zero_grad() from configure_optimizers."""
+
+    def __init__(self, params: Any) -> None:
+        self.param_groups = [{"params": list(params)}]
+
+    def step(self, closure: Any = None) -> None: ...
+
+    def zero_grad(self) -> None: ...
+
+
+def misuse_worker(rank: int) -> dict[str, str]:
+    """The error each misuse raises (or "no error")."""
+    cases: dict[str, Callable[[], Any]] = {
+        "not_torch_optimizer": lambda: _trainer(SparsyncStrategy()).fit(
+            Net(optimizer=lambda m: NotATorchOptimizer(m.parameters())), DataLoader(dataset(), batch_size=BATCH)
+        ),
+        "precision": lambda: _trainer(SparsyncStrategy(), precision="16-true").fit(
+            Net(), DataLoader(dataset(), batch_size=BATCH)
+        ),
+        "hook_and_shard": lambda: SparsyncStrategy(comm_hook=lambda s, b: None, shard_plan={}),
+        "ddp_options_without_hook": lambda: SparsyncStrategy(ddp_options={"find_unused_parameters": True}),
+    }
+    out = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+            out[name] = "no error"
+        except Exception as e:
+            out[name] = f"{type(e).__name__}: {e}"
+    return out
