@@ -75,8 +75,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         env = ReduceEnv(g, dist.get_world_size(g), timeout, log, check_nan)
         named = list(model.named_parameters()) if model is not None else None
         self.replicated = ReplicatedOptimizer(
-            optimizer, env, op=op, named_parameters=named, plan=_with_chosen(plan, named), default=default,
-            sync_parameters=sync_parameters,
+            optimizer, env, op=op, named_parameters=named, plan=_with_chosen(plan, named, optimizer),
+            default=default, sync_parameters=sync_parameters,
         )  # fmt: skip
         self.optimizer = optimizer
         # torch's own set-up (hook tables, step profiling) over the same group dicts, then share, not copy:
@@ -271,10 +271,14 @@ def _check_wrappable(optimizer: torch.optim.Optimizer) -> None:
         )
 
 
-def _with_chosen(plan: PlanSpec, named: list[tuple[str, torch.nn.Parameter]] | None) -> PlanSpec:
-    """``plan`` with the placements that parameters' modules chose (sparsync.shard's shards): each keeps its
-    own unless ``plan`` names it."""
-    chosen = {n: pl for n, p in named or () if (pl := placement_of(p)) is not None}
+def _with_chosen(
+    plan: PlanSpec, named: list[tuple[str, torch.nn.Parameter]] | None, optimizer: torch.optim.Optimizer
+) -> PlanSpec:
+    """``plan`` with the placements that parameters' modules chose (sparsync.shard's shards) for the parameters
+    ``optimizer`` holds (a table whose optimizer runs in its backward is not among them): each keeps its own
+    unless ``plan`` names it."""
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    chosen = {n: pl for n, p in named or () if id(p) in held and (pl := placement_of(p)) is not None}
     if chosen and (plan is None or isinstance(plan, Mapping)):
         return {**chosen, **(plan or {})}
     if chosen and callable(plan):

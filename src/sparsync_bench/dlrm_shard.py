@@ -11,7 +11,10 @@ the MLPs by ``DistributedOptimizer`` as in ``sparsync``.
   predicts the faster step (``sparsync.sharding.auto``: among dense allreduce, sparse allreduce and sharded, priced
   on the distinct rows of each rank's first batch and the group's measured link). The tables it leaves replicated
   go the ``sparsync`` way (``DistributedOptimizer``'s default, which chooses its algorithm itself), so the plan
-  decides only where each table lives.
+  decides only where each table lives;
+- ``sparsync_sharded_fused``, ``sparsync_auto_fused``: ``sparsync_sharded`` and ``sparsync_auto`` with the
+  sharded tables' SGD applied in their backward (``sparsync.shard(optimizer=SGD(lr))``): the same update, no
+  sparse gradient per table, the optimizer over the MLPs only.
 
 A sharded model holds a part of each table per rank, so the figures the benchmark compares across methods
 (``table_figures``) are summed over the ranks' shards, each row with its index in the whole table.
@@ -26,37 +29,42 @@ import torch.distributed as dist
 from torch import nn
 
 from sparsync.record import CommLog
-from sparsync.sharding import Lookahead, ShardedTable, auto_plan, shard
+from sparsync.sharding import SGD, Lookahead, ShardedTable, auto_plan, shard
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # dense features, categorical ids [n, tables], labels
 
-SHARD_METHODS = ("sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16", "sparsync_sharded_lookahead")
+SHARD_METHODS = (
+    "sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16", "sparsync_sharded_lookahead",
+    "sparsync_sharded_fused", "sparsync_auto_fused",
+)  # fmt: skip
+FUSED_METHODS = ("sparsync_sharded_fused", "sparsync_auto_fused")  # the tables' SGD in their backward
 LOOKAHEAD_METHODS = ("sparsync_sharded_lookahead",)  # their batches through Lookahead (``batches``)
 SHARD_OPS = ("shard_lookup", "shard_grad")  # the CommLog records of the sharded tables' exchanges
 
 
 def shard_tables(
-    method: str, model: nn.Module, sample: tuple[torch.Tensor, ...], log: CommLog
+    method: str, model: nn.Module, sample: tuple[torch.Tensor, ...], log: CommLog, lr: float = 0.1
 ) -> dict[str, float]:
     """Swap ``model``'s tables for sharded ones per ``method`` (module doc); ``sample``: this rank's first batch,
-    the arguments of ``model(...)``. Returns the cost model's prediction for the placement it ran, from the
-    statistics ``plan="auto"`` measures (every method measures them, so each row has one): the sharded tables'
-    bytes sent per rank and step (``predicted_shard_bytes_per_step``: half of the plan's sent + received), the
-    step's communication time as ``DistributedOptimizer`` and the exchange send it (``predicted_comm_s``:
-    ``Plan.grouped_seconds``), and the step's time (``predicted_step_s``: ``AutoPlan.step_seconds``, the
-    sample's forward and backward plus the communication the step waits for), with the all-to-all round it
-    priced (``round_s``: ``AutoPlan.round_seconds``, 0 when none was measured). Collective: every rank calls it
-    with the same method. Mutates ``model`` (its tables are replaced; a new optimizer must take its
-    parameters)."""
+    the arguments of ``model(...)``; ``lr``: the SGD fused into the sharded tables' backward (``FUSED_METHODS``).
+    Returns the cost model's prediction for the placement it ran, from the statistics ``plan="auto"`` measures
+    (every method measures them, so each row has one): the sharded tables' bytes sent per rank and step
+    (``predicted_shard_bytes_per_step``: half of the plan's sent + received), the step's communication time as
+    ``DistributedOptimizer`` and the exchange send it (``predicted_comm_s``: ``Plan.grouped_seconds``), and the
+    step's time (``predicted_step_s``: ``AutoPlan.step_seconds``, the sample's forward and backward plus the
+    communication the step waits for), with the all-to-all round it priced (``round_s``:
+    ``AutoPlan.round_seconds``, 0 when none was measured). Collective: every rank calls it with the same method.
+    Mutates ``model`` (its tables are replaced; a new optimizer must take its parameters)."""
     if method not in SHARD_METHODS:
         raise KeyError(f"unknown sharded method {method!r}; valid: {', '.join(SHARD_METHODS)}")
     choice = auto_plan(model, sample, dist.group.WORLD)  # type: ignore[arg-type]
     plan = choice.plan
-    if method != "sparsync_auto":
+    if not method.startswith("sparsync_auto"):
         plan = choice.every_table("sharded", itemsize=2 if method == "sparsync_sharded_bf16" else None)
     kinds = {n.removesuffix(".weight"): k for n, k in plan.kinds.items() if n.startswith("tables.")}
     tables = {n: "sharded" if k == "sharded" else "replicated" for n, k in kinds.items()}
-    shard(model, tables, log=log, rows="bf16" if method == "sparsync_sharded_bf16" else None)
+    fused = SGD(lr=lr) if method in FUSED_METHODS else None
+    shard(model, tables, log=log, rows="bf16" if method == "sparsync_sharded_bf16" else None, optimizer=fused)
     sent = sum(e.bytes_per_machine for e in plan.entries if e.placement == "sharded") / 2
     return {"predicted_shard_bytes_per_step": sent, "predicted_comm_s": plan.grouped_seconds,
             "predicted_step_s": choice.step_seconds(plan), "round_s": choice.round_seconds or 0.0}  # fmt: skip

@@ -32,7 +32,8 @@ collectives' bytes sent plus the rank's client traffic with the other ranks' ser
 symmetry what the rank's machine, client and colocated server together, sends on average).
 
 And the tables' rows owned by the ranks (``dlrm_shard``, docs/sharding.md): ``sparsync_sharded`` (every table
-sharded by ``sparsync.shard``, the MLPs by ``DistributedOptimizer`` as in ``sparsync``) and ``sparsync_auto``
+sharded by ``sparsync.shard``, the MLPs by ``DistributedOptimizer`` as in ``sparsync``), ``sparsync_sharded_fused``
+(the same with the tables' SGD fused into their backward: ``shard(optimizer=SGD(lr))``) and ``sparsync_auto``
 (the tables the cost model's plan places ``sharded``, the rest as in ``sparsync``), and ``sparsync_sharded_bf16``
 (``sparsync_sharded`` with the rows in bf16: lossy). Their bytes per step count
 the shards' exchanges (the ``shard_lookup`` and ``shard_grad`` records), also reported alone
@@ -72,7 +73,7 @@ from sparsync.optim import DistributedOptimizer
 from sparsync.placement import Compressed, CustomReduce, Placement
 from sparsync.ps import OptimizerConfig
 from sparsync.record import CommLog, workload_bytes
-from sparsync.sharding import ShardedTable
+from sparsync.sharding import ShardedTable, dense_parameters
 from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows, write_criteo
 from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
 from sparsync_bench.dlrm import DLRM, MLPS, mlp_shapes
@@ -221,8 +222,9 @@ def _train(
     forward: nn.Module = model
     predicted: dict[str, float] = {}
     if method in SHARD_METHODS:  # before the optimizer: the shards replace the tables' parameters
-        predicted = shard_tables(method, model, (shard.dense[: cfg.batch], shard.sparse[: cfg.batch]), log)
-    opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+        predicted = shard_tables(method, model, (shard.dense[: cfg.batch], shard.sparse[: cfg.batch]), log, cfg.lr)
+    # the tables sharded with SGD fused into backward (``*_fused``) take no part in the optimizer
+    opt: torch.optim.Optimizer = torch.optim.SGD(dense_parameters(model), lr=cfg.lr)
     trainer: Any = None
     if method in PS_METHODS:
         if not addresses:

@@ -162,9 +162,10 @@ def test_parameter_server_methods_train_to_the_same_loss(tmp_path: Path) -> None
 
 def _shard_exchange_bytes(cfg: Any, data: Any, P: int) -> float:
     """What rank 0 sends per step in the exchanges of every table sharded (docs/sharding.md's rounds), from the
-    samples alone: its blocks of ids to the other owners (a 4-word header, a count per table, the distinct ids
-    that owner owns, zero-padded to the capacity that the last step's widest count set: ``shard.header``), the
-    rows it serves the other ranks, and one gradient row per distinct id owned elsewhere."""
+    samples alone: its blocks of ids to the other owners (a 4-word header, a count per table group, one here: the
+    26 tables share a width, the distinct ids that owner owns, zero-padded to the capacity that the last step's
+    widest count set: ``sharding.ids``), the rows it serves the other ranks, and one gradient row per distinct id
+    owned elsewhere."""
     from sparsync.sharding.ids import capacity_after
     from sparsync_bench.dlrm_train import rank_samples
 
@@ -174,7 +175,7 @@ def _shard_exchange_bytes(cfg: Any, data: Any, P: int) -> float:
     for s in range(cfg.steps):
         ids = [b[s * cfg.batch : (s + 1) * cfg.batch] for b in batches]
         distinct = [[torch.unique(x[:, t]) for t in range(tables)] for x in ids]
-        counts = [[tables + sum(int((d % P == j).sum()) for d in mine) for j in range(P)] for mine in distinct]
+        counts = [[1 + sum(int((d % P == j).sum()) for d in mine) for j in range(P)] for mine in distinct]
         total += 8 * 4 * (P - 1) + sum(8 * max(capacity, counts[0][j]) for j in range(1, P))
         for t in range(tables):
             elsewhere = int((distinct[0][t] % P != 0).sum())
@@ -201,13 +202,13 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     P = 3
     cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", P * 6 * 32)), steps=6, batch=32, max_rows=2000,
                           dim=8, warmup=1, tail=3,
-                          methods=("sparsync", "sparsync_sharded", "sparsync_auto",
-                                   "sparsync_sharded_bf16", "sparsync_sharded_lookahead"))  # fmt: skip
+                          methods=("sparsync", "sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16",
+                                   "sparsync_sharded_lookahead", "sparsync_sharded_fused"))  # fmt: skip
     data = load(cfg, P)
     rows = {r["method"]: r for r in summarize(launch(dlrm_worker_nominal_link, nprocs=P, args=(cfg, data))[0])}
     base = rows["sparsync"]
     assert base["tables_moved"] > 0 and base["tables_sharded"] == 0 and base["shard_bytes_per_step"] == 0
-    for m in ("sparsync_sharded", "sparsync_auto"):
+    for m in ("sparsync_sharded", "sparsync_auto", "sparsync_sharded_fused"):
         assert rows[m]["loss"] == pytest.approx(base["loss"], rel=1e-5), (m, rows[m]["loss"], base["loss"])
         assert rows[m]["param_abs_sum"] == pytest.approx(base["param_abs_sum"], rel=1e-5), m
         assert rows[m]["tables_moved"] == pytest.approx(base["tables_moved"], rel=1e-6), (m, rows[m], base)
@@ -216,6 +217,8 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     assert sharded["tables_sharded"] == 26
     exchanges = _shard_exchange_bytes(cfg, data, P)
     assert sharded["shard_bytes_per_step"] == pytest.approx(exchanges, rel=1e-12)
+    # SGD fused into the tables' backward: the same exchanges, nothing more on the wire
+    assert rows["sparsync_sharded_fused"]["shard_bytes_per_step"] == sharded["shard_bytes_per_step"]
     # the rest is the MLPs' gradients by a ring allreduce (within 1%: a few hundred bytes of agreement rounds)
     mlps = sum(p.numel() * 4 for n, p in dlrm_model(cfg, True).named_parameters() if not n.startswith("tables."))
     mlp_bytes = ring_allreduce_bytes(mlps, P).sent
