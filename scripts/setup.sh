@@ -15,7 +15,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 # what `pip install -e` builds from: the project files and the C kernels' sources
 stale=$(find pyproject.toml setup.py src/sparsync/compress/*.c -newer .venv/.sparsync-installed 2>/dev/null || true)
-if ! .venv/bin/python -c "import sparsync, sparsync_bench, rich, matplotlib, pytest, hypothesis, ruff, mypy" 2>/dev/null \
+if ! .venv/bin/python -c "import sparsync, sparsync_bench, rich, matplotlib, pytest, hypothesis, ruff, mypy, lightning, accelerate" 2>/dev/null \
    || [ ! -e .venv/.sparsync-installed ] || [ -n "$stale" ]; then
   echo "setup: installing sparsync, its bench tools and its dev tools into .venv"
   .venv/bin/pip install -q -e '.[dev]'

@@ -6,6 +6,7 @@ both runs' parameters."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
@@ -84,9 +85,10 @@ def lightning_run(case: str, accumulate: int) -> dict[str, np.ndarray]:
 
 
 def plain_run(case: str, accumulate: int, rank: int, world: int) -> dict[str, np.ndarray]:
-    """The loop a sparsync user writes by hand, on the same samples (the sampler Lightning inserts in training: shuffled, seed 0), with
-    Lightning's accumulation: the loss divided by ``accumulate``, a step every ``accumulate`` batches and at
-    the epoch's last batch, the micro-batches before a step inside ``no_sync()``."""
+    """The loop a sparsync user writes by hand, on the same samples (the sampler Lightning inserts in
+    training: shuffled, seed 0), with Lightning's accumulation: the loss divided by ``accumulate``, a step every
+    ``accumulate`` batches and at the epoch's last batch, the micro-batches before a step inside
+    ``no_sync()``."""
     model = Net()
     if case == "hook":
         call: nn.Module = nn.parallel.DistributedDataParallel(model)
@@ -126,14 +128,22 @@ def compare_worker(rank: int, cases: tuple[tuple[str, int], ...]) -> dict[str, A
 
 
 class NotATorchOptimizer:
-    """Lightning takes any object with step() and zero_grad() from configure_optimizers."""
+    """An optimizer of its own that Lightning accepts from configure_optimizers (its ``Optimizable``
+    protocol: param_groups, defaults, state, step, zero_grad, state_dict, load_state_dict)."""
 
     def __init__(self, params: Any) -> None:
         self.param_groups = [{"params": list(params)}]
+        self.defaults: dict[str, Any] = {}
+        self.state: defaultdict[torch.Tensor, Any] = defaultdict(dict)
 
     def step(self, closure: Any = None) -> None: ...
 
     def zero_grad(self) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 def misuse_worker(rank: int) -> dict[str, str]:

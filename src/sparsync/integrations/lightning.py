@@ -34,11 +34,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.environments import ClusterEnvironment
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 
 from sparsync.optim import DistributedOptimizer
