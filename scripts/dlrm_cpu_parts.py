@@ -9,7 +9,9 @@ of ``--batch`` samples on P local gloo ranks, one thread each, and reports the r
 - ``ddp``: DDP over the MLPs, the tables left out of DDP (``ddp_over_mlps``: each rank's own, never sent, as
   ``floor_tables_unsent``);
 - ``dmlp``: the same with ``sparsync.DistributedOptimizer`` over the MLPs instead of DDP;
-- ``shard+ddp``, ``shard+dmlp``: the same with every table sharded (``sparsync.shard``).
+- ``shard+ddp``, ``shard+dmlp``: the same with every table sharded (``sparsync.shard``);
+- ``fused+ddp``, ``fused+dmlp``: the same with the sharded tables' SGD in their backward
+  (``sparsync.shard(optimizer=SGD(lr))``, the tables out of the step's optimizer).
 
 The variants run one after another, ``--rounds`` times over, so that a drift of the host's speed reaches all of
 them alike. Timings are this host's; compare the variants within one run.
@@ -31,11 +33,12 @@ from torch import nn
 
 from sparsync import DistributedOptimizer, launch
 from sparsync.record import CommLog
+from sparsync.sharding import dense_parameters
 from sparsync_bench.criteo import CriteoBatch
 from sparsync_bench.dlrm_shard import shard_tables
 from sparsync_bench.dlrm_train import DlrmBenchConfig, ddp_over_mlps, default_data, dlrm_model, load, rank_samples
 
-VARIANTS = ("ddp", "dmlp", "shard+ddp", "shard+dmlp")
+VARIANTS = ("ddp", "dmlp", "shard+ddp", "shard+dmlp", "fused+ddp", "fused+dmlp")
 DATA = Path("results/criteo_synthetic.txt")  # bench dlrm's generated file
 
 
@@ -47,18 +50,21 @@ class _Both:
     """``DistributedOptimizer`` over the MLPs, plain SGD over each rank's own tables."""
 
     def __init__(self, model: nn.Module, lr: float) -> None:
+        held = {id(p) for p in dense_parameters(model)}  # all but tables trained in their backward
         mlps = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
-        tables = [p for n, p in model.named_parameters() if n.startswith("tables.")]
+        tables = [p for n, p in model.named_parameters() if n.startswith("tables.") and id(p) in held]
         self.mlps = DistributedOptimizer(torch.optim.SGD(mlps, lr=lr))
-        self.tables = torch.optim.SGD(tables, lr=lr)
+        self.tables = torch.optim.SGD(tables, lr=lr) if tables else None
 
     def zero_grad(self) -> None:
         self.mlps.zero_grad()
-        self.tables.zero_grad()
+        if self.tables is not None:
+            self.tables.zero_grad()
 
     def step(self) -> None:
         self.mlps.step()
-        self.tables.step()
+        if self.tables is not None:
+            self.tables.step()
 
 
 def _worker(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> dict[str, float]:
@@ -69,11 +75,13 @@ def _worker(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) ->
     steps = [(mine.dense[sl], mine.sparse[sl], mine.label[sl]) for sl in cut]
     if variant.startswith("shard+"):
         shard_tables("sparsync_sharded", model, steps[0][:2], CommLog())
+    if variant.startswith("fused+"):
+        shard_tables("sparsync_sharded_fused", model, steps[0][:2], CommLog(), cfg.lr)
     forward: nn.Module = model
     opt: Any
     if variant.endswith("ddp"):
         forward = ddp_over_mlps(model)
-        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+        opt = torch.optim.SGD(dense_parameters(model), lr=cfg.lr)
     else:
         opt = _Both(model, cfg.lr)
     cpu, main = [], []

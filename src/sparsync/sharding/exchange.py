@@ -179,8 +179,9 @@ class Exchanger:
             positions = _call_positions(done.asked[k].positions, sent, k, mine)
             pool(gathered[k], mine, positions, _padding_at(done.asked[k].distinct, mine))
         tally.phases["pool"] = time.perf_counter() - t_pool
-        self.link.record("shard_lookup", tally, t0, nnz_in=sum(a.distinct.numel() for a in done.asked),
-                         nnz_out=sum(int(g.shape[0]) for g in gathered))  # fmt: skip
+        if self.link.log is not None:
+            self.link.record("shard_lookup", tally, t0, nnz_in=sum(a.distinct.numel() for a in done.asked),
+                             nnz_out=sum(int(g.shape[0]) for g in gathered))  # fmt: skip
 
     def _layout(self, calls: Sequence[Call | Ahead]) -> Sent:
         """The calls' keys per group (in the exchanger's order) and table (in first-call order)."""

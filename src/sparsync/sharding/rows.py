@@ -133,17 +133,18 @@ class RowExchange(torch.autograd.Function):
                         "grads", tally)  # fmt: skip
         by_group = group_major(got, route.ids.served.counts, [g.dim for g in route.groups])
         sums = [_owner_sum(g, r, v) for g, r, v in zip(route.groups, route.ids.served.rows, by_group, strict=True)]
-        out: list[torch.Tensor | None] = [None, None, None]
-        for k, (gi, slot) in enumerate(route.inputs):
-            group = route.groups[gi]
-            out.append(
-                None if group.fused is not None or not ctx.needs_input_grad[3 + k] else _cut(sums[gi], slot)
-            )
-        for group, (rows, values) in zip(route.groups, sums, strict=True):
+        out: list[torch.Tensor | None] = [None] * (3 + len(route.inputs))  # route, link, tally, the tables
+        for gi, (group, (rows, values)) in enumerate(zip(route.groups, sums, strict=True)):
+            mine = [(k, slot) for k, (g, slot) in enumerate(route.inputs) if g == gi]
             if group.fused is not None:
-                group.fused.apply(group, rows, values, [s for gi, s in route.inputs if route.groups[gi] is group])
-        link.record("shard_grad", tally, t0, nnz_in=sum(d.shape[0] for d in dense),
-                    nnz_out=sum(int(r.numel()) for r in route.ids.served.rows))  # fmt: skip
+                group.fused.apply(group, rows, values, [slot for _, slot in mine])
+                continue
+            wanted = [(k, slot) for k, slot in mine if ctx.needs_input_grad[3 + k]]
+            for (k, _), grad in zip(wanted, _cut(rows, values, [slot for _, slot in wanted]), strict=True):
+                out[3 + k] = grad
+        if link.log is not None:
+            link.record("shard_grad", tally, t0, nnz_in=sum(d.shape[0] for d in dense),
+                        nnz_out=sum(int(r.numel()) for r in route.ids.served.rows))  # fmt: skip
         return tuple(out)
 
 
@@ -158,13 +159,18 @@ def _owner_sum(group: TableGroup, rows: torch.Tensor, values: torch.Tensor) -> t
     return coo.indices()[0], coo.values()
 
 
-def _cut(summed: tuple[torch.Tensor, torch.Tensor], slot: Slot) -> torch.Tensor:
-    """Table ``slot``'s gradient, a coalesced sparse COO tensor of its shard's shape, out of the group's sum."""
-    rows, values = summed
-    lo, hi = torch.searchsorted(rows, torch.tensor([slot.first, slot.first + slot.owned])).tolist()
-    shape = (slot.owned, values.shape[1])
-    index = (rows[lo:hi] - slot.first).unsqueeze(0)
-    return torch.sparse_coo_tensor(index, values[lo:hi], shape, is_coalesced=True, check_invariants=False)
+def _cut(rows: torch.Tensor, values: torch.Tensor, slots: list[Slot]) -> list[torch.Tensor]:
+    """Each table's gradient, a coalesced sparse COO tensor of its shard's shape, cut out of its group's sum
+    (``rows`` ascending) where its rows begin and end: one search for all the tables."""
+    ends = torch.tensor([e for s in slots for e in (s.first, s.first + s.owned)], dtype=rows.dtype)
+    cuts = torch.searchsorted(rows, ends).tolist()
+    out = []
+    for t, slot in enumerate(slots):
+        lo, hi = cuts[2 * t], cuts[2 * t + 1]
+        index = (rows[lo:hi] - slot.first).unsqueeze(0)
+        shape = (slot.owned, values.shape[1])
+        out.append(torch.sparse_coo_tensor(index, values[lo:hi], shape, is_coalesced=True, check_invariants=False))
+    return out
 
 
 def with_verdicts(
