@@ -101,25 +101,38 @@ def shard(
     _agree(chosen, on_server, tables, g)
     _mark_on_server([tables[n] for n in on_server])
     exchanger = Exchanger.on(g, log, None if rows is None else WIRE[rows])
-    placement = Sharded()  # one object: DistributedOptimizer keeps every shard in one group of its plan
-    slots = _grouped(exchanger, [tables[n] for n in chosen])
-    if optimizer is not None:
-        if not isinstance(optimizer, Fused):
-            names = [o.__name__ for o in OPTIMIZERS]
-            raise TypeError(
-                f"optimizer must be one of sparsync.sharding.fused's {names}, got {type(optimizer).__name__} (for "
-                "a torch optimizer over the tables' sparse gradients, leave optimizer None)"
-            )
-        for table_group in exchanger.groups:
-            table_group.fused = optimizer.bind(table_group)
-    swapped: dict[int, ShardedTable] = {}
-    for name, at in zip(chosen, slots, strict=True):
-        m = tables[name]
-        kind = ShardedEmbeddingBag if isinstance(m, nn.EmbeddingBag) else ShardedEmbedding
-        swapped[id(m)] = kind(name, m, exchanger, at, placement, state_dict, seed)  # type: ignore[arg-type]
+    swapped = _sharded_modules(exchanger, {n: tables[n] for n in chosen}, state_dict, seed)
+    _bind(exchanger, optimizer)
     root = _swap(model, swapped)
     root.register_forward_hook(exchanger.finish_forward)
     return root
+
+
+def _sharded_modules(
+    exchanger: Exchanger, tables: Mapping[str, nn.Embedding | nn.EmbeddingBag], state_dict: str, seed: int
+) -> dict[int, ShardedTable]:
+    """The sharded module of each of ``tables`` (by the id of the module it replaces), in their groups."""
+    placement = Sharded()  # one object: DistributedOptimizer keeps every shard in one group of its plan
+    slots = _grouped(exchanger, list(tables.values()))
+    swapped: dict[int, ShardedTable] = {}
+    for (name, m), at in zip(tables.items(), slots, strict=True):
+        kind = ShardedEmbeddingBag if isinstance(m, nn.EmbeddingBag) else ShardedEmbedding
+        swapped[id(m)] = kind(name, m, exchanger, at, placement, state_dict, seed)  # type: ignore[arg-type]
+    return swapped
+
+
+def _bind(exchanger: Exchanger, optimizer: Fused | None) -> None:
+    """Give each of ``exchanger``'s groups its copy of ``optimizer`` (``fused``); TypeError for anything else."""
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, Fused):
+        names = [o.__name__ for o in OPTIMIZERS]
+        raise TypeError(
+            f"optimizer must be one of sparsync.sharding.fused's {names}, got {type(optimizer).__name__} (for "
+            "a torch optimizer over the tables' sparse gradients, leave optimizer None)"
+        )
+    for table_group in exchanger.groups:
+        table_group.fused = optimizer.bind(table_group)
 
 
 def _grouped(exchanger: Exchanger, tables: Sequence[nn.Embedding | nn.EmbeddingBag]) -> list[tuple[int, Slot]]:
