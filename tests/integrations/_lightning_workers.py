@@ -28,11 +28,12 @@ SHARD_PLAN = {"emb": "sharded", "bag": "sharded"}
 
 class Net(pl.LightningModule):
     """A sparse-gradient table, a sparse-gradient bag and a linear layer over both; Adagrad (it takes sparse
-    gradients). ``optimizer``: what ``configure_optimizers`` returns instead, for the misuse cases."""
+    gradients). ``optimizer``: what ``configure_optimizers`` returns instead, for the misuse cases; ``seed``:
+    of the initial parameters."""
 
-    def __init__(self, optimizer: Callable[[nn.Module], Any] | None = None) -> None:
+    def __init__(self, optimizer: Callable[[nn.Module], Any] | None = None, seed: int = 0) -> None:
         super().__init__()
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         self.emb = nn.Embedding(40, 4, sparse=True)
         self.bag = nn.EmbeddingBag(24, 4, mode="sum", sparse=True)
         self.fc = nn.Linear(8, 1)
@@ -45,6 +46,9 @@ class Net(pl.LightningModule):
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         a, c, y = batch
         return (self(a, c) - y).square().mean()
+
+    def validation_step(self, batch: list[torch.Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.training_step(batch, batch_idx), sync_dist=True)
 
     def configure_optimizers(self) -> Any:
         if self._optimizer is not None:
@@ -71,7 +75,7 @@ def _params(model: nn.Module) -> dict[str, np.ndarray]:
     return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
 
 
-def lightning_run(case: str, accumulate: int) -> dict[str, np.ndarray]:
+def lightning_run(case: str, accumulate: int, precision: str) -> dict[str, np.ndarray]:
     """``fit`` under ``SparsyncStrategy``; Lightning puts its DistributedSampler on the loader."""
     module = Net()
     if case == "hook":
@@ -79,17 +83,18 @@ def lightning_run(case: str, accumulate: int) -> dict[str, np.ndarray]:
         strategy = SparsyncStrategy(comm_hook=hook)
     else:
         strategy = SparsyncStrategy(shard_plan=SHARD_PLAN if case == "shard" else None)
-    trainer = _trainer(strategy, accumulate_grad_batches=accumulate)
+    trainer = _trainer(strategy, accumulate_grad_batches=accumulate, precision=precision)
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
     return _params(module)
 
 
-def plain_run(case: str, accumulate: int, rank: int, world: int) -> dict[str, np.ndarray]:
+def plain_run(case: str, accumulate: int, precision: str, rank: int, world: int) -> dict[str, np.ndarray]:
     """The loop a sparsync user writes by hand, on the same samples (the sampler Lightning inserts in
     training: shuffled, seed 0), with Lightning's accumulation: the loss divided by ``accumulate``, a step every
     ``accumulate`` batches and at the epoch's last batch, the micro-batches before a step inside
-    ``no_sync()``."""
-    model = Net()
+    ``no_sync()``; Lightning's precision: "64-true" the module and the float inputs in float64, "bf16-mixed"
+    the forward and the loss under ``torch.autocast("cpu", torch.bfloat16)``, backward outside it."""
+    model = Net().double() if precision == "64-true" else Net()
     if case == "hook":
         call: nn.Module = nn.parallel.DistributedDataParallel(model)
         call.register_comm_hook(None, compression_hook(TopK(0.5), ErrorFeedback(), module=model))
@@ -105,26 +110,49 @@ def plain_run(case: str, accumulate: int, rank: int, world: int) -> dict[str, np
         sampler.set_epoch(epoch)
         for i, (a, c, y) in enumerate(loader):
             stepping = (i + 1) % accumulate == 0 or i + 1 == len(loader)
+            y = y.double() if precision == "64-true" else y
             with nullcontext() if stepping else call.no_sync() if case == "hook" else opt.no_sync():
-                ((call(a, c) - y).square().mean() / accumulate).backward()
+                with torch.autocast("cpu", torch.bfloat16) if precision == "bf16-mixed" else nullcontext():
+                    loss = (call(a, c) - y).square().mean()
+                (loss / accumulate).backward()
             if stepping:
                 opt.step()
                 opt.zero_grad()
     return _params(model)
 
 
-def compare_worker(rank: int, cases: tuple[tuple[str, int], ...]) -> dict[str, Any]:
-    """Per (case, accumulate_grad_batches): Lightning's parameters and the plain loop's, and the first
-    parameters (to check that training moved them)."""
+def compare_worker(rank: int, cases: tuple[tuple[str, int, str], ...]) -> dict[str, Any]:
+    """Per (case, accumulate_grad_batches, precision): Lightning's parameters and the plain loop's, and the
+    first parameters (to check that training moved them)."""
     sparsync.set_deterministic()
     world = torch.distributed.get_world_size()
     out: dict[str, Any] = {"start": _params(Net())}
-    for case, accumulate in cases:
-        out[f"{case}/{accumulate}"] = {
-            "lightning": lightning_run(case, accumulate),
-            "plain": plain_run(case, accumulate, rank, world),
+    for case, accumulate, precision in cases:
+        out[f"{case}/{accumulate}/{precision}"] = {
+            "lightning": lightning_run(case, accumulate, precision),
+            "plain": plain_run(case, accumulate, precision, rank, world),
         }
     return out
+
+
+def validate_worker(rank: int) -> dict[str, Any]:
+    """``trainer.validate`` of a module whose ranks start apart (seeded by rank), with both tables sharded: the
+    strategy shards the tables (each rank's rows from rank 0's table) and broadcasts rank 0's linear layer.
+    Returns the parameters after, rank 0's module as it was, the logged loss and rank 0's module's loss on
+    the whole data set, in one process."""
+    module = Net(seed=rank)
+    trainer = _trainer(SparsyncStrategy(shard_plan=SHARD_PLAN))
+    metrics = trainer.validate(module, DataLoader(dataset(), batch_size=BATCH), verbose=False)
+    a, c, y = dataset().tensors
+    whole = float((Net(seed=0)(a, c) - y).square().mean())  # every sample once: 24 of them, 12 a rank at P = 2
+    return {"after": _params(module), "rank0": _params(Net(seed=0)), "val_loss": metrics[0]["val_loss"],
+            "whole": whole}  # fmt: skip
+
+
+def _fit_twice() -> None:
+    module = Net()
+    for _ in range(2):
+        _trainer(SparsyncStrategy()).fit(module, DataLoader(dataset(), batch_size=BATCH))
 
 
 class NotATorchOptimizer:
@@ -155,6 +183,7 @@ def misuse_worker(rank: int) -> dict[str, str]:
         "precision": lambda: _trainer(SparsyncStrategy(), precision="16-true").fit(
             Net(), DataLoader(dataset(), batch_size=BATCH)
         ),
+        "fit_twice": _fit_twice,
         "hook_and_shard": lambda: SparsyncStrategy(comm_hook=lambda s, b: None, shard_plan={}),
         "ddp_options_without_hook": lambda: SparsyncStrategy(ddp_options={"find_unused_parameters": True}),
     }

@@ -49,6 +49,7 @@ from sparsync.sharding import shard
 # others (half-precision weights "16-true"/"bf16-true", "16-mixed"'s GradScaler, quantised and FP8 plugins) are
 # refused rather than run untested.
 PRECISIONS = ("32-true", "64-true", "bf16-mixed")
+_FITTED = "_sparsync_fitted"  # set on a module that a fit wrapped in DistributedOptimizer (``_mark_fitted``)
 
 
 class ProcessGroupEnvironment(ClusterEnvironment):
@@ -160,6 +161,7 @@ class SparsyncStrategy(DDPStrategy):
         self.model_to_device()
         self._shard()
         if fitting:
+            _mark_fitted(self.lightning_module)
             self.setup_optimizers(trainer)
         else:  # no optimizer to broadcast rank 0's parameters, as DDPStrategy syncs the module there
             broadcast_replicated(self.model)
@@ -224,6 +226,17 @@ def broadcast_replicated(module: torch.nn.Module) -> None:
                 dist.broadcast(p.data, src=0)
         for b in module.buffers():
             dist.broadcast(b, src=0)
+
+
+def _mark_fitted(module: Any) -> None:
+    """Refuse a second ``fit`` of one module on the ``DistributedOptimizer`` path, with the reason."""
+    if getattr(module, _FITTED, False):
+        raise ValueError(
+            f"SparsyncStrategy: this {type(module).__qualname__} was fitted under SparsyncStrategy already: the "
+            "first fit's DistributedOptimizer keeps its reduction hooks on the parameters, so a second one "
+            "would reduce every gradient twice; fit a new module (loading the first one's checkpoint into it)"
+        )
+    setattr(module, _FITTED, True)
 
 
 def _check_paths(
