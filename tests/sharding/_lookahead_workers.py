@@ -1,4 +1,4 @@
-"""Workers for test_lookahead.py (module-level: ``launch`` pickles them): test_shard's seven tables and batches,
+"""Workers for test_lookahead.py (module-level: ``launch`` pickles them): test_shard's nine tables and batches,
 trained with and without ``sparsync.shard.Lookahead``."""
 
 from __future__ import annotations

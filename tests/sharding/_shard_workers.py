@@ -28,6 +28,9 @@ SPECS: dict[str, tuple[Callable[[], nn.Module], str]] = {
     "bag_psw": (lambda: nn.EmbeddingBag(23, 3, mode="sum"), "weights"),
     "bag_pad": (lambda: nn.EmbeddingBag(16, 3, mode="mean", padding_idx=0), "offsets"),
     "bag_last": (lambda: nn.EmbeddingBag(9, 5, mode="sum", include_last_offset=True), "last"),
+    # bags of one id each (pooled as the rows themselves): by offsets 0, 1, ..., and as an [n, 1] input
+    "bag_one": (lambda: nn.EmbeddingBag(21, 4, mode="mean"), "single"),
+    "col_one": (lambda: nn.EmbeddingBag(8, 3, mode="sum"), "column"),
 }
 STEPS = 5
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
@@ -75,8 +78,12 @@ def _batch(step: int, rank: int, P: int) -> dict[str, tuple[Any, ...]]:
     for name, (make, how) in SPECS.items():
         rows = int(make().num_embeddings)
         k = 0 if step == 3 and name in ("emb", "bag_sum") else n  # step 3: ids absent from the whole step
-        if how == "ids2d":
-            out[name] = (_ids(3 * k, rows, step, P, g).view(k, 3),)
+        if how in ("ids2d", "column"):
+            width = 3 if how == "ids2d" else 1
+            out[name] = (_ids(width * k, rows, step, P, g).view(k, width),)
+            continue
+        if how == "single":
+            out[name] = (_ids(k, rows, step, P, g), torch.arange(k))
             continue
         lengths = torch.randint(0, 4, (k,), generator=g)
         flat = _ids(int(lengths.sum()), rows, step, P, g)
@@ -91,7 +98,8 @@ def _batch(step: int, rank: int, P: int) -> dict[str, tuple[Any, ...]]:
 
 
 def _loss(outs: dict[str, torch.Tensor]) -> torch.Tensor:
-    return sum(((o * (1 + k)).tanh() ** 2).sum() for k, o in enumerate(outs.values()))  # type: ignore[return-value]
+    # each table its own scale, 1 to 7 (cycling: steeper ones would make the lossy wire tests measure the loss)
+    return sum(((o * (1 + k % 7)).tanh() ** 2).sum() for k, o in enumerate(outs.values()))  # type: ignore[return-value]
 
 
 def _shard_error(model: nn.Module, ref: nn.Module, rank: int, P: int) -> float:

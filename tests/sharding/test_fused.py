@@ -1,6 +1,6 @@
 """Optimizers fused into the sharded tables' backward (``sparsync.shard(optimizer=...)``, fbgemm's TBE way): each
 exact against one float64 process of the unsharded model with torch's optimizer (row-wise Adagrad against the
-reference written in ``_fused_workers``) at P = 1, 3, 5, over ``_shard_workers``' seven tables (every mode; its
+reference written in ``_fused_workers``) at P = 1, 3, 5, over ``_shard_workers``' nine tables (every mode; its
 steps: uneven and empty batches, every id on one owner, ids absent, rows never looked up)."""
 
 from __future__ import annotations

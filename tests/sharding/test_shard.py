@@ -35,7 +35,7 @@ def test_sharded_tables_equal_one_float64_process(P: int) -> None:
             r = res[opt]
             assert max(r["errors"]) < TOL, (P, rank, opt, r["errors"])
             assert r["identical"] == [True], (P, rank, opt)  # the pooled outputs equal torch's, bit for bit
-            # all seven tables in one exchange per direction and step
+            # all nine tables in one exchange per direction and step
             assert r["ops"] == ["shard_lookup", "shard_grad"] * sw.STEPS, r["ops"]
             if P > 1:  # the first step's ids overflow capacity 0; later steps' fit, except the one with every id
                 # on one owner, wider than any before it (both paths of the ids round, header.py)
@@ -65,7 +65,7 @@ def test_bad_input_gets_the_same_clear_error_on_every_rank() -> None:
     assert "plan='server' would put every table" in m["server"] and "pass sample=" in m["auto"]
     assert m["unknown"].startswith("KeyError") and "nope" in m["unknown"]
     assert "are no shards" in m["unswapped"]
-    assert m["after"] == "looked up 7 tables"  # every error left the ranks in step
+    assert m["after"] == "looked up 9 tables"  # every error left the ranks in step
 
 
 def test_a_checkpoint_saved_at_three_ranks_loads_at_five(tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ loss does not depend on them would leave the others waiting).
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -54,9 +55,10 @@ class Sent:
     tables: tuple[tuple[int, ...], ...]  # per group, its tables (slot indices) in the order their keys went
     keys: tuple[tuple[torch.Tensor, ...], ...]  # per group, per table: the keys of all its calls, in call order
     names: tuple[tuple[str, ...], ...]  # per group, per table: its description
+    joined: tuple[torch.Tensor, ...]  # per group, its tables' keys one after another
 
     def flat(self) -> list[torch.Tensor]:
-        return [torch.cat(k) if len(k) != 1 else k[0] for k in self.keys]
+        return list(self.joined)
 
     def descriptions(self) -> list[str]:
         return [n for names in self.names for n in names]
@@ -80,6 +82,54 @@ class Ready:
     ids: ids_stage.Ids
 
 
+class Offsets:
+    """The verdict on a bag call's ``offsets`` (``verdict``), kept for the last tensor checked while it lives
+    unchanged: a model that passes one offsets tensor to every table (DLRM) has it checked once a step."""
+
+    def __init__(self) -> None:
+        self._last: tuple[weakref.ref[torch.Tensor], int, int, bool, tuple[str | None, bool]] | None = None
+
+    def verdict(self, offsets: object, n: int, last: bool) -> tuple[str | None, bool]:
+        """(what torch's ``embedding_bag`` would refuse of ``offsets`` for a 1-D input of ``n`` ids, or None;
+        whether every bag holds one id)."""
+        if isinstance(offsets, torch.Tensor) and self._last is not None:
+            ref, version, m, was_last, kept = self._last
+            if ref() is offsets and offsets._version == version and (m, was_last) == (n, last):
+                return kept
+        out = _offsets_verdict(offsets, n, last)
+        if isinstance(offsets, torch.Tensor):
+            self._last = (weakref.ref(offsets), offsets._version, n, last, out)
+        return out
+
+
+def _offsets_verdict(offsets: object, n: int, last: bool) -> tuple[str | None, bool]:
+    if (
+        not isinstance(offsets, torch.Tensor)
+        or offsets.dim() != 1
+        or offsets.dtype not in (torch.int64, torch.int32)
+    ):
+        what = (
+            f"a {offsets.dim()}-D {offsets.dtype} tensor" if isinstance(offsets, torch.Tensor) else type(offsets)
+        )
+        return f"offsets has to be a 1D tensor of int64 or int32, got {what}", False
+    if last and offsets.numel() < 1:
+        return "include_last_offset: number of offset should be at least 1", False
+    if not offsets.numel():
+        return None, n == 0
+    step = offsets.diff()
+    first, end, decreasing, ones = torch.stack(
+        [offsets[0], offsets[-1], (step < 0).any().long(), (step == 1).all().long()]
+    ).tolist()
+    if first != 0:
+        return f"offsets[0] has to be 0, got {first}", False
+    if end > n:
+        return f"offsets[-1] can not be greater than input's length {n}, got {end}", False
+    if decreasing:
+        return "offsets must not decrease", False
+    bags = offsets.numel() - (1 if last else 0)
+    return None, bool(ones) and bags == n and (not last or end == n)
+
+
 class Exchanger:
     """The sharded tables of one ``sparsync.shard`` call: their groups, the calls pending, the agreed capacity of
     the next ids round, and the ids stage run ahead (module doc). ``link``: the rounds' transport."""
@@ -91,6 +141,7 @@ class Exchanger:
         self.capacity = 0  # keys per block of the next ids round (``ids``), the same on every rank
         self.ready: Ready | None = None
         self._keys: dict[tuple[str, ...], int] = {}  # the header's key of each list of tables seen
+        self.offsets = Offsets()
 
     @property
     def rank(self) -> int:
@@ -141,8 +192,9 @@ class Exchanger:
         each table will be called with (all its calls' ids, in call order); ``refusal`` travels in the header, and
         every rank raises it at ``settle``. Collective: every rank sends ahead at the same point."""
         sent = self._layout(calls)
-        flight = ids_stage.start(self.link, sent.flat(), self._key(sent), sent.descriptions(),
-                                 refusal or self._aliased(sent), self.capacity, Traffic(), wait=False)  # fmt: skip
+        refusal = refusal or self._aliased(sent) or out_of_range(sent, self.groups)
+        flight = ids_stage.start(self.link, sent.flat(), self._key(sent), sent.descriptions(), refusal,
+                                 self.capacity, Traffic(), wait=False)  # fmt: skip
         return sent, flight
 
     def settle(self, sent: Sent, flight: ids_stage.IdsRound) -> None:
@@ -156,7 +208,8 @@ class Exchanger:
         t0 = time.perf_counter()
         sent = self._layout(calls)
         ready, self.ready = self.ready, None
-        refusal = next((c.refusal for c in calls if c.refusal is not None), None) or self._aliased(sent)
+        refusal = next((c.refusal for c in calls if c.refusal is not None), None)
+        refusal = refusal or self._aliased(sent) or out_of_range(sent, self.groups)
         if ready is None:
             tally = Traffic()
             flight = ids_stage.start(self.link, sent.flat(), self._key(sent), sent.descriptions(), refusal,
@@ -189,11 +242,13 @@ class Exchanger:
         for c in calls:
             per.setdefault(c.group, {}).setdefault(c.slot.index, []).append(c)
         order = tuple(sorted(per))
+        keys = tuple(tuple(_cat([c.keys for c in per[g][t]]) for t in per[g]) for g in order)
         return Sent(
             order,
             tuple(tuple(per[g]) for g in order),
-            tuple(tuple(_cat([c.keys for c in per[g][t]]) for t in per[g]) for g in order),
+            keys,
             tuple(tuple(per[g][t][0].table for t in per[g]) for g in order),
+            tuple(_cat(list(k)) for k in keys),
         )
 
     def _key(self, sent: Sent) -> int:
@@ -204,6 +259,34 @@ class Exchanger:
 
     def _aliased(self, sent: Sent) -> str | None:
         return next((r for g in sent.order if (r := self.groups[g].aliased()) is not None), None)
+
+
+def out_of_range(sent: Sent, groups: Sequence[TableGroup]) -> str | None:
+    """Why a call's ids do not lie in its table (a negative id, or one past its rows), for the first such table,
+    or None: per group one comparison of every key with its table's bounds, one host sync."""
+    for k, g in enumerate(sent.order):
+        slots = [groups[g].slots[t] for t in sent.tables[k]]
+        lens = torch.tensor([int(x.numel()) for x in sent.keys[k]])
+        keys = sent.joined[k]
+        if not keys.numel():
+            continue
+        of = torch.repeat_interleave(torch.arange(len(slots)), lens)
+        base = torch.tensor([s.base for s in slots])[of]
+        ids = keys - base
+        if bool(((ids < 0) | (ids >= torch.tensor([s.rows for s in slots])[of])).any()):
+            for slot, x, name in zip(slots, sent.keys[k], sent.names[k], strict=True):
+                if x.numel() and (why := _range_words(x - slot.base, slot.rows)) is not None:
+                    return f"{name}: {why}"
+    return None
+
+
+def _range_words(ids: torch.Tensor, rows: int) -> str | None:
+    low, high = torch.stack(torch.aminmax(ids)).tolist()
+    if low < 0:
+        return f"id {low} is negative; ids must lie in [0, {rows})"
+    if high >= rows:
+        return f"id {high} is out of range; ids must lie in [0, {rows})"
+    return None
 
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -72,7 +72,7 @@ class SGD(Fused):
     """``w_r -= lr · g_r`` (module doc)."""
 
     def update(self, group: TableGroup, rows: torch.Tensor, g: torch.Tensor, slots: list[Slot]) -> None:
-        group.flat.index_add_(0, rows, g, alpha=-self.lr)
+        _add_rows(group.flat, rows, g * -self.lr)
 
 
 @dataclass
@@ -86,9 +86,9 @@ class Adagrad(Fused):
 
     def update(self, group: TableGroup, rows: torch.Tensor, g: torch.Tensor, slots: list[Slot]) -> None:
         total = self.state["sum"]
-        total.index_add_(0, rows, g.pow(2))
+        _add_rows(total, rows, g.pow(2))
         std = total.index_select(0, rows).sqrt_().add_(self.eps)
-        group.flat.index_add_(0, rows, g / std, alpha=-self.lr)
+        _add_rows(group.flat, rows, (g / std) * -self.lr)
 
 
 @dataclass
@@ -102,9 +102,9 @@ class RowwiseAdagrad(Fused):
 
     def update(self, group: TableGroup, rows: torch.Tensor, g: torch.Tensor, slots: list[Slot]) -> None:
         total = self.state["sum"]
-        total.index_add_(0, rows, g.pow(2).mean(1))
+        _add_rows(total, rows, g.pow(2).mean(1))
         std = total.index_select(0, rows).sqrt_().add_(self.eps)
-        group.flat.index_add_(0, rows, g / std.unsqueeze(1), alpha=-self.lr)
+        _add_rows(group.flat, rows, (g / std.unsqueeze(1)) * -self.lr)
 
 
 @dataclass
@@ -125,21 +125,27 @@ class Adam(Fused):
         step[[s.index for s in slots]] += 1
         old = avg.index_select(0, rows)
         avg_update = g.sub(old).mul_(1 - b1)
-        avg.index_add_(0, rows, avg_update)
+        _add_rows(avg, rows, avg_update)
         old_sq = avg_sq.index_select(0, rows)
         sq_update = g.pow(2).sub_(old_sq).mul_(1 - b2)
-        avg_sq.index_add_(0, rows, sq_update)
+        _add_rows(avg_sq, rows, sq_update)
         numer = avg_update.add_(old)
         denom = sq_update.add_(old_sq).sqrt_().add_(self.eps)
         sizes = torch.tensor([self._step_size(int(n)) for n in step.tolist()], dtype=g.dtype)
         per_row = sizes[_table_of(group, rows)]
-        group.flat.index_add_(0, rows, numer.div_(denom) * (-per_row).unsqueeze(1))
+        _add_rows(group.flat, rows, numer.div_(denom) * (-per_row).unsqueeze(1))
 
     def _step_size(self, n: int) -> float:
         if n == 0:
             return 0.0
         b1, b2 = self.betas
         return self.lr * math.sqrt(1 - b2**n) / (1 - b1**n)
+
+
+def _add_rows(target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+    """``target[rows] += values`` for distinct ``rows``: each element ``t + v``, as torch's optimizers' sparse
+    ``add_`` computes it."""
+    target.index_put_((rows,), values, accumulate=True)
 
 
 def _table_of(group: TableGroup, rows: torch.Tensor) -> torch.Tensor:

@@ -54,24 +54,22 @@ class Asked:
 
 def dedupe_groups(ids: Sequence[torch.Tensor], parts: int) -> list[Asked]:
     """Each group's keys (int64, flat) as its distinct keys in owner order (an owner is the key mod ``parts``),
-    and where each key finds its row among them: the groups' keys offset into one space, one ``unique`` and one
-    sort for all of them (``tests/sharding/test_units.py`` holds the one-group reference it equals)."""
+    and where each key finds its row among them: every key of every group mapped to (group, owner, key) in one
+    int64, so one ``unique`` (one sort) orders them all (``tests/sharding/test_units.py`` holds the one-group
+    reference it equals)."""
     T = len(ids)
     lens = [int(x.numel()) for x in ids]
     if T == 0:
         return []
-    span = max((int(x.max()) + 1 for x in ids if x.numel()), default=1)  # keys t·span + id never collide
-    table = torch.repeat_interleave(torch.arange(T, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64))
-    keys, inverse = torch.unique(torch.cat(list(ids)) + table * span, sorted=True, return_inverse=True)
-    t_of, value = keys // span, keys % span
-    owner = value % parts
-    order = torch.sort(t_of * parts + owner, stable=True).indices  # by table, then owner, then id
-    place = torch.empty_like(order)
-    place[order] = torch.arange(order.numel(), dtype=order.dtype)
-    counts = torch.bincount(t_of * parts + owner, minlength=T * parts).view(T, parts)
-    starts = torch.cumsum(counts.sum(1), 0) - counts.sum(1)  # each table's first slot in ``order``
-    where = (place - starts[t_of])[inverse]  # each id's row among its own table's distinct ids
-    distinct = torch.split(value[order], counts.sum(1).tolist())
+    flat = torch.cat(list(ids)) if T > 1 else ids[0]
+    span = int(flat.max()) + 1 if flat.numel() else 1  # (group, owner) · span + key never collide
+    group = torch.repeat_interleave(torch.arange(T, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64))
+    keys, inverse = torch.unique((group * parts + flat % parts) * span + flat, sorted=True, return_inverse=True)
+    counts = torch.bincount(keys // span, minlength=T * parts).view(T, parts)
+    per_group = counts.sum(1)
+    starts = torch.cumsum(per_group, 0) - per_group  # each group's first distinct key
+    where = inverse - starts[group]  # each key's row among its own group's distinct keys
+    distinct = torch.split(keys % span, per_group.tolist())
     per_owner = counts.tolist()
     return [
         Asked(d, pos, tuple(c)) for d, pos, c in zip(distinct, torch.split(where, lens), per_owner, strict=True)
@@ -118,9 +116,11 @@ def parse_requests(payload: torch.Tensor, sizes: Sequence[int], groups: int, par
         raise RuntimeError(f"ids payloads of {list(sizes)} elements carry counts {counts.tolist()}")
     keep = torch.ones(payload.numel(), dtype=torch.bool)
     keep[heads.reshape(-1)] = False
-    table = torch.repeat_interleave(torch.arange(T).repeat(n), counts.reshape(-1))
-    order = torch.sort(table, stable=True).indices  # by group, requesters in rank order within each
-    local = payload[keep][order] // parts  # each key's row in this rank's flat tensor (``group``)
+    keys = payload[keep]
+    if T > 1:  # by group, requesters in rank order within each
+        table = torch.repeat_interleave(torch.arange(T).repeat(n), counts.reshape(-1))
+        keys = keys[torch.sort(table, stable=True).indices]
+    local = keys // parts  # each key's row in this rank's flat tensor (``group``)
     rows = torch.split(local, counts.sum(0).tolist())
     return Served(tuple(rows), tuple(tuple(c) for c in counts.t().tolist()))
 

@@ -108,25 +108,15 @@ class ShardedTable(nn.Module):
     # --- one call -----------------------------------------------------------------------------------------------
     def checked_ids(self, input: Any) -> tuple[torch.Tensor, str | None]:
         """(the call's keys: its ids, flat int64, plus the table's base in its group, or an empty tensor when
-        refused; why it is refused, or None)."""
+        refused; why it is refused, or None). The ids' range is checked for all of an exchange's calls at once
+        (``exchange.out_of_range``), with the words this check would use."""
         empty = torch.empty(0, dtype=torch.int64)
         if not isinstance(input, torch.Tensor):
             return empty, f"{self.describe()}: the input must be a tensor of ids, got {type(input).__name__}"
         if input.dtype not in ID_DTYPES:
             return empty, f"{self.describe()}: ids must be int64 or int32, got {input.dtype}"
         ids = input.detach().reshape(-1).to(torch.int64)
-        if ids.numel():
-            low, high = torch.stack(torch.aminmax(ids)).tolist()
-            if low < 0:
-                return (
-                    empty,
-                    f"{self.describe()}: id {low} is negative; ids must lie in [0, {self.num_embeddings})",
-                )
-            if high >= self.num_embeddings:
-                return empty, (
-                    f"{self.describe()}: id {high} is out of range; ids must lie in [0, {self.num_embeddings})"
-                )
-        return ids + self.slot.base if self.slot.base else ids, None
+        return ids + self.slot.base if self.slot.base else ids, None  # the range: ``exchange.out_of_range``
 
     def _call(self, input: Any, refusal: str | None, keys: torch.Tensor, **how: Any) -> LazyLookup:
         """Register this call with the exchanger: its keys, and how to pool it (``rows.Call``)."""
@@ -209,29 +199,34 @@ class ShardedEmbeddingBag(ShardedTable):
         per_sample_weights: torch.Tensor | None = None,
     ) -> LazyLookup:
         keys, refusal = self.checked_ids(input)
+        single = False
         if refusal is None:
-            refusal = self._refused(input, offsets, per_sample_weights)
+            refusal, single = self._refused(input, offsets, per_sample_weights)
         offsets64 = offsets.to(torch.int64) if refusal is None and offsets is not None else None
         psw = per_sample_weights if refusal is None else None
-        return self._call(input, refusal, keys if refusal is None else keys[:0], bag=True, mode=self.mode,
-                          offsets=offsets64, last=self.include_last_offset, weights=psw)  # fmt: skip
+        how = {"offsets": offsets64, "last": self.include_last_offset, "weights": psw, "single": single}
+        return self._call(input, refusal, keys if refusal is None else keys[:0], bag=True, mode=self.mode, **how)
 
     def _refused(
         self, input: torch.Tensor, offsets: torch.Tensor | None, weights: torch.Tensor | None
-    ) -> str | None:
-        """What torch's ``embedding_bag`` would refuse of these arguments (module doc), or None."""
-        why = _bag_arguments(input, offsets, weights, self.mode, self.include_last_offset, self.weight.dtype)
+    ) -> tuple[str | None, bool]:
+        """(what torch's ``embedding_bag`` would refuse of these arguments (module doc), or None; whether every
+        bag holds one id)."""
+        why = _bag_arguments(input, weights, self.mode, self.weight.dtype)
+        if why is None and input.dim() == 2:
+            return (None if offsets is None else self._says("if input is 2D, then offsets has to be None")), (
+                input.shape[1] == 1
+            )
+        if why is None:
+            why, single = self.exchanger.offsets.verdict(offsets, input.numel(), self.include_last_offset)
+            return self._says(why), single
+        return self._says(why), False
+
+    def _says(self, why: str | None) -> str | None:
         return None if why is None else f"{self.describe()}: embedding_bag refuses the arguments: {why}"
 
 
-def _bag_arguments(
-    input: torch.Tensor,
-    offsets: torch.Tensor | None,
-    weights: torch.Tensor | None,
-    mode: str,
-    last: bool,
-    dtype: torch.dtype,
-) -> str | None:
+def _bag_arguments(input: torch.Tensor, weights: torch.Tensor | None, mode: str, dtype: torch.dtype) -> str | None:
     if input.dim() not in (1, 2):
         return f"input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}"
     if weights is not None:
@@ -242,22 +237,4 @@ def _bag_arguments(
             return (
                 f"per_sample_weights must have the input's shape {tuple(input.shape)} and dtype {dtype}, got {got}"
             )
-    if input.dim() == 2:
-        return None if offsets is None else "if input is 2D, then offsets has to be None"
-    if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype not in ID_DTYPES:
-        return f"offsets has to be a 1D tensor of int64 or int32, got {_what(offsets)}"
-    if last and offsets.numel() < 1:
-        return "include_last_offset: number of offset should be at least 1"
-    if offsets.numel():
-        first, end = int(offsets[0]), int(offsets[-1])
-        if first != 0:
-            return f"offsets[0] has to be 0, got {first}"
-        if end > input.numel():
-            return f"offsets[-1] can not be greater than input's length {input.numel()}, got {end}"
-        if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
-            return "offsets must not decrease"
     return None
-
-
-def _what(x: Any) -> str:
-    return f"a {x.dim()}-D {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__

@@ -2,8 +2,9 @@
 ``RowExchange``, the autograd node whose forward reads the rows each requester asked for out of the owner's flat
 tensors (one ``index_select`` per group) and sends them (one all-to-all round), and whose backward sends each
 owner one gradient row per distinct key (one round) and sums them per row (one ``coalesce`` per group); then the
-pooling of the calls on the gathered rows (``pool``), one ``embedding_bag`` or ``embedding`` per group and call
-signature, however many tables.
+pooling of the calls on the gathered rows (``pool``): one ``index_select`` for the calls whose outputs are rows as
+they are (embeddings, bags of one id each) and one ``embedding_bag`` per group and bag signature, however many
+tables.
 
 The owner's sum becomes each table's gradient (a sparse COO tensor per table called, cut out of the group's sum
 without another sort), or, when the tables were sharded with an optimizer (``fused``), the rows' update, applied
@@ -44,6 +45,7 @@ class Call:
     weights: torch.Tensor | None  # per_sample_weights
     padding: int | None  # padding_idx's key, or None
     out: LazyLookup
+    single: bool = False  # every bag holds one id (a bag's pooled row is that id's row, as an embedding's is)
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,8 @@ class RowExchange(torch.autograd.Function):
         got = link.rows(send, [route.rows_from(j) for j in range(P)], [route.rows_to(i) for i in range(P)],
                         "grads", tally)  # fmt: skip
         by_group = group_major(got, route.ids.served.counts, [g.dim for g in route.groups])
-        sums = [_owner_sum(g, r, v) for g, r, v in zip(route.groups, route.ids.served.rows, by_group, strict=True)]
+        served = route.ids.served.rows
+        sums = [_owner_sum(g, r, v, P) for g, r, v in zip(route.groups, served, by_group, strict=True)]
         out: list[torch.Tensor | None] = [None] * (3 + len(route.inputs))  # route, link, tally, the tables
         for gi, (group, (rows, values)) in enumerate(zip(route.groups, sums, strict=True)):
             mine = [(k, slot) for k, (g, slot) in enumerate(route.inputs) if g == gi]
@@ -148,12 +151,17 @@ class RowExchange(torch.autograd.Function):
         return tuple(out)
 
 
-def _owner_sum(group: TableGroup, rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _owner_sum(
+    group: TableGroup, rows: torch.Tensor, values: torch.Tensor, requesters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The gradient rows received for ``group`` summed per row (one sort): (rows ascending, their sums), the
-    tables' padding rows left out (torch's embedding backward leaves padding_idx out)."""
+    tables' padding rows left out (torch's embedding backward leaves padding_idx out). From one requester the
+    rows are distinct and ascending already (its distinct keys, sorted): nothing to sum."""
     if group.padding_rows.numel():
         keep = ~torch.isin(rows, group.padding_rows)
         rows, values = rows[keep], values[keep]
+    if requesters == 1:
+        return rows, values
     coo = torch.sparse_coo_tensor(rows.unsqueeze(0), values, (group.flat.shape[0], group.dim),
                                   check_invariants=False).coalesce()  # fmt: skip
     return coo.indices()[0], coo.values()
@@ -201,13 +209,15 @@ def pool(
     for call, pos in zip(calls, per_call, strict=True):
         if call.padding is not None:
             call.out.resolve(_pool_one(gathered, call, pos, padding_at.get(call.padding)))
+        elif not call.bag or (call.single and call.weights is None):
+            fused.setdefault(("rows",), []).append((call, pos))
         else:
-            fused.setdefault((call.bag, call.mode, call.weights is not None), []).append((call, pos))
-    for (bag, mode, weighted), members in fused.items():
-        if bag:
-            _pool_bags(gathered, members, mode, weighted)
+            fused.setdefault((call.mode, call.weights is not None), []).append((call, pos))
+    for signature, members in fused.items():
+        if signature == ("rows",):
+            _pool_rows(gathered, members)
         else:
-            _pool_embeddings(gathered, members)
+            _pool_bags(gathered, members, *signature)
 
 
 def _pool_one(gathered: torch.Tensor, call: Call, pos: torch.Tensor, padding: int | None) -> torch.Tensor:
@@ -219,10 +229,11 @@ def _pool_one(gathered: torch.Tensor, call: Call, pos: torch.Tensor, padding: in
     )  # fmt: skip
 
 
-def _pool_embeddings(gathered: torch.Tensor, members: Sequence[tuple[Call, torch.Tensor]]) -> None:
-    out = nn.functional.embedding(torch.cat([p for _, p in members]), gathered)
+def _pool_rows(gathered: torch.Tensor, members: Sequence[tuple[Call, torch.Tensor]]) -> None:
+    """Calls whose outputs are rows as they are (embeddings, bags of one id each): one ``index_select``."""
+    out = gathered.index_select(0, torch.cat([p for _, p in members]) if len(members) > 1 else members[0][1])
     for (call, _), part in zip(members, torch.split(out, [p.numel() for _, p in members]), strict=True):
-        call.out.resolve(part.view(*call.shape, gathered.shape[1]))
+        call.out.resolve(part.view(*call.shape, gathered.shape[1]) if not call.bag else part)
 
 
 def _pool_bags(
