@@ -83,7 +83,7 @@ def _accumulate(kind: str, out: Any) -> None:
     model = _model()
     if kind == "sparsync":
         # DistributedOptimizer's coalescing hook, without a group: the same hook it registers
-        from sparsync.optim import _coalesce_grad
+        from sparsync.optim.optimizer import _coalesce_grad
 
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(_coalesce_grad)

@@ -1,4 +1,4 @@
-"""``DistributedOptimizer`` reduces while backward runs (replicator/overlap.py): a bucket's reduction starts
+"""``DistributedOptimizer`` reduces while backward runs (optim/overlap.py): a bucket's reduction starts
 before backward ends; results equal a float64 single-process reference (dense, sparse, an unused layer, a layer
 unused on some ranks, accumulation with and without ``no_sync``) and, for compressed plans, reduction in
 ``step()`` bit for bit; the fast path sends no metadata round; a NaN, a skipped step and models that differ

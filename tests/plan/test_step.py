@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from sparsync.optim import buckets
 from sparsync.placement import DenseAllreduce, NamedParam
 from sparsync.placement.bucketing import CAP_BYTES, FIRST_CAP_BYTES
 from sparsync.plan import Cluster, ParamStats, make_plan
 from sparsync.plan.backend import TREE_BUS_SHARE, all_to_all_latency, dense_allreduce
 from sparsync.plan.step import bucket_layout
-from sparsync.replicator import buckets
 from sparsync_bench.cli import main
 from sparsync_bench.criteo import table_rows
 from sparsync_bench.dlrm import dlrm_stats
@@ -29,7 +29,7 @@ def dlrm() -> list[ParamStats]:
 
 
 def real_buckets(stats: list[ParamStats]) -> list[list[int]]:
-    """DistributedOptimizer's dense buckets of ``stats`` (``replicator.buckets.lay_out`` on meta tensors, every
+    """DistributedOptimizer's dense buckets of ``stats`` (``optim.buckets.lay_out`` on meta tensors, every
     gradient dense under one DenseAllreduce, DDP's initial order): each bucket's indices into ``stats``."""
     params = [NamedParam(s.name, torch.nn.Parameter(torch.empty(s.shape, dtype=DTYPES[s.itemsize], device="meta")))
               for s in stats]  # fmt: skip

@@ -46,7 +46,7 @@ class Placement(ABC):
     (``sparsync.plan.KINDS``' names: ``dense_allreduce``, ``sparse_allreduce``, ``sketch``, ``ps``, ...)."""
 
     kind: str = "placement"
-    # Whether DistributedOptimizer may run it on its queue thread while backward goes on (replicator.overlap),
+    # Whether DistributedOptimizer may run it on its queue thread while backward goes on (optim.overlap),
     # on a detached view of each parameter; the parameter server pushes every parameter each step, from step().
     overlaps: bool = True
     # False: the gradient already holds the sum over replicas when backward leaves it (a module that exchanged

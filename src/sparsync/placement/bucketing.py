@@ -3,7 +3,7 @@ consecutive gradients of one key (placement and dtype) in the order backward pro
 it holds ``FIRST_CAP_BYTES`` (the first bucket: small, so the first allreduce starts early in backward) or
 ``cap_bytes`` (the rest), and a new one at each change of key.
 
-One rule for the two that need it: ``replicator.buckets.lay_out`` cuts the fast path's buckets with it, and
+One rule for the two that need it: ``optim.buckets.lay_out`` cuts the fast path's buckets with it, and
 ``plan.step`` prices the buckets it cuts (the plan layer sits below the replicator, so the rule sits below both).
 """
 

@@ -28,11 +28,9 @@ from sparsync.placement import ByLayout, NamedParam, Placement, ReduceEnv, aggre
 from sparsync.placement.base import nan_grad, zero_grad
 from sparsync.record import AGREE
 from sparsync.replicator import primitives as prim
-from sparsync.replicator.buckets import DENSE as _DENSE
-from sparsync.replicator.buckets import NONE as _NONE
-from sparsync.replicator.buckets import SPARSE as _SPARSE
 
 OPS = ("mean", "sum")
+NONE, DENSE, SPARSE = 0, 1, 2  # a gradient's layout, as fill_missing_grads agrees it
 
 
 def fill_missing_grads(params: list[NamedParam], env: ReduceEnv) -> list[int]:
@@ -44,7 +42,7 @@ def fill_missing_grads(params: list[NamedParam], env: ReduceEnv) -> list[int]:
     instead (docs/optimizer.md compares the two). Returns the agreed layout codes (0 none, 1 dense, 2 sparse).
     Mutates ``p.grad`` of the parameters that lack one."""
     codes = torch.tensor(
-        [_NONE if p.param.grad is None else _SPARSE if p.param.grad.is_sparse else _DENSE for p in params],
+        [NONE if p.param.grad is None else SPARSE if p.param.grad.is_sparse else DENSE for p in params],
         dtype=torch.int32,
     )
 
@@ -62,8 +60,8 @@ def fill_missing_grads(params: list[NamedParam], env: ReduceEnv) -> list[int]:
     submit(env.group, agree, False)
     agreed: list[int] = codes.tolist()
     for p, code in zip(params, agreed, strict=True):
-        if p.param.grad is None and code != _NONE:
-            p.param.grad = zero_grad(p.param, sparse=code == _SPARSE)
+        if p.param.grad is None and code != NONE:
+            p.param.grad = zero_grad(p.param, sparse=code == SPARSE)
     return agreed
 
 
@@ -145,7 +143,7 @@ class ReplicatedOptimizer:
         before sending, and a compressor's state must not take the values in, so there are no sums), which a
         ``GradScaler``'s inf check sees alike everywhere."""
         codes = [
-            _NONE if p.param.grad is None else _SPARSE if p.param.grad.is_sparse else _DENSE for p in self.params
+            NONE if p.param.grad is None else SPARSE if p.param.grad.is_sparse else DENSE for p in self.params
         ]
         if self.env.num_replicas > 1:
             codes = fill_missing_grads(self.params, self.env)

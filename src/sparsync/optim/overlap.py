@@ -9,7 +9,7 @@ A *round* is one backward pass outside ``no_sync()`` (or, on a rank that ran non
 did before (``ReplicatedOptimizer.aggregate``: one agreement round, then the placements); right after it every
 rank agrees the bucket layout once (``buckets.lay_out`` from rank 0's order, and every parameter's name,
 shape, dtype and placement compared across ranks). Later rounds need no agreement round: what it checked travels
-in each bucket's own payload (``bucket_jobs``).
+in each bucket's own payload (``optim.jobs``).
 
 Two backward passes without ``step()`` and outside ``no_sync()`` reduce twice, as DDP does: the second round's
 gradients are reduced on their own and added to the first round's result (kept aside by a tensor hook that
@@ -34,11 +34,11 @@ from sparsync.collectives.meta import NonFiniteError
 from sparsync.collectives.ops import text_key
 from sparsync.collectives.timeline import tracer
 from sparsync.handle import Work
+from sparsync.optim import jobs
+from sparsync.optim.buckets import Bucket, default_order, lay_out
 from sparsync.placement import NamedParam, Placement, ReduceEnv
 from sparsync.placement.bucketing import CAP_BYTES
 from sparsync.record import AGREE
-from sparsync.replicator import bucket_jobs as jobs
-from sparsync.replicator.buckets import Bucket, default_order, lay_out
 from sparsync.replicator.optimizer import ReplicatedOptimizer
 
 # the autograd engine's end-of-backward callbacks (DDP's reducer queues its finalisation the same way)

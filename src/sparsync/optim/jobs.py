@@ -1,5 +1,5 @@
 """One bucket's reduction in one backward round, run on the group's queue thread while backward goes on
-(``replicator.overlap``).
+(``optim.overlap``).
 
 **Fast path** (dense gradients under a plain dense allreduce): one torch allreduce of a flat buffer holding the
 members' gradients and a tail of checks, so no metadata round precedes it:
@@ -50,10 +50,11 @@ from sparsync.collectives.fifo import submit
 from sparsync.collectives.grouped import grouped_allreduce
 from sparsync.collectives.meta import NonFiniteError, first_nonfinite
 from sparsync.handle import Work
+from sparsync.optim.buckets import Bucket
 from sparsync.placement import ByLayout, NamedParam, ReduceEnv, SparseAllreduce
 from sparsync.placement.base import nan_grad, zero_grad
 from sparsync.record import AGREE
-from sparsync.replicator.buckets import DENSE, Bucket
+from sparsync.replicator.optimizer import DENSE
 
 # c = 4·(steps mod 16) + (backward rounds since the step, at most 3) + 1, in [1, 64]: P·c² stays an exact
 # integer in float32 up to P = 4,096. A rank with one more backward round in a step than the others differs.

@@ -5,7 +5,7 @@
 
 It is a ``torch.optim.Optimizer`` (LR schedulers, ``state_dict``, hooks and ``isinstance`` checks work) that
 shares the wrapped optimizer's ``param_groups`` and ``state`` and, in ``step()``, first aggregates every
-gradient across the ranks of the group by a per-parameter plan (``replicator.optimizer``'s placements: the
+gradient across the ranks of the group by a per-parameter plan (``sparsync.placement``'s placements: the
 default sends sparse COO gradients, e.g. ``nn.Embedding(sparse=True)``'s, by the row-sparse allreduce and dense
 ones by one bucketed allreduce, both in one grouped call), then steps the wrapped optimizer. The design follows
 Horovod's ``DistributedOptimizer`` (aggregate in ``step``, ``synchronize()`` for gradient clipping) without
@@ -23,11 +23,11 @@ import torch.distributed as dist
 
 from sparsync.collectives.group import resolve_group
 from sparsync.collectives.meta import NonFiniteError
+from sparsync.optim.overlap import OverlapReducer
 from sparsync.placement import Placement, ReduceEnv, placement_of
 from sparsync.placement.bucketing import CAP_BYTES
 from sparsync.record import CommLog
 from sparsync.replicator.optimizer import PlanSpec, ReplicatedOptimizer
-from sparsync.replicator.overlap import OverlapReducer
 
 LAYOUT_KEY = "sparsync_buckets"  # the bucket layout in a state dict
 

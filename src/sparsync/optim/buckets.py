@@ -1,4 +1,4 @@
-"""The bucket layout of reduction during backward (``replicator.overlap``): which parameters travel together,
+"""The bucket layout of reduction during backward (``optim.overlap``): which parameters travel together,
 in which order, and by which path.
 
 DDP's reducer (Li et al., "PyTorch Distributed", VLDB 2020, §3.2.3 and §4.2) groups gradients into buckets in
@@ -12,7 +12,7 @@ ours where the paper is silent or does not apply:
 - A bucket holds consecutive parameters (in that order) of one placement object, one dtype and one layout
   (dense or sparse, as agreed in the first round). Dense gradients under ``DenseAllreduce`` (or ``ByLayout``'s
   default dense side) take the *fast path*: one flat allreduce with the checks carried in the payload
-  (``replicator.bucket_jobs``), split at DDP's caps (1 MiB for the first bucket, ``cap_bytes`` after).
+  (``optim.jobs``), split at DDP's caps (1 MiB for the first bucket, ``cap_bytes`` after).
   Sparse gradients under ``ByLayout``/``SparseAllreduce`` share one bucket (one metadata round for their sizes),
   launched when the last of them is ready.
   Any other placement (a compressor, a sketch, ``Grouped``, a custom reduction) keeps all of its parameters in
@@ -31,8 +31,7 @@ import torch
 
 from sparsync.placement import ByLayout, DenseAllreduce, NamedParam, Placement, SparseAllreduce
 from sparsync.placement.bucketing import CAP_BYTES, FIRST_CAP_BYTES, DenseRuns
-
-NONE, DENSE, SPARSE = 0, 1, 2  # a gradient's layout as the first round agreed it (fill_missing_grads's codes)
+from sparsync.replicator.optimizer import DENSE, NONE, SPARSE
 
 
 @dataclass(frozen=True)

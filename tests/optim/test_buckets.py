@@ -1,4 +1,4 @@
-"""The bucket layout of reduction during backward (replicator/buckets.py), one process: DDP's caps for dense
+"""The bucket layout of reduction during backward (optim/buckets.py), one process: DDP's caps for dense
 buckets, one bucket for a placement's sparse gradients, a non-splitting placement's parameters together in plan
 order, the order of launch."""
 
@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 
 from sparsync.compress import TopK
+from sparsync.optim.buckets import default_order, lay_out
 from sparsync.placement import ByLayout, Compressed, NamedParam
-from sparsync.replicator.buckets import DENSE, NONE, SPARSE, default_order, lay_out
+from sparsync.replicator.optimizer import DENSE, NONE, SPARSE
 
 
 def _params(sizes: list[int]) -> list[NamedParam]:
