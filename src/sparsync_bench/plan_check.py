@@ -1,0 +1,305 @@
+"""The planner's step against the step measured on emulated links: ``python -m sparsync_bench.plan_check``.
+
+For P ranks on links of one rate and one-way delay (``netem``: one network namespace per rank, tc tbf and netem;
+or loopback), each part of a DLRM-like step is timed as the trainer sends it and priced by the planner
+(``sparsync.plan``) for the same sizes:
+
+- dense: the Kaggle MLPs' gradients in ``DistributedOptimizer``'s buckets (``plan.step.bucket_layout``), one
+  ``dist.all_reduce`` per bucket (gloo's ring);
+- sparse: the tables' row-sparse gradients replicated, in one ``grouped_allreduce`` (the algorithm the planner
+  prices, forced, so both sides price one algorithm);
+- sharded: the tables sharded (``sparsync.shard``): a forward and a backward, the exchange's all-to-all rounds
+  (ids, rows; gradient rows) timed by their own scopes.
+
+Each rank looks up ``batch`` uniform ids per table; the planner is given the distinct rows they touch.
+Measured: the median over ``repeats`` of the slowest rank's time of a call after a barrier (dense, sparse);
+for the exchange, of each round's time on the slowest rank (a barrier before forward and before backward),
+summed over the rounds: the least over the ranks would miss the bytes that reached a late rank before it
+started waiting. Predicted on two links: ``derived`` (α = the added delay,
+β = 1/rate, no γ: what a user who knows the network types) and ``measured`` (``sparsync.measure_link`` on the
+same links, in the same run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import sparsync
+from sparsync.collectives.calibrate import measure_link
+from sparsync.collectives.grouped import grouped_allreduce
+from sparsync.costmodel import LinkModel
+from sparsync.launch import launch
+from sparsync.plan import Cluster, ParamStats, make_plan
+from sparsync.plan.step import bucket_layout
+from sparsync.record import CommLog
+from sparsync_bench.criteo import table_rows
+from sparsync_bench.dlrm import mlp_shapes
+from sparsync_bench.netem import NetSpec, parse_latency, parse_rate, shaped
+
+PARTS = ("dense", "sparse", "sharded")
+# the planner's predictions: its link as derived (α measured, β the rate, γ this host's), the same with γ off,
+# and ``measure_link``'s link
+PREDICTIONS = ("predicted", "predicted_gamma_off", "predicted_measured_link")
+EXCHANGE_PHASES = ("ids", "rows", "grads")  # the sharded rounds' scopes (``sharding.link``), not the pooling
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One measured point."""
+
+    world: int  # P ranks
+    rate: str | None = None  # tc rate of every link, e.g. "1gbit"; None: loopback
+    delay: str | None = None  # one-way delay netem adds to each message, e.g. "1ms"
+    batch: int = 512  # ids per table per rank
+    max_rows: int = 100_000  # Kaggle's 26 tables' cardinalities, capped
+    tables: int = 26  # the first this many of them
+    dim: int = 16
+    repeats: int = 5  # timed repeats after one warm-up
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.world < 2:
+            raise ValueError(f"world must be >= 2 (a step with no peer sends nothing), got {self.world}")
+        if self.delay is not None and self.rate is None:
+            raise ValueError(f"delay={self.delay!r} needs a rate (emulated links)")
+        if self.rate is not None:
+            NetSpec(self.rate, self.delay)
+        if not (1 <= self.tables <= 26 and self.batch >= 1 and self.repeats >= 1 and self.dim >= 1):
+            raise ValueError(
+                f"want 1 <= tables <= 26, batch, repeats, dim >= 1; got {self.tables}, {self.batch}, "
+                f"{self.repeats}, {self.dim}"
+            )
+
+    @property
+    def rows(self) -> list[int]:
+        return table_rows(self.max_rows)[: self.tables]
+
+    def derived_link(self, step: float, host: LinkModel | None = None) -> LinkModel:
+        """α = ``step`` (a ring step's time, measured: ``ring_step``) plus the added one-way delay, β = 1/rate
+        (loopback: 10 GB/s); the γ terms (a rank's CPU per element merged, added, scattered, written) those of
+        ``host`` (``measure_link``'s), None: off (module doc)."""
+        alpha = step + (parse_latency(self.delay) or 0.0)
+        bandwidth = parse_rate(self.rate) / 8 if self.rate is not None else 10e9
+        off = LinkModel(alpha=alpha, beta=1 / bandwidth, gamma_sparse=0, gamma_dense=0, gamma_scatter=0)
+        if host is None:
+            return off
+        return replace(off, gamma_sparse=host.gamma_sparse, gamma_dense=host.gamma_dense,
+                       gamma_scatter=host.gamma_scatter, gamma_fresh=host.gamma_fresh)  # fmt: skip
+
+
+def ids_of(setting: Setting, rank: int, table: int) -> torch.Tensor:
+    """The ids rank ``rank`` looks up in table ``table``: ``batch`` uniform draws, the same every run."""
+    g = torch.Generator().manual_seed(setting.seed * 1_000_003 + rank * 1009 + table)
+    return torch.randint(0, setting.rows[table], (setting.batch,), generator=g)
+
+
+def mlp_stats(setting: Setting) -> list[ParamStats]:
+    return [ParamStats(n, s, 1.0, False) for n, s in mlp_shapes(len(setting.rows), setting.dim)]
+
+
+def table_stats(setting: Setting, distinct: Sequence[float]) -> list[ParamStats]:
+    """The tables as the planner sees them: ``distinct`` rows a rank touches per table (the mean over ranks)."""
+    return [ParamStats(f"tables.{j}.weight", (n, setting.dim), distinct[j] / n, True, distinct[j] / n)
+            for j, n in enumerate(setting.rows)]  # fmt: skip
+
+
+def dense_buckets(setting: Setting) -> list[int]:
+    """Elements of each of ``DistributedOptimizer``'s dense buckets of the MLPs, in launch order."""
+    stats = mlp_stats(setting)
+    layout = bucket_layout([(math.prod(s.shape) * 4, 4) for s in stats])
+    return [sum(math.prod(stats[i].shape) for i in b) for b in layout]
+
+
+# --- prediction --------------------------------------------------------------------------------------------------
+def predict(setting: Setting, link: LinkModel, distinct: Sequence[float]) -> dict[str, Any]:
+    """The planner's seconds of each part (module doc) on ``link``, and the sparse call's algorithm."""
+    cluster = Cluster(setting.world, 1, measured=link)
+    tables = table_stats(setting, distinct)
+    dense = make_plan(mlp_stats(setting), cluster).step
+    out: dict[str, Any] = {"dense": sum(p.seconds for p in dense.parts),
+                           "dense_buckets": [p.seconds for p in dense.parts]}  # fmt: skip
+    for part, kind in (("sparse", "sparse_allreduce"), ("sharded", "sharded")):
+        plan = make_plan(tables, cluster, overrides={t.name: kind for t in tables}, swap_modules=True)
+        (p,) = [p for p in plan.step.parts if p.kind == kind]
+        out[part] = p.seconds
+        out[f"{part}_bytes"] = p.nbytes
+        if part == "sparse":
+            out["sparse_algorithm"] = p.algorithm
+    return out
+
+
+# --- measurement (in each rank) ----------------------------------------------------------------------------------
+def _slowest(fn: Callable[[], object]) -> float:
+    """Seconds of ``fn`` after a barrier, on the slowest rank."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _call(fn: Callable[[torch.Tensor], object], x: torch.Tensor) -> Callable[[], float]:
+    return lambda: _slowest(lambda: fn(x))
+
+
+def _median(setting: Setting, fn: Callable[[], float]) -> float:
+    fn()  # warm-up: connections, buffers, the exchange's agreed capacity
+    return statistics.median(fn() for _ in range(setting.repeats))
+
+
+def _sparse_grads(setting: Setting, rank: int) -> list[torch.Tensor]:
+    out = []
+    for j, n in enumerate(setting.rows):
+        rows = torch.unique(ids_of(setting, rank, j))
+        values = torch.ones(rows.numel(), setting.dim)
+        grad = torch.sparse_coo_tensor(rows[None], values, (n, setting.dim), check_invariants=False)
+        out.append(grad.coalesce())
+    return out
+
+
+def _exchange_seconds(setting: Setting, rank: int, log: CommLog) -> Callable[[], float]:
+    """One sharded forward and backward of the tables; returns the rounds' seconds (module doc). Appends the
+    exchange's records to ``log``."""
+    torch.manual_seed(setting.seed)
+    bags = nn.ModuleList(nn.EmbeddingBag(n, setting.dim, mode="sum") for n in setting.rows)
+    model = sparsync.shard(bags, log=log)
+    if not isinstance(model, nn.ModuleList):  # shard returns the module it was given, its tables swapped
+        raise TypeError(f"sparsync.shard returned a {type(model).__name__}, not the ModuleList it was given")
+    ids = [ids_of(setting, rank, j) for j in range(len(setting.rows))]
+    offsets = torch.arange(setting.batch)
+
+    def once() -> float:
+        start = len(log.records)
+        dist.barrier()
+        out = torch.cat([m(i, offsets) for m, i in zip(model, ids, strict=True)], dim=1)
+        dist.barrier()
+        out.sum().backward()  # type: ignore[no-untyped-call]
+        phases: dict[str, float] = {}
+        for r in log.records[start:]:
+            for name, t in r.phases.items():
+                phases[name] = phases.get(name, 0.0) + t
+        mine = torch.tensor([phases.get(p, 0.0) for p in EXCHANGE_PHASES], dtype=torch.float64)
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        return float(mine.sum())
+
+    return once
+
+
+def ring_step(setting: Setting) -> float:
+    """Seconds per step of gloo's ring at this P: a 4-byte allreduce (2(P-1) steps), the median of 21."""
+    x = torch.zeros(1)
+    steps = 2 * (dist.get_world_size() - 1)
+    return statistics.median(_slowest(lambda: dist.all_reduce(x)) for _ in range(21)) / steps
+
+
+def check_worker(rank: int, setting: Setting) -> dict[str, Any]:
+    """Measured seconds of each part and what the planner needs to price them (run by ``launch``)."""
+    step = ring_step(setting)
+    buckets = [torch.zeros(n) for n in dense_buckets(setting)]
+    per_bucket = [_median(setting, _call(dist.all_reduce, b)) for b in buckets]
+    counts = [float(torch.unique(ids_of(setting, rank, j)).numel()) for j in range(len(setting.rows))]
+    distinct = torch.tensor(counts, dtype=torch.float64)
+    dist.all_reduce(distinct)
+    distinct /= dist.get_world_size()
+    link = measure_link()
+    derived = predict(setting, setting.derived_link(step, link), distinct.tolist())
+    grads = _sparse_grads(setting, rank)
+    alg = derived["sparse_algorithm"]
+    log = CommLog()
+    sparse = _median(setting, lambda: _slowest(lambda: grouped_allreduce(grads, algorithm=alg, log=log)))
+    shard_log = CommLog()
+    sharded = _median(setting, _exchange_seconds(setting, rank, shard_log))
+    nbytes = torch.tensor([_bytes(log, setting.repeats + 1), _bytes(shard_log, setting.repeats + 1)])
+    dist.all_reduce(nbytes)
+    return {"dense": sum(per_bucket), "dense_buckets": per_bucket, "sparse": sparse, "sparse_algorithm": alg,
+            "sharded": sharded, "distinct": distinct.tolist(), "link": asdict(link), "ring_step": step,
+            "bytes": {"sparse": float(nbytes[0]) / dist.get_world_size(),
+                      "sharded": float(nbytes[1]) / dist.get_world_size()}}  # fmt: skip
+
+
+def _bytes(log: CommLog, calls: int) -> float:
+    """Bytes sent + received per call of the ``calls`` calls in ``log``."""
+    return sum(r.bytes_sent + r.bytes_recv for r in log.records) / calls
+
+
+# --- one point, a grid, the report -------------------------------------------------------------------------------
+def run_point(setting: Setting) -> dict[str, Any]:
+    """Measure ``setting`` (namespaces made and removed here when it has a rate) and price it both ways."""
+    spec = NetSpec(setting.rate, setting.delay) if setting.rate is not None else None
+    with shaped(setting.world, spec) as ns:
+        setup = ns.rank_setup() if ns is not None else None
+        res = launch(check_worker, nprocs=setting.world, args=(setting,), setup=setup, timeout=300.0)[0]
+    link = LinkModel(**res["link"])
+    derived = predict(setting, setting.derived_link(res["ring_step"], link), res["distinct"])
+    nominal = predict(setting, setting.derived_link(res["ring_step"]), res["distinct"])
+    measured_link = predict(setting, link, res["distinct"])
+    measured = {p: res[p] for p in (*PARTS, "dense_buckets", "sparse_algorithm", "bytes", "ring_step")}
+    ratio = {p: derived[p] / measured[p] for p in PARTS}
+    return {"setting": asdict(setting), "measured": measured, "predicted": derived, "predicted_gamma_off": nominal,
+            "predicted_measured_link": measured_link, "ratio": ratio, "link": res["link"]}  # fmt: skip
+
+
+def grid(worlds: Sequence[int], delays: Sequence[str | None], rate: str | None, base: Setting) -> list[Setting]:
+    return [replace(base, world=w, rate=rate, delay=d) for d in delays for w in worlds]
+
+
+def table(points: Sequence[dict[str, Any]]) -> str:
+    """A markdown table: per point and part, measured and predicted ms and their ratio."""
+    lines = ["| P | link | part | measured ms | predicted ms | ratio | γ off: ms | ratio | measure_link: ms "
+             "| ratio |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for pt in points:
+        s = pt["setting"]
+        link = f"{s['rate']} + {s['delay']}" if s["rate"] else "loopback"
+        for p in PARTS:
+            m = pt["measured"][p]
+            name = f"sparse ({pt['measured']['sparse_algorithm']})" if p == "sparse" else p
+            cells = [f"{pt[k][p] * 1e3:.2f} | {pt[k][p] / m:.2f}" for k in PREDICTIONS]
+            lines.append(f"| {s['world']} | {link} | {name} | {m * 1e3:.2f} | {' | '.join(cells)} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m sparsync_bench.plan_check", description=__doc__.split("\n")[0])
+    ap.add_argument("--world", default="2,4", help="rank counts, comma-separated")
+    ap.add_argument("--net", default=None, help="tc rate of every link, e.g. 1gbit (root); none: loopback")
+    ap.add_argument("--delay", default="", help="one-way delays, comma-separated, e.g. 0.1ms,1ms,5ms (with --net)")
+    ap.add_argument("--batch", type=int, default=512)
+    ap.add_argument("--tables", type=int, default=26)
+    ap.add_argument("--max-rows", type=int, default=100_000)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
+    return ap.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = parse_args(argv)
+    base = Setting(2, batch=a.batch, tables=a.tables, max_rows=a.max_rows, repeats=a.repeats)
+    delays: list[str | None] = [d for d in a.delay.split(",") if d] or [None]
+    points = []
+    for s in grid([int(w) for w in a.world.split(",")], delays, a.net, base):
+        points.append(run_point(s))
+        print(table(points[-1:]).splitlines()[-3:], flush=True)
+    text = table(points)
+    print(text)
+    if a.out is not None:
+        a.out.with_suffix(".json").write_text(json.dumps(points, indent=1) + "\n")
+        a.out.with_suffix(".md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
