@@ -65,7 +65,8 @@ def dedupe_groups(ids: Sequence[torch.Tensor], parts: int) -> list[Asked]:
     span = int(flat.max()) + 1 if flat.numel() else 1  # (group, owner) · span + key never collide
     group = torch.repeat_interleave(torch.arange(T, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64))
     keys, inverse = torch.unique((group * parts + flat % parts) * span + flat, sorted=True, return_inverse=True)
-    counts = torch.bincount(keys // span, minlength=T * parts).view(T, parts)
+    edges = torch.searchsorted(keys, torch.arange(T * parts + 1, dtype=torch.int64) * span)  # keys are sorted
+    counts = edges.diff().view(T, parts)
     per_group = counts.sum(1)
     starts = torch.cumsum(per_group, 0) - per_group  # each group's first distinct key
     where = inverse - starts[group]  # each key's row among its own group's distinct keys
