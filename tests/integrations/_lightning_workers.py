@@ -14,7 +14,9 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import sparsync
@@ -149,6 +151,20 @@ def validate_worker(rank: int) -> dict[str, Any]:
             "whole": whole}  # fmt: skip
 
 
+def hook_calls(strategy: type[DDPStrategy]) -> int:
+    """How often DDP called a comm hook during a fit under ``strategy(<the hook>)`` (Lightning's ``DDPStrategy``
+    takes it as ``ddp_comm_hook``, ``SparsyncStrategy`` as ``comm_hook``)."""
+    calls = []
+
+    def hook(state, bucket):  # type: ignore[no-untyped-def]  # DDP refuses string annotations (future import)
+        calls.append(bucket.index())
+        return default_hooks.allreduce_hook(None, bucket)
+
+    kwargs = {"comm_hook" if strategy is SparsyncStrategy else "ddp_comm_hook": hook}
+    _trainer(strategy(**kwargs)).fit(Net(), DataLoader(dataset(), batch_size=BATCH))
+    return len(calls)
+
+
 def _fit_twice() -> None:
     module = Net()
     for _ in range(2):
@@ -174,8 +190,8 @@ class NotATorchOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
-def misuse_worker(rank: int) -> dict[str, str]:
-    """The error each misuse raises (or "no error")."""
+def misuse_worker(rank: int) -> dict[str, Any]:
+    """The error each misuse raises (or "no error"), and how often each strategy's comm hook ran."""
     cases: dict[str, Callable[[], Any]] = {
         "not_torch_optimizer": lambda: _trainer(SparsyncStrategy()).fit(
             Net(optimizer=lambda m: NotATorchOptimizer(m.parameters())), DataLoader(dataset(), batch_size=BATCH)
@@ -187,7 +203,7 @@ def misuse_worker(rank: int) -> dict[str, str]:
         "hook_and_shard": lambda: SparsyncStrategy(comm_hook=lambda s, b: None, shard_plan={}),
         "ddp_options_without_hook": lambda: SparsyncStrategy(ddp_options={"find_unused_parameters": True}),
     }
-    out = {}
+    out: dict[str, Any] = {"hook_calls": {s.__name__: hook_calls(s) for s in (DDPStrategy, SparsyncStrategy)}}
     for name, fn in cases.items():
         try:
             fn()

@@ -41,9 +41,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 
-from sparsync.optim import DistributedOptimizer
+from sparsync import DistributedOptimizer, shard
 from sparsync.placement import Sharded, placement_of
-from sparsync.sharding import shard
 
 # Lightning's precision flags under which the two paths are tested (tests/integrations/test_lightning.py); the
 # others (half-precision weights "16-true"/"bf16-true", "16-mixed"'s GradScaler, quantised and FP8 plugins) are
