@@ -1,5 +1,5 @@
 """Rows of named int64 columns that ranks exchange, and how the ranks must agree on each column: the one schema
-of every metadata round (``meta.allgather_rows``) and of the sharded lookup's header rows (``sharding/header.py``).
+of every metadata round (``meta.allgather_rows``) and of the sharded lookup's header rows (``sharding/ids.py``).
 
 A ``Schema`` is a tuple of ``Column``s. Each column says how the ranks must agree on it (``Agree``) and how a
 disagreement on it is described (its ``describe``, else its schema's ``mismatch``). ``Schema.check`` finds the

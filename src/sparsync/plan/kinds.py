@@ -199,7 +199,7 @@ class ShardedKind(PlacementKind):
     worker reads per step over the rows, u(B)/R (``RowFractionMeter``). Time: three all-to-all rounds (ids headed
     by their counts, rows; gradient rows in backward: ``shard.exchange``), each (P-1)·α unless the link has a
     measured ``alpha_a2a`` (on two levels ``plan.backend.all_to_all_latency``), plus one direction's bytes at
-    the exchange's β. All sharded tables of a model travel in one exchange per direction (``sparsync.shard``),
+    the exchange's β. All sharded tables of a model travel in one exchange (``sparsync.shard``),
     so the rounds' latency is the kind's ``shared_seconds``, paid once per step, and a table's estimate is only
     its bytes' time. The owners' apply is not priced, as the parameter server's is
     not."""

@@ -1,12 +1,15 @@
 """Sharded embedding tables inside the training group (docs/sharding.md): each rank owns the rows of a table
-whose id is its rank modulo P (``ownership``), looks rows up and pushes gradient rows in one grouped all-to-all per
-direction for all of a model's tables (``exchange``: the ids of ``route`` headed by ``header``'s row, then the
-rows of ``rows``), and
-holds only its own rows (``modules``). ``sparsync.shard(model, plan=...)`` swaps a model's embedding modules
-for sharded ones (``api``), with ``plan="auto"`` where the cost model says (``auto``), and marks the tables a
-dict plan places ``"server"`` for the parameter server (``OnServer``: they stay whole); ``plan_of(model)`` gives
-``DistributedOptimizer`` their placement (``Sharded``), and ``HybridTrainer`` reads both off the model.
-``Lookahead`` runs the ids round of a batch during the step before it (``lookahead``).
+whose id is its rank modulo P (``ownership``); the tables of one width and dtype form a group held as one flat
+tensor per rank (``group``, fbgemm's TBE layout), each table's parameter a view of its slice. A step runs in
+stage order (``exchange``): the ids stage (``ids``: distinct keys to their owners, headed by each rank's
+verdict), the rows stage and the pooling (``rows``), and in backward the gradient rows stage, whose sums become
+the tables' sparse gradients or, with ``sparsync.shard(optimizer=...)``, their update in place (``fused``).
+``link`` is the rounds' transport; ``lazy`` the stand-in a call returns until its exchange runs.
+``sparsync.shard(model, plan=...)`` swaps a model's embedding modules for sharded ones (``api``, ``modules``),
+with ``plan="auto"`` where the cost model says (``auto``), and marks the tables a dict plan places ``"server"``
+for the parameter server (``OnServer``: they stay whole); ``plan_of(model)`` gives ``DistributedOptimizer``
+their placement (``Sharded``), and ``HybridTrainer`` reads both off the model. ``Lookahead`` runs the ids stage
+of a batch during the step before it (``lookahead``).
 
 ``sparsync.shard`` is the function; this package is ``sparsync.sharding``
 (``from sparsync.sharding import plan_of``, ``import sparsync.sharding.exchange as ex``).

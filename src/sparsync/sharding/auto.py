@@ -9,18 +9,17 @@ from the sum of the outputs (the gradients it leaves are put back as they were),
 behind which ``DistributedOptimizer`` reduces the replicated tables while the sharded tables' exchange, on the
 caller's thread, hides behind nothing (``make_plan(overlap_seconds=...)``). That reduction runs on a background
 thread: it hides behind backward only where that thread has a core to itself. Where the ranks compute on the CPU
-and a host's ranks use all its cores (4 or 8 ranks on this 2-core host), its merges and copies (loopback's too)
-take the cores backward computes on, and the plan prices it whole; with some cores spare, the spare share of
-backward (``_hidden_share``, from every rank's host and cores; ``AutoPlan.overlap``). Measured on the demo's
-table set at 4 ranks on 2 cores, dim 256: replicated 130 ms a step against sharded 104 ms, which the plan
-chose only once it stopped hiding the reduction behind backward. The link: the
+and a host's ranks use all its cores (more ranks than cores), its merges and copies (loopback's too) take the
+cores backward computes on, and the plan prices it whole; with some cores spare, the spare share of backward
+(``_hidden_share``, from every rank's host and cores; ``AutoPlan.overlap``; docs/sharding.md has the demo's
+measured case). The link: the
 group's link model when one is set (``set_link``, ``set_deterministic``), else ``measure_link`` on the group,
 kept as the group's model so that "auto" in the optimizer's reductions does not measure it again.
 
 The rounds, unless the user set the link: the sharded tables' exchange puts three all-to-all rounds on the
 step's path, and each waits for the slowest rank; where ranks share cores, that wait, not the link's latency,
-is what a round costs (docs/sharding.md, the breakdown: 7-26 ms a round at P = 8 on 2 cores, where
-``measure_link``'s ``alpha_a2a``, a round of tiny messages between idle ranks, is under a millisecond). So
+is what a round costs (docs/sharding.md, the breakdown, where it is many times ``measure_link``'s
+``alpha_a2a``, a round of tiny messages between idle ranks). So
 "auto" times what it prices: the sample's forward, then one all-to-all round of a header's size, three times;
 a round costs each rank the wait for the slowest plus the latency, and the step pays, on average over the
 ranks, that mean (``_round_seconds``: the ranks' mean of their medians). The plan prices every all-to-all round
@@ -92,7 +91,8 @@ class AutoPlan:
     stats: tuple[ParamStats, ...]  # what the plan priced, to price another plan on the same cluster
     backward_seconds: float  # the sample's backward, the slowest rank's
     forward_seconds: float = 0.0  # the sample's forward, the slowest rank's
-    round_seconds: float | None = None  # an all-to-all round after compute, as measured (module doc); None: not
+    # an all-to-all round after compute, as measured (module doc); None: not measured (the user set the link)
+    round_seconds: float | None = None
     # the part of backward the replicated tables' reduction hides behind (module doc); None: all of it
     overlap_seconds: float | None = None
 

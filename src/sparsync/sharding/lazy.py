@@ -1,7 +1,7 @@
 """``LazyLookup``: what a sharded table's forward returns, a stand-in for its output until the grouped exchange
 that computes it has run.
 
-Why: all sharded tables of a model travel in one exchange per direction, but a model calls its tables one by
+Why: all sharded tables of a model travel in one exchange (``exchange``), but a model calls its tables one by
 one (``[emb(x[:, i]) for i, emb in enumerate(self.tables)]``), so the first table cannot know the others' ids
 when it is called. Each call therefore only registers its ids and returns a ``LazyLookup``; the first time any
 of them is *used* (by any torch function, operator or tensor attribute: ``torch.cat(outs)``, ``out @ w``,
