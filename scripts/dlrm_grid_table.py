@@ -6,6 +6,8 @@ any placement could reach), and the CPU seconds per step of auto, torchrec and t
 `sparsync bench dlrm` JSON files named ``<prefix>_p<P>_b<B>_<net>.json`` (the commands in docs/sharding.md).
 
     .venv/bin/python scripts/dlrm_grid_table.py docs/data/dlrm_grid7 --out docs/data/dlrm_grid7_table.md
+
+With ``--floor``: per point, each method's step and CPU per step against the floor's (``over_floor``).
 """
 
 from __future__ import annotations
@@ -66,12 +68,49 @@ def _predicted(row: dict[str, float]) -> str:
     return f"{predicted / row['step_s']:.2f}" if predicted else "-"
 
 
+ORDER = (
+    "torch_ddp_sparse", "sparsync", "sparsync_sharded", "sparsync_sharded_fused", "sparsync_sharded_lookahead",
+    "sparsync_auto", "sparsync_auto_fused", "torchrec_tw", "floor_tables_unsent",
+)  # fmt: skip
+FLOOR = "floor_tables_unsent"
+
+
+def over_floor(prefix: str) -> list[str]:
+    """Per point, each method's ms per step and its step over the floor's (``x``), and its CPU ms per step over
+    the floor's (``+``): the methods each file holds, in ``ORDER``."""
+    points = []
+    for P in (4, 8):
+        for B in (128, 512):
+            for net in ("loopback", "1gbit"):
+                path = Path(f"{prefix}_p{P}_b{B}_{net}.json")
+                if path.exists():
+                    points.append((P, B, net, {r["method"]: r for r in json.loads(path.read_text())["rows"]}))
+    methods = [m for m in ORDER if any(m in rows for *_, rows in points)]
+    out = [
+        "| P | samples | link | " + " | ".join(f"{m}: ms (x floor), CPU ms over floor" for m in methods) + " |",
+        "|" + "---|" * (len(methods) + 3),
+    ]
+    for P, B, net, rows in points:
+        floor = rows.get(FLOOR, {})
+        cells = []
+        for m in methods:
+            r = rows.get(m, {})
+            if not r.get("step_s") or not floor.get("step_s"):
+                cells.append("-")
+                continue
+            cpu = f"{(r['cpu_s'] - floor['cpu_s']) * 1e3:+.1f}" if r.get("cpu_s") and floor.get("cpu_s") else "-"
+            cells.append(f"{r['step_s'] * 1e3:.1f} ({r['step_s'] / floor['step_s']:.2f}x), {cpu}")
+        out.append(f"| {P} | {B} | {net} | " + " | ".join(cells) + " |")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("prefix", help="path prefix of the JSON files, e.g. docs/data/dlrm_grid7")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--floor", action="store_true", help="the table of each method's step over the floor's")
     a = ap.parse_args()
-    text = "\n".join(rows_for(a.prefix)) + "\n"
+    text = "\n".join(over_floor(a.prefix) if a.floor else rows_for(a.prefix)) + "\n"
     print(text, end="")
     if a.out is not None:
         a.out.write_text(text)
