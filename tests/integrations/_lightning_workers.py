@@ -165,6 +165,19 @@ def hook_calls(strategy: type[DDPStrategy]) -> int:
     return len(calls)
 
 
+def _fit_wrapped() -> str:
+    """configure_optimizers returning a DistributedOptimizer of its own: the trainer's optimizer is that one."""
+    made = []
+
+    def wrapped(m: nn.Module) -> sparsync.DistributedOptimizer:
+        made.append(sparsync.DistributedOptimizer(torch.optim.Adagrad(m.parameters(), lr=0.1), m))
+        return made[0]
+
+    trainer = _trainer(SparsyncStrategy())
+    trainer.fit(Net(optimizer=wrapped), DataLoader(dataset(), batch_size=BATCH))
+    return f"the same: {trainer.optimizers == made}"
+
+
 def _fit_twice() -> None:
     module = Net()
     for _ in range(2):
@@ -199,6 +212,7 @@ def misuse_worker(rank: int) -> dict[str, Any]:
         "precision": lambda: _trainer(SparsyncStrategy(), precision="16-true").fit(
             Net(), DataLoader(dataset(), batch_size=BATCH)
         ),
+        "already_wrapped": _fit_wrapped,
         "fit_twice": _fit_twice,
         "hook_and_shard": lambda: SparsyncStrategy(comm_hook=lambda s, b: None, shard_plan={}),
         "ddp_options_without_hook": lambda: SparsyncStrategy(ddp_options={"find_unused_parameters": True}),
@@ -206,8 +220,7 @@ def misuse_worker(rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {"hook_calls": {s.__name__: hook_calls(s) for s in (DDPStrategy, SparsyncStrategy)}}
     for name, fn in cases.items():
         try:
-            fn()
-            out[name] = "no error"
+            out[name] = f"no error, {fn()}"
         except Exception as e:
             out[name] = f"{type(e).__name__}: {e}"
     return out

@@ -83,11 +83,13 @@ def test_validate_shards_and_broadcasts_rank_zeros_module() -> None:
 
 
 def test_misuse_raises_naming_the_bad_value() -> None:
-    """Each refusal names the bad value; and the reason for ``comm_hook=``: Lightning's own ``DDPStrategy`` never
+    """Each refusal names the bad value; an optimizer that is a DistributedOptimizer already is used as it is;
+    and the reason for ``comm_hook=``: Lightning's own ``DDPStrategy`` never
     registers a ``ddp_comm_hook`` on CPU (its ``_register_ddp_hooks`` does so on CUDA only), where
     ``SparsyncStrategy`` does: once per bucket and step, 3 buckets (DDP gives each sparse gradient a bucket of its
     own) and 12 steps (2 epochs of 24 samples in batches of 4, one rank)."""
     for r in launch(lw.misuse_worker, nprocs=1):  # refused before any collective: one rank shows it
+        assert r["already_wrapped"] == "no error, the same: True", r["already_wrapped"]
         assert r["hook_calls"] == {"DDPStrategy": 0, "SparsyncStrategy": 3 * 12}, r["hook_calls"]
         assert r["not_torch_optimizer"].startswith(
             "TypeError: SparsyncStrategy: configure_optimizers returned a NotATorchOptimizer"
