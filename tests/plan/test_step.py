@@ -12,10 +12,10 @@ import torch
 
 from sparsync.optim import buckets
 from sparsync.placement import DenseAllreduce, NamedParam
-from sparsync.placement.bucketing import CAP_BYTES, FIRST_CAP_BYTES
 from sparsync.plan import Cluster, ParamStats, make_plan
 from sparsync.plan.backend import TREE_BUS_SHARE, all_to_all_latency, dense_allreduce
 from sparsync.plan.step import bucket_layout
+from sparsync.replicator.optimizer import DENSE
 from sparsync_bench.cli import main
 from sparsync_bench.criteo import table_rows
 from sparsync_bench.dlrm import dlrm_stats
@@ -35,11 +35,10 @@ def real_buckets(stats: list[ParamStats]) -> list[list[int]]:
               for s in stats]  # fmt: skip
     plan = dict.fromkeys((s.name for s in stats), DenseAllreduce())
     order = buckets.default_order([], len(stats))
-    return [list(b.members) for b in buckets.lay_out(params, plan, [buckets.DENSE] * len(stats), order)]
+    return [list(b.members) for b in buckets.lay_out(params, plan, [DENSE] * len(stats), order)]
 
 
 def test_bucket_layout_is_distributed_optimizers() -> None:
-    assert (FIRST_CAP_BYTES, CAP_BYTES) == (buckets.FIRST_CAP_BYTES, buckets.CAP_BYTES)
     mlps = [s for s in dlrm() if not s.sparse]
     g = torch.Generator().manual_seed(0)
     models = [mlps, dlrm()]
@@ -133,3 +132,26 @@ def test_the_cli_prints_the_steps_parts(tmp_path: Path, capsys: pytest.CaptureFi
     assert [p["label"] for p in plan["step"]] == ["dense bucket 1 of 2", "dense bucket 2 of 2", "ps"]
     step_ms = f"{plan['step_seconds'] * 1e3:.2f}"
     assert f" {step_ms} |" in text.split("predicted communication per step")[1]  # the summary's step ms
+
+
+def test_two_levels_at_256_ranks_buckets_the_mlps_and_no_table_would_move() -> None:
+    """The issue's second target on the cluster the docs price (32 nodes of 8 ranks, 25 Gbit/s a node, NCCL): the
+    MLPs cost their buckets (more dense tensors add bytes, not calls), and no table's placement changes when it
+    is priced inside its kind's group (moving any one table to another of its kinds makes the step no faster)."""
+    c = Cluster(32, 8, *LINK, intra_bandwidth=200e9, intra_latency=2e-6, backend="nccl")
+    stats = dlrm_stats(table_rows(100_000), 16, 512, procs_per_machine=8)
+    plan = make_plan(stats, c, swap_modules=True)
+    dense = [ParamStats(e.name, e.shape, 1.0, False, itemsize=e.itemsize) for e in plan.entries
+             if e.placement == "dense_allreduce"]  # fmt: skip
+    parts = [p for p in plan.step.parts if p.kind == "dense_allreduce"]
+    assert [p.members for p in parts] == [tuple(dense[i].name for i in b) for b in real_buckets(dense)]
+    more = make_plan([*stats, *(ParamStats(f"extra{i}.bias", (16,), 1.0, False) for i in range(10))], c,
+                     swap_modules=True)  # fmt: skip
+    assert len([p for p in more.step.parts if p.kind == "dense_allreduce"]) == len(parts)
+    assert {p.algorithm for p in parts} == {"tree"}  # their bytes at the tree's bandwidth, no 2·log2(32)·α more
+    assert more.step_seconds - plan.step_seconds == pytest.approx(10 * 64 / LINK[0] / TREE_BUS_SHARE, rel=1e-6)
+    tables = [e for e in plan.entries if e.name.startswith("tables.")]
+    assert len({e.placement for e in tables}) > 1  # a choice was made, not one kind for all
+    for e in tables:
+        for kind in e.candidates:
+            assert plan.moved({e.name: kind}).step_seconds >= plan.step_seconds * (1 - 1e-9), (e.name, kind)
