@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 from typing import Any
@@ -15,7 +16,7 @@ import sparsync
 from sparsync.collectives.timeline import set_tracer
 from sparsync.collectives.trace import Tracer
 from sparsync.compress import ErrorFeedback, Threshold, TopK
-from sparsync.placement import Compressed
+from sparsync.placement import Compressed, NamedParam, Placement, ReduceEnv
 from sparsync.record import CommLog
 
 STEPS = 4
@@ -92,9 +93,41 @@ def reference(P: int, micro: int) -> list[np.ndarray]:
     return [p.detach().numpy().copy() for p in model.parameters()]
 
 
+def compressed_reference(P: int) -> list[np.ndarray]:
+    """``_plan("compressed")`` in one process, float64: each rank's own gradient, fc1.weight's replaced by the
+    TopK(0.3) of it plus that rank's residual (error feedback: the residual keeps what was not sent), the mean
+    over the ranks, plain SGD."""
+    torch.manual_seed(0)
+    model = Mixed().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    residual = [torch.zeros_like(model.fc1.weight) for _ in range(P)]
+    for step in range(STEPS):
+        sums: dict[str, torch.Tensor] = {}
+        for r in range(P):
+            model.zero_grad()
+            model(_batch(10 * step, r), r % 2 == 0).backward()
+            for name, p in model.named_parameters():
+                if p.grad is None:
+                    continue
+                g = p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
+                if name == "fc1.weight":
+                    c = (g + residual[r]).reshape(-1)
+                    kept = torch.zeros_like(c)
+                    top = c.abs().topk(math.ceil(0.3 * c.numel())).indices
+                    kept[top] = c[top]
+                    residual[r] = (c - kept).view_as(g)
+                    g = kept.view_as(g)
+                sums[name] = sums[name] + g if name in sums else g
+        for name, p in model.named_parameters():
+            p.grad = sums[name] / P if name in sums else None
+        opt.step()
+    return [p.detach().numpy().copy() for p in model.parameters()]
+
+
 def exact_worker(rank: int) -> dict[str, Any]:
-    """Overlap against the float64 reference (default plan, with and without ``no_sync``), against reduction
-    in ``step()`` (compressed plans: the same calls, so the same bits), and run to run."""
+    """Overlap against the float64 references (default plan, with and without ``no_sync``; a compressor on one
+    weight), run to run, and, on more than one rank (on one, overlap is off), against reduction in ``step()``
+    (compressed plans: the same calls, so the same bits)."""
     P = dist.get_world_size()
     out: dict[str, Any] = {}
     out["default"] = train(rank, "default", True)
@@ -103,10 +136,97 @@ def exact_worker(rank: int) -> dict[str, Any]:
     out["accumulate"] = train(rank, "default", True, micro=2)
     out["accumulate_sync"] = train(rank, "default", True, micro=2, no_sync=False)
     out["ref2"] = reference(P, 2)
-    for kind in ("compressed", "bucketed"):
-        out[kind] = train(rank, kind, True)
-        out[kind + "_step"] = train(rank, kind, False)
+    out["compressed"] = train(rank, "compressed", True)
+    out["compressed_ref"] = compressed_reference(P)
+    if P > 1:
+        out["bucketed"] = train(rank, "bucketed", True)
+        for kind in ("compressed", "bucketed"):
+            out[kind + "_step"] = train(rank, kind, False)
     return out
+
+
+class SummedInBackward(Placement):
+    """A placement whose gradients their module's backward already summed over the ranks (as a sharded table's
+    are): ``DistributedOptimizer`` sends nothing for them and only divides by P."""
+
+    kind = "summed_in_backward"
+    communicates = False
+
+    def aggregate(self, params: list[NamedParam], env: ReduceEnv) -> None:
+        del params, env
+
+
+class Summed(nn.Module):
+    """An MLP beside a layer whose gradient a tensor hook sums over ``group`` during backward (None: no hook,
+    the reference's); ``use`` False: no rank uses that layer in the step."""
+
+    def __init__(self, group: dist.ProcessGroup | None, width: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.summed = nn.Linear(width, width)
+        if group is not None:
+            for p in self.summed.parameters():
+                p.register_hook(lambda g: _summed(g, group))
+
+    def forward(self, x: torch.Tensor, use: bool) -> torch.Tensor:
+        h = torch.tanh(self.fc(x))
+        return h.square().sum() + self.summed(h).square().sum() if use else h.square().sum()
+
+
+def _summed(grad: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    out = grad.clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
+SKIPPED = 2  # the step in which no rank uses ``Summed.summed``
+
+
+def _summed_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank), dtype=torch.float64)
+
+
+def summed_worker(rank: int) -> dict[str, Any]:
+    """A non-communicating bucket (``SummedInBackward``'s two parameters): after the first step, SGD with
+    momentum on ``Summed`` under overlap; in step ``SKIPPED`` no rank has a gradient for that bucket, which
+    must leave them None (momentum skips them, as in one process). Our parameters, the float64 single
+    process's, and the buckets (members' names, local or not)."""
+    P = dist.get_world_size()
+    group = dist.new_group(backend="gloo")
+    torch.manual_seed(0)
+    model = Summed(group).double()
+    summed = SummedInBackward()
+    opt = sparsync.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model,
+        plan={"summed.weight": summed, "summed.bias": summed},
+    )  # fmt: skip
+    none_at_skip = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        model(_summed_batch(step, rank), step != SKIPPED).backward()
+        none_at_skip.append(model.summed.weight.grad is None)
+        opt.step()
+    reducer = opt._reducer
+    assert reducer is not None and reducer.buckets is not None
+    names = [p.name for p in reducer.params]
+    buckets = [([names[i] for i in b.members], b.local) for b in reducer.buckets]
+    torch.manual_seed(0)
+    ref = Summed(None).double()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    for step in range(STEPS):
+        ref_opt.zero_grad()
+        for r in range(P):
+            ref(_summed_batch(step, r), step != SKIPPED).backward()
+        for p in ref.parameters():
+            if p.grad is not None:
+                p.grad = p.grad / P
+        ref_opt.step()
+    return {
+        "ours": [p.detach().numpy().copy() for p in model.parameters()],
+        "ref": [p.detach().numpy().copy() for p in ref.parameters()],
+        "buckets": buckets,
+        "none": none_at_skip,
+    }
 
 
 def timeline_worker(rank: int) -> dict[str, Any]:

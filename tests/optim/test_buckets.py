@@ -8,7 +8,7 @@ import torch
 
 from sparsync.compress import TopK
 from sparsync.optim.buckets import default_order, lay_out
-from sparsync.placement import ByLayout, Compressed, NamedParam
+from sparsync.placement import ByLayout, Compressed, NamedParam, Sharded
 from sparsync.replicator.optimizer import DENSE, NONE, SPARSE
 
 
@@ -46,3 +46,23 @@ def test_sparse_unknown_and_non_splitting_placements() -> None:
 
 def test_default_order_puts_unseen_parameters_last_registered_first() -> None:
     assert default_order([2, 0], 5) == [2, 0, 4, 3, 1]
+
+
+def test_a_placement_that_sends_nothing_gets_one_local_bucket() -> None:
+    """A placement whose gradients backward already summed (``communicates`` False, as ``Sharded``): all its
+    parameters in one bucket marked local (no collective: only the mean's division), whatever their layouts;
+    launched when its last member is ready; the other buckets are not local, and only the default's sparse one
+    goes as one grouped call."""
+    params = _params([10, 20, 30, 40, 50])
+    default, summed = ByLayout(), Sharded()
+    plan = {"p0": default, "p1": summed, "p2": default, "p3": summed, "p4": default}
+    layouts = [DENSE, SPARSE, SPARSE, NONE, NONE]
+    buckets = lay_out(params, plan, layouts, [1, 0, 3, 2, 4])
+    got = {b.members: (b.local, b.fast, b.grouped) for b in buckets}
+    assert got == {
+        (0,): (False, True, False),  # the default's dense gradient: the fast path
+        (1, 3): (True, False, False),  # the summed ones, sparse and unknown alike, in plan order
+        (2,): (False, False, True),  # the default's sparse gradient: one grouped call
+        (4,): (False, False, False),  # layout unknown: the header round decides
+    }
+    assert [b.members for b in buckets] == [(0,), (1, 3), (2,), (4,)]

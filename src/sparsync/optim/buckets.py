@@ -16,7 +16,7 @@ ours where the paper is silent or does not apply:
   Sparse gradients under ``ByLayout``/``SparseAllreduce`` share one bucket (one metadata round for their sizes),
   launched when the last of them is ready.
   Any other placement (a compressor, a sketch, ``Grouped``, a custom reduction) keeps all of its parameters in
-  one bucket, so it sees the same call it saw when reduction ran in ``step()`` (a DCT-DP threshold over the
+  one bucket, so it gets the call ``ReplicatedOptimizer.aggregate`` makes (a DCT-DP threshold over the
   whole bucket, one sketch seed per step).
 """
 
@@ -120,7 +120,7 @@ def lay_out(
             runs.add(i, (id(pl), p.param.dtype), p.param.numel() * p.param.element_size())
     groups = [(members, True) for members in runs.runs]
     groups += [(members, False) for members in sparse.values()]
-    # a non-splitting placement sees its parameters in plan order, the call step()-time reduction made
+    # a non-splitting placement sees its parameters in plan order, as ReplicatedOptimizer.aggregate passes them
     groups += [(sorted(members), False) for members in whole.values()]
     groups.sort(key=lambda g: max(pos[i] for i in g[0]))
     out = []

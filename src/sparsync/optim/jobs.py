@@ -1,36 +1,39 @@
-"""One bucket's reduction in one backward round, run on the group's queue thread while backward goes on
-(``optim.overlap``).
+"""One bucket's reduction in one backward round, run on a queue thread while backward goes on (``optim.overlap``).
+
+The first collective of a fast bucket and of a generic one sums the round fields [status, c, c²]
+(``_round_fields``): status counts the ranks that refused (a gradient whose layout changed since the layout was
+agreed); c = ``round_code`` on each rank, and all c are equal exactly when P·Σc² = (Σc)² (their variance is
+zero), so a rank in another backward round is caught without a round of its own (``_check_round``). Only a
+failed check costs one more round: every rank allgathers its own row so that all raise the same error naming
+the rank.
 
 **Fast path** (dense gradients under a plain dense allreduce): one torch allreduce of a flat buffer holding the
-members' gradients and a tail of checks, so no metadata round precedes it:
+members' gradients and a tail, so no metadata round precedes it:
 
     [ gradients ... | status, c, c², present_0 ... present_k-1 ]
 
-Summed over the ranks, the tail says whether any rank refused (a gradient whose layout changed since the layout
-was agreed), whether every rank is in the same backward round (c = ``round_code``: all c are equal exactly when
-P·Σc² = (Σc)², the variance being zero), and how many ranks had each member's gradient (0: nobody, so the member
-keeps none, as in ``step()``-time reduction). NaN and ±Inf propagate through a sum, so the check for them reads
-the result, once, where it was just written (checking every input gradient in backward's thread instead was
-measurably slower on the dense model of docs/optimizer.md); a non-finite result sends every rank back to its own
-gradients, which ``.grad`` still holds. Only a failed check costs one more round: every rank
-allgathers its own row so that all raise the same error naming the rank (finite inputs whose sum overflows
-pass, as IEEE 754 sums them). A NaN or ±Inf is not raised here but returned with the sums (``Reduced``):
-``DistributedOptimizer.step()`` raises it, and a ``GradScaler`` that sees the non-finite sums skips the step.
-The shapes, dtypes and names of the members are agreed once, when the layout is
-(``overlap``).
+Summed over the ranks, ``present_j`` says how many ranks had member j's gradient (0: nobody, so the member keeps
+none, as ``ReplicatedOptimizer.aggregate`` leaves it). NaN and ±Inf propagate through a sum, so the check for
+them reads the result, once, where it was just written, instead of every input in backward's thread; a
+non-finite result sends every rank back to its own gradients, which ``.grad`` still holds, to name the rank
+(finite inputs whose sum overflows pass, as IEEE 754 sums them). A NaN or ±Inf is not raised here but returned
+with the sums (``Reduced``): ``DistributedOptimizer.step()`` raises it, and a ``GradScaler`` that sees the
+non-finite sums skips the step. The shapes, dtypes and names of the members are agreed once, with the layout
+(``overlap``). The members go in and come out as ``DenseAllreduce``'s do (``placement.collective``'s
+``dense_flat`` and ``flat_views``).
 
-**The default's sparse gradients**: one ``grouped_allreduce`` per row width, as ``ByLayout`` sends them, with one
-dense tensor more in the call: 1 where this rank has the gradient, 0 where it contributes an empty one, so
-the sum says who had each (0: nobody, no gradient). Its own metadata round, which the sizes of a sparse exchange
-need anyway, checks the rest: shapes and layouts, NaN, the call's order and name.
+**The default's sparse gradients**: one ``grouped_allreduce`` per row width, the call ``Grouped`` makes
+(``placement.collective.grouped_sum``), with one dense tensor more: 1 where this rank has the gradient, 0 where
+it contributes an empty one, so the sum says who had each (0: nobody, no gradient). Its own metadata round, which
+the sizes of a sparse exchange need anyway, checks the rest: shapes and layouts, NaN, the call's order and name.
 
 **Other buckets** (compressors, sketches, custom reductions, per-tensor sparse allreduce): one header allreduce of
 [status, c, c², dense_0.., sparse_0..] agrees which members exist and in which layout (what
-``fill_missing_grads`` agreed per step; a record of op ``AGREE``, phase "header", in the log), then the
-placement's own ``aggregate`` runs as it did in ``step()``, with its own metadata round (the sizes a sparse
-exchange needs, NaN, shapes and names per call).
+``fill_missing_grads`` agrees for ``ReplicatedOptimizer.aggregate``; a record of op ``AGREE``, phase "header", in
+the log), then the placement's own ``aggregate``, with its own metadata round (the sizes a sparse exchange
+needs, NaN, shapes and names per call).
 
-Both return the members' sums (divided by P for ``op="mean"``) without touching the parameters: the caller
+Each returns the members' sums (divided by P for ``op="mean"``) without touching the parameters: the caller
 installs them when the round ends.
 """
 
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -47,12 +50,12 @@ import torch.distributed as dist
 
 from sparsync.collectives.comm import Comm
 from sparsync.collectives.fifo import submit
-from sparsync.collectives.grouped import grouped_allreduce
 from sparsync.collectives.meta import NonFiniteError, first_nonfinite
 from sparsync.handle import Work
 from sparsync.optim.buckets import Bucket
 from sparsync.placement import ByLayout, NamedParam, ReduceEnv, SparseAllreduce
 from sparsync.placement.base import nan_grad, zero_grad
+from sparsync.placement.collective import dense_flat, flat_views, grouped_sum
 from sparsync.record import AGREE
 from sparsync.replicator.optimizer import DENSE
 
@@ -133,38 +136,36 @@ def start(
     flat: torch.Tensor | None = None,
     copied: frozenset[int] = frozenset(),
 ) -> Work[Reduced]:
-    """Queue ``bucket``'s reduction on the caller's group (FIFO: every rank runs its buckets in launch order).
-    Fast path: ``flat`` is the round's buffer (``buffer_of``), where the members at positions ``copied``
-    were put as backward produced them (DDP copies each gradient into its bucket as it is ready too)."""
+    """Queue ``bucket``'s reduction on its queue (FIFO: every rank runs its buckets in launch order). Fast path:
+    ``flat`` is the round's buffer (``buffer_of``), where the members at positions ``copied`` were put as
+    backward produced them (DDP copies each gradient into its bucket as it is ready too)."""
     if bucket.local:  # summed in backward already: nothing to send
         P = env.reduce.num_replicas
         return Work.done(Reduced([None if g is None else g / P if env.mean else g for g in mine.grads]))
-    if bucket.fast:
-        flat = _pack(bucket, mine, flat, copied, env.divisor)
-
-        def run() -> Reduced:
-            return _fast(bucket, mine, flat, env)
-
-        facts: dict[str, object] = {"bytes": flat.numel() * flat.element_size(), "params": len(bucket.members)}
-    elif bucket.grouped:
-        queue, red = env.sparse_lane or (env.caller, env.reduce)
-
-        def run() -> Reduced:
-            return _grouped(bucket, mine, env, red, params)
-
-        work = submit(queue, run, True, label=f"bucket:{bucket.index}", facts=lambda: {"params": len(mine.grads)})
-        assert isinstance(work, Work)  # async_op=True
-        return work
-
-    else:
-
-        def run() -> Reduced:
-            return _generic(bucket, mine, env, params)
-
-        facts = {"params": len(bucket.members)}  # its sizes come out of the placement's own call
-    work = submit(env.caller, run, True, label=f"bucket:{bucket.index}", facts=lambda: facts)
+    queue, run, facts = _job(bucket, mine, env, params, flat, copied)
+    work = submit(queue, run, True, label=f"bucket:{bucket.index}", facts=lambda: facts)
     assert isinstance(work, Work)  # async_op=True
     return work
+
+
+def _job(
+    bucket: Bucket,
+    mine: Contribution,
+    env: RoundEnv,
+    params: Sequence[NamedParam],
+    flat: torch.Tensor | None,
+    copied: frozenset[int],
+) -> tuple[dist.ProcessGroup, Callable[[], Reduced], dict[str, object]]:
+    """The queue a bucket's reduction runs on, the reduction, and the facts its queue entry reports (a generic
+    bucket's sizes come out of the placement's own call)."""
+    if bucket.fast:
+        packed = _pack(bucket, mine, flat, copied, env.divisor)
+        facts: dict[str, object] = {"bytes": packed.numel() * packed.element_size()}
+        return env.caller, lambda: _fast(bucket, mine, packed, env), {**facts, "params": len(bucket.members)}
+    if bucket.grouped:
+        queue, red = env.sparse_lane or (env.caller, env.reduce)
+        return queue, lambda: _grouped(bucket, mine, env, red, params), {"params": len(mine.grads)}
+    return env.caller, lambda: _generic(bucket, mine, env, params), {"params": len(bucket.members)}
 
 
 def buffer_of(bucket: Bucket, device: torch.device) -> torch.Tensor:
@@ -197,9 +198,9 @@ def _pack(
         if g is None:
             piece.zero_()
         else:
-            put(piece, (g.to_dense() if g.is_sparse else g).reshape(-1), divisor)
+            put(piece, dense_flat(g), divisor)
     present = [0.0 if g is None else 1.0 for g in mine.grads]
-    tail = [float(mine.changed >= 0), float(mine.seq), float(mine.seq**2), *present]
+    tail = [*_round_fields(mine), *present]
     flat[bucket.numel :] = torch.tensor(tail, dtype=bucket.dtype)
     return flat
 
@@ -208,7 +209,7 @@ def _first_nonfinite(bucket: Bucket, mine: Contribution) -> int:
     """Flat position in the bucket of this rank's first NaN or ±Inf (its own gradients), or -1."""
     for k, g in enumerate(mine.grads):
         if g is not None:
-            pos = first_nonfinite((g.to_dense() if g.is_sparse else g).reshape(-1))
+            pos = first_nonfinite(dense_flat(g))
             if pos >= 0:
                 return int(bucket.slots[k].start) + pos
     return -1
@@ -222,26 +223,34 @@ def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv)
     comm.op = f"DistributedOptimizer bucket {bucket.index} allreduce"
     with comm.phase("dense_allreduce"):
         comm.run_collective("bucket all_reduce", dist.all_reduce, flat)
-    P = comm.size
     comm.count_ring_allreduce(flat.numel() * flat.element_size())
     tail = flat[n:].tolist()
-    status, c, c2 = tail[:FIXED]
-    if status or P * c2 != c * c:
-        _name_the_rank(comm, bucket, mine, -1, env)
+    _check_round(comm, bucket, mine, env, tail[:FIXED])
     nonfinite = None
     if red.check_nan and first_nonfinite(flat[:n]) >= 0:  # some rank's input, or an overflowing sum
         try:
             _name_the_rank(comm, bucket, mine, _first_nonfinite(bucket, mine), env)
         except NonFiniteError as e:  # the IEEE 754 sums stay in the result: non-finite on every rank
             nonfinite = e
-    out: Result = []  # already the mean: each rank put g / P into the bucket
-    at = 0
-    for size, i, count in zip(bucket.sizes, bucket.members, tail[FIXED : FIXED + k], strict=True):
-        out.append(flat[at : at + size].view(env.shapes[i]) if count else None)
-        at += size
+    # already the mean: each rank put g / P into the bucket
+    views = flat_views(flat, [env.shapes[i] for i in bucket.members])
+    out: Result = [v if count else None for v, count in zip(views, tail[FIXED : FIXED + k], strict=True)]
     if red.log is not None:
         red.log.append(comm.record("bucket_allreduce", "dense", t0, dim=n, nnz_in=n, nnz_out=n))
     return Reduced(out, nonfinite)
+
+
+def _round_fields(mine: Contribution) -> list[float]:
+    """The fields every bucket's first collective sums: [status, c, c²] (``SEQ_MOD``)."""
+    return [float(mine.changed >= 0), float(mine.seq), float(mine.seq**2)]
+
+
+def _check_round(comm: Comm, bucket: Bucket, mine: Contribution, env: RoundEnv, summed: Sequence[float]) -> None:
+    """The round-order check of ``_round_fields`` summed over the ranks: when some rank refused (status) or the
+    c differ (P·Σc² ≠ (Σc)²), the same error on every rank."""
+    status, c, c2 = summed
+    if status or comm.size * c2 != c * c:
+        _name_the_rank(comm, bucket, mine, -1, env)
 
 
 def _name_the_rank(comm: Comm, bucket: Bucket, mine: Contribution, nonfinite: int, env: RoundEnv) -> None:
@@ -306,21 +315,14 @@ def _grouped(
             tensors.append(g if g is not None else zero_grad(p, sparse=True))
         ref = tensors[0]
         present = torch.tensor([float(mine.grads[j] is not None) for j in js], dtype=dtype, device=ref.device)
-        name = ",".join(env.names[bucket.members[j]] for j in js)
+        names = [env.names[bucket.members[j]] for j in js]
         try:
-            got = grouped_allreduce(
-                [*tensors, present], algorithm=placement.sparse.algorithm, group=red.group, log=red.log,
-                timeout=red.timeout, name=name, check_nan=red.check_nan,
-            )  # fmt: skip
+            got = grouped_sum([*tensors, present], names, placement.sparse.algorithm, red)
         except NonFiniteError as e:
             # refused in its metadata round, on every rank, before any row moved; the row-sparse sum has no
             # state, so the same call again gives the IEEE 754 sums, non-finite on every rank
             nonfinite = nonfinite or e
-            got = grouped_allreduce(
-                [*tensors, present], algorithm=placement.sparse.algorithm, group=red.group, log=red.log,
-                timeout=red.timeout, name=name, check_nan=False,
-            )  # fmt: skip
-        assert isinstance(got, list)  # blocking call
+            got = grouped_sum([*tensors, present], names, placement.sparse.algorithm, red, check_nan=False)
         counts = got[-1].tolist()
         for j, g, count in zip(js, got[:-1], counts, strict=True):
             out[j] = None if not count else g / red.num_replicas if env.mean else g
@@ -335,15 +337,14 @@ def _generic(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence
     comm.op = f"DistributedOptimizer bucket {bucket.index} header"
     dense = [float(g is not None and not g.is_sparse) for g in mine.grads]
     sparse = [float(g is not None and g.is_sparse) for g in mine.grads]
-    header = torch.tensor([0.0, float(mine.seq), float(mine.seq**2), *dense, *sparse], dtype=torch.float64)
+    header = torch.tensor([*_round_fields(mine), *dense, *sparse], dtype=torch.float64)
     meta = comm.meta
     with comm.phase("header"):
         meta.run_collective("bucket header", dist.all_reduce, header)
     meta.count_ring_allreduce(header.numel() * header.element_size())
     got = header.tolist()
-    if comm.size * got[2] != got[1] * got[1]:
-        _name_the_rank(comm, bucket, mine, -1, env)
-    ndense, nsparse = got[3 : 3 + k], got[3 + k :]
+    _check_round(comm, bucket, mine, env, got[:FIXED])
+    ndense, nsparse = got[FIXED : FIXED + k], got[FIXED + k :]
     mixed = [j for j in range(k) if ndense[j] and nsparse[j]]
     if mixed:
         name = env.names[bucket.members[mixed[0]]]
@@ -358,7 +359,7 @@ def _generic(bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence
     at: list[int] = []
     for j, (i, g) in enumerate(zip(bucket.members, mine.grads, strict=True)):
         if not (ndense[j] or nsparse[j]):
-            continue  # no rank has it: it keeps no gradient, as in step()-time reduction
+            continue  # no rank has it: it keeps no gradient, as ReplicatedOptimizer.aggregate leaves it
         p = params[i]
         proxy = cast(torch.nn.Parameter, p.param.detach())  # the worker never touches the parameter itself
         proxy.grad = g if g is not None else zero_grad(p.param, sparse=bool(nsparse[j]))

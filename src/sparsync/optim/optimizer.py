@@ -4,12 +4,15 @@
     opt = sparsync.DistributedOptimizer(opt, model)        # after dist.init_process_group(...)
 
 It is a ``torch.optim.Optimizer`` (LR schedulers, ``state_dict``, hooks and ``isinstance`` checks work) that
-shares the wrapped optimizer's ``param_groups`` and ``state`` and, in ``step()``, first aggregates every
-gradient across the ranks of the group by a per-parameter plan (``sparsync.placement``'s placements: the
-default sends sparse COO gradients, e.g. ``nn.Embedding(sparse=True)``'s, by the row-sparse allreduce and dense
-ones by one bucketed allreduce, both in one grouped call), then steps the wrapped optimizer. The design follows
-Horovod's ``DistributedOptimizer`` (aggregate in ``step``, ``synchronize()`` for gradient clipping) without
-re-creating the user's optimizer, so an optimizer built and loaded before wrapping keeps its state.
+shares the wrapped optimizer's ``param_groups`` and ``state``, and replaces every gradient by its mean (or sum)
+over the ranks of the group by a per-parameter plan of ``sparsync.placement`` placements (the default sends
+sparse COO gradients, e.g. ``nn.Embedding(sparse=True)``'s, by the row-sparse allreduce and dense ones by a
+dense allreduce). On more than one rank it reduces during backward, bucket by bucket as DDP does
+(``optim.overlap``), so ``loss.backward()`` returns with reduced gradients; without overlap (one rank,
+``overlap=False``, or a parameter-server placement in the plan) ``step()`` (or ``synchronize()``) reduces them
+all at once by ``ReplicatedOptimizer.aggregate``. ``step()`` then steps the wrapped optimizer. The API follows
+Horovod's ``DistributedOptimizer`` (``synchronize()`` for gradient clipping) without re-creating the user's
+optimizer, so an optimizer built and loaded before wrapping keeps its state.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ LAYOUT_KEY = "sparsync_buckets"  # the bucket layout in a state dict
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
-    """``optimizer`` whose ``step()`` first aggregates gradients over ``group`` (default: the default group).
+    """``optimizer`` whose gradients are reduced over ``group`` (default: the default group) before it steps.
 
     ``model``: names the parameters for ``plan`` and for error messages (``model.named_parameters()``).
     ``plan``: per parameter name a ``Placement`` (``DenseAllreduce``, ``SparseAllreduce``, ``Compressed``,

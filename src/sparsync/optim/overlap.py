@@ -5,9 +5,10 @@ for what is still in flight and puts the reduced gradients in ``.grad``, so ``lo
 the mean (or sum) in every ``.grad``, as under DDP.
 
 A *round* is one backward pass outside ``no_sync()`` (or, on a rank that ran none since the last ``step()``,
-``step()`` itself, so that every rank reduces the same buckets). The first round ever reduces as ``step()``
-did before (``ReplicatedOptimizer.aggregate``: one agreement round, then the placements); right after it every
-rank agrees the bucket layout once (``buckets.lay_out`` from rank 0's order, and every parameter's name,
+``step()`` itself, so that every rank reduces the same buckets). The first round ever reduces every gradient at
+once by ``ReplicatedOptimizer.aggregate`` (one agreement round, then the placements: the reduction ``step()``
+runs without overlap) and records the order backward produced them in; right after it every rank agrees the
+bucket layout once (``buckets.lay_out`` from rank 0's order, and every parameter's name,
 shape, dtype and placement compared across ranks). Later rounds need no agreement round: what it checked travels
 in each bucket's own payload (``optim.jobs``).
 
@@ -72,7 +73,8 @@ class OverlapReducer:
         self.steps = 0  # step() calls: with ``rounds``, the order check in every bucket
         self.in_round = False
         self.round_start = 0.0
-        self.fired: list[bool] = []
+        self.fired: list[bool] = []  # this round's ready parameters
+        self.pending: list[int] = []  # per bucket, its members not ready yet this round: launched at zero
         self.launched = 0
         self.works: list[tuple[Bucket, Work[jobs.Reduced]]] = []
         # A NaN or ±Inf some rank contributed since the last step() (the same error on every rank): the
@@ -116,12 +118,14 @@ class OverlapReducer:
                     _queue_callback(self._end_of_backward)
                     if self.buckets is None and self.loaded is not None:
                         self._agree_layout(*self.loaded)
+                first = not self.fired[i]
                 self.fired[i] = True
                 if self.buckets is None:
                     self.first_order.append(i)
                     return
                 self._copy_early(i)
-                self._launch_ready()
+                if first:
+                    self._ready(i)
 
         return hook
 
@@ -130,18 +134,22 @@ class OverlapReducer:
         self.in_round = True
         self.round_start = time.perf_counter()
         self.fired = [False] * len(self.params)
+        self._reset_pending()
         self.launched = 0
         self.works = []
         self.round_flat = {}
         self.copied = set()
 
-    def _launch_ready(self) -> None:
+    def _reset_pending(self) -> None:
+        self.pending = [len(b.members) for b in self.buckets or ()]
+
+    def _ready(self, i: int) -> None:
+        """Parameter ``i``'s gradient is ready: one member less for its bucket; then launch, in bucket order,
+        every bucket with none pending (a bucket waits for those before it, as every rank launches alike)."""
         assert self.buckets is not None
-        while self.launched < len(self.buckets):
-            b = self.buckets[self.launched]
-            if not all(self.fired[i] for i in b.members):
-                return
-            self._launch(b)
+        self.pending[self.bucket_of[i].index] -= 1
+        while self.launched < len(self.buckets) and self.pending[self.launched] == 0:
+            self._launch(self.buckets[self.launched])
 
     def _copy_early(self, i: int) -> None:
         """Put a fast bucket member's gradient in the round's buffer now, while backward goes on, so that the
@@ -203,8 +211,8 @@ class OverlapReducer:
             self._finish_round()
 
     def _finish_round(self) -> None:
-        """Launch what is left, wait, put the results in ``.grad``; the first round reduces as ``step()`` did
-        and lays the buckets out."""
+        """Launch what is left, wait, put the results in ``.grad``; the first round reduces by
+        ``ReplicatedOptimizer.aggregate`` and lays the buckets out."""
         try:
             if self.buckets is None:
                 codes, nonfinite = self.rep.aggregate_deferred()
@@ -321,6 +329,7 @@ class OverlapReducer:
         self.buckets = lay_out(self.params, self.rep.plan, codes, self.order, cap_bytes=self.cap_bytes)
         self.bucket_of = {i: b for b in self.buckets for i in b.members}
         self.member_of = {i: k for b in self.buckets for k, i in enumerate(b.members)}
+        self._reset_pending()
         if any(b.grouped for b in self.buckets) and any(b.fast for b in self.buckets):
             # the sparse lane's two groups: every rank lays out the same buckets, so every rank makes them
             red = self.round_env.reduce

@@ -11,7 +11,7 @@ defaults). The sketch is ``placement.sketch``, the parameter server ``sparsync.p
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,17 +38,32 @@ class DenseAllreduce(Placement):
         for p in params:
             buckets.setdefault(_grad(p).dtype, []).append(p)
         for members in buckets.values():
-            grads = [_grad(p) for p in members]
-            flat = torch.cat([(g.to_dense() if g.is_sparse else g).reshape(-1) for g in grads])
+            flat = torch.cat([dense_flat(_grad(p)) for p in members])
             out = allreduce(
                 flat, algorithm="dense", group=env.group, log=env.log, timeout=env.timeout,
                 name="dense:" + ",".join(p.name for p in members), check_nan=env.check_nan,
             )  # fmt: skip
             assert isinstance(out, torch.Tensor)
-            # views of the result's fresh buffer (the allreduce never aliases its input), as DDP's
-            # gradient_as_bucket_view: no copy per parameter
-            for p, piece in zip(members, torch.split(out, [g.numel() for g in grads]), strict=True):
-                p.param.grad = piece.view(p.param.shape)
+            # views of the result's fresh buffer (the allreduce never aliases its input)
+            views = flat_views(out, [p.param.shape for p in members])
+            for p, view in zip(members, views, strict=True):
+                p.param.grad = view
+
+
+def dense_flat(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient as a dense allreduce sends it: densified (a sparse one), flattened."""
+    return (grad.to_dense() if grad.is_sparse else grad).reshape(-1)
+
+
+def flat_views(flat: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """The members of a flat buffer of consecutive ``shapes``, as views (DDP's gradient_as_bucket_view: no copy
+    per parameter); what follows the last member (a tail) is left out."""
+    out, at = [], 0
+    for shape in shapes:
+        size = math.prod(shape)
+        out.append(flat[at : at + size].view(shape))
+        at += size
+    return out
 
 
 @dataclass(frozen=True)
@@ -172,18 +187,26 @@ class Grouped(Placement):
                     extra = []
                 fused.add(dtype)
             together = members + extra
-            grads = [p.param.grad for p in together]
-            out = grouped_allreduce(
-                grads,  # type: ignore[arg-type]
-                algorithm=self.algorithm, group=env.group, log=env.log, timeout=env.timeout,
-                name=",".join(p.name for p in together), check_nan=env.check_nan,
-            )  # fmt: skip
-            for p, g in zip(together, out, strict=True):  # type: ignore[arg-type]
+            out = grouped_sum([_grad(p) for p in together], [p.name for p in together], self.algorithm, env)
+            for p, g in zip(together, out, strict=True):
                 p.param.grad = g
             done = {id(p) for p in extra}
             dense = [p for p in dense if id(p) not in done]
         if dense:
             DenseAllreduce().aggregate(dense, env)
+
+
+def grouped_sum(
+    tensors: list[torch.Tensor], names: Sequence[str], algorithm: str, env: ReduceEnv, *, check_nan: bool = True
+) -> list[torch.Tensor]:
+    """One ``grouped_allreduce`` of ``tensors`` (the gradients of the parameters ``names``) over ``env.group``:
+    their sums, in order. ``check_nan=False`` lets NaN and ±Inf through even where ``env.check_nan`` refuses."""
+    out = grouped_allreduce(
+        tensors, algorithm=algorithm, group=env.group, log=env.log, timeout=env.timeout, name=",".join(names),
+        check_nan=env.check_nan and check_nan,
+    )  # fmt: skip
+    assert isinstance(out, list)  # a blocking call
+    return out
 
 
 @dataclass(frozen=True)
