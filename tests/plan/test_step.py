@@ -12,10 +12,10 @@ import torch
 
 from sparsync.optim import buckets
 from sparsync.placement import DenseAllreduce, NamedParam
-from sparsync.placement.bucketing import CAP_BYTES, FIRST_CAP_BYTES
 from sparsync.plan import Cluster, ParamStats, make_plan
 from sparsync.plan.backend import TREE_BUS_SHARE, all_to_all_latency, dense_allreduce
 from sparsync.plan.step import bucket_layout
+from sparsync.replicator.optimizer import DENSE
 from sparsync_bench.cli import main
 from sparsync_bench.criteo import table_rows
 from sparsync_bench.dlrm import dlrm_stats
@@ -35,11 +35,10 @@ def real_buckets(stats: list[ParamStats]) -> list[list[int]]:
               for s in stats]  # fmt: skip
     plan = dict.fromkeys((s.name for s in stats), DenseAllreduce())
     order = buckets.default_order([], len(stats))
-    return [list(b.members) for b in buckets.lay_out(params, plan, [buckets.DENSE] * len(stats), order)]
+    return [list(b.members) for b in buckets.lay_out(params, plan, [DENSE] * len(stats), order)]
 
 
 def test_bucket_layout_is_distributed_optimizers() -> None:
-    assert (FIRST_CAP_BYTES, CAP_BYTES) == (buckets.FIRST_CAP_BYTES, buckets.CAP_BYTES)
     mlps = [s for s in dlrm() if not s.sparse]
     g = torch.Generator().manual_seed(0)
     models = [mlps, dlrm()]
