@@ -11,8 +11,10 @@ shape or dtype or outside mode ``sum``), with the same words.
 
 ``state_dict()``: with ``state_dict="full"`` (the default) the whole table under ``<name>.weight`` on rank 0,
 gathered (so every rank must call it, as FSDP's full state dict asks), nothing on the others; ``"local"``: each
-rank its own shard. ``load_state_dict`` takes either: a whole table ``[rows, D]`` (saved at any number of ranks,
-or by the unsharded model) gives each rank its rows; anything else loads as this rank's shard. Both copy into
+rank its own shard; ``"sharded"``: each table as a ``DTensor`` of contiguous row blocks, for
+``torch.distributed.checkpoint`` (``dcp``; collective). ``load_state_dict`` takes any of them: a whole table
+``[rows, D]`` (saved at any number of ranks, or by the unsharded model) gives each rank its rows, a ``DTensor``
+of row blocks (``dcp``, at this P) too; anything else loads as this rank's shard. Both copy into
 the parameter in place, so it keeps viewing the group's flat tensor.
 """
 
@@ -26,6 +28,7 @@ from torch import nn
 
 from sparsync.placement import Placement
 from sparsync.placement.sharded import mark
+from sparsync.sharding import dcp
 from sparsync.sharding.exchange import Exchanger
 from sparsync.sharding.group import Slot, TableGroup
 from sparsync.sharding.lazy import EAGER, LazyLookup
@@ -33,7 +36,7 @@ from sparsync.sharding.ownership import Ownership
 from sparsync.sharding.rows import Call
 from sparsync.sharding.transfer import gather_rows, init_rows, scatter_rows
 
-STATE_DICT_LAYOUTS = ("full", "local")
+STATE_DICT_LAYOUTS = ("full", "local", "sharded")
 ID_DTYPES = (torch.int64, torch.int32)  # what torch's embeddings take
 
 
@@ -131,6 +134,10 @@ class ShardedTable(nn.Module):
         if self.state_dict_layout == "local":
             super()._save_to_state_dict(destination, prefix, keep_vars)
             return
+        if self.state_dict_layout == "sharded":
+            group = self.exchanger.link.group
+            destination[prefix + "weight"] = dcp.to_dtensor(self.weight, self.num_embeddings, group)
+            return
         full = gather_rows(self.weight, self.ownership, self.exchanger.link.group)
         if full is not None:
             destination[prefix + "weight"] = full
@@ -147,12 +154,27 @@ class ShardedTable(nn.Module):
     ) -> None:
         key = prefix + "weight"
         given = state_dict.get(key)
+        if isinstance(given, dcp.DTensor):
+            self._load_blocks(given, key, error_msgs)
+            return
         if isinstance(given, torch.Tensor) and tuple(given.shape) == (self.num_embeddings, self.embedding_dim):
             mine = given[self.ownership.global_rows(self.exchanger.link.rank)]
             state_dict = {**state_dict, key: mine}
         super()._load_from_state_dict(
             state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
         )
+
+    def _load_blocks(self, given: dcp.DTensor, key: str, error_msgs: list[str]) -> None:
+        """Load a ``DTensor`` of row blocks (``dcp``) into the shard; a wrong shape or dtype is an error naming
+        the table. Collective over the tables' group."""
+        want = (self.num_embeddings, self.embedding_dim)
+        if tuple(given.shape) != want or given.dtype != self.weight.dtype:
+            error_msgs.append(
+                f"{key}: {self.describe()} cannot load a table of shape {tuple(given.shape)} and dtype "
+                f"{given.dtype}; it needs shape {want} and dtype {self.weight.dtype}"
+            )
+            return
+        dcp.into_shard(given, self.weight.data, self.num_embeddings, self.exchanger.link.group)
 
 
 class ShardedEmbedding(ShardedTable):
