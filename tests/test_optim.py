@@ -1,6 +1,6 @@
-"""``sparsync.DistributedOptimizer``: a ``torch.optim.Optimizer`` that aggregates by a
-per-parameter plan in ``step()``. Exact against a float64 reference and equal to torch's DDP with sparse
-gradients over world sizes 1, 3, 5 and batches from empty to every row; LR schedulers, checkpoints,
+"""``sparsync.DistributedOptimizer``: a ``torch.optim.Optimizer`` that reduces the gradients by a per-parameter
+plan (during backward on more than one rank). Exact against a float64 reference and equal to torch's DDP with
+sparse gradients over world sizes 1, 3, 5 and batches from empty to every row; LR schedulers, checkpoints,
 ``synchronize()``; a plan with a compressor and a log; clear errors."""
 
 from __future__ import annotations
