@@ -57,7 +57,9 @@ def optimizer_state_dict(opt: Any, model: nn.Module) -> dict[str, Any] | None:
         for key in sorted(state):
             value = state[key]
             if isinstance(value, torch.Tensor) and value.shape == table.weight.shape and value.dim() == 2:
-                state[key] = gather_rows(value, table.ownership, table.exchanger.group)
+                # a sparse gradient's momentum (SGD) is a sparse tensor of the shard's shape: gathered dense
+                dense = value.to_dense() if value.is_sparse else value
+                state[key] = gather_rows(dense, table.ownership, table.exchanger.group)
     return sd if rank0 else None
 
 
