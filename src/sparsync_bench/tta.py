@@ -1,8 +1,9 @@
 """``sparsync bench tta``: time to accuracy. Every method trains the same model from the same initial weights
 (bit for bit: built from one seed, their hash recorded) on the same samples (each rank's batch at step s is
-drawn from a generator seeded by (seed, rank, s)), one method after the other in one run, and rank 0 keeps the
-wall time after every step, the loss (the mean over ranks of each rank's batch loss), and the bytes its link
-interface sent.
+drawn from a generator seeded by (seed, rank, s)), in one run, and rank 0 keeps the
+time of every step, the loss (the mean over ranks of each rank's batch loss), and the bytes its link interface
+sent. The methods take turns, ``block`` steps each, so that what else the host runs falls on all of them alike;
+each method's clock counts its own steps only.
 
 Methods (``METHODS``): DDP's dense allreduce; DDP with torch's fp16 hook; torch's PowerSGD hook at ranks
 1, 2, 4 (DDP with one bucket for the whole model: with several buckets in flight the hook deadlocks on gloo,
@@ -10,19 +11,20 @@ since it issues a bucket's second allreduce from the first's future callback); s
 ``compression_hook`` (QSGD, TopK + ErrorFeedback, DGC's top-k, Threshold = DCT-DP + ErrorFeedback, sparsync's
 PowerSGD), and through ``DistributedOptimizer``.
 
-Models (``MODELS``): a small causal transformer with dense gradients only, and an LSTM language model with a
-large embedding (``lm.SampledLM``, its gradient dense here as a DDP user's ``nn.Embedding`` sends it). Data:
-a Zipf-Markov token stream (each token follows its fixed successor with probability ``follow``, else a fresh
-Zipf draw), so both models have structure to learn beyond the unigram.
+Models (``MODELS``): a small causal transformer with dense gradients only, an LSTM language model with a
+large embedding (``lm.SampledLM``, its gradient dense here as a DDP user's ``nn.Embedding`` sends it), and an
+MLP learning a fixed random teacher's labels from Gaussian inputs. The language models' data: a Zipf-Markov
+token stream (each token follows its fixed successor with probability ``follow``, else a fresh Zipf draw), so
+both have structure to learn beyond the unigram.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +54,7 @@ class Method:
     memory: str = ""  # "" none, "ef" ErrorFeedback, "dgc" MomentumCorrection (then SGD without momentum)
     torch_hook: str | None = None  # "fp16" or "powersgd"
     rank: int = 0  # torch PowerSGD's matrix_approximation_rank
+    bucket: bool = False  # "opt": one compression of all the dense gradients (``Compressed(bucket=True)``)
 
 
 METHODS: dict[str, Method] = {
@@ -64,11 +67,12 @@ METHODS: dict[str, Method] = {
         Method("torch-powersgd-r4", "ddp", torch_hook="powersgd", rank=4),
         Method("qsgd4", "hook", "qsgd:bits=4,bucket=512"),
         Method("topk-ef", "hook", "topk:ratio=0.01", "ef"),
-        Method("dgc", "hook", "topk:ratio=0.01,warmup=40", "dgc"),
+        Method("dgc", "hook", "topk:ratio=0.01,warmup=20", "dgc"),
         Method("dctdp-ef", "hook", "threshold:ratio=0.01,lifespan=1000", "ef"),
+        Method("dctdp-noslack-ef", "hook", "threshold:ratio=0.01,lifespan=1000,slack=None", "ef"),
         Method("powersgd-r2", "hook", "powersgd:rank=2,start_iter=2", "ef"),
         Method("opt-powersgd-r2", "opt", "powersgd:rank=2,start_iter=2", "ef"),
-        Method("opt-qsgd4", "opt", "qsgd:bits=4,bucket=512"),
+        Method("opt-qsgd4", "opt", "qsgd:bits=4,bucket=512", bucket=True),
     )
 }
 TORCH_POWERSGD_START = 2  # torch's least start_powerSGD_iter with error feedback and warm start
@@ -76,11 +80,11 @@ TORCH_POWERSGD_START = 2  # torch's least start_powerSGD_iter with error feedbac
 
 @dataclass(frozen=True)
 class ModelSpec:
-    kind: str  # "transformer" or "lm"
-    vocab: int
-    dim: int
-    hidden: int  # transformer: feed-forward width; lm: LSTM width
-    layers: int  # transformer layers (lm: unused)
+    kind: str  # "transformer", "lm" or "mlp"
+    vocab: int  # mlp: classes
+    dim: int  # mlp: inputs
+    hidden: int  # transformer: feed-forward width; lm: LSTM width; mlp: hidden width
+    layers: int  # transformer layers; mlp: hidden layers (lm: unused)
     seq: int
     batch: int  # sequences per rank per step
     lr: float
@@ -90,8 +94,10 @@ class ModelSpec:
 MODELS: dict[str, ModelSpec] = {
     "transformer": ModelSpec("transformer", 512, 256, 1024, 3, 32, 4, 0.05),
     "lm": ModelSpec("lm", 100_000, 64, 256, 1, 20, 8, 0.5, negatives=512),
+    "mlp": ModelSpec("mlp", 10, 256, 2048, 2, 0, 128, 0.05),
     "tiny-transformer": ModelSpec("transformer", 64, 16, 32, 1, 8, 2, 0.05),
     "tiny-lm": ModelSpec("lm", 500, 8, 16, 1, 6, 2, 0.5, negatives=16),
+    "tiny-mlp": ModelSpec("mlp", 4, 8, 16, 1, 0, 4, 0.05),
 }
 
 
@@ -99,6 +105,7 @@ MODELS: dict[str, ModelSpec] = {
 class TTAConfig:
     model: str = "transformer"  # a key of MODELS
     steps: int = 60  # training steps per method
+    block: int = 10  # steps each method trains in its turn (the methods take turns, block by block)
     methods: tuple[str, ...] = tuple(METHODS)  # keys of METHODS, trained in this order
     momentum: float = 0.9  # SGD momentum (DGC applies it in its memory instead)
     zipf: float = 1.1  # the stream's Zipf exponent
@@ -114,6 +121,8 @@ class TTAConfig:
             raise ValueError(f"unknown methods {bad}; valid: {', '.join(METHODS)}")
         if self.steps < 4:
             raise ValueError(f"steps must be >= 4 (the target is the dense run's loss at 3/4), got {self.steps}")
+        if self.block < 1:
+            raise ValueError(f"block must be >= 1, got {self.block}")
         for m in self.methods:
             if METHODS[m].spec:
                 from_spec(METHODS[m].spec)  # a bad spec raises before any process starts
@@ -144,11 +153,28 @@ class TinyTransformer(nn.Module):
         return nn.functional.cross_entropy(self.head(h).reshape(-1, self.head.out_features), tgt.reshape(-1))
 
 
+class MLP(nn.Module):
+    """dim -> hidden (ReLU) x layers -> classes, trained on a fixed random teacher's labels."""
+
+    def __init__(self, s: ModelSpec) -> None:
+        super().__init__()
+        widths = [s.dim] + [s.hidden] * s.layers
+        layers: list[nn.Module] = []
+        for a, b in itertools.pairwise(widths):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        self.body = nn.Sequential(*layers, nn.Linear(widths[-1], s.vocab))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(self.body(x), y)
+
+
 def build_model(s: ModelSpec, seed: int) -> nn.Module:
     """The model, its weights drawn from ``seed`` alone."""
     torch.manual_seed(seed)
     if s.kind == "transformer":
         return TinyTransformer(s)
+    if s.kind == "mlp":
+        return MLP(s)
     m = SampledLM(s.vocab, s.dim, s.hidden, seed=seed)
     m.emb.sparse = False  # a dense gradient, as DDP's hooks take it
     return m
@@ -171,13 +197,20 @@ class Stream:
         self.cdf = np.cumsum(p / p.sum())
         self.succ = np.random.default_rng([cfg.seed, 7]).permutation(s.vocab)
         self.cfg = cfg
+        teacher = np.random.default_rng([cfg.seed, 11])
+        self.teacher = (teacher.standard_normal((s.dim, 64)), teacher.standard_normal((64, s.vocab)))
 
     def _zipf(self, rng: np.random.Generator, n: int) -> np.ndarray:
         return np.minimum(np.searchsorted(self.cdf, rng.random(n)), len(self.cdf) - 1)
 
     def batch(self, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tokens, negatives) of the language models; (inputs, the teacher's labels) of the mlp."""
         s = self.cfg.spec
         rng = np.random.default_rng([self.cfg.seed, rank, step])
+        if s.kind == "mlp":
+            x = rng.standard_normal((s.batch, s.dim)).astype(np.float32)
+            y = (np.tanh(x @ self.teacher[0] / 16) @ self.teacher[1]).argmax(1)
+            return torch.from_numpy(x), torch.from_numpy(y)
         out = np.empty((s.batch, s.seq + 1), dtype=np.int64)
         out[:, 0] = self._zipf(rng, s.batch)
         for t in range(1, s.seq + 1):
@@ -203,8 +236,8 @@ def wrap(method: Method, model: nn.Module, cfg: TTAConfig) -> tuple[nn.Module, t
     sgd = torch.optim.SGD(model.parameters(), lr=cfg.spec.lr, momentum=momentum)
     memory = _memory(method, cfg.momentum)
     if method.kind == "opt":
-        opt = DistributedOptimizer(sgd, model, default=Compressed(from_spec(method.spec), memory))
-        return model, opt
+        placement = Compressed(from_spec(method.spec), memory, bucket=method.bucket)
+        return model, DistributedOptimizer(sgd, model, default=placement)
     if method.torch_hook == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
 
@@ -245,49 +278,63 @@ def warm_up(cfg: TTAConfig, stream: Stream, rank: int) -> None:
     dist.barrier()
 
 
-def train(rank: int, cfg: TTAConfig, method: Method, stream: Stream, tick: Callable[[], None]) -> dict[str, Any]:
-    """One method's run: ``cfg.steps`` steps from the seed's weights; rank 0's row (others: the same keys)."""
-    P = dist.get_world_size()
-    model = build_model(cfg.spec, cfg.seed)
-    weights = weights_hash(model)
-    net, opt = wrap(METHODS[method.label], model, cfg)
-    first = stream.batch(rank, 0)
-    samples = hashlib.sha256(first[0].numpy().tobytes()).hexdigest()[:16]
-    losses, times = [], []
-    dist.barrier()
-    b0, t0 = sent_bytes(), time.perf_counter()
-    for step in range(cfg.steps):
-        tokens, negatives = stream.batch(rank, step)
-        opt.zero_grad(set_to_none=True)
-        loss = net(tokens, negatives)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        times.append(time.perf_counter() - t0)
-        tick()
-    sent = sent_bytes() - b0
-    mean = torch.tensor(losses, dtype=torch.float64)
-    dist.all_reduce(mean)
-    local = "lo" if "GLOO_SOCKET_IFNAME" not in os.environ else "link"
-    per_rank = sent / (P if local == "lo" else 1)
-    return {"model": cfg.model, "method": method.label, "P": P, "steps": cfg.steps, "weights": weights,
-            "samples": samples, "loss": (mean / P).tolist(), "times_s": times,
-            "bytes_per_step": per_rank / cfg.steps, "bytes_from": local}  # fmt: skip
+class Trainer:
+    """One method's model, optimizer and record: the wall time of each step (summed: the method's own clock,
+    whatever ran between its blocks), the local loss, the bytes sent since its first step."""
+
+    def __init__(self, rank: int, cfg: TTAConfig, method: Method, stream: Stream) -> None:
+        self.rank, self.cfg, self.method, self.stream = rank, cfg, method, stream
+        model = build_model(cfg.spec, cfg.seed)
+        self.weights = weights_hash(model)
+        self.net, self.opt = wrap(method, model, cfg)
+        self.losses: list[float] = []
+        self.times: list[float] = []  # the method's clock after each step
+        self.sent: list[int] = []  # bytes sent since its first step, after each step
+
+    def run(self, steps: int) -> None:
+        """The next ``steps`` steps, after a barrier (each step's time is its own)."""
+        dist.barrier()
+        for _ in range(steps):
+            step = len(self.losses)
+            tokens, negatives = self.stream.batch(self.rank, step)
+            b0, t0 = sent_bytes(), time.perf_counter()
+            self.opt.zero_grad(set_to_none=True)
+            loss = self.net(tokens, negatives)
+            loss.backward()
+            self.opt.step()
+            self.losses.append(loss.item())
+            self.times.append((self.times[-1] if self.times else 0.0) + time.perf_counter() - t0)
+            self.sent.append((self.sent[-1] if self.sent else 0) + sent_bytes() - b0)
+
+    def row(self) -> dict[str, Any]:
+        """The run's row (collective: every rank calls it; the loss is the mean over ranks)."""
+        P = dist.get_world_size()
+        mean = torch.tensor(self.losses, dtype=torch.float64)
+        dist.all_reduce(mean)
+        local = "lo" if "GLOO_SOCKET_IFNAME" not in os.environ else "link"
+        share = P if local == "lo" else 1  # every rank's traffic crosses lo
+        samples = hashlib.sha256(self.stream.batch(self.rank, 0)[0].numpy().tobytes()).hexdigest()[:16]
+        return {"model": self.cfg.model, "method": self.method.label, "P": P, "steps": len(self.losses),
+                "weights": self.weights, "samples": samples, "loss": (mean / P).tolist(), "times_s": self.times,
+                "bytes_per_step": self.sent[-1] / share / len(self.losses), "sent_bytes": [b / share for b in
+                self.sent], "bytes_from": local}  # fmt: skip
 
 
 def worker(rank: int, cfg: TTAConfig, show_progress: bool) -> list[dict[str, Any]]:
-    """Every method of ``cfg`` in turn on this rank; rank 0 returns the rows."""
+    """Every method of ``cfg`` on this rank, interleaved: ``cfg.block`` steps of each in turn (the first method
+    of a round rotating), so that a slower or busier stretch of the host falls on every method alike; rank 0
+    returns the rows."""
     stream = Stream(cfg)
-    rows = []
-    total = cfg.steps * len(cfg.methods)
-    with progress(show_progress and rank == 0, f"{cfg.model}", total) as update:
+    with progress(show_progress and rank == 0, f"{cfg.model}", cfg.steps * len(cfg.methods)) as update:
         update(f"{cfg.model}: warm-up", 0)
         warm_up(cfg, stream, rank)
-        for label in cfg.methods:
-            update(f"{cfg.model}: {label}", 0)
-            rows.append(train(rank, cfg, METHODS[label], stream, lambda: update(None, 1)))
+        trainers = [Trainer(rank, cfg, METHODS[label], stream) for label in cfg.methods]
+        for i, start in enumerate(range(0, cfg.steps, cfg.block)):
+            n = min(cfg.block, cfg.steps - start)
+            for j in range(len(trainers)):
+                t = trainers[(i + j) % len(trainers)]
+                update(f"{cfg.model}: steps {start}-{start + n} of {t.method.label}", 0)
+                t.run(n)
+                update(None, n)
+        rows = [t.row() for t in trainers]
     return rows if rank == 0 else []
-
-
-def with_methods(cfg: TTAConfig, methods: tuple[str, ...]) -> TTAConfig:
-    return replace(cfg, methods=methods)

@@ -737,8 +737,8 @@ def test_sparsifiers_are_contractions(n: int, ratio: float, seed: int) -> None:
 
 
 def test_threshold_is_recomputed_every_lifespan_calls() -> None:
-    """DCT Alg. 1 lines 3-8: τ from |g| when L divides the call number, reused in between."""
-    th = Threshold(0.1, lifespan=3)
+    """DCT Alg. 1 lines 3-8 (``slack=None``): τ from |g| when L divides the call number, reused in between."""
+    th = Threshold(0.1, lifespan=3, slack=None)
     taus = []
     for i in range(7):
         x = torch.randn(1000) * (i + 1)  # a growing scale: a recomputed τ differs
@@ -747,7 +747,7 @@ def test_threshold_is_recomputed_every_lifespan_calls() -> None:
     assert taus[0] == taus[1] == taus[2] != taus[3]
     assert taus[3] == taus[4] == taus[5] != taus[6]
     assert th.threshold("other") is None
-    fresh = Threshold(0.1, lifespan=3)
+    fresh = Threshold(0.1, lifespan=3, slack=None)
     fresh.load_state_dict(th.state_dict())
     assert fresh.state_dict() == th.state_dict()
     # with a reused τ, everything at least τ is sent
@@ -755,6 +755,28 @@ def test_threshold_is_recomputed_every_lifespan_calls() -> None:
     y = roundtrip(th, x, Context("layer"))
     tau = th.threshold("layer")
     assert tau is not None and torch.equal(y != 0, x.abs() >= tau)
+
+
+def test_threshold_recomputes_a_reused_tau_that_keeps_too_many_or_too_few() -> None:
+    """With ``slack`` s, a reused τ keeping more than s·k or fewer than k/s entries is recomputed on that call
+    (error feedback grows g + e after τ is set: the reused τ would keep ever more); within the band it is
+    reused."""
+    k, n = 100, 10_000
+    th = Threshold(k / n, lifespan=1000, slack=2.0)
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(n, generator=gen)
+    kept = []
+    for scale in (1.0, 1.05, 3.0, 3.0, 0.2, 0.2):  # 1.05: within the band; 3.0 keeps > 2k; 0.2 keeps < k/2
+        x = base * scale
+        kept.append(int(th.compress(x, Context("w")).stream.nnz))
+    assert kept[0] == k and k < kept[1] <= 2 * k  # reused: more than k, within the band
+    assert kept[2:] == [k, k, k, k] and th.recomputations("w") == 3  # call 0, the first 3.0, the first 0.2
+    paper = Threshold(k / n, lifespan=1000, slack=None)
+    paper.compress(base, Context("w"))
+    assert int(paper.compress(base * 3.0, Context("w")).stream.nnz) > 10 * k  # Alg. 1 alone: kept grows
+    assert paper.recomputations("w") == 1
+    with pytest.raises(ValueError, match="slack"):
+        Threshold(0.1, slack=0.5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

@@ -5,6 +5,12 @@ selection, O(n), instead of the paper's full sort); the calls in between reuse i
 pass. Mask |g| ≥ τ. Applied layer-wise: τ is kept per name (per parameter). With error feedback (memory),
 g already includes the error, as in Alg. 1 line 2.
 
+A reused τ is also recomputed, on the call itself, when it keeps more than ``slack``·k entries or fewer than
+k/``slack`` (k = ceil(ratio·n)): the reuse assumes |g| is distributed alike from one call to the next, which error
+feedback breaks. The residual grows after τ is set (at the first call it is zero), so the compensated
+g + e grows too and a τ set at call 0 keeps ever more entries, until the sparse allreduce is denser, and
+slower, than a dense one. ``slack=None`` reuses τ for the whole lifespan, as Alg. 1 does.
+
 Choices the paper leaves open: the call counter starts at 0, so the first call always computes τ (Alg. 1
 line 3, "L divides k"); τ = 0 (an all-zero tensor at a recompute) would select everything, so a zero τ selects
 the non-zero entries only. Any τ > 0 gives a contraction (DCT §2.1, citing Stich et al. Def. 2.1) with
@@ -36,13 +42,20 @@ class Threshold(Sparsifier):
     accepts_sparse: ClassVar[bool] = True
 
     lifespan: int = 1000  # L: calls between recomputations of τ (per name); 1 = every call
+    # a reused τ keeping more than slack·k or fewer than k/slack entries is recomputed (None: never, Alg. 1)
+    slack: float | None = 2.0
     # the mask pass: "auto" (C where built, else torch), "c" (raise if not built), "torch"; the same positions
     kernels: str = "auto"
-    _state: dict[str, list[Any]] = field(default_factory=dict, init=False, repr=False)  # name -> [calls, τ]
+    # name -> [calls, τ, recomputations]
+    _state: dict[str, list[Any]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()  # ratio: the paper's sparsity factor η, the fraction kept when τ is recomputed
         base.check_positive_int(self.lifespan, "lifespan")
+        if self.slack is not None and (
+            isinstance(self.slack, bool) or not isinstance(self.slack, int | float) or not self.slack >= 1.0
+        ):
+            raise ValueError(f"slack must be a number >= 1 or None, got {self.slack!r}")
         base.check_kernels("Threshold", self.kernels, _native is not None, "_threshold_c")
 
     def check_device(self, device: torch.device) -> None:
@@ -53,35 +66,44 @@ class Threshold(Sparsifier):
         st = self._state.get(name)
         return None if st is None else float(st[1])
 
+    def recomputations(self, name: str = "") -> int:
+        """How many times τ of ``name`` was computed (every L calls, and where ``slack`` asked)."""
+        st = self._state.get(name)
+        return 0 if st is None else int(st[2])
+
     def compress(self, tensor: torch.Tensor, ctx: base.Context = base.NO_CONTEXT) -> base.SparsePayload:
         values, indices = base.flat_values(tensor)
         native = base.native_for(
             "Threshold", self.kernels, _native is not None, values.device
         )  # raises before the state moves
-        st = self._state.setdefault(ctx.name, [0, 0.0])
+        st = self._state.setdefault(ctx.name, [0, 0.0, 0])
         n = values.numel()
-        if st[0] % self.lifespan == 0 and n:
-            k = base.count_for(self.ratio, n)
-            st[1] = kth_largest(values.abs(), k)
+        k = base.count_for(self.ratio, n)
+        fresh = st[0] % self.lifespan == 0 and n > 0
+        if fresh:
+            st[1], st[2] = kth_largest(values.abs(), k), st[2] + 1
         st[0] += 1
         pos = _mask_positions(values, st[1], native=native)
+        if not fresh and self.slack is not None and n and not k / self.slack <= pos.numel() <= self.slack * k:
+            st[1], st[2] = kth_largest(values.abs(), k), st[2] + 1
+            pos = _mask_positions(values, st[1], native=native)
         return base.selected(values, indices, pos, tensor.numel(), presorted=True)
 
     def state_dict(self) -> dict[str, Any]:
-        return {name: {"calls": st[0], "tau": st[1]} for name, st in self._state.items()}
+        return {name: {"calls": st[0], "tau": st[1], "recomputations": st[2]} for name, st in self._state.items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._state.clear()
         for name, st in state.items():
-            self._state[name] = [int(st["calls"]), float(st["tau"])]
+            self._state[name] = [int(st["calls"]), float(st["tau"]), int(st.get("recomputations", 0))]
 
 
 def kth_largest(mag: torch.Tensor, k: int, by_topk: bool | None = None) -> float:
     """τ: the k-th largest of ``mag`` (1-D, ≥ 0), state of the host (checkpointed, compared), so one scalar
-    read from the device per recompute. On the host ``kthvalue`` (a selection, O(n)); elsewhere (``by_topk``)
-    the smallest of topk's ``largest`` (CUDA's ``kthvalue`` of 25M values took 191 ms on an H200,
-    docs/gpu.md): the same value."""
-    if not (mag.device.type != "cpu" if by_topk is None else by_topk):
+    read from the device per recompute. By default the smallest of topk's ``largest`` (a sampled threshold,
+    then ``torch.topk`` of about 2k candidates), several times faster than ``kthvalue`` on the host
+    (docs/results_tta.md) and on a GPU (docs/gpu.md); ``by_topk=False``: ``kthvalue``. The same value."""
+    if by_topk is False:
         return float(kth_smallest(mag, mag.numel() - k + 1))
     return float(mag[largest(mag, k)].min())
 

@@ -23,13 +23,18 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--methods", type=options.choices(tuple(METHODS), "methods"), default=tuple(METHODS),
                    help="comma-separated, trained in this order")  # fmt: skip
     p.add_argument("--steps", type=int, default=60, help="training steps per method")
+    p.add_argument("--block", type=int, default=10,
+                   help="steps per turn: the methods take turns, block by block")  # fmt: skip
     p.add_argument("--procs", type=int, default=4, help="world size P")
     p.add_argument("--seed", type=int, default=0, help="the initial weights' and the samples' seed")
     p.add_argument("--out", type=Path, default=Path("results/tta"), help="path stem for .json/.csv/.md/.png")
 
 
 def command(args: argparse.Namespace, console: Console) -> int:
-    cfgs = [TTAConfig(model=m, steps=args.steps, methods=args.methods, seed=args.seed) for m in args.models]
+    cfgs = [
+        TTAConfig(model=m, steps=args.steps, block=args.block, methods=args.methods, seed=args.seed)
+        for m in args.models
+    ]
     run_tta(cfgs, procs=args.procs, out=args.out, net=args.net, latency=args.latency, console=console,
             progress=not args.no_progress)  # fmt: skip
     return 0
