@@ -26,6 +26,7 @@ import argparse
 import json
 import math
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -47,7 +48,7 @@ from sparsync.plan.step import bucket_layout
 from sparsync.record import CommLog
 from sparsync_bench.criteo import table_rows
 from sparsync_bench.dlrm import mlp_shapes
-from sparsync_bench.netem import NetSpec, parse_latency, parse_rate, shaped
+from sparsync_bench.netem import NetNamespaces, NetSpec, parse_latency, parse_rate, shaped
 
 PARTS = ("dense", "sparse", "sharded")
 # the planner's predictions: its link as derived (α measured, β the rate, γ this host's), the same with γ off,
@@ -69,6 +70,7 @@ class Setting:
     dim: int = 16
     repeats: int = 5  # timed repeats after one warm-up
     seed: int = 0
+    burst: int | None = None  # bytes of every link's tbf bucket; None: ``netem``'s (512 KB)
 
     def __post_init__(self) -> None:
         if self.world < 2:
@@ -77,6 +79,8 @@ class Setting:
             raise ValueError(f"delay={self.delay!r} needs a rate (emulated links)")
         if self.rate is not None:
             NetSpec(self.rate, self.delay)
+        if self.burst is not None and self.burst < 2048:
+            raise ValueError(f"burst must be >= 2048 bytes (more than a packet), got {self.burst}")
         if not (1 <= self.tables <= 26 and self.batch >= 1 and self.repeats >= 1 and self.dim >= 1):
             raise ValueError(
                 f"want 1 <= tables <= 26, batch, repeats, dim >= 1; got {self.tables}, {self.batch}, "
@@ -241,6 +245,8 @@ def run_point(setting: Setting) -> dict[str, Any]:
     """Measure ``setting`` (namespaces made and removed here when it has a rate) and price it both ways."""
     spec = NetSpec(setting.rate, setting.delay) if setting.rate is not None else None
     with shaped(setting.world, spec) as ns:
+        if ns is not None and setting.burst is not None and setting.rate is not None:
+            set_burst(ns, setting.rate, setting.burst)
         setup = ns.rank_setup() if ns is not None else None
         res = launch(check_worker, nprocs=setting.world, args=(setting,), setup=setup, timeout=300.0)[0]
     link = LinkModel(**res["link"])
@@ -251,6 +257,18 @@ def run_point(setting: Setting) -> dict[str, Any]:
     ratio = {p: derived[p] / measured[p] for p in PARTS}
     return {"setting": asdict(setting), "measured": measured, "predicted": derived, "predicted_gamma_off": nominal,
             "predicted_measured_link": measured_link, "ratio": ratio, "link": res["link"]}  # fmt: skip
+
+
+def set_burst(ns: NetNamespaces, rate: str, burst: int) -> None:
+    """Give every link of ``ns`` a ``burst``-byte token bucket, both directions (``tc qdisc change``): a bucket
+    that holds a whole round lets it leave at the veth's speed after an idle gap, faster than the rate."""
+    tbf = ("tbf", "rate", f"{parse_rate(rate)}bit", "burst", str(burst), "latency", "100ms")
+    for i in range(ns.nprocs):
+        inside = ("ip", "netns", "exec", ns.namespace(i), "tc", "qdisc", "change", "dev", ns.ifname(i), "root")
+        for cmd in ((*inside, "handle", "1:", *tbf), ("tc", "qdisc", "change", "dev", ns._port(i), "root", *tbf)):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"command failed: {' '.join(cmd)}: {done.stderr.strip()}")
 
 
 def grid(worlds: Sequence[int], delays: Sequence[str | None], rate: str | None, base: Setting) -> list[Setting]:
@@ -281,13 +299,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--tables", type=int, default=26)
     ap.add_argument("--max-rows", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--burst", type=int, default=None, help="bytes of every link's tbf bucket (default: netem's)")
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     return ap.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
-    base = Setting(2, batch=a.batch, tables=a.tables, max_rows=a.max_rows, repeats=a.repeats)
+    base = Setting(2, batch=a.batch, tables=a.tables, max_rows=a.max_rows, repeats=a.repeats, burst=a.burst)
     delays: list[str | None] = [d for d in a.delay.split(",") if d] or [None]
     points = []
     for s in grid([int(w) for w in a.world.split(",")], delays, a.net, base):

@@ -40,6 +40,8 @@ def test_bad_settings_name_the_value() -> None:
         Setting(2, rate="1gbps")
     with pytest.raises(ValueError, match=r"tables <= 26.*27"):
         Setting(2, tables=27)
+    with pytest.raises(ValueError, match=r"burst must be >= 2048 bytes.*got 1500"):
+        Setting(2, rate="1gbit", burst=1500)
 
 
 @pytest.mark.multiprocess
