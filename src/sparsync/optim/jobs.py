@@ -160,8 +160,8 @@ def _job(
     bucket's sizes come out of the placement's own call)."""
     if bucket.fast:
         packed = _pack(bucket, mine, flat, copied, env.divisor)
-        facts: dict[str, object] = {"bytes": packed.numel() * packed.element_size()}
-        return env.caller, lambda: _fast(bucket, mine, packed, env), {**facts, "params": len(bucket.members)}
+        facts: dict[str, object] = {"bytes": packed.numel() * packed.element_size(), "params": len(bucket.members)}
+        return env.caller, lambda: _fast(bucket, mine, packed, env), facts
     if bucket.grouped:
         queue, red = env.sparse_lane or (env.caller, env.reduce)
         return queue, lambda: _grouped(bucket, mine, env, red, params), {"params": len(mine.grads)}
