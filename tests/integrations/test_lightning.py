@@ -59,6 +59,8 @@ def test_fit_equals_the_plain_loop_bit_for_bit_at_two_ranks() -> None:
         ("hook", 1, "32-true"),
         ("optimizer", 1, "bf16-mixed"),
         ("optimizer", 1, "64-true"),
+        ("hook", 1, "bf16-mixed"),
+        ("hook", 1, "64-true"),
     )
     res = launch(lw.compare_worker, nprocs=2, args=(cases,))
     _check(res, cases)
