@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import secrets
 import statistics
 import subprocess
 import sys
@@ -48,7 +49,7 @@ from sparsync.plan.step import bucket_layout
 from sparsync.record import CommLog
 from sparsync_bench.criteo import table_rows
 from sparsync_bench.dlrm import mlp_shapes
-from sparsync_bench.netem import NetNamespaces, NetSpec, parse_latency, parse_rate, shaped
+from sparsync_bench.netem import NetNamespaces, NetSpec, parse_latency, parse_rate
 
 PARTS = ("dense", "sparse", "sharded")
 # the planner's predictions: its link as derived (α measured, β the rate, γ this host's), the same with γ off,
@@ -243,12 +244,15 @@ def _bytes(log: CommLog, calls: int) -> float:
 # --- one point, a grid, the report -------------------------------------------------------------------------------
 def run_point(setting: Setting) -> dict[str, Any]:
     """Measure ``setting`` (namespaces made and removed here when it has a rate) and price it both ways."""
-    spec = NetSpec(setting.rate, setting.delay) if setting.rate is not None else None
-    with shaped(setting.world, spec) as ns:
-        if ns is not None and setting.burst is not None and setting.rate is not None:
-            set_burst(ns, setting.rate, setting.burst)
-        setup = ns.rank_setup() if ns is not None else None
-        res = launch(check_worker, nprocs=setting.world, args=(setting,), setup=setup, timeout=300.0)[0]
+    if setting.rate is None:
+        res = launch(check_worker, nprocs=setting.world, args=(setting,), timeout=300.0)[0]
+    else:  # names "spp<hex>...": this checker's, apart from other runs'
+        spec = NetSpec(setting.rate, setting.delay)
+        with NetNamespaces(setting.world, spec, prefix="spp" + secrets.token_hex(2)) as ns:
+            if setting.burst is not None:
+                set_burst(ns, setting.rate, setting.burst)
+            res = launch(check_worker, nprocs=setting.world, args=(setting,), setup=ns.rank_setup(),
+                         timeout=300.0)[0]  # fmt: skip
     link = LinkModel(**res["link"])
     derived = predict(setting, setting.derived_link(res["ring_step"], link), res["distinct"])
     nominal = predict(setting, setting.derived_link(res["ring_step"]), res["distinct"])
