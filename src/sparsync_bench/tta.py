@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from sparsync.compress import ErrorFeedback, Memory, from_spec
+from sparsync.compress import Compressor, ErrorFeedback, Memory, Threshold, from_spec
 from sparsync.compress.hooks import compression_hook
 from sparsync.compress.memory import MomentumCorrection
 from sparsync.optim import DistributedOptimizer
@@ -229,14 +229,20 @@ def _memory(method: Method, momentum: float) -> Memory | None:
     return None
 
 
-def wrap(method: Method, model: nn.Module, cfg: TTAConfig) -> tuple[nn.Module, torch.optim.Optimizer]:
+def wrap(
+    method: Method, model: nn.Module, cfg: TTAConfig, comp: Compressor | None = None
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model as the method trains it (DDP-wrapped, or itself) and its optimizer: SGD with momentum, or
-    without where DGC's momentum correction applies it before compression."""
+    without where DGC's momentum correction applies it before compression. ``comp``: the method's compressor
+    (default: a new one from its spec)."""
+    if comp is None and method.spec:
+        comp = from_spec(method.spec)
     momentum = 0.0 if method.memory == "dgc" else cfg.momentum
     sgd = torch.optim.SGD(model.parameters(), lr=cfg.spec.lr, momentum=momentum)
     memory = _memory(method, cfg.momentum)
     if method.kind == "opt":
-        placement = Compressed(from_spec(method.spec), memory, bucket=method.bucket)
+        assert comp is not None
+        placement = Compressed(comp, memory, bucket=method.bucket)
         return model, DistributedOptimizer(sgd, model, default=placement)
     if method.torch_hook == "powersgd":
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
@@ -253,7 +259,8 @@ def wrap(method: Method, model: nn.Module, cfg: TTAConfig) -> tuple[nn.Module, t
 
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
     elif method.kind == "hook":
-        ddp.register_comm_hook(None, compression_hook(from_spec(method.spec), memory, module=ddp))
+        assert comp is not None
+        ddp.register_comm_hook(None, compression_hook(comp, memory, module=ddp))
     return ddp, sgd
 
 
@@ -286,7 +293,8 @@ class Trainer:
         self.rank, self.cfg, self.method, self.stream = rank, cfg, method, stream
         model = build_model(cfg.spec, cfg.seed)
         self.weights = weights_hash(model)
-        self.net, self.opt = wrap(method, model, cfg)
+        self.comp = from_spec(method.spec) if method.spec else None
+        self.net, self.opt = wrap(method, model, cfg, self.comp)
         self.losses: list[float] = []
         self.times: list[float] = []  # the method's clock after each step
         self.sent: list[int] = []  # bytes sent since its first step, after each step
@@ -317,7 +325,13 @@ class Trainer:
         return {"model": self.cfg.model, "method": self.method.label, "P": P, "steps": len(self.losses),
                 "weights": self.weights, "samples": samples, "loss": (mean / P).tolist(), "times_s": self.times,
                 "bytes_per_step": self.sent[-1] / share / len(self.losses), "sent_bytes": [b / share for b in
-                self.sent], "bytes_from": local}  # fmt: skip
+                self.sent], "bytes_from": local, "tau_recomputations": self.recomputations()}  # fmt: skip
+
+    def recomputations(self) -> dict[str, int]:
+        """DCT-DP: how many times each parameter's τ was computed (empty for other methods)."""
+        if not isinstance(self.comp, Threshold):
+            return {}
+        return {name: int(st["recomputations"]) for name, st in self.comp.state_dict().items()}
 
 
 def worker(rank: int, cfg: TTAConfig, show_progress: bool) -> list[dict[str, Any]]:
