@@ -22,13 +22,23 @@ DLRM's own ``SummaryWriter`` is replaced by a no-op (no tensorboard needed). At 
 sparsync's hook sent and the algorithms it ran (its ``CommLog``).
 
 ``--shard``: the tables sharded by ``sparsync.shard`` instead of DLRM's model-parallel all-to-all
-(docs/sharding.md). Every rank builds every table (``DLRM_Net.create_emb`` with all indices local; numpy's seed
-makes them the same on every rank), ``sparsync.shard`` keeps each rank's rows, and ``DLRM_Net.distributed_forward``
-is replaced by the data-parallel forward: each rank takes its slice of the global batch (DLRM's ``get_my_slice``,
-as its own path does for the MLPs and the labels), looks its ids up in the sharded tables (one grouped exchange),
-and runs the MLPs and the interaction on its slice. The MLPs stay under DDP (and ``--hook``); the tables' gradient
-is the sum over the ranks, as DLRM's own all-to-all backward gives it. At exit every rank prints the exchanges'
-bytes.
+(docs/sharding.md). Every rank builds every table with the weights DLRM's own path gives it
+(``DLRM_Net.create_emb`` once per rank's slice of the tables, each from numpy's state at its start, as that rank
+would; numpy's state is then left where this rank's own slice leaves it, so the MLPs and the data are DLRM's
+too), ``sparsync.shard`` keeps each rank's rows, and ``DLRM_Net.distributed_forward`` is replaced by the
+data-parallel forward: each rank takes its slice of the global batch (DLRM's ``get_my_slice``, as its own path
+does for the MLPs and the labels), looks its ids up in the sharded tables (one exchange), and runs the MLPs and
+the interaction on its slice. The MLPs stay under DDP (and ``--hook``); the tables' gradient is the sum over the
+ranks, as DLRM's own all-to-all backward gives it. At exit every rank prints the exchanges' bytes.
+
+``--shard-fused``: as ``--shard``, with the tables' SGD applied in their backward (``sparsync.shard(...,
+optimizer=sparsync.sharding.SGD(lr=P · DLRM's --learning-rate))``: the fused update takes the mean over the
+ranks, DLRM's all-to-all the sum, so P times the rate gives DLRM's update). The tables then get no ``.grad``;
+DLRM's own optimizer still lists their parameters (its first group, built from ``dlrm.emb_l`` inside ``run()``),
+but ``torch.optim.SGD`` skips a parameter without a gradient, so it updates
+``sparsync.sharding.dense_parameters(model)`` only. Refused unless DLRM's ``--optimizer`` is ``sgd`` with a
+constant rate (no ``--lr-num-warmup-steps``, ``--lr-num-decay-steps``): its scheduler does not reach the fused
+rate.
 """
 
 from __future__ import annotations
@@ -40,6 +50,7 @@ import types
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -64,6 +75,7 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.01, help="DCT-DP's η")
     ap.add_argument("--lifespan", type=int, default=10, help="DCT-DP's L")
     ap.add_argument("--shard", action="store_true", help="the tables sharded by sparsync.shard (see above)")
+    ap.add_argument("--shard-fused", action="store_true", help="--shard, the tables' SGD in backward (see above)")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     a = ap.parse_args(argv[:cut])  # after "--": dlrm_s_pytorch.py's own arguments
@@ -106,22 +118,62 @@ def main() -> None:
     atexit.register(report)
     import dlrm_s_pytorch
 
-    if a.shard:
-        _shard_tables(dlrm_s_pytorch, ext_dist, log)
+    dlrm_argv = argv[cut + 1 :]
+    if a.shard or a.shard_fused:
+        _shard_tables(dlrm_s_pytorch, ext_dist, log, _fused_lr(dlrm_argv) if a.shard_fused else None)
 
-    sys.argv = ["dlrm_s_pytorch.py", *argv[cut + 1 :]]
+    sys.argv = ["dlrm_s_pytorch.py", *dlrm_argv]
     dlrm_s_pytorch.run()
 
 
-def _shard_tables(dlrm_s_pytorch: Any, ext_dist: Any, log: CommLog) -> None:
-    """Patch DLRM's net (module doc, ``--shard``): every table built, then sharded; the data-parallel forward."""
+def _fused_lr(dlrm_argv: list[str]) -> float:
+    """DLRM's constant SGD rate from its arguments, for ``--shard-fused``; an error naming what it cannot take."""
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--optimizer", default="sgd")
+    ap.add_argument("--learning-rate", type=float, default=0.01)  # DLRM's defaults
+    ap.add_argument("--lr-num-warmup-steps", type=int, default=0)
+    ap.add_argument("--lr-num-decay-steps", type=int, default=0)
+    d, _ = ap.parse_known_args(dlrm_argv)
+    if d.optimizer != "sgd":
+        raise SystemExit(f"--shard-fused applies SGD to the tables; DLRM's --optimizer is {d.optimizer!r}")
+    if d.lr_num_warmup_steps or d.lr_num_decay_steps:
+        raise SystemExit(
+            f"--shard-fused takes a constant rate; DLRM's --lr-num-warmup-steps {d.lr_num_warmup_steps}, "
+            f"--lr-num-decay-steps {d.lr_num_decay_steps} schedule it"
+        )
+    return float(d.learning_rate)
+
+
+def _tables_as_dlrm(self: Any, create: Any, m: Any, ln: Any, weighted_pooling: Any, P: int, rank: int) -> Any:
+    """Every table, each made by ``create`` as its rank in DLRM's model-parallel path makes it: from numpy's state
+    at the start, over that rank's slice of the tables; numpy's state left where ``rank``'s own slice leaves it."""
+    start = np.random.get_state()
+    k, extra = divmod(len(ln), P)
+    emb_l, v_w_l, after_mine = [], [], start
+    for q in range(P):
+        np.random.set_state(start)
+        self.local_emb_indices = list(range(q * k + min(q, extra), (q + 1) * k + min(q + 1, extra)))
+        e, w = create(self, m, ln, weighted_pooling)
+        emb_l.extend(e)
+        v_w_l.extend(w)
+        if q == rank:
+            after_mine = np.random.get_state()
+    np.random.set_state(after_mine)
+    self.local_emb_indices = list(range(len(ln)))
+    return torch.nn.ModuleList(emb_l), v_w_l
+
+
+def _shard_tables(dlrm_s_pytorch: Any, ext_dist: Any, log: CommLog, fused_lr: float | None) -> None:
+    """Patch DLRM's net (module doc, ``--shard``): every table built, then sharded (with the fused SGD when
+    ``fused_lr`` is given); the data-parallel forward."""
     net = dlrm_s_pytorch.DLRM_Net
     create = net.create_emb
 
     def create_sharded(self: Any, m: Any, ln: Any, weighted_pooling: Any = None) -> Any:
-        self.local_emb_indices = list(range(len(ln)))  # every table here: sparsync.shard keeps this rank's rows
-        emb_l, v_w_l = create(self, m, ln, weighted_pooling)
-        return sparsync.shard(emb_l, log=log), v_w_l
+        P, rank = ext_dist.my_size, ext_dist.my_rank
+        emb_l, v_w_l = _tables_as_dlrm(self, create, m, ln, weighted_pooling, P, rank)
+        opt = None if fused_lr is None else sparsync.sharding.SGD(lr=fused_lr * P)  # the mean's P back: DLRM's sum
+        return sparsync.shard(emb_l, log=log, optimizer=opt), v_w_l
 
     def forward_sharded(self: Any, dense_x: Any, lS_o: Any, lS_i: Any) -> Any:
         mine = ext_dist.get_my_slice(dense_x.size(0))
