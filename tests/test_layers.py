@@ -47,7 +47,7 @@ LAYERS: tuple[tuple[str, int, tuple[str, ...]], ...] = (
     ("ps", 4, ("sparsync.ps",)),
     # Sharded tables: their placement is placement's ``Sharded``; above plan, whose kind prices them and whose
     # planner their ``plan="auto"`` asks; a sibling of HybridTrainer.
-    ("shard", 5, ("sparsync.shard",)),
+    ("sharding", 5, ("sparsync.sharding",)),
     ("hybrid", 5, ("sparsync.hybrid",)),
     ("api", 6, ("sparsync.replicator", "sparsync.optim")),
 )
