@@ -65,9 +65,9 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[fl
 
 
 def _dense(sd: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state dict with its sparse tensors dense (the checkpoint writes per-row state dense)."""
-    state = {i: {k: (v.to_dense() if isinstance(v, torch.Tensor) and v.is_sparse else v) for k, v in s.items()}
-             for i, s in sd["state"].items()}  # fmt: skip
+    """A copy of an optimizer state dict, its sparse tensors dense (the checkpoint writes per-row state dense)."""
+    state = {i: {k: (v.to_dense() if v.is_sparse else v.clone()) if isinstance(v, torch.Tensor) else v
+                 for k, v in s.items()} for i, s in sd["state"].items()}  # fmt: skip
     return {**sd, "state": state}
 
 
@@ -105,3 +105,81 @@ def unsharded_worker(rank: int, path: str, opt_name: str) -> dict[str, Any]:
     model, opt = make(9, opt_name, sharded=False)
     checkpoint.load(path, model, opt)
     return {"model": model.state_dict(), "opt": _dense(opt.state_dict())}
+
+
+def grid_save_worker(rank: int, folder: str, sharded: bool = True) -> None:
+    """``save_worker`` for each optimizer, into ``folder``/<optimizer>{,.pt}."""
+    for name in OPTIMIZERS:
+        save_worker(rank, f"{folder}/{name}", f"{folder}/{name}.pt", name, sharded)
+
+
+def grid_resume_worker(rank: int, folder: str) -> dict[str, Any]:
+    return {name: resume_worker(rank, f"{folder}/{name}", f"{folder}/{name}.pt", name) for name in OPTIMIZERS}
+
+
+def grid_unsharded_worker(rank: int, folder: str) -> dict[str, Any]:
+    return {name: unsharded_worker(rank, f"{folder}/{name}", name) for name in OPTIMIZERS}
+
+
+# --- memory -----------------------------------------------------------------------------------------------------
+BIG = (10_000, 32)  # float32: 1.28 MB whole, 320 kB a shard at P = 4
+BIG_BLOCK = 64  # rows per stored chunk and window share
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """The most bytes ``fn``'s CPU allocations held at once (torch's profiler: each op's own allocations and the
+    frees and allocations outside ops, in time order)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
+        for e in prof.events()
+    )
+    live = top = 0
+    for _, change in events:
+        live += change
+        top = max(top, live)
+    return top
+
+
+def big_model(seed: int) -> nn.Module:
+    """One table on the meta device: each rank draws only its rows (``transfer.init_rows``)."""
+    return sparsync.shard(nn.ModuleDict({"t": nn.EmbeddingBag(*BIG, mode="sum", device="meta")}), seed=seed)
+
+
+def big_save_worker(rank: int, path: str) -> dict[str, int]:
+    model = big_model(seed=3)
+    shard = model["t"].weight
+    peak = peak_bytes(lambda: checkpoint.save(path, model, block_rows=BIG_BLOCK))
+    return {"peak": peak, "shard": shard.numel() * shard.element_size()}
+
+
+def big_load_worker(rank: int, path: str) -> dict[str, Any]:
+    from sparsync.sharding import Ownership
+    from sparsync.sharding.transfer import init_rows
+
+    model = big_model(seed=4)  # other rows: the checkpoint must replace them
+    shard = model["t"].weight
+    peak = peak_bytes(lambda: checkpoint.load(path, model, block_rows=BIG_BLOCK))
+    want = init_rows(Ownership(BIG[0], dist.get_world_size()), rank, BIG[1], torch.float32, 3, None)
+    return {"peak": peak, "shard": shard.numel() * shard.element_size(), "equal": torch.equal(shard, want)}
+
+
+# --- bad input --------------------------------------------------------------------------------------------------
+def bad_worker(rank: int, path: str) -> dict[str, str]:
+    """A checkpoint of ``Net`` loaded into models whose ``bag`` has another shape, or another dtype."""
+    model, opt = make(0, "adagrad")
+    checkpoint.save(path, model, opt, block_rows=BLOCK)
+    out = {}
+    for case, other in (("shape", nn.EmbeddingBag(ROWS[0] + 1, 3).double()), ("dtype", nn.EmbeddingBag(ROWS[0], 3))):
+        net = Net(0)
+        net.bag = other
+        wrong = sparsync.shard(net)
+        try:
+            checkpoint.load(path, wrong)
+            out[case] = "no error"
+        except ValueError as e:
+            out[case] = str(e)
+    return out

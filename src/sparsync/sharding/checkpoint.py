@@ -28,17 +28,18 @@ ROWS = "optimizer.rows."
 
 
 @contextmanager
-def _layout(model: nn.Module, layout: str) -> Iterator[None]:
-    """Every sharded table of ``model`` saves in ``layout`` inside the block."""
+def _layout(model: nn.Module, layout: str, block_rows: int = dcp.BLOCK_ROWS) -> Iterator[None]:
+    """Every sharded table of ``model`` saves in ``layout``, and moves rows in windows of ``block_rows`` per
+    rank, inside the block."""
     tables = [m for m in model.modules() if isinstance(m, ShardedTable)]
-    before = [m.state_dict_layout for m in tables]
+    before = [(m.state_dict_layout, m.dcp_block_rows) for m in tables]
     for m in tables:
-        m.state_dict_layout = layout
+        m.state_dict_layout, m.dcp_block_rows = layout, block_rows
     try:
         yield
     finally:
-        for m, b in zip(tables, before, strict=True):
-            m.state_dict_layout = b
+        for m, (b, rows) in zip(tables, before, strict=True):
+            m.state_dict_layout, m.dcp_block_rows = b, rows
 
 
 def _tables(model: nn.Module) -> dict[str, nn.Module]:
@@ -58,7 +59,8 @@ def _indices(opt: Any, model: nn.Module) -> dict[int, str]:
 def _as_checkpoint(value: torch.Tensor, table: nn.Module) -> torch.Tensor:
     dense = value.to_dense() if value.is_sparse else value
     if isinstance(table, ShardedTable):
-        return dcp.to_dtensor(dense, table.num_embeddings, table.exchanger.link.group)
+        group = table.exchanger.link.group
+        return dcp.to_dtensor(dense, table.num_embeddings, group, block_rows=table.dcp_block_rows)
     return dense
 
 
@@ -85,10 +87,10 @@ def save(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int 
     """Write ``model``'s state (its sharded tables in row blocks) and ``optimizer``'s (a torch optimizer or a
     ``DistributedOptimizer`` over ``model``'s parameters, or None) to the DCP checkpoint directory ``path``
     (module doc); stored chunks of at most ``block_rows`` rows. Collective: every rank calls it."""
-    with _layout(model, "sharded"):
+    with _layout(model, "sharded", block_rows):
         state: dict[str, Any] = {"model": model.state_dict()}
-    if optimizer is not None:
-        state["optimizer"] = _optimizer_state(optimizer, model)
+        if optimizer is not None:
+            state["optimizer"] = _optimizer_state(optimizer, model)
     dist_cp.save(state, checkpoint_id=path, planner=dcp.BlockSavePlanner(block_rows))
 
 
@@ -149,21 +151,24 @@ def _load_optimizer(optimizer: Any, model: nn.Module, loaded: dict[str, Any]) ->
             table = tables[name]
             if isinstance(table, ShardedTable):
                 out = torch.empty(table.weight.shape, dtype=value.dtype)
-                dcp.into_shard(value, out, table.num_embeddings, table.exchanger.link.group)
+                group = table.exchanger.link.group
+                dcp.into_shard(value, out, table.num_embeddings, group, block_rows=table.dcp_block_rows)
                 value = out
             state.setdefault(i, {})[key] = value
     optimizer.load_state_dict({**sd, "state": state})
 
 
-def load(path: str, model: nn.Module, optimizer: Any = None) -> None:
+def load(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int = dcp.BLOCK_ROWS) -> None:
     """Load the DCP checkpoint ``path`` (``save``, at any world size, or of the unsharded model) into ``model``
     and, if given, ``optimizer`` (the kind that saved it). Raises ValueError naming a table whose saved shape or
-    dtype differs from the model's, before reading any rows. Collective: every rank calls it.
+    dtype differs from the model's, before reading any rows. Rows move to their owners in windows of
+    ``block_rows`` per rank. Collective: every rank calls it.
     Mutates ``model`` and ``optimizer``."""
     meta = dist_cp.FileSystemReader(path).read_metadata()
     _check(meta, _tables(model))
     state = _targets(meta, model, optimizer)
     dist_cp.load(state, checkpoint_id=path)
-    model.load_state_dict(state["model"])
-    if optimizer is not None:
-        _load_optimizer(optimizer, model, state["optimizer"])
+    with _layout(model, "sharded", block_rows):
+        model.load_state_dict(state["model"])
+        if optimizer is not None:
+            _load_optimizer(optimizer, model, state["optimizer"])

@@ -7,8 +7,8 @@ what DCP describes with one chunk per rank and what any reader (another P, one p
 reads. The stride ownership (``ownership``: row r on rank r mod P, which spreads the hot head) is not a set of
 chunks: rank j's rows would be ``rows / P`` chunks of one row each. So the rows are re-blocked on the way out
 (``to_dtensor``: an all-to-all from the stride shards to the blocks) and back on the way in (``into_shard``),
-in windows of ``P · block_rows`` rows, so a rank holds its shard, its block and one window's rows
-(``block_rows`` each way) at a time. ``BlockSavePlanner`` writes each block as chunks of at most ``block_rows``
+in windows of ``block_rows`` rows of every block, so a rank holds its shard, its block and one window's rows
+(``block_rows`` each way) at a time, and every rank sends and receives in every window. ``BlockSavePlanner`` writes each block as chunks of at most ``block_rows``
 rows, so a reader, which loads a stored chunk whole, holds one such chunk at a time.
 
 ``save`` / ``load``: a model's state dict (its sharded tables in blocks) and its optimizer's state (the per-row
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
@@ -76,21 +76,30 @@ class _Blocks:
         return g - start, g
 
 
+def _local(layout: _Stride | _Blocks, rank: int, ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+    """(local positions, global rows) of ``rank``'s rows in ``ranges`` (ascending, disjoint), ascending."""
+    parts = [layout.local(rank, lo, hi) for lo, hi in ranges]
+    return torch.cat([p for p, _ in parts]), torch.cat([g for _, g in parts])
+
+
 def _move(
     src: torch.Tensor, src_layout: _Stride | _Blocks, dst: torch.Tensor, dst_layout: _Stride | _Blocks,
     group: dist.ProcessGroup, block_rows: int,
 ) -> None:  # fmt: skip
     """Copy each row of the table that ``src`` holds in ``src_layout`` to its place in ``dst`` (``dst_layout``),
-    by one all-to-all per window of ``P · block_rows`` rows. Mutates ``dst``. Collective over ``group``."""
+    one of them ``_Blocks``, by one all-to-all per window: rows ``[a, a + block_rows)`` of every block, so that
+    in each window every rank receives and sends at most ``block_rows`` rows of the blocks (and about as many of
+    its stride shard). Mutates ``dst``. Collective over ``group``."""
     rank, P = dist.get_rank(group), dist.get_world_size(group)
-    rows = src_layout.rows
-    for lo in range(0, rows, P * block_rows):
-        hi = min(lo + P * block_rows, rows)
-        s_pos, s_rows = src_layout.local(rank, lo, hi)
+    blocks = _Blocks(src_layout.rows, P)
+    for a in range(0, blocks.chunk, block_rows):
+        window = [(min(k * blocks.chunk + a, blocks.span(k)[1]), min(k * blocks.chunk + a + block_rows,
+                   blocks.span(k)[1])) for k in range(P)]  # fmt: skip
+        s_pos, s_rows = _local(src_layout, rank, window)
         to = dst_layout.owner(s_rows)
         order = torch.argsort(to, stable=True)  # by destination, each destination's rows ascending
         send = src.index_select(0, s_pos[order])
-        d_pos, d_rows = dst_layout.local(rank, lo, hi)
+        d_pos, d_rows = _local(dst_layout, rank, window)
         came = src_layout.owner(d_rows)
         r_order = torch.argsort(came, stable=True)  # the order the sources send them in
         recv = torch.empty(d_rows.numel(), *src.shape[1:], dtype=src.dtype)
@@ -182,7 +191,8 @@ class BlockSavePlanner(DefaultSavePlanner):
             offsets = torch.Size([first + at, *data.chunk.offsets[1:]])
             sizes = torch.Size([min(self.block_rows, n - at), *data.chunk.sizes[1:]])
             chunk = ChunkStorageMetadata(offsets=offsets, sizes=sizes)
-            out.append(replace(item, index=MetadataIndex(item.index.fqn, offsets),
+            # a piece of a whole tensor is a shard of it too: DCP keeps one writer per piece (its index)
+            out.append(replace(item, index=MetadataIndex(item.index.fqn, offsets), type=WriteItemType.SHARD,
                                tensor_data=replace(data, chunk=chunk)))  # fmt: skip
         return out
 

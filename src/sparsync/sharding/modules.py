@@ -67,6 +67,7 @@ class ShardedTable(nn.Module):
         self.exchanger = exchanger
         self.group_index, self.slot = at
         self.state_dict_layout = state_dict_layout
+        self.dcp_block_rows = dcp.BLOCK_ROWS  # the "sharded" layout's window share (``dcp``)
         link = exchanger.link
         self.ownership = Ownership(self.num_embeddings, link.size)
         if source.weight.device.type == "meta":  # too large for one rank: each makes its own rows
@@ -136,7 +137,8 @@ class ShardedTable(nn.Module):
             return
         if self.state_dict_layout == "sharded":
             group = self.exchanger.link.group
-            destination[prefix + "weight"] = dcp.to_dtensor(self.weight, self.num_embeddings, group)
+            blocks = dcp.to_dtensor(self.weight, self.num_embeddings, group, block_rows=self.dcp_block_rows)
+            destination[prefix + "weight"] = blocks
             return
         full = gather_rows(self.weight, self.ownership, self.exchanger.link.group)
         if full is not None:
@@ -174,7 +176,8 @@ class ShardedTable(nn.Module):
                 f"{given.dtype}; it needs shape {want} and dtype {self.weight.dtype}"
             )
             return
-        dcp.into_shard(given, self.weight.data, self.num_embeddings, self.exchanger.link.group)
+        group = self.exchanger.link.group
+        dcp.into_shard(given, self.weight.data, self.num_embeddings, group, block_rows=self.dcp_block_rows)
 
 
 class ShardedEmbedding(ShardedTable):

@@ -1,0 +1,94 @@
+"""DCP checkpoints of sharded tables (``sparsync.sharding.checkpoint``, ``dcp``) on real gloo groups: saved at
+P = 4 and resumed at P = 3, 6 and 1 exactly (losses and parameters bit for bit against the same state loaded
+through the full state dicts, the tables' momentum and Adagrad sums included); into the unsharded model and from
+it; each rank's peak allocation while saving and loading a table four times its shard; a table of another shape
+or dtype refused by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import _checkpoint_workers as cw
+import pytest
+import torch
+
+from sparsync import launch
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Two optimizer state dicts' per-parameter tensors, bit for bit."""
+    return a["state"].keys() == b["state"].keys() and all(
+        _same({k: v for k, v in a["state"][i].items()}, dict(b["state"][i])) for i in a["state"]
+    )
+
+
+@pytest.fixture(scope="module")
+def saved_at_four(tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = str(tmp_path_factory.mktemp("dcp4"))
+    launch(cw.grid_save_worker, nprocs=4, args=(folder,))
+    return folder
+
+
+@pytest.mark.parametrize("P", [3, 6, 1])
+def test_a_checkpoint_saved_at_four_ranks_resumes_exactly_at_another_world_size(saved_at_four: str, P: int) -> None:
+    res = launch(cw.grid_resume_worker, nprocs=P, args=(saved_at_four,))
+    for name in cw.OPTIMIZERS:
+        full, ostate = torch.load(f"{saved_at_four}/{name}.pt", weights_only=False)
+        r0 = res[0][name]
+        assert _same(r0["loaded"], full), name  # the tables and the head as saved at 4 ranks
+        assert _same_state(r0["loaded_opt"], ostate), name  # momentum / Adagrad sums of every row, the head's
+        for rank, r in enumerate(res):
+            losses, model = r[name]["dcp"]
+            want_losses, want_model = r[name]["full"]
+            assert losses == want_losses, (name, rank, losses, want_losses)
+            assert _same(model, want_model), (name, rank)
+
+
+def test_the_unsharded_model_loads_a_sharded_checkpoint_and_writes_one_that_loads_sharded(
+    saved_at_four: str, tmp_path: Path
+) -> None:
+    for name, r in launch(cw.grid_unsharded_worker, nprocs=1, args=(saved_at_four,))[0].items():
+        full, ostate = torch.load(f"{saved_at_four}/{name}.pt", weights_only=False)
+        assert _same(r["model"], full), name
+        assert _same_state(r["opt"], ostate), name
+    folder = str(tmp_path)
+    launch(cw.grid_save_worker, nprocs=1, args=(folder, False))  # the unsharded model (sparse gradients)
+    res = launch(cw.grid_resume_worker, nprocs=3, args=(folder,))
+    for name in cw.OPTIMIZERS:
+        full, ostate = torch.load(f"{folder}/{name}.pt", weights_only=False)
+        assert _same(res[0][name]["loaded"], full), name
+        assert _same_state(res[0][name]["loaded_opt"], ostate), name
+        for r in res:
+            assert r[name]["dcp"][0] == r[name]["full"][0], name
+            assert _same(r[name]["dcp"][1], r[name]["full"][1]), name
+
+
+def test_no_rank_holds_more_than_its_shard_and_one_block_while_saving_or_loading(tmp_path: Path) -> None:
+    """A table of 1.28 MB saved at 4 ranks (a shard: a quarter of it) and loaded at 3 and 6: what each rank
+    allocates beyond its shard stays within one block of the checkpoint (its rows re-blocked: a shard's size,
+    plus a quarter for the blocks' row indices and DCP's own objects) and a few windows of ``BIG_BLOCK`` rows;
+    the rows loaded are the table drawn at 4 ranks."""
+    path = str(tmp_path / "big")
+    row = cw.BIG[1] * 4
+    whole = cw.BIG[0] * row
+    window = 4 * cw.BIG_BLOCK * row  # a window's rows sent and received, and their indices
+    for P, worker in ((4, cw.big_save_worker), (3, cw.big_load_worker), (6, cw.big_load_worker)):
+        block = -(-cw.BIG[0] // P) * row
+        for r in launch(worker, nprocs=P, args=(path,)):
+            assert r.get("equal", True), (P, r)
+            assert r["peak"] <= 1.25 * block + window, (P, r, block, window)
+            assert r["peak"] + r["shard"] < 0.8 * whole, (P, r)  # never near the whole table
+
+
+def test_a_table_of_another_shape_or_dtype_is_refused_by_name(tmp_path: Path) -> None:
+    for r in launch(cw.bad_worker, nprocs=3, args=(str(tmp_path / "ck"),)):
+        assert "table 'bag.weight' has shape (37, 3) and dtype torch.float64" in r["shape"], r
+        assert "model's has shape (38, 3)" in r["shape"], r
+        assert "model's has shape (37, 3) and dtype torch.float32" in r["dtype"], r
