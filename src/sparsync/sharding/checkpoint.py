@@ -17,9 +17,11 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dist_cp
 from torch import nn
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from sparsync.sharding import dcp
 from sparsync.sharding.modules import ShardedTable
@@ -91,7 +93,7 @@ def save(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int 
         state: dict[str, Any] = {"model": model.state_dict()}
         if optimizer is not None:
             state["optimizer"] = _optimizer_state(optimizer, model)
-    dist_cp.save(state, checkpoint_id=path, planner=dcp.BlockSavePlanner(block_rows))
+    dcp_save(state, checkpoint_id=path, planner=dcp.BlockSavePlanner(block_rows))
 
 
 def _check(meta: Metadata, tables: dict[str, nn.Module]) -> None:
@@ -100,8 +102,8 @@ def _check(meta: Metadata, tables: dict[str, nn.Module]) -> None:
         md = meta.state_dict_metadata.get("model." + name)
         if not isinstance(md, TensorStorageMetadata):
             continue
-        want = (int(table.num_embeddings), int(table.embedding_dim))  # type: ignore[arg-type]
-        dtype = table.weight.dtype  # type: ignore[union-attr]
+        rows, dim, weight = (getattr(table, a) for a in ("num_embeddings", "embedding_dim", "weight"))
+        want, dtype = (int(rows), int(dim)), weight.dtype
         if tuple(md.size) != want or md.properties.dtype != dtype:
             raise ValueError(
                 f"the checkpoint's table {name!r} has shape {tuple(md.size)} and dtype {md.properties.dtype}; "
@@ -133,9 +135,8 @@ def _targets(meta: Metadata, model: nn.Module, optimizer: Any) -> dict[str, Any]
     for key, md in meta.state_dict_metadata.items():
         for name, table in tables.items():
             prefix = ROWS + name + "."
-            if key.startswith(prefix) and "." not in key[len(prefix) :]:
-                if isinstance(md, TensorStorageMetadata):
-                    rows.setdefault(name, {})[key[len(prefix) :]] = _target(table, md.size, md.properties.dtype)
+            if key.startswith(prefix) and "." not in key[len(prefix) :] and isinstance(md, TensorStorageMetadata):
+                rows.setdefault(name, {})[key[len(prefix) :]] = _target(table, md.size, md.properties.dtype)
     state["optimizer"] = {"rows": rows, "rest": None}
     return state
 
@@ -164,10 +165,10 @@ def load(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int 
     dtype differs from the model's, before reading any rows. Rows move to their owners in windows of
     ``block_rows`` per rank. Collective: every rank calls it.
     Mutates ``model`` and ``optimizer``."""
-    meta = dist_cp.FileSystemReader(path).read_metadata()
+    meta = FileSystemReader(path).read_metadata()
     _check(meta, _tables(model))
     state = _targets(meta, model, optimizer)
-    dist_cp.load(state, checkpoint_id=path)
+    dcp_load(state, checkpoint_id=path)
     with _layout(model, "sharded", block_rows):
         model.load_state_dict(state["model"])
         if optimizer is not None:

@@ -6,14 +6,18 @@ by contiguous row blocks (``Shard(0)``: block k holds rows ``[k·c, (k+1)·c)``,
 what DCP describes with one chunk per rank and what any reader (another P, one process, ``dcp_to_torch_save``)
 reads. The stride ownership (``ownership``: row r on rank r mod P, which spreads the hot head) is not a set of
 chunks: rank j's rows would be ``rows / P`` chunks of one row each. So the rows are re-blocked on the way out
-(``to_dtensor``: an all-to-all from the stride shards to the blocks) and back on the way in (``into_shard``),
-in windows of ``block_rows`` rows of every block, so a rank holds its shard, its block and one window's rows
-(``block_rows`` each way) at a time, and every rank sends and receives in every window. ``BlockSavePlanner`` writes each block as chunks of at most ``block_rows``
-rows, so a reader, which loads a stored chunk whole, holds one such chunk at a time.
+(``to_dtensor``: an all-to-all from the stride shards to the blocks) and back on the way in
+(``into_shard``), in windows of ``block_rows`` rows of every block, so a rank holds its shard, its block and
+one window's rows (``block_rows`` each way) at a time, and every rank sends and receives in every window.
+``BlockSavePlanner`` writes each block as chunks of at most ``block_rows`` rows, so a reader, which loads a
+stored chunk whole, holds one such chunk at a time.
 
-``save`` / ``load``: a model's state dict (its sharded tables in blocks) and its optimizer's state (the per-row
-state of the tables in blocks too: ``optim_state``) to and from one checkpoint; ``load`` checks each sharded
-table's saved shape and dtype first and raises ValueError naming the table.
+Why not change the ownership to block-cyclic (row r on rank (r div b) mod P) so that each rank's rows are
+chunks DCP could write as they lie: the b hottest ids would sit on one rank, and b small enough to spread a
+Zipf head over the ranks means ``rows / (b·P)`` chunks per rank in the checkpoint's metadata, which rank 0
+gathers and plans whole. Re-blocking costs one all-to-all of the table per save or load, off the training step.
+
+``checkpoint`` saves and loads a model and its optimizer with these.
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+
+__all__ = ["BLOCK_ROWS", "BlockSavePlanner", "DTensor", "empty_dtensor", "into_shard", "mesh_of", "to_dtensor"]
 
 BLOCK_ROWS = 1 << 16  # rows per window share and per stored chunk
 
