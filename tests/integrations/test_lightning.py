@@ -127,3 +127,19 @@ def test_the_example_trains_each_way() -> None:
     )
     assert all(last < first - 0.02 for first, last in loss.values()), loss
     assert loss["sharded tables"] == loss["DistributedOptimizer"], loss
+
+
+def test_the_trainer_of_the_pytorch_lightning_package_refuses_it() -> None:
+    """docs/integrations.md: the strategy is a ``lightning.pytorch`` class; ``pytorch_lightning``'s Trainer, the
+    same code installed under another name, takes only its own classes."""
+    ptl = pytest.importorskip("pytorch_lightning", reason="pytorch_lightning is not installed")
+    from sparsync.integrations.lightning import SparsyncStrategy
+
+    with pytest.raises(ValueError, match=re.escape("instance of `pytorch_lightning.strategies.Strategy`")):
+        ptl.Trainer(strategy=SparsyncStrategy(), accelerator="cpu", logger=False)
+
+
+def test_import_sparsync_imports_neither_extra() -> None:
+    code = "import sys, sparsync; print(sorted({'lightning', 'accelerate'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]", done.stdout
