@@ -15,7 +15,7 @@ from sparsync.optim import DistributedOptimizer
 from sparsync.sharding import checkpoint, load_optimizer_state_dict, optimizer_state_dict, plan_of
 
 ROWS = (37, 23)  # no world size of the tests divides them
-BLOCK = 2  # rows per stored chunk and per window share: many windows and chunks at this size
+BLOCK = 3  # rows per stored chunk and per window share: many windows, each holding rows of several owners
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
