@@ -186,3 +186,16 @@ def bad_worker(rank: int, path: str) -> dict[str, str]:
         except ValueError as e:
             out[case] = str(e)
     return out
+
+
+def plain_dcp_worker(rank: int, path: str) -> bool:
+    """``state_dict="sharded"`` and DCP's own save and load (no ``checkpoint``): the tables come back as saved."""
+    import torch.distributed.checkpoint as dcp
+
+    model = sparsync.shard(Net(0), state_dict="sharded")
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    other = sparsync.shard(Net(rank + 1), state_dict="sharded")
+    sd = other.state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    other.load_state_dict(sd)
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True))

@@ -94,3 +94,7 @@ def test_a_table_of_another_shape_or_dtype_is_refused_by_name(tmp_path: Path) ->
         assert "table 'bag.weight' has shape (37, 3) and dtype torch.float64" in r["shape"], r
         assert "model's has shape (38, 3)" in r["shape"], r
         assert "model's has shape (37, 3) and dtype torch.float32" in r["dtype"], r
+
+
+def test_the_sharded_layout_goes_through_dcp_save_and_load_as_they_are(tmp_path: Path) -> None:
+    assert launch(cw.plain_dcp_worker, nprocs=3, args=(str(tmp_path / "plain"),)) == [True] * 3
