@@ -6,6 +6,9 @@ or dtype refused by name."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +101,21 @@ def test_a_table_of_another_shape_or_dtype_is_refused_by_name(tmp_path: Path) ->
 
 def test_the_sharded_layout_goes_through_dcp_save_and_load_as_they_are(tmp_path: Path) -> None:
     assert launch(cw.plain_dcp_worker, nprocs=3, args=(str(tmp_path / "plain"),)) == [True] * 3
+
+
+@pytest.mark.slow
+def test_the_elastic_example_resumes_on_another_world_size(tmp_path: Path) -> None:
+    """examples/elastic_sharded.py: six steps at 4 ranks, then 3 ranks resume at step 6 from its DCP checkpoint;
+    two such resumes from copies of it end at the same loss and parameters."""
+    example = str(Path(__file__).resolve().parents[2] / "examples" / "elastic_sharded.py")
+
+    def run(folder: Path, nprocs: int, steps: int) -> str:
+        args = [sys.executable, example, str(folder), "--nprocs", str(nprocs), "--steps", str(steps)]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout.strip()
+
+    assert run(tmp_path / "a", 4, 6).startswith("4 ranks resumed at step 0")
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    first, second = run(tmp_path / "a", 3, 8), run(tmp_path / "b", 3, 8)
+    assert first.startswith("3 ranks resumed at step 6, loss ") and first == second, (first, second)
