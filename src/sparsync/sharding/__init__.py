@@ -9,7 +9,9 @@ the tables' sparse gradients or, with ``sparsync.shard(optimizer=...)``, their u
 with ``plan="auto"`` where the cost model says (``auto``), and marks the tables a dict plan places ``"server"``
 for the parameter server (``OnServer``: they stay whole); ``plan_of(model)`` gives ``DistributedOptimizer``
 their placement (``Sharded``), and ``HybridTrainer`` reads both off the model. ``Lookahead`` runs the ids stage
-of a batch during the step before it (``lookahead``).
+of a batch during the step before it (``lookahead``). ``checkpoint.save`` / ``load``: a model and its optimizer
+as one ``torch.distributed.checkpoint`` checkpoint, each rank writing its rows, loaded at any world size
+(``checkpoint``, ``dcp``: the rows re-blocked between the stride shards and contiguous row blocks).
 
 ``sparsync.shard`` is the function; this package is ``sparsync.sharding``
 (``from sparsync.sharding import plan_of``, ``import sparsync.sharding.exchange as ex``).
