@@ -68,8 +68,9 @@ def shard(
     group's link (``shard.auto``; ``auto_plan`` gives what it measured and chose; it never chooses ``"server"``,
     which needs servers started beside the ranks: name it in a dict). ``group``: the ranks that own the rows
     (default: the world). ``log``: a ``CommLog`` that receives a record per exchange and direction.
-    ``state_dict``: ``"full"`` (each table whole, on rank 0) or ``"local"`` (each rank its rows;
-    ``shard.modules``). ``rows``: ``"fp16"`` or ``"bf16"`` sends the rows and the gradient rows in that
+    ``state_dict``: ``"full"`` (each table whole, on rank 0), ``"local"`` (each rank its rows) or ``"sharded"``
+    (DTensors of contiguous row blocks, for ``torch.distributed.checkpoint``: ``dcp``; ``sharding.modules``).
+    ``rows``: ``"fp16"`` or ``"bf16"`` sends the rows and the gradient rows in that
     precision, half of fp32's bytes, each value rounded once on the way (lossy: the tables, the pooling and the
     owners' sums stay in the tables' dtype); None sends them as they are. ``optimizer``: one of ``fused``'s
     optimizers (``SGD``, ``Adagrad``, ``RowwiseAdagrad``, ``Adam``), applied to the sharded tables' rows at the
