@@ -57,9 +57,6 @@ class Sent:
     names: tuple[tuple[str, ...], ...]  # per group, per table: its description
     joined: tuple[torch.Tensor, ...]  # per group, its tables' keys one after another
 
-    def flat(self) -> list[torch.Tensor]:
-        return list(self.joined)
-
     def descriptions(self) -> list[str]:
         return [n for names in self.names for n in names]
 
@@ -193,7 +190,7 @@ class Exchanger:
         every rank raises it at ``settle``. Collective: every rank sends ahead at the same point."""
         sent = self._layout(calls)
         refusal = refusal or self._aliased(sent) or out_of_range(sent, self.groups)
-        flight = ids_stage.start(self.link, sent.flat(), self._key(sent), sent.descriptions(), refusal,
+        flight = ids_stage.start(self.link, sent.joined, self._key(sent), sent.descriptions(), refusal,
                                  self.capacity, Traffic(), wait=False)  # fmt: skip
         return sent, flight
 
@@ -212,7 +209,7 @@ class Exchanger:
         refusal = refusal or self._aliased(sent) or out_of_range(sent, self.groups)
         if ready is None:
             tally = Traffic()
-            flight = ids_stage.start(self.link, sent.flat(), self._key(sent), sent.descriptions(), refusal,
+            flight = ids_stage.start(self.link, sent.joined, self._key(sent), sent.descriptions(), refusal,
                                      self.capacity, tally, wait=True)  # fmt: skip
             done = ids_stage.finish(self.link, flight)
             self.capacity = done.capacity
