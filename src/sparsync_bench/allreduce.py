@@ -222,6 +222,67 @@ def _batch(first_s: float, batch_s: float) -> int:
     return max(1, min(MAX_BATCH, round(batch_s / max(first_s, 1e-6))))
 
 
+def _problem(rank: int, P: int, cfg: BenchConfig, stream: SparseStream) -> tuple[list[int], Problem]:
+    """Every rank's nnz (collective) and the cost model's problem of this point."""
+    nnz_t = torch.zeros(P, dtype=torch.int64)
+    nnz_t[rank] = stream.nnz
+    dist.all_reduce(nnz_t)
+    nnz_all = [int(x) for x in nnz_t]
+    problem = Problem(P, cfg.dim, tuple(nnz_all), 4, index_dtype_for(cfg.dim).itemsize, eager_limit=EAGER_LIMIT)
+    return nnz_all, problem
+
+
+def _methods_that_fit(cfg: BenchConfig, nnz_all: list[int]) -> list[str]:
+    """``cfg.methods`` less gloo's sparse COO allreduce where it would not fit (``coo_too_big``, on the
+    smallest memory over the ranks: the same decision on every rank; collective)."""
+    memory = torch.tensor([os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")], dtype=torch.float64)
+    dist.all_reduce(memory, op=dist.ReduceOp.MIN)
+    skip_coo = coo_too_big(nnz_all, int(memory))
+    return [m for m in cfg.methods if not (m == "gloo_sparse_coo" and skip_coo)]
+
+
+def _interleaved(
+    runs: dict[str, Callable[[], object]], logs: dict[str, CommLog], cfg: BenchConfig, point: int
+) -> tuple[dict[str, list[float]], dict[str, int]]:
+    """Each method's timed repeats and its calls per repeat: one warm-up call each (its records cleared from
+    ``logs``), then rounds that run every method once in a fresh order."""
+    methods = list(runs)
+    first = {m: _timed(runs[m]) for m in methods}
+    rounds = {m: cfg.repeats if first[m] > FAST_S else max(cfg.repeats, cfg.fast_repeats) for m in methods}
+    batch = {m: _batch(first[m], cfg.batch_s) for m in methods}
+    for log in logs.values():
+        log.clear()
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    order = random.Random(cfg.seed * 7919 + point)  # same seed on every rank: same order everywhere
+    for r in range(max(rounds.values())):
+        # A fresh order each round: the call right after a heavy one runs slower (freed buffers, drained
+        # token buckets), and that penalty must not always land on the same method.
+        for m in order.sample(methods, len(methods)):
+            if r < rounds[m]:
+                times[m].append(_timed(runs[m], batch[m]))
+    return times, batch
+
+
+def _prediction(
+    method: str, problem: Problem, link: LinkModel, log: CommLog, topos: dict[str, Topology]
+) -> tuple[float | None, str, dict[str, dict[str, Any]] | None]:
+    """(the model's time for ``method``'s calls, the algorithms auto or a two-level method chose, the two-level
+    methods' links priced); (None, "", None) for a method the model does not price."""
+    if method in costmodel.ALGORITHMS:
+        return predict(method, problem, link), "", None
+    picks = sorted({rec.algorithm for rec in log.records})
+    if method in HIERARCHICAL:
+        topo = topos[method]
+        levels = predict_levels(problem, topo)
+        level_json = dict(zip(("world", "intra", "inter"), map(asdict, measured_levels(topo)), strict=True))
+        # A flat call records the flat algorithm it ran.
+        pred = statistics.mean(levels["hierarchical" if a == "hierarchical" else "flat"] for a in picks)
+        return pred, "/".join(picks), level_json
+    if method == "auto":
+        return statistics.mean(predict(a, problem, link) for a in picks), "/".join(picks), None
+    return None, "", None
+
+
 def _measure_point(
     rank: int,
     P: int,
@@ -236,90 +297,23 @@ def _measure_point(
     state hits all methods alike. Methods faster than FAST_S get more rounds: at a few ms per call, the noise
     of thread wake-ups on this VM is of the same order as the differences being measured."""
     stream = _make_stream(rank, cfg, density, point)
-    nnz_t = torch.zeros(P, dtype=torch.int64)
-    nnz_t[rank] = stream.nnz
-    dist.all_reduce(nnz_t)
-    nnz_all = [int(x) for x in nnz_t]
-    problem = Problem(P, cfg.dim, tuple(nnz_all), 4, index_dtype_for(cfg.dim).itemsize, eager_limit=EAGER_LIMIT)
+    nnz_all, problem = _problem(rank, P, cfg, stream)
     lb = lower_bound(problem, link)
-    memory = torch.tensor([os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")], dtype=torch.float64)
-    dist.all_reduce(memory, op=dist.ReduceOp.MIN)  # the same decision on every rank
-    skip_coo = coo_too_big(nnz_all, int(memory))
-    methods = [m for m in cfg.methods if not (m == "gloo_sparse_coo" and skip_coo)]
+    methods = _methods_that_fit(cfg, nnz_all)
     logs = {m: CommLog() for m in methods}
     runs = {m: _runner(m, stream, logs[m], link, groups[m], topos.get(m)) for m in methods}
-    first = {m: _timed(runs[m]) for m in methods}
-    rounds = {m: cfg.repeats if first[m] > FAST_S else max(cfg.repeats, cfg.fast_repeats) for m in methods}
-    batch = {m: _batch(first[m], cfg.batch_s) for m in methods}
-    for log in logs.values():
-        log.clear()
-    times: dict[str, list[float]] = {m: [] for m in methods}
-    order = random.Random(cfg.seed * 7919 + point)  # same seed on every rank: same order everywhere
-    for r in range(max(rounds.values())):
-        # A fresh order each round: the call right after a heavy one runs slower (freed buffers, drained
-        # token buckets), and that penalty must not always land on the same method.
-        for m in order.sample(methods, len(methods)):
-            if r < rounds[m]:
-                times[m].append(_timed(runs[m], batch[m]))
+    times, batch = _interleaved(runs, logs, cfg, point)
     rows = []
     for m in cfg.methods:
         if m not in methods:
-            rows.append(
-                asdict(
-                    Row(
-                        P,
-                        density,
-                        m,
-                        math.nan,
-                        math.nan,
-                        math.nan,
-                        [],
-                        0.0,
-                        None,
-                        lb,
-                        note="skipped: gathered COO would exceed the memory cap (COO_MEMORY_CAP)",
-                    )
-                )
-            )
+            skipped = "skipped: gathered COO would exceed the memory cap (COO_MEMORY_CAP)"
+            rows.append(asdict(Row(P, density, m, math.nan, math.nan, math.nan, [], 0.0, None, lb, note=skipped)))
             continue
         ts = times[m]
         qs = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
-        chosen = ""
-        pred: float | None = None
-        level_json: dict[str, dict[str, Any]] | None = None
-        if m in costmodel.ALGORITHMS:
-            pred = predict(m, problem, link)
-        elif m in HIERARCHICAL:
-            picks = sorted({rec.algorithm for rec in logs[m].records})
-            chosen = "/".join(picks)
-            levels = predict_levels(problem, topos[m])
-            level_json = dict(
-                zip(("world", "intra", "inter"), map(asdict, measured_levels(topos[m])), strict=True)
-            )
-            # A flat call records the flat algorithm it ran.
-            pred = statistics.mean(levels["hierarchical" if a == "hierarchical" else "flat"] for a in picks)
-        elif m == "auto":
-            picks = sorted({rec.algorithm for rec in logs[m].records})
-            chosen = "/".join(picks)
-            pred = statistics.mean(predict(a, problem, link) for a in picks)
-        rows.append(
-            asdict(
-                Row(
-                    P,
-                    density,
-                    m,
-                    statistics.median(ts),
-                    qs[0],
-                    qs[2],
-                    ts,
-                    _bytes(m, stream, P, logs[m], nnz_all),
-                    pred,
-                    lb,
-                    chosen,
-                    link=asdict(link),
-                    calls_per_repeat=batch[m],
-                    levels=level_json,
-                )
-            )
-        )
+        pred, chosen, level_json = _prediction(m, problem, link, logs[m], topos)
+        nbytes = _bytes(m, stream, P, logs[m], nnz_all)
+        row = Row(P, density, m, statistics.median(ts), qs[0], qs[2], ts, nbytes, pred, lb, chosen,
+                  link=asdict(link), calls_per_repeat=batch[m], levels=level_json)  # fmt: skip
+        rows.append(asdict(row))
     return rows

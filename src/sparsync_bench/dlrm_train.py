@@ -57,7 +57,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,7 +72,7 @@ from sparsync.hybrid import HybridConfig, HybridTrainer
 from sparsync.optim import DistributedOptimizer
 from sparsync.placement import Compressed, CustomReduce, Placement
 from sparsync.ps import OptimizerConfig
-from sparsync.record import CommLog, workload_bytes
+from sparsync.record import CommLog, CommRecord, workload_bytes
 from sparsync.sharding import ShardedTable, dense_parameters
 from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows, write_criteo
 from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
@@ -212,19 +212,53 @@ def _hybrid_trainer(method: str, model: DLRM, cfg: DlrmBenchConfig, addresses: l
     return HybridTrainer(model, addresses, hc, dense_optimizer=torch.optim.SGD(dense, lr=cfg.lr), log=log)
 
 
-def _train(
-    method: str, cfg: DlrmBenchConfig, shard: CriteoBatch, rank: int, P: int, addresses: list[str] | None = None
-) -> dict[str, Any]:
-    sparse = method != "torch_ddp_dense"
-    model = dlrm_model(cfg, sparse)
-    tables0 = [t.weight.detach().clone() for t in model.tables]  # type: ignore[operator]
-    log = CommLog()
-    forward: nn.Module = model
+@dataclass
+class _Setup:
+    """One method's training on this rank: the module its forward calls, its optimizer, the parameter-server
+    trainer (``PS_METHODS``; else None) and the cost model's predictions (``SHARD_METHODS``; else empty)."""
+
+    forward: nn.Module
+    opt: torch.optim.Optimizer
+    trainer: Any
+    predicted: dict[str, float]
+
+
+@dataclass
+class _Steps:
+    """What this rank's steps of one method measured: wall and CPU seconds, losses, and (torch's DDP) each
+    step's distinct ids per table, the rows gloo's sparse allreduce sends (``_ddp_bytes``)."""
+
+    times: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    rows: list[list[int]] = field(default_factory=list)
+
+
+def _sparsync_optimizer(
+    method: str, model: DLRM, opt: torch.optim.Optimizer, first: torch.Tensor, cfg: DlrmBenchConfig, log: CommLog
+) -> DistributedOptimizer:
+    """``opt`` wrapped by ``DistributedOptimizer`` with ``method``'s plan: DCT-DP on the MLPs (``sparsync_dct``),
+    the large tables' reductions (``LARGE_TABLE_METHODS``) or the default; ``first``: the first batch's ids."""
+    plan: dict[str, Placement] | None = None
+    if method == "sparsync_dct":
+        dct = Compressed(Threshold(cfg.dct_ratio, lifespan=cfg.dct_lifespan), ErrorFeedback(), bucket=True)
+        plan = {n: dct for n, _ in model.named_parameters() if not n.startswith("tables.")}
+    elif method in LARGE_TABLE_METHODS:
+        plan = _large_table_plan(method, model, first, cfg, log)
+    return DistributedOptimizer(opt, model, plan=plan, log=log, overlap=method != "sparsync_step")
+
+
+def _set_up(
+    method: str, cfg: DlrmBenchConfig, model: DLRM, shard: CriteoBatch, log: CommLog, addresses: list[str] | None
+) -> _Setup:
+    """``method``'s forward module, optimizer and parameter-server trainer around ``model`` (module doc)."""
+    first = (shard.dense[: cfg.batch], shard.sparse[: cfg.batch])
     predicted: dict[str, float] = {}
     if method in SHARD_METHODS:  # before the optimizer: the shards replace the tables' parameters
-        predicted = shard_tables(method, model, (shard.dense[: cfg.batch], shard.sparse[: cfg.batch]), log, cfg.lr)
+        predicted = shard_tables(method, model, first, log, cfg.lr)
     # the tables sharded with SGD fused into backward (``*_fused``) take no part in the optimizer
     opt: torch.optim.Optimizer = torch.optim.SGD(dense_parameters(model), lr=cfg.lr)
+    forward: nn.Module = model
     trainer: Any = None
     if method in PS_METHODS:
         if not addresses:
@@ -235,85 +269,127 @@ def _train(
     elif method.startswith("torch_ddp"):
         forward = DistributedDataParallel(model)
     else:
-        plan: dict[str, Placement] | None = None
-        if method == "sparsync_dct":
-            dct = Compressed(Threshold(cfg.dct_ratio, lifespan=cfg.dct_lifespan), ErrorFeedback(), bucket=True)
-            plan = {n: dct for n, _ in model.named_parameters() if not n.startswith("tables.")}
-        elif method in LARGE_TABLE_METHODS:
-            plan = _large_table_plan(method, model, shard.sparse[: cfg.batch], cfg, log)
-        opt = DistributedOptimizer(opt, model, plan=plan, log=log, overlap=method != "sparsync_step")
-    times, cpu, losses, rows = [], [], [], []
-    constructed = len(log)  # the steps' records from here: the broadcast at construction is no step's
+        opt = _sparsync_optimizer(method, model, opt, first[1], cfg, log)
+    return _Setup(forward, opt, trainer, predicted)
+
+
+def _step(model: DLRM, setup: _Setup, dense: torch.Tensor, cats: torch.Tensor, label: torch.Tensor) -> float:
+    """One training step of ``model`` by ``setup``'s method; returns this rank's loss."""
+    if setup.trainer is not None:
+        loss: float = setup.trainer.step(lambda: bce(model(dense, cats), label))
+        return loss
+    setup.opt.zero_grad()
+    out = bce(setup.forward(dense, cats), label)
+    out.backward()  # type: ignore[no-untyped-call]
+    setup.opt.step()
+    return out.item()
+
+
+def _run_steps(
+    method: str, cfg: DlrmBenchConfig, model: DLRM, shard: CriteoBatch, setup: _Setup, log: CommLog, rank: int
+) -> _Steps:
+    """``cfg.steps`` steps of ``method`` on this rank's samples, each timed from a barrier; rank 0 writes each
+    step's ``log`` records to TensorBoard when ``cfg.tensorboard`` names a directory."""
+    P = dist.get_world_size()
     writer = summary_writer(Path(cfg.tensorboard) / f"P{P}") if cfg.tensorboard and rank == 0 else None
     profile = step_profiler(method, rank, cfg.warmup, cfg.steps)
     cut = [slice(s * cfg.batch, (s + 1) * cfg.batch) for s in range(cfg.steps)]
     source = batches(method, model, [(shard.dense[sl], shard.sparse[sl], shard.label[sl]) for sl in cut])
+    out = _Steps()
     for s in range(cfg.steps):
         before = len(log)
         dist.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         with trace_step(s):  # the step on SPARSYNC_TRACE's timeline
             dense, cats, label = next(source)  # a lookahead's ids round for the next batch starts here
-            if trainer is not None:
-                losses.append(trainer.step(lambda d=dense, c=cats, y=label: bce(model(d, c), y)))
-            else:
-                opt.zero_grad()
-                loss = bce(forward(dense, cats), label)
-                loss.backward()  # type: ignore[no-untyped-call]
-                opt.step()
-                losses.append(loss.item())
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+            out.losses.append(_step(model, setup, dense, cats, label))
+        out.times.append(time.perf_counter() - t0)
+        out.cpu.append(time.process_time() - c0)
         if writer is not None:  # torch DDP's steps log nothing: their curves stay empty
             log.to_tensorboard(writer, s, since=before, prefix=f"sparsync/{method}")
-            writer.add_scalar(f"step_seconds/{method}", times[-1], s)
-        if method.startswith("torch_ddp"):  # the rows gloo's sparse allreduce sends (_ddp_bytes)
-            rows.append([int(torch.unique(cats[:, j]).numel()) for j in range(cats.shape[1])])
+            writer.add_scalar(f"step_seconds/{method}", out.times[-1], s)
+        if method.startswith("torch_ddp"):
+            out.rows.append([int(torch.unique(cats[:, j]).numel()) for j in range(cats.shape[1])])
         if profile is not None:
             profile.step()
     if profile is not None:
         profile.stop()
     if writer is not None:
         writer.close()
-    t = torch.tensor([statistics.median(times[cfg.warmup :])], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    cpu_s = _mean_over_ranks(statistics.median(cpu[cfg.warmup :]))
-    tail = torch.tensor([statistics.fmean(losses[-cfg.tail :])], dtype=torch.float64)
-    dist.all_reduce(tail)
+    return out
+
+
+def _ddp_bytes_per_step(model: DLRM, rows: list[list[int]], rank: int, sparse: bool) -> float:
+    """The mean over steps of what gloo sends for one DDP step, from every rank's ``rows`` (collective)."""
+    P = dist.get_world_size()
+    everyone: list[Any] = [None] * P
+    dist.all_gather_object(everyone, rows)
+    per_step = [
+        _ddp_bytes(model, [[everyone[r][s][j] for r in range(P)] for j in range(len(rows[0]))], rank, sparse).sent
+        for s in range(len(rows))
+    ]
+    return statistics.fmean(per_step)
+
+
+def _bytes_per_step(
+    method: str, cfg: DlrmBenchConfig, model: DLRM, steps: _Steps, records: list[CommRecord], rank: int
+) -> float:
+    """Bytes this rank sent per step (module doc); ``records``: the log's records of the steps."""
     if method == FLOOR:  # the MLPs by DDP's ring allreduce, nothing else
-        nbytes = ring_allreduce_bytes(_mlp_bytes(cfg), P).sent
-    elif method.startswith("torch_ddp"):
-        everyone: list[Any] = [None] * P
-        dist.all_gather_object(everyone, rows)
-        per_step = [
-            _ddp_bytes(
-                model, [[everyone[r][s][j] for r in range(P)] for j in range(len(rows[0]))], rank, sparse
-            ).sent
-            for s in range(cfg.steps)
-        ]
-        nbytes = statistics.fmean(per_step)
-    else:  # the shards' exchanges (shard_lookup, shard_grad) are records of the log too
-        nbytes = sum(workload_bytes(r) for r in log.records[constructed:]) / cfg.steps
-    shard_bytes = sum(r.bytes_sent for r in log.records[constructed:] if r.op in SHARD_OPS) / cfg.steps
-    if trainer is not None:
-        nbytes += ps_remote_bytes(trainer, rank) / cfg.steps
-        # the servers' final values: the local copy holds only the rows pulled, as of the last step's start
-        with torch.no_grad():
-            for n, p in model.named_parameters():
-                if n in trainer.tables:
-                    table = trainer.tables[n]
-                    p.copy_(table.pull(torch.arange(table.rows), step=trainer.step_no).wait().reshape(p.shape))
-        trainer.close()
+        return ring_allreduce_bytes(_mlp_bytes(cfg), dist.get_world_size()).sent
+    if method.startswith("torch_ddp"):
+        return _ddp_bytes_per_step(model, steps.rows, rank, method != "torch_ddp_dense")
+    # the shards' exchanges (shard_lookup, shard_grad) are records of the log too
+    return sum(workload_bytes(r) for r in records) / cfg.steps
+
+
+def _close_servers(trainer: Any, model: DLRM) -> None:
+    """Copies the servers' final tables into ``model`` (its local copy holds only the rows pulled, as of the last
+    step's start), then closes ``trainer``."""
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in trainer.tables:
+                table = trainer.tables[n]
+                p.copy_(table.pull(torch.arange(table.rows), step=trainer.step_no).wait().reshape(p.shape))
+    trainer.close()
+
+
+def _model_figures(model: DLRM, tables0: list[torch.Tensor]) -> tuple[float, float]:
+    """(Σ |w| over every parameter, the tables' ``moved``: ``table_figures``), in float64 (collective)."""
     # What the sparse path alone decides: one step moves a few hundred of the tables' 10^5 rows, so the loss
     # and the whole-model digest barely see a lost or misplaced table gradient (table_figures' "moved").
     tables_abs, moved = table_figures(model.tables, tables0)
     in_tables = {id(p) for p in model.tables.parameters()}
     digest = tables_abs + float(sum(p.detach().double().abs().sum() for p in model.parameters()
                                     if id(p) not in in_tables))  # fmt: skip
+    return digest, moved
+
+
+def _train(
+    method: str, cfg: DlrmBenchConfig, shard: CriteoBatch, rank: int, P: int, addresses: list[str] | None = None
+) -> dict[str, Any]:
+    model = dlrm_model(cfg, sparse=method != "torch_ddp_dense")
+    tables0 = [t.weight.detach().clone() for t in model.tables]  # type: ignore[operator]
+    log = CommLog()
+    setup = _set_up(method, cfg, model, shard, log, addresses)
+    constructed = len(log)  # the steps' records from here: the broadcast at construction is no step's
+    steps = _run_steps(method, cfg, model, shard, setup, log, rank)
+    t = torch.tensor([statistics.median(steps.times[cfg.warmup :])], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    cpu_s = _mean_over_ranks(statistics.median(steps.cpu[cfg.warmup :]))
+    tail = torch.tensor([statistics.fmean(steps.losses[-cfg.tail :])], dtype=torch.float64)
+    dist.all_reduce(tail)
+    records = log.records[constructed:]
+    nbytes = _bytes_per_step(method, cfg, model, steps, records, rank)
+    shard_bytes = sum(r.bytes_sent for r in records if r.op in SHARD_OPS) / cfg.steps
+    if setup.trainer is not None:
+        nbytes += ps_remote_bytes(setup.trainer, rank) / cfg.steps
+        _close_servers(setup.trainer, model)
+    digest, moved = _model_figures(model, tables0)
+    sharded = sum(isinstance(t, ShardedTable) for t in model.tables)
     return {"method": method, "step_s": float(t), "cpu_s": cpu_s, "bytes_per_step": nbytes,
-            "loss": float(tail) / P, "first_loss": losses[0], "param_abs_sum": digest, "tables_moved": moved,
-            "shard_bytes_per_step": shard_bytes,
-            "tables_sharded": sum(isinstance(t, ShardedTable) for t in model.tables), **predicted}  # fmt: skip
+            "loss": float(tail) / P, "first_loss": steps.losses[0], "param_abs_sum": digest, "tables_moved": moved,
+            "shard_bytes_per_step": shard_bytes, "tables_sharded": sharded, **setup.predicted}  # fmt: skip
 
 
 def _mean_over_ranks(x: float) -> float:
