@@ -74,10 +74,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     parents = shared_options()
+    _add_demo_parser(sub, parents["progress"])
+    _add_trace_parser(sub)
+    from sparsync_bench.bench import BENCHMARKS
+
+    _add_bench_parsers(sub, parents, BENCHMARKS)
+    _add_cluster_parser(sub)
+    from sparsync_bench import plan_cli as cli_plan
+
+    cli_plan.add_parser(sub, formatter_class=HelpFormatter)
+    _add_reproduce_parser(sub)
+    _describe(p, {**GRIDS, **{f"bench {b.name}": b.grid for b in BENCHMARKS if b.grid is not None}})
+    return p
+
+
+def _add_demo_parser(sub: Any, progress: argparse.ArgumentParser) -> None:
+    """``sparsync demo`` and its options; ``progress``: the shared progress option group."""
     demo = sub.add_parser(
         "demo",
         help="train a sparse-embedding model on 4 local processes: dense allreduce vs sparsync's plans",
-        parents=[parents["progress"]],
+        parents=[progress],
         formatter_class=HelpFormatter,
     )
     demo.add_argument("--out", type=Path, default=Path("results/demo_train"), help="path stem for .json/.md")
@@ -108,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="write per-step bytes, time and algorithm counts for TensorBoard to this directory",
     )
     demo.set_defaults(func=_demo)
+
+
+def _add_trace_parser(sub: Any) -> None:
+    """``sparsync trace merge DIR`` and its options."""
     tr = sub.add_parser(
         "trace", help="timelines written by sparsync.trace or SPARSYNC_TRACE", formatter_class=HelpFormatter
     )
@@ -123,9 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
     mg.add_argument("--from-step", type=int, default=0, help="the slowest among the steps numbered this or more")
     mg.add_argument("--png", type=Path, default=None, help="the picture's path (default: DIR/slowest_step.png)")
     mg.set_defaults(func=_trace_merge)
-    from sparsync_bench.bench import BENCHMARKS
 
-    _add_bench_parsers(sub, parents, BENCHMARKS)
+
+def _add_cluster_parser(sub: Any) -> None:
+    """``sparsync cluster -- SCRIPT`` and its options."""
     cl = sub.add_parser(
         "cluster",
         help="run a script under torchrun on emulated hosts (one network namespace each, shaped links)",
@@ -142,12 +163,6 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--timeout", type=float, default=None, help="seconds before every host is stopped")
     cl.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT [ARGS...] (as given to torchrun)")
     cl.set_defaults(func=_cluster)
-    from sparsync_bench import plan_cli as cli_plan
-
-    cli_plan.add_parser(sub, formatter_class=HelpFormatter)
-    _add_reproduce_parser(sub)
-    _describe(p, {**GRIDS, **{f"bench {b.name}": b.grid for b in BENCHMARKS if b.grid is not None}})
-    return p
 
 
 def _add_bench_parsers(
