@@ -20,6 +20,7 @@ from sparsync.compress.base import (
     TensorSpec,
 )
 from sparsync.compress.blocktopk import BlockTopK
+from sparsync.compress.bucket_powersgd import powersgd_allreduce
 from sparsync.compress.cast import BF16, FP16
 from sparsync.compress.hooks import compression_hook
 from sparsync.compress.identity import Identity
@@ -68,5 +69,6 @@ __all__ = [
     "compressor_class",
     "from_spec",
     "make",
+    "powersgd_allreduce",
     "register",
 ]

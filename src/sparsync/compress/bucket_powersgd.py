@@ -15,6 +15,10 @@ two buckets' collectives interleave in whatever order their callbacks run, which
 whole exchange of a bucket is one job on sparsync's queue for the hook's group, and the queue runs jobs in issue
 order, which DDP makes the same on every rank (it launches buckets in index order).
 
+``powersgd_allreduce`` runs the same exchange, not async, for a list of tensors: ``DistributedOptimizer``'s
+``Compressed(PowerSGD(...))`` placement sends each bucket's dense gradients of a dtype through it, two
+allreduces in all instead of two per gradient.
+
 The bucket's metadata round (``aggregate.collective``) compares the bucket's members (its name is theirs, in
 order), its size and payload bytes across ranks, and refuses a NaN or ±Inf from any rank, on every rank.
 """
@@ -30,13 +34,11 @@ import torch.distributed as dist
 from sparsync.collectives.allreduce import comm_group, refuse
 from sparsync.compress.aggregate import collective, record
 from sparsync.compress.base import Compressor, Context, Encoding, ReduceCall, TensorSpec
-from sparsync.compress.bucket_sparse import bucket_name
-from sparsync.compress.hook_future import bucket_future, complete_when_done
+from sparsync.compress.hook_future import BucketRoute, bucket_name
 from sparsync.compress.lowrank import Factor, exchange, payload_nbytes, traffic
 from sparsync.compress.memory import Memory
 from sparsync.compress.powersgd import PowerSGD
 from sparsync.compress.reduce import check_input
-from sparsync.handle import Work
 from sparsync.record import CommLog
 
 
@@ -45,32 +47,35 @@ def low_rank(buffer: torch.Tensor, comps: Sequence[Compressor]) -> bool:
     return not buffer.is_sparse and bool(comps) and all(isinstance(c, PowerSGD) for c in comps)
 
 
-class BucketPowerSGD:
-    """``(bucket, gradients, compressors) -> Future`` for dense buckets of PowerSGD gradients.
+def powersgd_allreduce(
+    todo: Sequence[tuple[str, torch.Tensor]],
+    compressor: PowerSGD,
+    memory: Memory | None = None,
+    *,
+    group: dist.ProcessGroup,
+    log: CommLog | None = None,
+    timeout: float | None = None,
+    check_nan: bool = True,
+) -> list[torch.Tensor]:
+    """The sums over ``group`` of the dense tensors ``todo`` (name, tensor; one dtype) through ``compressor``,
+    in one exchange of two allreduces in all behind one metadata round (``BucketPowerSGD``, not async), each
+    compensated and its residual kept under its own name. Returns new tensors of the inputs' shapes, in order.
 
-    ``group``: sparsync's own group (``background_group(user)``), where the hook's reductions run. ``memory``:
-    the error-feedback residuals, per parameter name (None: no error feedback); ``average``: divide the sum by
-    the world size; ``async_op``: queue the exchange and return at once (False: reduce before returning);
-    ``log``: one CommRecord per bucket.
-    """
+    Mutates ``memory`` and ``compressor``'s state of each name; never the inputs. Collective: every rank of
+    ``group`` calls it with the same names, shapes and dtype in the same order."""
+    flat = torch.cat([t.detach().reshape(-1) for _, t in todo])
+    views = [
+        v.view(t.shape) for v, (_, t) in zip(torch.split(flat, [t.numel() for _, t in todo]), todo, strict=True)
+    ]
+    route = BucketPowerSGD(group, memory=memory, average=False, async_op=False, log=log, timeout=timeout,
+                           check_nan=check_nan)  # fmt: skip
+    route(flat, [(n, v) for (n, _), v in zip(todo, views, strict=True)], [compressor] * len(todo)).wait()
+    return views
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        *,
-        memory: Memory | None,
-        average: bool,
-        async_op: bool,
-        log: CommLog | None,
-    ) -> None:
-        self.group = group
-        self.comm = comm_group(group, async_op)  # where compressed_allreduce(group=group) would send
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.memory = memory
-        self.average = average
-        self.async_op = async_op
-        self.log = log
+
+class BucketPowerSGD(BucketRoute):
+    """``(bucket, gradients, compressors) -> Future`` for dense buckets of PowerSGD gradients (the settings are
+    ``BucketRoute``'s)."""
 
     def __call__(
         self, buffer: torch.Tensor, todo: Sequence[tuple[str, torch.Tensor]], comps: Sequence[Compressor]
@@ -83,7 +88,7 @@ class BucketPowerSGD:
         try:
             xs, factors = self._prepare(flat, todo, comps)
         except (TypeError, ValueError) as e:  # every rank raises it, not only this one
-            refuse(self.group, "reduce", e, None, self.async_op)
+            refuse(self.group, "reduce", e, self.timeout, self.async_op)
         names = [n for n, _ in todo]
         call = self._call(flat, comps[0], bucket_name(names))
 
@@ -92,10 +97,7 @@ class BucketPowerSGD:
             return buffer
 
         res = collective(call, "powersgd", payload_nbytes(factors), run)
-        work = res if isinstance(res, Work) else Work.done(res)
-        fut: torch.futures.Future[torch.Tensor] = bucket_future(buffer)
-        complete_when_done(work, fut, work.wait)
-        return fut
+        return self.future(buffer, res, lambda out: out)
 
     def _prepare(
         self, flat: torch.Tensor, todo: Sequence[tuple[str, torch.Tensor]], comps: Sequence[Compressor]
@@ -123,8 +125,9 @@ class BucketPowerSGD:
         enc = Encoding(comp, flat, flat, spec, Context(name, self.rank, self.size), async_op=self.async_op,
                        feedback=self.memory is not None)  # fmt: skip
         layout = f"hook/powersgd-bucket/{flat.dtype}/{flat.device.type}"
-        return ReduceCall(enc, spec, self.group, self.comm, layout, average=self.average, log=self.log,
-                          t0=time.perf_counter())  # fmt: skip
+        comm = comm_group(self.group, self.async_op)  # where compressed_allreduce(group=group) would send
+        return ReduceCall(enc, spec, self.group, comm, layout, average=self.average, timeout=self.timeout,
+                          check_nan=self.check_nan, log=self.log, t0=time.perf_counter())  # fmt: skip
 
     def _exchange(
         self,
@@ -137,7 +140,7 @@ class BucketPowerSGD:
     ) -> None:
         """The queued half: the two allreduces, each name's residual and warm start, the sums into ``flat``."""
         memory = self.memory
-        results = exchange(factors, self.comm, local=memory is not None)
+        results = exchange(factors, call.comm, local=memory is not None)
         offset = 0
         for name, x, out, c in zip(names, xs, results, comps, strict=True):
             assert isinstance(c, PowerSGD)

@@ -29,11 +29,10 @@ import torch.distributed as dist
 from sparsync.collectives.allreduce import CallOptions, refuse, start_allreduce
 from sparsync.compress.aggregate import encode, expect
 from sparsync.compress.base import Compressor, Context, SparsePayload
-from sparsync.compress.hook_future import bucket_future, complete_when_done
+from sparsync.compress.hook_future import BucketRoute, bucket_name
 from sparsync.compress.memory import Memory
 from sparsync.compress.reduce import check_input
 from sparsync.compress.sparsifier import Sparsifier
-from sparsync.handle import Work
 from sparsync.record import CommLog
 from sparsync.stream import SparseStream, concat_disjoint
 
@@ -43,19 +42,9 @@ def fusable(buffer: torch.Tensor, comps: Sequence[Compressor]) -> bool:
     return not buffer.is_sparse and bool(comps) and all(isinstance(c, Sparsifier) for c in comps)
 
 
-def bucket_name(names: Sequence[str]) -> str:
-    """The fused call's name, compared across ranks: the bucket's members in the bucket's order."""
-    return "bucket[" + ",".join(names) + "]"
-
-
-class BucketSparse:
+class BucketSparse(BucketRoute):
     """``(bucket, gradients, compressors) -> Future`` for dense buckets of sparsifiers: one sparse allreduce.
-
-    ``group``: sparsync's own group (``background_group(user)``), where the hook's reductions run. ``memory``:
-    the error-feedback residuals, per parameter name; ``average``: divide the sum by the world size;
-    ``async_op``: queue the allreduce and return at once (False: reduce before returning, a diagnostic);
-    ``algorithm``: ``sparse_allreduce``'s; ``log``: one CommRecord per bucket.
-    """
+    The settings are ``BucketRoute``'s, and ``algorithm``: ``sparse_allreduce``'s."""
 
     def __init__(
         self,
@@ -67,14 +56,8 @@ class BucketSparse:
         algorithm: str,
         log: CommLog | None,
     ) -> None:
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.memory = memory
-        self.average = average
-        self.async_op = async_op
+        super().__init__(group, memory=memory, average=average, async_op=async_op, log=log)
         self.algorithm = algorithm
-        self.log = log
 
     def __call__(
         self, buffer: torch.Tensor, todo: Sequence[tuple[str, torch.Tensor]], comps: Sequence[Compressor]
@@ -92,15 +75,12 @@ class BucketSparse:
         opts = CallOptions(algorithm=self.algorithm, name=bucket_name([n for n, _ in todo]))
         res = start_allreduce(stream, lambda comm, s: s, opts, group=self.group, async_op=self.async_op,
                               log=self.log, shape=(layout, (flat.numel(),)))  # fmt: skip
-        work = res if isinstance(res, Work) else Work.done(res)
-        fut: torch.futures.Future[torch.Tensor] = bucket_future(buffer)
 
-        def assemble() -> torch.Tensor:
-            self._write(flat, work.wait())
+        def assemble(total: SparseStream) -> torch.Tensor:
+            self._write(flat, total)
             return buffer
 
-        complete_when_done(work, fut, assemble)
-        return fut
+        return self.future(buffer, res, assemble)
 
     def _encode(
         self, flat: torch.Tensor, todo: Sequence[tuple[str, torch.Tensor]], comps: Sequence[Compressor]

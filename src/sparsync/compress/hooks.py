@@ -2,12 +2,12 @@
 
 A hook is a callable ``hook(state, bucket) -> Future`` (PyTorch's ``default_hooks.py`` convention); the
 one built here (``CompressionHook``) ignores ``state``, carries its settings, and sends each bucket by the first
-of its ordered routes that accepts it: DDP's own allreduce, the flat buffer in one call, one fused sparse
-allreduce, or one call per gradient. Each gradient of a bucket is compressed
-on its own, under its parameter's name (layer-wise, as DCT §2.1 applies its threshold; error-feedback
-residuals and DCT thresholds then survive DDP's bucket rebuild after the first iteration, which reorders
-buckets). Sparse gradients (``nn.Embedding(sparse=True)``) arrive as their own bucket holding the COO tensor
-and are reduced as COO: DDP's own fp16 and PowerSGD hooks crash or hang on them.
+of its ordered routes that accepts it: DDP's own allreduce, one fused sparse allreduce, PowerSGD's two
+allreduces, the flat buffer in one call (compressed or not), or one call per gradient. Error-feedback residuals
+are kept per parameter name on every route (they then survive DDP's bucket rebuild after the first iteration,
+which reorders buckets), and so is the per-layer state of the compressors that have one (DCT's threshold,
+§2.1; PowerSGD's warm start). Sparse gradients (``nn.Embedding(sparse=True)``) arrive as their own bucket
+holding the COO tensor and are reduced as COO: DDP's own fp16 and PowerSGD hooks crash or hang on them.
 
 Per parameter: ``plan`` maps parameter names to the compressor that reduces them; a sparse gradient
 no plan names goes by ``sparse`` (default ``Identity()``: the lossless row-sparse allreduce), since a lossy
@@ -27,6 +27,12 @@ call per gradient), and the payloads, shifted to their gradients' offsets in the
 the bucket's flat buffer, named after the bucket's members. One metadata round and one allreduce per bucket
 instead of one of each per gradient. A bucket mixing sparsifiers with other compressors (or with ``Identity``,
 e.g. by ``plan=``) is reduced one gradient at a time.
+
+A dense bucket whose gradients all go by one other compressor object (``QSGD``, the casts, ``SparseSketch``: no
+per-layer selection) is compressed as its flat buffer, in one ``compressed_allreduce`` named after the bucket's
+members, as torch's fp16 hook casts the whole buffer: one metadata round and one collective per bucket instead
+of one of each per gradient. The residuals stay per parameter name (``memory.SlicedMemory``); QSGD's scale
+buckets then span parameter boundaries.
 
 A dense bucket whose gradients all go by ``PowerSGD`` is sent with two allreduces in all, one of the bucket's Ps
 (and its vectors, sent whole), one of its Qs (``bucket_powersgd.py``), residuals and warm-start Qs per parameter
@@ -58,9 +64,9 @@ from sparsync.compress.base import Compressor
 from sparsync.compress.bucket_allreduce import BucketAllreduce
 from sparsync.compress.bucket_powersgd import BucketPowerSGD, low_rank
 from sparsync.compress.bucket_sparse import BucketSparse, fusable
-from sparsync.compress.hook_future import bucket_future, complete_when_done
+from sparsync.compress.hook_future import bucket_future, bucket_name, complete_when_done
 from sparsync.compress.identity import Identity
-from sparsync.compress.memory import Memory
+from sparsync.compress.memory import Memory, SlicedMemory
 from sparsync.compress.reduce import compressed_allreduce
 from sparsync.handle import Work
 from sparsync.record import CommLog
@@ -121,13 +127,14 @@ def compression_hook(
 
 
 # One bucket as the hook sees it: the buffer, each gradient's name and tensor (empty until a route needs them),
-# and the compressor of each.
+# the compressor of each, and the memory of the flat route (None: the hook's own).
 @dataclass
 class _Bucket:
     raw: Any  # dist.GradBucket
     buffer: torch.Tensor
     todo: list[tuple[str, torch.Tensor]]
     comps: list[Compressor]
+    memory: Memory | None = None
 
 
 class CompressionHook:
@@ -205,11 +212,20 @@ class CompressionHook:
         return self.plain(b.raw)
 
     def _flat_accepts(self, b: _Bucket) -> bool:
-        """An uncompressed dense bucket not checked yet (or without async_op): nothing to compress layer by
-        layer, so the flat buffer in one call (one metadata round, as DDP's own hook sends it)."""
-        if not self._uncompressed(b):
+        """A dense bucket whose gradients all go by one compressor with no per-layer selection (an uncompressed
+        one not checked yet, or without async_op; QSGD, the casts, the sketch): the flat buffer in one call, its
+        residuals kept per parameter name."""
+        if b.buffer.is_sparse:
             return False
-        b.todo, b.comps = [(f"bucket{b.raw.index()}", b.buffer.view(-1))], [self.lossless]
+        if self._uncompressed(b):
+            b.todo, b.comps = [(f"bucket{b.raw.index()}", b.buffer.view(-1))], [self.lossless]
+            return True
+        first = b.comps[0]
+        if any(c is not first for c in b.comps):
+            return False
+        if self.memory is not None:
+            b.memory = SlicedMemory(self.memory, [(n, g.shape) for n, g in b.todo])
+        b.todo, b.comps = [(bucket_name([n for n, _ in b.todo]), b.buffer.view(-1))], [first]
         return True
 
     def _fused_accepts(self, b: _Bucket) -> bool:
@@ -231,7 +247,8 @@ class CompressionHook:
         works: list[Work[torch.Tensor]] = []
         for (name, grad), c in zip(b.todo, b.comps, strict=True):
             out = compressed_allreduce(
-                grad, c, memory=None if isinstance(c, Identity) else self.memory, name=name, group=self.own,
+                grad, c, memory=None if isinstance(c, Identity) else b.memory or self.memory, name=name,
+                group=self.own,
                 average=self.average, async_op=self.async_op, algorithm=self.algorithm, log=self.log,
             )  # fmt: skip
             works.append(out if isinstance(out, Work) else Work.done(out))
@@ -255,9 +272,9 @@ class CompressionHook:
 
     ROUTES: tuple[tuple[str, Callable[[CompressionHook, _Bucket], bool], Route], ...] = (
         ("plain", _plain_accepts, _plain),
-        ("flat", _flat_accepts, _each),
         ("fused", _fused_accepts, _fused),
         ("low_rank", _low_rank_accepts, _low_rank),
+        ("flat", _flat_accepts, _each),
         ("each", lambda self, b: True, _each),
     )
 

@@ -38,6 +38,56 @@ class Memory(ABC):
         self.update(name, compensated, flat.view(compensated.shape))
 
 
+def difference(compensated: torch.Tensor, transmitted: torch.Tensor) -> torch.Tensor:
+    """``compensated - transmitted``, dense and detached: a residual."""
+    c = compensated.to_dense() if compensated.is_sparse else compensated
+    t = transmitted.to_dense() if transmitted.is_sparse else transmitted
+    return (c - t).detach()
+
+
+def without_selected(
+    compensated: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, owned: bool
+) -> torch.Tensor:
+    """``compensated`` with ``values`` taken out at the flat ``indices`` (unique), bit for bit
+    ``difference(compensated, t)`` for the t that is zero elsewhere (c - 0 is c). ``owned``: ``compensated`` is
+    no one else's and is written in place (if contiguous); otherwise it is copied first. Dense only."""
+    c = compensated.detach()
+    e = c if owned and c.is_contiguous() else c.clone(memory_format=torch.contiguous_format)
+    flat = e.view(-1)
+    idx = indices.to(torch.int64)
+    flat[idx] = flat[idx] - values.to(e.dtype)
+    return e
+
+
+class SlicedMemory(Memory):
+    """``memory`` seen through a flat concatenation: the one tensor it is given (a DDP bucket's buffer, whatever
+    its name) is ``parts`` (name, shape) laid end to end, and each part's residual is kept in ``memory`` under
+    its own name and shape, as a call per tensor keeps it (so the residuals outlive a change of the buckets)."""
+
+    def __init__(self, memory: Memory, parts: list[tuple[str, torch.Size]]) -> None:
+        self.memory = memory
+        self.parts = parts
+
+    def _split(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        flat = (tensor.to_dense() if tensor.is_sparse else tensor).reshape(-1)
+        pieces = torch.split(flat, [s.numel() for _, s in self.parts])
+        return [p.view(s) for p, (_, s) in zip(pieces, self.parts, strict=True)]
+
+    def compensate(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The concatenation of each part compensated under its name (a new tensor, ``tensor``'s flat shape)."""
+        del name
+        pieces = self._split(tensor)
+        return torch.cat(
+            [self.memory.compensate(n, p).reshape(-1) for (n, _), p in zip(self.parts, pieces, strict=True)]
+        )
+
+    def update(self, name: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
+        """Each part's ``update`` under its name. Mutates ``memory``."""
+        del name
+        for (n, _), c, t in zip(self.parts, self._split(compensated), self._split(transmitted), strict=True):
+            self.memory.update(n, c, t)
+
+
 class ErrorFeedback(Memory):
     """Per-name residual memory. ``decay`` scales the residual before it is added back (1.0: plain EF)."""
 
@@ -63,9 +113,7 @@ class ErrorFeedback(Memory):
 
     def update(self, name: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         """Store ``e[name] = compensated - transmitted`` (dense)."""
-        c = compensated.to_dense() if compensated.is_sparse else compensated
-        t = transmitted.to_dense() if transmitted.is_sparse else transmitted
-        self._errors[name] = (c - t).detach()
+        self._errors[name] = difference(compensated, transmitted)
 
     def update_selected(
         self, name: str, compensated: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, owned: bool
@@ -77,12 +125,7 @@ class ErrorFeedback(Memory):
         Dense ``compensated`` only."""
         if compensated.is_sparse:
             raise ValueError("update_selected needs a dense compensated tensor; use update")
-        c = compensated.detach()
-        e = c if owned and c.is_contiguous() else c.clone(memory_format=torch.contiguous_format)
-        self._errors[name] = e
-        flat = e.view(-1)
-        idx = indices.to(torch.int64)
-        flat[idx] = flat[idx] - values.to(e.dtype)
+        self._errors[name] = without_selected(compensated, indices, values, owned=owned)
 
     def error(self, name: str) -> torch.Tensor | None:
         return self._errors.get(name)
@@ -146,27 +189,20 @@ class MomentumCorrection(Memory):
 
     def update(self, name: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         """v = compensated - transmitted; u = 0 where ``transmitted`` is non-zero."""
-        c = compensated.to_dense() if compensated.is_sparse else compensated
-        t = transmitted.to_dense() if transmitted.is_sparse else transmitted
-        self._errors[name] = (c - t).detach()
+        self._errors[name] = difference(compensated, transmitted)
         u = self._velocity.get(name)
         if u is not None:
-            u.masked_fill_(t != 0, 0.0)
+            u.masked_fill_((transmitted.to_dense() if transmitted.is_sparse else transmitted) != 0, 0.0)
 
     def update_selected(
         self, name: str, compensated: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, owned: bool
     ) -> None:
         """``update`` for a payload of ``values`` at the flat ``indices``: v = compensated, v[indices] -= values
         (in place when ``owned``), u[indices] = 0."""
-        c = compensated.detach()
-        e = c if owned and c.is_contiguous() else c.clone(memory_format=torch.contiguous_format)
-        self._errors[name] = e
-        idx = indices.to(torch.int64)
-        flat = e.view(-1)
-        flat[idx] = flat[idx] - values.to(e.dtype)
+        self._errors[name] = without_selected(compensated, indices, values, owned=owned)
         u = self._velocity.get(name)
         if u is not None:
-            u.view(-1)[idx] = 0.0
+            u.view(-1)[indices.to(torch.int64)] = 0.0
 
     def error(self, name: str) -> torch.Tensor | None:
         return self._errors.get(name)

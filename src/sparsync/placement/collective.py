@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from sparsync.collectives.grouped import grouped_allreduce
 from sparsync.collectives.tensor import allreduce
-from sparsync.compress import Compressor, compressed_allreduce
+from sparsync.compress import Compressor, PowerSGD, compressed_allreduce, powersgd_allreduce
 from sparsync.compress.memory import Memory
 from sparsync.placement.base import NamedParam, Placement, ReduceEnv
 
@@ -122,22 +122,32 @@ class Compressed(Placement):
     # the name "bucket:<name>,<name>,..." (DCT Alg. 1 thresholds the gradient as one vector; per tensor, a model
     # of many small layers pays a collective per layer). Every member's name is in it, so two same-shape members
     # in another order on one rank raise on every rank. Sparse (COO) gradients are always reduced one by one.
+    # PowerSGD's dense gradients are always batched, each factored under its name (``powersgd_allreduce``).
     bucket: bool = False
     kind = "compressed"
 
     def aggregate(self, params: list[NamedParam], env: ReduceEnv) -> None:
+        # PowerSGD factors each matrix on its own; batched, its dense gradients of a dtype cost one exchange of two
+        # allreduces in all (PowerSGD Alg. 1, as torch's hook batches a bucket), not two per gradient
+        factored = isinstance(self.compressor, PowerSGD)
         buckets: dict[torch.dtype, list[NamedParam]] = {}
         for p in params:
             g = _grad(p)
-            if self.bucket and not g.is_sparse:
+            if (self.bucket or factored) and not g.is_sparse:
                 buckets.setdefault(g.dtype, []).append(p)
             else:
                 p.param.grad = self._reduce(g, p.name, env)
         for group in buckets.values():
             grads = [_grad(p) for p in group]
-            name = "bucket:" + ",".join(p.name for p in group)
-            out = self._reduce(torch.cat([g.reshape(-1) for g in grads]), name, env)
-            for p, g, piece in zip(group, grads, torch.split(out, [g.numel() for g in grads]), strict=True):
+            if isinstance(self.compressor, PowerSGD):
+                outs = powersgd_allreduce([(p.name, g) for p, g in zip(group, grads, strict=True)],
+                                          self.compressor, self.memory, group=env.group, log=env.log,
+                                          timeout=env.timeout, check_nan=env.check_nan)  # fmt: skip
+            else:
+                name = "bucket:" + ",".join(p.name for p in group)
+                out = self._reduce(torch.cat([g.reshape(-1) for g in grads]), name, env)
+                outs = list(torch.split(out, [g.numel() for g in grads]))
+            for p, g, piece in zip(group, grads, outs, strict=True):
                 p.param.grad = piece.view_as(g)
 
     def _reduce(self, g: torch.Tensor, name: str, env: ReduceEnv) -> torch.Tensor:
