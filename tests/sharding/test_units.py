@@ -284,3 +284,44 @@ def test_the_replicated_reduction_hides_behind_backward_only_where_a_core_is_spa
     assert _hidden_share([("a", 6, True)] * 4) == 0.5  # two spare cores for four ranks
     assert _hidden_share([("a", 8, True)] * 2 + [("b", 8, True)] * 6) == pytest.approx(2 / 6)  # the fullest host
     assert _hidden_share([("a", 2, False)] * 8) == 1.0  # backward on a GPU: the CPU is free for the reduction
+
+
+class _Three(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList([nn.EmbeddingBag(50, 4, mode="sum") for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t(x[:, i : i + 1]) for i, t in enumerate(self.tables)], 1)
+
+
+def test_an_exchange_enters_each_stage_module_once_in_stage_order(one_rank_group: None) -> None:
+    """What runs when the stand-ins are first used (the exchange of the three tables' calls): the package's
+    modules control is in, by calls and returns, consecutive repeats collapsed, the transport (``link``) left
+    out: the layout
+    (``group``), the ids stage, the rows stage, each once, in that order, between the driver and the stand-ins."""
+    import sys
+    from types import FrameType
+
+    model = sparsync.shard(_Three())
+    x = torch.randint(0, 50, (4, 3))
+    model(x).sum().backward()  # a first step: the capacities settle
+    outs = [t(x[:, i : i + 1]) for i, t in enumerate(model.tables)]
+    entered: list[str] = []
+
+    def profile(frame: FrameType, event: str, arg: object) -> None:
+        now = frame if event == "call" else frame.f_back if event == "return" else None  # where control is
+        path = now.f_code.co_filename if now is not None else ""
+        if "/sparsync/sharding/" in path:
+            name = path.rsplit("/", 1)[1].removesuffix(".py")
+            if name != "link" and (not entered or entered[-1] != name):
+                entered.append(name)
+
+    sys.setprofile(profile)
+    try:
+        outs[0].wait()
+    finally:
+        sys.setprofile(None)
+    stages = [m for m in entered if m in ("group", "ids", "rows")]
+    assert stages == ["group", "ids", "rows"], entered
+    assert entered[-1] == "lazy" and all(o.done for o in outs), entered

@@ -1,6 +1,6 @@
 """Sharded embedding tables inside the training group (docs/sharding.md): each rank owns the rows of a table
-whose id is its rank modulo P (``ownership``); the tables of one width and dtype form a group held as one flat
-tensor per rank (``group``, fbgemm's TBE layout), each table's parameter a view of its slice. A step runs in
+whose id is its rank modulo P (``group.Ownership``); the tables of one width and dtype form a group held as one
+flat tensor per rank (``group``, fbgemm's TBE layout), each table's parameter a view of its slice. A step runs in
 stage order (``exchange``): the ids stage (``ids``: distinct keys to their owners, headed by each rank's
 verdict), the rows stage and the pooling (``rows``), and in backward the gradient rows stage, whose sums become
 the tables' sparse gradients or, with ``sparsync.shard(optimizer=...)``, their update in place (``fused``).
@@ -9,7 +9,7 @@ the tables' sparse gradients or, with ``sparsync.shard(optimizer=...)``, their u
 with ``plan="auto"`` where the cost model says (``auto``), and marks the tables a dict plan places ``"server"``
 for the parameter server (``OnServer``: they stay whole); ``plan_of(model)`` gives ``DistributedOptimizer``
 their placement (``Sharded``), and ``HybridTrainer`` reads both off the model. ``Lookahead`` runs the ids stage
-of a batch during the step before it (``lookahead``). ``checkpoint.save`` / ``load``: a model and its optimizer
+of a batch during the step before it (``api``). ``checkpoint.save`` / ``load``: a model and its optimizer
 as one ``torch.distributed.checkpoint`` checkpoint, each rank writing its rows, loaded at any world size
 (``checkpoint``, ``dcp``: the rows re-blocked between the stride shards and contiguous row blocks).
 
@@ -18,15 +18,14 @@ as one ``torch.distributed.checkpoint`` checkpoint, each rank writing its rows, 
 """
 
 from sparsync.placement.sharded import plan_of
-from sparsync.sharding.api import shard
+from sparsync.sharding.api import Lookahead, shard
 from sparsync.sharding.auto import AUTO_KINDS, AutoPlan, auto_plan
 from sparsync.sharding.exchange import Exchanger
 from sparsync.sharding.fused import SGD, Adagrad, Adam, RowwiseAdagrad, dense_parameters
+from sparsync.sharding.group import Ownership
 from sparsync.sharding.lazy import LazyLookup
-from sparsync.sharding.lookahead import Lookahead
 from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
 from sparsync.sharding.optim_state import load_optimizer_state_dict, optimizer_state_dict
-from sparsync.sharding.ownership import Ownership
 
 __all__ = [
     "AUTO_KINDS",

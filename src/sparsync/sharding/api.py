@@ -14,18 +14,48 @@ A table placed ``"server"`` stays the model's own ``nn.Embedding`` / ``nn.Embedd
 forward, pushed after backward); ``DistributedOptimizer`` refuses such a model, as nothing else runs the servers.
 
 How the tables of one model travel together: one ``Exchanger`` per call, shared by the model's sharded tables;
-a table's forward registers its ids and returns a stand-in (``shard.lazy``), the first use of any stand-in runs
+a table's forward registers its ids and returns a stand-in (``lazy``), the first use of any stand-in runs
 one exchange for all tables registered so far, and a forward hook on the model resolves what is left when its
 forward returns. Tables a model calls one after another before using their outputs (DLRM's
 ``[emb(x) for emb in tables]``, then an interaction) therefore share one exchange, and ``model(x)`` is
 unchanged for its caller. The alternative, a collection module that looks every table up at once (torchrec's
 ``EmbeddingBagCollection``), would have asked the user to rewrite the model's forward.
+
+``Lookahead``: a data iterator over which a sharded model's ids round runs one batch ahead (torchrec's
+``TrainPipelineSparseDist`` moves its input dist ahead the same way).
+
+    from sparsync.sharding import Lookahead
+
+    batches = Lookahead(loader, model, ids=lambda b: {"tables.0": b.cats[:, 0], ...})
+    for b in batches:                     # yields loader's batches, unchanged
+        loss = loss_fn(model(b.dense, b.cats), b.label) ...
+
+When it hands out batch i it has already read batch i + 1 from ``loader`` and started that batch's ids stage in
+the background (``Exchanger.send_ahead``: each distinct id to its owner, the header in front), so the round runs
+while step i computes. The forward of batch i + 1 then runs only the rows round, which reads the owners' rows
+as they are after step i's update: the values are those of the run without lookahead, bit for bit, and no row
+needs refreshing.
+
+Why only the ids: pulling batch i + 1's rows early too would need the rows step i updates refreshed after it.
+Under Zipf skew every table's hot rows are updated every step, so that refresh
+is a round after step i's update and before batch i + 1's forward in any case: pulling early would save bytes
+but no round. Moving only the ids round keeps one exposed round per forward (rows), against two without
+lookahead, with nothing to refresh.
+
+``ids(batch)`` gives, per sharded table (its module name in the model), the ids the model's forward will look
+it up with on that batch: all its calls' ids, in call order (for ``nn.EmbeddingBag(input, offsets)``, the
+input). They are checked as the forward checks them (range, dtype), and a bad one makes every rank raise the
+same ValueError at the next ``next()``. A forward whose lookups differ from what went ahead (other ids, other
+tables, or its tables in two exchanges) makes every rank raise the same ValueError, after the rows round.
+
+Collective: every rank iterates in step, over as many batches; a rank that stops early leaves the others'
+background round waiting until the group's timeout, which names the missing rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
 
 import torch.distributed as dist
 from torch import nn
@@ -36,9 +66,10 @@ from sparsync.placement import OnServer, Sharded
 from sparsync.placement.sharded import mark
 from sparsync.record import CommLog
 from sparsync.sharding.auto import auto_plan
-from sparsync.sharding.exchange import Exchanger
+from sparsync.sharding.exchange import Ahead, Exchanger, Sent
 from sparsync.sharding.fused import OPTIMIZERS, Fused
 from sparsync.sharding.group import Slot, TableGroup, group_key
+from sparsync.sharding.ids import IdsRound
 from sparsync.sharding.link import WIRE
 from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
 
@@ -65,7 +96,7 @@ def shard(
     ``OnServer``: ``HybridTrainer`` keeps its rows on the parameter server; module doc); modules it does not name
     are sharded; None shards every ``nn.Embedding`` and ``nn.EmbeddingBag``; ``"auto"`` places each table where
     the cost model predicts the faster step, from one forward of ``model(*sample)`` on every rank and the
-    group's link (``shard.auto``; ``auto_plan`` gives what it measured and chose; it never chooses ``"server"``,
+    group's link (``auto``; ``auto_plan`` gives what it measured and chose; it never chooses ``"server"``,
     which needs servers started beside the ranks: name it in a dict). ``group``: the ranks that own the rows
     (default: the world). ``log``: a ``CommLog`` that receives a record per exchange and direction.
     ``state_dict``: ``"full"`` (each table whole, on rank 0), ``"local"`` (each rank its rows) or ``"sharded"``
@@ -91,7 +122,20 @@ def shard(
     g = resolve_group(group)
     if rows is not None and rows not in WIRE:
         raise ValueError(f"rows={rows!r}: the rows travel as they are (None) or in one of {sorted(WIRE)}")
-    names = _plan_dict(model, plan, sample, g)
+    chosen = _placed(model, _plan_dict(model, plan, sample, g), g)
+    exchanger = Exchanger.on(g, log, None if rows is None else WIRE[rows])
+    swapped = _sharded_modules(exchanger, chosen, state_dict, seed)
+    _bind(exchanger, optimizer)
+    root = _swap(model, swapped)
+    root.register_forward_hook(exchanger.finish_forward)
+    return root
+
+
+def _placed(
+    model: nn.Module, names: dict[str, str], g: dist.ProcessGroup
+) -> dict[str, nn.Embedding | nn.EmbeddingBag]:
+    """The tables ``names`` places ``"sharded"``, each checked; the ``"server"`` ones checked and marked. The
+    ranks' choices agree (else every rank raises). Collective over ``g``."""
     tables = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
     chosen = _chosen(tables, names, "sharded")
     for name in chosen:
@@ -101,12 +145,7 @@ def shard(
         _check_for_server(name, tables[name])
     _agree(chosen, on_server, tables, g)
     _mark_on_server([tables[n] for n in on_server])
-    exchanger = Exchanger.on(g, log, None if rows is None else WIRE[rows])
-    swapped = _sharded_modules(exchanger, {n: tables[n] for n in chosen}, state_dict, seed)
-    _bind(exchanger, optimizer)
-    root = _swap(model, swapped)
-    root.register_forward_hook(exchanger.finish_forward)
-    return root
+    return {n: tables[n] for n in chosen}
 
 
 def _sharded_modules(
@@ -260,3 +299,67 @@ def _agree(
                 f"sparsync.shard: the ranks' models differ in the tables to shard: rank 0 has {everyone[0]}, "
                 f"rank {rank} has {theirs}; every rank must build the same model and pass the same plan"
             )
+
+
+B = TypeVar("B")
+
+
+class Lookahead(Generic[B]):
+    """Iterate ``batches`` with each batch's ids round run one batch ahead for ``model``'s sharded tables (module
+    doc). ``ids(batch)``: sharded table name -> the ids the forward looks it up with on ``batch``."""
+
+    def __init__(self, batches: Iterable[B], model: nn.Module, ids: Callable[[B], Mapping[str, Any]]) -> None:
+        self._tables = {name: m for name, m in model.named_modules() if isinstance(m, ShardedTable)}
+        if not self._tables:
+            raise ValueError(
+                f"Lookahead: {type(model).__name__} has no sharded tables (sparsync.shard placed none "
+                "'sharded'), so there is no ids round to run ahead"
+            )
+        exchangers = {id(m.exchanger): m.exchanger for m in self._tables.values()}
+        if len(exchangers) > 1:
+            raise ValueError(
+                "Lookahead: the model's sharded tables come from several sparsync.shard calls, each with its own "
+                "exchange; shard the model once"
+            )
+        self._exchanger: Exchanger = next(iter(exchangers.values()))
+        self._batches = iter(batches)
+        self._ids = ids
+        self._ahead: tuple[B, Sent, IdsRound] | None = None
+        self._started = False
+
+    def __iter__(self) -> Iterator[B]:
+        return self
+
+    def __next__(self) -> B:
+        """The next batch, its ids round finished (collective); the following batch's round started."""
+        if not self._started:
+            self._started = True
+            self._ahead = self._send(next(self._batches))
+        if self._ahead is None:
+            raise StopIteration
+        batch, sent, flight = self._ahead
+        self._ahead = None
+        self._exchanger.settle(sent, flight)
+        following = next(self._batches, _END)
+        if following is not _END:
+            self._ahead = self._send(following)  # type: ignore[arg-type]
+        return batch
+
+    def _send(self, batch: B) -> tuple[B, Sent, IdsRound]:
+        given = dict(self._ids(batch))
+        unknown = sorted(set(given) - set(self._tables))
+        if unknown:
+            raise KeyError(
+                f"Lookahead: ids names {unknown}, which are no sharded tables of the model; its sharded tables: "
+                f"{sorted(self._tables)}"
+            )
+        ahead, refusal = [], None
+        for name, x in given.items():
+            t = self._tables[name]
+            keys, why = t.checked_ids(x)
+            refusal = refusal or why
+            ahead.append(Ahead(t.group_index, t.slot, t.describe(), keys))
+        return (batch, *self._exchanger.send_ahead(ahead, refusal))
+
+
+_END = object()

@@ -44,7 +44,7 @@ from sparsync.sharding import ids as ids_stage
 from sparsync.sharding.group import Slot, TableGroup
 from sparsync.sharding.lazy import LazyLookup, resolve_all
 from sparsync.sharding.link import Link
-from sparsync.sharding.rows import Call, Route, RowExchange, pool
+from sparsync.sharding.rows import Call, Route, lookup
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class Sent:
 
 @dataclass(frozen=True)
 class Ahead:
-    """What a table will be called with on a batch not yet seen (``lookahead``): all its calls' keys."""
+    """What a table will be called with on a batch not yet seen (``Lookahead``): all its calls' keys."""
 
     group: int
     slot: Slot
@@ -183,7 +183,7 @@ class Exchanger:
                     c.out.fail(e)
             raise
 
-    # --- the ids stage run ahead (``lookahead``) ----------------------------------------------------------------
+    # --- the ids stage run ahead (``Lookahead``) ----------------------------------------------------------------
     def send_ahead(self, calls: Sequence[Ahead], refusal: str | None) -> tuple[Sent, ids_stage.IdsRound]:
         """Start the ids stage of a batch the model has not seen yet, in the background: ``calls`` stand for what
         each table will be called with (all its calls' ids, in call order); ``refusal`` travels in the header, and
@@ -209,9 +209,8 @@ class Exchanger:
         refusal = refusal or self._aliased(sent) or out_of_range(sent, self.groups)
         if ready is None:
             tally = Traffic()
-            flight = ids_stage.start(self.link, sent.joined, self._key(sent), sent.descriptions(), refusal,
-                                     self.capacity, tally, wait=True)  # fmt: skip
-            done = ids_stage.finish(self.link, flight)
+            done = ids_stage.run(self.link, sent.joined, self._key(sent), sent.descriptions(), refusal,
+                                 self.capacity, tally)  # fmt: skip
             self.capacity = done.capacity
             status = None
         else:
@@ -222,13 +221,12 @@ class Exchanger:
         inputs = tuple((k, groups[k].slots[t]) for k, tables in enumerate(sent.tables) for t in tables)
         route = Route(done, groups, inputs, status, refusal)
         params = [groups[k].params[slot.index] for k, slot in inputs]
-        gathered = RowExchange.apply(route, self.link, tally, *params)  # type: ignore[no-untyped-call]
-        t_pool = time.perf_counter()
-        for k, g in enumerate(sent.order):
-            mine = [c for c in calls if c.group == g]
-            positions = _call_positions(done.asked[k].positions, sent, k, mine)
-            pool(gathered[k], mine, positions, _padding_at(done.asked[k].distinct, mine))
-        tally.phases["pool"] = time.perf_counter() - t_pool
+        # refused: the rows round raises on every rank before any pooling (and the calls may not match ``sent``)
+        pooling = _pooling(calls, sent, done) if refusal is None else [([], torch.empty(0), {})] * len(groups)
+        gathered, outputs = lookup(route, self.link, tally, params, pooling)
+        for (mine, _, _), outs in zip(pooling, outputs, strict=True):
+            for c, out in zip(mine, outs, strict=True):
+                c.out.resolve(out)
         if self.link.log is not None:
             self.link.record("shard_lookup", tally, t0, nnz_in=sum(a.distinct.numel() for a in done.asked),
                              nnz_out=sum(int(g.shape[0]) for g in gathered))  # fmt: skip
@@ -312,6 +310,19 @@ def _differs(calls: Sent, sent: Sent) -> str | None:
                 f"sent for this batch{hint}"
             )
     return None
+
+
+def _pooling(
+    calls: Sequence[Call], sent: Sent, done: ids_stage.Ids
+) -> list[tuple[list[Call], torch.Tensor, dict[int, int]]]:
+    """Per group of ``sent``: its calls (in call order), their keys' positions among the gathered rows, and the
+    padding rows (``rows.lookup``'s ``pooling``)."""
+    out = []
+    for k, g in enumerate(sent.order):
+        mine = [c for c in calls if c.group == g]
+        positions = _call_positions(done.asked[k].positions, sent, k, mine)
+        out.append((mine, positions, _padding_at(done.asked[k].distinct, mine)))
+    return out
 
 
 def _call_positions(positions: torch.Tensor, sent: Sent, k: int, calls: Sequence[Call]) -> torch.Tensor:

@@ -299,3 +299,16 @@ def finish(link: Link, flight: IdsRound) -> Ids:
         parts = [t for pair in zip(parts, more, strict=True) for t in pair]
     served = parse_requests(torch.cat(parts), recv, len(flight.keys), link.size)
     return Ids(flight.keys, flight.asked, served, capacity_after(widest), flight.tally)
+
+
+def run(
+    link: Link,
+    keys: Sequence[torch.Tensor],
+    key: int,
+    descriptions: Sequence[str],
+    refusal: str | None,
+    capacity: int,
+    tally: Traffic,
+) -> Ids:
+    """The ids stage of a forward, waited for: ``start`` then ``finish`` (their arguments). Collective."""
+    return finish(link, start(link, keys, key, descriptions, refusal, capacity, tally, wait=True))

@@ -30,9 +30,8 @@ from sparsync.placement import Placement
 from sparsync.placement.sharded import mark
 from sparsync.sharding import dcp
 from sparsync.sharding.exchange import Exchanger
-from sparsync.sharding.group import Slot, TableGroup
+from sparsync.sharding.group import Ownership, Slot, TableGroup
 from sparsync.sharding.lazy import EAGER, LazyLookup
-from sparsync.sharding.ownership import Ownership
 from sparsync.sharding.rows import Call
 from sparsync.sharding.transfer import gather_rows, init_rows, scatter_rows
 

@@ -197,27 +197,48 @@ def with_verdicts(
 
 
 # --- the pooling -------------------------------------------------------------------------------------------------
+def lookup(
+    route: Route,
+    link: Link,
+    tally: Traffic,
+    params: Sequence[torch.Tensor],
+    pooling: Sequence[tuple[Sequence[Call], torch.Tensor, dict[int, int]]],
+) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+    """The rows stage of a forward, then the pooling: each group's rows gathered (``RowExchange``, whose inputs
+    are the called tables' ``params``), and each group's calls pooled (``pool``, with that group's ``pooling``:
+    its calls, their positions, its padding rows). The gathered rows and the calls' outputs, per group.
+    Collective."""
+    gathered: list[torch.Tensor] = list(RowExchange.apply(route, link, tally, *params))  # type: ignore[no-untyped-call]
+    t0 = time.perf_counter()
+    outputs = [pool(rows, *p) for rows, p in zip(gathered, pooling, strict=True)]
+    tally.phases["pool"] = time.perf_counter() - t0
+    return gathered, outputs
+
+
 def pool(
     gathered: torch.Tensor, calls: Sequence[Call], positions: torch.Tensor, padding_at: dict[int, int]
-) -> None:
-    """Resolve each of one group's ``calls`` with its output, computed by torch's own functional on the group's
-    ``gathered`` rows, the positions of its keys among them (``positions``: every call's, in call order) standing
-    for its ids: the calls that share a signature in one ``embedding_bag`` (or ``embedding``), their outputs split
-    apart; a call with a padding row alone (``padding_at``: padding key -> its row among ``gathered``)."""
+) -> list[torch.Tensor]:
+    """The output of each of one group's ``calls``, in their order, computed by torch's own functional on the
+    group's ``gathered`` rows, the positions of its keys among them (``positions``: every call's, in call order)
+    standing for its ids: the calls that share a signature in one ``embedding_bag`` (or ``embedding``), their
+    outputs split apart; a call with a padding row alone (``padding_at``: padding key -> its row among
+    ``gathered``)."""
     per_call = torch.split(positions, [c.keys.numel() for c in calls])
-    fused: dict[tuple[Any, ...], list[tuple[Call, torch.Tensor]]] = {}
-    for call, pos in zip(calls, per_call, strict=True):
+    out: list[torch.Tensor] = [positions] * len(calls)  # each place filled below
+    fused: dict[tuple[Any, ...], list[tuple[int, Call, torch.Tensor]]] = {}
+    for i, (call, pos) in enumerate(zip(calls, per_call, strict=True)):
         if call.padding is not None:
-            call.out.resolve(_pool_one(gathered, call, pos, padding_at.get(call.padding)))
+            out[i] = _pool_one(gathered, call, pos, padding_at.get(call.padding))
         elif not call.bag or (call.single and call.weights is None):
-            fused.setdefault(("rows",), []).append((call, pos))
+            fused.setdefault(("rows",), []).append((i, call, pos))
         else:
-            fused.setdefault((call.mode, call.weights is not None), []).append((call, pos))
+            fused.setdefault((call.mode, call.weights is not None), []).append((i, call, pos))
     for signature, members in fused.items():
         if signature == ("rows",):
-            _pool_rows(gathered, members)
+            _pool_rows(gathered, members, out)
         else:
-            _pool_bags(gathered, members, *signature)
+            _pool_bags(gathered, members, out, *signature)
+    return out
 
 
 def _pool_one(gathered: torch.Tensor, call: Call, pos: torch.Tensor, padding: int | None) -> torch.Tensor:
@@ -229,21 +250,29 @@ def _pool_one(gathered: torch.Tensor, call: Call, pos: torch.Tensor, padding: in
     )  # fmt: skip
 
 
-def _pool_rows(gathered: torch.Tensor, members: Sequence[tuple[Call, torch.Tensor]]) -> None:
-    """Calls whose outputs are rows as they are (embeddings, bags of one id each): one ``index_select``."""
-    out = gathered.index_select(0, torch.cat([p for _, p in members]) if len(members) > 1 else members[0][1])
-    for (call, _), part in zip(members, torch.split(out, [p.numel() for _, p in members]), strict=True):
-        call.out.resolve(part.view(*call.shape, gathered.shape[1]) if not call.bag else part)
+def _pool_rows(
+    gathered: torch.Tensor, members: Sequence[tuple[int, Call, torch.Tensor]], out: list[torch.Tensor]
+) -> None:
+    """Calls whose outputs are rows as they are (embeddings, bags of one id each): one ``index_select``; each
+    member's output at its index of ``out``."""
+    got = gathered.index_select(0, torch.cat([p for _, _, p in members]) if len(members) > 1 else members[0][2])
+    for (i, call, _), part in zip(members, torch.split(got, [p.numel() for _, _, p in members]), strict=True):
+        out[i] = part.view(*call.shape, gathered.shape[1]) if not call.bag else part
 
 
 def _pool_bags(
-    gathered: torch.Tensor, members: Sequence[tuple[Call, torch.Tensor]], mode: str, weighted: bool
+    gathered: torch.Tensor,
+    members: Sequence[tuple[int, Call, torch.Tensor]],
+    out: list[torch.Tensor],
+    mode: str,
+    weighted: bool,
 ) -> None:
-    """One ``embedding_bag`` over the members' bags, each call's bags one after another (offsets shifted)."""
+    """One ``embedding_bag`` over the members' bags, each call's bags one after another (offsets shifted); each
+    member's output at its index of ``out``."""
     positions, offsets, bags = [], [], []
     weights: list[torch.Tensor] = []
     at = 0
-    for call, pos in members:
+    for _, call, pos in members:
         flat, offs, w = _as_bags(call, pos)
         positions.append(flat)
         offsets.append(offs + at)
@@ -251,12 +280,12 @@ def _pool_bags(
             weights.append(w)
         bags.append(offs.numel())
         at += flat.numel()
-    out = nn.functional.embedding_bag(
+    pooled = nn.functional.embedding_bag(
         torch.cat(positions), gathered, torch.cat(offsets), mode=mode,
         per_sample_weights=torch.cat(weights) if weighted else None,
     )  # fmt: skip
-    for (call, _), part in zip(members, torch.split(out, bags), strict=True):
-        call.out.resolve(part)
+    for (i, _, _), part in zip(members, torch.split(pooled, bags), strict=True):
+        out[i] = part
 
 
 def _as_bags(call: Call, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

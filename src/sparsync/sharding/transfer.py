@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from sparsync.sharding.ownership import Ownership
+from sparsync.sharding.group import Ownership
 
 
 def scatter_rows(table: torch.Tensor, ownership: Ownership, group: dist.ProcessGroup) -> torch.Tensor:
