@@ -8,16 +8,21 @@ or loopback), each part of a DLRM-like step is timed as the trainer sends it and
   ``dist.all_reduce`` per bucket (gloo's ring);
 - sparse: the tables' row-sparse gradients replicated, in one ``grouped_allreduce`` (the algorithm the planner
   prices, forced, so both sides price one algorithm);
-- sharded: the tables sharded (``sparsync.shard``): a forward and a backward, the exchange's all-to-all rounds
-  (ids, rows; gradient rows) timed by their own scopes.
+- sharded: the tables sharded (``sparsync.shard``): a forward and a backward, its exchange's three all-to-all
+  rounds (ids, rows; gradient rows) and the CPU between them.
 
 Each rank looks up ``batch`` uniform ids per table; the planner is given the distinct rows they touch.
 Measured: the median over ``repeats`` of the slowest rank's time of a call after a barrier (dense, sparse);
-for the exchange, of each round's time on the slowest rank (a barrier before forward and before backward),
-summed over the rounds: the least over the ranks would miss the bytes that reached a late rank before it
-started waiting. Predicted on two links: ``derived`` (α = the added delay,
-β = 1/rate, no γ: what a user who knows the network types) and ``measured`` (``sparsync.measure_link`` on the
-same links, in the same run).
+for the sharded tables, of the slowest rank's forward plus the slowest rank's backward (a barrier before
+each): what the step pays for them, the exchange's CPU included. ``sharded_rounds`` keeps the rounds alone
+(each round's time on the slowest rank, from its own scope, summed).
+
+The planner prices the link three ways (``PREDICTIONS``: ``Setting.derived_link``, the same with γ off, and
+``sparsync.measure_link``'s link measured in the same run) and the exchange's CPU with an ``ExchangeCPU``
+fitted before the grid (``fit_exchange_cpu``: the exchange's process CPU time on loopback at P = 2, where no
+link or shared core stretches it). On the check's host the P ranks share C cores: where P > C the ranks' CPU
+runs P/C times slower in wall time, so the check prices the exchange's CPU times ``cpu_factor`` = max(1, P/C),
+a property of the host the check runs on, not of a cluster's plan (one rank a machine there).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import secrets
 import statistics
 import subprocess
@@ -44,7 +50,7 @@ from sparsync.collectives.calibrate import measure_link
 from sparsync.collectives.grouped import grouped_allreduce
 from sparsync.costmodel import LinkModel
 from sparsync.launch import launch
-from sparsync.plan import Cluster, ParamStats, make_plan
+from sparsync.plan import Cluster, ExchangeCPU, ParamStats, make_plan
 from sparsync.plan.step import bucket_layout
 from sparsync.record import CommLog
 from sparsync_bench.criteo import table_rows
@@ -128,10 +134,20 @@ def dense_buckets(setting: Setting) -> list[int]:
     return [sum(math.prod(stats[i].shape) for i in b) for b in layout]
 
 
+def cpu_factor(world: int, cores: int | None = None) -> float:
+    """max(1, P/C): how much slower in wall time each of ``world`` ranks runs its CPU work on ``cores`` cores
+    (default: the cores this process may run on) than on cores of its own."""
+    c = cores if cores is not None else len(os.sched_getaffinity(0))
+    return max(1.0, world / c)
+
+
 # --- prediction --------------------------------------------------------------------------------------------------
-def predict(setting: Setting, link: LinkModel, distinct: Sequence[float]) -> dict[str, Any]:
-    """The planner's seconds of each part (module doc) on ``link``, and the sparse call's algorithm."""
-    cluster = Cluster(setting.world, 1, measured=link)
+def predict(
+    setting: Setting, link: LinkModel, distinct: Sequence[float], cpu: ExchangeCPU | None = None
+) -> dict[str, Any]:
+    """The planner's seconds of each part (module doc) on ``link``, the exchange's CPU priced by ``cpu`` (None:
+    not priced), and the sparse call's algorithm."""
+    cluster = Cluster(setting.world, 1, measured=link, exchange_cpu=cpu)
     tables = table_stats(setting, distinct)
     dense = make_plan(mlp_stats(setting), cluster).step
     out: dict[str, Any] = {"dense": sum(p.seconds for p in dense.parts),
@@ -143,6 +159,7 @@ def predict(setting: Setting, link: LinkModel, distinct: Sequence[float]) -> dic
         out[f"{part}_bytes"] = p.nbytes
         if part == "sparse":
             out["sparse_algorithm"] = p.algorithm
+    out["sharded_cpu"] = 0.0 if cpu is None else cpu.seconds(len(tables), sum(distinct))
     return out
 
 
@@ -176,32 +193,75 @@ def _sparse_grads(setting: Setting, rank: int) -> list[torch.Tensor]:
     return out
 
 
-def _exchange_seconds(setting: Setting, rank: int, log: CommLog) -> Callable[[], float]:
-    """One sharded forward and backward of the tables; returns the rounds' seconds (module doc). Appends the
-    exchange's records to ``log``."""
+def _sharded(setting: Setting, rank: int, log: CommLog) -> tuple[nn.ModuleList, list[torch.Tensor]]:
+    """The tables sharded (their exchange's records appended to ``log``) and this rank's ids per table."""
     torch.manual_seed(setting.seed)
     bags = nn.ModuleList(nn.EmbeddingBag(n, setting.dim, mode="sum") for n in setting.rows)
     model = sparsync.shard(bags, log=log)
     if not isinstance(model, nn.ModuleList):  # shard returns the module it was given, its tables swapped
         raise TypeError(f"sparsync.shard returned a {type(model).__name__}, not the ModuleList it was given")
-    ids = [ids_of(setting, rank, j) for j in range(len(setting.rows))]
+    return model, [ids_of(setting, rank, j) for j in range(len(setting.rows))]
+
+
+def _lookup(model: nn.ModuleList, ids: Sequence[torch.Tensor], offsets: torch.Tensor) -> torch.Tensor:
+    return torch.cat([m(i, offsets) for m, i in zip(model, ids, strict=True)], dim=1)
+
+
+def _exchange_seconds(setting: Setting, rank: int, log: CommLog) -> Callable[[], tuple[float, float]]:
+    """One sharded forward and backward of the tables; returns (the slowest rank's forward plus the slowest
+    rank's backward, the rounds' seconds) (module doc)."""
+    model, ids = _sharded(setting, rank, log)
     offsets = torch.arange(setting.batch)
 
-    def once() -> float:
+    def once() -> tuple[float, float]:
         start = len(log.records)
-        dist.barrier()
-        out = torch.cat([m(i, offsets) for m, i in zip(model, ids, strict=True)], dim=1)
-        dist.barrier()
-        out.sum().backward()  # type: ignore[no-untyped-call]
+        out: list[torch.Tensor] = []
+        whole = _slowest(lambda: out.append(_lookup(model, ids, offsets)))
+        whole += _slowest(lambda: out[0].sum().backward())  # type: ignore[no-untyped-call]
         phases: dict[str, float] = {}
         for r in log.records[start:]:
             for name, t in r.phases.items():
                 phases[name] = phases.get(name, 0.0) + t
         mine = torch.tensor([phases.get(p, 0.0) for p in EXCHANGE_PHASES], dtype=torch.float64)
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
-        return float(mine.sum())
+        return whole, float(mine.sum())
 
     return once
+
+
+# --- the exchange's CPU, fitted (module doc) ---------------------------------------------------------------------
+def cpu_grid(setting: Setting) -> list[tuple[int, int]]:
+    """(tables, ids per table per rank) of the exchanges the CPU fit times: the setting's tables and a third of
+    them, each at a quarter, one and four times its batch (tables and distinct keys varied apart)."""
+    T, B = setting.tables, setting.batch
+    return [(t, b) for t in dict.fromkeys((T, max(1, T // 3))) for b in (max(1, B // 4), B, 4 * B)]
+
+
+def cpu_worker(rank: int, setting: Setting, grid: Sequence[tuple[int, int]]) -> list[tuple[float, float, float]]:
+    """Per (tables, batch) of ``grid``: (tables, distinct keys this rank looks up, the least over ``repeats``
+    of this process's CPU seconds in a sharded forward and backward)."""
+    out = []
+    for tables, batch in grid:
+        s = replace(setting, tables=tables, batch=batch)
+        model, ids = _sharded(s, rank, CommLog())
+        offsets = torch.arange(batch)
+        times = []
+        for _ in range(s.repeats + 1):  # the first warms up (connections, the agreed capacity)
+            dist.barrier()
+            t0 = time.process_time()
+            _lookup(model, ids, offsets).sum().backward()  # type: ignore[no-untyped-call]
+            times.append(time.process_time() - t0)
+        keys = sum(float(torch.unique(i).numel()) for i in ids)
+        out.append((float(tables), keys, min(times[1:])))
+    return out
+
+
+def fit_exchange_cpu(setting: Setting) -> tuple[ExchangeCPU, list[tuple[float, float, float]]]:
+    """``ExchangeCPU`` fitted to ``cpu_worker``'s samples over ``cpu_grid`` on loopback at P = 2 (both ranks'
+    samples), and the samples."""
+    res = launch(cpu_worker, nprocs=2, args=(replace(setting, world=2), cpu_grid(setting)), timeout=300.0)
+    samples = [(float(t), float(k), float(c)) for r in res for t, k, c in r]
+    return ExchangeCPU.fit(samples), samples
 
 
 def ring_step(setting: Setting) -> float:
@@ -227,12 +287,14 @@ def check_worker(rank: int, setting: Setting) -> dict[str, Any]:
     log = CommLog()
     sparse = _median(setting, lambda: _slowest(lambda: grouped_allreduce(grads, algorithm=alg, log=log)))
     shard_log = CommLog()
-    sharded = _median(setting, _exchange_seconds(setting, rank, shard_log))
+    once = _exchange_seconds(setting, rank, shard_log)
+    once()  # warm-up
+    sharded, rounds = (statistics.median(x) for x in zip(*(once() for _ in range(setting.repeats)), strict=True))
     nbytes = torch.tensor([_bytes(log, setting.repeats + 1), _bytes(shard_log, setting.repeats + 1)])
     dist.all_reduce(nbytes)
     return {"dense": sum(per_bucket), "dense_buckets": per_bucket, "sparse": sparse, "sparse_algorithm": alg,
-            "sharded": sharded, "distinct": distinct.tolist(), "link": asdict(link), "ring_step": step,
-            "bytes": {"sparse": float(nbytes[0]) / dist.get_world_size(),
+            "sharded": sharded, "sharded_rounds": rounds, "distinct": distinct.tolist(), "link": asdict(link),
+            "ring_step": step, "bytes": {"sparse": float(nbytes[0]) / dist.get_world_size(),
                       "sharded": float(nbytes[1]) / dist.get_world_size()}}  # fmt: skip
 
 
@@ -242,25 +304,32 @@ def _bytes(log: CommLog, calls: int) -> float:
 
 
 # --- one point, a grid, the report -------------------------------------------------------------------------------
-def run_point(setting: Setting) -> dict[str, Any]:
-    """Measure ``setting`` (namespaces made and removed here when it has a rate) and price it both ways."""
+def run_point(setting: Setting, cpu: ExchangeCPU | None = None, prefix: str = "spp") -> dict[str, Any]:
+    """Measure ``setting`` (namespaces named ``prefix`` and a random suffix, made and removed here when it has
+    a rate) and price it each way (``PREDICTIONS``), the exchange's CPU by ``cpu`` times ``cpu_factor`` (None:
+    not priced)."""
     if setting.rate is None:
         res = launch(check_worker, nprocs=setting.world, args=(setting,), timeout=300.0)[0]
-    else:  # names "spp<hex>...": this checker's, apart from other runs'
+    else:  # names "<prefix><hex>...": this checker's, apart from other runs'
         spec = NetSpec(setting.rate, setting.delay)
-        with NetNamespaces(setting.world, spec, prefix="spp" + secrets.token_hex(2)) as ns:
+        with NetNamespaces(setting.world, spec, prefix=prefix + secrets.token_hex(2)) as ns:
             if setting.burst is not None:
                 set_burst(ns, setting.rate, setting.burst)
             res = launch(check_worker, nprocs=setting.world, args=(setting,), setup=ns.rank_setup(),
                          timeout=300.0)[0]  # fmt: skip
     link = LinkModel(**res["link"])
-    derived = predict(setting, setting.derived_link(res["ring_step"], link), res["distinct"])
-    nominal = predict(setting, setting.derived_link(res["ring_step"]), res["distinct"])
-    measured_link = predict(setting, link, res["distinct"])
-    measured = {p: res[p] for p in (*PARTS, "dense_buckets", "sparse_algorithm", "bytes", "ring_step")}
+    factor = cpu_factor(setting.world)
+    host = None if cpu is None else cpu.scaled(factor)
+    derived = predict(setting, setting.derived_link(res["ring_step"], link), res["distinct"], host)
+    nominal = predict(setting, setting.derived_link(res["ring_step"]), res["distinct"], host)
+    measured_link = predict(setting, link, res["distinct"], host)
+    keys = (*PARTS, "sharded_rounds", "dense_buckets", "sparse_algorithm", "bytes", "ring_step", "distinct")
+    measured = {p: res[p] for p in keys}
     ratio = {p: derived[p] / measured[p] for p in PARTS}
+    ratio["sharded_rounds"] = (derived["sharded"] - derived["sharded_cpu"]) / measured["sharded_rounds"]
     return {"setting": asdict(setting), "measured": measured, "predicted": derived, "predicted_gamma_off": nominal,
-            "predicted_measured_link": measured_link, "ratio": ratio, "link": res["link"]}  # fmt: skip
+            "predicted_measured_link": measured_link, "ratio": ratio, "link": res["link"],
+            "exchange_cpu": None if cpu is None else asdict(cpu), "cpu_factor": factor}  # fmt: skip
 
 
 def set_burst(ns: NetNamespaces, rate: str, burst: int) -> None:
@@ -280,16 +349,21 @@ def grid(worlds: Sequence[int], delays: Sequence[str | None], rate: str | None, 
 
 
 def table(points: Sequence[dict[str, Any]]) -> str:
-    """A markdown table: per point and part, measured and predicted ms and their ratio."""
+    """A markdown table: per point and part, measured and predicted ms and their ratio; the sharded part also
+    as its rounds alone against the network price alone (the exchange's CPU left out of both)."""
     lines = ["| P | link | part | measured ms | predicted ms | ratio | γ off: ms | ratio | measure_link: ms "
              "| ratio |", "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for pt in points:
         s = pt["setting"]
         link = f"{s['rate']} + {s['delay']}" if s["rate"] else "loopback"
-        for p in PARTS:
+        factor = f" (CPU x{pt.get('cpu_factor', 1.0):.3g})" if pt.get("exchange_cpu") else ""
+        for p in (*PARTS, "sharded_rounds"):
             m = pt["measured"][p]
-            name = f"sparse ({pt['measured']['sparse_algorithm']})" if p == "sparse" else p
-            cells = [f"{pt[k][p] * 1e3:.2f} | {pt[k][p] / m:.2f}" for k in PREDICTIONS]
+            name = {"sparse": f"sparse ({pt['measured']['sparse_algorithm']})", "sharded": f"sharded{factor}",
+                    "sharded_rounds": "sharded: rounds, network price"}.get(p, p)  # fmt: skip
+            got = [pt[k]["sharded"] - pt[k]["sharded_cpu"] if p == "sharded_rounds" else pt[k][p]
+                   for k in PREDICTIONS]  # fmt: skip
+            cells = [f"{g * 1e3:.2f} | {g / m:.2f}" for g in got]
             lines.append(f"| {s['world']} | {link} | {name} | {m * 1e3:.2f} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
@@ -304,6 +378,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-rows", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--burst", type=int, default=None, help="bytes of every link's tbf bucket (default: netem's)")
+    ap.add_argument("--no-cpu", action="store_true", help="leave the exchange's CPU unpriced (no fit)")
+    ap.add_argument("--netns-prefix", default="spp", help="the namespaces' name prefix (a random suffix follows)")
     ap.add_argument("--out", type=Path, default=None, help="write OUT.json and OUT.md")
     return ap.parse_args(argv)
 
@@ -312,10 +388,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = parse_args(argv)
     base = Setting(2, batch=a.batch, tables=a.tables, max_rows=a.max_rows, repeats=a.repeats, burst=a.burst)
     delays: list[str | None] = [d for d in a.delay.split(",") if d] or [None]
+    cpu, samples = (None, []) if a.no_cpu else fit_exchange_cpu(base)
+    print(f"exchange CPU: {cpu}", flush=True)
     points = []
     for s in grid([int(w) for w in a.world.split(",")], delays, a.net, base):
-        points.append(run_point(s))
-        print(table(points[-1:]).splitlines()[-3:], flush=True)
+        points.append({**run_point(s, cpu, a.netns_prefix), "exchange_cpu_samples": samples})
+        print("\n".join(table(points[-1:]).splitlines()[2:]), flush=True)
     text = table(points)
     print(text)
     if a.out is not None:

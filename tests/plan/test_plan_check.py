@@ -12,9 +12,19 @@ from typing import Any
 
 import pytest
 
+from sparsync.plan import ExchangeCPU
 from sparsync.plan.step import bucket_layout
 from sparsync_bench.dlrm import mlp_shapes
-from sparsync_bench.plan_check import PARTS, PREDICTIONS, Setting, dense_buckets, main, run_point
+from sparsync_bench.plan_check import (
+    PARTS,
+    PREDICTIONS,
+    Setting,
+    cpu_factor,
+    cpu_grid,
+    dense_buckets,
+    main,
+    run_point,
+)
 
 TINY = Setting(2, batch=16, tables=3, max_rows=1000, repeats=1)
 
@@ -29,6 +39,18 @@ def test_dense_buckets_are_the_optimizers_over_the_mlps() -> None:
     layout = bucket_layout([(4 * n, 4) for n in sizes])
     assert dense_buckets(Setting(2)) == [sum(sizes[i] for i in b) for b in layout]
     assert sum(dense_buckets(Setting(2))) == sum(sizes) and len(layout) == 2
+
+
+def test_cpu_factor_is_ranks_over_cores_from_one() -> None:
+    assert cpu_factor(16, 2) == 8.0 and cpu_factor(3, 2) == 1.5 and cpu_factor(2, 2) == 1.0
+    assert cpu_factor(1, 4) == 1.0
+
+
+def test_cpu_grid_varies_tables_and_keys_apart() -> None:
+    assert cpu_grid(Setting(2, tables=26, batch=512)) == [
+        (26, 128), (26, 512), (26, 2048), (8, 128), (8, 512), (8, 2048)
+    ]  # fmt: skip
+    assert cpu_grid(Setting(2, tables=1, batch=2)) == [(1, 1), (1, 2), (1, 8)]
 
 
 def test_bad_settings_name_the_value() -> None:
@@ -55,14 +77,22 @@ def test_the_smallest_point_on_loopback_measures_and_predicts_every_part(tmp_pat
         for part in PARTS:
             assert _finite_positive(pt[side][part]), (side, part, pt[side][part])
         assert len(pt[side]["dense_buckets"]) == 2 and all(map(_finite_positive, pt[side]["dense_buckets"]))
-    assert pt["ratio"] == {p: pytest.approx(pt["predicted"][p] / pt["measured"][p]) for p in PARTS}
+    assert {p: pt["ratio"][p] for p in PARTS} == {p: pytest.approx(pt["predicted"][p] / pt["measured"][p])
+                                                  for p in PARTS}  # fmt: skip
     assert pt["measured"]["sparse_algorithm"] == pt["predicted"]["sparse_algorithm"]
+    # the exchange's CPU: fitted on its samples, times the check host's factor, in the sharded part
+    cpu = ExchangeCPU(**pt["exchange_cpu"])
+    assert cpu == ExchangeCPU.fit([tuple(x) for x in pt["exchange_cpu_samples"]])
+    assert cpu.seconds(3, 1000) > 0 and pt["cpu_factor"] == cpu_factor(2)
+    want = cpu.scaled(pt["cpu_factor"]).seconds(3, sum(pt["measured"]["distinct"]))
+    assert pt["predicted"]["sharded_cpu"] == pytest.approx(want, rel=1e-12)
+    assert _finite_positive(pt["measured"]["sharded_rounds"])
     for part in ("sparse", "sharded"):  # the planner's bytes are what the calls counted (the exchange's headers
         want = pt["measured"]["bytes"][part]  # and padding, ~3% at this size, aside)
         assert pt["predicted"][f"{part}_bytes"] == pytest.approx(want, rel=0.1), part
     assert _finite_positive(pt["measured"]["ring_step"]) and pt["link"]["beta"] > 0
     lines = out.with_suffix(".md").read_text().splitlines()
-    assert len(lines) == 2 + len(PARTS) and lines[2].startswith("| 2 | loopback | dense |")
+    assert len(lines) == 3 + len(PARTS) and lines[2].startswith("| 2 | loopback | dense |")
     assert f"| {pt['measured']['dense'] * 1e3:.2f} | {pt['predicted']['dense'] * 1e3:.2f} |" in lines[2]
 
 

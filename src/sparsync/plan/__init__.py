@@ -4,7 +4,7 @@ registry (``registry``), a placement per parameter by predicted communication ti
 the α-β model on a ``cluster``), and the partition search for the parameter server (``partition``: §3.2)."""
 
 from sparsync.placement.embeddings import embedding_modules
-from sparsync.plan.cluster import Cluster, ServerModel
+from sparsync.plan.cluster import Cluster, ExchangeCPU, ServerModel
 from sparsync.plan.detect import ParamStats, RowFractionMeter, sparse_param_names
 from sparsync.plan.kinds import Estimate, MakeOptions, PlacementKind, machine_row_fraction
 from sparsync.plan.partition_search import PartitionSearch, fit_iteration_time, search_partitions
@@ -16,6 +16,7 @@ __all__ = [
     "Cluster",
     "Entry",
     "Estimate",
+    "ExchangeCPU",
     "KindRegistry",
     "MakeOptions",
     "ParamStats",

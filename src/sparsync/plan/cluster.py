@@ -1,11 +1,15 @@
-"""The machines a plan is priced on (Parallax §3.1, Table 3): their count, workers per machine, links, and the
-parameter servers' measured costs. The placement kinds' estimates (``plan.kinds``) and the planner read it."""
+"""The machines a plan is priced on (Parallax §3.1, Table 3): their count, workers per machine, links, the
+parameter servers' measured costs and the sharded exchange's CPU. The placement kinds' estimates
+(``plan.kinds``) and the planner read it."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import torch
 
 from sparsync.costmodel import LinkModel
 
@@ -32,6 +36,57 @@ class ServerModel:
 
 
 @dataclass(frozen=True)
+class ExchangeCPU:
+    """A rank's CPU seconds in one sharded step's exchange (``sparsync.shard``), apart from its bytes on the
+    wire: the ids' dedupe and routing, the owners' ``index_select``, the pooling, the owners' sort and sum of
+    the gradient rows, the rounds' copies. Linear in what a rank handles, ``per_step + per_table·T +
+    per_key·K`` for T tables and K distinct keys a rank looks up (the owners serve K keys on average too), as
+    the α-β-γ model charges a collective's computation per element (Chan et al. 2007, γ) and Parallax §3.2
+    fits its iteration time from sampled runs. The exchange runs on the step's path, so the step pays it
+    whole. ``fit`` gives the constants of a host from timed exchanges."""
+
+    per_step: float  # seconds per exchange step (the rounds' set-up, the stages' fixed work)
+    per_table: float  # seconds per table looked up (its call's registration, its slices of each stage)
+    per_key: float  # seconds per distinct key a rank looks up (its row read, sent, pooled, its gradient summed)
+
+    def __post_init__(self) -> None:
+        terms = (self.per_step, self.per_table, self.per_key)
+        if not all(math.isfinite(t) and t >= 0 for t in terms):
+            raise ValueError(f"ExchangeCPU terms must be finite and >= 0, got {terms}")
+
+    def seconds(self, tables: float, keys: float) -> float:
+        """CPU seconds of a step that looks up ``keys`` distinct keys in ``tables`` tables."""
+        return self.per_step + self.per_table * tables + self.per_key * keys
+
+    def scaled(self, factor: float) -> ExchangeCPU:
+        """Every term times ``factor`` (e.g. P ranks sharing C < P cores: P/C)."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"factor must be finite and > 0, got {factor}")
+        return ExchangeCPU(self.per_step * factor, self.per_table * factor, self.per_key * factor)
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[float, float, float]]) -> ExchangeCPU:
+        """Least squares over (tables, keys, seconds) ``samples``, float64; a term fitted below zero is
+        dropped and the rest fitted again (the constants are costs)."""
+        if len(samples) < 3 or len({(t, k) for t, k, _ in samples}) < 3:
+            raise ValueError(f"fit needs >= 3 samples at 3 distinct (tables, keys), got {len(samples)}: {samples}")
+        if any(not (math.isfinite(x) and x >= 0) for row in samples for x in row):
+            raise ValueError(f"samples must be finite and >= 0, got {samples}")
+        a = torch.tensor([[1.0, t, k] for t, k, _ in samples], dtype=torch.float64)
+        b = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)
+        keep = [0, 1, 2]
+        while True:
+            x = torch.linalg.lstsq(a[:, keep], b, driver="gelsd").solution[:, 0].tolist()
+            if min(x) >= 0 or len(keep) == 1:
+                break
+            del keep[min(range(len(keep)), key=lambda i: x[i])]
+        terms = [0.0, 0.0, 0.0]
+        for i, v in zip(keep, x, strict=True):
+            terms[i] = max(v, 0.0)
+        return cls(*terms)
+
+
+@dataclass(frozen=True)
 class Cluster:
     machines: int  # N
     procs_per_machine: int = 1  # workers per machine (they share one NIC and one server)
@@ -49,6 +104,9 @@ class Cluster:
     # the backend whose collective algorithms price a dense allreduce (``plan.backend``): "gloo" runs rings,
     # "nccl" rings or trees by message size
     backend: str = "gloo"
+    # a rank's CPU in the sharded exchange (``ExchangeCPU``, fitted on the ranks' host); None: the exchange is
+    # priced by its bytes and rounds only
+    exchange_cpu: ExchangeCPU | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("gloo", "nccl"):

@@ -201,8 +201,9 @@ class ShardedKind(PlacementKind):
     measured ``alpha_a2a`` (on two levels ``plan.backend.all_to_all_latency``), plus one direction's bytes at
     the exchange's β. All sharded tables of a model travel in one exchange (``sparsync.shard``),
     so the rounds' latency is the kind's ``shared_seconds``, paid once per step, and a table's estimate is only
-    its bytes' time. The owners' apply is not priced, as the parameter server's is
-    not."""
+    its bytes' time. With the cluster's ``exchange_cpu`` the exchange's CPU is priced too: its ``per_step`` in
+    ``shared_seconds``, ``per_table + per_key·u`` in a table's estimate. The owners' apply is not priced, as the
+    parameter server's is not."""
 
     name = "sharded"
     swaps_module = True
@@ -218,10 +219,12 @@ class ShardedKind(PlacementKind):
         u = s.row_fraction * rows
         nbytes = 2 * m * u * (P - m) / P * (ID_WIRE_BYTES + 2 * s.itemsize * D)
         beta = c.link.beta_exchange if c.link.beta_exchange is not None else c.link.beta
-        return Estimate(nbytes, beta * nbytes / 2)
+        cpu = 0.0 if c.exchange_cpu is None else c.exchange_cpu.seconds(1, u) - c.exchange_cpu.per_step
+        return Estimate(nbytes, beta * nbytes / 2 + cpu)
 
     def shared_seconds(self, c: Cluster) -> float:
-        return ROUNDS * all_to_all_latency(c)
+        cpu = 0.0 if c.exchange_cpu is None else c.exchange_cpu.per_step
+        return ROUNDS * all_to_all_latency(c) + cpu
 
     def make(self, options: MakeOptions) -> Placement:
         return Sharded()
