@@ -20,12 +20,12 @@ as one ``torch.distributed.checkpoint`` checkpoint, each rank writing its rows, 
 from sparsync.placement.sharded import plan_of
 from sparsync.sharding.api import Lookahead, shard
 from sparsync.sharding.auto import AUTO_KINDS, AutoPlan, auto_plan
+from sparsync.sharding.checkpoint import load_optimizer_state_dict, optimizer_state_dict
 from sparsync.sharding.exchange import Exchanger
 from sparsync.sharding.fused import SGD, Adagrad, Adam, RowwiseAdagrad, dense_parameters
 from sparsync.sharding.group import Ownership
 from sparsync.sharding.lazy import LazyLookup
 from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
-from sparsync.sharding.optim_state import load_optimizer_state_dict, optimizer_state_dict
 
 __all__ = [
     "AUTO_KINDS",

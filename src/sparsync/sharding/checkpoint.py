@@ -1,13 +1,21 @@
-"""One DCP checkpoint of a model and its optimizer (``dcp``): ``save(path, model, optimizer)`` on every rank,
-``load(path, model, optimizer)`` on every rank of any world size, or in one process into the unsharded model.
+"""A model with sharded tables and its optimizer, saved at one world size and loaded at any other: as one DCP
+checkpoint (``save(path, model, optimizer)`` / ``load`` on every rank, or in one process with the unsharded
+model), or as full state dicts gathered on rank 0 (``optimizer_state_dict`` / ``load_optimizer_state_dict``,
+beside the model's ``state_dict="full"``).
 
-What it holds: ``model``: the model's state dict, each sharded table in row blocks (``ShardedTable``'s
-``"sharded"`` layout); ``optimizer.rows.<table>.<name>``: each table's per-row optimizer state (a tensor of
-the table's local shape: Adagrad's sums, Adam's moments, SGD's momentum, written dense), in row blocks too for a
-sharded table, whole for a table of the unsharded model; ``optimizer.rest``: the rest of
-``optimizer.state_dict()`` (steps, hyperparameters, the state of the dense parameters, a
-``DistributedOptimizer``'s bucket layout), one object. A table is an ``nn.Embedding`` / ``nn.EmbeddingBag`` or
-a sharded one, named by its weight's name in the model.
+The optimizer's state has three parts: each table's per-row state (a tensor of the table's local shape in a
+torch optimizer's state of the table's weight, written dense: Adagrad's sums, Adam's moments, SGD's momentum; or
+the state of the table's rows in its fused optimizer, ``sparsync.shard(optimizer=...)``: ``fused``'s sums and
+moments, row-wise Adagrad's one value per row), Adam's per-table step counts (fused; the same on every rank), and
+the rest of ``optimizer.state_dict()`` (steps, hyperparameters, the dense parameters' state, a
+``DistributedOptimizer``'s bucket layout), which every rank holds alike. A table is an ``nn.Embedding`` /
+``nn.EmbeddingBag`` or a sharded one, named by its weight's name in the model.
+
+The DCP checkpoint holds ``model`` (the model's state dict, each sharded table in row blocks: ``dcp``),
+``optimizer.rows.<table>.<name>`` (a torch optimizer's per-row state, in row blocks for a sharded table, whole for
+a table of the unsharded model), ``optimizer.rest`` (the rest, one object) and, for a model whose tables have a
+fused optimizer, ``fused.<table>.<name>`` (its per-row state in row blocks, its step count whole). The fused part
+goes with the model: it is saved and loaded whether or not ``optimizer`` is given.
 """
 
 from __future__ import annotations
@@ -17,31 +25,33 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from sparsync.sharding import dcp
+from sparsync.sharding.fused import Fused
 from sparsync.sharding.modules import ShardedTable
+from sparsync.sharding.transfer import gather_rows
 
-ROWS = "optimizer.rows."
+__all__ = ["load", "load_optimizer_state_dict", "optimizer_state_dict", "save"]
 
 
 @contextmanager
-def _layout(model: nn.Module, layout: str, block_rows: int = dcp.BLOCK_ROWS) -> Iterator[None]:
-    """Every sharded table of ``model`` saves in ``layout``, and moves rows in windows of ``block_rows`` per
-    rank, inside the block."""
+def _local(model: nn.Module) -> Iterator[None]:
+    """Every sharded table of ``model`` gives its state dict as its shard (``"local"``)."""
     tables = [m for m in model.modules() if isinstance(m, ShardedTable)]
-    before = [(m.state_dict_layout, m.dcp_block_rows) for m in tables]
+    before = [m.state_dict_layout for m in tables]
     for m in tables:
-        m.state_dict_layout, m.dcp_block_rows = layout, block_rows
+        m.state_dict_layout = "local"
     try:
         yield
     finally:
-        for m, (b, rows) in zip(tables, before, strict=True):
-            m.state_dict_layout, m.dcp_block_rows = b, rows
+        for m, layout in zip(tables, before, strict=True):
+            m.state_dict_layout = layout
 
 
 def _tables(model: nn.Module) -> dict[str, nn.Module]:
@@ -50,55 +60,169 @@ def _tables(model: nn.Module) -> dict[str, nn.Module]:
     return {f"{n}.weight" if n else "weight": m for n, m in model.named_modules() if isinstance(m, kinds)}
 
 
+def _fused(model: nn.Module) -> dict[str, ShardedTable]:
+    """weight name -> table, for the sharded tables that have a fused optimizer."""
+    return {n: t for n, t in _tables(model).items() if isinstance(t, ShardedTable) and t.group.fused is not None}
+
+
+def _fused_state(table: ShardedTable) -> dict[str, torch.Tensor]:
+    """Views of ``table``'s rows in its fused optimizer's state (``Fused.table_state``)."""
+    fused = table.group.fused
+    if not isinstance(fused, Fused):
+        raise TypeError(f"{table.describe()}: expected one of sparsync.sharding's optimizers, got {type(fused)}")
+    return fused.table_state(table.slot)
+
+
+def _optimizer(opt: Any) -> torch.optim.Optimizer:
+    """The torch optimizer itself (``DistributedOptimizer`` wraps one as ``.optimizer``)."""
+    inner = getattr(opt, "optimizer", opt)
+    if not isinstance(inner, torch.optim.Optimizer):
+        raise TypeError(f"expected a torch optimizer or sparsync.DistributedOptimizer, got {type(opt).__name__}")
+    return inner
+
+
 def _indices(opt: Any, model: nn.Module) -> dict[int, str]:
     """Index of each table's weight in the optimizer's state dict -> its name."""
-    inner = getattr(opt, "optimizer", opt)
     names = {id(m.weight): n for n, m in _tables(model).items()}
-    params = [p for g in inner.param_groups for p in g["params"]]
+    params = [p for g in _optimizer(opt).param_groups for p in g["params"]]
     return {i: names[id(p)] for i, p in enumerate(params) if id(p) in names}
 
 
-def _as_checkpoint(value: torch.Tensor, table: nn.Module) -> torch.Tensor:
+def _per_row(value: Any, weight: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape == weight.shape
+
+
+# --- full state dicts --------------------------------------------------------------------------------------------
+def optimizer_state_dict(opt: Any, model: nn.Module) -> dict[str, Any] | None:
+    """``opt.state_dict()`` with each sharded table's per-row state gathered whole (``[rows, D]``) and, for tables
+    with a fused optimizer, ``"fused"``: ``{table: {name: whole per-row state, or the step count}}``, on the
+    tables' group rank 0; None on the other ranks (a model without shards: None on every rank but the world's
+    rank 0). ``opt``: a torch optimizer over ``model``'s parameters, a ``DistributedOptimizer``, or None (the
+    fused state alone). Collective over the tables' group: every rank calls it."""
+    # the wrapper's own state_dict: a DistributedOptimizer adds its bucket layout, without which the resumed
+    # run's first round would reduce the step-time way and differ in the last bits
+    sd: dict[str, Any] = {"state": {}} if opt is None else opt.state_dict()
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    tables = _tables(model)
+    for i, name in sorted(_indices(opt, model).items()) if opt is not None else ():
+        table = tables[name]
+        if not isinstance(table, ShardedTable) or i not in sd["state"]:
+            continue
+        rank0 = table.exchanger.rank == 0
+        # a copy: torch's state_dict() holds the optimizer's live per-parameter dicts, which must keep the shard's
+        # rows (a step after saving would otherwise find the whole table, or None, in place of its state)
+        state = sd["state"][i] = dict(sd["state"][i])
+        for key in sorted(state):
+            if _per_row(state[key], table.weight):
+                # a sparse gradient's momentum (SGD) is a sparse tensor of the shard's shape: gathered dense
+                dense = state[key].to_dense() if state[key].is_sparse else state[key]
+                state[key] = gather_rows(dense, table.ownership, table.exchanger.group)
+    fused: dict[str, dict[str, Any]] = {}
+    for name, table in sorted(_fused(model).items()):
+        rank0 = table.exchanger.rank == 0
+        for key, value in sorted(_fused_state(table).items()):
+            group = table.exchanger.group
+            fused.setdefault(name, {})[key] = (
+                value.clone() if value.dim() == 0 else gather_rows(value, table.ownership, group)
+            )
+    if fused:
+        sd["fused"] = fused
+    return sd if rank0 else None
+
+
+def load_optimizer_state_dict(opt: Any, model: nn.Module, state_dict: dict[str, Any]) -> None:
+    """Load ``state_dict`` (from ``optimizer_state_dict``, saved at any P) into ``opt`` (None: the fused state
+    alone) and the tables' fused optimizers: each shard's whole per-row state ``[rows, D]`` gives this rank its
+    rows; a ``DistributedOptimizer`` also takes the saved bucket layout, so the resumed run reduces in the same
+    buckets from its first step. Every rank calls it with the same dict. ValueError naming a fused table whose
+    state the dict lacks. Mutates ``opt`` and the fused optimizers' state."""
+    sd = {k: v for k, v in state_dict.items() if k != "fused"}  # other keys (the bucket layout) as saved
+    sd["state"] = {i: dict(s) for i, s in state_dict["state"].items()}
+    tables = _tables(model)
+    for i, name in _indices(opt, model).items() if opt is not None else ():
+        table = tables[name]
+        if not isinstance(table, ShardedTable):
+            continue
+        state = sd["state"].get(i, {})
+        whole = (table.num_embeddings, table.embedding_dim)
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == whole:
+                state[key] = value[table.ownership.global_rows(table.exchanger.rank)].clone()
+    saved = state_dict.get("fused", {})
+    for name, table in _fused(model).items():
+        for key, view in _fused_state(table).items():
+            value = _saved_fused(saved, name, key)
+            view.copy_(value if view.dim() == 0 else value[table.ownership.global_rows(table.exchanger.rank)])
+    if opt is not None:
+        opt.load_state_dict(sd)
+
+
+def _saved_fused(saved: dict[str, dict[str, torch.Tensor]], name: str, key: str) -> torch.Tensor:
+    if key not in saved.get(name, {}):
+        raise ValueError(
+            f"the state dict holds no {key!r} of the fused optimizer of table {name!r} (saved from a model "
+            "without sparsync.shard(optimizer=...), or with another one)"
+        )
+    return saved[name][key]
+
+
+# --- one DCP checkpoint ------------------------------------------------------------------------------------------
+def _written(value: torch.Tensor, table: nn.Module, block_rows: int) -> Any:
+    """What the checkpoint writes for the table-shaped tensor ``value`` of ``table``: its row blocks, made window
+    by window (``dcp.Strided``; a table too small for that: made whole), or the whole tensor of an unsharded
+    table."""
     dense = value.to_dense() if value.is_sparse else value
-    if isinstance(table, ShardedTable):
-        group = table.exchanger.link.group
-        return dcp.to_dtensor(dense, table.num_embeddings, group, block_rows=table.dcp_block_rows)
-    return dense
+    if not isinstance(table, ShardedTable):
+        return dense
+    group = table.exchanger.link.group
+    strided = dcp.Strided(dense.detach(), table.num_embeddings, group, block_rows)
+    return dcp.to_dtensor(dense, table.num_embeddings, group) if strided.blocks.empty_block() else strided
 
 
-def _optimizer_state(opt: Any, model: nn.Module) -> dict[str, Any]:
-    """The optimizer's part of the checkpoint (module doc). Collective over the tables' groups."""
+def _optimizer_state(opt: Any, model: nn.Module, block_rows: int) -> dict[str, Any]:
+    """The torch optimizer's part of the checkpoint (module doc)."""
     sd = opt.state_dict()
     tables = _tables(model)
-    rows: dict[str, dict[str, torch.Tensor]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     state = dict(sd["state"])
     for i, name in sorted(_indices(opt, model).items()):
         if i not in state:
             continue
-        weight = tables[name].weight
         entry = state[i] = dict(state[i])
         for key in sorted(entry):
-            value = entry[key]
-            if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape == weight.shape:
-                rows.setdefault(name, {})[key] = _as_checkpoint(value, tables[name])
+            if _per_row(entry[key], tables[name].weight):
+                rows.setdefault(name, {})[key] = _written(entry[key], tables[name], block_rows)
                 entry[key] = None  # filled from rows at load
     return {"rows": rows, "rest": ({**sd, "state": state},)}  # a tuple: DCP writes it as one object
 
 
 def save(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int = dcp.BLOCK_ROWS) -> None:
-    """Write ``model``'s state (its sharded tables in row blocks) and ``optimizer``'s (a torch optimizer or a
-    ``DistributedOptimizer`` over ``model``'s parameters, or None) to the DCP checkpoint directory ``path``
-    (module doc); stored chunks of at most ``block_rows`` rows. Collective: every rank calls it."""
-    with _layout(model, "sharded", block_rows):
-        state: dict[str, Any] = {"model": model.state_dict()}
-        if optimizer is not None:
-            state["optimizer"] = _optimizer_state(optimizer, model)
-    dcp_save(state, checkpoint_id=path, planner=dcp.BlockSavePlanner(block_rows))
+    """Write ``model``'s state (its sharded tables in row blocks, with their fused optimizers' state) and
+    ``optimizer``'s (a torch optimizer or a ``DistributedOptimizer`` over ``model``'s parameters, or None) to the
+    DCP checkpoint directory ``path`` (module doc); rows re-blocked in windows of ``block_rows`` per rank and
+    stored in chunks of at most ``block_rows`` rows. Collective: every rank calls it."""
+    with _local(model):
+        model_sd = model.state_dict()
+    for name, table in _tables(model).items():
+        if isinstance(table, ShardedTable):
+            model_sd[name] = _written(table.weight, table, block_rows)
+    state: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        state["optimizer"] = _optimizer_state(optimizer, model, block_rows)
+    fused = {name: {key: value if value.dim() == 0 else _written(value, table, block_rows)
+                    for key, value in _fused_state(table).items()}
+             for name, table in _fused(model).items()}  # fmt: skip
+    if fused:
+        state["fused"] = fused
+    # one writer thread: it asks for each rank's chunks in plan order, which ``dcp.Strided`` makes collectively
+    writer = FileSystemWriter(path, single_file_per_rank=True, thread_count=1)
+    dcp_save(state, storage_writer=writer, planner=dcp.WindowSavePlanner(block_rows))
 
 
-def _check(meta: Metadata, tables: dict[str, nn.Module]) -> None:
-    """ValueError naming the first table whose saved shape or dtype differs from the model's."""
-    for name, table in tables.items():
+def _check(meta: Metadata, model: nn.Module) -> None:
+    """ValueError naming the first table whose saved shape or dtype differs from the model's, or a fused table
+    whose state the checkpoint lacks."""
+    for name, table in _tables(model).items():
         md = meta.state_dict_metadata.get("model." + name)
         if not isinstance(md, TensorStorageMetadata):
             continue
@@ -109,67 +233,87 @@ def _check(meta: Metadata, tables: dict[str, nn.Module]) -> None:
                 f"the checkpoint's table {name!r} has shape {tuple(md.size)} and dtype {md.properties.dtype}; "
                 f"the model's has shape {want} and dtype {dtype}"
             )
+    for name, table in _fused(model).items():
+        for key in _fused_state(table):
+            if f"fused.{name}.{key}" not in meta.state_dict_metadata:
+                raise ValueError(
+                    f"the checkpoint holds no {key!r} of the fused optimizer of table {name!r} (saved from a "
+                    "model without sparsync.shard(optimizer=...), or with another one)"
+                )
 
 
-def _target(table: nn.Module, size: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised tensor of the checkpoint's ``size`` in ``table``'s layout, for ``dcp.load`` to fill."""
-    if isinstance(table, ShardedTable):
-        return dcp.empty_dtensor(size[0], size[1], dtype, table.exchanger.link.group)
-    return torch.empty(size, dtype=dtype)
+def _rows_saved(meta: Metadata, name: str) -> dict[str, TensorStorageMetadata]:
+    """name -> metadata of each per-row state of table ``name`` a torch optimizer saved."""
+    prefix = f"optimizer.rows.{name}."
+    return {key[len(prefix) :]: md for key, md in meta.state_dict_metadata.items()
+            if key.startswith(prefix) and isinstance(md, TensorStorageMetadata)}  # fmt: skip
 
 
 def _targets(meta: Metadata, model: nn.Module, optimizer: Any) -> dict[str, Any]:
-    """What ``dcp.load`` fills: the model's tensors (its sharded tables as row blocks) and, with ``optimizer``,
-    every per-row state the checkpoint holds and the rest."""
-    tables = _tables(model)
-    with _layout(model, "local"):
-        model_sd = model.state_dict()
-    for name, table in tables.items():
-        if isinstance(table, ShardedTable):
-            size = torch.Size([table.num_embeddings, table.embedding_dim])
-            model_sd[name] = _target(table, size, table.weight.dtype)
+    """What ``dcp.load`` fills in place: the model's tensors but the sharded tables, the per-row state of the
+    unsharded tables, the fused optimizers' step counts, and the rest of the optimizer's state."""
+    sharded = {n for n, t in _tables(model).items() if isinstance(t, ShardedTable)}
+    with _local(model):
+        model_sd = {k: v for k, v in model.state_dict().items() if k not in sharded}
     state: dict[str, Any] = {"model": model_sd}
-    if optimizer is None:
-        return state
-    rows: dict[str, dict[str, torch.Tensor]] = {}
-    for key, md in meta.state_dict_metadata.items():
-        for name, table in tables.items():
-            prefix = ROWS + name + "."
-            if key.startswith(prefix) and "." not in key[len(prefix) :] and isinstance(md, TensorStorageMetadata):
-                rows.setdefault(name, {})[key[len(prefix) :]] = _target(table, md.size, md.properties.dtype)
-    state["optimizer"] = {"rows": rows, "rest": None}
+    steps = {name: {k: v for k, v in _fused_state(t).items() if v.dim() == 0} for name, t in _fused(model).items()}
+    if any(steps.values()):
+        state["fused"] = {name: s for name, s in steps.items() if s}
+    if optimizer is not None:
+        rows = {name: {key: torch.empty(md.size, dtype=md.properties.dtype)
+                       for key, md in _rows_saved(meta, name).items()}
+                for name in _tables(model) if name not in sharded}  # fmt: skip
+        state["optimizer"] = {"rows": {n: r for n, r in rows.items() if r}, "rest": None}
     return state
 
 
-def _load_optimizer(optimizer: Any, model: nn.Module, loaded: dict[str, Any]) -> None:
-    """Put each table's per-row state, dealt to this rank's rows, back into the saved state dict and load it.
-    Collective over the tables' groups. Mutates ``optimizer``."""
-    tables = _tables(model)
+def _stream(path: str, meta: Metadata, model: nn.Module, optimizer: Any, block_rows: int) -> dict[str, Any]:
+    """Read the sharded tables, their fused state and (with ``optimizer``) its per-row state from the checkpoint
+    into the shards, window by window (``dcp.read_into_shard``): the tables and the fused state in place, the
+    optimizer's per-row state as new tensors, returned (table -> name -> shard). Collective over the groups."""
+    reader = FileSystemReader(path)
+    reader.set_up_storage_reader(meta, not dist.is_initialized() or dist.get_rank() == 0)
+    rows: dict[str, dict[str, torch.Tensor]] = {}
+    for name, table in sorted(_tables(model).items()):
+        if not isinstance(table, ShardedTable):
+            continue
+        group = table.exchanger.link.group
+        dcp.read_into_shard(reader, meta, "model." + name, table.weight.data, group, block_rows=block_rows)
+        if name in _fused(model):
+            for key, view in sorted(_fused_state(table).items()):
+                if view.dim():
+                    dcp.read_into_shard(reader, meta, f"fused.{name}.{key}", view, group, block_rows=block_rows)
+        for key, md in sorted(_rows_saved(meta, name).items()) if optimizer is not None else ():
+            out = rows.setdefault(name, {})[key] = torch.empty(table.weight.shape, dtype=md.properties.dtype)
+            dcp.read_into_shard(reader, meta, f"optimizer.rows.{name}.{key}", out, group, block_rows=block_rows)
+    return rows
+
+
+def _load_optimizer(optimizer: Any, model: nn.Module, loaded: dict[str, Any], rows: dict[str, Any]) -> None:
+    """Put each table's per-row state (``loaded``'s whole ones, ``rows``' shards) back into the saved state dict
+    and load it. Mutates ``optimizer``."""
     sd = loaded["rest"][0]
     state = {i: dict(s) for i, s in sd["state"].items()}
+    every = {**loaded.get("rows", {}), **rows}
     for i, name in sorted(_indices(optimizer, model).items()):
-        for key, value in sorted(loaded["rows"].get(name, {}).items()):
-            table = tables[name]
-            if isinstance(table, ShardedTable):
-                out = torch.empty(table.weight.shape, dtype=value.dtype)
-                group = table.exchanger.link.group
-                dcp.into_shard(value, out, table.num_embeddings, group, block_rows=table.dcp_block_rows)
-                value = out
+        for key, value in sorted(every.get(name, {}).items()):
             state.setdefault(i, {})[key] = value
     optimizer.load_state_dict({**sd, "state": state})
 
 
 def load(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int = dcp.BLOCK_ROWS) -> None:
     """Load the DCP checkpoint ``path`` (``save``, at any world size, or of the unsharded model) into ``model``
-    and, if given, ``optimizer`` (the kind that saved it). Raises ValueError naming a table whose saved shape or
-    dtype differs from the model's, before reading any rows. Rows move to their owners in windows of
-    ``block_rows`` per rank. Collective: every rank calls it.
-    Mutates ``model`` and ``optimizer``."""
+    (with its tables' fused optimizers' state) and, if given, ``optimizer`` (the kind that saved it). Raises
+    ValueError naming a table whose saved shape or dtype differs from the model's, or a fused table whose state the
+    checkpoint lacks, before reading any rows. Rows move to their owners in windows of ``block_rows`` per rank.
+    Collective: every rank calls it. Mutates ``model`` and ``optimizer``."""
     meta = FileSystemReader(path).read_metadata()
-    _check(meta, _tables(model))
+    _check(meta, model)
     state = _targets(meta, model, optimizer)
     dcp_load(state, checkpoint_id=path)
-    with _layout(model, "sharded", block_rows):
-        model.load_state_dict(state["model"])
-        if optimizer is not None:
-            _load_optimizer(optimizer, model, state["optimizer"])
+    rows = _stream(path, meta, model, optimizer, block_rows)
+    shards = {n: t.weight.detach() for n, t in _tables(model).items() if isinstance(t, ShardedTable)}
+    with _local(model):  # dcp_load and _stream filled the tensors in place; this loads what else the modules keep
+        model.load_state_dict({**state["model"], **shards})
+    if optimizer is not None:
+        _load_optimizer(optimizer, model, state["optimizer"], rows)

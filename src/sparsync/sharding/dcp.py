@@ -1,39 +1,61 @@
 """Sharded tables in ``torch.distributed.checkpoint`` (DCP) checkpoints: each rank writes only rows it holds, and
 a checkpoint written at P loads at any P' (and into the unsharded model, and from it).
 
-The checkpoint holds each table as the ``[rows, D]`` tensor the unsharded model has, as a ``DTensor`` sharded
-by contiguous row blocks (``Shard(0)``: block k holds rows ``[k·c, (k+1)·c)``, ``c = ceil(rows / P)``), which is
-what DCP describes with one chunk per rank and what any reader (another P, one process, ``dcp_to_torch_save``)
-reads. The stride ownership (``ownership``: row r on rank r mod P, which spreads the hot head) is not a set of
-chunks: rank j's rows would be ``rows / P`` chunks of one row each. So the rows are re-blocked on the way out
-(``to_dtensor``: an all-to-all from the stride shards to the blocks) and back on the way in
-(``into_shard``), in windows of ``block_rows`` rows of every block, so a rank holds its shard, its block and
-one window's rows (``block_rows`` each way) at a time, and every rank sends and receives in every window.
-``BlockSavePlanner`` writes each block as chunks of at most ``block_rows`` rows, so a reader, which loads a
-stored chunk whole, holds one such chunk at a time.
+The checkpoint holds each table as the ``[rows, D]`` tensor the unsharded model has, cut in contiguous row
+blocks (block k holds rows ``[k·c, (k+1)·c)``, ``c = ceil(rows / P)``: ``Shard(0)``'s split), each block
+stored as chunks of at most ``block_rows`` rows, which any reader (another P, one process,
+``dcp_to_torch_save``) reads. The stride ownership (``ownership``: row r on rank r mod P, which spreads the hot
+head) is not a set of chunks: rank j's rows would be ``rows / P`` chunks of one row each. So the rows are
+re-blocked on the way out and back on the way in, one window at a time: window w is rows
+``[k·c + w·b, k·c + (w+1)·b)`` of every block k (``b = block_rows``), moved by one all-to-all from the stride
+shards to the blocks' owners (or back), so every rank sends and receives about ``b`` rows per window and no rank
+ever holds its whole block:
+
+- saving (``WindowSavePlanner``): DCP asks for each stored chunk in plan order, on every rank; the chunk of
+  window w is made when it is asked for (``Strided.piece``: that window's all-to-all), written, and dropped;
+- loading (``read_into_shard``): each window's rows of the block are read from the checkpoint with DCP's
+  storage reader, then dealt to their owners.
+
+A rank holds its shard, one window's rows (sent, received, read) and one stored chunk, which DCP's file reader
+loads whole, at a time. A table so small that some rank's block is empty (``rows <= (P-1)·c``) is re-blocked
+whole instead (``to_dtensor``), as the ``"sharded"`` state dict layout does.
 
 Why not change the ownership to block-cyclic (row r on rank (r div b) mod P) so that each rank's rows are
 chunks DCP could write as they lie: the b hottest ids would sit on one rank, and b small enough to spread a
 Zipf head over the ranks means ``rows / (b·P)`` chunks per rank in the checkpoint's metadata, which rank 0
 gathers and plans whole. Re-blocking costs one all-to-all of the table per save or load, off the training step.
-
-``checkpoint`` saves and loads a model and its optimizer with these.
 """
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["BLOCK_ROWS", "BlockSavePlanner", "DTensor", "empty_dtensor", "into_shard", "mesh_of", "to_dtensor"]
+__all__ = ["BLOCK_ROWS", "DTensor", "Strided", "WindowSavePlanner", "into_shard", "read_into_shard", "to_dtensor"]
 
 BLOCK_ROWS = 1 << 16  # rows per window share and per stored chunk
 
@@ -80,6 +102,17 @@ class _Blocks:
         g = torch.arange(a, max(a, b), dtype=torch.int64)
         return g - start, g
 
+    def windows(self, block_rows: int) -> range:
+        """The first block row of each window (module doc)."""
+        return range(0, self.chunk, block_rows)
+
+    def window(self, a: int, block_rows: int) -> list[tuple[int, int]]:
+        """Rows ``[k·c + a, k·c + a + block_rows)`` of every block k, cut at each block's end."""
+        return [(min(s + a, e), min(s + a + block_rows, e)) for s, e in map(self.span, range(self.parts))]
+
+    def empty_block(self) -> bool:
+        return self.span(self.parts - 1)[0] == self.rows and self.parts > 1
+
 
 def _local(layout: _Stride | _Blocks, rank: int, ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
     """(local positions, global rows) of ``rank``'s rows in ``ranges`` (ascending, disjoint), ascending."""
@@ -87,33 +120,40 @@ def _local(layout: _Stride | _Blocks, rank: int, ranges: list[tuple[int, int]]) 
     return torch.cat([p for p, _ in parts]), torch.cat([g for _, g in parts])
 
 
+def _window(
+    src: torch.Tensor, src_layout: _Stride | _Blocks, dst_layout: _Stride | _Blocks, window: list[tuple[int, int]],
+    group: dist.ProcessGroup, src_first: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(local positions in ``dst_layout``, rows) of the rows of ``window`` this rank receives, by one all-to-all
+    of the rows of ``window`` that ``src`` holds in ``src_layout`` (``src``'s first row is the layout's local
+    row ``src_first``). Collective over ``group``."""
+    rank, P = dist.get_rank(group), dist.get_world_size(group)
+    s_pos, s_rows = _local(src_layout, rank, window)
+    s_pos = s_pos - src_first if src_first else s_pos
+    to = dst_layout.owner(s_rows)
+    order = torch.argsort(to, stable=True)  # by destination, each destination's rows ascending
+    send = src.index_select(0, s_pos[order])
+    d_pos, d_rows = _local(dst_layout, rank, window)
+    came = src_layout.owner(d_rows)
+    r_order = torch.argsort(came, stable=True)  # the order the sources send them in
+    if P == 1:
+        return d_pos[r_order], send
+    recv = torch.empty(d_rows.numel(), *src.shape[1:], dtype=src.dtype)
+    dist.all_to_all_single(recv, send, torch.bincount(came, minlength=P).tolist(),
+                           torch.bincount(to, minlength=P).tolist(), group=group)  # fmt: skip
+    return d_pos[r_order], recv
+
+
 def _move(
     src: torch.Tensor, src_layout: _Stride | _Blocks, dst: torch.Tensor, dst_layout: _Stride | _Blocks,
     group: dist.ProcessGroup, block_rows: int,
 ) -> None:  # fmt: skip
     """Copy each row of the table that ``src`` holds in ``src_layout`` to its place in ``dst`` (``dst_layout``),
-    one of them ``_Blocks``, by one all-to-all per window: rows ``[a, a + block_rows)`` of every block, so that
-    in each window every rank receives and sends at most ``block_rows`` rows of the blocks (and about as many of
-    its stride shard). Mutates ``dst``. Collective over ``group``."""
-    rank, P = dist.get_rank(group), dist.get_world_size(group)
-    blocks = _Blocks(src_layout.rows, P)
-    for a in range(0, blocks.chunk, block_rows):
-        window = [(min(k * blocks.chunk + a, blocks.span(k)[1]), min(k * blocks.chunk + a + block_rows,
-                   blocks.span(k)[1])) for k in range(P)]  # fmt: skip
-        s_pos, s_rows = _local(src_layout, rank, window)
-        to = dst_layout.owner(s_rows)
-        order = torch.argsort(to, stable=True)  # by destination, each destination's rows ascending
-        send = src.index_select(0, s_pos[order])
-        d_pos, d_rows = _local(dst_layout, rank, window)
-        came = src_layout.owner(d_rows)
-        r_order = torch.argsort(came, stable=True)  # the order the sources send them in
-        recv = torch.empty(d_rows.numel(), *src.shape[1:], dtype=src.dtype)
-        if P == 1:
-            recv.copy_(send)
-        else:
-            dist.all_to_all_single(recv, send, torch.bincount(came, minlength=P).tolist(),
-                                   torch.bincount(to, minlength=P).tolist(), group=group)  # fmt: skip
-        dst.index_copy_(0, d_pos[r_order], recv)
+    one of them ``_Blocks``, window by window (module doc). Mutates ``dst``. Collective over ``group``."""
+    blocks = _Blocks(src_layout.rows, dist.get_world_size(group))
+    for a in blocks.windows(block_rows):
+        pos, rows = _window(src, src_layout, dst_layout, blocks.window(a, block_rows), group)
+        dst.index_copy_(0, pos, rows)
 
 
 def mesh_of(group: dist.ProcessGroup) -> DeviceMesh:
@@ -125,8 +165,8 @@ def to_dtensor(
     shard: torch.Tensor, rows: int, group: dist.ProcessGroup, *, block_rows: int = BLOCK_ROWS
 ) -> DTensor:
     """The table of ``rows`` rows whose stride shard on this rank is ``shard`` (``[owned, ...]``), as a
-    ``DTensor`` of contiguous row blocks (``Shard(0)``) on ``group``'s ranks (module doc). A new tensor: the
-    shard is not changed. Collective over ``group``."""
+    ``DTensor`` of contiguous row blocks (``Shard(0)``) on ``group``'s ranks, made whole on each rank. A new
+    tensor: the shard is not changed. Collective over ``group``."""
     P = dist.get_world_size(group)
     blocks = _Blocks(rows, P)
     start, end = blocks.span(dist.get_rank(group))
@@ -145,14 +185,6 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def empty_dtensor(rows: int, dim: int, dtype: torch.dtype, group: dist.ProcessGroup) -> DTensor:
-    """An uninitialised table ``[rows, dim]`` in row blocks on ``group``'s ranks: what ``dcp.load`` fills."""
-    start, end = _Blocks(rows, dist.get_world_size(group)).span(dist.get_rank(group))
-    shape = torch.Size([rows, dim])
-    return DTensor.from_local(torch.empty(end - start, dim, dtype=dtype), mesh_of(group), [Shard(0)],
-                              run_check=False, shape=shape, stride=(dim, 1))  # fmt: skip
-
-
 def into_shard(
     value: torch.Tensor, out: torch.Tensor, rows: int, group: dist.ProcessGroup, *, block_rows: int = BLOCK_ROWS
 ) -> None:
@@ -167,10 +199,53 @@ def into_shard(
             out.copy_(value[rank::P])
 
 
-class BlockSavePlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` that writes each chunk of a tensor larger than ``block_rows`` rows as chunks of at
-    most ``block_rows`` rows (contiguous row ranges of it), so that a reader, which loads a stored chunk whole,
-    holds one such piece at a time."""
+@dataclass(frozen=True)
+class Strided:
+    """A table (or a per-row state of one) of ``rows`` rows whose stride shard on this rank is ``shard``, to be
+    written in row blocks window by window (``WindowSavePlanner``)."""
+
+    shard: torch.Tensor  # [owned, ...]
+    rows: int
+    group: dist.ProcessGroup
+    block_rows: int
+
+    @property
+    def blocks(self) -> _Blocks:
+        return _Blocks(self.rows, dist.get_world_size(self.group))
+
+    def pieces(self) -> list[tuple[int, int]]:
+        """(first global row, rows) of each stored chunk of this rank's block, one per window it has rows in."""
+        start, end = self.blocks.span(dist.get_rank(self.group))
+        return [(start + a, min(self.block_rows, end - start - a)) for a in range(0, end - start, self.block_rows)]
+
+    def piece(self, n: int) -> torch.Tensor:
+        """This rank's rows of window ``n`` (``pieces()[n]``), made by the window's all-to-all; the last piece
+        also runs the windows after it, in which this rank receives nothing. Collective over the group: every
+        rank asks for its pieces in order."""
+        blocks, stride = self.blocks, _Stride(self.rows, dist.get_world_size(self.group))
+        starts = blocks.windows(self.block_rows)
+        shard = self.shard.detach()
+        pos, rows = _window(shard, stride, blocks, blocks.window(starts[n], self.block_rows), self.group)
+        out = torch.empty_like(rows)
+        out.index_copy_(0, pos - starts[n], rows)
+        del pos, rows
+        if n == len(self.pieces()) - 1:
+            for a in starts[n + 1 :]:
+                _window(shard, stride, blocks, blocks.window(a, self.block_rows), self.group)
+        return out
+
+    def properties(self) -> TensorWriteData:
+        shape = torch.Size([self.rows, *self.shard.shape[1:]])
+        return TensorWriteData(ChunkStorageMetadata(torch.Size([0] * len(shape)), shape),
+                               TensorProperties(dtype=self.shard.dtype), shape)  # fmt: skip
+
+
+class WindowSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` that writes a ``Strided`` value as its block's chunks, each made when DCP asks for
+    it (``Strided.piece``), and any tensor larger than ``block_rows`` rows as chunks of at most ``block_rows``
+    rows (contiguous row ranges of it), so that a reader, which loads a stored chunk whole, holds one such piece
+    at a time. DCP's file writer asks for the chunks of a rank's file in plan order, one at a time, on every rank
+    (``checkpoint.save`` uses it with one thread)."""
 
     def __init__(self, block_rows: int = BLOCK_ROWS) -> None:
         super().__init__()
@@ -178,12 +253,29 @@ class BlockSavePlanner(DefaultSavePlanner):
             raise ValueError(f"block_rows must be >= 1, got {block_rows}")
         self.block_rows = block_rows
         self._origin: dict[str, int] = {}  # a split tensor's first local row in its global tensor
+        self._strided: dict[str, Strided] = {}
+        self._piece: dict[tuple[str, int], int] = {}  # (fqn, first row) -> the Strided piece's number
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
-        items = [piece for item in plan.items for piece in self._pieces(item)]
+        items = []
+        for item in plan.items:
+            value = self.state_dict[item.index.fqn]
+            strided = isinstance(value, Strided)
+            items += self._strided_pieces(item.index.fqn, value) if strided else self._pieces(item)
         self.plan = replace(plan, items=items)
         return self.plan
+
+    def _strided_pieces(self, fqn: str, value: Strided) -> list[WriteItem]:
+        self._strided[fqn] = value
+        data, out = value.properties(), []
+        for n, (first, rows) in enumerate(value.pieces()):
+            offsets = torch.Size([first, *[0] * (len(data.size) - 1)])
+            chunk = ChunkStorageMetadata(offsets, torch.Size([rows, *data.size[1:]]))
+            self._piece[fqn, first] = n
+            out.append(WriteItem(MetadataIndex(fqn, offsets), WriteItemType.SHARD,
+                                 tensor_data=replace(data, chunk=chunk)))  # fmt: skip
+        return out
 
     def _pieces(self, item: WriteItem) -> list[WriteItem]:
         data = item.tensor_data
@@ -203,9 +295,57 @@ class BlockSavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         fqn = write_item.index.fqn
-        if fqn not in self._origin or write_item.tensor_data is None:
+        chunk = None if write_item.tensor_data is None else write_item.tensor_data.chunk
+        if fqn in self._strided and chunk is not None:
+            return self._strided[fqn].piece(self._piece[fqn, chunk.offsets[0]])
+        if fqn not in self._origin or chunk is None:
             return super().resolve_data(write_item)
         obj = self.state_dict[fqn]
         local = obj.to_local() if isinstance(obj, DTensor) else obj
-        chunk = write_item.tensor_data.chunk
         return local.detach().narrow(0, chunk.offsets[0] - self._origin[fqn], chunk.sizes[0])
+
+
+class _Into(DefaultLoadPlanner):
+    """The planner DCP's storage reader calls back while it reads one chunk ``out`` of a stored tensor (its read
+    items made by ``create_read_items_for_chunk_list``): each read item's destination is a view of ``out``."""
+
+    def __init__(self, out: torch.Tensor) -> None:
+        super().__init__()
+        self.out = out
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        raise ValueError(f"expected a tensor at {read_item.dest_index.fqn!r} in the checkpoint, found an object")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        view = self.out
+        for dim, (at, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths, strict=True)):
+            view = view.narrow(dim, at, n)
+        return view
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+
+def read_into_shard(
+    reader: FileSystemReader, meta: Metadata, fqn: str, out: torch.Tensor, group: dist.ProcessGroup,
+    *, block_rows: int = BLOCK_ROWS,
+) -> None:  # fmt: skip
+    """Load the stored tensor ``fqn`` (``[rows, ...]``, saved at any P) into ``out``, this rank's stride shard of
+    it, window by window (module doc): each window's rows of this rank's block read with ``reader`` (set up with
+    ``meta``), then dealt to their owners. Mutates ``out``. Collective over ``group``."""
+    md = meta.state_dict_metadata[fqn]
+    if not isinstance(md, TensorStorageMetadata):
+        raise ValueError(f"expected a tensor at {fqn!r} in the checkpoint, found an object")
+    rows, rank, P = int(md.size[0]), dist.get_rank(group), dist.get_world_size(group)
+    blocks = _Blocks(rows, P)
+    start, end = blocks.span(rank)
+    for a in blocks.windows(block_rows):
+        lo, hi = min(start + a, end), min(start + a + block_rows, end)
+        piece = torch.empty(hi - lo, *md.size[1:], dtype=md.properties.dtype)
+        if hi > lo:
+            chunk = ChunkStorageMetadata(torch.Size([lo, *[0] * (len(md.size) - 1)]), piece.shape)
+            reader.read_data(LoadPlan(create_read_items_for_chunk_list(fqn, md, [chunk])), _Into(piece)).wait()
+        pos, got = _window(piece, blocks, _Stride(rows, P), blocks.window(a, block_rows), group, src_first=a)
+        del piece
+        with torch.no_grad():
+            out.index_copy_(0, pos, got)

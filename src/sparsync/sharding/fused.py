@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -39,6 +40,7 @@ class Fused:
     lr: float
     scale: float = field(default=1.0, init=False)  # 1/P, set by ``sparsync.shard``
     state: dict[str, torch.Tensor] = field(default_factory=dict, init=False)
+    per_table: ClassVar[tuple[str, ...]] = ()  # the state held per table (one entry per slot), not per row
 
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):
@@ -56,6 +58,30 @@ class Fused:
 
     def init(self, group: TableGroup) -> None:
         """Make the per-row state."""
+
+    def table_state(self, slot: Slot) -> dict[str, torch.Tensor]:
+        """Views of table ``slot``'s state: each per-row tensor's rows of the table (``[owned, ...]``, in the
+        shard's order) and each per-table entry (0-dim). Writing into them writes the state."""
+        return {k: v[slot.index] if k in self.per_table else v[slot.first : slot.first + slot.owned]
+                for k, v in self.state.items()}  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state (copies, as the group's flat tensor lays it out) and the hyperparameters."""
+        return {"params": {k: getattr(self, k) for k in self._params()},
+                "state": {k: v.clone() for k, v in self.state.items()}}  # fmt: skip
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict`` (``state_dict()`` of the same group at the same P) into the state in place and the
+        hyperparameters; ValueError naming a missing or misshapen entry. Mutates the state."""
+        state = state_dict["state"]
+        for k, v in self.state.items():
+            if k not in state or tuple(state[k].shape) != tuple(v.shape):
+                got = tuple(state[k].shape) if k in state else "nothing"
+                raise ValueError(f"{type(self).__name__}: state {k!r} must have shape {tuple(v.shape)}, got {got}")
+        for k, v in self.state.items():
+            v.copy_(state[k])
+        for k, value in state_dict["params"].items():
+            setattr(self, k, tuple(value) if isinstance(value, list) else value)
 
     def apply(self, group: TableGroup, rows: torch.Tensor, values: torch.Tensor, slots: list[Slot]) -> None:
         """Update ``group``'s rows ``rows`` (distinct, ascending) with the summed gradient rows ``values``; the
@@ -113,6 +139,7 @@ class Adam(Fused):
 
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    per_table: ClassVar[tuple[str, ...]] = ("step",)
 
     def init(self, group: TableGroup) -> None:
         self.state["exp_avg"] = torch.zeros_like(group.flat)
