@@ -57,7 +57,7 @@ def shard_tables(
     Mutates ``model`` (its tables are replaced; a new optimizer must take its parameters)."""
     if method not in SHARD_METHODS:
         raise KeyError(f"unknown sharded method {method!r}; valid: {', '.join(SHARD_METHODS)}")
-    choice = auto_plan(model, sample, dist.group.WORLD)  # type: ignore[arg-type]
+    choice = auto_plan(model, sample, dist.group.WORLD, fused=method in FUSED_METHODS)  # type: ignore[arg-type]
     plan = choice.plan
     if not method.startswith("sparsync_auto"):
         plan = choice.every_table("sharded", itemsize=2 if method == "sparsync_sharded_bf16" else None)

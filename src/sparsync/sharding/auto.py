@@ -24,16 +24,36 @@ is what a round costs (docs/sharding.md, the breakdown, where it is many times `
 a round costs each rank the wait for the slowest plus the latency, and the step pays, on average over the
 ranks, that mean (``_round_seconds``: the ranks' mean of their medians). The plan prices every all-to-all round
 at the larger of that and the link's ``alpha_a2a`` (the replicated kinds' split algorithms too, whose rounds
-run beside backward, where the overlap hides them). It is kept with the group's link model
+run beside backward, where the overlap hides them), unless the tables' CPU is priced on ranks that share
+cores (below): the wait for the slowest rank is then the others' CPU on those cores, which the CPU term
+counts, and the rounds are priced at the link's ``alpha_a2a`` alone. It is kept with the group's link model
 (``GroupState.exchange_round``), so a later "auto" on the group prices the same rounds; with a link the user
 set there is no such measurement, and the choice depends on the data alone (``set_deterministic``).
+
+The tables' CPU (``TableCpu``), unless the user set the link or ``cpu`` is given: a table's CPU differs by
+placement (replicated: one lookup, one backward and one sparse gradient per table, coalesced, divided by P and
+applied by the optimizer; sharded: one pass per group of one width and dtype, and, with the optimizer fused
+into backward, no gradient per table), and where a host's ranks share its cores the step pays a rank's CPU
+times ``contention``, the busiest host's ranks over its cores (at least 1). ``table_cpu`` times stand-ins of
+each placement's kernels on this rank's lookups in the sample (the ids the pre-hooks recorded, renumbered onto
+one zero row per distinct id: no row of a table is read or written): each table replicated; each table alone
+in a sharded group and each group whole (the keys deduplicated, ordered by owner, their rows gathered, one
+pooling and its backward, then the rows updated in place, or, not ``fused``, one sparse gradient per table
+coalesced, divided by P and applied), a group's fixed part being what its tables alone pay again. Each is the
+median process CPU of ``CPU_TRIALS`` runs, averaged over the ranks. A placement then adds ``contention`` x (its
+tables' CPU less the replicated lookups, which the measured forward and backward already hold) to the step.
+Not timed: the Python around the kernels and the collectives' own copies (the link's γ terms price the sparse
+reduction's merges).
 
 What is chosen, per table, among the kinds that run inside the training group without loss (``AUTO_KINDS``):
 dense allreduce and sparse allreduce (``"replicated"``: the table stays whole and ``DistributedOptimizer``
 reduces it) and ``sharded``, by ``make_plan(swap_modules=True)``, which prices the sharded tables' one exchange
 and the replicated tables' one grouped call as they run (``planner._pay_once``). The parameter server
 (``"server"``) is not among them: a dict plan may place a table there (trained by ``HybridTrainer``), but it
-needs server processes beside the ranks, which "auto" neither starts nor prices here.
+needs server processes beside the ranks, which "auto" neither starts nor prices here. With the tables' CPU
+priced, the planner's plan (by communication alone), every table sharded and every table on its best replicated
+kind are priced whole with it (``_cheapest``: the step's exposed communication plus the CPU), and from the
+cheapest one table at a time is moved to another of its kinds while that makes the step faster.
 
 The choice is the same on every rank: the statistics are averaged over the ranks (``all_reduce``) and the link
 model is agreed, so every rank prices the same numbers.
@@ -58,6 +78,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import itertools
 import os
 import socket
 import time
@@ -95,6 +117,8 @@ class AutoPlan:
     round_seconds: float | None = None
     # the part of backward the replicated tables' reduction hides behind (module doc); None: all of it
     overlap_seconds: float | None = None
+    # the tables' CPU by placement (module doc), which the choice priced; None: not priced (the user set the link)
+    cpu: TableCpu | None = None
 
     @property
     def overlap(self) -> float:
@@ -103,17 +127,20 @@ class AutoPlan:
     def step_seconds(self, plan: Plan | None = None) -> float:
         """The predicted step of ``plan`` (default: the chosen one): the sample's forward and backward as
         measured, plus the communication the step waits for (``Plan.exposed_seconds``: the replicated tables'
-        reduction less what hides behind backward, the sharded exchange whole). Not priced: the optimizer's
-        apply, and the waiting of ranks that share cores, which ``docs/sharding.md`` measures."""
-        return self.forward_seconds + self.backward_seconds + (plan or self.plan).exposed_seconds
+        reduction less what hides behind backward, the sharded exchange whole), plus what the tables' CPU adds
+        where it was priced (``TableCpu.seconds``)."""
+        plan = plan or self.plan
+        cpu = 0.0 if self.cpu is None else self.cpu.seconds(self.placed(plan))
+        return self.forward_seconds + self.backward_seconds + plan.exposed_seconds + cpu
 
     @property
     def tables(self) -> dict[str, str]:
         """Module name -> ``"sharded"`` or ``"replicated"``: the plan as ``sparsync.shard`` takes it."""
-        return {
-            name: "sharded" if self.plan.placement(_weight_name(name)) == "sharded" else "replicated"
-            for name in self.distinct
-        }
+        return self.placed(self.plan)
+
+    def placed(self, plan: Plan) -> dict[str, str]:
+        """Module name -> ``"sharded"`` or ``"replicated"``, as ``plan`` places each table."""
+        return _placed(plan, self.distinct)
 
     def every_table(self, placement: str, *, itemsize: int | None = None) -> Plan:
         """The plan with every table ``"sharded"``, or ``"replicated"`` (each on its best replicated kind), priced
@@ -139,19 +166,24 @@ def auto_plan(
     link: LinkModel | None = None,
     backward_seconds: float | None = None,
     round_seconds: float | None = None,
+    cpu: TableCpu | None = None,
+    fused: bool = False,
 ) -> AutoPlan:
     """Measure and plan (module doc). ``sample``: positional arguments of one ``model(*sample)`` call, this rank's
     batch (it runs once, and one backward from it, and, unless the user set the link, the first time on the
     group three more forwards without gradients, each before a timed round; the model is left as it was: its
     gradients put back, a meta table's forward restored). ``link``: price with this model instead of the
-    group's (and no measured round). ``backward_seconds``: the overlap to price with instead of the measured
-    backward. ``round_seconds``: the all-to-all round to price with instead of the measured one. Tables on the
-    meta device are placed ``sharded`` (module doc). Collective over ``group``. Raises ValueError when the model
-    has no embedding table."""
+    group's (and no measured round, no measured CPU). ``backward_seconds``: the overlap to price with instead of
+    the measured backward. ``round_seconds``: the all-to-all round to price with instead of the measured one.
+    ``cpu``: the tables' CPU to price with instead of the measured one (``TableCpu``); measured (``table_cpu``)
+    unless the link is given or set by the user. ``fused``: the sharded tables get their optimizer in backward
+    (``sparsync.shard(optimizer=...)``), priced without a sparse gradient per table. Tables on the meta device
+    are placed ``sharded`` (module doc). Collective over ``group``. Raises ValueError when the model has no
+    embedding table."""
     tables = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
     if not tables:
         raise ValueError("plan='auto': the model has no nn.Embedding or nn.EmbeddingBag to place")
-    seen, forward, backward = _distinct_ids(model, tables, sample)
+    seen, calls, forward, backward = _distinct_ids(model, tables, sample)
     P = dist.get_world_size(group)
     slowest = torch.tensor(
         [backward if backward_seconds is None else backward_seconds, forward], dtype=torch.float64
@@ -161,27 +193,218 @@ def auto_plan(
     dist.all_reduce(mine, group=group)
     dense = [p for p in model.parameters() if not any(p is m.weight for m in tables.values())]
     on_cpu = all(p.device.type in ("cpu", "meta") for p in dense)
-    unions, share = _union_sizes([seen[n] for n in tables], on_cpu, group)
+    unions, share, contention = _union_sizes([seen[n] for n in tables], on_cpu, group)
     overlap = float(slowest[0]) * share if backward_seconds is None else backward_seconds
     distinct = {n: (float(mine[j]) / P, unions[j]) for j, n in enumerate(tables)}
+    stats = _stats(model, tables, distinct)
+    measure_cpu = cpu is None and link is None and not link_state(group).link_set
+    link, round_s = _link_and_round(model, tables, sample, group, link, round_seconds)
+    if measure_cpu:
+        cpu = table_cpu(tables, calls, group, fused=fused, contention=contention)
+    on_meta = {_weight_name(n): "sharded" for n, m in tables.items() if m.weight.device.type == "meta"}
+    # ranks sharing cores: the measured round's wait is the others' CPU, which the CPU term prices (module doc)
+    waits = round_s if cpu is None or cpu.contention <= 1 else None
+    plan = make_plan(stats, Cluster(P, measured=_priced(link, waits, P)), swap_modules=True,
+                     overlap_seconds=overlap, kinds=[KINDS.entry(k) for k in AUTO_KINDS],
+                     overrides=on_meta)  # fmt: skip
+    if cpu is not None:
+        plan = _cheapest(plan, cpu, set(on_meta))
+    return AutoPlan(plan, distinct, tuple(stats), float(slowest[0]), float(slowest[1]), round_s, overlap, cpu)
+
+
+def _stats(
+    model: nn.Module, tables: Mapping[str, nn.Module], distinct: Mapping[str, tuple[float, int]]
+) -> list[ParamStats]:
+    """What the planner prices: each table's weight by the distinct rows a rank reads, the rest dense."""
     weights = {_weight_name(n): m for n, m in tables.items()}
     stats = []
     for pname, p in model.named_parameters():
-        m = weights.get(pname)
-        if m is None:
+        if pname not in weights:
             stats.append(ParamStats(pname, tuple(p.shape), 1.0, False, itemsize=p.element_size()))
             continue
         name, rows = pname.removesuffix(".weight"), p.shape[0]
-        u_b, u_pb = distinct[name if name != "weight" else ""]
+        # u(P·B) is reported, not priced: the kinds model a rank's union from its own fraction
+        u_b, _ = distinct[name if name != "weight" else ""]
         stats.append(ParamStats(pname, tuple(p.shape), min(1.0, u_b / rows), True, min(1.0, u_b / rows),
                                 p.element_size()))  # fmt: skip
-        del u_pb  # reported, not priced: the kinds model a rank's union from its own fraction
-    link, round_s = _link_and_round(model, tables, sample, group, link, round_seconds)
-    on_meta = {_weight_name(n): "sharded" for n, m in tables.items() if m.weight.device.type == "meta"}
-    plan = make_plan(stats, Cluster(P, measured=_priced(link, round_s, P)), swap_modules=True,
-                     overlap_seconds=overlap, kinds=[KINDS.entry(k) for k in AUTO_KINDS],
-                     overrides=on_meta)  # fmt: skip
-    return AutoPlan(plan, distinct, tuple(stats), float(slowest[0]), float(slowest[1]), round_s, overlap)
+    return stats
+
+
+@dataclass(frozen=True)
+class TableCpu:
+    """One rank's CPU per step for the tables, by placement, in seconds (module doc, the tables' CPU).
+    ``replicated``: per table module, its lookup and backward with a sparse gradient, that gradient coalesced and
+    divided by P, and its rows updated. ``sharded``: per table module, what its ids and rows add to its group's
+    pass; ``group``: per table module, its group (width and dtype) and the group's fixed seconds, paid once per
+    group holding a sharded table. ``lookup``: the tables' lookups and backwards as the sample's forward and
+    backward ran them, already inside ``AutoPlan.forward_seconds`` and ``backward_seconds``. ``contention``: the
+    busiest host's ranks over its cores, at least 1: what a second of one rank's CPU costs the step. ``fused``:
+    the sharded groups priced with their optimizer in backward (no sparse gradient per table)."""
+
+    replicated: Mapping[str, float]
+    sharded: Mapping[str, float]
+    group: Mapping[str, tuple[str, float]]
+    lookup: float = 0.0
+    contention: float = 1.0
+    fused: bool = False
+
+    def seconds(self, placed: Mapping[str, str]) -> float:
+        """What the tables' CPU adds to the sample's forward and backward when placed as ``placed`` (module name
+        -> ``"sharded"`` or ``"replicated"``): ``contention`` x (their CPU less ``lookup``)."""
+        own = sum(self.sharded[n] if p == "sharded" else self.replicated[n] for n, p in placed.items())
+        groups = {self.group[n] for n, p in placed.items() if p == "sharded"}
+        return self.contention * (own + sum(t for _, t in groups) - self.lookup)
+
+
+CPU_TRIALS = 3  # timings of each stand-in, the median kept (``table_cpu``)
+Bags = tuple[torch.Tensor, torch.Tensor]  # one table's lookups in the sample: (ids, offsets) as embedding_bag
+
+
+def table_cpu(
+    tables: Mapping[str, nn.Embedding | nn.EmbeddingBag],
+    calls: Mapping[str, Sequence[Bags]],
+    group: dist.ProcessGroup,
+    *,
+    fused: bool = False,
+    contention: float = 1.0,
+) -> TableCpu:
+    """Time the tables' stand-ins on this rank's lookups (``calls``; module doc), each the median process CPU of
+    ``CPU_TRIALS`` runs, averaged over the ranks (the same ``TableCpu`` on every rank): each table replicated,
+    each alone in its sharded group and each group whole; a group's fixed seconds are what its tables alone pay
+    again, (Σ alone - whole) / (k - 1) for k tables. Nothing of the tables is read or written: the stand-ins
+    hold one zero row per distinct id. Collective over ``group``."""
+    P = dist.get_world_size(group)
+    parts = {n: _stand_in(calls.get(n, ())) for n in tables}
+    shapes = {n: (int(m.embedding_dim), m.weight.dtype) for n, m in tables.items()}
+    members: dict[str, list[str]] = {}
+    for n, (dim, dtype) in shapes.items():
+        members.setdefault(f"D={dim} {dtype}", []).append(n)
+    timed = []
+    for n, m in tables.items():
+        lookup, whole = _median(functools.partial(_replicated_cpu, parts[n], shapes[n], P))
+        timed += [0.0 if m.weight.device.type == "meta" else lookup, whole]
+        timed += _median(functools.partial(_group_cpu, [parts[n]], shapes[n], P, fused))
+    for names in members.values():
+        timed += _median(functools.partial(_group_cpu, [parts[n] for n in names], shapes[names[0]], P, fused))
+    mean = torch.tensor(timed, dtype=torch.float64)
+    dist.all_reduce(mean, group=group)
+    values = (mean / P).tolist()
+    look = {n: values[3 * j] for j, n in enumerate(tables)}
+    replicated = {n: values[3 * j + 1] for j, n in enumerate(tables)}
+    alone = {n: values[3 * j + 2] for j, n in enumerate(tables)}
+    fixed = {
+        key: max(0.0, (sum(alone[n] for n in names) - whole) / (len(names) - 1)) if len(names) > 1 else 0.0
+        for (key, names), whole in zip(members.items(), values[3 * len(tables) :], strict=True)
+    }
+    group_of = {n: (key, fixed[key]) for key, names in members.items() for n in names}
+    sharded = {n: max(0.0, alone[n] - group_of[n][1]) for n in tables}
+    return TableCpu(replicated, sharded, group_of, sum(look.values()), contention, fused)
+
+
+def _stand_in(calls: Sequence[Bags]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """One table's lookups joined as one ``embedding_bag`` call on stand-in rows: (ids renumbered 0..u-1 by the
+    distinct id they read, offsets, u)."""
+    if not calls:
+        empty = torch.empty(0, dtype=torch.int64)
+        return empty, empty, 0
+    starts = torch.tensor([0] + [int(ids.numel()) for ids, _ in calls[:-1]], dtype=torch.int64).cumsum(0)
+    ids = torch.cat([ids for ids, _ in calls])
+    offsets = torch.cat([o + int(s) for (_, o), s in zip(calls, starts, strict=True)])
+    keys, inverse = torch.unique(ids, return_inverse=True)
+    return inverse, offsets, int(keys.numel())
+
+
+def _median(run: Callable[[], tuple[float, ...] | float]) -> list[float]:
+    """Each field's median over ``CPU_TRIALS`` runs of ``run`` (one field where it returns a float)."""
+    trials = [run() for _ in range(CPU_TRIALS)]
+    rows = [t if isinstance(t, tuple) else (t,) for t in trials]
+    return [sorted(r[i] for r in rows)[len(rows) // 2] for i in range(len(rows[0]))]
+
+
+def _replicated_cpu(
+    part: tuple[torch.Tensor, torch.Tensor, int], shape: tuple[int, torch.dtype], P: int
+) -> tuple[float, float]:
+    """The process CPU of one replicated table's step on stand-in rows: (its lookup and backward with a sparse
+    gradient; that plus the gradient coalesced, divided by P and added to its rows)."""
+    ids, offsets, u = part
+    w = torch.zeros(max(u, 1), shape[0], dtype=shape[1], requires_grad=True)
+    t0 = time.process_time()
+    out = nn.functional.embedding_bag(ids, w, offsets, mode="sum", sparse=True)
+    torch.autograd.backward([out], [torch.ones_like(out)])
+    t1 = time.process_time()
+    if w.grad is not None:
+        g = w.grad.coalesce() / P
+        with torch.no_grad():
+            w.index_add_(0, g.indices()[0], g.values(), alpha=-1.0)
+    return t1 - t0, time.process_time() - t0
+
+
+def _group_cpu(
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, int]], shape: tuple[int, torch.dtype], P: int, fused: bool
+) -> float:
+    """The process CPU of one sharded group's pass over ``parts`` (its tables' stand-ins, rows one after
+    another): the group's keys deduplicated, ordered by owner, their rows gathered, one pooling and its backward,
+    then the rows updated in place (``fused``) or one sparse gradient per table, coalesced, divided by P and
+    added. The rounds are the link's, priced apart."""
+    row0 = [0]
+    for _, _, u in parts:
+        row0.append(row0[-1] + u)
+    ids = torch.cat([p[0] + r for p, r in zip(parts, row0, strict=False)])
+    _, offsets, _ = _stand_in([(p[0], p[1]) for p in parts])
+    w = torch.zeros(max(row0[-1], 1), shape[0], dtype=shape[1])
+    t0 = time.process_time()
+    keys, inverse = torch.unique(ids, return_inverse=True)
+    by_owner = keys[torch.argsort(keys % P, stable=True)]
+    rows = w.index_select(0, by_owner).requires_grad_()
+    out = nn.functional.embedding_bag(inverse, rows, offsets, mode="sum")
+    torch.autograd.backward([out], [torch.ones_like(out)])
+    grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
+    with torch.no_grad():
+        if fused:
+            w.index_add_(0, by_owner, grad, alpha=-1.0)
+        else:
+            bounds = torch.searchsorted(keys, torch.tensor(row0)).tolist()
+            for t, (a, b) in enumerate(itertools.pairwise(bounds)):
+                g = torch.sparse_coo_tensor((keys[a:b] - row0[t]).unsqueeze(0), grad[a:b], (parts[t][2], shape[0]))
+                g = g.coalesce() / P
+                w.index_add_(0, g.indices()[0] + row0[t], g.values(), alpha=-1.0)
+    return time.process_time() - t0
+
+
+def _placed(plan: Plan, tables: Iterable[str]) -> dict[str, str]:
+    """Module name -> ``"sharded"`` or ``"replicated"``, as ``plan`` places each of ``tables``."""
+    return {n: "sharded" if plan.placement(_weight_name(n)) == "sharded" else "replicated" for n in tables}
+
+
+SETTLE_PASSES = 4  # rounds over the tables in ``_cheapest``
+
+
+def _cheapest(plan: Plan, cpu: TableCpu, pinned: set[str]) -> Plan:
+    """The placement of least step, the exchange and reductions the step waits for
+    (``Plan.step_exposed_seconds``) plus the tables' CPU (``TableCpu.seconds``): from the cheapest of ``plan``
+    (the planner's, by communication alone), every table sharded and every table on its best replicated kind,
+    one table at a time moved to another of its kinds while that makes the step faster (at most
+    ``SETTLE_PASSES`` rounds). ``pinned``: weights that stay where ``plan`` put them (meta tables)."""
+    tables = {e.name: e for e in plan.entries if "sharded" in e.candidates and e.name not in pinned}
+
+    def cost(p: Plan) -> float:
+        return p.step_exposed_seconds + cpu.seconds(_placed(p, cpu.replicated))
+
+    replicated = {n: min((k for k in e.candidates if k != "sharded"), key=lambda k: e.candidates[k][1])
+                  for n, e in tables.items() if len(e.candidates) > 1}  # fmt: skip
+    starts = [plan, plan.moved({n: "sharded" for n in tables}), plan.moved(replicated)]
+    best = min(starts, key=cost)
+    low = cost(best)
+    for _ in range(SETTLE_PASSES):
+        changed = False
+        for name, e in tables.items():
+            for kind in (k for k in e.candidates if k != best.placement(name)):
+                trial = best.moved({name: kind})
+                if cost(trial) < low * (1 - 1e-9):
+                    best, low, changed = trial, cost(trial), True
+        if not changed:
+            break
+    return best
 
 
 def _link_and_round(
@@ -247,20 +470,22 @@ def _weight_name(module: str) -> str:
 
 def _distinct_ids(
     model: nn.Module, tables: Mapping[str, nn.Module], sample: Sequence[Any]
-) -> tuple[dict[str, torch.Tensor], float, float]:
-    """Per table module, the distinct ids its calls read in one ``model(*sample)``; the seconds of that forward;
-    and the seconds of one backward from the sum of the outputs (0 when no output needs a gradient), the
-    parameters' ``.grad`` put back as they were."""
+) -> tuple[dict[str, torch.Tensor], dict[str, list[Bags]], float, float]:
+    """Per table module, the distinct ids its calls read in one ``model(*sample)`` and the calls as ``Bags``;
+    the seconds of that forward; and the seconds of one backward from the sum of the outputs (0 when no output
+    needs a gradient), the parameters' ``.grad`` put back as they were."""
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in tables}
+    calls: dict[str, list[Bags]] = {n: [] for n in tables}
 
     def hook(name: str) -> Any:
-        def record(m: nn.Module, args: tuple[Any, ...]) -> None:
+        def record(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if args and isinstance(args[0], torch.Tensor):
                 seen[name].append(rows_of_input(m, args))
+                calls[name].append(_bags(m, args, kwargs))
 
         return record
 
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in tables.items()]
+    handles = [m.register_forward_pre_hook(hook(n), with_kwargs=True) for n, m in tables.items()]
     try:
         with _meta_tables_stood_in(tables.values()):
             t0 = time.perf_counter()
@@ -270,7 +495,21 @@ def _distinct_ids(
         for h in handles:
             h.remove()
     ids = {n: torch.unique(torch.cat(v)) if v else torch.empty(0, dtype=torch.int64) for n, v in seen.items()}
-    return ids, forward, _backward_seconds(model, out)
+    return ids, calls, forward, _backward_seconds(model, out)
+
+
+def _bags(m: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Bags:
+    """One call of a table as ``embedding_bag``'s (ids, offsets): an ``EmbeddingBag``'s bags as it pools them (its
+    offsets, ``include_last_offset``'s last dropped, or a 2-D input's rows), an ``Embedding``'s ids one a bag."""
+    x = args[0].detach()
+    ids = x.reshape(-1).to(torch.int64)
+    if isinstance(m, nn.EmbeddingBag) and x.dim() == 1:
+        offsets = args[1] if len(args) > 1 else kwargs.get("offsets")
+        if isinstance(offsets, torch.Tensor):
+            offsets = offsets.detach().to(torch.int64)
+            return ids, offsets[:-1] if m.include_last_offset else offsets
+    width = int(x.shape[-1]) if isinstance(m, nn.EmbeddingBag) and x.dim() == 2 else 1
+    return ids, torch.arange(0, ids.numel(), max(width, 1), dtype=torch.int64)
 
 
 @contextmanager
@@ -331,15 +570,27 @@ def _tensors(out: Any) -> list[torch.Tensor]:
     return []
 
 
-def _union_sizes(ids: Sequence[torch.Tensor], on_cpu: bool, group: dist.ProcessGroup) -> tuple[list[int], float]:
-    """Per table, the distinct ids of every rank's sample together; and the share of backward a replicated
-    reduction hides behind (``_hidden_share``), from every rank's host, cores and whether it computes on the CPU
-    (``on_cpu``). Collective (one gather)."""
+def _union_sizes(
+    ids: Sequence[torch.Tensor], on_cpu: bool, group: dist.ProcessGroup
+) -> tuple[list[int], float, float]:
+    """Per table, the distinct ids of every rank's sample together; the share of backward a replicated
+    reduction hides behind (``_hidden_share``) and the ranks' contention for cores (``_contention``), from every
+    rank's host, cores and whether it computes on the CPU (``on_cpu``). Collective (one gather)."""
     mine = (socket.gethostname(), _cores(), on_cpu, [t.to(torch.int64) for t in ids])
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=meta_group(group))  # host objects
     unions = [int(torch.unique(torch.cat([theirs[3][j] for theirs in everyone])).numel()) for j in range(len(ids))]
-    return unions, _hidden_share([(h, c, cpu) for h, c, cpu, _ in everyone])
+    ranks = [(h, c, cpu) for h, c, cpu, _ in everyone]
+    return unions, _hidden_share(ranks), _contention(ranks)
+
+
+def _contention(ranks: Sequence[tuple[str, int, bool]]) -> float:
+    """What a second of one rank's CPU costs the step: the most ranks on one host over that host's cores (the
+    fewest its ranks may run on), at least 1. ``ranks``: (host, cores, computes on the CPU) per rank."""
+    hosts: dict[str, list[int]] = {}
+    for host, cores, _ in ranks:
+        hosts.setdefault(host, []).append(cores)
+    return max(1.0, *(len(c) / max(1, min(c)) for c in hosts.values()))
 
 
 def _cores() -> int:
