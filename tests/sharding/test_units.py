@@ -325,3 +325,31 @@ def test_an_exchange_enters_each_stage_module_once_in_stage_order(one_rank_group
     stages = [m for m in entered if m in ("group", "ids", "rows")]
     assert stages == ["group", "ids", "rows"], entered
     assert entered[-1] == "lazy" and all(o.done for o in outs), entered
+
+
+@pytest.mark.parametrize("lens", [(4, 4, 4), (4, 0, 2), (1, 6, 3)])
+def test_the_range_check_names_the_first_table_with_an_id_outside_it(lens: tuple[int, ...]) -> None:
+    """``out_of_range`` over a group of three tables (as many keys each, or not, one table not looked up): None
+    while every id lies in its table; else the words for the first table, in the group's order, whose ids do
+    not, against a check of each table's ids one by one."""
+    from sparsync.sharding.exchange import Sent, out_of_range
+    from sparsync.sharding.group import TableGroup
+
+    rows = (5, 7, 3)
+    group = TableGroup(rows, 2, torch.float32, 2, 0)
+    gen = torch.Generator().manual_seed(sum(lens))
+    for bad in (None, *((t, v) for t in range(3) if lens[t] for v in (-1, rows[t]))):
+        ids = [torch.randint(0, r, (n,), generator=gen) for r, n in zip(rows, lens, strict=True)]
+        if bad is not None:
+            ids[bad[0]][-1] = bad[1]
+        keys = tuple(x + s.base for x, s in zip(ids, group.slots, strict=True))
+        names = ("t0", "t1", "t2")
+        sent = Sent((0,), ((0, 1, 2),), (keys,), (names,), (torch.cat(keys),))
+        expect = None
+        for name, x, r in zip(names, ids, rows, strict=True):
+            if x.numel() and (x.min() < 0 or x.max() >= r):
+                low, high = int(x.min()), int(x.max())
+                v = low if low < 0 else high
+                expect = f"{name}: id {v} is {'negative' if v < 0 else 'out of range'}; ids must lie in [0, {r})"
+                break
+        assert out_of_range(sent, [group]) == expect, (bad, lens)

@@ -258,18 +258,23 @@ class Exchanger:
 
 def out_of_range(sent: Sent, groups: Sequence[TableGroup]) -> str | None:
     """Why a call's ids do not lie in its table (a negative id, or one past its rows), for the first such table,
-    or None: per group one comparison of every key with its table's bounds, one host sync."""
+    or None: per group each table's least and greatest key against its bounds, in one ``aminmax`` when the
+    tables' keys are as many (a model that looks each table up once a sample), and one host sync."""
     for k, g in enumerate(sent.order):
-        slots = [groups[g].slots[t] for t in sent.tables[k]]
-        lens = torch.tensor([int(x.numel()) for x in sent.keys[k]])
         keys = sent.joined[k]
         if not keys.numel():
             continue
-        of = torch.repeat_interleave(torch.arange(len(slots)), lens)
-        base = torch.tensor([s.base for s in slots])[of]
-        ids = keys - base
-        if bool(((ids < 0) | (ids >= torch.tensor([s.rows for s in slots])[of])).any()):
-            for slot, x, name in zip(slots, sent.keys[k], sent.names[k], strict=True):
+        slots = [groups[g].slots[t] for t in sent.tables[k]]
+        parts = sent.keys[k]
+        n = int(parts[0].numel())
+        if all(int(x.numel()) == n for x in parts):
+            low, high, looked = *torch.aminmax(keys.view(len(parts), n), dim=1), slots
+        else:
+            low, high = torch.stack([torch.stack(torch.aminmax(x)) for x in parts if x.numel()]).unbind(1)
+            looked = [s for s, x in zip(slots, parts, strict=True) if x.numel()]
+        base = torch.tensor([s.base for s in looked])
+        if bool(((low < base) | (high >= base + torch.tensor([s.rows for s in looked]))).any()):
+            for slot, x, name in zip(slots, parts, sent.names[k], strict=True):
                 if x.numel() and (why := _range_words(x - slot.base, slot.rows)) is not None:
                     return f"{name}: {why}"
     return None
