@@ -24,6 +24,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -142,30 +143,43 @@ class UnavailableError(Exception):
     """This torchrec cannot run the row asked for here (printed as ``TORCHREC_UNAVAILABLE reason``)."""
 
 
-def train(spec: dict[str, Any]) -> dict[str, Any] | None:
-    """One rank's run of ``spec`` (written by ``torchrec_baseline``); rank 0's row, None elsewhere."""
-    from torchrec.distributed import DistributedModelParallel
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+def _offered_kind(sharding: str, sharder: Any) -> str:
+    """torchrec's name of ``sharding`` (a key of SHARDING); ``UnavailableError`` where ``sharder`` offers it not
+    on CPU (decided before the group forms, the same on every rank)."""
     from torchrec.distributed.types import ShardingType
-    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
-    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
-    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    rank, P = spec["rank"], spec["world_size"]
-    kind = getattr(ShardingType, SHARDING[spec["sharding"]]).value
-    sharders: list[Any] = [EmbeddingBagCollectionSharder()]
-    offered = sharders[0].sharding_types("cpu")
-    if kind not in offered:  # decided before the group forms, the same on every rank
+    kind: str = getattr(ShardingType, SHARDING[sharding]).value
+    offered = sharder.sharding_types("cpu")
+    if kind not in offered:
         import torchrec
 
         raise UnavailableError(f"torchrec {getattr(torchrec, '__version__', '?')}'s EmbeddingBagCollectionSharder "
                           f"offers no {kind} sharding on cpu (only {', '.join(offered)})")  # fmt: skip
-    torch.set_num_threads(spec["threads"])
-    dist.init_process_group("gloo", rank=rank, world_size=P, timeout=timedelta(seconds=spec["timeout"]))
-    shard = torch.load(spec["shard"])
-    steps, batch, warmup, tail, lr = spec["steps"], spec["batch"], spec["warmup"], spec["tail"], spec["lr"]
+    return kind
+
+
+@dataclass
+class _Sharded:
+    """The bench's DLRM (``ref``), its torchrec twin (``model``), the twin sharded by DMP (``dmp``) with its
+    plan, and the optimizer over both: the tables' SGD fused into backward, the MLPs' plain SGD."""
+
+    ref: DLRM
+    model: TorchrecDLRM
+    dmp: Any
+    plan: Any
+    opt: Any
+
+
+def _shard_model(spec: dict[str, Any], kind: str, sharders: list[Any]) -> _Sharded:
+    """``spec``'s DLRM from its seed, its tables sharded ``kind`` by DMP and their weights copied in."""
+    from torchrec.distributed import DistributedModelParallel
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    P, lr = spec["world_size"], spec["lr"]
     torch.manual_seed(spec["seed"])
     ref = DLRM(spec["table_rows"], spec["dim"], bottom=spec["bottom"], top=spec["top"], sparse=True)
     model = TorchrecDLRM(ref)
@@ -182,21 +196,25 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
     _copy_tables(dmp, ref)
     dense = KeyedOptimizerWrapper(dict(in_backward_optimizer_filter(dmp.named_parameters())),
                                   lambda params: torch.optim.SGD(params, lr=lr))  # fmt: skip
-    opt = CombinedOptimizer([dmp.fused_optimizer, dense])
-    mlp_bytes = sum(p.numel() * p.element_size() for p in (*ref.bottom.parameters(), *ref.top.parameters()))
-    wire = _WireCount(rank, P)
-    wire.install()
+    return _Sharded(ref, model, dmp, plan, CombinedOptimizer([dmp.fused_optimizer, dense]))
+
+
+def _run_steps(
+    spec: dict[str, Any], m: _Sharded, shard: dict[str, torch.Tensor]
+) -> tuple[list[float], list[float], list[float]]:
+    """``spec``'s steps on this rank's ``shard``, each timed from a barrier: (wall s, CPU s, losses)."""
+    steps, batch = spec["steps"], spec["batch"]
     times, cpu, losses = [], [], []
-    profile = step_profiler(spec["method"], rank, warmup, steps)
+    profile = step_profiler(spec["method"], spec["rank"], spec["warmup"], steps)
     for s in range(steps):
         sl = slice(s * batch, (s + 1) * batch)
-        kjt = _kjt(model.keys, shard["sparse"][sl])
+        kjt = _kjt(m.model.keys, shard["sparse"][sl])
         dist.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
-        opt.zero_grad()
-        loss = nn.functional.binary_cross_entropy_with_logits(dmp(shard["dense"][sl], kjt), shard["label"][sl])
+        m.opt.zero_grad()
+        loss = nn.functional.binary_cross_entropy_with_logits(m.dmp(shard["dense"][sl], kjt), shard["label"][sl])
         loss.backward()  # type: ignore[no-untyped-call]
-        opt.step()
+        m.opt.step()
         losses.append(loss.item())
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
@@ -204,14 +222,33 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
             profile.step()
     if profile is not None:
         profile.stop()
+    return times, cpu, losses
+
+
+def train(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """One rank's run of ``spec`` (written by ``torchrec_baseline``); rank 0's row, None elsewhere."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    rank, P = spec["rank"], spec["world_size"]
+    sharders: list[Any] = [EmbeddingBagCollectionSharder()]
+    kind = _offered_kind(spec["sharding"], sharders[0])
+    torch.set_num_threads(spec["threads"])
+    dist.init_process_group("gloo", rank=rank, world_size=P, timeout=timedelta(seconds=spec["timeout"]))
+    shard = torch.load(spec["shard"])
+    m = _shard_model(spec, kind, sharders)
+    mlp_bytes = sum(p.numel() * p.element_size() for p in (*m.ref.bottom.parameters(), *m.ref.top.parameters()))
+    wire = _WireCount(rank, P)
+    wire.install()
+    times, cpu, losses = _run_steps(spec, m, shard)
+    warmup = spec["warmup"]
     t = torch.tensor([statistics.median(times[warmup:])], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     cpu_s = torch.tensor([statistics.median(cpu[warmup:])], dtype=torch.float64)
     dist.all_reduce(cpu_s)
-    mean_tail = torch.tensor([statistics.fmean(losses[-tail:])], dtype=torch.float64)
+    mean_tail = torch.tensor([statistics.fmean(losses[-spec["tail"] :])], dtype=torch.float64)
     dist.all_reduce(mean_tail)
-    sent = wire.sent / steps + 2 * (P - 1) / P * mlp_bytes
-    shards = sorted({str(ps.sharding_type) for m in plan.plan.values() for ps in m.values()})
+    sent = wire.sent / spec["steps"] + 2 * (P - 1) / P * mlp_bytes
+    shards = sorted({str(ps.sharding_type) for mod in m.plan.plan.values() for ps in mod.values()})
     dist.barrier()
     dist.destroy_process_group()
     if rank != 0:
