@@ -14,12 +14,14 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import sparsync
+from sparsync import sharding
 from sparsync.compress import ErrorFeedback, TopK
 from sparsync.compress.hooks import compression_hook
 from sparsync.integrations.lightning import SparsyncStrategy
@@ -58,6 +60,14 @@ class Net(pl.LightningModule):
         return torch.optim.Adagrad(self.parameters(), lr=0.1)
 
 
+class Deterministic(pl.Callback):
+    """``sparsync.set_deterministic()`` in the ``setup`` hook: the first point of a fit where the group exists
+    when Lightning launches the ranks and makes it."""
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        sparsync.set_deterministic()
+
+
 def dataset() -> TensorDataset:
     """The same samples on every rank; each rank trains on its DistributedSampler's share."""
     g = torch.Generator().manual_seed(7)
@@ -67,9 +77,10 @@ def dataset() -> TensorDataset:
 
 
 def _trainer(strategy: SparsyncStrategy, **kwargs: Any) -> pl.Trainer:
+    options = {"devices": 1, "max_epochs": EPOCHS, "enable_checkpointing": False, **kwargs}
     return pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=1, max_epochs=EPOCHS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
+        strategy=strategy, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        **options,
     )  # fmt: skip
 
 
@@ -77,25 +88,29 @@ def _params(model: nn.Module) -> dict[str, np.ndarray]:
     return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
 
 
-def lightning_run(case: str, accumulate: int, precision: str) -> dict[str, np.ndarray]:
-    """``fit`` under ``SparsyncStrategy``; Lightning puts its DistributedSampler on the loader."""
+def lightning_run(case: str, accumulate: int, precision: str, **trainer_options: Any) -> dict[str, np.ndarray]:
+    """``fit`` under ``SparsyncStrategy``; Lightning puts its DistributedSampler on the loader.
+    ``trainer_options``: more of the Trainer's (``gradient_clip_val``, ``devices``)."""
     module = Net()
     if case == "hook":
         hook = compression_hook(TopK(0.5), ErrorFeedback(), module=module)
         strategy = SparsyncStrategy(comm_hook=hook)
     else:
         strategy = SparsyncStrategy(shard_plan=SHARD_PLAN if case == "shard" else None)
-    trainer = _trainer(strategy, accumulate_grad_batches=accumulate, precision=precision)
+    trainer = _trainer(strategy, accumulate_grad_batches=accumulate, precision=precision, **trainer_options)
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
     return _params(module)
 
 
-def plain_run(case: str, accumulate: int, precision: str, rank: int, world: int) -> dict[str, np.ndarray]:
+def plain_run(
+    case: str, accumulate: int, precision: str, rank: int, world: int, clip: tuple[str, float] | None = None
+) -> dict[str, np.ndarray]:
     """The loop a sparsync user writes by hand, on the same samples (the sampler Lightning inserts in
     training: shuffled, seed 0), with Lightning's accumulation: the loss divided by ``accumulate``, a step every
     ``accumulate`` batches and at the epoch's last batch, the micro-batches before a step inside
     ``no_sync()``; Lightning's precision: "64-true" the module and the float inputs in float64, "bf16-mixed"
-    the forward and the loss under ``torch.autocast("cpu", torch.bfloat16)``, backward outside it."""
+    the forward and the loss under ``torch.autocast("cpu", torch.bfloat16)``, backward outside it; ``clip``:
+    (algorithm, value) of ``DistributedOptimizer.clip_grad_norm_`` / ``clip_grad_value_`` before each step."""
     model = Net().double() if precision == "64-true" else Net()
     if case == "hook":
         call: nn.Module = nn.parallel.DistributedDataParallel(model)
@@ -118,6 +133,8 @@ def plain_run(case: str, accumulate: int, precision: str, rank: int, world: int)
                     loss = (call(a, c) - y).square().mean()
                 (loss / accumulate).backward()
             if stepping:
+                if clip is not None:
+                    (opt.clip_grad_norm_ if clip[0] == "norm" else opt.clip_grad_value_)(clip[1])
                 opt.step()
                 opt.zero_grad()
     return _params(model)
@@ -203,6 +220,10 @@ class NotATorchOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
+def _fit(strategy: SparsyncStrategy, module: Net | None = None, **trainer_options: Any) -> None:
+    _trainer(strategy, **trainer_options).fit(module or Net(), DataLoader(dataset(), batch_size=BATCH))
+
+
 def misuse_worker(rank: int) -> dict[str, Any]:
     """The error each misuse raises (or "no error"), and how often each strategy's comm hook ran."""
     cases: dict[str, Callable[[], Any]] = {
@@ -215,6 +236,19 @@ def misuse_worker(rank: int) -> dict[str, Any]:
         "already_wrapped": _fit_wrapped,
         "fit_twice": _fit_twice,
         "hook_and_shard": lambda: SparsyncStrategy(comm_hook=lambda s, b: None, shard_plan={}),
+        "two_automatic": lambda: _fit(SparsyncStrategy(), Net(optimizer=two_optimizers)),
+        "clip_sharded_norm": lambda: _fit(SparsyncStrategy(shard_plan=SHARD_PLAN), gradient_clip_val=0.05),
+        "clip_sparse_hook": lambda: _fit(
+            SparsyncStrategy(comm_hook=default_hooks.allreduce_hook), gradient_clip_val=0.05
+        ),
+        "checkpoint_local": lambda: _fit(
+            SparsyncStrategy(shard_plan=SHARD_PLAN, shard_options={"state_dict": "local"}),
+            enable_checkpointing=True,
+        ),
+        "checkpoint_fused": lambda: _fit(
+            SparsyncStrategy(shard_plan=SHARD_PLAN, shard_options={"optimizer": sharding.Adagrad(lr=0.1)}),
+            enable_checkpointing=True,
+        ),
         "ddp_options_without_hook": lambda: SparsyncStrategy(ddp_options={"find_unused_parameters": True}),
     }
     out: dict[str, Any] = {"hook_calls": {s.__name__: hook_calls(s) for s in (DDPStrategy, SparsyncStrategy)}}
@@ -223,4 +257,110 @@ def misuse_worker(rank: int) -> dict[str, Any]:
             out[name] = f"no error, {fn()}"
         except Exception as e:
             out[name] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def clip_worker(rank: int, cases: tuple[tuple[str, str, float], ...]) -> dict[str, Any]:
+    """Per (path, gradient_clip_algorithm, gradient_clip_val): ``fit`` with the Trainer's clipping, the plain loop
+    clipping through ``DistributedOptimizer`` before each step, and the plain loop without clipping (to check
+    that the clipping acted); and ``two_optimizers_worker``'s runs under "two_optimizers"."""
+    sparsync.set_deterministic()
+    world = torch.distributed.get_world_size()
+    out: dict[str, Any] = {"start": _params(Net())}
+    for case, algorithm, value in cases:
+        out[f"{case}/{algorithm}/{value}"] = {
+            "lightning": lightning_run(
+                case, 1, "32-true", gradient_clip_val=value, gradient_clip_algorithm=algorithm
+            ),
+            "plain": plain_run(case, 1, "32-true", rank, world, clip=(algorithm, value)),
+            "unclipped": plain_run(case, 1, "32-true", rank, world),
+        }
+    out["two_optimizers"] = two_optimizers_worker(rank)
+    return out
+
+
+class TwoOptimizers(Net):
+    """Manual optimisation (Lightning's way to several optimizers): Adagrad on the tables, SGD with momentum on
+    the linear layer, whose gradients ``clip_gradients`` clips by norm before the steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        tables, top = self.optimizers()  # type: ignore[attr-defined]  # a list: configure_optimizers gave two
+        loss = super().training_step(batch, batch_idx)
+        tables.zero_grad()
+        top.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(top, gradient_clip_val=CLIP_TOP, gradient_clip_algorithm="norm")  # type: ignore[arg-type]
+        tables.step()
+        top.step()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return two_optimizers(self)
+
+
+CLIP_TOP = 0.05  # TwoOptimizers' clipping of the linear layer's gradient norm
+
+
+def two_optimizers(m: Any) -> list[torch.optim.Optimizer]:
+    """Adagrad on ``m``'s tables, SGD with momentum on its linear layer."""
+    tables = [*m.emb.parameters(), *m.bag.parameters()]
+    return [torch.optim.Adagrad(tables, lr=0.1), torch.optim.SGD(m.fc.parameters(), lr=0.05, momentum=0.9)]
+
+
+def two_optimizers_worker(rank: int) -> dict[str, Any]:
+    """``fit`` of ``TwoOptimizers`` (each optimizer wrapped in a ``DistributedOptimizer`` of its own) and the
+    plain loop with two ``DistributedOptimizer``s stepping in the same order, on the same samples."""
+    sparsync.set_deterministic()
+    module = TwoOptimizers()
+    trainer = _trainer(SparsyncStrategy())
+    trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+    kinds = [type(o).__name__ for o in trainer.optimizers]
+    model = Net()
+    opts = [sparsync.DistributedOptimizer(o, model) for o in two_optimizers(model)]
+    world = torch.distributed.get_world_size()
+    sampler: DistributedSampler[Any] = DistributedSampler(dataset(), num_replicas=world, rank=rank, seed=0)
+    loader = DataLoader(dataset(), batch_size=BATCH, sampler=sampler)
+    for epoch in range(EPOCHS):
+        sampler.set_epoch(epoch)
+        for a, c, y in loader:
+            for opt in opts:
+                opt.zero_grad()
+            (model(a, c) - y).square().mean().backward()
+            opts[1].clip_grad_norm_(CLIP_TOP)
+            for opt in opts:
+                opt.step()
+    return {"start": _params(Net()), "lightning": _params(module), "plain": _params(model), "kinds": kinds}
+
+
+def checkpoint_worker(rank: int, root: str, cases: tuple[str, ...]) -> dict[str, Any]:
+    """Per path: a ``fit`` of ``EPOCHS`` epochs with ``ModelCheckpoint`` saving after each, and a ``fit`` of a
+    module from another seed resumed (``ckpt_path``) from the first epoch's checkpoint to the same end; their
+    parameters, and (rank 0) the shapes of the first checkpoint's tables and their Adagrad sums."""
+    sparsync.set_deterministic()
+    out: dict[str, Any] = {}
+    for case in cases:
+        shard_plan = SHARD_PLAN if case == "shard" else None
+        saves = ModelCheckpoint(dirpath=f"{root}/{case}", filename="{epoch}", save_top_k=-1)
+        module = Net()
+        trainer = _trainer(SparsyncStrategy(shard_plan=shard_plan), enable_checkpointing=True, callbacks=[saves])
+        trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
+        resumed = Net(seed=5)
+        first = f"{root}/{case}/epoch=0.ckpt"
+        saves = ModelCheckpoint(dirpath=f"{root}/{case}/resumed")
+        trainer = _trainer(SparsyncStrategy(shard_plan=shard_plan), enable_checkpointing=True, callbacks=[saves])
+        trainer.fit(resumed, DataLoader(dataset(), batch_size=BATCH), ckpt_path=first)
+        saved = torch.load(first, weights_only=False) if rank == 0 else None
+        shapes = {}
+        if saved is not None:
+            sums = [s["sum"] for s in saved["optimizer_states"][0]["state"].values()]
+            shapes = {
+                "emb.weight": tuple(saved["state_dict"]["emb.weight"].shape),
+                "sums": [tuple(t.shape) for t in sums],
+            }
+        out[case] = {"uninterrupted": _params(module), "resumed": _params(resumed), "saved": shapes}
+    out["start"] = _params(Net())
     return out

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("lightning", reason="needs the lightning extra: pip install -e '.[lightning]'")
 
@@ -35,6 +36,9 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 Case = tuple[str, int, str]  # (path, accumulate_grad_batches, precision)
+# what a launcher (torchrun, sparsync.launch, Lightning's own) sets in its ranks: absent when Lightning launches
+LAUNCH_VARIABLES = {"MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}
+LAUNCH_VARIABLES |= {"NODE_RANK", "GROUP_RANK"}
 
 
 def _check(res: list[dict[str, Any]], cases: tuple[Case, ...]) -> None:
@@ -77,6 +81,78 @@ def test_fit_with_gradient_accumulation_at_three_ranks() -> None:
     _check(launch(lw.compare_worker, nprocs=3, args=(cases,)), cases)
 
 
+def test_lightning_launches_the_ranks_itself(tmp_path: Path) -> None:
+    """No process group before ``fit``: ``Trainer(devices=2, accelerator="cpu")`` runs the script again in a
+    second process (Lightning's ``popen`` launcher, as for ``DDPStrategy``) and makes the gloo group; the fit
+    (both tables sharded) ends bit for bit where the plain loop does in that group."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    script = Path(__file__).with_name("_lightning_launched.py")
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=240,
+        env={**env, "TORCH_CPP_LOG_LEVEL": "ERROR"}, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    for rank, r in enumerate(res):
+        assert (r["group_before_fit"], r["world"]) == (False, 2), (rank, r["group_before_fit"], r["world"])
+        for name, want in r["plain"].items():
+            got = r["lightning"][name]
+            assert np.array_equal(got, want), (rank, name, float(np.abs(got - want).max()))
+    for name in ("fc.weight", "fc.bias"):  # the tables: each rank its own rows
+        assert not np.array_equal(res[0]["plain"][name], res[0]["start"][name]), (name, "did not train")
+        assert np.array_equal(res[0]["plain"][name], res[1]["plain"][name]), (name, "ranks differ")
+
+
+def test_gradient_clipping_and_two_optimizers_equal_the_plain_loop_at_two_ranks() -> None:
+    """``gradient_clip_val`` by norm and by value (sharded tables by value: their norm is refused, in
+    ``test_misuse_raises_naming_the_bad_value``) ends bit for bit where the plain loop that clips through
+    ``DistributedOptimizer`` does, and apart from the loop without clipping (the clipping acted). Two optimizers
+    (manual optimisation: Lightning's way to several; Adagrad on the tables, SGD with momentum on the linear
+    layer clipped by ``clip_gradients``) each wrapped in a ``DistributedOptimizer``, bit for bit against the loop
+    with two."""
+    cases = (("optimizer", "norm", 0.05), ("optimizer", "value", 0.01), ("shard", "value", 0.01))
+    res = launch(lw.clip_worker, nprocs=2, args=(cases,))
+    for rank, r in enumerate(res):
+        for case, algorithm, value in cases:
+            run = r[f"{case}/{algorithm}/{value}"]
+            for name, want in run["plain"].items():
+                got = run["lightning"][name]
+                assert np.array_equal(got, want), (case, algorithm, rank, name, float(np.abs(got - want).max()))
+                assert not np.array_equal(want, run["unclipped"][name]), (
+                    case,
+                    algorithm,
+                    rank,
+                    name,
+                    "not clipped",
+                )
+                if case != "shard" or name.startswith("fc."):
+                    other = res[0][f"{case}/{algorithm}/{value}"]["plain"][name]
+                    assert np.array_equal(want, other), (case, algorithm, rank, name, "ranks differ")
+        two = r["two_optimizers"]
+        assert two["kinds"] == ["DistributedOptimizer"] * 2, two["kinds"]
+        for name, want in two["plain"].items():
+            assert np.array_equal(two["lightning"][name], want), (rank, name, "two optimizers")
+            assert not np.array_equal(want, two["start"][name]), (rank, name, "did not train")
+            assert np.array_equal(want, res[0]["two_optimizers"]["plain"][name]), (rank, name, "ranks differ")
+
+
+def test_checkpoint_resumes_bit_for_bit(tmp_path: Path) -> None:
+    """``ModelCheckpoint`` after each of 2 epochs, then a module from another seed ``fit(ckpt_path=<epoch 0>)``
+    to the same end: its parameters equal the uninterrupted run's bit for bit, on the default path and with both
+    tables sharded, whose checkpoint (written by rank 0) holds each table whole and its whole Adagrad state."""
+    cases = ("optimizer", "shard")
+    res = launch(lw.checkpoint_worker, nprocs=2, args=(str(tmp_path), cases))
+    for rank, r in enumerate(res):
+        for case in cases:
+            for name, want in r[case]["uninterrupted"].items():
+                got = r[case]["resumed"][name]
+                assert np.array_equal(got, want), (case, rank, name, float(np.abs(got - want).max()))
+    whole = {"emb.weight": (40, 4), "sums": [(40, 4), (24, 4), (1, 8), (1,)]}
+    assert res[0]["shard"]["saved"] == res[0]["optimizer"]["saved"] == whole, res[0]["shard"]["saved"]
+    shard_rows = res[0]["shard"]["uninterrupted"]["emb.weight"].shape
+    assert shard_rows == (20, 4), shard_rows
+
+
 def test_validate_shards_and_broadcasts_rank_zeros_module() -> None:
     """``trainer.validate`` (no optimizer to broadcast the parameters) of a module whose ranks start apart: every
     rank ends with rank 0's linear layer and its own rows (r, r + 2, ...) of rank 0's tables, and the logged loss
@@ -106,6 +182,20 @@ def test_misuse_raises_naming_the_bad_value() -> None:
         assert r["fit_twice"].startswith("ValueError: SparsyncStrategy: this Net was fitted"), r["fit_twice"]
         assert r["hook_and_shard"].startswith("ValueError: SparsyncStrategy: ['shard_plan']"), r["hook_and_shard"]
         assert "ddp_options ['find_unused_parameters'] apply only with comm_hook=" in r["ddp_options_without_hook"]
+        assert "multiple optimizers is only supported with manual optimization" in r["two_automatic"], r
+        assert r["clip_sharded_norm"].startswith(
+            "ValueError: SparsyncStrategy: gradient_clip_val=0.05 with gradient_clip_algorithm='norm' and sharded"
+        ), r["clip_sharded_norm"]
+        assert r["clip_sparse_hook"].startswith(
+            "ValueError: SparsyncStrategy: gradient_clip_val=0.05 (gradient_clip_algorithm='norm') with "
+            "comm_hook=: 2 sparse gradient(s)"
+        ), r["clip_sparse_hook"]
+        assert r["checkpoint_local"].startswith(
+            "ValueError: SparsyncStrategy: shard_options state_dict='local' cannot go into a Lightning checkpoint"
+        ), r["checkpoint_local"]
+        assert r["checkpoint_fused"].startswith(
+            "ValueError: SparsyncStrategy: shard_options optimizer=Adagrad keeps its per-row state"
+        ), r["checkpoint_fused"]
 
 
 @pytest.mark.slow

@@ -20,7 +20,14 @@ Two paths, chosen by ``comm_hook``:
 
 Inside ranks that exist already (``sparsync.launch``, or a script that called ``init_process_group``) the
 strategy takes their group (``ProcessGroupEnvironment``) and Lightning starts no processes; otherwise Lightning's
-own environments and launcher apply, as for ``DDPStrategy``.
+own environments and launcher apply, as for ``DDPStrategy`` with its default ``start_method="popen"``
+(``Trainer(devices=N)`` runs the script again in N - 1 processes).
+
+``gradient_clip_val`` (and ``LightningModule.clip_gradients``) clips the aggregated gradients, sparse ones
+included, through ``DistributedOptimizer.clip_grad_norm_`` / ``clip_grad_value_`` (``AggregatedClipping``).
+Checkpoints (``ModelCheckpoint``, ``trainer.save_checkpoint``, ``fit(ckpt_path=...)``): sharded tables are
+saved whole (``shard``'s ``state_dict="full"``, gathered on rank 0, which writes the file) with their optimizer
+state (``sharding.optimizer_state_dict``), and dealt back to the rows' owners on loading.
 """
 
 from __future__ import annotations
@@ -35,7 +42,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.optimizer import _optimizer_to_device, _optimizers_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.constants import default_pg_timeout
@@ -43,6 +52,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sparsync import DistributedOptimizer, shard
 from sparsync.placement import Sharded, placement_of
+from sparsync.sharding import SGD, ShardedTable, load_optimizer_state_dict, optimizer_state_dict
 
 # Lightning's precision flags under which the two paths are tested (tests/integrations/test_lightning.py); the
 # others (half-precision weights "16-true"/"bf16-true", "16-mixed"'s GradScaler, quantised and FP8 plugins) are
@@ -148,6 +158,7 @@ class SparsyncStrategy(DDPStrategy):
 
     def setup(self, trainer: pl.Trainer) -> None:
         _check_precision(self.precision_plugin.precision)
+        self.precision_plugin = with_aggregated_clipping(self.precision_plugin)
         if self.wraps_in_ddp:
             super().setup(trainer)
             return
@@ -158,6 +169,8 @@ class SparsyncStrategy(DDPStrategy):
             self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        if fitting and trainer.checkpoint_callbacks:  # refused now rather than at the first checkpoint
+            _check_checkpointable(self.model, self._shard_options)
         self._shard()
         if fitting:
             _mark_fitted(self.lightning_module)
@@ -195,6 +208,34 @@ class SparsyncStrategy(DDPStrategy):
             )
         return DistributedOptimizer(optimizer, self.lightning_module, **self._optimizer_options)
 
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict, each sharded table whole (on rank 0, which writes the checkpoint: every rank
+        calls this, as Lightning's ``dump_checkpoint`` does). ValueError where a checkpoint cannot hold the
+        tables (``_check_checkpointable``)."""
+        module = self.lightning_module
+        assert module is not None
+        _check_checkpointable(module, self._shard_options)
+        return super().lightning_module_state_dict()
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        """``optimizer``'s state dict; with sharded tables, their per-row state gathered whole on rank 0
+        (``sharding.optimizer_state_dict``; ``{}`` on the other ranks, which write nothing). Collective."""
+        module = self.lightning_module
+        if module is None or not _shards(module):
+            return super().optimizer_state(optimizer)
+        return optimizer_state_dict(_unwrapped(optimizer), module) or {}
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """The checkpoint's optimizer states; a sharded table's per-row state (saved whole) dealt to the rows'
+        owners (``sharding.load_optimizer_state_dict``, at any P). Mutates the optimizers."""
+        module = self.lightning_module
+        if module is None or not _shards(module):
+            super().load_optimizer_state_dict(checkpoint)
+            return
+        for opt, state in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            load_optimizer_state_dict(opt, module, state)
+            _optimizer_to_device(opt, self.root_device)
+
     def _register_ddp_hooks(self) -> None:
         """The hook on every device: DDP runs comm hooks on gloo and CPU tensors too."""
         if self._ddp_comm_hook is not None:
@@ -214,6 +255,93 @@ class SparsyncStrategy(DDPStrategy):
                 if isinstance(opt, DistributedOptimizer):
                     stack.enter_context(opt.no_sync())
             yield
+
+
+class AggregatedClipping(Precision):
+    """A precision plugin's gradient clipping (``gradient_clip_val``, ``LightningModule.clip_gradients``) over
+    the aggregated gradients: a ``DistributedOptimizer``'s through its ``clip_grad_norm_`` / ``clip_grad_value_``
+    (the gradients aggregated first where backward did not, sparse ones included, one norm the same on every
+    rank; ValueError for the norm of sharded tables, whose rows no rank holds all of); another optimizer's (the
+    DDP path, whose reducer aggregated in backward) through torch's, which takes dense gradients only:
+    ValueError naming the setting for a sparse one."""
+
+    def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
+        optimizer = _unwrapped(optimizer)
+        if isinstance(optimizer, DistributedOptimizer):
+            _refuse_sharded_norm(optimizer, clip_val)
+            optimizer.clip_grad_norm_(clip_val)
+            return
+        _refuse_sparse_clipping(optimizer, "norm", clip_val)
+        super().clip_grad_by_norm(optimizer, clip_val)
+
+    def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
+        optimizer = _unwrapped(optimizer)
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer.clip_grad_value_(clip_val)
+            return
+        _refuse_sparse_clipping(optimizer, "value", clip_val)
+        super().clip_grad_by_value(optimizer, clip_val)
+
+
+def _unwrapped(optimizer: Any) -> Any:
+    """The optimizer a ``LightningOptimizer`` (``self.optimizers()`` in manual optimisation) wraps."""
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def with_aggregated_clipping(plugin: Precision) -> Precision:
+    """``plugin`` with ``AggregatedClipping``'s two methods ahead of its own class's (the rest of its class,
+    e.g. ``MixedPrecision``'s autocast, as it is). Mutates ``plugin``'s class; returns it."""
+    if not isinstance(plugin, AggregatedClipping):
+        plugin.__class__ = type(f"Aggregated{type(plugin).__name__}", (AggregatedClipping, type(plugin)), {})
+    return plugin
+
+
+def _refuse_sparse_clipping(optimizer: Any, algorithm: str, clip_val: int | float) -> None:
+    sparse = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None and p.grad.is_sparse]
+    if sparse:
+        raise ValueError(
+            f"SparsyncStrategy: gradient_clip_val={clip_val} (gradient_clip_algorithm={algorithm!r}) with "
+            f"comm_hook=: {len(sparse)} sparse gradient(s), which torch's clip_grad_{algorithm}_ does not take; "
+            "the default path (no comm_hook) clips them through DistributedOptimizer"
+        )
+
+
+def _refuse_sharded_norm(optimizer: DistributedOptimizer, clip_val: int | float) -> None:
+    sharded = [p for g in optimizer.param_groups for p in g["params"] if isinstance(placement_of(p), Sharded)]
+    if sharded:
+        # clip_grad_norm_ adds up the norms of the gradients a rank holds, and of a shard it holds its own rows
+        raise ValueError(
+            f"SparsyncStrategy: gradient_clip_val={clip_val} with gradient_clip_algorithm='norm' and sharded "
+            f"tables ({len(sharded)} shard(s) in the optimizer): DistributedOptimizer.clip_grad_norm_ would take "
+            "each rank's norm over its own rows of the shards, and the ranks would scale apart; use "
+            "gradient_clip_algorithm='value', or no shard_plan"
+        )
+
+
+def _shards(module: torch.nn.Module) -> list[ShardedTable]:
+    return [m for m in module.modules() if isinstance(m, ShardedTable)]
+
+
+def _check_checkpointable(module: torch.nn.Module, shard_options: Mapping[str, Any]) -> None:
+    """ValueError naming the setting where a Lightning checkpoint (one file, rank 0's) could not resume the
+    sharded tables exactly: a state dict layout other than ``"full"`` (rank 0 would save its own rows only), or
+    a fused optimizer with per-row state (kept in the tables' group, in no state dict that Lightning saves)."""
+    layouts = {table.state_dict_layout for table in _shards(module)} | {shard_options.get("state_dict", "full")}
+    if layouts != {"full"}:
+        raise ValueError(
+            f"SparsyncStrategy: shard_options state_dict={sorted(layouts - {'full'})[0]!r} cannot go into a "
+            "Lightning checkpoint (rank 0 writes the file, and would write its own rows only): use "
+            "state_dict='full' (the default: each table gathered whole on rank 0), or no checkpoint "
+            "(enable_checkpointing=False) and sparsync.sharding.checkpoint's save/load (DCP) outside Lightning"
+        )
+    fused = shard_options.get("optimizer")
+    if fused is not None and not isinstance(fused, SGD):
+        raise ValueError(
+            f"SparsyncStrategy: shard_options optimizer={type(fused).__name__} keeps its per-row state in the "
+            "tables' group, which a Lightning checkpoint does not hold (a resume would start it from zeros): use "
+            "a torch optimizer from configure_optimizers (e.g. Adagrad), the stateless fused SGD, or no "
+            "checkpoint (enable_checkpointing=False)"
+        )
 
 
 def broadcast_replicated(module: torch.nn.Module) -> None:
