@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from sparsync.plan.backend import BACKENDS
-from sparsync.plan.cluster import Cluster
+from sparsync.plan.cluster import Cluster, ExchangeCPU
 from sparsync.plan.detect import ParamStats
 from sparsync.plan.planner import Plan, levels_from_json, make_plan, stats_from_json
 from sparsync.plan.registry import KINDS
@@ -85,10 +85,24 @@ def add_parser(sub: Any, formatter_class: type[argparse.HelpFormatter] = argpars
         default=None,
         help="price two levels with the links a `bench allreduce --hosts` run measured (its JSON)",
     )
+    p.add_argument("--exchange-cpu", type=Path, default=None,
+                   help="price the sharded exchange's CPU with these constants: a JSON {per_step, per_table, "
+                   "per_key} or a plan_check run's JSON (its fit); default: unpriced")  # fmt: skip
     p.add_argument("--override", type=_override, action="append", default=[], help="NAME=PLACEMENT")
     p.add_argument("--allow-lossy", action="store_true", help="let the plan pick the sketch placement")
     p.add_argument("--json", type=Path, default=None, help="also write the plans to this file")
     p.set_defaults(func=run)
+
+
+def exchange_cpu_from(path: Path) -> ExchangeCPU:
+    """The ``ExchangeCPU`` in ``path``: a JSON object of its three terms, or a ``plan_check`` run's points (the
+    fit they were priced with)."""
+    obj = json.loads(path.read_text())
+    if isinstance(obj, list) and obj and isinstance(obj[0], dict) and obj[0].get("exchange_cpu"):
+        obj = obj[0]["exchange_cpu"]
+    if not isinstance(obj, dict) or set(obj) != {"per_step", "per_table", "per_key"}:
+        raise ValueError(f"{path}: want a JSON object {{per_step, per_table, per_key}} or a plan_check run's JSON")
+    return ExchangeCPU(**obj)
 
 
 def _stats(args: argparse.Namespace) -> list[ParamStats]:
@@ -113,12 +127,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
         summary.add_column(col, justify="right" if col != "placements" else "left")
     plans = []
     levels = None if args.levels is None else levels_from_json(json.loads(args.levels.read_text()))
+    cpu = None if args.exchange_cpu is None else exchange_cpu_from(args.exchange_cpu)
     for N in args.machines:
         stats = _stats(args)
         intra = None if args.intra_bandwidth is None else parse_rate(args.intra_bandwidth) / 8.0
         cluster = Cluster(N, args.procs_per_machine, bw, lat, intra_bandwidth=intra, levels=levels,
                           intra_latency=parse_latency(args.intra_latency) or 0.0,
-                          backend=args.backend)  # fmt: skip
+                          backend=args.backend, exchange_cpu=cpu)  # fmt: skip
         plan = make_plan(stats, cluster, overrides=dict(args.override), allow_lossy=args.allow_lossy,
                          swap_modules=args.stats is None and args.model == "dlrm")  # fmt: skip
         print_entries(plan, console)

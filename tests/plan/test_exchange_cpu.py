@@ -4,12 +4,17 @@ cluster has one."""
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+from pathlib import Path
+
 import pytest
 
 from sparsync.compress.sketch import SparseSketch
 from sparsync.plan import Cluster, ExchangeCPU, ParamStats, make_plan
 from sparsync.plan.backend import all_to_all_latency
 from sparsync.plan.kinds import ROUNDS, ShardedKind
+from sparsync_bench.cli import main
 
 CPU = ExchangeCPU(per_step=1.5e-3, per_table=4e-5, per_key=4e-7)
 GRID = [(26.0, 2411.0), (26.0, 8553.0), (26.0, 29054.0), (8.0, 863.0), (8.0, 2901.0), (8.0, 8528.0)]
@@ -83,3 +88,31 @@ def test_the_plans_sharded_part_is_the_network_price_plus_the_cpu_of_every_table
     keys = 0.3 * 1000 + 0.01 * 50_000
     got = part(Cluster(4, bandwidth=1.25e9, latency=50e-6, exchange_cpu=CPU))
     assert got == pytest.approx(part(c) + CPU.seconds(len(tables), keys), rel=1e-12)
+
+
+def test_sparsync_plan_prices_the_exchange_cpu_it_is_given(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``sparsync plan --exchange-cpu``: from a JSON of the three terms or a plan_check run's JSON (its fit), the
+    pinned sharded part costs what it costs without, plus the CPU of its 26 tables' distinct keys."""
+    terms = tmp_path / "cpu.json"
+    terms.write_text(json.dumps(asdict(CPU)))
+    check = tmp_path / "check.json"
+    check.write_text(json.dumps([{"exchange_cpu": asdict(CPU), "setting": {}}]))
+    argv = ["plan", "--model", "dlrm", "--world", "4", "--link", "25gbit", "--latency", "50us"]
+    pin = [x for j in range(26) for x in ("--override", f"tables.{j}.weight=sharded")]
+    parts = {}
+    for name, extra in (("none", []), ("terms", ["--exchange-cpu", str(terms)]),
+                        ("check", ["--exchange-cpu", str(check)])):  # fmt: skip
+        out = tmp_path / f"{name}.json"
+        assert main([*argv, *pin, *extra, "--json", str(out)]) == 0
+        (plan,) = json.loads(out.read_text())
+        (part,) = [p for p in plan["step"] if p["kind"] == "sharded"]
+        parts[name] = part["seconds"]
+        keys = sum(e["row_fraction"] * e["shape"][0] for e in plan["entries"] if e["placement"] == "sharded")
+    assert parts["terms"] == parts["check"] == pytest.approx(parts["none"] + CPU.seconds(26, keys), rel=1e-9)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"per_step": 1.0}))
+    assert main([*argv, "--exchange-cpu", str(bad)]) == 2
+    said = " ".join("".join(capsys.readouterr()).split())
+    assert "bad.json: want a JSON object {per_step, per_table, per_key}" in said

@@ -225,6 +225,7 @@ class Plan:
                 **self.cluster.__dict__,
                 "measured": m and asdict(m),
                 "server": self.cluster.server and asdict(self.cluster.server),
+                "exchange_cpu": self.cluster.exchange_cpu and asdict(self.cluster.exchange_cpu),
             },
             "bytes_per_machine": self.bytes_per_machine,
             "seconds": self.seconds,
