@@ -1027,7 +1027,8 @@ def _same_topk(mag: torch.Tensor, k: int) -> None:
 def test_largest_is_exact_top_k(k: int) -> None:
     """The candidate path (threshold from a strided sample) returns exactly torch.topk's values, on Gaussian
     magnitudes, on heavy ties, on data whose large values the strided sample misses (fallback), with NaN
-    (fallback: topk ranks NaN first) and on all zeros (too many candidates: fallback)."""
+    (fallback: topk ranks NaN first), on all zeros, and on mostly zeros with fewer or more than k others
+    (τ = 0: the non-zero values are the candidates)."""
     n = 1 << 20
     g = torch.Generator().manual_seed(k)
     _same_topk(torch.randn(n, generator=g).abs(), k)
@@ -1040,3 +1041,7 @@ def test_largest_is_exact_top_k(k: int) -> None:
     got = topk_mod.largest(nan, k)
     assert len({5, n // 2} & set(got.tolist())) == min(k, 2)
     _same_topk(torch.zeros(n), k)
+    for nnz in (k // 2, 2 * k):  # mostly zeros (a dense embedding gradient): τ = 0, fewer or more than k others
+        few = torch.zeros(n)
+        few[torch.randperm(n, generator=g)[:nnz]] = torch.rand(nnz, generator=g) + 0.5
+        _same_topk(few, k)

@@ -79,16 +79,25 @@ def largest(mag: torch.Tensor, k: int) -> torch.Tensor:
     threshold τ from a strided sample of SAMPLE magnitudes, at the sample's 1 - 2k/n quantile; the candidates
     |x| ≥ τ (one vectorized pass, about 2k of them); ``torch.topk`` of the candidates. Exact whenever there
     are at least k candidates, since then the k-th largest value is ≥ τ and every value above it is a
-    candidate; otherwise (an unlucky sample, or NaN, which compares false and which topk ranks first) the
-    full ``torch.topk``."""
+    candidate. A mostly-zero input (a dense embedding gradient: only the batch's rows are non-zero) puts τ at
+    0: the candidates are then the non-zero values, and with fewer than k of them the answer is all of them
+    and the first zeros (ties, which topk may pick in any order). Otherwise (an unlucky sample, or NaN, which
+    compares false and which topk ranks first) the full ``torch.topk``."""
     n = mag.numel()
     if n < 4 * SAMPLE or 8 * k > n:  # small, or a large k: the heap is cheap enough
         return torch.topk(mag, k, sorted=False).indices
     sample = mag[:: n // SAMPLE]
     rank = max(1, int(sample.numel() * (1 - 2 * k / n)))  # kthvalue's k-th smallest: about 2k of n above it
     tau = kth_smallest(sample, rank)
-    cand = torch.nonzero(mag >= tau, as_tuple=True)[0]
-    if cand.numel() < k or cand.numel() > n // 4 or not bool(torch.isfinite(mag.sum())):  # NaN: topk's order
+    zero = bool(tau <= 0)
+    cand = torch.nonzero(mag > 0 if zero else mag >= tau, as_tuple=True)[0]
+    if not bool(torch.isfinite(mag.sum())):  # NaN: topk's order
+        return torch.topk(mag, k, sorted=False).indices
+    if zero and cand.numel() < k:
+        need = k - cand.numel()  # zeros: the first ``need`` of them lie among the first need + nnz positions
+        head = mag[: need + cand.numel()]
+        return torch.cat([cand, torch.nonzero(head == 0, as_tuple=True)[0][:need]])
+    if cand.numel() < k or cand.numel() > n // 4:
         return torch.topk(mag, k, sorted=False).indices
     return cand[torch.topk(mag[cand], k, sorted=False).indices]
 
