@@ -31,6 +31,7 @@ import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -342,39 +343,25 @@ def plan_summary(plan: Plan) -> str:
     return f"plan chose: {'; '.join(parts)} ({kind})"
 
 
-def print_demo(
-    runs: list[dict[str, Any]],
-    diff: float,
-    cfg: DemoConfig,
-    console: Any,
-    out: Any,
-    net: str | None = None,
-    plan: Plan | None = None,
-) -> None:
-    """The plan and why it chose so, the side-by-side table on screen, the lines of ``demo_report`` (against
-    the baselines, predicted against measured, the interleaved blocks' ratios and verdicts), and ``out``.json /
-    ``out``.md (the JSON: every run's per-step and per-block times and step parts, the interleaving's order and
-    ratios)."""
-    lines: list[str] = []
-    if plan is not None:
-        c = plan.cluster
-        m, sv = c.measured, c.server
-        link = f"link measured: α {m.alpha * 1e6:.0f} µs, {1 / m.beta / 1e6:.0f} MB/s" if m else "an assumed link"
-        if sv is not None:
-            rate = (
-                "per byte below the probe's resolution" if sv.per_byte == 0 else f"{1e-6 / sv.per_byte:.0f} MB/s"
-            )
-            link += f"; servers measured: {sv.round_trip * 1e3:.2f} ms a round trip, {rate}"
-        print_plan(
-            plan,
-            console,
-            title=f"automatic plan: α measured over {cfg.warmup} warm-up steps; {c.machines} machines; {link}",
-        )
-        lines += [plan_summary(plan), *dr.choice_lines(plan)]
-        for line in lines:
-            console.print(line)
-    shown = len(lines)
-    where = f"emulated {net} links" if net else "loopback"
+def _plan_lines(plan: Plan, cfg: DemoConfig, console: Any) -> list[str]:
+    """Prints ``plan``'s table (titled with the link and servers it priced) and returns the lines saying what it
+    chose and why."""
+    c = plan.cluster
+    m, sv = c.measured, c.server
+    link = f"link measured: α {m.alpha * 1e6:.0f} µs, {1 / m.beta / 1e6:.0f} MB/s" if m else "an assumed link"
+    if sv is not None:
+        rate = "per byte below the probe's resolution" if sv.per_byte == 0 else f"{1e-6 / sv.per_byte:.0f} MB/s"
+        link += f"; servers measured: {sv.round_trip * 1e3:.2f} ms a round trip, {rate}"
+    print_plan(
+        plan,
+        console,
+        title=f"automatic plan: α measured over {cfg.warmup} warm-up steps; {c.machines} machines; {link}",
+    )
+    return [plan_summary(plan), *dr.choice_lines(plan)]
+
+
+def _runs_table(runs: list[dict[str, Any]], cfg: DemoConfig, where: str) -> Table:
+    """The runs side by side: plan, median step time, bytes, final loss, algorithms."""
     table = Table(title=f"{cfg.replicas} processes, {cfg.steps} steps, batch {cfg.batch}/replica ({where})")
     for col in ("gradient plan", "step time ms (median)", "MB sent/step/rank", "final loss", "algorithms"):
         table.add_column(col, justify="left" if col in ("gradient plan", "algorithms") else "right")
@@ -386,25 +373,40 @@ def print_demo(
             f"{r['final_loss']:.4f}",
             ", ".join(r["algorithms"]),
         )
-    show_table(console, table)
+    return table
+
+
+def _report_lines(
+    runs: list[dict[str, Any]], diff: float, cfg: DemoConfig, plan: Plan | None, where: str
+) -> list[str]:
+    """``demo_report``'s lines on the runs: against the baselines, predicted against measured (with a priced
+    plan), the interleaved blocks' ratios and verdicts, the loss. Sets each priced run's ``parts``."""
     s = runs[-1]
-    lines += [dr.headline(runs, where), *dr.compare_lines(runs)]
+    priced = plan if plan is not None and "compute_ms" in s else None  # a plan and the runs' compute times
+    lines = [dr.headline(runs, where), *dr.compare_lines(runs)]
     sizes = dr.block_sizes(cfg.steps, cfg.warmup, cfg.block)
-    if plan is not None and "compute_ms" in s:
-        lines += dr.prediction_lines(runs, plan)
+    if priced is not None:
+        lines += dr.prediction_lines(runs, priced)
     lines += dr.ratio_lines(runs, sizes)
-    if plan is not None and "compute_ms" in s:
-        lines += dr.why_lines(runs, plan)
-        for run, parts in dr.step_parts(runs, plan).items():
+    if priced is not None:
+        lines += dr.why_lines(runs, priced)
+        for run, parts in dr.step_parts(runs, priced).items():
             next(r for r in runs if r["run"] == run)["parts"] = {**asdict(parts), "rest_ms": parts.rest_ms}
     lines.append(
         f"loss {s['first_loss']:.4f} -> {s['final_loss']:.4f} (mean of the last 10 steps); every run's final "
         f"parameters differ from the dense run's by at most {diff:.2e} (same SGD updates, different summation "
         "order)"
     )
-    for line in lines[shown:]:
-        console.print(line)
+    return lines
+
+
+def _write_demo(
+    out: Path, runs: list[dict[str, Any]], diff: float, cfg: DemoConfig, net: str | None, plan: Plan | None,
+    lines: list[str],
+) -> None:  # fmt: skip
+    """``out``.json (the config, the runs, the plan, the interleaving) and ``out``.md (the table and ``lines``)."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    sizes = dr.block_sizes(cfg.steps, cfg.warmup, cfg.block)
     meta = {"config": config_dict(cfg), "net": net, "runs": runs, "max_param_diff": diff,
             "plan": plan.as_dict() if plan is not None else None,
             "interleaving": dr.interleaving(runs, cfg.block, sizes)}  # fmt: skip
@@ -418,4 +420,30 @@ def print_demo(
         rule=" --- ",
     )
     out.with_suffix(".md").write_text("\n".join([*md, "", *lines, ""]))
+
+
+def print_demo(
+    runs: list[dict[str, Any]],
+    diff: float,
+    cfg: DemoConfig,
+    console: Any,
+    out: Path,
+    net: str | None = None,
+    plan: Plan | None = None,
+) -> None:
+    """The plan and why it chose so, the side-by-side table on screen, the lines of ``demo_report`` (against
+    the baselines, predicted against measured, the interleaved blocks' ratios and verdicts), and ``out``.json /
+    ``out``.md (the JSON: every run's per-step and per-block times and step parts, the interleaving's order and
+    ratios)."""
+    lines: list[str] = []
+    if plan is not None:
+        lines = _plan_lines(plan, cfg, console)
+        for line in lines:
+            console.print(line)
+    where = f"emulated {net} links" if net else "loopback"
+    show_table(console, _runs_table(runs, cfg, where))
+    report = _report_lines(runs, diff, cfg, plan, where)
+    for line in report:
+        console.print(line)
+    _write_demo(out, runs, diff, cfg, net, plan, [*lines, *report])
     console.print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
