@@ -408,11 +408,9 @@ def choose_robust(
     exchanges, then the two-phase split algorithms) whose predicted time is within ``margin`` of the fastest
     prediction.
 
-    Why: on this 2-core VM behind tc-shaped links the model's predictions miss measured times by
-    1.5-2x, mostly by the same factor for every algorithm, so clear wins are reliable but near-ties are not.
-    In near-ties the algorithm with more dependent phases lost in every measured case: the split algorithms
-    (an all-to-all, then an allgather) against allgather on embedding gradients, and against sparsync's dense
-    at density 0.3 (figures: docs/results_design.md).
+    Why: the model's predictions can miss measured times by a factor that is mostly the same for every
+    algorithm, so clear wins are reliable but near-ties are not, and in near-ties the algorithm with more
+    dependent phases lost in every measured case (the measurements: docs/results_design.md).
     """
     candidates = REGISTRY.names if candidates is None else candidates
     preds = {alg: predict(alg, p, link) for alg in candidates}

@@ -27,7 +27,7 @@ A model placed by ``sparsync.shard(model, plan={...})`` brings its own placement
 the model here: a table placed ``"server"`` goes on the servers by rows (whatever its ``sparse`` flag), a
 sharded table keeps its own exchange (``Sharded``: its gradient is already the sum over the ranks when backward
 leaves, so only ``sparse_reduce="mean"`` divides it, as it divides a replicated table's; its shard differs per
-rank and is never broadcast), and the tables the plan left replicated are no longer on the servers by default:
+rank and is never broadcast), and the tables the plan left replicated are not on the servers by default:
 they take the collective default (``dense_allreduce``) unless ``sparse_params`` or ``placements`` say otherwise
 (with ``ps_dense``, which puts every parameter a plan does not place on the servers, they go there whole, as the
 dense ones do). Async mode runs no collective, so it refuses sharded tables.

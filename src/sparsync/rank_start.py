@@ -18,9 +18,8 @@ import time
 from typing import Any
 
 # How ranks start: "forkserver" forks each rank from one server process per launcher that imported these modules
-# once; "spawn" starts a fresh interpreter per rank. A launch of a no-op at P = 1, 3, 5 on the 2-core development
-# host: 1.84, 3.00, 5.14 s spawned, 0.17, 0.24, 0.41 s forked, 1.31 s for the first launch, which starts the
-# server (docs/data/launch_start.md, scripts/launch_start.py).
+# once; "spawn" starts a fresh interpreter per rank, several times slower to start (docs/data/launch_start.md,
+# scripts/launch_start.py).
 START_METHODS = ("forkserver", "spawn")
 _PRELOAD = ("torch", "torch.distributed", "sparsync")
 

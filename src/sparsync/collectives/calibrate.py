@@ -76,8 +76,7 @@ def _collective_latencies(group: dist.ProcessGroup, reps: int, tally: Traffic) -
     A lone ping-pong under-reports α when P processes share few cores: a round is only over when every
     rank has been scheduled, and on this VM thread wake-ups alone take up to milliseconds. The samples run back
     to back after one barrier, as a run's calls follow each other: a barrier before each sample lines the ranks
-    up as no run does, and under-reported α on the 2-core development host (P = 4: 0.5-1.7 ms a step against
-    1.4-2.9 ms back to back, and about 1.8 ms in the demo's training steps; docs/results_demo.md).
+    up as no run does, and under-reports α where ranks share cores (measured: docs/results_demo.md).
     """
 
     comm = Comm(group)

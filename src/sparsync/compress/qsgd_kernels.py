@@ -9,8 +9,7 @@ paid 20% more in per-op dispatch). Codes are packed with integer shifts on int32
 (little-endian layout, as on every platform torch runs on) and decoded by one ``index_select`` per byte from a
 256-entry table of that byte's ``8 // bits`` levels. C (``_qsgd_c.c``): one fused pass per bucket, the same
 float32 operations in the same order (compiled without multiply-add contraction), with an AVX2 clone where
-the CPU has it: on this project's 2-core machine 3.5 -> 0.6 ns per value to encode 4-bit, 1.3 -> 0.2 to decode
-(docs/results_compress.md).
+the CPU has it (its speed against the torch kernels: docs/results_compress.md).
 
 Rounding noise: 16 bits per value, value i of an encode call (one chunk) taking bits 16·(i mod 4) .. +15 of
 splitmix64's output function of seed + (⌊i/4⌋ + 1)·γ, γ = 0x9E3779B97F4A7C15, the seed one 64-bit draw from the

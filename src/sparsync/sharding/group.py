@@ -10,7 +10,7 @@ rows, and one modulo and one division route every key of every table. A rank tha
 ``ceil(R_t / P)`` rows of table t holds one row past its last (zero, never looked up: the ids are checked
 against ``R_t``, so no key reaches it).
 
-The tables' parameters stay the modules' own (``nn.Parameter`` per table, named and saved as before): each is a
+The tables' parameters stay the modules' own (``nn.Parameter`` per table, named and saved as unsharded): each is a
 view of its slice of the flat tensor (``param_view``), so an optimizer's update of a table, ``load_state_dict``
 and the exchange's reads all see the same storage. ``aliased`` says whether that still holds: a conversion that
 replaces a parameter's storage (``model.double()`` after ``sparsync.shard``) breaks it, and the exchange then
