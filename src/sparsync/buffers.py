@@ -3,10 +3,10 @@ or the scatter of a sparse result into one, spent more time in page faults than 
 
 Large ones are anonymous mappings on transparent huge pages, and a mapping no tensor holds any more is reused
 by the next request of its size (``_Pool``) instead of going back to the kernel: on a virtual machine that
-reports free memory to its host (virtio-balloon free page reporting, as on this project's machines), a huge
-page faulted in after the host took it back costs 75-100 ms per 64 MB instead of 5-6 ms, and a collective
-whose result is dropped every call (a benchmark's loop, or a gradient replaced every step) paid that at
-random (docs/results_compress.md).
+reports free memory to its host (virtio-balloon free page reporting), a huge page faulted in after the host
+took it back costs an order of magnitude more than a reused one, and a collective whose result is dropped every
+call (a benchmark's loop, or a gradient replaced every step) paid that at random (measured:
+docs/results_compress.md).
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def publish() -> None:
 def _endpoints() -> set[str]:
     """``ip:port`` of every TCP socket this process holds (Linux /proc for the descriptors; empty elsewhere).
     Asked of each socket (getsockname), not read from /proc/net/tcp, which lists the whole host's sockets
-    (23 ms here)."""
+    (slow on a busy host)."""
     out: set[str] = set()
     try:
         fds = os.listdir("/proc/self/fd")

@@ -42,7 +42,7 @@ MAX_EVENTS = 2_000_000  # a rank's timeline stops growing here (the count of dro
 
 def profiling() -> bool:
     """Whether a ``torch.profiler`` (or the autograd profiler) records in this process: one module attribute
-    (~70 ns). Not ``torch._C._autograd._profiler_enabled()``: it is per thread (false on the queue thread) and
+    read. Not ``torch._C._autograd._profiler_enabled()``: it is per thread (false on the queue thread) and
     false everywhere under ``profile_all_threads=True``, which records every thread's ranges."""
     return RANGES and bool(torch.autograd.profiler._is_profiler_enabled)
 

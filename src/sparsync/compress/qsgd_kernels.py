@@ -50,8 +50,8 @@ def chunk_values(bucket: int, unit: int) -> int:
 
 def chunks_per_pass(device: torch.device) -> int:
     """Noise chunks that one pass of the torch kernels covers on ``device``: one on the host (a chunk's passes
-    stay in cache), ``PASS // CHUNK`` elsewhere: a GPU's kernels are bound by launches, not cache (25M values
-    in 512K chunks: 17.6 ms to encode on an H200, docs/gpu.md). The bits are the same: each noise chunk keeps
+    stay in cache), ``PASS // CHUNK`` elsewhere: a GPU's kernels are bound by launches, not cache (measured:
+    docs/gpu.md). The bits are the same: each noise chunk keeps
     its own draw."""
     return 1 if device.type == "cpu" else max(1, PASS // CHUNK)
 

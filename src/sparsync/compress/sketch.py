@@ -68,7 +68,7 @@ DEVICE_CHUNK = 1 << 24  # keys or values per pass on another device (a GPU): its
 
 def chunk_for(device: torch.device, host: int = CHUNK) -> int:
     """Keys (values) per pass of the kernels on ``device``: ``host`` (cache-sized) on the host, DEVICE_CHUNK
-    elsewhere (25M values in 64K-key passes: 55 ms to compress on an H200, docs/gpu.md). A pass's size does
+    elsewhere (a GPU's passes are bound by launches; measured: docs/gpu.md). A pass's size does
     not change a result: the table cells are sums of the same terms."""
     return host if device.type == "cpu" else DEVICE_CHUNK
 

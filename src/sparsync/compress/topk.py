@@ -104,8 +104,7 @@ def largest(mag: torch.Tensor, k: int) -> torch.Tensor:
 
 def kth_smallest(t: torch.Tensor, rank: int, by_topk: bool | None = None) -> torch.Tensor:
     """The ``rank``-th smallest of ``t`` (1-D), a 0-d tensor on its device: ``kthvalue`` on the host, the
-    smallest of ``topk`` elsewhere (``by_topk``; CUDA's ``kthvalue`` sorts: 7.6 ns per value on an H200,
-    docs/gpu.md)."""
+    smallest of ``topk`` elsewhere (``by_topk``; CUDA's ``kthvalue`` sorts; measured: docs/gpu.md)."""
     if not (t.device.type != "cpu" if by_topk is None else by_topk):
         return t.kthvalue(rank).values
     return torch.topk(t, t.numel() - rank + 1, sorted=False).values.min()
