@@ -88,6 +88,60 @@ def rank_threads(ranks: int, cores: int | None = None) -> int:
     return max(1, total // ranks)
 
 
+@dataclass(frozen=True)
+class _Hosts:
+    """How every host's torchrun starts (``run_cluster``'s arguments, checked)."""
+
+    argv: Sequence[str]
+    hosts: int
+    procs_per_host: int
+    max_restarts: int
+    env: dict[str, str] | None
+    cwd: str | os.PathLike[str] | None
+    run_id: str = field(default_factory=lambda: "sparsync" + secrets.token_hex(4))
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1 or self.procs_per_host < 1:
+            raise ValueError(f"hosts and procs_per_host must be >= 1, got {self.hosts} and {self.procs_per_host}")
+        if self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {self.max_restarts}")
+        if not self.argv:
+            raise ValueError("nothing to run: give a script (and its arguments)")
+
+    def environment(self, ifname: str) -> dict[str, str]:
+        """The environment of the host whose link is ``ifname``."""
+        return {
+            "OMP_NUM_THREADS": str(rank_threads(self.hosts * self.procs_per_host)),  # unless the user set it
+            **os.environ,
+            "TORCH_CPP_LOG_LEVEL": "ERROR",
+            **(self.env or {}),
+            "GLOO_SOCKET_IFNAME": ifname,
+            # pytorch/pytorch#135712: with the rendezvous store shared with the workers (torch's default
+            # for c10d), a restart keyed by each node's own restart count can read the previous attempt's
+            # addresses (gloo: "connectFullMesh failed ... Connection refused"); a fresh store per round.
+            **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if self.max_restarts else {}),
+            "PYTHONUNBUFFERED": "1",
+        }
+
+    def start(self, ns: NetNamespaces, i: int) -> subprocess.Popen[str]:
+        """Host ``i``'s torchrun, started in its namespace of ``ns``, stdout and stderr on one pipe."""
+        cmd = torchrun_argv(
+            self.argv, host=i, hosts=self.hosts, procs_per_host=self.procs_per_host,
+            endpoint=f"{ns.address(0)}:{RDZV_PORT}", run_id=self.run_id, address=ns.address(i),
+            max_restarts=self.max_restarts,
+        )  # fmt: skip
+        return subprocess.Popen(
+            ["ip", "netns", "exec", ns.namespace(i), *cmd],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=self.environment(ns.ifname(i)),
+            cwd=self.cwd,
+            start_new_session=True,  # Ctrl-C reaches us only; we stop the hosts in order
+        )
+
+
 def run_cluster(
     argv: Sequence[str],
     *,
@@ -109,48 +163,15 @@ def run_cluster(
     ``env``: extra environment for every host; ``cwd``: the directory torchrun starts in. Each rank gets
     ``OMP_NUM_THREADS`` = cores / ranks (``rank_threads``) unless the environment sets it.
     """
-    if hosts < 1 or procs_per_host < 1:
-        raise ValueError(f"hosts and procs_per_host must be >= 1, got {hosts} and {procs_per_host}")
-    if max_restarts < 0:
-        raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
-    if not argv:
-        raise ValueError("nothing to run: give a script (and its arguments)")
-    run_id = "sparsync" + secrets.token_hex(4)
+    spec = _Hosts(argv, hosts, procs_per_host, max_restarts, env, cwd)
     output: list[list[str]] = [[] for _ in range(hosts)]
     with NetNamespaces(hosts, net) as ns:
-        endpoint = f"{ns.address(0)}:{RDZV_PORT}"
         procs: list[subprocess.Popen[str]] = []
         readers: list[threading.Thread] = []
         try:
             for i in range(hosts):
-                cmd = torchrun_argv(
-                    argv, host=i, hosts=hosts, procs_per_host=procs_per_host, endpoint=endpoint, run_id=run_id,
-                    address=ns.address(i), max_restarts=max_restarts,
-                )  # fmt: skip
-                host_env = {
-                    "OMP_NUM_THREADS": str(rank_threads(hosts * procs_per_host)),  # unless the user set it
-                    **os.environ,
-                    "TORCH_CPP_LOG_LEVEL": "ERROR",
-                    **(env or {}),
-                    "GLOO_SOCKET_IFNAME": ns.ifname(i),
-                    # pytorch/pytorch#135712: with the rendezvous store shared with the workers (torch's default
-                    # for c10d), a restart keyed by each node's own restart count can read the previous attempt's
-                    # addresses (gloo: "connectFullMesh failed ... Connection refused"); a fresh store per round.
-                    **({"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if max_restarts else {}),
-                    "PYTHONUNBUFFERED": "1",
-                }
-                p = subprocess.Popen(
-                    ["ip", "netns", "exec", ns.namespace(i), *cmd],
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    text=True,
-                    env=host_env,
-                    cwd=cwd,
-                    start_new_session=True,  # Ctrl-C reaches us only; we stop the hosts in order
-                )
-                procs.append(p)
-                t = threading.Thread(target=_pump, args=(p, i, output[i], echo), daemon=True)
+                procs.append(spec.start(ns, i))
+                t = threading.Thread(target=_pump, args=(procs[-1], i, output[i], echo), daemon=True)
                 t.start()
                 readers.append(t)
             codes = _wait(procs, timeout, grace)
