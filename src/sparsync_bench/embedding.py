@@ -388,12 +388,53 @@ def _quartiles(ts: list[float]) -> tuple[float, float, float]:
     return qs[0], statistics.median(ts), qs[2]
 
 
+def _rounds(
+    runs: dict[str, Runner], repeats: int, order: random.Random
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Each method's times (its reference part taken off where it reports one: DDP's local backward) and whole
+    times, over rounds that run every method once in ``order`` (the same on every rank)."""
+    methods = list(runs)
+    times: dict[str, list[float]] = {m: [] for m in methods}
+    refs: dict[str, list[float]] = {m: [] for m in methods}
+    rounds, done = repeats, 0
+    while done < rounds:
+        for m in order.sample(methods, len(methods)):
+            t, r = runs[m]()
+            times[m].append(t if r is None else t - r)
+            refs[m].append(t)
+        done += 1
+        # Points where every method is fast are noise-dominated on this VM (quartiles ±30% of the median at
+        # 1 Gbit/s, P = 2, dim 16): they get FAST_REPEATS rounds. Times are the slowest rank's, the same on
+        # every rank, so every rank decides alike.
+        if done == repeats and max(statistics.median(times[m]) for m in methods) < FAST_S:
+            rounds = max(rounds, FAST_REPEATS)
+    return times, refs
+
+
+def _point_fields(ctx: _Context, where: tuple[int, float, str], stats: _Stats) -> dict[str, Any]:
+    """The fields every method's row at this point shares: the point, its gradients' sizes and bounds, the link."""
+    cfg, (dim, zipf, hot) = ctx.cfg, where
+    return {
+        "world_size": ctx.P, "rows": cfg.rows, "dim": dim, "tokens": cfg.tokens, "zipf": zipf, "hot": hot,
+        "k_mean": statistics.mean(stats.k), "k_max": max(stats.k), "union": stats.union,
+        "bound_bytes": stats.bound_bytes, "bound_s": stats.bound_s, "allgather_bytes": stats.allgather_bytes,
+        "rsag_bytes": stats.rsag_bytes, "link": asdict(ctx.link),
+    }  # fmt: skip
+
+
+def _set_vs_coo(rows: list[Row]) -> None:
+    """Sets each measured row's ``vs_coo``: its median over torch's COO allreduce's (None without that)."""
+    coo = next((r.median_s for r in rows if r.method == "torch_coo" and not math.isnan(r.median_s)), None)
+    for row in rows:
+        row.vs_coo = row.median_s / coo if coo and not math.isnan(row.median_s) else None
+
+
 def _measure_point(
     ctx: _Context, work: Workload, where: tuple[int, float, str], point: int
 ) -> list[dict[str, Any]]:
     """Every method at one point, interleaved: round r runs each method once, in a fresh order (the same on
     every rank), so drift in the machine's state hits all methods alike."""
-    cfg, (dim, zipf, hot) = ctx.cfg, where
+    cfg, (dim, zipf, _) = ctx.cfg, where
     grad = work.gradient()
     stats = _point_stats(grad, ctx, dim)
     names = cfg.method_names
@@ -411,28 +452,9 @@ def _measure_point(
     for m in methods:
         if m in TORCH_METHODS:
             runs[m]()  # warm-up (DDP rebuilds its buckets after its first step)
-    times: dict[str, list[float]] = {m: [] for m in methods}
-    refs: dict[str, list[float]] = {m: [] for m in methods}
-    order = random.Random(cfg.seed * 7919 + point)
-    rounds, done = cfg.repeats, 0
-    while done < rounds:
-        for m in order.sample(methods, len(methods)):
-            t, r = runs[m]()
-            times[m].append(t if r is None else t - r)
-            refs[m].append(t)
-        done += 1
-        # Points where every method is fast are noise-dominated on this VM (quartiles ±30% of the median at
-        # 1 Gbit/s, P = 2, dim 16): they get FAST_REPEATS rounds. Times are the slowest rank's, the same on
-        # every rank, so every rank decides alike.
-        if done == cfg.repeats and max(statistics.median(times[m]) for m in methods) < FAST_S:
-            rounds = max(rounds, FAST_REPEATS)
+    times, refs = _rounds(runs, cfg.repeats, random.Random(cfg.seed * 7919 + point))
     preds = _predictions(ctx)
-    base: dict[str, Any] = {
-        "world_size": ctx.P, "rows": cfg.rows, "dim": dim, "tokens": cfg.tokens, "zipf": zipf, "hot": hot,
-        "k_mean": statistics.mean(stats.k), "k_max": max(stats.k), "union": stats.union,
-        "bound_bytes": stats.bound_bytes, "bound_s": stats.bound_s, "allgather_bytes": stats.allgather_bytes,
-        "rsag_bytes": stats.rsag_bytes, "link": asdict(ctx.link),
-    }  # fmt: skip
+    base = _point_fields(ctx, where, stats)
     out: list[Row] = []
     for m in names:
         if skip[m]:
@@ -450,9 +472,7 @@ def _measure_point(
         if m in sketch_stats:
             row = replace(row, **sketch_stats[m].row_fields())
         out.append(row)
-    coo = next((r.median_s for r in out if r.method == "torch_coo" and not math.isnan(r.median_s)), None)
-    for row in out:
-        row.vs_coo = row.median_s / coo if coo and not math.isnan(row.median_s) else None
+    _set_vs_coo(out)
     return [asdict(r) for r in out]
 
 
