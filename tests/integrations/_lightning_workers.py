@@ -281,7 +281,8 @@ def clip_worker(rank: int, cases: tuple[tuple[str, str, float], ...]) -> dict[st
 
 class TwoOptimizers(Net):
     """Manual optimisation (Lightning's way to several optimizers): Adagrad on the tables, SGD with momentum on
-    the linear layer, whose gradients ``clip_gradients`` clips by norm before the steps."""
+    the linear layer; ``clip_gradients`` clips the tables' (sparse) gradients by norm and the linear layer's by
+    value before the steps."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -293,7 +294,8 @@ class TwoOptimizers(Net):
         tables.zero_grad()
         top.zero_grad()
         self.manual_backward(loss)
-        self.clip_gradients(top, gradient_clip_val=CLIP_TOP, gradient_clip_algorithm="norm")  # type: ignore[arg-type]
+        self.clip_gradients(tables, gradient_clip_val=CLIPS[0], gradient_clip_algorithm="norm")  # type: ignore[arg-type]
+        self.clip_gradients(top, gradient_clip_val=CLIPS[1], gradient_clip_algorithm="value")  # type: ignore[arg-type]
         tables.step()
         top.step()
         return loss
@@ -302,7 +304,10 @@ class TwoOptimizers(Net):
         return two_optimizers(self)
 
 
-CLIP_TOP = 0.05  # TwoOptimizers' clipping of the linear layer's gradient norm
+CLIPS = (0.05, 0.01)  # TwoOptimizers' clipping: the tables' gradient norm, the linear layer's values
+# the gradients reduced in step() or in the clipping, whichever comes first, and summed: reduced a second time
+# (a clipping that ran on a copy of the optimizer's attributes, as a LightningOptimizer holds), they double
+OPTIONS_OF_TWO = {"overlap": False, "op": "sum"}
 
 
 def two_optimizers(m: Any) -> list[torch.optim.Optimizer]:
@@ -313,14 +318,15 @@ def two_optimizers(m: Any) -> list[torch.optim.Optimizer]:
 
 def two_optimizers_worker(rank: int) -> dict[str, Any]:
     """``fit`` of ``TwoOptimizers`` (each optimizer wrapped in a ``DistributedOptimizer`` of its own) and the
-    plain loop with two ``DistributedOptimizer``s stepping in the same order, on the same samples."""
+    plain loop with two ``DistributedOptimizer``s stepping in the same order, on the same samples; both with
+    ``OPTIONS_OF_TWO``."""
     sparsync.set_deterministic()
     module = TwoOptimizers()
-    trainer = _trainer(SparsyncStrategy())
+    trainer = _trainer(SparsyncStrategy(optimizer_options=OPTIONS_OF_TWO))
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH))
     kinds = [type(o).__name__ for o in trainer.optimizers]
     model = Net()
-    opts = [sparsync.DistributedOptimizer(o, model) for o in two_optimizers(model)]
+    opts = [sparsync.DistributedOptimizer(o, model, **OPTIONS_OF_TWO) for o in two_optimizers(model)]
     world = torch.distributed.get_world_size()
     sampler: DistributedSampler[Any] = DistributedSampler(dataset(), num_replicas=world, rank=rank, seed=0)
     loader = DataLoader(dataset(), batch_size=BATCH, sampler=sampler)
@@ -330,7 +336,8 @@ def two_optimizers_worker(rank: int) -> dict[str, Any]:
             for opt in opts:
                 opt.zero_grad()
             (model(a, c) - y).square().mean().backward()
-            opts[1].clip_grad_norm_(CLIP_TOP)
+            opts[0].clip_grad_norm_(CLIPS[0])
+            opts[1].clip_grad_value_(CLIPS[1])
             for opt in opts:
                 opt.step()
     return {"start": _params(Net()), "lightning": _params(module), "plain": _params(model), "kinds": kinds}

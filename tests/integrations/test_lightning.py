@@ -108,8 +108,8 @@ def test_gradient_clipping_and_two_optimizers_equal_the_plain_loop_at_two_ranks(
     ``test_misuse_raises_naming_the_bad_value``) ends bit for bit where the plain loop that clips through
     ``DistributedOptimizer`` does, and apart from the loop without clipping (the clipping acted). Two optimizers
     (manual optimisation: Lightning's way to several; Adagrad on the tables, SGD with momentum on the linear
-    layer clipped by ``clip_gradients``) each wrapped in a ``DistributedOptimizer``, bit for bit against the loop
-    with two."""
+    layer, each clipped by ``clip_gradients``: the tables' sparse gradients by norm, the layer's by value) each
+    wrapped in a ``DistributedOptimizer``, bit for bit against the loop with two."""
     cases = (("optimizer", "norm", 0.05), ("optimizer", "value", 0.01), ("shard", "value", 0.01))
     res = launch(lw.clip_worker, nprocs=2, args=(cases,))
     for rank, r in enumerate(res):

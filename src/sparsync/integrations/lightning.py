@@ -284,7 +284,9 @@ class AggregatedClipping(Precision):
 
 
 def _unwrapped(optimizer: Any) -> Any:
-    """The optimizer a ``LightningOptimizer`` (``self.optimizers()`` in manual optimisation) wraps."""
+    """The optimizer a ``LightningOptimizer`` (``self.optimizers()`` in manual optimisation) wraps. The wrapper
+    passes ``isinstance`` for the wrapped class and reads its attributes, but what a method sets lands on the
+    wrapper: ``clip_grad_norm_`` would mark the wrapper synchronized, and ``step()`` reduce once more."""
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
