@@ -62,7 +62,7 @@ def _priced(chosen: AutoPlan) -> list[tuple[str, str, float, float]]:
 
 def auto_meta_worker(rank: int) -> dict[str, Any]:
     """``auto_plan`` of the meta model, then ``sparsync.shard(..., "auto")`` of another and two SGD steps, all
-    under ``Largest``; ``auto_plan`` of the real model (outside it) priced on the meta run's backward."""
+    under ``Largest``; ``auto_plan`` of the real model (outside it) priced on the meta run's overlap."""
     sparsync.set_link(AUTO_LINK)
     group = dist.group.WORLD
     assert isinstance(group, dist.ProcessGroup)
@@ -78,9 +78,10 @@ def auto_meta_worker(rank: int) -> dict[str, Any]:
             loss.backward()
             opt.step()
             losses.append(float(loss.detach()))
-    real = auto_plan(Model(None), sample(rank), group, backward_seconds=measured.backward_seconds)
+    # priced on the meta run's overlap (its backward times the spare cores' share), not on a backward of its own
+    real = auto_plan(Model(None), sample(rank), group, backward_seconds=measured.overlap)
     # the small table on the meta device too: sharded although replicated is priced faster (it has no rows)
-    both = auto_plan(Model("meta", "meta"), sample(rank), group, backward_seconds=measured.backward_seconds)
+    both = auto_plan(Model("meta", "meta"), sample(rank), group, backward_seconds=measured.overlap)
     return {
         "largest": largest.bytes,
         "meta": {"tables": measured.tables, "distinct": dict(measured.distinct), "stats": measured.stats,
