@@ -12,14 +12,34 @@ from torch import nn
 
 import sparsync
 from sparsync.optim import DistributedOptimizer
-from sparsync.sharding import checkpoint, load_optimizer_state_dict, optimizer_state_dict, plan_of
+from sparsync.sharding import (
+    Adagrad,
+    Adam,
+    RowwiseAdagrad,
+    checkpoint,
+    dense_parameters,
+    load_optimizer_state_dict,
+    optimizer_state_dict,
+    plan_of,
+)
+from sparsync.sharding.fused import Fused
 
 ROWS = (37, 23)  # no world size of the tests divides them
 BLOCK = 3  # rows per stored chunk and per window share: many windows, each holding rows of several owners
-OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
-    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
-    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+STEPS = (2, 5)  # steps before the checkpoint, and in all
+# a torch optimizer over the model's parameters (SparseAdam: the tables' only; the head stays), or, for the
+# fused ones, sparsync.shard's optimizer on the tables and SGD with momentum on the head
+TORCH: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
+    "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
+    "adagrad": lambda m: torch.optim.Adagrad(m.parameters(), lr=0.1),
+    "sparse_adam": lambda m: torch.optim.SparseAdam([m.bag.weight, m.emb.weight], lr=0.01),
 }
+FUSED: dict[str, Callable[[], Fused]] = {
+    "fused_adagrad": lambda: Adagrad(lr=0.1),
+    "fused_rowwise_adagrad": lambda: RowwiseAdagrad(lr=0.1),
+    "fused_adam": lambda: Adam(lr=0.01),
+}
+OPTIMIZERS = (*TORCH, *FUSED)
 
 
 class Net(nn.Module):
@@ -45,11 +65,14 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def make(seed: int, opt: str, sharded: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
-    model = sparsync.shard(Net(seed)) if sharded else Net(seed, sparse=True)
-    plan = plan_of(model) or None
-    o = DistributedOptimizer(OPTIMIZERS[opt](model.parameters()), model, plan=plan, sync_parameters=False,
-                             overlap=False)  # fmt: skip
-    return model, o
+    if opt in FUSED:
+        model = sparsync.shard(Net(seed), optimizer=FUSED[opt]())
+        inner = torch.optim.SGD(dense_parameters(model), lr=0.05, momentum=0.9)
+    else:
+        model = sparsync.shard(Net(seed)) if sharded else Net(seed, sparse=True)
+        inner = TORCH[opt](model)
+    plan = None if opt in FUSED else plan_of(model) or None  # the fused tables are not the optimizer's
+    return model, DistributedOptimizer(inner, model, plan=plan, sync_parameters=False, overlap=False)
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> list[float]:
@@ -72,31 +95,33 @@ def _dense(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_worker(rank: int, path: str, ref: str, opt_name: str, sharded: bool = True) -> None:
-    """Two steps at this P, then the DCP checkpoint at ``path`` and the full state dicts (the reference) at
-    ``ref`` (rank 0)."""
+    """Two steps at this P, then the DCP checkpoint at ``path``, the full state dicts (the reference) and the
+    uninterrupted run's next steps (losses, the model) at ``ref`` (rank 0)."""
     model, opt = make(0, opt_name, sharded)
-    train(model, opt, range(2))
+    train(model, opt, range(STEPS[0]))
     checkpoint.save(path, model, opt, block_rows=BLOCK)
-    full = model.state_dict()
+    full = {k: v.clone() for k, v in model.state_dict().items()}  # the live parameters train on
     ostate = optimizer_state_dict(opt, model) if sharded else opt.state_dict()
+    ostate = None if ostate is None else _dense(ostate)
+    on = (train(model, opt, range(*STEPS)), model.state_dict())
     if rank == 0:
-        torch.save((full, _dense(ostate)), ref)  # type: ignore[arg-type]
+        torch.save((full, ostate, on), ref)
 
 
 def resume_worker(rank: int, path: str, ref: str, opt_name: str) -> dict[str, Any]:
-    """At this P: the tables as loaded from the DCP checkpoint (gathered whole on rank 0), then three more steps
+    """At this P: the tables as loaded from the DCP checkpoint (gathered whole on rank 0), then the next steps
     from it and from the same state loaded through the full state dicts: losses and the model gathered whole."""
     out: dict[str, Any] = {}
     model, opt = make(rank + 1, opt_name)  # other values: the checkpoint must replace them
     checkpoint.load(path, model, opt)
     out["loaded"] = {k: v.clone() for k, v in model.state_dict().items()}
     out["loaded_opt"] = _dense(optimizer_state_dict(opt, model) or {"state": {}})
-    out["dcp"] = (train(model, opt, range(2, 5)), model.state_dict())
+    out["dcp"] = (train(model, opt, range(*STEPS)), model.state_dict())
     again, again_opt = make(rank + 2, opt_name)
-    full, ostate = torch.load(ref, weights_only=False)
+    full, ostate, _ = torch.load(ref, weights_only=False)
     again.load_state_dict(full)
     load_optimizer_state_dict(again_opt, again, ostate)
-    out["full"] = (train(again, again_opt, range(2, 5)), again.state_dict())
+    out["full"] = (train(again, again_opt, range(*STEPS)), again.state_dict())
     return out
 
 
@@ -108,45 +133,57 @@ def unsharded_worker(rank: int, path: str, opt_name: str) -> dict[str, Any]:
 
 
 def grid_save_worker(rank: int, folder: str, sharded: bool = True) -> None:
-    """``save_worker`` for each optimizer, into ``folder``/<optimizer>{,.pt}."""
-    for name in OPTIMIZERS:
+    """``save_worker`` for each optimizer (the torch ones alone for the unsharded model), into
+    ``folder``/<optimizer>{,.pt}."""
+    for name in OPTIMIZERS if sharded else TORCH:
         save_worker(rank, f"{folder}/{name}", f"{folder}/{name}.pt", name, sharded)
 
 
-def grid_resume_worker(rank: int, folder: str) -> dict[str, Any]:
-    return {name: resume_worker(rank, f"{folder}/{name}", f"{folder}/{name}.pt", name) for name in OPTIMIZERS}
+def grid_resume_worker(rank: int, folder: str, names: tuple[str, ...] = OPTIMIZERS) -> dict[str, Any]:
+    return {name: resume_worker(rank, f"{folder}/{name}", f"{folder}/{name}.pt", name) for name in names}
 
 
 def grid_unsharded_worker(rank: int, folder: str) -> dict[str, Any]:
-    return {name: unsharded_worker(rank, f"{folder}/{name}", name) for name in OPTIMIZERS}
+    return {name: unsharded_worker(rank, f"{folder}/{name}", name) for name in TORCH}
 
 
 # --- memory -----------------------------------------------------------------------------------------------------
 BIG = (10_000, 32)  # float32: 1.28 MB whole, 320 kB a shard at P = 4
-BIG_BLOCK = 64  # rows per stored chunk and window share
+BIG_BLOCK = 256  # rows per stored chunk and window share: about ten windows per block
 
 
 def peak_bytes(fn: Callable[[], object]) -> int:
-    """The most bytes ``fn``'s CPU allocations held at once (torch's profiler: each op's own allocations and the
-    frees and allocations outside ops, in time order)."""
+    """The most bytes ``fn``'s CPU allocations held at once: torch's profiler records every allocation and free
+    (its trace's ``[memory]`` events, with their sizes), summed in time order."""
+    import json
+    import tempfile
+    from pathlib import Path
+
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted(
-        (e.time_range.start, e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage)
-        for e in prof.events()
-    )
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.loads(Path(f.name).read_text())["traceEvents"]
+    changes = sorted((e["ts"], e["args"]["Bytes"]) for e in events if e.get("name") == "[memory]")
     live = top = 0
-    for _, change in events:
+    for _, change in changes:
         live += change
         top = max(top, live)
     return top
 
 
 def big_model(seed: int) -> nn.Module:
-    """One table on the meta device: each rank draws only its rows (``transfer.init_rows``)."""
-    return sparsync.shard(nn.ModuleDict({"t": nn.EmbeddingBag(*BIG, mode="sum", device="meta")}), seed=seed)
+    """One table on the meta device (each rank draws only its rows: ``transfer.init_rows``) with its fused Adam,
+    whose moments are set to the rows and their squares and its step count to ``seed``."""
+    table = nn.ModuleDict({"t": nn.EmbeddingBag(*BIG, mode="sum", device="meta")})
+    model = sparsync.shard(table, seed=seed, optimizer=Adam(lr=0.01))
+    state = model["t"].group.fused.state
+    state["exp_avg"].copy_(model["t"].group.flat)
+    state["exp_avg_sq"].copy_(model["t"].group.flat.square())
+    state["step"].fill_(seed)
+    return model
 
 
 def big_save_worker(rank: int, path: str) -> dict[str, int]:
@@ -164,12 +201,16 @@ def big_load_worker(rank: int, path: str) -> dict[str, Any]:
     shard = model["t"].weight
     peak = peak_bytes(lambda: checkpoint.load(path, model, block_rows=BIG_BLOCK))
     want = init_rows(Ownership(BIG[0], dist.get_world_size()), rank, BIG[1], torch.float32, 3, None)
-    return {"peak": peak, "shard": shard.numel() * shard.element_size(), "equal": torch.equal(shard, want)}
+    state = model["t"].group.fused.state
+    equal = torch.equal(shard, want) and torch.equal(state["exp_avg"][: len(want)], want)
+    equal = equal and torch.equal(state["exp_avg_sq"][: len(want)], want.square()) and int(state["step"][0]) == 3
+    return {"peak": peak, "shard": shard.numel() * shard.element_size(), "equal": equal}
 
 
 # --- bad input --------------------------------------------------------------------------------------------------
 def bad_worker(rank: int, path: str) -> dict[str, str]:
-    """A checkpoint of ``Net`` loaded into models whose ``bag`` has another shape, or another dtype."""
+    """A checkpoint of ``Net`` with torch's Adagrad loaded into models whose ``bag`` has another shape, or another
+    dtype, or whose tables have a fused optimizer."""
     model, opt = make(0, "adagrad")
     checkpoint.save(path, model, opt, block_rows=BLOCK)
     out = {}
@@ -185,6 +226,12 @@ def bad_worker(rank: int, path: str) -> dict[str, str]:
             out[case] = "no error"
         except ValueError as e:
             out[case] = str(e)
+    fused, _ = make(0, "fused_adam")  # a checkpoint without fused state, into tables that have it
+    try:
+        checkpoint.load(path, fused)
+        out["fused"] = "no error"
+    except ValueError as e:
+        out["fused"] = str(e)
     return out
 
 

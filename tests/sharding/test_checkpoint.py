@@ -1,8 +1,10 @@
 """DCP checkpoints of sharded tables (``sparsync.sharding.checkpoint``, ``dcp``) on real gloo groups: saved at
-P = 4 and resumed at P = 3, 6 and 1 exactly (losses and parameters bit for bit against the same state loaded
-through the full state dicts, the tables' momentum and Adagrad sums included); into the unsharded model and from
-it; each rank's peak allocation while saving and loading a table four times its shard; a table of another shape
-or dtype refused by name."""
+P = 4 and resumed at P = 4 (against the uninterrupted run), 3, 6 and 1 (against the same state loaded through the
+full state dicts) exactly, losses and parameters bit for bit, with torch's SGD with momentum, Adagrad and
+SparseAdam on the tables and with the tables' fused Adagrad, row-wise Adagrad and Adam (their per-row state and
+Adam's step counts); into the unsharded model and from it; each rank's peak allocation while saving and loading a
+table four times its shard; a table of another shape or dtype, or a fused table whose state the checkpoint lacks,
+refused by name."""
 
 from __future__ import annotations
 
@@ -22,13 +24,20 @@ pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    """The same keys, and each value the same tensor bit for bit (or the same number: SparseAdam's step)."""
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+    )
 
 
 def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Two optimizer state dicts' per-parameter tensors, bit for bit."""
-    return a["state"].keys() == b["state"].keys() and all(
-        _same({k: v for k, v in a["state"][i].items()}, dict(b["state"][i])) for i in a["state"]
+    """Two optimizer state dicts' per-parameter tensors and fused tables' state, bit for bit."""
+    fused_a, fused_b = a.get("fused", {}), b.get("fused", {})
+    return (
+        a["state"].keys() == b["state"].keys()
+        and all(_same(dict(a["state"][i]), dict(b["state"][i])) for i in a["state"])
+        and fused_a.keys() == fused_b.keys()
+        and all(_same(fused_a[t], fused_b[t]) for t in fused_a)
     )
 
 
@@ -39,35 +48,35 @@ def saved_at_four(tmp_path_factory: pytest.TempPathFactory) -> str:
     return folder
 
 
-@pytest.mark.parametrize("P", [3, 6, 1])
-def test_a_checkpoint_saved_at_four_ranks_resumes_exactly_at_another_world_size(
-    saved_at_four: str, P: int
-) -> None:
+@pytest.mark.parametrize("P", [4, 3, 6, 1])
+def test_a_checkpoint_saved_at_four_ranks_resumes_exactly_at_any_world_size(saved_at_four: str, P: int) -> None:
     res = launch(cw.grid_resume_worker, nprocs=P, args=(saved_at_four,))
     for name in cw.OPTIMIZERS:
-        full, ostate = torch.load(f"{saved_at_four}/{name}.pt", weights_only=False)
+        full, ostate, (on_losses, on_model) = torch.load(f"{saved_at_four}/{name}.pt", weights_only=False)
         r0 = res[0][name]
         assert _same(r0["loaded"], full), name  # the tables and the head as saved at 4 ranks
-        assert _same_state(r0["loaded_opt"], ostate), name  # momentum / Adagrad sums of every row, the head's
+        assert _same_state(r0["loaded_opt"], ostate), name  # every row's state, the step counts, the head's
         for rank, r in enumerate(res):
             losses, model = r[name]["dcp"]
             want_losses, want_model = r[name]["full"]
             assert losses == want_losses, (name, rank, losses, want_losses)
             assert _same(model, want_model), (name, rank)
+        if P == 4:  # the same sums in the same order: the resumed run is the uninterrupted one
+            assert r0["dcp"][0] == on_losses and _same(r0["dcp"][1], on_model), name
 
 
 def test_the_unsharded_model_loads_a_sharded_checkpoint_and_writes_one_that_loads_sharded(
     saved_at_four: str, tmp_path: Path
 ) -> None:
     for name, r in launch(cw.grid_unsharded_worker, nprocs=1, args=(saved_at_four,))[0].items():
-        full, ostate = torch.load(f"{saved_at_four}/{name}.pt", weights_only=False)
+        full, ostate, _ = torch.load(f"{saved_at_four}/{name}.pt", weights_only=False)
         assert _same(r["model"], full), name
         assert _same_state(r["opt"], ostate), name
     folder = str(tmp_path)
     launch(cw.grid_save_worker, nprocs=1, args=(folder, False))  # the unsharded model (sparse gradients)
-    res = launch(cw.grid_resume_worker, nprocs=3, args=(folder,))
-    for name in cw.OPTIMIZERS:
-        full, ostate = torch.load(f"{folder}/{name}.pt", weights_only=False)
+    res = launch(cw.grid_resume_worker, nprocs=3, args=(folder, tuple(cw.TORCH)))
+    for name in cw.TORCH:
+        full, ostate, _ = torch.load(f"{folder}/{name}.pt", weights_only=False)
         assert _same(res[0][name]["loaded"], full), name
         assert _same_state(res[0][name]["loaded_opt"], ostate), name
         for r in res:
@@ -76,28 +85,26 @@ def test_the_unsharded_model_loads_a_sharded_checkpoint_and_writes_one_that_load
 
 
 def test_no_rank_holds_more_than_its_shard_and_one_block_while_saving_or_loading(tmp_path: Path) -> None:
-    """A table of 1.28 MB saved at 4 ranks (a shard: a quarter of it) and loaded at 3 and 6: what each rank
-    allocates beyond its shard stays within two blocks of the checkpoint (a block, its rows re-blocked, is a
-    shard's size; measured 1.1 to 1.6 blocks, the rest being DCP's own allocations while it writes and reads
-    the pieces) and a few windows of ``BIG_BLOCK`` rows, and never reaches the whole table; the rows loaded are
-    the table drawn at 4 ranks."""
+    """A table of 1.28 MB with its fused Adam (two per-row moments) saved at 4 ranks (a shard: a quarter of it)
+    and loaded at 3 and 6: what each rank allocates beyond its shards stays under one block of the checkpoint (a
+    block, the rows one rank writes or reads, is a shard's size), since the rows are re-blocked and written or
+    read one window of ``BIG_BLOCK`` rows at a time (measured: docs/data/dcp_peak.json); the rows loaded are the
+    table and the moments drawn at 4 ranks, the step count saved."""
     path = str(tmp_path / "big")
     row = cw.BIG[1] * 4
-    whole = cw.BIG[0] * row
-    window = 4 * cw.BIG_BLOCK * row  # a window's rows sent and received, and their indices
     for P, worker in ((4, cw.big_save_worker), (3, cw.big_load_worker), (6, cw.big_load_worker)):
         block = -(-cw.BIG[0] // P) * row
         for r in launch(worker, nprocs=P, args=(path,)):
             assert r.get("equal", True), (P, r)
-            assert r["peak"] <= 2 * block + window, (P, r, block, window)
-            assert r["peak"] + r["shard"] < whole, (P, r)
+            assert r["peak"] <= block, (P, r, block)
 
 
-def test_a_table_of_another_shape_or_dtype_is_refused_by_name(tmp_path: Path) -> None:
+def test_a_table_of_another_shape_or_dtype_or_without_its_fused_state_is_refused_by_name(tmp_path: Path) -> None:
     for r in launch(cw.bad_worker, nprocs=3, args=(str(tmp_path / "ck"),)):
         assert "table 'bag.weight' has shape (37, 3) and dtype torch.float64" in r["shape"], r
         assert "model's has shape (38, 3)" in r["shape"], r
         assert "model's has shape (37, 3) and dtype torch.float32" in r["dtype"], r
+        assert "holds no 'exp_avg' of the fused optimizer of table 'bag.weight'" in r["fused"], r
 
 
 def test_the_sharded_layout_goes_through_dcp_save_and_load_as_they_are(tmp_path: Path) -> None:

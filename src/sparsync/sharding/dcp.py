@@ -3,13 +3,13 @@ a checkpoint written at P loads at any P' (and into the unsharded model, and fro
 
 The checkpoint holds each table as the ``[rows, D]`` tensor the unsharded model has, cut in contiguous row
 blocks (block k holds rows ``[k·c, (k+1)·c)``, ``c = ceil(rows / P)``: ``Shard(0)``'s split), each block
-stored as chunks of at most ``block_rows`` rows, which any reader (another P, one process,
+stored as chunks of ``b`` rows (below), which any reader (another P, one process,
 ``dcp_to_torch_save``) reads. The stride ownership (``ownership``: row r on rank r mod P, which spreads the hot
 head) is not a set of chunks: rank j's rows would be ``rows / P`` chunks of one row each. So the rows are
 re-blocked on the way out and back on the way in, one window at a time: window w is rows
-``[k·c + w·b, k·c + (w+1)·b)`` of every block k (``b = block_rows``), moved by one all-to-all from the stride
-shards to the blocks' owners (or back), so every rank sends and receives about ``b`` rows per window and no rank
-ever holds its whole block:
+``[k·c + w·b, k·c + (w+1)·b)`` of every block k (``b``: ``block_rows``, or ``c / WINDOWS`` if less), moved by one
+all-to-all from the stride shards to the blocks' owners (or back), so every rank sends and receives about ``b``
+rows per window and no rank ever holds its whole block:
 
 - saving (``WindowSavePlanner``): DCP asks for each stored chunk in plan order, on every rank; the chunk of
   window w is made when it is asked for (``Strided.piece``: that window's all-to-all), written, and dropped;
@@ -57,7 +57,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 __all__ = ["BLOCK_ROWS", "DTensor", "Strided", "WindowSavePlanner", "into_shard", "read_into_shard", "to_dtensor"]
 
-BLOCK_ROWS = 1 << 16  # rows per window share and per stored chunk
+BLOCK_ROWS = 1 << 16  # rows per window share and per stored chunk, at most
+WINDOWS = 16  # windows per block, at least: a window's rows in flight stay a small part of a block
 
 
 @dataclass(frozen=True)
@@ -102,13 +103,18 @@ class _Blocks:
         g = torch.arange(a, max(a, b), dtype=torch.int64)
         return g - start, g
 
+    def share(self, block_rows: int) -> int:
+        """Rows of each block in one window: ``block_rows``, or fewer so that a block has ``WINDOWS`` windows."""
+        return max(1, min(block_rows, -(-self.chunk // WINDOWS)))
+
     def windows(self, block_rows: int) -> range:
         """The first block row of each window (module doc)."""
-        return range(0, self.chunk, block_rows)
+        return range(0, self.chunk, self.share(block_rows))
 
     def window(self, a: int, block_rows: int) -> list[tuple[int, int]]:
-        """Rows ``[k·c + a, k·c + a + block_rows)`` of every block k, cut at each block's end."""
-        return [(min(s + a, e), min(s + a + block_rows, e)) for s, e in map(self.span, range(self.parts))]
+        """Rows ``[k·c + a, k·c + a + share)`` of every block k, cut at each block's end."""
+        b = self.share(block_rows)
+        return [(min(s + a, e), min(s + a + b, e)) for s, e in map(self.span, range(self.parts))]
 
     def empty_block(self) -> bool:
         return self.span(self.parts - 1)[0] == self.rows and self.parts > 1
@@ -215,8 +221,10 @@ class Strided:
 
     def pieces(self) -> list[tuple[int, int]]:
         """(first global row, rows) of each stored chunk of this rank's block, one per window it has rows in."""
-        start, end = self.blocks.span(dist.get_rank(self.group))
-        return [(start + a, min(self.block_rows, end - start - a)) for a in range(0, end - start, self.block_rows)]
+        blocks = self.blocks
+        start, end = blocks.span(dist.get_rank(self.group))
+        b = blocks.share(self.block_rows)
+        return [(start + a, min(b, end - start - a)) for a in range(0, end - start, b)]
 
     def piece(self, n: int) -> torch.Tensor:
         """This rank's rows of window ``n`` (``pieces()[n]``), made by the window's all-to-all; the last piece
@@ -340,7 +348,7 @@ def read_into_shard(
     blocks = _Blocks(rows, P)
     start, end = blocks.span(rank)
     for a in blocks.windows(block_rows):
-        lo, hi = min(start + a, end), min(start + a + block_rows, end)
+        lo, hi = min(start + a, end), min(start + a + blocks.share(block_rows), end)
         piece = torch.empty(hi - lo, *md.size[1:], dtype=md.properties.dtype)
         if hi > lo:
             chunk = ChunkStorageMetadata(torch.Size([lo, *[0] * (len(md.size) - 1)]), piece.shape)

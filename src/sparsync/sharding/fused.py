@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 import torch
@@ -54,7 +54,7 @@ class Fused:
         return out
 
     def _params(self) -> Iterator[str]:
-        return (f for f in self.__dataclass_fields__ if self.__dataclass_fields__[f].init)
+        return (f.name for f in fields(self) if f.init)
 
     def init(self, group: TableGroup) -> None:
         """Make the per-row state."""
