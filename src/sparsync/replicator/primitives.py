@@ -45,10 +45,10 @@ _TORCH_OPS = {
 
 
 def _call_mismatch(d: Disagreement) -> BaseException:
+    calls = f"replica 0 called {d.shown(0)}, replica {d.rank} called {d.shown(d.rank)}"
     return ValueError(
-        f"{d.column.what} mismatch across replicas: replica 0 called {d.shown(0)}, replica {d.rank} called "
-        f"{d.shown(d.rank)} (seen on replica {d.facts.me}, in {d.facts.op}); every replica must issue the same "
-        "primitives in the same order with the same arguments"
+        f"{d.column.what} mismatch across replicas: {calls} (seen on replica {d.facts.me}, in {d.facts.op}); "
+        "every replica must issue the same primitives in the same order with the same arguments"
     )
 
 
