@@ -110,7 +110,9 @@ class SparsyncStrategy(DDPStrategy):
     a DDP communication hook and its state: the module is then wrapped in DDP, with ``ddp_options``
     (DDP's keyword arguments), and none of the three sparsync options above applies. ``cluster_environment``:
     default ``ProcessGroupEnvironment`` when torch.distributed is initialised, else Lightning's choice.
-    Raises ValueError for options of the other path, or a ``precision`` outside ``PRECISIONS`` (at ``fit``).
+    Raises ValueError for options of the other path, or a ``precision`` outside ``PRECISIONS`` (at ``fit``),
+    clipping it cannot do exactly (``AggregatedClipping``) and checkpoints that could not resume the sharded
+    tables exactly (``_check_checkpointable``: at ``fit`` with a checkpoint callback, and at each save).
     """
 
     def __init__(
