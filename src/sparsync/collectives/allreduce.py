@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, NoReturn, Protocol, TypeVar, overload, runtime_checkable
+from typing import Literal, NoReturn, Protocol, TypedDict, TypeVar, Unpack, overload, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -114,37 +114,28 @@ def refuse(
     raise error
 
 
+class SparseAllreduceOptions(TypedDict, total=False):
+    """``sparse_allreduce``'s keyword options but ``async_op`` (its docstring says what each does)."""
+
+    algorithm: str
+    group: dist.ProcessGroup | None
+    log: CommLog | None
+    link: LinkModel | None
+    policy: Policy
+    timeout: float | None
+    check_nan: bool
+    partition: str
+    name: str | None
+    quantize: DenseQuantizer | None
+
+
 @overload
 def sparse_allreduce(
-    stream: SparseStream,
-    *,
-    algorithm: str = ...,
-    group: dist.ProcessGroup | None = ...,
-    async_op: Literal[False] = ...,
-    log: CommLog | None = ...,
-    link: LinkModel | None = ...,
-    policy: Policy = ...,
-    timeout: float | None = ...,
-    check_nan: bool = ...,
-    partition: str = ...,
-    name: str | None = ...,
-    quantize: DenseQuantizer | None = ...,
+    stream: SparseStream, *, async_op: Literal[False] = ..., **opts: Unpack[SparseAllreduceOptions]
 ) -> SparseStream: ...
 @overload
 def sparse_allreduce(
-    stream: SparseStream,
-    *,
-    algorithm: str = ...,
-    group: dist.ProcessGroup | None = ...,
-    async_op: Literal[True],
-    log: CommLog | None = ...,
-    link: LinkModel | None = ...,
-    policy: Policy = ...,
-    timeout: float | None = ...,
-    check_nan: bool = ...,
-    partition: str = ...,
-    name: str | None = ...,
-    quantize: DenseQuantizer | None = ...,
+    stream: SparseStream, *, async_op: Literal[True], **opts: Unpack[SparseAllreduceOptions]
 ) -> Work[SparseStream]: ...
 def sparse_allreduce(
     stream: SparseStream,

@@ -35,18 +35,7 @@ from sparsync.collectives.meta import (
 )
 from sparsync.collectives.row import Agree, Column, Disagreement, Facts, meta_row, register_row
 from sparsync.collectives.timeline import tracer
-from sparsync.compress.base import (
-    Aggregator,
-    Compressor,
-    Context,
-    DensePayload,
-    Encoding,
-    Payload,
-    QuantizedPayload,
-    ReduceCall,
-    SparsePayload,
-    TensorSpec,
-)
+from sparsync.compress import base
 from sparsync.compress.memory import Memory
 from sparsync.handle import Work
 from sparsync.stream import SparseStream
@@ -72,7 +61,7 @@ REDUCE_ROW = meta_row(
 )  # fmt: skip
 REDUCE_OP = register_row("reduce", REDUCE_ROW)  # the op column's code of these rounds (collectives/ops.py)
 
-PayloadT = TypeVar("PayloadT", bound=Payload)
+PayloadT = TypeVar("PayloadT", bound=base.Payload)
 T = TypeVar("T")
 Result = torch.Tensor | Work[torch.Tensor]
 
@@ -82,20 +71,20 @@ class Encoded:
     """``encode``'s result: the encoding, its aggregator, this rank's payload (None: encoded while sent) and
     what the payload stands for (``local``) where the memory update built it."""
 
-    enc: Encoding
-    aggregator: Aggregator[Any]
-    payload: Payload | None
+    enc: base.Encoding
+    aggregator: base.Aggregator[Any]
+    payload: base.Payload | None
     local: torch.Tensor | None
 
 
 def encode(
-    compressor: Compressor,
+    compressor: base.Compressor,
     tensor: torch.Tensor,
-    ctx: Context,
+    ctx: base.Context,
     memory: Memory | None = None,
     *,
     async_op: bool = False,
-    aggregator: Aggregator[Any] | None = None,
+    aggregator: base.Aggregator[Any] | None = None,
 ) -> Encoded:
     """The local half of GRACE's template (DCT Alg. 1 lines 2-11): ``x = memory.compensate(ctx.name, tensor)``
     (densified for a compressor that takes dense tensors only), the aggregator (``aggregator``, else the
@@ -105,14 +94,16 @@ def encode(
     x = memory.compensate(ctx.name, tensor) if memory is not None else tensor
     if x.is_sparse and not compressor.accepts_sparse:
         x = x.to_dense()  # documented O(numel) fallback; the result gets the input's layout back
-    enc = Encoding(compressor, tensor, x, TensorSpec.of(x), ctx, async_op=async_op, feedback=memory is not None)
+    enc = base.Encoding(
+        compressor, tensor, x, base.TensorSpec.of(x), ctx, async_op=async_op, feedback=memory is not None
+    )
     agg = compressor.aggregator(enc) if aggregator is None else aggregator
     payload = agg.compress(enc)
     local = agg.feedback(enc, payload, memory) if memory is not None else None
     return Encoded(enc, agg, payload, local)
 
 
-def expect(payload: Payload | None, kind: type[PayloadT], agg: Aggregator[Any]) -> PayloadT:
+def expect(payload: base.Payload | None, kind: type[PayloadT], agg: base.Aggregator[Any]) -> PayloadT:
     """``payload``, checked to be what ``agg`` combines: a compressor whose ``compress`` and ``aggregator``
     disagree raises TypeError naming both."""
     if not isinstance(payload, kind):
@@ -124,27 +115,27 @@ def expect(payload: Payload | None, kind: type[PayloadT], agg: Aggregator[Any]) 
 
 
 # --- what the aggregators share ---------------------------------------------------------------------------
-class PayloadAggregator(Aggregator[PayloadT]):
+class PayloadAggregator(base.Aggregator[PayloadT]):
     """The local steps of an aggregator that sends what ``Compressor.compress`` returns: compress on the caller's
     thread, and the residual from the decompressed payload. Both traced (``sparsync:reduce:compress``, ...)."""
 
-    def compress(self, enc: Encoding) -> PayloadT | None:
+    def compress(self, enc: base.Encoding) -> PayloadT | None:
         c = enc.compressor
         with trace.scope(tracer(), "reduce", "compress", compressor=type(c).__name__, numel=enc.spec.numel):
             return self.check(c.compress(enc.values, enc.ctx))
 
     @abstractmethod
-    def check(self, payload: Payload) -> PayloadT:
+    def check(self, payload: base.Payload) -> PayloadT:
         """``payload`` as this aggregator's kind (``expect``)."""
 
-    def feedback(self, enc: Encoding, payload: PayloadT | None, memory: Memory) -> torch.Tensor | None:
+    def feedback(self, enc: base.Encoding, payload: PayloadT | None, memory: Memory) -> torch.Tensor | None:
         with trace.scope(tracer(), "reduce", "error_feedback"):
             local = enc.compressor.decompress(payload, enc.spec)
             memory.update(enc.ctx.name, enc.x, local)
         return local
 
 
-def decoded(call: ReduceCall, res: Any, decode: Callable[[Any], torch.Tensor]) -> Result:
+def decoded(call: base.ReduceCall, res: Any, decode: Callable[[Any], torch.Tensor]) -> Result:
     """``decode`` applied to a collective's result (or to its ``Work``'s), traced as the call's decompress."""
 
     def traced(r: Any) -> torch.Tensor:
@@ -154,13 +145,13 @@ def decoded(call: ReduceCall, res: Any, decode: Callable[[Any], torch.Tensor]) -
     return res.then(traced) if isinstance(res, Work) else traced(res)
 
 
-def facts(call: ReduceCall) -> Callable[[], dict[str, object]]:
+def facts(call: base.ReduceCall) -> Callable[[], dict[str, object]]:
     """What a queued call tells the flight recorder about itself."""
     return lambda: {"compressor": type(call.enc.compressor).__name__, "numel": call.enc.spec.numel,
                     "P": call.world_size}  # fmt: skip
 
 
-def collective(call: ReduceCall, alg: str, nbytes: int, body: Callable[[], T]) -> T | Work[T]:
+def collective(call: base.ReduceCall, alg: str, nbytes: int, body: Callable[[], T]) -> T | Work[T]:
     """Run ``body`` (the payload's collective on ``call.comm``) behind the metadata round (``agree``: ``nbytes``
     per rank): now, or queued on sparsync's own thread with ``async_op`` (a ``Work``). The call's number is
     taken here, on the caller's thread."""
@@ -175,7 +166,12 @@ def collective(call: ReduceCall, alg: str, nbytes: int, body: Callable[[], T]) -
 
 
 def pipelined(
-    call: ReduceCall, nbytes: int, elements: int, alg: str, msgs: int, body: Callable[[], tuple[torch.Tensor, int]]
+    call: base.ReduceCall,
+    nbytes: int,
+    elements: int,
+    alg: str,
+    msgs: int,
+    body: Callable[[], tuple[torch.Tensor, int]],
 ) -> Result:
     """A pipelined collective (QSGD's reduce-scatter + allgather, the casts' chunked allreduce): the metadata
     round, ``body`` (the flat float32 result, already scaled, and the bytes sent), the record (``elements``:
@@ -190,7 +186,7 @@ def pipelined(
     return collective(call, alg, nbytes, run)
 
 
-def agree(call: ReduceCall, seq: int, nbytes: int) -> None:
+def agree(call: base.ReduceCall, seq: int, nbytes: int) -> None:
     """The metadata round of the dense, allgather and quantized paths (``REDUCE_ROW``): raise the same ValueError
     on every rank unless all passed the same shape, layout, dtype, compressor, ``name`` and ``check_nan`` and will
     send payloads of one size, and (``check_nan``) none holds NaN or ±Inf; a rank whose input was refused is
@@ -214,7 +210,7 @@ def agree(call: ReduceCall, seq: int, nbytes: int) -> None:
                                   detail=detail))  # fmt: skip
 
 
-def record(call: ReduceCall, alg: str, n: int, nbytes: int, msgs: int, *, device: torch.device) -> None:
+def record(call: base.ReduceCall, alg: str, n: int, nbytes: int, msgs: int, *, device: torch.device) -> None:
     """Count the bytes and messages of a torch collective run on ``call.comm`` (gloo: ring) for a traced call,
     and append the call's CommRecord to ``call.log``."""
     log = call.log
@@ -227,18 +223,18 @@ def record(call: ReduceCall, alg: str, n: int, nbytes: int, msgs: int, *, device
 
 
 # --- the aggregators ----------------------------------------------------------------------------------------
-class DenseSumAggregator(PayloadAggregator[DensePayload]):
+class DenseSumAggregator(PayloadAggregator[base.DensePayload]):
     """A linear dense payload (identity, a cast of a small tensor): one dense allreduce of its flat buffer."""
 
     name: ClassVar[str] = "allreduce"
 
-    def check(self, payload: Payload) -> DensePayload:
-        return expect(payload, DensePayload, self)
+    def check(self, payload: base.Payload) -> base.DensePayload:
+        return expect(payload, base.DensePayload, self)
 
-    def aggregate(self, call: ReduceCall, payload: DensePayload | None) -> Result:
-        p = expect(payload, DensePayload, self)
+    def aggregate(self, call: base.ReduceCall, payload: base.DensePayload | None) -> Result:
+        p = expect(payload, base.DensePayload, self)
 
-        def run() -> DensePayload:
+        def run() -> base.DensePayload:
             buf = p.to_buffer()
             dist.all_reduce(buf, group=call.comm)
             P = call.world_size
@@ -250,26 +246,28 @@ class DenseSumAggregator(PayloadAggregator[DensePayload]):
         return decoded(call, work, lambda s: call.finish(call.enc.compressor.decompress(s, call.enc.spec)))
 
 
-class SparseSumAggregator(PayloadAggregator[SparsePayload]):
+class SparseSumAggregator(PayloadAggregator[base.SparsePayload]):
     """Selected (index, value) pairs: ``sparse_allreduce`` with the call's ``algorithm`` (SparCML §4), whose own
     metadata round checks the fingerprint, name and NaN on every rank. A sparsifier's residual is ``x`` with the
     sent entries taken out (``Memory.update_selected``): no dense decompress, no ``x - t``."""
 
     name: ClassVar[str] = "sparse_allreduce"
 
-    def check(self, payload: Payload) -> SparsePayload:
-        return expect(payload, SparsePayload, self)
+    def check(self, payload: base.Payload) -> base.SparsePayload:
+        return expect(payload, base.SparsePayload, self)
 
-    def feedback(self, enc: Encoding, payload: SparsePayload | None, memory: Memory) -> torch.Tensor | None:
-        st = expect(payload, SparsePayload, self).stream
+    def feedback(
+        self, enc: base.Encoding, payload: base.SparsePayload | None, memory: Memory
+    ) -> torch.Tensor | None:
+        st = expect(payload, base.SparsePayload, self).stream
         if st.indices is None or st.row != 1 or enc.x.is_sparse:
             return super().feedback(enc, payload, memory)
         with trace.scope(tracer(), "reduce", "error_feedback"):
             memory.update_selected(enc.ctx.name, enc.x, st.indices, st.values, owned=enc.x is not enc.tensor)
         return None
 
-    def aggregate(self, call: ReduceCall, payload: SparsePayload | None) -> Result:
-        p = expect(payload, SparsePayload, self)
+    def aggregate(self, call: base.ReduceCall, payload: base.SparsePayload | None) -> Result:
+        p = expect(payload, base.SparsePayload, self)
         opts = CallOptions(algorithm=call.algorithm, timeout=call.timeout, check_nan=call.check_nan,
                            name=call.name or None)  # fmt: skip
         res = start_allreduce(p.stream, lambda c, s: s, opts, group=call.group, async_op=call.async_op,
@@ -277,27 +275,27 @@ class SparseSumAggregator(PayloadAggregator[SparsePayload]):
         compressor, xspec = call.enc.compressor, call.enc.spec
 
         def decode(s: SparseStream) -> torch.Tensor:
-            return call.finish(compressor.decompress(SparsePayload(s), xspec))
+            return call.finish(compressor.decompress(base.SparsePayload(s), xspec))
 
         return decoded(call, res, decode)
 
 
-class GatherAggregator(PayloadAggregator[QuantizedPayload]):
+class GatherAggregator(PayloadAggregator[base.QuantizedPayload]):
     """A payload that does not add up (quantized codes): everyone's bytes to everyone, in one buffer on the
     payload's device, decoded and summed on every rank (SparCML §5). Equal sizes, as NCCL needs: the metadata
     round refused payloads of different sizes on every rank."""
 
     name: ClassVar[str] = "allgather"
 
-    def check(self, payload: Payload) -> QuantizedPayload:
-        return expect(payload, QuantizedPayload, self)
+    def check(self, payload: base.Payload) -> base.QuantizedPayload:
+        return expect(payload, base.QuantizedPayload, self)
 
-    def aggregate(self, call: ReduceCall, payload: QuantizedPayload | None) -> Result:
-        p = expect(payload, QuantizedPayload, self)
+    def aggregate(self, call: base.ReduceCall, payload: base.QuantizedPayload | None) -> Result:
+        p = expect(payload, base.QuantizedPayload, self)
         scale = self.scale(call)
         divide = call.average if scale is None else False
 
-        def run() -> list[QuantizedPayload]:
+        def run() -> list[base.QuantizedPayload]:
             buf = p.to_bytes()
             P = call.world_size
             comm = Comm(call.comm, device=buf.device)
@@ -312,7 +310,7 @@ class GatherAggregator(PayloadAggregator[QuantizedPayload]):
             call, work, lambda ps: call.finish(compressor.decompress_gathered(ps, xspec), divide=divide)
         )
 
-    def scale(self, call: ReduceCall) -> float | None:
+    def scale(self, call: base.ReduceCall) -> float | None:
         """What the gathered payloads' scales are multiplied by before they are decoded, the result then not
         divided (a decoder linear in its scales: QSGD's, ``qsgd.ScaledAllgather``); None: not scaled, the sum
         divided by P after decoding when the call averages."""
@@ -320,21 +318,21 @@ class GatherAggregator(PayloadAggregator[QuantizedPayload]):
         return None
 
 
-def scaled(p: QuantizedPayload, scale: float) -> QuantizedPayload:
+def scaled(p: base.QuantizedPayload, scale: float) -> base.QuantizedPayload:
     """``p`` with its scales times ``scale`` (a decoder linear in them decodes ``scale`` times the values)."""
-    return p if scale == 1.0 else QuantizedPayload(p.codes, p.scales * scale)
+    return p if scale == 1.0 else base.QuantizedPayload(p.codes, p.scales * scale)
 
 
-class LocalAggregator(PayloadAggregator[Payload]):
+class LocalAggregator(PayloadAggregator[base.Payload]):
     """No collective: what a parameter-server push compresses (``ps.feedback``); ``aggregate`` is the payload's
     own decode, the sum over a group of one."""
 
     name: ClassVar[str] = "local"
 
-    def check(self, payload: Payload) -> Payload:
+    def check(self, payload: base.Payload) -> base.Payload:
         return payload
 
-    def aggregate(self, call: ReduceCall, payload: Payload | None) -> Result:
+    def aggregate(self, call: base.ReduceCall, payload: base.Payload | None) -> Result:
         return call.finish(call.enc.compressor.decompress(payload, call.enc.spec))
 
 

@@ -334,7 +334,6 @@ def selected(
     indices: torch.Tensor | None,
     positions: torch.Tensor,
     dim: int,
-    scale: float = 1.0,
     *,
     presorted: bool = False,
 ) -> SparsePayload:
@@ -342,8 +341,7 @@ def selected(
     ``presorted``)."""
     pos = positions if presorted else positions.sort().values
     idx = pos if indices is None else indices.to(torch.int64)[pos]
-    vals = values[pos] if scale == 1.0 else values[pos] * scale
-    return SparsePayload(SparseStream(idx, vals.contiguous(), dim, validate=False))
+    return SparsePayload(SparseStream(idx, values[pos].contiguous(), dim, validate=False))
 
 
 def sparse_to_tensor(payload: SparsePayload, spec: TensorSpec) -> torch.Tensor:

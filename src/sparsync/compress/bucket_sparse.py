@@ -24,16 +24,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 
 from sparsync.collectives.allreduce import CallOptions, refuse, start_allreduce
 from sparsync.compress.aggregate import encode, expect
 from sparsync.compress.base import Compressor, Context, SparsePayload
 from sparsync.compress.hook_future import BucketRoute, bucket_name
-from sparsync.compress.memory import Memory
 from sparsync.compress.reduce import check_input
 from sparsync.compress.sparsifier import Sparsifier
-from sparsync.record import CommLog
 from sparsync.stream import SparseStream, concat_disjoint
 
 
@@ -43,21 +40,8 @@ def fusable(buffer: torch.Tensor, comps: Sequence[Compressor]) -> bool:
 
 
 class BucketSparse(BucketRoute):
-    """``(bucket, gradients, compressors) -> Future`` for dense buckets of sparsifiers: one sparse allreduce.
-    The settings are ``BucketRoute``'s, and ``algorithm``: ``sparse_allreduce``'s."""
-
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        *,
-        memory: Memory | None,
-        average: bool,
-        async_op: bool,
-        algorithm: str,
-        log: CommLog | None,
-    ) -> None:
-        super().__init__(group, memory=memory, average=average, async_op=async_op, log=log)
-        self.algorithm = algorithm
+    """``(bucket, gradients, compressors) -> Future`` for dense buckets of sparsifiers: one sparse allreduce with
+    the route's ``algorithm``."""
 
     def __call__(
         self, buffer: torch.Tensor, todo: Sequence[tuple[str, torch.Tensor]], comps: Sequence[Compressor]

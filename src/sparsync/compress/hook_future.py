@@ -4,6 +4,7 @@ bucket routes share (``BucketRoute``: ``bucket_sparse.py``, ``bucket_powersgd.py
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -42,33 +43,25 @@ def bucket_name(names: Sequence[str]) -> str:
     return "bucket[" + ",".join(names) + "]"
 
 
+@dataclass(eq=False)
 class BucketRoute:
-    """What a route sending one compressed bucket in one exchange holds: ``group``, sparsync's own group
-    (``background_group(user)``), where the hook's reductions run, and its size and this rank; ``memory``, the
-    error-feedback residuals per parameter name (None: no error feedback); ``average``: divide the sum by the
-    world size; ``async_op``: queue the exchange and return at once (False: reduce before returning);
-    ``log``: one CommRecord per bucket; ``timeout`` and ``check_nan``: those of the bucket's metadata round."""
+    """What a route sending one compressed bucket in one exchange holds (``bucket_sparse.py``,
+    ``bucket_powersgd.py``)."""
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup,
-        *,
-        memory: Memory | None,
-        average: bool,
-        async_op: bool,
-        log: CommLog | None,
-        timeout: float | None = None,
-        check_nan: bool = True,
-    ) -> None:
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
-        self.memory = memory
-        self.average = average
-        self.async_op = async_op
-        self.log = log
-        self.timeout = timeout
-        self.check_nan = check_nan
+    group: dist.ProcessGroup  # sparsync's own group (``background_group(user)``), where the reductions run
+    memory: Memory | None  # the error-feedback residuals, per parameter name (None: no error feedback)
+    average: bool  # divide the sum by the world size
+    async_op: bool  # queue the exchange and return at once (False: reduce before returning)
+    log: CommLog | None  # receives one CommRecord per bucket
+    algorithm: str = "auto"  # ``sparse_allreduce``'s, for a sparse payload
+    timeout: float | None = None  # the bucket's metadata round's
+    check_nan: bool = True  # the bucket's metadata round refuses NaN and ±Inf
+    size: int = field(init=False)  # the group's
+    rank: int = field(init=False)  # this rank's in the group
+
+    def __post_init__(self) -> None:
+        self.size = dist.get_world_size(self.group)
+        self.rank = dist.get_rank(self.group)
 
     @staticmethod
     def future(

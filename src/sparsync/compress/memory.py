@@ -141,17 +141,12 @@ class ErrorFeedback(Memory):
         return sorted(self._errors)
 
     def state_dict(self) -> dict[str, object]:
-        return {"decay": self.decay, "errors": {k: v.clone() for k, v in self._errors.items()}}
+        return {"decay": self.decay, "errors": _cloned(self._errors)}
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        errors = state.get("errors")
-        if not isinstance(errors, dict):
-            raise ValueError(f"state has no 'errors' dict (keys: {sorted(state)})")
-        decay = state.get("decay", 1.0)
-        if not isinstance(decay, float | int):
-            raise ValueError(f"bad decay in state: {decay!r}")
-        self.decay = float(decay)
-        self._errors = {str(k): v.clone() for k, v in errors.items()}
+        errors = _tensors(state, "errors")
+        self.decay = _number(state, "decay", 1.0)
+        self._errors = errors
 
 
 class MomentumCorrection(Memory):
@@ -213,17 +208,30 @@ class MomentumCorrection(Memory):
     def state_dict(self) -> dict[str, object]:
         return {
             "momentum": self.momentum,
-            "errors": {k: v.clone() for k, v in self._errors.items()},
-            "velocity": {k: v.clone() for k, v in self._velocity.items()},
+            "errors": _cloned(self._errors),
+            "velocity": _cloned(self._velocity),
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        errors, velocity = state.get("errors"), state.get("velocity")
-        if not isinstance(errors, dict) or not isinstance(velocity, dict):
-            raise ValueError(f"state needs 'errors' and 'velocity' dicts (keys: {sorted(state)})")
-        momentum = state.get("momentum", 0.9)
-        if not isinstance(momentum, float | int):
-            raise ValueError(f"bad momentum in state: {momentum!r}")
-        self.momentum = float(momentum)
-        self._errors = {str(k): v.clone() for k, v in errors.items()}
-        self._velocity = {str(k): v.clone() for k, v in velocity.items()}
+        errors, velocity = _tensors(state, "errors"), _tensors(state, "velocity")
+        self.momentum = _number(state, "momentum", 0.9)
+        self._errors, self._velocity = errors, velocity
+
+
+def _cloned(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {str(k): v.clone() for k, v in tensors.items()}
+
+
+def _tensors(state: dict[str, object], key: str) -> dict[str, torch.Tensor]:
+    """A copy of the name -> tensor dict ``state[key]``; ValueError naming the keys when there is none."""
+    got = state.get(key)
+    if not isinstance(got, dict):
+        raise ValueError(f"state has no {key!r} dict (keys: {sorted(state)})")
+    return _cloned(got)
+
+
+def _number(state: dict[str, object], key: str, default: float) -> float:
+    got = state.get(key, default)
+    if isinstance(got, bool) or not isinstance(got, float | int):
+        raise ValueError(f"bad {key} in state: {got!r}")
+    return float(got)

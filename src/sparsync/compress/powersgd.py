@@ -45,25 +45,14 @@ from typing import Any, ClassVar
 
 import torch
 
+from sparsync.compress import base
 from sparsync.compress.aggregate import Result, collective, record
-from sparsync.compress.base import (
-    NO_CONTEXT,
-    Aggregator,
-    Compressor,
-    Context,
-    DensePayload,
-    Encoding,
-    Payload,
-    ReduceCall,
-    TensorSpec,
-    check_positive_int,
-)
 from sparsync.compress.lowrank import Exchanged, Factor, exchange, payload_nbytes, traffic
 from sparsync.compress.memory import Memory
 
 
 @dataclass(frozen=True)
-class LowRankPayload(Payload):
+class LowRankPayload(base.Payload):
     """A matrix as its two factors, ``p @ q.T`` (``p``: n x r with orthonormal columns, ``q``: m x r)."""
 
     p: torch.Tensor
@@ -88,7 +77,7 @@ def work_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 @dataclass(frozen=True, eq=False)
-class PowerSGD(Compressor):
+class PowerSGD(base.Compressor):
     """Rank-``rank`` PowerSGD (module doc)."""
 
     name: ClassVar[str] = "powersgd"
@@ -102,7 +91,7 @@ class PowerSGD(Compressor):
     _state: dict[str, _Named] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        check_positive_int(self.rank, "rank")
+        base.check_positive_int(self.rank, "rank")
         rate = self.min_compression_rate
         if isinstance(rate, bool) or not isinstance(rate, int | float) or not rate >= 0:
             raise ValueError(f"min_compression_rate must be a number >= 0, got {rate!r}")
@@ -164,24 +153,24 @@ class PowerSGD(Compressor):
         return None if st is None else st.q
 
     # --- the Compressor interface ---------------------------------------------------------------------------
-    def compress(self, tensor: torch.Tensor, ctx: Context = NO_CONTEXT) -> Payload:
+    def compress(self, tensor: torch.Tensor, ctx: base.Context = base.NO_CONTEXT) -> base.Payload:
         """This rank alone (Algorithm 1 at one worker): the factors of ``tensor``'s rank-r approximation, or the
         tensor whole. Advances the warm start of ``ctx.name``; does not modify ``tensor``."""
         f = self.factor(ctx.name, tensor)
         (out,) = exchange([f], None)
         self.settle(ctx.name, out)
         if out.p is None or out.q is None:
-            return DensePayload(f.x)
+            return base.DensePayload(f.x)
         return LowRankPayload(out.p, out.q)
 
-    def decompress(self, payload: Any, spec: TensorSpec) -> torch.Tensor:
+    def decompress(self, payload: Any, spec: base.TensorSpec) -> torch.Tensor:
         if isinstance(payload, LowRankPayload):
             return (payload.p @ payload.q.T).reshape(spec.shape).to(spec.dtype)
-        if isinstance(payload, DensePayload):
+        if isinstance(payload, base.DensePayload):
             return payload.values.reshape(spec.shape).to(spec.dtype, copy=True)
         raise TypeError(f"PowerSGD decompresses LowRankPayload or DensePayload, got {type(payload).__name__}")
 
-    def aggregator(self, enc: Encoding) -> Aggregator[Any]:
+    def aggregator(self, enc: base.Encoding) -> base.Aggregator[Any]:
         """A fresh ``PowerSGDReduce`` per call: it carries the call's memory to the collective half."""
         del enc
         return PowerSGDReduce(self)
@@ -205,7 +194,7 @@ class PowerSGD(Compressor):
 
 
 @dataclass(eq=False)
-class PowerSGDReduce(Aggregator[LowRankPayload]):
+class PowerSGDReduce(base.Aggregator[LowRankPayload]):
     """One ``compressed_allreduce`` through PowerSGD: the metadata round, then ``lowrank.exchange`` of the one
     tensor (two allreduces), the residual and the warm start stored, the sum decoded (``call.finish``).
 
@@ -216,16 +205,16 @@ class PowerSGDReduce(Aggregator[LowRankPayload]):
     comp: PowerSGD
     memory: Memory | None = None
 
-    def compress(self, enc: Encoding) -> LowRankPayload | None:
+    def compress(self, enc: base.Encoding) -> LowRankPayload | None:
         del enc
         return None
 
-    def feedback(self, enc: Encoding, payload: LowRankPayload | None, memory: Memory) -> torch.Tensor | None:
+    def feedback(self, enc: base.Encoding, payload: LowRankPayload | None, memory: Memory) -> torch.Tensor | None:
         del enc, payload
         self.memory = memory
         return None
 
-    def aggregate(self, call: ReduceCall, payload: LowRankPayload | None) -> Result:
+    def aggregate(self, call: base.ReduceCall, payload: LowRankPayload | None) -> Result:
         del payload
         enc, memory, name = call.enc, self.memory, call.name
         x = enc.values

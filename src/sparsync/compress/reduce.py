@@ -5,7 +5,7 @@ aggregate -> decompress (the compressor's ``Aggregator``). Nothing here depends 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, overload
+from typing import Any, Literal, TypedDict, Unpack, overload
 
 import torch
 import torch.distributed as dist
@@ -20,53 +20,35 @@ from sparsync.handle import Work
 from sparsync.record import CommLog
 
 
+class ReduceOptions(TypedDict, total=False):
+    """``compressed_allreduce``'s keyword options but ``async_op`` (its docstring says what each does)."""
+
+    memory: Memory | None
+    name: str
+    group: dist.ProcessGroup | None
+    average: bool
+    inplace: bool
+    algorithm: str
+    log: CommLog | None
+    timeout: float | None
+    check_nan: bool
+
+
 @overload
 def compressed_allreduce(
     tensor: torch.Tensor,
     compressor: base.Compressor,
     *,
-    memory: Memory | None = ...,
-    name: str = ...,
-    group: dist.ProcessGroup | None = ...,
     async_op: Literal[False] = ...,
-    average: bool = ...,
-    inplace: bool = ...,
-    algorithm: str = ...,
-    log: CommLog | None = ...,
-    timeout: float | None = ...,
-    check_nan: bool = ...,
+    **opts: Unpack[ReduceOptions],
 ) -> torch.Tensor: ...
 @overload
 def compressed_allreduce(
-    tensor: torch.Tensor,
-    compressor: base.Compressor,
-    *,
-    memory: Memory | None = ...,
-    name: str = ...,
-    group: dist.ProcessGroup | None = ...,
-    async_op: Literal[True],
-    average: bool = ...,
-    inplace: bool = ...,
-    algorithm: str = ...,
-    log: CommLog | None = ...,
-    timeout: float | None = ...,
-    check_nan: bool = ...,
+    tensor: torch.Tensor, compressor: base.Compressor, *, async_op: Literal[True], **opts: Unpack[ReduceOptions]
 ) -> Work[torch.Tensor]: ...
 @overload
 def compressed_allreduce(
-    tensor: torch.Tensor,
-    compressor: base.Compressor,
-    *,
-    memory: Memory | None = ...,
-    name: str = ...,
-    group: dist.ProcessGroup | None = ...,
-    async_op: bool = ...,
-    average: bool = ...,
-    inplace: bool = ...,
-    algorithm: str = ...,
-    log: CommLog | None = ...,
-    timeout: float | None = ...,
-    check_nan: bool = ...,
+    tensor: torch.Tensor, compressor: base.Compressor, *, async_op: bool = ..., **opts: Unpack[ReduceOptions]
 ) -> torch.Tensor | Work[torch.Tensor]: ...
 def compressed_allreduce(
     tensor: torch.Tensor,
