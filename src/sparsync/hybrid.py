@@ -251,7 +251,7 @@ class HybridTrainer:
             if n not in self.servers.tables and n not in own:
                 dist.broadcast(p.data, src=0, group=group)
 
-    # the parameter server's parts, under the names the trainer always had
+    # the parameter server's parts, as the trainer's own attributes (examples/ and the bench read them)
     @property
     def tables(self) -> dict[str, Any]:
         return self.servers.tables

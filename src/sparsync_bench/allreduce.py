@@ -5,8 +5,9 @@ Each point: every rank draws k = density·N uniformly random indices with random
 when a call takes under FAST_S), methods interleaved round by round. A repeat's time is the slowest
 rank's (a collective is done when its last rank is), taken with an allreduce(MAX) outside the timed region.
 A repeat of a call that takes under FAST_S is a batch of back-to-back calls, timed together and divided by
-their number, as the OSU micro-benchmarks time a loop of iterations: on this VM a single sub-millisecond call
-is dominated by when each rank's threads get woken (the barrier before it included), see ``_batch``.
+their number, as the OSU micro-benchmarks time a loop of iterations: on a host with few cores a single
+sub-millisecond call is dominated by when each rank's threads get woken (the barrier before it included), see
+``_batch``.
 Methods: torch gloo dense allreduce, torch gloo sparse COO allreduce, and every sparsync algorithm plus auto
 (sparsync's "allgather" is the Horovod/DDP way: gather everything, sum locally).
 """
@@ -295,7 +296,7 @@ def _measure_point(
 ) -> list[dict[str, Any]]:
     """All methods at one density, interleaved: round r runs every method once, so drift in the machine's
     state hits all methods alike. Methods faster than FAST_S get more rounds: at a few ms per call, the noise
-    of thread wake-ups on this VM is of the same order as the differences being measured."""
+    of thread wake-ups on a loaded host is of the same order as the differences being measured."""
     stream = _make_stream(rank, cfg, density, point)
     nnz_all, problem = _problem(rank, P, cfg, stream)
     lb = lower_bound(problem, link)

@@ -88,8 +88,7 @@ from sparsync_bench.torchrec_baseline import TORCHREC_METHODS, train_torchrec, u
 METHODS = ("torch_ddp_dense", "torch_ddp_sparse", "sparsync", "sparsync_dct")
 PS_METHODS = ("sparsync_ps", "sparsync_ps_split", "sparsync_hybrid")
 LARGE_TABLE_METHODS = ("sparsync_omnireduce", "sparsync_sketch")
-# sparsync_step: today's sparsync with every gradient reduced in step(), after backward (overlap=False), the
-# way DistributedOptimizer reduced before it overlapped backward
+# sparsync_step: sparsync with every gradient reduced in step(), after backward (overlap=False), not during it
 # floor_tables_unsent: a floor, not a way to train (module doc): DDP over the MLPs, the tables never sent
 FLOOR = "floor_tables_unsent"
 OPTIONAL = (*LARGE_TABLE_METHODS, *PS_METHODS, *TORCHREC_METHODS, "sparsync_step", *SHARD_METHODS, FLOOR)

@@ -403,9 +403,8 @@ def _rounds(
             times[m].append(t if r is None else t - r)
             refs[m].append(t)
         done += 1
-        # Points where every method is fast are noise-dominated on this VM (quartiles ±30% of the median at
-        # 1 Gbit/s, P = 2, dim 16): they get FAST_REPEATS rounds. Times are the slowest rank's, the same on
-        # every rank, so every rank decides alike.
+        # Points where every method is fast are noise-dominated on a loaded host: they get FAST_REPEATS
+        # rounds. Times are the slowest rank's, the same on every rank, so every rank decides alike.
         if done == repeats and max(statistics.median(times[m]) for m in methods) < FAST_S:
             rounds = max(rounds, FAST_REPEATS)
     return times, refs
