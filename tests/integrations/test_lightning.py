@@ -81,6 +81,7 @@ def test_fit_with_gradient_accumulation_at_three_ranks() -> None:
     _check(launch(lw.compare_worker, nprocs=3, args=(cases,)), cases)
 
 
+@pytest.mark.slow
 def test_lightning_launches_the_ranks_itself(tmp_path: Path) -> None:
     """No process group before ``fit``: ``Trainer(devices=2, accelerator="cpu")`` runs the script again in a
     second process (Lightning's ``popen`` launcher, as for ``DDPStrategy``) and makes the gloo group; the fit

@@ -172,7 +172,7 @@ class SparsyncStrategy(DDPStrategy):
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if fitting and trainer.checkpoint_callbacks:  # refused now rather than at the first checkpoint
-            _check_checkpointable(self.model, self._shard_options)
+            _check_checkpointable(self.model, self._applied_shard_options)
         self._shard()
         if fitting:
             _mark_fitted(self.lightning_module)
@@ -190,6 +190,11 @@ class SparsyncStrategy(DDPStrategy):
         if self._shard_plan is None or any(isinstance(placement_of(p), Sharded) for p in module.parameters()):
             return
         shard(module, plan=self._shard_plan, **self._shard_options)
+
+    @property
+    def _applied_shard_options(self) -> dict[str, Any]:
+        """``shard_options``, where a ``shard_plan`` applies them."""
+        return self._shard_options if self._shard_plan is not None else {}
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """Lightning's optimizers and schedulers, then (off the DDP path) each optimizer in a
@@ -216,7 +221,7 @@ class SparsyncStrategy(DDPStrategy):
         tables (``_check_checkpointable``)."""
         module = self.lightning_module
         assert module is not None
-        _check_checkpointable(module, self._shard_options)
+        _check_checkpointable(module, self._applied_shard_options)
         return super().lightning_module_state_dict()
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
