@@ -11,7 +11,10 @@ optimizer's ``step(closure)``, which ``DistributedOptimizer`` evaluates once bef
 same samples (the loop uses the DistributedSampler Lightning inserts: shuffled, seed 0); the precision plugins'
 contexts are torch's (``torch.autocast`` for bf16-mixed, float64 module and inputs for 64-true), which the loop
 uses too. The ranks' processes come from ``sparsync.launch``; Lightning joins their group
-(``ProcessGroupEnvironment``) and starts none."""
+(``ProcessGroupEnvironment``) and starts none, but in ``test_lightning_launches_the_ranks_itself``, where
+Lightning's own launcher starts them. Clipping (``gradient_clip_val``, ``clip_gradients``), two optimizers
+(manual optimisation) and a ``ModelCheckpoint`` resumed by ``fit(ckpt_path=...)`` are compared the same way: with
+the loop, or with the uninterrupted run."""
 
 from __future__ import annotations
 
