@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -214,9 +214,8 @@ def save(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int 
              for name, table in _fused(model).items()}  # fmt: skip
     if fused:
         state["fused"] = fused
-    # one writer thread: it asks for each rank's chunks in plan order, which ``dcp.Strided`` makes collectively
-    writer = FileSystemWriter(path, single_file_per_rank=True, thread_count=1)
-    dcp_save(state, storage_writer=writer, planner=dcp.WindowSavePlanner(block_rows))
+    # the writer asks for each rank's chunks in plan order, one at a time, which ``dcp.Strided`` makes collectively
+    dcp_save(state, storage_writer=dcp.writer(path), planner=dcp.WindowSavePlanner(block_rows))
 
 
 def _check(meta: Metadata, model: nn.Module) -> None:

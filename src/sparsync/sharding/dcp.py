@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -55,7 +55,16 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-__all__ = ["BLOCK_ROWS", "DTensor", "Strided", "WindowSavePlanner", "into_shard", "read_into_shard", "to_dtensor"]
+__all__ = [
+    "BLOCK_ROWS",
+    "DTensor",
+    "Strided",
+    "WindowSavePlanner",
+    "into_shard",
+    "read_into_shard",
+    "to_dtensor",
+    "writer",
+]
 
 BLOCK_ROWS = 1 << 16  # rows per window share and per stored chunk, at most
 WINDOWS = 16  # windows per block, at least: a window's rows in flight stay a small part of a block
@@ -252,8 +261,8 @@ class WindowSavePlanner(DefaultSavePlanner):
     """``DefaultSavePlanner`` that writes a ``Strided`` value as its block's chunks, each made when DCP asks for
     it (``Strided.piece``), and any tensor larger than ``block_rows`` rows as chunks of at most ``block_rows``
     rows (contiguous row ranges of it), so that a reader, which loads a stored chunk whole, holds one such piece
-    at a time. DCP's file writer asks for the chunks of a rank's file in plan order, one at a time, on every rank
-    (``checkpoint.save`` uses it with one thread)."""
+    at a time. DCP's file writer (``writer()``) asks for the chunks of a rank's file in plan order, one at a time,
+    on every rank."""
 
     def __init__(self, block_rows: int = BLOCK_ROWS) -> None:
         super().__init__()
@@ -263,6 +272,7 @@ class WindowSavePlanner(DefaultSavePlanner):
         self._origin: dict[str, int] = {}  # a split tensor's first local row in its global tensor
         self._strided: dict[str, Strided] = {}
         self._piece: dict[tuple[str, int], int] = {}  # (fqn, first row) -> the Strided piece's number
+        self._last: torch.Tensor | None = None  # the piece given last, released at the next item
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -302,15 +312,29 @@ class WindowSavePlanner(DefaultSavePlanner):
         return out
 
     def resolve_data(self, write_item: WriteItem) -> Any:
+        """The data of ``write_item``. A piece (of a ``Strided`` value or of a split tensor) is a new tensor, whose
+        storage is released when the next item is asked for: the writer has written it by then (``writer()``),
+        though it keeps a reference to the last piece of each tensor until the file is done."""
+        if self._last is not None:
+            self._last.untyped_storage().resize_(0)
+            self._last = None
         fqn = write_item.index.fqn
         chunk = None if write_item.tensor_data is None else write_item.tensor_data.chunk
         if fqn in self._strided and chunk is not None:
-            return self._strided[fqn].piece(self._piece[fqn, chunk.offsets[0]])
+            self._last = self._strided[fqn].piece(self._piece[fqn, chunk.offsets[0]])
+            return self._last
         if fqn not in self._origin or chunk is None:
             return super().resolve_data(write_item)
         obj = self.state_dict[fqn]
         local = obj.to_local() if isinstance(obj, DTensor) else obj
-        return local.detach().narrow(0, chunk.offsets[0] - self._origin[fqn], chunk.sizes[0])
+        self._last = local.detach().narrow(0, chunk.offsets[0] - self._origin[fqn], chunk.sizes[0]).clone()
+        return self._last
+
+
+def writer(path: str) -> FileSystemWriter:
+    """DCP's file writer as ``WindowSavePlanner`` needs it: one thread, one file per rank, each item asked for
+    when the previous one is written (no copying ahead), in plan order."""
+    return FileSystemWriter(path, single_file_per_rank=True, thread_count=1, per_thread_copy_ahead=0)
 
 
 class _Into(DefaultLoadPlanner):
