@@ -190,8 +190,7 @@ class Exchanger:
         every rank raises it at ``settle``. Collective: every rank sends ahead at the same point."""
         sent = self._layout(calls)
         refusal = refusal or self._aliased(sent) or out_of_range(sent, self.groups)
-        flight = ids_stage.start(self.link, sent.joined, self._key(sent), sent.descriptions(), refusal,
-                                 self.capacity, Traffic(), wait=False)  # fmt: skip
+        flight = ids_stage.start(self.link, self._request(sent, refusal), Traffic(), wait=False)
         return sent, flight
 
     def settle(self, sent: Sent, flight: ids_stage.IdsRound) -> None:
@@ -209,8 +208,7 @@ class Exchanger:
         refusal = refusal or self._aliased(sent) or out_of_range(sent, self.groups)
         if ready is None:
             tally = Traffic()
-            done = ids_stage.run(self.link, sent.joined, self._key(sent), sent.descriptions(), refusal,
-                                 self.capacity, tally)  # fmt: skip
+            done = ids_stage.run(self.link, self._request(sent, refusal), tally)
             self.capacity = done.capacity
             status = None
         else:
@@ -245,6 +243,9 @@ class Exchanger:
             tuple(tuple(per[g][t][0].table for t in per[g]) for g in order),
             tuple(_cat(list(k)) for k in keys),
         )
+
+    def _request(self, sent: Sent, refusal: str | None) -> ids_stage.Request:
+        return ids_stage.Request(sent.joined, self._key(sent), sent.descriptions(), refusal, self.capacity)
 
     def _key(self, sent: Sent) -> int:
         names = tuple(sent.descriptions())

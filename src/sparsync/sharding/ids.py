@@ -255,31 +255,35 @@ class Ids:
     tally: Traffic  # the round's bytes and time, counted in the exchange's record
 
 
-def start(
-    link: Link,
-    keys: Sequence[torch.Tensor],
-    key: int,
-    descriptions: Sequence[str],
-    refusal: str | None,
-    capacity: int,
-    tally: Traffic,
-    wait: bool,
-) -> IdsRound:
-    """Start the ids round of the groups' flat ``keys`` (module doc): each peer's block, the header row and up to
-    ``capacity`` keys, sent at once (``wait``) or in the background. ``key``: the ``tables`` column
-    (``tables_key``); ``refusal``: why this rank cannot go on, or None. Collective."""
+@dataclass(frozen=True)
+class Request:
+    """What one ids stage sends: the groups' flat ``keys``, the ``tables`` column (``key``: ``tables_key`` of the
+    tables' ``descriptions``), this rank's ``refusal`` (why it cannot go on, or None), and the agreed
+    ``capacity`` of a block."""
+
+    keys: Sequence[torch.Tensor]
+    key: int
+    descriptions: Sequence[str]
+    refusal: str | None
+    capacity: int
+
+
+def start(link: Link, request: Request, tally: Traffic, wait: bool) -> IdsRound:
+    """Start the ids round of ``request`` (module doc): each peer's block, the header row and up to its
+    ``capacity`` keys, sent at once (``wait``) or in the background. Collective."""
+    keys, refusal = request.keys, request.refusal
     asked: list[Asked] = []
     payload, counts = torch.empty(0, dtype=torch.int64), [0] * link.size
     if refusal is None:
         asked = dedupe_groups(keys, link.size)
         payload, counts = ids_payload(asked, link.size)
     status = OK if refusal is None else REFUSED
-    P, W, C = link.size, len(COLUMNS), capacity
-    blocks = blocks_to_peers(status, key, payload, counts, C)
+    P, W, C = link.size, len(COLUMNS), request.capacity
+    blocks = blocks_to_peers(status, request.key, payload, counts, C)
     carried = sum(min(n, C) for j, n in enumerate(counts) if j != link.rank)  # keys sent in the blocks
     split = {"header": 8 * W * (P - 1), "ids": 8 * carried, "padding": 8 * (C * (P - 1) - carried)}
     got, work = link.start(blocks.view(-1), [W + C] * P, [W + C] * P, "ids", tally, split, wait)
-    return IdsRound(tuple(keys), asked, payload, counts, C, got, work, tally, refusal, tuple(descriptions))
+    return IdsRound(tuple(keys), asked, payload, counts, C, got, work, tally, refusal, tuple(request.descriptions))
 
 
 def finish(link: Link, flight: IdsRound) -> Ids:
@@ -301,14 +305,6 @@ def finish(link: Link, flight: IdsRound) -> Ids:
     return Ids(flight.keys, flight.asked, served, capacity_after(widest), flight.tally)
 
 
-def run(
-    link: Link,
-    keys: Sequence[torch.Tensor],
-    key: int,
-    descriptions: Sequence[str],
-    refusal: str | None,
-    capacity: int,
-    tally: Traffic,
-) -> Ids:
-    """The ids stage of a forward, waited for: ``start`` then ``finish`` (their arguments). Collective."""
-    return finish(link, start(link, keys, key, descriptions, refusal, capacity, tally, wait=True))
+def run(link: Link, request: Request, tally: Traffic) -> Ids:
+    """The ids stage of a forward, waited for: ``start`` then ``finish``. Collective."""
+    return finish(link, start(link, request, tally, wait=True))
