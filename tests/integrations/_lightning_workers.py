@@ -237,7 +237,6 @@ def misuse_worker(rank: int) -> dict[str, Any]:
         "fit_twice": _fit_twice,
         "hook_and_shard": lambda: SparsyncStrategy(comm_hook=lambda s, b: None, shard_plan={}),
         "two_automatic": lambda: _fit(SparsyncStrategy(), Net(optimizer=two_optimizers)),
-        "clip_sharded_norm": lambda: _fit(SparsyncStrategy(shard_plan=SHARD_PLAN), gradient_clip_val=0.05),
         "clip_sparse_hook": lambda: _fit(
             SparsyncStrategy(comm_hook=default_hooks.allreduce_hook), gradient_clip_val=0.05
         ),

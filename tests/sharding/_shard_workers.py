@@ -14,6 +14,7 @@ import sparsync
 from sparsync.collectives.group import group_state, link_state
 from sparsync.costmodel import LinkModel
 from sparsync.optim import DistributedOptimizer
+from sparsync.optim.optimizer import clip_grad_norm
 from sparsync.placement import Sharded, placement_of
 from sparsync.record import CommLog
 from sparsync.sharding import auto_plan, load_optimizer_state_dict, optimizer_state_dict, plan_of
@@ -192,25 +193,36 @@ def _mixed_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torc
     )
 
 
+CLIP = 0.05  # below every step's gradient norm here: every clipped step scales
+
+
 def mixed_case(rank: int, P: int) -> dict[str, Any]:
+    """The mixed model per optimizer, and SGD with ``clip_grad_norm_`` (``"clip"``: the norm of the whole
+    gradient, the sharded table's rows of every rank in it) against the reference clipped alike."""
     out = {}
-    for opt_name in ("sgd", "adagrad"):
+    for opt_name in ("sgd", "adagrad", "clip"):
+        make = OPTIMIZERS["sgd" if opt_name == "clip" else opt_name]
         model = sparsync.shard(Mixed(), plan={"rep": "replicated"})
         ref = Mixed()
-        opt = DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()), model, plan=plan_of(model),
-                                   sync_parameters=False)  # fmt: skip
-        ref_opt = OPTIMIZERS[opt_name](ref.parameters())
-        errors = []
+        opt = DistributedOptimizer(make(model.parameters()), model, plan=plan_of(model), sync_parameters=False)
+        ref_opt = make(ref.parameters())
+        errors, norms = [], []
         for step in range(3):
             opt.zero_grad()
             model(*_mixed_batch(step, rank)).square().sum().backward()
+            if opt_name == "clip":
+                norms.append((float(opt.clip_grad_norm_(CLIP)), 0.0))
             opt.step()
             ref_opt.zero_grad()
             (sum(ref(*_mixed_batch(step, r)).square().sum() for r in range(P)) / P).backward()  # type: ignore[union-attr]
+            if opt_name == "clip":
+                params = [q for q in ref.parameters() if q.grad is not None]
+                want = clip_grad_norm([q.grad for q in params], params, CLIP, 2.0, False)  # type: ignore[misc]
+                norms[-1] = (norms[-1][0], float(want))
             ref_opt.step()
             errors.append(_shard_error(model, ref, rank, P))
         kinds = {n: type(pl).__name__ for n, pl in opt.replicated.plan.items()}
-        out[opt_name] = {"errors": errors, "kinds": kinds}
+        out[opt_name] = {"errors": errors, "kinds": kinds, "norms": norms}
     return out
 
 

@@ -44,6 +44,9 @@ def test_sharded_tables_equal_one_float64_process(P: int) -> None:
             assert all(got == want for got, want in r["bytes"]), r["bytes"]  # each distinct id once, each row once
         for opt, r in res["mixed"].items():
             assert max(r["errors"]) < TOL, (P, rank, "mixed", opt, r["errors"])
+            # clip_grad_norm_'s norm: the whole gradient's on every rank, shards included
+            assert all(abs(got - want) < TOL * want for got, want in r["norms"]), (P, rank, r["norms"])
+            assert len(r["norms"]) == (3 if opt == "clip" else 0) and all(w > sw.CLIP for _, w in r["norms"])
             assert r["kinds"] == {
                 "rep.weight": "ByLayout", "sh.weight": "Sharded", "fc.weight": "ByLayout", "fc.bias": "ByLayout"
             }  # fmt: skip

@@ -275,7 +275,6 @@ class AggregatedClipping(Precision):
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
         optimizer = _unwrapped(optimizer)
         if isinstance(optimizer, DistributedOptimizer):
-            _refuse_sharded_norm(optimizer, clip_val)
             optimizer.clip_grad_norm_(clip_val)
             return
         _refuse_sparse_clipping(optimizer, "norm", clip_val)
@@ -312,18 +311,6 @@ def _refuse_sparse_clipping(optimizer: Any, algorithm: str, clip_val: int | floa
             f"SparsyncStrategy: gradient_clip_val={clip_val} (gradient_clip_algorithm={algorithm!r}) with "
             f"comm_hook=: {len(sparse)} sparse gradient(s), which torch's clip_grad_{algorithm}_ does not take; "
             "the default path (no comm_hook) clips them through DistributedOptimizer"
-        )
-
-
-def _refuse_sharded_norm(optimizer: DistributedOptimizer, clip_val: int | float) -> None:
-    sharded = [p for g in optimizer.param_groups for p in g["params"] if isinstance(placement_of(p), Sharded)]
-    if sharded:
-        # clip_grad_norm_ adds up the norms of the gradients a rank holds, and of a shard it holds its own rows
-        raise ValueError(
-            f"SparsyncStrategy: gradient_clip_val={clip_val} with gradient_clip_algorithm='norm' and sharded "
-            f"tables ({len(sharded)} shard(s) in the optimizer): DistributedOptimizer.clip_grad_norm_ would take "
-            "each rank's norm over its own rows of the shards, and the ranks would scale apart; use "
-            "gradient_clip_algorithm='value', or no shard_plan"
         )
 
 

@@ -18,7 +18,8 @@ optimizer, so an optimizer built and loaded before wrapping keeps its state.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -139,14 +140,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_`` over every parameter's *aggregated* gradient, sparse ones
         included (torch's raises for sparse gradients): aggregates first unless ``synchronize()`` did, then one
-        norm for the whole set (a coalesced row counted once), the same on every rank since the gradients are.
+        norm for the whole set (a coalesced row counted once), the same on every rank: the replicated
+        parameters' gradients are, and a sharded table's rows (each rank holds its own) count with every
+        rank's rows, combined over the group (collective then).
         Returns the total norm, as torch's does. Mutates the gradients (scaled by ``max_norm / norm`` when the
         norm exceeds it)."""
         if not self._synchronized:
             self.synchronize()
         params = self._params_with_grad()
         grads = [p.grad for p in params if p.grad is not None]
-        return clip_grad_norm(grads, params, max_norm, norm_type, error_if_nonfinite)
+        own = [not (pl.replicated if (pl := placement_of(p)) is not None else True) for p in params]
+        group = self.replicated.env.group if any(own) else None
+        return clip_grad_norm(grads, params, max_norm, norm_type, error_if_nonfinite, own=own, group=group)
 
     def clip_grad_value_(self, clip_value: float) -> None:
         """``torch.nn.utils.clip_grad_value_`` over the aggregated gradients, sparse ones included: every value
@@ -312,10 +317,16 @@ def clip_grad_norm(
     max_norm: float,
     norm_type: float,
     error_if_nonfinite: bool,
+    *,
+    own: Sequence[bool] = (),
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """torch's ``clip_grad_norm_`` semantics (the total norm of the per-tensor norms; coefficient
     ``max_norm / (norm + 1e-6)`` clamped to 1) over dense and sparse gradients: a sparse one contributes the
-    norm of its coalesced values. Mutates ``p.grad`` of ``params``."""
+    norm of its coalesced values. ``own``: per gradient, whether it holds only this rank's part of a parameter
+    (a sharded table's rows); their norms are combined over ``group`` (a sum of p-th powers, or a max for the
+    infinity norm: collective), so every rank gets the norm of the whole set. Mutates ``p.grad`` of
+    ``params``."""
     if not grads:
         return torch.tensor(0.0)
     norm_type = float(norm_type)
@@ -324,6 +335,8 @@ def clip_grad_norm(
     devices = {t.device for t in per}
     if len(devices) > 1:
         raise ValueError(f"gradients on several devices {sorted(map(str, devices))}: clip each device's apart")
+    if group is not None and any(own):
+        per = [n for n, o in zip(per, own, strict=True) if not o] + [_group_norm(per, own, norm_type, group)]
     total: torch.Tensor = torch.linalg.vector_norm(torch.stack(per), norm_type)
     if error_if_nonfinite and not bool(torch.isfinite(total)):
         raise RuntimeError(
@@ -342,3 +355,19 @@ def clip_grad_norm(
         else:
             g.mul_(coef.to(g.dtype))
     return total
+
+
+def _group_norm(
+    per: list[torch.Tensor], own: Sequence[bool], norm_type: float, group: dist.ProcessGroup
+) -> torch.Tensor:
+    """The norm of order ``norm_type`` of every rank's ``own`` parts together, from this rank's per-tensor
+    norms ``per``: the p-th powers summed over the group (the largest, for the infinity norm), in float64.
+    Collective over ``group``."""
+    mine = torch.stack([n.double() for n, o in zip(per, own, strict=True) if o])
+    if math.isinf(norm_type):
+        part = mine.max() if norm_type > 0 else mine.min()
+        dist.all_reduce(part, op=dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN, group=group)
+        return part.to(per[0].dtype)
+    part = (mine**norm_type).sum()
+    dist.all_reduce(part, group=group)
+    return (part ** (1.0 / norm_type)).to(per[0].dtype)
