@@ -24,8 +24,8 @@ from sparsync.sharding import (
 )
 from sparsync.sharding.fused import Fused
 
-ROWS = (37, 23)  # no world size of the tests divides them
-BLOCK = 3  # rows per stored chunk and per window share: many windows, each holding rows of several owners
+ROWS = (151, 97)  # no world size of the tests divides them; blocks of 26 rows and more, 2 or 3 a window
+BLOCK = 3  # rows per stored chunk and per window share, at most: many windows, each with rows of several owners
 STEPS = (2, 5)  # steps before the checkpoint, and in all
 # a torch optimizer over the model's parameters (SparseAdam: the tables' only; the head stays), or, for the
 # fused ones, sparsync.shard's optimizer on the tables and SGD with momentum on the head
