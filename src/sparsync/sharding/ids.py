@@ -63,14 +63,21 @@ def dedupe_groups(ids: Sequence[torch.Tensor], parts: int) -> list[Asked]:
         return []
     flat = torch.cat(list(ids)) if T > 1 else ids[0]
     span = int(flat.max()) + 1 if flat.numel() else 1  # (group, owner) · span + key never collide
-    group = torch.repeat_interleave(torch.arange(T, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64))
-    keys, inverse = torch.unique((group * parts + flat % parts) * span + flat, sorted=True, return_inverse=True)
+    group = None if T == 1 else torch.repeat_interleave(torch.arange(T), torch.tensor(lens, dtype=torch.int64))
+    spread = flat if group is None else group * parts * span + flat  # one group: no group term (it is 0)
+    if parts > 1:
+        spread = spread + flat % parts * span
+    keys, inverse = torch.unique(spread, sorted=True, return_inverse=True)
     edges = torch.searchsorted(keys, torch.arange(T * parts + 1, dtype=torch.int64) * span)  # keys are sorted
     counts = edges.diff().view(T, parts)
     per_group = counts.sum(1)
-    starts = torch.cumsum(per_group, 0) - per_group  # each group's first distinct key
-    where = inverse - starts[group]  # each key's row among its own group's distinct keys
-    distinct = torch.split(keys % span, per_group.tolist())
+    distinct: Sequence[torch.Tensor]
+    if group is None:  # every key in group 0: its rows are the positions themselves
+        where, distinct = inverse, ((keys % span) if parts > 1 else keys,)
+    else:
+        starts = torch.cumsum(per_group, 0) - per_group  # each group's first distinct key
+        where = inverse - starts[group]  # each key's row among its own group's distinct keys
+        distinct = torch.split(keys % span, per_group.tolist())
     per_owner = counts.tolist()
     return [
         Asked(d, pos, tuple(c)) for d, pos, c in zip(distinct, torch.split(where, lens), per_owner, strict=True)
