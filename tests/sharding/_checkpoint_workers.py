@@ -28,7 +28,8 @@ ROWS = (151, 97)  # no world size of the tests divides them; blocks of 26 rows a
 BLOCK = 3  # rows per stored chunk and per window share, at most: many windows, each with rows of several owners
 STEPS = (2, 5)  # steps before the checkpoint, and in all
 # a torch optimizer over the model's parameters (SparseAdam: the tables' only; the head stays), or, for the
-# fused ones, sparsync.shard's optimizer on the tables and SGD with momentum on the head
+# fused ones, sparsync.shard's optimizer on the tables and SGD with momentum (torch's Adam beside the fused Adam)
+# on the head
 TORCH: dict[str, Callable[[nn.Module], torch.optim.Optimizer]] = {
     "sgd_momentum": lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9),
     "adagrad": lambda m: torch.optim.Adagrad(m.parameters(), lr=0.1),
@@ -67,7 +68,9 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def make(seed: int, opt: str, sharded: bool = True) -> tuple[nn.Module, torch.optim.Optimizer]:
     if opt in FUSED:
         model = sparsync.shard(Net(seed), optimizer=FUSED[opt]())
-        inner = torch.optim.SGD(dense_parameters(model), lr=0.05, momentum=0.9)
+        head = dense_parameters(model)
+        adam = opt == "fused_adam"  # torch's Adam on the head, its state in the checkpoint's rest
+        inner = torch.optim.Adam(head, lr=0.01) if adam else torch.optim.SGD(head, lr=0.05, momentum=0.9)
     else:
         model = sparsync.shard(Net(seed)) if sharded else Net(seed, sparse=True)
         inner = TORCH[opt](model)
@@ -223,7 +226,7 @@ def big_load_worker(rank: int, path: str) -> dict[str, Any]:
 # --- bad input --------------------------------------------------------------------------------------------------
 def bad_worker(rank: int, path: str) -> dict[str, str]:
     """A checkpoint of ``Net`` with torch's Adagrad loaded into models whose ``bag`` has another shape, or another
-    dtype, or whose tables have a fused optimizer."""
+    dtype, or whose tables have a fused optimizer, or with windows of 0 rows."""
     model, opt = make(0, "adagrad")
     checkpoint.save(path, model, opt, block_rows=BLOCK)
     out = {}
@@ -240,11 +243,13 @@ def bad_worker(rank: int, path: str) -> dict[str, str]:
         except ValueError as e:
             out[case] = str(e)
     fused, _ = make(0, "fused_adam")  # a checkpoint without fused state, into tables that have it
-    try:
-        checkpoint.load(path, fused)
-        out["fused"] = "no error"
-    except ValueError as e:
-        out["fused"] = str(e)
+    for case, call in (("fused", lambda: checkpoint.load(path, fused)),
+                       ("rows", lambda: checkpoint.load(path, model, block_rows=0))):  # fmt: skip
+        try:
+            call()
+            out[case] = "no error"
+        except ValueError as e:
+            out[case] = str(e)
     return out
 
 

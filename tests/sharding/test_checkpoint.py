@@ -105,6 +105,7 @@ def test_a_table_of_another_shape_or_dtype_or_without_its_fused_state_is_refused
         assert "model's has shape (152, 3)" in r["shape"], r
         assert "model's has shape (151, 3) and dtype torch.float32" in r["dtype"], r
         assert "holds no 'exp_avg' of the fused optimizer of table 'bag.weight'" in r["fused"], r
+        assert "block_rows must be a positive int, got 0" in r["rows"], r
 
 
 def test_the_sharded_layout_goes_through_dcp_save_and_load_as_they_are(tmp_path: Path) -> None:

@@ -201,6 +201,7 @@ def save(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int 
     ``optimizer``'s (a torch optimizer or a ``DistributedOptimizer`` over ``model``'s parameters, or None) to the
     DCP checkpoint directory ``path`` (module doc); rows re-blocked in windows of ``block_rows`` per rank and
     stored in chunks of at most ``block_rows`` rows. Collective: every rank calls it."""
+    _check_block_rows(block_rows)
     with _local(model):
         model_sd = model.state_dict()
     for name, table in _tables(model).items():
@@ -216,6 +217,11 @@ def save(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int 
         state["fused"] = fused
     # the writer asks for each rank's chunks in plan order, one at a time, which ``dcp.Strided`` makes collectively
     dcp_save(state, storage_writer=dcp.writer(path), planner=dcp.WindowSavePlanner(block_rows))
+
+
+def _check_block_rows(block_rows: int) -> None:
+    if not isinstance(block_rows, int) or block_rows < 1:
+        raise ValueError(f"block_rows must be a positive int, got {block_rows!r}")
 
 
 def _check(meta: Metadata, model: nn.Module) -> None:
@@ -306,6 +312,7 @@ def load(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int 
     ValueError naming a table whose saved shape or dtype differs from the model's, or a fused table whose state the
     checkpoint lacks, before reading any rows. Rows move to their owners in windows of ``block_rows`` per rank.
     Collective: every rank calls it. Mutates ``model`` and ``optimizer``."""
+    _check_block_rows(block_rows)
     meta = FileSystemReader(path).read_metadata()
     _check(meta, model)
     state = _targets(meta, model, optimizer)
