@@ -3,6 +3,7 @@ saved at one world size and resumed at another, against the same state loaded th
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -148,6 +149,37 @@ def grid_resume_worker(rank: int, folder: str, names: tuple[str, ...] = OPTIMIZE
 
 def grid_unsharded_worker(rank: int, folder: str) -> dict[str, Any]:
     return {name: unsharded_worker(rank, f"{folder}/{name}", name) for name in TORCH}
+
+
+def local_worker(rank: int) -> dict[str, Any]:
+    """Per fused optimizer, at this P: two steps, then the local state dicts (the model's shards, the fused
+    optimizer's ``state_dict()``, the head's optimizer) loaded into a model of other values, and three more steps
+    of each: losses and the model gathered whole; and a fused state of another shape refused."""
+    out: dict[str, Any] = {}
+    for name in FUSED:
+        model, opt = make(0, name)
+        train(model, opt, range(STEPS[0]))
+        fused = model.bag.group.fused
+        with checkpoint._local(model):
+            saved = (
+                {k: v.clone() for k, v in model.state_dict().items()},
+                fused.state_dict(),
+                copy.deepcopy(opt.state_dict()),
+            )  # torch's load keeps the given tensors: the head's momentum
+        other, other_opt = make(rank + 1, name)
+        with checkpoint._local(other):
+            other.load_state_dict(saved[0])
+        other.bag.group.fused.load_state_dict(saved[1])
+        other_opt.load_state_dict(saved[2])
+        out[name] = {"on": (train(model, opt, range(*STEPS)), model.state_dict()),
+                     "loaded": (train(other, other_opt, range(*STEPS)), other.state_dict())}  # fmt: skip
+        bad = {**saved[1], "state": {k: v[:-1] for k, v in saved[1]["state"].items()}}
+        try:
+            other.bag.group.fused.load_state_dict(bad)
+            out[name]["bad"] = "no error"
+        except ValueError as e:
+            out[name]["bad"] = str(e)
+    return out
 
 
 # --- memory -----------------------------------------------------------------------------------------------------

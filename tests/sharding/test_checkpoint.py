@@ -2,7 +2,7 @@
 P = 4 and resumed at P = 4 (against the uninterrupted run), 3, 6 and 1 (against the same state loaded through the
 full state dicts) exactly, losses and parameters bit for bit, with torch's SGD with momentum, Adagrad and
 SparseAdam on the tables and with the tables' fused Adagrad, row-wise Adagrad and Adam (their per-row state and
-Adam's step counts); into the unsharded model and from it; each rank's peak allocation while saving and loading a
+Adam's step counts); the fused optimizers' local state dicts at the same P; into the unsharded model and from it; each rank's peak allocation while saving and loading a
 table four times its shard; a table of another shape or dtype, or a fused table whose state the checkpoint lacks,
 refused by name."""
 
@@ -63,6 +63,14 @@ def test_a_checkpoint_saved_at_four_ranks_resumes_exactly_at_any_world_size(save
             assert _same(model, want_model), (name, rank)
         if P == 4:  # the same sums in the same order: the resumed run is the uninterrupted one
             assert r0["dcp"][0] == on_losses and _same(r0["dcp"][1], on_model), name
+
+
+def test_the_fused_optimizers_local_state_dicts_resume_exactly_at_the_same_world_size() -> None:
+    for rank, r in enumerate(launch(cw.local_worker, nprocs=3)):
+        for name, got in r.items():
+            assert got["loaded"][0] == got["on"][0], (name, rank)
+            assert _same(got["loaded"][1], got["on"][1]), (name, rank)
+            assert "state 'sum' must have shape" in got["bad"] or "state 'exp_avg' must have shape" in got["bad"]
 
 
 def test_the_unsharded_model_loads_a_sharded_checkpoint_and_writes_one_that_loads_sharded(
