@@ -268,25 +268,26 @@ class AggregatedClipping(Precision):
     """A precision plugin's gradient clipping (``gradient_clip_val``, ``LightningModule.clip_gradients``) over
     the aggregated gradients: a ``DistributedOptimizer``'s through its ``clip_grad_norm_`` / ``clip_grad_value_``
     (the gradients aggregated first where backward did not, sparse ones included, one norm the same on every
-    rank; ValueError for the norm of sharded tables, whose rows no rank holds all of); another optimizer's (the
+    rank, sharded tables' rows of every rank in it); another optimizer's (the
     DDP path, whose reducer aggregated in backward) through torch's, which takes dense gradients only:
     ValueError naming the setting for a sparse one."""
 
     def clip_grad_by_norm(self, optimizer: Any, clip_val: int | float) -> None:
-        optimizer = _unwrapped(optimizer)
-        if isinstance(optimizer, DistributedOptimizer):
-            optimizer.clip_grad_norm_(clip_val)
-            return
-        _refuse_sparse_clipping(optimizer, "norm", clip_val)
-        super().clip_grad_by_norm(optimizer, clip_val)
+        self._clip(optimizer, "norm", clip_val)
 
     def clip_grad_by_value(self, optimizer: Any, clip_val: int | float) -> None:
+        self._clip(optimizer, "value", clip_val)
+
+    def _clip(self, optimizer: Any, algorithm: str, clip_val: int | float) -> None:
         optimizer = _unwrapped(optimizer)
         if isinstance(optimizer, DistributedOptimizer):
-            optimizer.clip_grad_value_(clip_val)
+            (optimizer.clip_grad_norm_ if algorithm == "norm" else optimizer.clip_grad_value_)(clip_val)
             return
-        _refuse_sparse_clipping(optimizer, "value", clip_val)
-        super().clip_grad_by_value(optimizer, clip_val)
+        _refuse_sparse_clipping(optimizer, algorithm, clip_val)
+        if algorithm == "norm":
+            super().clip_grad_by_norm(optimizer, clip_val)
+        else:
+            super().clip_grad_by_value(optimizer, clip_val)
 
 
 def _unwrapped(optimizer: Any) -> Any:
