@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten
 import sparsync
 from sparsync.optim import DistributedOptimizer
 from sparsync.sharding import AutoPlan, Ownership, ShardedEmbeddingBag, auto_plan
-from sparsync.sharding.transfer import INIT_BLOCK
+from sparsync.sharding.group import INIT_BLOCK
 
 ROWS, DIM = 3 * INIT_BLOCK + 5, 8  # a whole table of 6.3 MB in fp32, three init blocks and a short one
 

@@ -223,7 +223,7 @@ def _peak(events: list[dict[str, Any]]) -> int:
 
 
 def big_model(seed: int) -> nn.Module:
-    """One table on the meta device (each rank draws only its rows: ``transfer.init_rows``) with its fused Adam,
+    """One table on the meta device (each rank draws only its rows: ``group.init_rows``) with its fused Adam,
     whose moments are set to the rows and their squares and its step count to ``seed``."""
     table = nn.ModuleDict({"t": nn.EmbeddingBag(*BIG, mode="sum", device="meta")})
     model = sparsync.shard(table, seed=seed, optimizer=Adam(lr=0.01))
@@ -243,7 +243,7 @@ def big_save_worker(rank: int, path: str) -> dict[str, int]:
 
 def big_load_worker(rank: int, path: str) -> dict[str, Any]:
     from sparsync.sharding import Ownership
-    from sparsync.sharding.transfer import init_rows
+    from sparsync.sharding.group import init_rows
 
     model = big_model(seed=4)  # other rows: the checkpoint must replace them
     shard = model["t"].weight

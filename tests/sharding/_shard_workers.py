@@ -18,7 +18,7 @@ from sparsync.optim.optimizer import clip_grad_norm
 from sparsync.placement import Sharded, placement_of
 from sparsync.record import CommLog
 from sparsync.sharding import auto_plan, load_optimizer_state_dict, optimizer_state_dict, plan_of
-from sparsync.sharding.transfer import INIT_BLOCK
+from sparsync.sharding.group import INIT_BLOCK
 
 # name -> (module, how it is called): every mode of the issue, each table a different shape
 SPECS: dict[str, tuple[Callable[[], nn.Module], str]] = {

@@ -20,7 +20,7 @@ from sparsync import launch
 from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
 from sparsync.sharding import AUTO_KINDS, Ownership
 from sparsync.sharding.auto import _cores, _hidden_share
-from sparsync.sharding.transfer import INIT_BLOCK, init_rows
+from sparsync.sharding.group import INIT_BLOCK, init_rows
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 TOL = 1e-12  # float64 on both sides: only the order of the sums over ranks differs

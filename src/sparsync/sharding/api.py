@@ -111,7 +111,7 @@ def shard(
 
     Every shard starts from group rank 0's table, so training starts where the replicated path would; a table
     on the meta device (``device="meta"``: too large for one rank) is never built whole: each rank draws its own
-    rows from ``seed`` (``transfer.init_rows``: N(0, 1), the same table at any P; ``plan="auto"`` shards it,
+    rows from ``seed`` (``group.init_rows``: N(0, 1), the same table at any P; ``plan="auto"`` shards it,
     its ids counted by a stand-in). Collective over ``group``: every rank calls it on the same model; ranks
     whose tables to shard or to put on the server differ all raise the same ValueError. Raises ValueError for
     ``plan="server"`` (a string: name the tables in a dict), ``"auto"`` without ``sample``, a table on the meta

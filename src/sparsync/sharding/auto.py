@@ -59,7 +59,7 @@ The choice is the same on every rank: the statistics are averaged over the ranks
 model is agreed, so every rank prices the same numbers.
 
 A table on the meta device (``nn.EmbeddingBag(rows, D, device="meta")``: too large for one rank, its shards
-drawn by ``transfer.init_rows``) has no rows to look up, so for the sample forward only its forward is stood in
+drawn by ``group.init_rows``) has no rows to look up, so for the sample forward only its forward is stood in
 for, on the module itself (an instance attribute, deleted when the forward returns or raises; its pre-hooks, which
 record the ids, run as for any table): the stand-in returns zeros on the CPU of the shape and dtype the table's
 own forward gives (that forward run on meta copies of the arguments: the shape without the rows), needing a

@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from sparsync.sharding import dcp
 from sparsync.sharding.fused import Fused
+from sparsync.sharding.group import gather_rows
 from sparsync.sharding.modules import ShardedTable
-from sparsync.sharding.transfer import gather_rows
 
 __all__ = ["load", "load_optimizer_state_dict", "optimizer_state_dict", "save"]
 

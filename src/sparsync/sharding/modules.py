@@ -30,10 +30,9 @@ from sparsync.placement import Placement
 from sparsync.placement.sharded import mark
 from sparsync.sharding import dcp
 from sparsync.sharding.exchange import Exchanger
-from sparsync.sharding.group import Ownership, Slot, TableGroup
+from sparsync.sharding.group import Ownership, Slot, TableGroup, gather_rows, init_rows, scatter_rows
 from sparsync.sharding.lazy import EAGER, LazyLookup
 from sparsync.sharding.rows import Call
-from sparsync.sharding.transfer import gather_rows, init_rows, scatter_rows
 
 STATE_DICT_LAYOUTS = ("full", "local", "sharded")
 ID_DTYPES = (torch.int64, torch.int32)  # what torch's embeddings take
