@@ -122,7 +122,7 @@ def shard(
     g = resolve_group(group)
     if rows is not None and rows not in WIRE:
         raise ValueError(f"rows={rows!r}: the rows travel as they are (None) or in one of {sorted(WIRE)}")
-    chosen = _placed(model, _plan_dict(model, plan, sample, g), g)
+    chosen = _placed(model, _plan_dict(model, plan, sample, g, fused=optimizer is not None), g)
     exchanger = Exchanger.on(g, log, None if rows is None else WIRE[rows])
     swapped = _sharded_modules(exchanger, chosen, state_dict, seed)
     _bind(exchanger, optimizer)
@@ -210,14 +210,18 @@ def _swap(model: nn.Module, swapped: Mapping[int, nn.Module]) -> nn.Module:
 
 
 def _plan_dict(
-    model: nn.Module, plan: Mapping[str, str] | str | None, sample: Sequence[Any] | None, group: dist.ProcessGroup
+    model: nn.Module,
+    plan: Mapping[str, str] | str | None,
+    sample: Sequence[Any] | None,
+    group: dist.ProcessGroup,
+    fused: bool = False,
 ) -> dict[str, str]:
-    """``shard``'s ``plan`` as module name -> placement: ``"auto"`` measured and priced (collective), a dict as
-    given; ValueError for any other string."""
+    """``shard``'s ``plan`` as module name -> placement: ``"auto"`` measured and priced (collective; ``fused``:
+    the sharded tables get an optimizer in backward), a dict as given; ValueError for any other string."""
     if plan == "auto":
         if sample is None:
             raise ValueError("plan='auto' measures the tables on a sample batch: pass sample=(args of model(...))")
-        return auto_plan(model, sample, group).tables
+        return auto_plan(model, sample, group, fused=fused).tables
     if isinstance(plan, str):
         if plan == "server":
             raise ValueError(
