@@ -20,10 +20,10 @@ from typing import Any
 
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 import sparsync
 from sparsync.sharding import Adam, checkpoint
+from sparsync_bench.op_profile import allocation_peak
 
 
 def _hwm_kb() -> int:
@@ -34,37 +34,13 @@ def _hwm_kb() -> int:
 
 
 def _measured(fn: Callable[[], object]) -> dict[str, float]:
-    """Run ``fn``: its torch allocation peak (bytes), peak RSS growth (bytes) and seconds."""
+    """Run ``fn``: its torch allocation peak (bytes, ``allocation_peak``), peak RSS growth (bytes) and seconds."""
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the current RSS
     rss0 = _hwm_kb()
     t0 = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
+    peak = allocation_peak(fn)
     seconds = time.perf_counter() - t0
-    rss = (_hwm_kb() - rss0) * 1024
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.loads(Path(f.name).read_text())["traceEvents"]
-    return {"torch_peak_bytes": _peak([e for e in events if e.get("name") == "[memory]"]), "rss_growth_bytes": rss,
-            "seconds": seconds}  # fmt: skip
-
-
-def _peak(events: list[dict[str, Any]]) -> int:
-    """The most bytes live at once in the trace's allocations and frees. A free on another thread (gloo's, which
-    drops a finished collective's tensors) is not in the trace: an address allocated again while still live was
-    freed in between."""
-    live: dict[int, int] = {}
-    total = top = 0
-    for e in sorted(events, key=lambda e: e["ts"]):
-        addr, change = e["args"]["Addr"], e["args"]["Bytes"]
-        if change > 0:
-            total -= live.pop(addr, 0)  # its free was not recorded
-            live[addr] = change
-        else:
-            live.pop(addr, None)
-        total += change
-        top = max(top, total)
-    return top
+    return {"torch_peak_bytes": peak, "rss_growth_bytes": (_hwm_kb() - rss0) * 1024, "seconds": seconds}
 
 
 def work(rank: int, path: str, mode: str, rows: int, dim: int) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from sparsync.sharding import (
     plan_of,
 )
 from sparsync.sharding.fused import Fused
+from sparsync_bench.op_profile import allocation_peak
 
 ROWS = (151, 97)  # no world size of the tests divides them; blocks of 26 rows and more, 2 or 3 a window
 BLOCK = 3  # rows per stored chunk and per window share, at most: many windows, each with rows of several owners
@@ -187,41 +188,6 @@ BIG = (10_000, 32)  # float32: 1.28 MB whole, 320 kB a shard at P = 4
 BIG_BLOCK = 256  # rows per stored chunk and window share: about ten windows per block
 
 
-def peak_bytes(fn: Callable[[], object]) -> int:
-    """The most bytes ``fn``'s CPU allocations held at once: torch's profiler records every allocation and free
-    (its trace's ``[memory]`` events, with their sizes), summed in time order."""
-    import json
-    import tempfile
-    from pathlib import Path
-
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.loads(Path(f.name).read_text())["traceEvents"]
-    return _peak([e for e in events if e.get("name") == "[memory]"])
-
-
-def _peak(events: list[dict[str, Any]]) -> int:
-    """The most bytes live at once in the trace's allocations and frees. A free on another thread (gloo's, which
-    drops a finished collective's tensors) is not in the trace: an address allocated again while still live was
-    freed in between."""
-    live: dict[int, int] = {}
-    total = top = 0
-    for e in sorted(events, key=lambda e: e["ts"]):
-        addr, change = e["args"]["Addr"], e["args"]["Bytes"]
-        if change > 0:
-            total -= live.pop(addr, 0)  # its free was not recorded
-            live[addr] = change
-        else:
-            live.pop(addr, None)
-        total += change
-        top = max(top, total)
-    return top
-
-
 def big_model(seed: int) -> nn.Module:
     """One table on the meta device (each rank draws only its rows: ``group.init_rows``) with its fused Adam,
     whose moments are set to the rows and their squares and its step count to ``seed``."""
@@ -237,7 +203,7 @@ def big_model(seed: int) -> nn.Module:
 def big_save_worker(rank: int, path: str) -> dict[str, int]:
     model = big_model(seed=3)
     shard = model["t"].weight
-    peak = peak_bytes(lambda: checkpoint.save(path, model, block_rows=BIG_BLOCK))
+    peak = allocation_peak(lambda: checkpoint.save(path, model, block_rows=BIG_BLOCK))
     return {"peak": peak, "shard": shard.numel() * shard.element_size()}
 
 
@@ -247,7 +213,7 @@ def big_load_worker(rank: int, path: str) -> dict[str, Any]:
 
     model = big_model(seed=4)  # other rows: the checkpoint must replace them
     shard = model["t"].weight
-    peak = peak_bytes(lambda: checkpoint.load(path, model, block_rows=BIG_BLOCK))
+    peak = allocation_peak(lambda: checkpoint.load(path, model, block_rows=BIG_BLOCK))
     want = init_rows(Ownership(BIG[0], dist.get_world_size()), rank, BIG[1], torch.float32, 3, None)
     state = model["t"].group.fused.state
     equal = torch.equal(shard, want) and torch.equal(state["exp_avg"][: len(want)], want)
