@@ -353,3 +353,25 @@ def test_the_range_check_names_the_first_table_with_an_id_outside_it(lens: tuple
                 expect = f"{name}: id {v} is {'negative' if v < 0 else 'out of range'}; ids must lie in [0, {r})"
                 break
         assert out_of_range(sent, [group]) == expect, (bad, lens)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_plan_auto_is_told_whether_the_tables_update_in_backward(
+    one_rank_group: None, monkeypatch: pytest.MonkeyPatch, fused: bool
+) -> None:
+    """``sparsync.shard(plan="auto", optimizer=...)`` prices the tables' update as fused (``auto_plan``'s
+    ``fused``), and without ``optimizer`` as a sparse gradient per table."""
+    import types
+
+    import sparsync.sharding.api as api
+
+    told: list[bool] = []
+
+    def fake_auto_plan(model: nn.Module, sample: object, group: object, *, fused: bool = False) -> object:
+        told.append(fused)
+        return types.SimpleNamespace(tables={})
+
+    monkeypatch.setattr(api, "auto_plan", fake_auto_plan)
+    optimizer = sparsync.sharding.SGD(lr=0.1) if fused else None
+    sparsync.shard(_Three(), "auto", sample=(torch.zeros(2, 3, dtype=torch.int64),), optimizer=optimizer)
+    assert told == [fused]
