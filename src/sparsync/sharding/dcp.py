@@ -4,8 +4,8 @@ a checkpoint written at P loads at any P' (and into the unsharded model, and fro
 The checkpoint holds each table as the ``[rows, D]`` tensor the unsharded model has, cut in contiguous row
 blocks (block k holds rows ``[k·c, (k+1)·c)``, ``c = ceil(rows / P)``: ``Shard(0)``'s split), each block
 stored as chunks of ``b`` rows (below), which any reader (another P, one process,
-``dcp_to_torch_save``) reads. The stride ownership (``ownership``: row r on rank r mod P, which spreads the hot
-head) is not a set of chunks: rank j's rows would be ``rows / P`` chunks of one row each. So the rows are
+``dcp_to_torch_save``) reads. The stride ownership (``group.Ownership``: row r on rank r mod P, which spreads
+the hot head) is not a set of chunks: rank j's rows would be ``rows / P`` chunks of one row each. So the rows are
 re-blocked on the way out and back on the way in, one window at a time: window w is rows
 ``[k·c + w·b, k·c + (w+1)·b)`` of every block k (``b``: ``block_rows``, or ``c / WINDOWS`` if less), moved by one
 all-to-all from the stride shards to the blocks' owners (or back), so every rank sends and receives about ``b``
@@ -55,6 +55,8 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from sparsync.sharding.group import Ownership
+
 __all__ = [
     "BLOCK_ROWS",
     "DTensor",
@@ -68,24 +70,6 @@ __all__ = [
 
 BLOCK_ROWS = 1 << 16  # rows per window share and per stored chunk, at most
 WINDOWS = 16  # windows per block, at least: a window's rows in flight stay a small part of a block
-
-
-@dataclass(frozen=True)
-class _Stride:
-    """Row g on rank g mod P at local row g div P (``ownership``)."""
-
-    rows: int
-    parts: int
-
-    def owner(self, g: torch.Tensor) -> torch.Tensor:
-        return g % self.parts
-
-    def local(self, rank: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(local positions, global rows) of ``rank``'s rows in ``[lo, hi)``, ascending."""
-        P = self.parts
-        first, last = -(-(lo - rank) // P), -(-(min(hi, self.rows) - rank) // P)
-        pos = torch.arange(max(first, 0), max(last, 0), dtype=torch.int64)
-        return pos, pos * P + rank
 
 
 @dataclass(frozen=True)
@@ -106,7 +90,8 @@ class _Blocks:
     def owner(self, g: torch.Tensor) -> torch.Tensor:
         return g // self.chunk
 
-    def local(self, rank: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def held(self, rank: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(local rows, table rows) of the rows of ``[lo, hi)`` in rank ``rank``'s block, ascending."""
         start, end = self.span(rank)
         a, b = max(lo, start), min(hi, end)
         g = torch.arange(a, max(a, b), dtype=torch.int64)
@@ -129,14 +114,17 @@ class _Blocks:
         return self.span(self.parts - 1)[0] == self.rows and self.parts > 1
 
 
-def _local(layout: _Stride | _Blocks, rank: int, ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
+_Layout = Ownership | _Blocks  # where a table's rows lie: the ranks' stride shards or their row blocks
+
+
+def _local(layout: _Layout, rank: int, ranges: list[tuple[int, int]]) -> tuple[torch.Tensor, ...]:
     """(local positions, global rows) of ``rank``'s rows in ``ranges`` (ascending, disjoint), ascending."""
-    parts = [layout.local(rank, lo, hi) for lo, hi in ranges]
+    parts = [layout.held(rank, lo, hi) for lo, hi in ranges]
     return torch.cat([p for p, _ in parts]), torch.cat([g for _, g in parts])
 
 
 def _window(
-    src: torch.Tensor, src_layout: _Stride | _Blocks, dst_layout: _Stride | _Blocks, window: list[tuple[int, int]],
+    src: torch.Tensor, src_layout: _Layout, dst_layout: _Layout, window: list[tuple[int, int]],
     group: dist.ProcessGroup, src_first: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(local positions in ``dst_layout``, rows) of the rows of ``window`` this rank receives, by one all-to-all
@@ -160,7 +148,7 @@ def _window(
 
 
 def _move(
-    src: torch.Tensor, src_layout: _Stride | _Blocks, dst: torch.Tensor, dst_layout: _Stride | _Blocks,
+    src: torch.Tensor, src_layout: _Layout, dst: torch.Tensor, dst_layout: _Layout,
     group: dist.ProcessGroup, block_rows: int,
 ) -> None:  # fmt: skip
     """Copy each row of the table that ``src`` holds in ``src_layout`` to its place in ``dst`` (``dst_layout``),
@@ -186,7 +174,7 @@ def to_dtensor(
     blocks = _Blocks(rows, P)
     start, end = blocks.span(dist.get_rank(group))
     block = torch.empty(end - start, *shard.shape[1:], dtype=shard.dtype)
-    _move(shard.detach(), _Stride(rows, P), block, blocks, group, block_rows)
+    _move(shard.detach(), Ownership(rows, P), block, blocks, group, block_rows)
     shape = torch.Size([rows, *shard.shape[1:]])
     return DTensor.from_local(block, mesh_of(group), [Shard(0)], run_check=False, shape=shape,
                               stride=_contiguous_stride(shape))  # fmt: skip
@@ -209,7 +197,7 @@ def into_shard(
     P, rank = dist.get_world_size(group), dist.get_rank(group)
     with torch.no_grad():
         if isinstance(value, DTensor):
-            _move(value.to_local(), _Blocks(rows, P), out, _Stride(rows, P), group, block_rows)
+            _move(value.to_local(), _Blocks(rows, P), out, Ownership(rows, P), group, block_rows)
         else:
             out.copy_(value[rank::P])
 
@@ -239,7 +227,7 @@ class Strided:
         """This rank's rows of window ``n`` (``pieces()[n]``), made by the window's all-to-all; the last piece
         also runs the windows after it, in which this rank receives nothing. Collective over the group: every
         rank asks for its pieces in order."""
-        blocks, stride = self.blocks, _Stride(self.rows, dist.get_world_size(self.group))
+        blocks, stride = self.blocks, Ownership(self.rows, dist.get_world_size(self.group))
         starts = blocks.windows(self.block_rows)
         shard = self.shard.detach()
         pos, rows = _window(shard, stride, blocks, blocks.window(starts[n], self.block_rows), self.group)
@@ -377,7 +365,7 @@ def read_into_shard(
         if hi > lo:
             chunk = ChunkStorageMetadata(torch.Size([lo, *[0] * (len(md.size) - 1)]), piece.shape)
             reader.read_data(LoadPlan(create_read_items_for_chunk_list(fqn, md, [chunk])), _Into(piece)).wait()
-        pos, got = _window(piece, blocks, _Stride(rows, P), blocks.window(a, block_rows), group, src_first=a)
+        pos, got = _window(piece, blocks, Ownership(rows, P), blocks.window(a, block_rows), group, src_first=a)
         del piece
         with torch.no_grad():
             out.index_copy_(0, pos, got)

@@ -91,6 +91,13 @@ class Ownership:
         """The table rows rank ``rank`` owns, in its shard's order."""
         return torch.arange(min(rank, self.rows), self.rows, self.parts, dtype=torch.int64)  # none past the end
 
+    def held(self, rank: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(local rows, table rows) of the rows of ``[lo, hi)`` that rank ``rank`` owns, ascending."""
+        P = self.parts
+        first, last = -(-(lo - rank) // P), -(-(min(hi, self.rows) - rank) // P)
+        pos = torch.arange(max(first, 0), max(last, 0), dtype=torch.int64)
+        return pos, pos * P + rank
+
     def to_blocks(self, table: torch.Tensor) -> torch.Tensor:
         """A whole table ``[rows, D]`` as ``[parts, chunk, D]``: block j holds rank j's shard, zero-padded."""
         P, c = self.parts, self.chunk
