@@ -28,7 +28,6 @@ a property of the host the check runs on, not of a cluster's plan (one rank a ma
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import secrets
@@ -56,6 +55,7 @@ from sparsync.record import CommLog
 from sparsync_bench.criteo import table_rows
 from sparsync_bench.dlrm import mlp_shapes
 from sparsync_bench.netem import NetNamespaces, NetSpec, parse_latency, parse_rate
+from sparsync_bench.report import write_json_md
 
 PARTS = ("dense", "sparse", "sharded")
 # the planner's predictions: its link as derived (α measured, β the rate, γ this host's), the same with γ off,
@@ -397,8 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = table(points)
     print(text)
     if a.out is not None:
-        a.out.with_suffix(".json").write_text(json.dumps(points, indent=1) + "\n")
-        a.out.with_suffix(".md").write_text(text)
+        write_json_md(a.out, points, text)
     return 0
 
 

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -29,6 +28,7 @@ from typing import Any
 
 from sparsync.plan import Cluster, ParamStats, make_plan, zipf_row_fraction
 from sparsync.plan.backend import dense_allreduce
+from sparsync_bench.report import write_json_md
 
 SAMPLES = {"URL": 2_396_130, "Webspam": 350_000}  # SparCML Table 1
 DIM = {"URL": 3_231_961, "Webspam": 16_609_143}
@@ -163,8 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = table(res)
     print(text)
     if a.out is not None:
-        a.out.with_suffix(".json").write_text(json.dumps(res, indent=1) + "\n")
-        a.out.with_suffix(".md").write_text(text)
+        write_json_md(a.out, res, text)
     return 0
 
 

@@ -11,7 +11,6 @@ own tuning model puts a network hop's latency at a few µs; 2 µs on NVLink) and
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from sparsync.plan import Cluster
 from sparsync.plan.backend import dense_allreduce
+from sparsync_bench.report import write_json_md
 
 
 @dataclass(frozen=True)
@@ -98,8 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = table(rows)
     print(text)
     if a.out is not None:
-        a.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
-        a.out.with_suffix(".md").write_text(text)
+        write_json_md(a.out, rows, text)
     return 0
 
 

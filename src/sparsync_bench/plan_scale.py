@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sparsync_bench.report import pyplot, save_figure
+from sparsync_bench.report import pyplot, save_figure, write_json_md
 
 KIND_OF_PART = {"dense_allreduce": "dense", "sparse_allreduce": "sparse", "sharded": "sharded"}
 
@@ -105,8 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     draw(rows, a.out)
     text = table(rows)
     print(text)
-    a.out.with_suffix(".md").write_text(text)
-    a.out.with_suffix(".json").write_text(json.dumps({"ranges": bars, "plans": rows}, indent=1) + "\n")
+    write_json_md(a.out, {"ranges": bars, "plans": rows}, text)
     return 0
 
 

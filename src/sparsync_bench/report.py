@@ -38,6 +38,15 @@ def write_files(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> 
     return [js, cs]
 
 
+def write_json_md(out: Path, data: Any, text: str) -> list[Path]:
+    """``out.json`` (``data``, indented) and ``out.md`` (``text``): a comparison's results and its table."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    js, md = out.with_suffix(".json"), out.with_suffix(".md")
+    js.write_text(json.dumps(data, indent=1) + "\n")
+    md.write_text(text)
+    return [js, md]
+
+
 def write_report(
     rows: list[dict[str, Any]],
     meta: dict[str, Any],
