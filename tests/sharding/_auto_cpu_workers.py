@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _auto_meta_workers import sgd_losses
 from torch import nn
 
 import sparsync
 from sparsync.costmodel import LinkModel
-from sparsync.optim import DistributedOptimizer
 from sparsync.plan import Plan
 from sparsync.sharding import SGD, AutoPlan, ShardedEmbeddingBag, auto_plan, dense_parameters
 from sparsync.sharding.auto import TableCpu
@@ -108,14 +108,7 @@ def _two_steps(rank: int, *, fused: bool) -> dict[str, Any]:
     else:
         model = sparsync.shard(Many())
         params = list(model.parameters())
-    opt = DistributedOptimizer(torch.optim.SGD(params, lr=0.1), model)
-    losses = []
-    for step in range(2):
-        opt.zero_grad()
-        loss = model(*sample(rank, step + 1)).square().mean()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    losses = sgd_losses(model, params, [sample(rank, step + 1) for step in range(2)])
     return {"sharded": sum(isinstance(t, ShardedEmbeddingBag) for t in model.modules()), "losses": losses}
 
 

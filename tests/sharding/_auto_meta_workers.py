@@ -60,6 +60,22 @@ def _priced(chosen: AutoPlan) -> list[tuple[str, str, float, float]]:
     return [(e.name, e.placement, e.bytes_per_machine, e.seconds) for e in chosen.plan.entries]
 
 
+def sgd_losses(
+    model: nn.Module, params: list[nn.Parameter], batches: list[tuple[torch.Tensor, ...]]
+) -> list[float]:
+    """A step of torch's SGD (lr 0.1) through ``DistributedOptimizer`` over ``params`` per batch of ``batches``,
+    on the mean square of ``model``'s output: each step's loss."""
+    opt = DistributedOptimizer(torch.optim.SGD(params, lr=0.1), model)
+    losses = []
+    for batch in batches:
+        opt.zero_grad()
+        loss = model(*batch).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
 def auto_meta_worker(rank: int) -> dict[str, Any]:
     """``auto_plan`` of the meta model, then ``sparsync.shard(..., "auto")`` of another and two SGD steps, all
     under ``Largest``; ``auto_plan`` of the real model (outside it) priced on the meta run's overlap."""
@@ -70,14 +86,7 @@ def auto_meta_worker(rank: int) -> dict[str, Any]:
         measured_model = Model("meta")
         measured = auto_plan(measured_model, sample(rank), group)
         model = sparsync.shard(Model("meta"), "auto", sample=sample(rank), seed=3)
-        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model)
-        losses = []
-        for step in range(2):
-            opt.zero_grad()
-            loss = model(*sample(rank, step + 1)).square().mean()
-            loss.backward()
-            opt.step()
-            losses.append(float(loss.detach()))
+        losses = sgd_losses(model, list(model.parameters()), [sample(rank, step + 1) for step in range(2)])
     # priced on the meta run's overlap (its backward times the spare cores' share), not on a backward of its own
     real = auto_plan(Model(None), sample(rank), group, backward_seconds=measured.overlap)
     # the small table on the meta device too: sharded although replicated is priced faster (it has no rows)
