@@ -230,16 +230,28 @@ def summed_worker(rank: int) -> dict[str, Any]:
 
 
 def timeline_worker(rank: int) -> dict[str, Any]:
-    """A deep MLP whose first bucket (1 MiB) fills early in backward: when does that bucket's reduction start,
-    against when backward reaches the first layer (its post-accumulate hook) and when backward ends?"""
+    """A deep MLP whose first bucket (1 MiB) fills early in backward: at the first layer's post-accumulate hook
+    (late in backward), has bucket 0 been launched, and does its reduction start on the queue's thread while
+    backward waits in that hook (up to 60 s: on a loaded host the thread may be scheduled late)? Also when, on
+    the timeline, bucket 0 started and backward ended."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)])
     opt = sparsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model)
+    reducer = opt._reducer
+    assert reducer is not None
     directory = tempfile.mkdtemp()
     tracer = Tracer(directory, rank, dist.get_world_size())
     set_tracer(tracer)
-    first_layer: list[float] = []
-    model[0].weight.register_post_accumulate_grad_hook(lambda p: first_layer.append(time.perf_counter()))
+    seen: list[tuple[int, bool]] = []  # (buckets launched, bucket 0 running or done) at the first layer's hook
+
+    def first_layer(_: torch.Tensor) -> None:
+        works = [w for b, w in reducer.works if b.index == 0]
+        deadline = time.monotonic() + 60
+        while works and not (works[0]._future.running() or works[0]._future.done()) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        seen.append((reducer.launched, bool(works) and (works[0]._future.running() or works[0]._future.done())))
+
+    model[0].weight.register_post_accumulate_grad_hook(first_layer)
     for _ in range(4):
         opt.zero_grad()
         model(torch.randn(64, 512)).square().mean().backward()
@@ -251,7 +263,8 @@ def timeline_worker(rank: int) -> dict[str, Any]:
     return {
         "bucket0_starts": [e["ts"] for e in buckets if e["name"] == "bucket:0"],
         "backward_ends": [e["ts"] + e["dur"] for e in backward],
-        "first_layer_hooks": [tracer.us(t) for t in first_layer],
+        "seen": seen,
+        "buckets": len(reducer.buckets or []),
     }
 
 
