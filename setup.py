@@ -1,8 +1,9 @@
-"""The C kernels of QSGD, of the S2 sketch and of DCT-DP's threshold (src/sparsync/compress/_*_c.c). Everything
-else is in pyproject.toml.
+"""The C kernels of QSGD, of the S2 sketch and of DCT-DP's threshold (src/sparsync/compress/_*_c.c), and of a
+table group's step (src/sparsync/sharding/_group_c.c). Everything else is in pyproject.toml.
 
-optional=True: without a C compiler the install still succeeds and the compressors run their torch kernels (the
-same results). -ffp-contract=off: no fused multiply-add, so the C kernels round exactly as the torch ones do.
+optional=True: without a C compiler the install still succeeds and the compressors and table groups run their
+torch kernels (the same results). -ffp-contract=off: no fused multiply-add, so the C kernels round exactly as the
+torch ones do.
 """
 
 from setuptools import Extension, setup
@@ -18,5 +19,13 @@ setup(
             optional=True,
         )
         for name in ("qsgd", "sketch", "threshold")
+    ]
+    + [
+        Extension(
+            "sparsync.sharding._group_c",
+            ["src/sparsync/sharding/_group_c.c"],
+            extra_compile_args=FLAGS,
+            optional=True,
+        )
     ]
 )

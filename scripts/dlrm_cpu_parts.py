@@ -11,7 +11,9 @@ of ``--batch`` samples on P local gloo ranks, one thread each, and reports the r
 - ``dmlp``: the same with ``sparsync.DistributedOptimizer`` over the MLPs instead of DDP;
 - ``shard+ddp``, ``shard+dmlp``: the same with every table sharded (``sparsync.shard``);
 - ``fused+ddp``, ``fused+dmlp``: the same with the sharded tables' SGD in their backward
-  (``sparsync.shard(optimizer=SGD(lr))``, the tables out of the step's optimizer).
+  (``sparsync.shard(optimizer=SGD(lr))``, the tables out of the step's optimizer);
+- ``shard+ddp:torch``, ``fused+ddp:torch``: ``shard+ddp`` and ``fused+ddp`` with the torch ops the table groups
+  run when their C kernels (``sparsync.sharding.kernels``) are not built (the same results).
 
 The variants run one after another, ``--rounds`` times over, so that a drift of the host's speed reaches all of
 them alike. Timings are this host's; compare the variants within one run.
@@ -26,6 +28,7 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -33,12 +36,21 @@ from torch import nn
 
 from sparsync import DistributedOptimizer, launch
 from sparsync.record import CommLog
-from sparsync.sharding import dense_parameters
+from sparsync.sharding import dense_parameters, kernels
 from sparsync_bench.criteo import CriteoBatch
 from sparsync_bench.dlrm_shard import shard_tables
 from sparsync_bench.dlrm_train import DlrmBenchConfig, ddp_over_mlps, default_data, dlrm_model, load, rank_samples
 
-VARIANTS = ("ddp", "dmlp", "shard+ddp", "shard+dmlp", "fused+ddp", "fused+dmlp")
+VARIANTS = (
+    "ddp",
+    "dmlp",
+    "shard+ddp",
+    "shard+dmlp",
+    "fused+ddp",
+    "fused+dmlp",
+    "shard+ddp:torch",
+    "fused+ddp:torch",
+)
 DATA = Path("results/criteo_synthetic.txt")  # bench dlrm's generated file
 
 
@@ -68,6 +80,14 @@ class _Both:
 
 
 def _worker(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> dict[str, float]:
+    variant, _, setting = variant.partition(":")
+    if setting == "torch":
+        with mock.patch.object(kernels, "_native", None):  # as without the C extension: the torch ops
+            return _train(rank, variant, cfg, data)
+    return _train(rank, variant, cfg, data)
+
+
+def _train(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> dict[str, float]:
     P = dist.get_world_size()
     model = dlrm_model(cfg, sparse=True)
     mine = rank_samples(data, rank, P, cfg)

@@ -8,8 +8,11 @@ the rows looked up. Variants, in interleaved rounds over the same batches:
 
 - ``torch_tables``: 26 ``nn.EmbeddingBag(sparse=True)`` and ``torch.optim.SGD`` (what a plain user runs);
 - ``sparsync_group``: the 26 tables through ``sparsync.shard(model, optimizer=SGD(lr))`` on a one-rank gloo group
-  (the group's real step at P = 1: one dedupe, one ``index_select``, one fused ``embedding_bag``, one sort and
-  one ``index_add_`` for all tables; no peer, so no round goes on a wire);
+  (the group's real step at P = 1: one dedupe, one ``index_select`` of the distinct rows, one of the lookups'
+  rows (bags of one id), its backward's sum per row and the update, for all tables; no peer, so no round goes on
+  a wire), with the group's C kernels (``sparsync.sharding.kernels``, when built);
+- ``sparsync_group_torch``: the same with the torch ops the group runs when the C extension is not built (the
+  same results);
 - ``fbgemm_tbe``: fbgemm_gpu's ``SplitTableBatchedEmbeddingBagsCodegen`` on the CPU with ``EXACT_SGD`` (its
   backward fused with the update), the ids in its table-major layout.
 
@@ -27,13 +30,14 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import sparsync
-from sparsync.sharding import SGD
+from sparsync.sharding import SGD, kernels
 from sparsync_bench.criteo import read_criteo, table_rows
 
 DATA = Path("results/criteo_synthetic.txt")
@@ -73,6 +77,16 @@ def sparsync_group(rows: list[int], dim: int, lr: float) -> Callable[[torch.Tens
     return step
 
 
+def sparsync_group_torch(rows: list[int], dim: int, lr: float) -> Callable[[torch.Tensor], None]:
+    step = sparsync_group(rows, dim, lr)
+
+    def torch_step(ids: torch.Tensor) -> None:
+        with mock.patch.object(kernels, "_native", None):  # as without the C extension: the torch ops
+            step(ids)
+
+    return torch_step
+
+
 def fbgemm_tbe(rows: list[int], dim: int, lr: float) -> Callable[[torch.Tensor], None]:
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
@@ -98,6 +112,7 @@ def fbgemm_tbe(rows: list[int], dim: int, lr: float) -> Callable[[torch.Tensor],
 VARIANTS: dict[str, Callable[[list[int], int, float], Callable[[torch.Tensor], None]]] = {
     "torch_tables": torch_tables,
     "sparsync_group": sparsync_group,
+    "sparsync_group_torch": sparsync_group_torch,
     "fbgemm_tbe": fbgemm_tbe,
 }
 

@@ -17,6 +17,10 @@ optimizer makes from that gradient:
   bias corrections by each table's step count (a table counts the steps it was looked up in).
 
 Only the rows a step looked up (on any rank) change; the state lives in the group (``state``), per row.
+
+The row reads and writes and the SGD/Adagrad steps run in C where built (``kernels``: ``sharding.kernels``),
+with the same bits as the torch ops (``index_put_`` with accumulate, each element ``t + v``, as torch's
+optimizers' sparse ``add_`` computes it).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from sparsync.sharding import kernels as native
 from sparsync.sharding.group import Slot, TableGroup
 from sparsync.sharding.modules import ShardedTable
 
@@ -38,6 +43,8 @@ class Fused:
     """What the fused optimizers share: the learning rate, and the divisor of the owners' sums (P: the mean)."""
 
     lr: float
+    # the update's kernels: "auto" (C where built, else torch), "c" (raise if not built), "torch"; the same bits
+    kernels: str = field(default="auto", kw_only=True)
     scale: float = field(default=1.0, init=False)  # 1/P, set by ``sparsync.shard``
     state: dict[str, torch.Tensor] = field(default_factory=dict, init=False)
     per_table: ClassVar[tuple[str, ...]] = ()  # the state held per table (one entry per slot), not per row
@@ -45,16 +52,18 @@ class Fused:
     def __post_init__(self) -> None:
         if not (self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"{type(self).__name__}: lr must be a positive finite number, got {self.lr}")
+        native.check(type(self).__name__, self.kernels)
 
     def bind(self, group: TableGroup) -> Fused:
         """A copy of this optimizer for ``group``, its state made (zeros) and its scale 1/P."""
-        out = type(self)(**{k: getattr(self, k) for k in self._params()})
+        out = type(self)(**{k: getattr(self, k) for k in self._params()}, kernels=self.kernels)
         out.scale = 1.0 / group.parts
         out.init(group)
         return out
 
     def _params(self) -> Iterator[str]:
-        return (f.name for f in fields(self) if f.init)
+        """The hyperparameters (``kernels`` is not one: it does not change the result)."""
+        return (f.name for f in fields(self) if f.init and f.name != "kernels")
 
     def init(self, group: TableGroup) -> None:
         """Make the per-row state."""
@@ -98,7 +107,7 @@ class SGD(Fused):
     """``w_r -= lr · g_r`` (module doc)."""
 
     def update(self, group: TableGroup, rows: torch.Tensor, g: torch.Tensor, slots: list[Slot]) -> None:
-        _add_rows(group.flat, rows, g * -self.lr)
+        native.step_rows(group.flat, rows, g, self.lr, kernels=self.kernels)
 
 
 @dataclass
@@ -112,9 +121,9 @@ class Adagrad(Fused):
 
     def update(self, group: TableGroup, rows: torch.Tensor, g: torch.Tensor, slots: list[Slot]) -> None:
         total = self.state["sum"]
-        _add_rows(total, rows, g.pow(2))
-        std = total.index_select(0, rows).sqrt_().add_(self.eps)
-        _add_rows(group.flat, rows, (g / std) * -self.lr)
+        native.add_rows(total, rows, g, self.kernels, squares=True)
+        std = native.gather(total, rows, self.kernels).sqrt_().add_(self.eps)
+        native.step_rows(group.flat, rows, g, self.lr, std, self.kernels)
 
 
 @dataclass
@@ -128,9 +137,9 @@ class RowwiseAdagrad(Fused):
 
     def update(self, group: TableGroup, rows: torch.Tensor, g: torch.Tensor, slots: list[Slot]) -> None:
         total = self.state["sum"]
-        _add_rows(total, rows, g.pow(2).mean(1))
+        native.add_rows(total, rows, g.pow(2).mean(1), self.kernels)
         std = total.index_select(0, rows).sqrt_().add_(self.eps)
-        _add_rows(group.flat, rows, (g / std.unsqueeze(1)) * -self.lr)
+        native.step_rows(group.flat, rows, g, self.lr, std, self.kernels)
 
 
 @dataclass
@@ -150,29 +159,23 @@ class Adam(Fused):
         b1, b2 = self.betas
         avg, avg_sq, step = self.state["exp_avg"], self.state["exp_avg_sq"], self.state["step"]
         step[[s.index for s in slots]] += 1
-        old = avg.index_select(0, rows)
+        old = native.gather(avg, rows, self.kernels)
         avg_update = g.sub(old).mul_(1 - b1)
-        _add_rows(avg, rows, avg_update)
-        old_sq = avg_sq.index_select(0, rows)
+        native.add_rows(avg, rows, avg_update, self.kernels)
+        old_sq = native.gather(avg_sq, rows, self.kernels)
         sq_update = g.pow(2).sub_(old_sq).mul_(1 - b2)
-        _add_rows(avg_sq, rows, sq_update)
+        native.add_rows(avg_sq, rows, sq_update, self.kernels)
         numer = avg_update.add_(old)
         denom = sq_update.add_(old_sq).sqrt_().add_(self.eps)
         sizes = torch.tensor([self._step_size(int(n)) for n in step.tolist()], dtype=g.dtype)
         per_row = sizes[_table_of(group, rows)]
-        _add_rows(group.flat, rows, numer.div_(denom) * (-per_row).unsqueeze(1))
+        native.add_rows(group.flat, rows, numer.div_(denom) * (-per_row).unsqueeze(1), self.kernels)
 
     def _step_size(self, n: int) -> float:
         if n == 0:
             return 0.0
         b1, b2 = self.betas
         return self.lr * math.sqrt(1 - b2**n) / (1 - b1**n)
-
-
-def _add_rows(target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
-    """``target[rows] += values`` for distinct ``rows``: each element ``t + v``, as torch's optimizers' sparse
-    ``add_`` computes it."""
-    target.index_put_((rows,), values, accumulate=True)
 
 
 def _table_of(group: TableGroup, rows: torch.Tensor) -> torch.Tensor:

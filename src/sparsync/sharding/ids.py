@@ -40,6 +40,7 @@ from sparsync.collectives.ops import text_key
 from sparsync.collectives.row import Agree, Column, Schema
 from sparsync.collectives.traffic import Traffic
 from sparsync.collectives.transport import meta_group
+from sparsync.sharding.kernels import unique
 from sparsync.sharding.link import Link
 
 
@@ -52,11 +53,11 @@ class Asked:
     per_owner: tuple[int, ...]  # distinct ids asked of each owner
 
 
-def dedupe_groups(ids: Sequence[torch.Tensor], parts: int) -> list[Asked]:
+def dedupe_groups(ids: Sequence[torch.Tensor], parts: int, kernels: str = "auto") -> list[Asked]:
     """Each group's keys (int64, flat) as its distinct keys in owner order (an owner is the key mod ``parts``),
     and where each key finds its row among them: every key of every group mapped to (group, owner, key) in one
     int64, so one ``unique`` (one sort) orders them all (``tests/sharding/test_units.py`` holds the one-group
-    reference it equals)."""
+    reference it equals); ``kernels``: ``sharding.kernels.unique``'s setting."""
     T = len(ids)
     lens = [int(x.numel()) for x in ids]
     if T == 0:
@@ -67,7 +68,7 @@ def dedupe_groups(ids: Sequence[torch.Tensor], parts: int) -> list[Asked]:
     spread = flat if group is None else group * parts * span + flat  # one group: no group term (it is 0)
     if parts > 1:
         spread = spread + flat % parts * span
-    keys, inverse = torch.unique(spread, sorted=True, return_inverse=True)
+    keys, inverse = unique(spread, kernels)
     edges = torch.searchsorted(keys, torch.arange(T * parts + 1, dtype=torch.int64) * span)  # keys are sorted
     counts = edges.diff().view(T, parts)
     per_group = counts.sum(1)

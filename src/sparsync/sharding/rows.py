@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from sparsync.collectives.traffic import Traffic
+from sparsync.sharding import kernels
 from sparsync.sharding.group import Slot, TableGroup
 from sparsync.sharding.ids import OK, Ids, raise_refused
 from sparsync.sharding.lazy import LazyLookup
@@ -154,17 +155,16 @@ class RowExchange(torch.autograd.Function):
 def _owner_sum(
     group: TableGroup, rows: torch.Tensor, values: torch.Tensor, requesters: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gradient rows received for ``group`` summed per row (one sort): (rows ascending, their sums), the
-    tables' padding rows left out (torch's embedding backward leaves padding_idx out). From one requester the
-    rows are distinct and ascending already (its distinct keys, sorted): nothing to sum."""
+    """The gradient rows received for ``group`` summed per row (one sort; ``kernels.sum_rows``, coalesce's bits):
+    (rows ascending, their sums), the tables' padding rows left out (torch's embedding backward leaves
+    padding_idx out). From one requester the rows are distinct and ascending already (its distinct keys,
+    sorted): nothing to sum."""
     if group.padding_rows.numel():
         keep = ~torch.isin(rows, group.padding_rows)
         rows, values = rows[keep], values[keep]
     if requesters == 1:
         return rows, values
-    coo = torch.sparse_coo_tensor(rows.unsqueeze(0), values, (group.flat.shape[0], group.dim),
-                                  check_invariants=False).coalesce()  # fmt: skip
-    return coo.indices()[0], coo.values()
+    return kernels.sum_rows(rows, values, group.flat.shape[0])
 
 
 def _cut(rows: torch.Tensor, values: torch.Tensor, slots: list[Slot]) -> list[torch.Tensor]:
@@ -255,7 +255,7 @@ def _pool_rows(
 ) -> None:
     """Calls whose outputs are rows as they are (embeddings, bags of one id each): one ``index_select``; each
     member's output at its index of ``out``."""
-    got = gathered.index_select(0, torch.cat([p for _, _, p in members]) if len(members) > 1 else members[0][2])
+    got = kernels.pick_rows(gathered, torch.cat([p for _, _, p in members]) if len(members) > 1 else members[0][2])
     for (i, call, _), part in zip(members, torch.split(got, [p.numel() for _, _, p in members]), strict=True):
         out[i] = part.view(*call.shape, gathered.shape[1]) if not call.bag else part
 

@@ -1,0 +1,175 @@
+"""A table group's step kernels: the dedupe's sorted unique (``ids.dedupe_groups``), the row gathers of the rows
+stage and of the pooling (``rows``) with the pooling's backward, and the fused optimizers' updates (``fused``), in
+C where the extension ``_group_c`` is built (``pip install`` compiles it) and in torch otherwise. The two give the
+same bits for every input (``tests/sharding/test_kernels.py``): each C kernel computes the expressions of the
+torch ops it stands for, in their order and precision.
+
+``kernels``: "auto" (C where built, else torch), "c" (RuntimeError when not built), "torch". The C kernels read
+host memory through raw pointers, so they serve contiguous CPU tensors (and float32/float64 values); any other
+input runs the torch ops, whatever ``kernels`` says.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+try:  # built by `pip install` (setup.py); optional: the torch ops are the fallback
+    from sparsync.sharding import _group_c as _native
+except ImportError:  # pragma: no cover - only without a C compiler
+    _native = None  # type: ignore[assignment]
+
+KERNELS = ("auto", "c", "torch")
+ADD, SQUARES, STEP = 0, 1, 2  # the kinds of the C update
+FLOATS = (torch.float32, torch.float64)
+
+
+def built() -> bool:
+    """Whether the C kernels were built ("auto" uses them then)."""
+    return _native is not None
+
+
+def check(owner: str, kernels: str) -> None:
+    """ValueError for a ``kernels`` setting not in ``KERNELS``; RuntimeError for "c" when the C kernels are not
+    built."""
+    if kernels not in KERNELS:
+        raise ValueError(f"{owner}: kernels must be 'auto', 'c' or 'torch', got {kernels!r}")
+    if kernels == "c" and _native is None:
+        raise RuntimeError(f"{owner}(kernels='c'): the C extension sparsync.sharding._group_c is not built")
+
+
+def _native_for(kernels: str, *tensors: torch.Tensor) -> bool:
+    check("sharding.kernels", kernels)
+    return kernels != "torch" and _native is not None and all(t.device.type == "cpu" for t in tensors)
+
+
+def unique(keys: torch.Tensor, kernels: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.unique(keys, sorted=True, return_inverse=True)`` of 1-D int64 ``keys``: the distinct keys
+    ascending, and each key's position among them."""
+    if keys.dtype != torch.int64 or keys.dim() != 1 or not _native_for(kernels, keys):
+        out, inverse = torch.unique(keys, sorted=True, return_inverse=True)
+        return out, inverse
+    keys = keys.contiguous()
+    out, inverse = torch.empty_like(keys), torch.empty_like(keys)
+    count = _native.unique(keys.data_ptr(), keys.numel(), out.data_ptr(), inverse.data_ptr())
+    return out[:count], inverse
+
+
+def gather(src: torch.Tensor, rows: torch.Tensor, kernels: str = "auto") -> torch.Tensor:
+    """``src.index_select(0, rows)`` of a 2-D ``src`` and int64 ``rows``, outside autograd (IndexError for a row
+    out of range)."""
+    if src.dim() != 2 or rows.dtype != torch.int64 or not _native_for(kernels, src, rows):
+        return src.index_select(0, rows)
+    src, rows = src.contiguous(), rows.contiguous()
+    out = src.new_empty(rows.numel(), src.shape[1])
+    row_bytes = src.shape[1] * src.element_size()
+    _native.gather(src.data_ptr(), src.shape[0], row_bytes, rows.data_ptr(), rows.numel(), out.data_ptr())
+    return out
+
+
+def scatter_add(src: torch.Tensor, index: torch.Tensor, size: int, kernels: str = "auto") -> torch.Tensor:
+    """``zeros(size, D).index_add_(0, index, src)`` of a 2-D float ``src`` (index_select's backward): each row
+    the sum of its sources in their order."""
+    if src.dim() != 2 or src.dtype not in FLOATS or not _native_for(kernels, src, index):
+        return src.new_zeros(size, src.shape[1]).index_add_(0, index, src)
+    src, index = src.contiguous(), index.contiguous()
+    out = src.new_empty(size, src.shape[1])
+    dbl = int(src.dtype == torch.float64)
+    _native.scatter_add(src.data_ptr(), index.data_ptr(), index.numel(), src.shape[1], out.data_ptr(), size, dbl)
+    return out
+
+
+def sum_rows(
+    rows: torch.Tensor, values: torch.Tensor, size: int, kernels: str = "auto"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of the sparse ``[size, D]`` tensor (int64 ``rows``, ``values`` ``[n, D]``) summed per row, as
+    ``coalesce()`` gives them: (the distinct rows ascending, their sums). In C where no row occurs more than
+    twice (a sum of two is the same bits in either order, so coalesce's order needs no copying); else
+    coalesce."""
+    if rows.dtype == torch.int64 and values.dim() == 2 and _updatable(kernels, values):
+        rows = rows.contiguous()
+        out_rows, out = torch.empty_like(rows), torch.empty_like(values)
+        dbl = int(values.dtype == torch.float64)
+        count = _native.sum_rows(rows.data_ptr(), rows.numel(), values.data_ptr(), values.shape[1],
+                                 out_rows.data_ptr(), out.data_ptr(), dbl)  # fmt: skip
+        if count >= 0:
+            return out_rows[:count], out[:count]
+    shape = (size, values.shape[1])
+    coo = torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, check_invariants=False).coalesce()
+    return coo.indices()[0], coo.values()
+
+
+class _Pick(torch.autograd.Function):
+    """``index_select(0, rows)`` whose forward and backward run the C kernels."""
+
+    @staticmethod
+    def forward(ctx: Any, src: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rows)
+        ctx.size = src.shape[0]
+        return gather(src, rows, "c")
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (rows,) = ctx.saved_tensors
+        return scatter_add(grad, rows, ctx.size, "c"), None
+
+
+def pick_rows(src: torch.Tensor, rows: torch.Tensor, kernels: str = "auto") -> torch.Tensor:
+    """``src.index_select(0, rows)`` of a 2-D float ``src``, differentiable in ``src`` (its gradient: each row's
+    gradients summed in order, as index_select's backward sums them)."""
+    if src.dim() != 2 or src.dtype not in FLOATS or rows.dtype != torch.int64 or not _native_for(kernels, src):
+        return src.index_select(0, rows)
+    out: torch.Tensor = _Pick.apply(src, rows)  # type: ignore[no-untyped-call]
+    return out
+
+
+def _updatable(kernels: str, *tensors: torch.Tensor | None) -> bool:
+    """Whether the C update serves these tensors: built, CPU, contiguous, one float dtype."""
+    given = [t for t in tensors if t is not None]
+    return _native_for(kernels, *given) and given[0].dtype in FLOATS and all(
+        t.is_contiguous() and t.dtype == given[0].dtype for t in given
+    )  # fmt: skip
+
+
+def _update(kind: int, t: torch.Tensor, rows: torch.Tensor, v: torch.Tensor, std: torch.Tensor | None,
+            lr: float) -> None:  # fmt: skip
+    rows = rows.contiguous()
+    D = t.shape[1] if t.dim() == 2 else 1
+    n = rows.numel()
+    if v.numel() != n * D or (std is not None and std.numel() not in (n, n * D)):
+        got = (v.numel(), None if std is None else std.numel())
+        raise ValueError(f"sharding.kernels: {n} rows of {D} take {n * D} values (and std), got {got}")
+    dbl = int(t.dtype == torch.float64)
+    std_ptr, stride = (0, 0) if std is None else (std.data_ptr(), 1 if std.dim() == 1 else D)
+    _native.update(kind, t.data_ptr(), t.shape[0], D, rows.data_ptr(), rows.numel(), v.data_ptr(), std_ptr,
+                   stride, lr, dbl)  # fmt: skip
+    torch.autograd.graph.increment_version(t)  # written through a pointer: what index_put_ would count
+
+
+def add_rows(
+    target: torch.Tensor, rows: torch.Tensor, values: torch.Tensor, kernels: str = "auto", squares: bool = False
+) -> None:
+    """``target[rows] += values`` (``values.pow(2)`` with ``squares``) for distinct int64 ``rows`` of a 1-D or
+    2-D ``target``: each element ``t + v``, as ``index_put_``'s accumulate computes it. Mutates ``target``;
+    IndexError for a row out of range (nothing changed then)."""
+    if rows.dtype != torch.int64 or not _updatable(kernels, target, values):
+        target.index_put_((rows,), values.pow(2) if squares else values, accumulate=True)
+        return
+    _update(SQUARES if squares else ADD, target, rows, values, None, 0.0)
+
+
+def step_rows(
+    w: torch.Tensor, rows: torch.Tensor, g: torch.Tensor, lr: float, std: torch.Tensor | None = None,
+    kernels: str = "auto",
+) -> None:  # fmt: skip
+    """``w[rows] += g * -lr`` (SGD), or ``w[rows] += (g / std) * -lr`` with ``std`` per element (``[n, D]``) or
+    per row (``[n]``), for distinct int64 ``rows`` of a 2-D ``w``: the expressions of fused.py's torch ops.
+    Mutates ``w``; IndexError for a row out of range (nothing changed then)."""
+    if rows.dtype != torch.int64 or not _updatable(kernels, w, g, std):
+        step = g if std is None else g / (std if std.dim() == 2 else std.unsqueeze(1))
+        w.index_put_((rows,), step * -lr, accumulate=True)
+        return
+    _update(STEP, w, rows, g, std, lr)
