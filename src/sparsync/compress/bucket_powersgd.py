@@ -5,9 +5,9 @@ per parameter, under its name, on the autograd thread: the memory's residual of 
 (``Memory.compensate``), and the compressor counts the call and picks the name's warm-start Q
 (``PowerSGD.factor``). The exchange is batched (PowerSGD Algorithm 1, as the paper's code and torch's hook batch
 it): one allreduce of every matrix's P and every vector (sent whole) of the bucket, the Ps orthogonalized, one
-allreduce of every Q (``lowrank.exchange``). Then each parameter's residual (``x - P̂ Q_i^T``) and warm-start
-Q are stored under its name, and the bucket's buffer receives the sums, divided by the world size with
-``average``.
+allreduce of every Q (``lowrank.exchange``). The bucket's buffer receives the sums, divided by the world size
+with ``average``, written by the last product straight into it (no copy, no division pass); each parameter's
+residual (``x - P̂ Q_i^T``, one ``addmm``) and warm-start Q are stored under its name.
 
 Why it cannot hang with many buckets in flight (torch's ``powerSGD_hook`` does on gloo with more than one
 bucket): torch issues each bucket's second and third allreduce from a callback of the previous one's future, so
@@ -138,19 +138,20 @@ class BucketPowerSGD(BucketRoute):
         factors: Sequence[Factor],
         comps: Sequence[Compressor],
     ) -> None:
-        """The queued half: the two allreduces, each name's residual and warm start, the sums into ``flat``."""
+        """The queued half: the two allreduces, the sums (divided by P with ``average``) into ``flat``, each name's
+        residual and warm start."""
         memory = self.memory
-        results = exchange(factors, call.comm, local=memory is not None)
-        offset = 0
+        divisor = self.size if self.average else 1
+        pieces = list(torch.split(flat, [x.numel() for x in xs]))
+        direct = all(f.x.dtype == flat.dtype for f in factors)  # the work dtype: the totals go straight in
+        results = exchange(factors, call.comm, residual=memory is not None, divisor=divisor,
+                           into=pieces if direct else None)  # fmt: skip
         for name, x, out, c in zip(names, xs, results, comps, strict=True):
             assert isinstance(c, PowerSGD)
             c.settle(name, out)
-            if memory is not None and out.local is not None:
-                memory.update(name, x, out.local.to(x.dtype))
-        for x, out in zip(xs, results, strict=True):  # after every residual: x may be a view of flat
-            piece = flat[offset : offset + x.numel()]
-            piece.copy_(out.total.reshape(-1))
-            if self.average and self.size > 1:
-                piece.div_(self.size)
-            offset += x.numel()
+            if memory is not None and out.residual is not None:
+                memory.update_residual(name, x, out.residual.to(x.dtype))
+        if not direct:
+            for piece, out in zip(pieces, results, strict=True):
+                piece.copy_(out.total.reshape(-1))
         record(call, "powersgd", *traffic(factors, self.size), device=flat.device)

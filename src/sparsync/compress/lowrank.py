@@ -12,11 +12,11 @@ on every rank i (Algorithm 1):
 A tensor sent whole (a vector, or a matrix too small to gain from factors) travels in the first allreduce beside
 the Ps: two allreduces per batch in all, where torch's hook spends a third one on them.
 
-What a rank's part stands for (``Exchanged.local``, the error-feedback residual's subtrahend, Algorithm 2's
-``DECOMPRESS(C(Δ_w))``) is ``P̂ Q_i^T``: linear in Q_i, so the ranks' parts add up to the result exactly, and
-``x = local + residual`` holds on every rank. (torch's hook keeps ``x - P̂ Q^T / W`` instead; the residuals
-differ per rank but have the same sum, and the output depends on the ranks' inputs only through their sum, so
-the two give the same results up to rounding.)
+What a rank's part stands for (Algorithm 2's ``DECOMPRESS(C(Δ_w))``) is ``P̂ Q_i^T``: linear in Q_i, so the
+ranks' parts add up to the result exactly. Its error-feedback residual (``Exchanged.residual``) is
+``x - P̂ Q_i^T``, taken in one pass over ``x`` (``addmm``) before the second allreduce sums the Q_i. (torch's hook
+keeps ``x - P̂ Q^T / W`` instead; the residuals differ per rank but have the same sum, and the output depends on
+the ranks' inputs only through their sum, so the two give the same results up to rounding.)
 
 Nothing here reads or writes a compressor's state: ``powersgd.PowerSGD`` chooses Q and stores the new one.
 """
@@ -61,12 +61,12 @@ class Factor:
 
 @dataclass(frozen=True, eq=False)
 class Exchanged:
-    """One tensor's outcome: ``total`` (the sum over ranks, ``x``'s shape), ``local`` (what this rank's part
-    stands for, ``x``'s shape; None unless asked for) and, for factors, ``p`` (P̂, n x r) and ``q`` (Σ Q_i,
-    m x r: the next warm start)."""
+    """One tensor's outcome: ``total`` (the sum over ranks divided by ``exchange``'s ``divisor``, ``x``'s shape),
+    ``residual`` (``x`` minus what this rank's part stands for, ``x``'s shape; None unless asked for) and, for
+    factors, ``p`` (P̂, n x r) and ``q`` (Σ Q_i, m x r: the next warm start)."""
 
     total: torch.Tensor
-    local: torch.Tensor | None
+    residual: torch.Tensor | None
     p: torch.Tensor | None = None
     q: torch.Tensor | None = None
 
@@ -87,36 +87,40 @@ def traffic(items: Sequence[Factor], world_size: int) -> tuple[int, int, int]:
     return p + q, nbytes, 2 * (world_size - 1) * (1 + (q > 0))
 
 
-def exchange(items: Sequence[Factor], group: dist.ProcessGroup | None, *, local: bool = False) -> list[Exchanged]:
+def exchange(
+    items: Sequence[Factor],
+    group: dist.ProcessGroup | None,
+    *,
+    residual: bool = False,
+    divisor: int = 1,
+    into: Sequence[torch.Tensor] | None = None,
+) -> list[Exchanged]:
     """Algorithm 1 for every tensor of ``items`` at once, summed over ``group`` (None: this rank alone, no
-    collective). ``local``: also return what each rank's part stands for (``P̂ Q_i^T``; ``x`` for a tensor sent
-    whole), for error feedback. Reads ``items``; writes nothing of theirs.
+    collective). ``residual``: also return each rank's error-feedback residual, ``x - P̂ Q_i^T`` (zero for a tensor
+    sent whole). ``divisor``: each total is the sum divided by it (a factored one's Σ Q_i, m x r, is divided
+    before its product with P̂, as torch's hook divides it). ``into``: one contiguous tensor per item, of its
+    ``x``'s numel and dtype, that receives its total (it may share ``x``'s storage: ``x`` is last read before the
+    totals are written); without it the totals are new tensors. Reads ``items``; writes only ``into``.
 
     Collective: every rank of ``group`` calls it with items of the same shapes, ranks and dtype, in the same
     order (the two allreduces are issued on this thread, in this order)."""
     if not items:
         return []
-    pbuf = torch.cat([(f.x if f.q is None else f.matrix() @ f.q).reshape(-1) for f in items])
+    pbuf = _ps(items)
     _sum(pbuf, group)
-    ps, wholes = _split_ps(items, pbuf)
-    orthogonalize_([p for p in ps if p is not None])
-    qs = [None if p is None else f.matrix().T @ p for f, p in zip(items, ps, strict=True)]
-    mine = [_local(f, p, q) if local else None for f, p, q in zip(items, ps, qs, strict=True)]
-    sent = [q for q in qs if q is not None]
-    qbuf = torch.cat([q.reshape(-1) for q in sent]) if sent else None
+    pts = _split_ps(items, pbuf)
+    orthogonalize_rows_([pt for f, pt in zip(items, pts, strict=True) if f.q is not None])
+    qbuf, qts = _qs(items, pts)
+    residuals = [_residual(f, pt, qt) if residual else None for f, pt, qt in zip(items, pts, qts, strict=True)]
     if qbuf is not None:
         _sum(qbuf, group)
     out: list[Exchanged] = []
-    offset = 0
-    for f, p, w, m in zip(items, ps, wholes, mine, strict=True):
-        if p is None:
-            assert w is not None
-            out.append(Exchanged(w.view(f.x.shape), m))
-            continue
-        assert qbuf is not None and f.q is not None
-        q = qbuf[offset : offset + f.q.numel()].view(f.q.shape)
-        offset += f.q.numel()
-        out.append(Exchanged((p @ q.T).view(f.x.shape), m, p, q))
+    for i, (f, pt, qt, e) in enumerate(zip(items, pts, qts, residuals, strict=True)):
+        target = None if into is None else into[i]
+        if qt is None:
+            out.append(Exchanged(_whole(pt, divisor, target).view(f.x.shape), e))
+        else:
+            out.append(Exchanged(_product(pt, qt, divisor, target).view(f.x.shape), e, pt.T, qt.T))
     return out
 
 
@@ -125,31 +129,97 @@ def _sum(buf: torch.Tensor, group: dist.ProcessGroup | None) -> None:
         dist.all_reduce(buf, group=group)
 
 
-def _split_ps(
-    items: Sequence[Factor], pbuf: torch.Tensor
-) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-    """The summed Ps (n x r views of ``pbuf``) and whole tensors (flat views), in ``items``' order."""
-    ps: list[torch.Tensor | None] = []
-    wholes: list[torch.Tensor | None] = []
+# Up to this rank, P̂ Q^T (and the residual's x - P̂ Q_i^T) is taken as r broadcast multiply-adds of column i of
+# P̂ by row i of Q^T, one pass over the n x m output each: MKL's gemm with an inner dimension of 1 or 2 runs slower
+# than that on this path (docs/results_tta.md); above it, one gemm.
+OUTER_RANK = 2
+
+
+# The products take the tall matrix M (n x m, n >> r) untransposed as their right operand, and P and Q travel
+# transposed (r x n, r x m): P_i^T = Q^T M^T and Q_i^T = P̂^T M are then row-major products that BLAS runs in
+# one pass over M, where M^T P̂ with M^T as the left operand takes a slow path for a small r.
+def _ps(items: Sequence[Factor]) -> torch.Tensor:
+    """One flat buffer of every factored tensor's P_i^T = Q^T M^T (r x n) and every whole tensor's values, in
+    ``items``' order (the first allreduce's)."""
+    x0 = items[0].x
+    pbuf = torch.empty(sum(f.p_numel for f in items), dtype=x0.dtype, device=x0.device)
     offset = 0
     for f in items:
-        k = f.p_numel
-        piece = pbuf[offset : offset + k]
-        offset += k
+        piece = pbuf[offset : offset + f.p_numel]
+        offset += f.p_numel
         if f.q is None:
-            ps.append(None)
-            wholes.append(piece)
+            piece.copy_(f.x.reshape(-1))
         else:
-            ps.append(piece.view(f.x.shape[0], f.q.shape[1]))
-            wholes.append(None)
-    return ps, wholes
+            torch.mm(f.q.T, f.matrix().T, out=piece.view(f.q.shape[1], f.x.shape[0]))
+    return pbuf
 
 
-def _local(f: Factor, p: torch.Tensor | None, q: torch.Tensor | None) -> torch.Tensor:
-    """This rank's part: ``P̂ Q_i^T`` for factors (before Q's allreduce), ``x`` itself for a tensor sent whole."""
-    if p is None or q is None:
-        return f.x
-    return (p @ q.T).view(f.x.shape)
+def _split_ps(items: Sequence[Factor], pbuf: torch.Tensor) -> list[torch.Tensor]:
+    """The summed P^Ts (r x n views of ``pbuf``) and whole tensors (flat views), in ``items``' order."""
+    out: list[torch.Tensor] = []
+    offset = 0
+    for f in items:
+        piece = pbuf[offset : offset + f.p_numel]
+        offset += f.p_numel
+        out.append(piece if f.q is None else piece.view(f.q.shape[1], f.x.shape[0]))
+    return out
+
+
+def _qs(
+    items: Sequence[Factor], pts: Sequence[torch.Tensor]
+) -> tuple[torch.Tensor | None, list[torch.Tensor | None]]:
+    """One flat buffer of every factored tensor's Q_i^T = P̂^T M (r x m; the second allreduce's), and its views
+    (None for a tensor sent whole)."""
+    total = sum(f.q_numel for f in items)
+    if not total:
+        return None, [None] * len(items)
+    x0 = items[0].x
+    qbuf = torch.empty(total, dtype=x0.dtype, device=x0.device)
+    qts: list[torch.Tensor | None] = []
+    offset = 0
+    for f, pt in zip(items, pts, strict=True):
+        if f.q is None:
+            qts.append(None)
+            continue
+        qt = qbuf[offset : offset + f.q_numel].view(f.q.shape[1], f.q.shape[0])
+        offset += f.q_numel
+        qts.append(torch.mm(pt, f.matrix(), out=qt))
+    return qbuf, qts
+
+
+def _residual(f: Factor, pt: torch.Tensor, qt: torch.Tensor | None) -> torch.Tensor:
+    """This rank's residual, a new tensor: ``x - P̂ Q_i^T`` (taken before Q's allreduce overwrites Q_i), zero for
+    a tensor sent whole."""
+    if qt is None:
+        return torch.zeros_like(f.x)
+    m = f.matrix()
+    if pt.shape[0] > OUTER_RANK:
+        e = m.clone(memory_format=torch.contiguous_format).addmm_(pt.T, qt, alpha=-1)
+    else:
+        e = torch.addcmul(m, pt[0, :, None], qt[0, None, :], value=-1)
+        for i in range(1, pt.shape[0]):
+            e.addcmul_(pt[i, :, None], qt[i, None, :], value=-1)
+    return e.view(f.x.shape)
+
+
+def _whole(summed: torch.Tensor, divisor: int, target: torch.Tensor | None) -> torch.Tensor:
+    """A whole tensor's total: its sum (a view of the first allreduce's buffer) divided by ``divisor``."""
+    if target is None:
+        return summed if divisor == 1 else summed / divisor
+    return target.copy_(summed) if divisor == 1 else torch.div(summed, divisor, out=target)
+
+
+def _product(pt: torch.Tensor, qt: torch.Tensor, divisor: int, target: torch.Tensor | None) -> torch.Tensor:
+    """A factored tensor's total, P̂ (Σ Q_i / divisor)^T (n x m)."""
+    q = qt if divisor == 1 else qt / divisor
+    n, m = pt.shape[1], qt.shape[1]
+    out = torch.empty(n, m, dtype=qt.dtype, device=qt.device) if target is None else target.view(n, m)
+    if pt.shape[0] > OUTER_RANK:
+        return torch.mm(pt.T, q, out=out)
+    torch.mul(pt[0, :, None], q[0, None, :], out=out)
+    for i in range(1, pt.shape[0]):
+        out.addcmul_(pt[i, :, None], q[i, None, :])
+    return out
 
 
 def orthogonalize_(ps: Sequence[torch.Tensor]) -> None:
@@ -163,31 +233,36 @@ def orthogonalize_(ps: Sequence[torch.Tensor]) -> None:
     (NaN for a zero column unless given an epsilon): such a column can point anywhere, even along an earlier
     one, and P̂ P̂^T M then overshoots M. Zero columns leave an approximation of fewer directions, and P̂ P̂^T
     a projection."""
+    orthogonalize_rows_([p.T for p in ps])
+
+
+def orthogonalize_rows_(pts: Sequence[torch.Tensor]) -> None:
+    """``orthogonalize_`` of the transposes: the rows of each r x n matrix of ``pts``, in place."""
     groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
-    for p in ps:
-        groups.setdefault(tuple(p.shape), []).append(p)
+    for pt in pts:
+        groups.setdefault(tuple(pt.shape), []).append(pt)
     for members in groups.values():
         if len(members) == 1:
             gram_schmidt_(members[0].unsqueeze(0))
             continue
         batch = torch.stack(members)
         gram_schmidt_(batch)
-        for p, done in zip(members, batch, strict=True):
-            p.copy_(done)
+        for pt, done in zip(members, batch, strict=True):
+            pt.copy_(done)
 
 
 def gram_schmidt_(batch: torch.Tensor) -> None:
-    """Gram-Schmidt with re-orthogonalization over the columns of each b x n x r matrix of ``batch``, in place;
-    numerically dependent columns become zero (``orthogonalize_``)."""
+    """Gram-Schmidt with re-orthogonalization over the rows of each b x r x n matrix of ``batch``, in place;
+    numerically dependent rows become zero (``orthogonalize_``)."""
     finfo = torch.finfo(batch.dtype)
     drop = finfo.eps**0.5
-    for i in range(batch.shape[2]):
-        col = batch[:, :, i : i + 1]
-        before = col.norm(dim=1, keepdim=True)
+    for i in range(batch.shape[1]):
+        row = batch[:, i : i + 1, :]
+        before = row.norm(dim=2, keepdim=True)
         if i:
-            done = batch[:, :, :i]
+            done = batch[:, :i, :]
             for _ in range(2):
-                col.sub_(done @ (done.transpose(1, 2) @ col))
-        norm = col.norm(dim=1, keepdim=True)
-        keep = norm > drop * before  # False for a zero column too (0 > 0)
-        col.copy_(torch.where(keep, col / norm.clamp_min(finfo.tiny), torch.zeros_like(col)))
+                row.sub_((row @ done.transpose(1, 2)) @ done)
+        norm = row.norm(dim=2, keepdim=True)
+        keep = norm > drop * before  # False for a zero row too (0 > 0)
+        row.copy_(torch.where(keep, row / norm.clamp_min(finfo.tiny), torch.zeros_like(row)))

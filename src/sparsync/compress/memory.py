@@ -27,6 +27,12 @@ class Memory(ABC):
         """Remember what was not sent: ``compensated`` minus ``transmitted`` (what this rank's payload stands for).
         Mutates the memory of ``name``."""
 
+    def update_residual(self, name: str, compensated: torch.Tensor, residual: torch.Tensor) -> None:
+        """``update`` for a caller that has the residual ``compensated - transmitted`` already (PowerSGD's, taken
+        in one pass); ``residual`` (dense) is the memory's from then on. This default rebuilds the transmitted
+        tensor."""
+        self.update(name, compensated, compensated - residual)
+
     def update_selected(
         self, name: str, compensated: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, owned: bool
     ) -> None:
@@ -114,6 +120,11 @@ class ErrorFeedback(Memory):
     def update(self, name: str, compensated: torch.Tensor, transmitted: torch.Tensor) -> None:
         """Store ``e[name] = compensated - transmitted`` (dense)."""
         self._errors[name] = difference(compensated, transmitted)
+
+    def update_residual(self, name: str, compensated: torch.Tensor, residual: torch.Tensor) -> None:
+        """Store ``e[name] = residual``, the given ``compensated - transmitted``."""
+        del compensated
+        self._errors[name] = residual.detach()
 
     def update_selected(
         self, name: str, compensated: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, *, owned: bool

@@ -224,10 +224,10 @@ class PowerSGDReduce(base.Aggregator[LowRankPayload]):
         P = call.world_size
 
         def run() -> torch.Tensor:
-            (out,) = exchange([f], call.comm, local=memory is not None)
+            (out,) = exchange([f], call.comm, residual=memory is not None)
             self.comp.settle(name, out)
-            if memory is not None and out.local is not None:
-                memory.update(name, x, out.local.to(x.dtype))
+            if memory is not None and out.residual is not None:
+                memory.update_residual(name, x, out.residual.to(x.dtype))
             record(call, "powersgd", *traffic([f], P), device=x.device)
             return call.finish(out.total)
 
