@@ -14,14 +14,15 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q torch==2.13.0
 fi
 # what `pip install -e` builds from: the project files and the C kernels' sources
-stale=$(find pyproject.toml setup.py src/sparsync/compress/*.c -newer .venv/.sparsync-installed 2>/dev/null || true)
+stale=$(find pyproject.toml setup.py src/sparsync/compress/*.c src/sparsync/sharding/*.c -newer .venv/.sparsync-installed 2>/dev/null || true)
 if ! .venv/bin/python -c "import sparsync, sparsync_bench, rich, matplotlib, pytest, hypothesis, ruff, mypy, lightning, accelerate" 2>/dev/null \
    || [ ! -e .venv/.sparsync-installed ] || [ -n "$stale" ]; then
   echo "setup: installing sparsync, its bench tools and its dev tools into .venv"
   .venv/bin/pip install -q -e '.[dev]'
   touch .venv/.sparsync-installed
 fi
-if ! .venv/bin/python -c "import sparsync.compress._qsgd_c, sparsync.compress._sketch_c, sparsync.compress._threshold_c" \
-    2>/dev/null; then
-  echo "setup: the C kernels were not built (no C compiler?): QSGD, the sketch and Threshold use their torch kernels"
+if ! .venv/bin/python -c "import sparsync.compress._qsgd_c, sparsync.compress._sketch_c, sparsync.compress._threshold_c, \
+sparsync.sharding._group_c" 2>/dev/null; then
+  echo "setup: the C kernels were not built (no C compiler?): QSGD, the sketch, Threshold and the sharded tables use \
+their torch kernels"
 fi

@@ -16,6 +16,11 @@ the rows looked up. Variants, in interleaved rounds over the same batches:
 - ``fbgemm_tbe``: fbgemm_gpu's ``SplitTableBatchedEmbeddingBagsCodegen`` on the CPU with ``EXACT_SGD`` (its
   backward fused with the update), the ids in its table-major layout.
 
+With ``--kernels``, a second table: each of the group's C kernels (``sparsync.sharding.kernels``) against the
+torch ops it stands for, on one step's data (the batch's 26 id columns as the group's rows), time per call
+(median of ``--calls``), in interleaved rounds. The group rows' gather from its flat tensor (``gather``, which
+the rows stage leaves to ``index_select``: no faster in C) is there for comparison.
+
 It needs fbgemm_gpu, so it runs in torchrec's environment (``scripts/torchrec_env.sh``; torch 2.13 there too)
 with this checkout's ``src``:
 
@@ -30,6 +35,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import torch
@@ -117,6 +123,63 @@ VARIANTS: dict[str, Callable[[list[int], int, float], Callable[[torch.Tensor], N
 }
 
 
+def kernel_cases(ids: torch.Tensor, rows: list[int]) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    """Per kernel, (torch, C) callables on one step's data: ``ids`` [B, 26] as the group's flat rows."""
+    firsts = torch.tensor([0, *rows[:-1]]).cumsum(0)
+    keys = (ids + firsts).reshape(-1)
+    distinct, inverse = torch.unique(keys, return_inverse=True)
+    flat = torch.randn(sum(rows), 16)
+    part = torch.randn(distinct.numel(), 16, requires_grad=True)
+    grads, g = torch.randn(keys.numel(), 16), torch.randn(distinct.numel(), 16)
+    two = torch.cat([distinct, distinct[::2]])  # two requesters' rows: every other row asked twice
+    two_g = torch.randn(two.numel(), 16)
+
+    def pick(setting: str) -> Callable[[], None]:
+        return lambda: kernels.pick_rows(part, inverse, setting).backward(grads)
+
+    def sparse_sum(setting: str) -> Callable[[], Any]:
+        return lambda: kernels.sum_rows(two, two_g, flat.shape[0], setting)
+
+    return {
+        "unique (dedupe)": (
+            lambda: torch.unique(keys, sorted=True, return_inverse=True),
+            lambda: kernels.unique(keys, "c"),
+        ),
+        "pick_rows + backward (pooling)": (pick("torch"), pick("c")),
+        "step_rows SGD (update)": (
+            lambda: kernels.step_rows(flat, distinct, g, 0.1, kernels="torch"),
+            lambda: kernels.step_rows(flat, distinct, g, 0.1, kernels="c"),
+        ),
+        "sum_rows, 2 requesters (owner sum)": (sparse_sum("torch"), sparse_sum("c")),
+        "gather from the flat tensor (rows stage)": (
+            lambda: flat.index_select(0, distinct),
+            lambda: kernels.gather(flat, distinct, "c"),
+        ),
+    }
+
+
+def kernel_table(ids: torch.Tensor, rows: list[int], rounds: int, calls: int) -> list[str]:
+    """The second table (module doc)."""
+    cases = kernel_cases(ids, rows)
+    times: dict[str, list[list[float]]] = {name: [[], []] for name in cases}
+    for _ in range(rounds):
+        for name, pair in cases.items():
+            for k, f in enumerate(pair):
+                f()
+                per = []
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    f()
+                    per.append(time.perf_counter() - t0)
+                times[name][k].append(statistics.median(per) * 1e6)
+    head = f"Kernels on one step's data, us per call (median of {calls} calls, median of {rounds} rounds)"
+    lines = ["", head, "", "| kernel | torch | C | torch / C |", "|---|---|---|---|"]
+    for name, (t, c) in times.items():
+        tm, cm = statistics.median(t), statistics.median(c)
+        lines.append(f"| {name} | {tm:.0f} | {cm:.0f} | {tm / cm:.1f}x |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=512)
@@ -124,6 +187,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--max-rows", type=int, default=100_000)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--kernels", action="store_true", help="also time each C kernel against its torch ops")
+    ap.add_argument("--calls", type=int, default=50)
     a = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -146,9 +211,9 @@ def main() -> None:
             print(f"round {r + 1}/{a.rounds} {name}: {per_round[name][-1]:.2f} ms CPU/step", flush=True)
     dist.destroy_process_group()
     lines = [
-        f"DLRM's 26 tables (rows capped at {a.max_rows}, dim 16), {a.batch} samples a step, one process, one thread, "
-        f"{a.rounds} interleaved rounds (`PYTHONPATH=src .venv-torchrec/bin/python scripts/tbe_trial.py "
-        f"--batch {a.batch} --rounds {a.rounds}`)",
+        f"DLRM's 26 tables (rows capped at {a.max_rows}, dim 16), {a.batch} samples a step, one process, "
+        f"one thread, {a.rounds} interleaved rounds (`PYTHONPATH=src .venv-torchrec/bin/python "
+        f"scripts/tbe_trial.py --batch {a.batch} --rounds {a.rounds}{' --kernels' if a.kernels else ''}`)",
         "",
         "| variant | CPU ms/step (median of rounds) | range | vs sparsync_group |",
         "|---|---|---|---|",
@@ -157,6 +222,8 @@ def main() -> None:
     for name, xs in per_round.items():
         med = statistics.median(xs)
         lines.append(f"| {name} | {med:.2f} | {min(xs):.2f}-{max(xs):.2f} | {med / ours:.2f}x |")
+    if a.kernels:
+        lines += kernel_table(batches[0], rows, a.rounds, a.calls)
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

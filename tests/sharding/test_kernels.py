@@ -14,8 +14,6 @@ from sparsync.sharding import kernels
 from sparsync.sharding.fused import SGD, Adagrad, Adam, RowwiseAdagrad
 from sparsync.sharding.ids import dedupe_groups
 
-pytestmark = pytest.mark.skipif(not kernels.built(), reason="the C extension _group_c is not built")
-
 BIG = 2**63 - 1
 KEYS = {
     "empty": lambda g: torch.empty(0, dtype=torch.int64),
@@ -36,6 +34,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+def test_group_c_kernels_are_built() -> None:
+    assert kernels.built(), "sparsync.sharding._group_c is not built: run `make setup` (needs gcc)"
 
 
 @pytest.mark.parametrize("case", KEYS)

@@ -1,12 +1,14 @@
-"""A table group's step kernels: the dedupe's sorted unique (``ids.dedupe_groups``), the row gathers of the rows
-stage and of the pooling (``rows``) with the pooling's backward, and the fused optimizers' updates (``fused``), in
-C where the extension ``_group_c`` is built (``pip install`` compiles it) and in torch otherwise. The two give the
-same bits for every input (``tests/sharding/test_kernels.py``): each C kernel computes the expressions of the
-torch ops it stands for, in their order and precision.
+"""A table group's step kernels: the dedupe's sorted unique (``ids.dedupe_groups``), the pooling's row gather
+and its backward (``rows._pool_rows``), the owner's sum of the gradient rows (``rows._owner_sum``), and the fused
+optimizers' row reads and updates (``fused``), in C where the extension ``_group_c`` is built (``pip install``
+compiles it) and in torch otherwise. The two give the same bits (``tests/sharding/test_kernels.py``): each C
+kernel computes the expressions of the torch ops it stands for, in their order and precision, and leaves to
+torch what it cannot copy (the square roots; a sum of more than two rows, whose order coalesce chooses).
 
 ``kernels``: "auto" (C where built, else torch), "c" (RuntimeError when not built), "torch". The C kernels read
 host memory through raw pointers, so they serve contiguous CPU tensors (and float32/float64 values); any other
-input runs the torch ops, whatever ``kernels`` says.
+input runs the torch ops, whatever ``kernels`` says. Rows must lie in [0, R): the C kernels raise IndexError for
+any other (``index_put_`` would wrap a negative one).
 """
 
 from __future__ import annotations
