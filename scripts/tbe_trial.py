@@ -18,8 +18,8 @@ the rows looked up. Variants, in interleaved rounds over the same batches:
 
 With ``--kernels``, a second table: each of the group's C kernels (``sparsync.sharding.kernels``) against the
 torch ops it stands for, on one step's data (the batch's 26 id columns as the group's rows), time per call
-(median of ``--calls``), in interleaved rounds. The group rows' gather from its flat tensor (``gather``, which
-the rows stage leaves to ``index_select``: no faster in C) is there for comparison.
+(median of ``--calls``), in interleaved rounds; the kernels that touch the group's flat tensor with its caches
+emptied first (``cold``), as a step finds its rows.
 
 It needs fbgemm_gpu, so it runs in torchrec's environment (``scripts/torchrec_env.sh``; torch 2.13 there too)
 with this checkout's ``src``:
@@ -47,6 +47,7 @@ from sparsync.sharding import SGD, kernels
 from sparsync_bench.criteo import read_criteo, table_rows
 
 DATA = Path("results/criteo_synthetic.txt")
+EVICT = 64 << 20  # bytes written between the calls of a cold kernel case (more than the host's caches)
 
 
 class Tables(nn.Module):
@@ -123,8 +124,12 @@ VARIANTS: dict[str, Callable[[list[int], int, float], Callable[[torch.Tensor], N
 }
 
 
-def kernel_cases(ids: torch.Tensor, rows: list[int]) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
-    """Per kernel, (torch, C) callables on one step's data: ``ids`` [B, 26] as the group's flat rows."""
+Case = tuple[Callable[[], Any], Callable[[], Any], bool]
+
+
+def kernel_cases(ids: torch.Tensor, rows: list[int]) -> dict[str, Case]:
+    """Per kernel, (torch, C, cold) on one step's data (``ids`` [B, 26] as the group's flat rows); cold: the
+    flat tensor's rows are out of cache at each call, as in a step (its rows were last read a step ago)."""
     firsts = torch.tensor([0, *rows[:-1]]).cumsum(0)
     keys = (ids + firsts).reshape(-1)
     distinct, inverse = torch.unique(keys, return_inverse=True)
@@ -144,16 +149,19 @@ def kernel_cases(ids: torch.Tensor, rows: list[int]) -> dict[str, tuple[Callable
         "unique (dedupe)": (
             lambda: torch.unique(keys, sorted=True, return_inverse=True),
             lambda: kernels.unique(keys, "c"),
+            False,
         ),
-        "pick_rows + backward (pooling)": (pick("torch"), pick("c")),
-        "step_rows SGD (update)": (
-            lambda: kernels.step_rows(flat, distinct, g, 0.1, kernels="torch"),
-            lambda: kernels.step_rows(flat, distinct, g, 0.1, kernels="c"),
-        ),
-        "sum_rows, 2 requesters (owner sum)": (sparse_sum("torch"), sparse_sum("c")),
-        "gather from the flat tensor (rows stage)": (
+        "pick_rows + backward (pooling)": (pick("torch"), pick("c"), False),
+        "sum_rows, 2 requesters (owner sum)": (sparse_sum("torch"), sparse_sum("c"), False),
+        "gather from the flat tensor, cold (rows stage)": (
             lambda: flat.index_select(0, distinct),
             lambda: kernels.gather(flat, distinct, "c"),
+            True,
+        ),
+        "step_rows SGD, cold (update)": (
+            lambda: kernels.step_rows(flat, distinct, g, 0.1, kernels="torch"),
+            lambda: kernels.step_rows(flat, distinct, g, 0.1, kernels="c"),
+            True,
         ),
     }
 
@@ -162,12 +170,15 @@ def kernel_table(ids: torch.Tensor, rows: list[int], rounds: int, calls: int) ->
     """The second table (module doc)."""
     cases = kernel_cases(ids, rows)
     times: dict[str, list[list[float]]] = {name: [[], []] for name in cases}
+    spill = torch.zeros(EVICT // 4)
     for _ in range(rounds):
-        for name, pair in cases.items():
+        for name, (*pair, cold) in cases.items():
             for k, f in enumerate(pair):
                 f()
                 per = []
                 for _ in range(calls):
+                    if cold:
+                        spill.add_(1.0)  # the caches filled with other data
                     t0 = time.perf_counter()
                     f()
                     per.append(time.perf_counter() - t0)

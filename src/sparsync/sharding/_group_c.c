@@ -1,7 +1,7 @@
 /* A table group's step kernels in C (sharding/kernels.py says when each is used). Each gives the same bits as
    the torch ops it stands for, for every input:
    - unique: torch.unique(sorted=True, return_inverse=True) of int64 keys (an LSD radix sort, 11-bit digits);
-   - gather: index_select(0, rows) of a [R, D] tensor (row copies);
+   - gather: index_select(0, rows) of a [R, D] tensor (row copies, rows ahead prefetched);
    - scatter_add: index_select's backward, index_add_ into zeros: each row's sources summed in their order,
      0 + a + b + ..., as torch's CPU scatter-add sums them;
    - sum_rows: coalesce's sum of a sparse tensor's rows (a row's values copied, then added) where no row occurs
@@ -111,9 +111,14 @@ static int64_t unique(const int64_t *keys, int64_t n, int64_t *out, int64_t *inv
     return count;
 }
 
+#define AHEAD 16 /* rows ahead whose first cache line is prefetched: the rows are scattered over a large table */
+
 static void gather(const char *src, const int64_t *rows, int64_t n, size_t row_bytes, char *out) {
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = 0; i < n; i++) {
+        if (i + AHEAD < n)
+            __builtin_prefetch(src + (size_t)rows[i + AHEAD] * row_bytes);
         memcpy(out + (size_t)i * row_bytes, src + (size_t)rows[i] * row_bytes, row_bytes);
+    }
 }
 
 #define KERNELS(T)                                                                                       \
@@ -147,6 +152,8 @@ static void gather(const char *src, const int64_t *rows, int64_t n, size_t row_b
     /* t_r = t_r + v (index_put_'s accumulate), or t_r = t_r + v * v (squares: v.pow(2) added) */            \
     static void add_##T(T *t, const int64_t *rows, int64_t n, int64_t D, const T *v, int squares) {            \
         for (int64_t i = 0; i < n; i++) {                                                                      \
+            if (i + AHEAD < n)                                                                                 \
+                __builtin_prefetch(t + rows[i + AHEAD] * D, 1);                                                \
             T *o = t + rows[i] * D;                                                                            \
             const T *s = v + i * D;                                                                            \
             if (squares)                                                                                       \
@@ -162,6 +169,8 @@ static void gather(const char *src, const int64_t *rows, int64_t n, size_t row_b
     static void step_##T(T *w, const int64_t *rows, int64_t n, int64_t D, const T *g, const T *std,            \
                          int64_t stride, T neg_lr) {                                                           \
         for (int64_t i = 0; i < n; i++) {                                                                      \
+            if (i + AHEAD < n)                                                                                 \
+                __builtin_prefetch(w + rows[i + AHEAD] * D, 1);                                                \
             T *o = w + rows[i] * D;                                                                            \
             const T *s = g + i * D;                                                                            \
             if (!std)                                                                                          \

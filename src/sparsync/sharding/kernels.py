@@ -1,9 +1,10 @@
-"""A table group's step kernels: the dedupe's sorted unique (``ids.dedupe_groups``), the pooling's row gather
-and its backward (``rows._pool_rows``), the owner's sum of the gradient rows (``rows._owner_sum``), and the fused
-optimizers' row reads and updates (``fused``), in C where the extension ``_group_c`` is built (``pip install``
-compiles it) and in torch otherwise. The two give the same bits (``tests/sharding/test_kernels.py``): each C
-kernel computes the expressions of the torch ops it stands for, in their order and precision, and leaves to
-torch what it cannot copy (the square roots; a sum of more than two rows, whose order coalesce chooses).
+"""A table group's step kernels: the dedupe's sorted unique (``ids.dedupe_groups``), the rows stage's gather
+(``rows.RowExchange``), the pooling's gather and its backward (``rows._pool_rows``), the owner's sum of the
+gradient rows (``rows._owner_sum``), and the fused optimizers' row reads and updates (``fused``), in C where the
+extension ``_group_c`` is built (``pip install`` compiles it) and in torch otherwise. The two give the same bits
+(``tests/sharding/test_kernels.py``): each C kernel computes the expressions of the torch ops it stands for, in
+their order and precision, and leaves to torch what it cannot copy (the square roots; a sum of more than two
+rows, whose order coalesce chooses).
 
 ``kernels``: "auto" (C where built, else torch), "c" (RuntimeError when not built), "torch". The C kernels read
 host memory through raw pointers, so they serve contiguous CPU tensors (and float32/float64 values); any other

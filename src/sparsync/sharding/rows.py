@@ -106,7 +106,7 @@ class RowExchange(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         del params
         served = route.ids.served
-        rows = [g.flat.index_select(0, r) for g, r in zip(route.groups, served.rows, strict=True)]
+        rows = [kernels.gather(g.flat, r) for g, r in zip(route.groups, served.rows, strict=True)]
         reply = peer_major(rows, served.counts, route.groups[0].dtype)
         to_req, from_owner = (
             [route.rows_to(i) for i in range(link.size)],
