@@ -63,9 +63,14 @@ def unique(keys: torch.Tensor, kernels: str = "auto") -> tuple[torch.Tensor, tor
 def gather(src: torch.Tensor, rows: torch.Tensor, kernels: str = "auto") -> torch.Tensor:
     """``src.index_select(0, rows)`` of a 2-D ``src`` and int64 ``rows``, outside autograd (IndexError for a row
     out of range)."""
-    if src.dim() != 2 or rows.dtype != torch.int64 or not _native_for(kernels, src, rows):
-        return src.index_select(0, rows)
-    src, rows = src.contiguous(), rows.contiguous()
+    if (
+        src.dim() != 2
+        or not src.is_contiguous()
+        or rows.dtype != torch.int64
+        or not _native_for(kernels, src, rows)
+    ):
+        return src.index_select(0, rows)  # (a copy of a whole non-contiguous table would cost more than it saves)
+    rows = rows.contiguous()
     out = src.new_empty(rows.numel(), src.shape[1])
     row_bytes = src.shape[1] * src.element_size()
     _native.gather(src.data_ptr(), src.shape[0], row_bytes, rows.data_ptr(), rows.numel(), out.data_ptr())
