@@ -17,12 +17,14 @@ from sparsync import launch
 from sparsync.compress import (
     Context,
     DensePayload,
+    ErrorFeedback,
     LowRankPayload,
+    MomentumCorrection,
     PowerSGD,
     TensorSpec,
     from_spec,
 )
-from sparsync.compress.lowrank import orthogonalize_
+from sparsync.compress.lowrank import Factor, exchange, orthogonalize_
 
 STEPS = 4
 
@@ -297,3 +299,47 @@ def test_a_rank_one_gradient_at_rank_two_is_itself() -> None:
     c = PowerSGD(rank=2)
     for _ in range(3):
         assert torch.allclose(roundtrip(c, m, "m"), m, atol=1e-5 * float(m.abs().max()))
+
+
+def test_the_residual_handed_to_the_memory_is_what_update_would_store() -> None:
+    """PowerSGD hands the memory its residual, x - P̂ Q_i^T, taken in one pass (``update_residual``):
+    ErrorFeedback keeps it as given, and a memory without that method of its own (MomentumCorrection: it masks its
+    velocity where something was sent) ends in the state ``update`` with what was sent leaves."""
+    x = pw.grad_input(0, 0, "w", (10, 8), torch.float64)
+    q = PowerSGD(rank=2).initial_q("w", 8, 2)
+    (out,) = exchange([Factor(x, q)], None, residual=True)
+    assert out.residual is not None
+    sent = x - out.residual
+    assert torch.allclose(sent, out.total, rtol=0, atol=1e-12)  # one rank: its part is the whole sum
+    ef = ErrorFeedback()
+    ef.update_residual("w", x, out.residual)
+    kept = ef.error("w")
+    assert kept is not None and torch.equal(kept, out.residual)
+    assert kept.data_ptr() == out.residual.data_ptr()  # kept, not copied
+    a, b = MomentumCorrection(0.9), MomentumCorrection(0.9)
+    for m in (a, b):
+        m.compensate("w", x)
+    a.update_residual("w", x, out.residual)
+    b.update("w", x, sent)
+    for got, want in ((a.error("w"), b.error("w")), (a.velocity("w"), b.velocity("w"))):
+        assert got is not None and want is not None and torch.equal(got, want)
+    v = a.velocity("w")
+    assert v is not None and not v.any()  # a dense P̂ Q^T: every entry was sent, all masked
+
+
+@pytest.mark.parametrize("r", [1, 2, 3])  # 1 and 2: broadcast multiply-adds; 3: one gemm (lowrank.OUTER_RANK)
+def test_exchange_divides_and_writes_into_the_given_buffers(r: int) -> None:
+    """``exchange``'s ``divisor`` and ``into`` (the hook's path: the sums written straight into the bucket) give
+    the plain sums divided, for factors and a tensor sent whole; ``into`` may be the inputs' own storage."""
+    xs = [pw.grad_input(0, 0, n, shape, torch.float64) for n, shape in (("a", (9, 7)), ("v", (5,)))]
+    q = PowerSGD(rank=r).initial_q("a", 7, r)
+    plain = exchange([Factor(xs[0], q), Factor(xs[1], None)], None)
+    flat = torch.cat([x.reshape(-1) for x in xs])
+    pieces = list(torch.split(flat, [x.numel() for x in xs]))
+    views = [p.view(x.shape) for p, x in zip(pieces, xs, strict=True)]
+    got = exchange([Factor(views[0], q), Factor(views[1], None)], None, divisor=3, into=pieces)
+    for p, g, piece in zip(plain, got, pieces, strict=True):
+        assert torch.allclose(g.total, p.total / 3, rtol=1e-14, atol=1e-15)
+        assert g.total.data_ptr() == piece.data_ptr()
+    assert not torch.allclose(plain[0].total, xs[0], atol=1e-6)  # factored: an approximation of rank r < 7
+    assert torch.equal(plain[1].total, xs[1])  # whole: itself
