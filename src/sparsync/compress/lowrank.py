@@ -130,14 +130,14 @@ def _sum(buf: torch.Tensor, group: dist.ProcessGroup | None) -> None:
 
 
 # Up to this rank, P̂ Q^T (and the residual's x - P̂ Q_i^T) is taken as r broadcast multiply-adds of column i of
-# P̂ by row i of Q^T, one pass over the n x m output each: MKL's gemm with an inner dimension of 1 or 2 runs slower
-# than that on this path (docs/results_tta.md); above it, one gemm.
+# P̂ by row i of Q^T, one pass over the n x m output each: MKL's gemm with an inner dimension of 1 is no faster,
+# with 2 several times slower on a wide output (docs/results_tta.md); above it, one gemm.
 OUTER_RANK = 2
 
 
-# The products take the tall matrix M (n x m, n >> r) untransposed as their right operand, and P and Q travel
-# transposed (r x n, r x m): P_i^T = Q^T M^T and Q_i^T = P̂^T M are then row-major products that BLAS runs in
-# one pass over M, where M^T P̂ with M^T as the left operand takes a slow path for a small r.
+# The products take the tall matrix M (n x m, n >> r), or M^T, as their right operand and the r-row factor as
+# their left, and P and Q travel transposed (r x n, r x m): P_i^T = Q^T M^T and Q_i^T = P̂^T M are then products
+# that BLAS runs in one pass over M, where M^T P̂ with M^T as the left operand takes a slow path for a small r.
 def _ps(items: Sequence[Factor]) -> torch.Tensor:
     """One flat buffer of every factored tensor's P_i^T = Q^T M^T (r x n) and every whole tensor's values, in
     ``items``' order (the first allreduce's)."""
