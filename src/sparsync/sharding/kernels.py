@@ -80,7 +80,13 @@ def gather(src: torch.Tensor, rows: torch.Tensor, kernels: str = "auto") -> torc
 def scatter_add(src: torch.Tensor, index: torch.Tensor, size: int, kernels: str = "auto") -> torch.Tensor:
     """``zeros(size, D).index_add_(0, index, src)`` of a 2-D float ``src`` (index_select's backward): each row
     the sum of its sources in their order."""
-    if src.dim() != 2 or src.dtype not in FLOATS or not _native_for(kernels, src, index):
+    if (
+        src.dim() != 2
+        or src.dtype not in FLOATS
+        or index.dtype != torch.int64
+        or index.numel() != src.shape[0]
+        or not _native_for(kernels, src, index)
+    ):  # (torch's op then names a mismatch)
         return src.new_zeros(size, src.shape[1]).index_add_(0, index, src)
     src, index = src.contiguous(), index.contiguous()
     out = src.new_empty(size, src.shape[1])
@@ -96,7 +102,12 @@ def sum_rows(
     ``coalesce()`` gives them: (the distinct rows ascending, their sums). In C where no row occurs more than
     twice (a sum of two is the same bits in either order, so coalesce's order needs no copying); else
     coalesce."""
-    if rows.dtype == torch.int64 and values.dim() == 2 and _updatable(kernels, values):
+    if (
+        rows.dtype == torch.int64
+        and values.dim() == 2
+        and rows.numel() == values.shape[0]
+        and _updatable(kernels, values)
+    ):
         rows = rows.contiguous()
         out_rows, out = torch.empty_like(rows), torch.empty_like(values)
         dbl = int(values.dtype == torch.float64)
