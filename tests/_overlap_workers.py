@@ -245,11 +245,15 @@ def timeline_worker(rank: int) -> dict[str, Any]:
     seen: list[tuple[int, bool]] = []  # (buckets launched, bucket 0 running or done) at the first layer's hook
 
     def first_layer(_: torch.Tensor) -> None:
-        works = [w for b, w in reducer.works if b.index == 0]
+        works = [w._future for b, w in reducer.works if b.index == 0]
+
+        def started() -> bool:
+            return bool(works) and (works[0].running() or works[0].done())
+
         deadline = time.monotonic() + 60
-        while works and not (works[0]._future.running() or works[0]._future.done()) and time.monotonic() < deadline:
+        while works and not started() and time.monotonic() < deadline:
             time.sleep(0.001)
-        seen.append((reducer.launched, bool(works) and (works[0]._future.running() or works[0]._future.done())))
+        seen.append((reducer.launched, started()))
 
     model[0].weight.register_post_accumulate_grad_hook(first_layer)
     for _ in range(4):
