@@ -4,6 +4,7 @@ _workers.py)."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import zmq
 from torch import nn
 
 from sparsync.hybrid import HybridConfig, HybridTrainer
-from sparsync.ps import OptimizerConfig, wire
+from sparsync.ps import OptimizerConfig, ServerProcess, start_servers, wire
 from sparsync.ps.wire import CurveKeys, Header
 
 VOCAB, DIM, CLASSES, SEQ, BATCH = 50, 8, 5, 6, 4
@@ -34,6 +35,26 @@ class TinyLM(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.emb(x) if self.bag else self.emb(x).mean(1)
         return self.head(h)
+
+
+def start_pairs(n: int, **kw: Any) -> list[list[ServerProcess]]:
+    """``n`` fresh pairs of servers (``start_servers(2, **kw)`` each), two pairs at a time: each server's start
+    waits for its interpreter's imports, mostly on one core (more at once could pass the 30 s a server gets to
+    start on a busy host). The run's client key is made first, so that every pair admits it."""
+    wire.run_client_keys()
+    with ThreadPoolExecutor(min(n, 2)) as pool:
+        futures = [pool.submit(start_servers, 2, **kw) for _ in range(n)]
+        pairs = []
+        try:
+            for f in futures:
+                pairs.append(f.result())
+        except BaseException:
+            for f in futures:
+                if f.exception() is None:
+                    for s in f.result():
+                        s.kill()
+            raise
+    return pairs
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

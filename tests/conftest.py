@@ -8,7 +8,7 @@ import inspect
 
 import pytest
 
-_STARTS = ("start_servers(", "ServerProcess(", "node_servers(")
+_STARTS = ("start_servers(", "start_pairs(", "ServerProcess(", "node_servers(")
 _SERVER_FIXTURES = {"two", "server", "raw"}  # test_ps.py's and test_ps_hostile.py's running servers
 
 

@@ -43,13 +43,10 @@ CASES = {
 @pytest.mark.parametrize("world", [1, 3, pytest.param(4, marks=pytest.mark.large)])
 def test_sync_hybrid_equals_single_process(world: int) -> None:
     # One fresh pair of servers per case: each case trains its own table from step 0.
-    cases = []
-    procs: list[ServerProcess] = []
+    pairs = pw.start_pairs(len(CASES[world]), wait_timeout=20.0)
+    procs = [s for sv in pairs for s in sv]
     try:
-        for c in CASES[world]:
-            sv = start_servers(2, wait_timeout=20.0)
-            procs += sv
-            cases.append({**c, "addresses": [s.address for s in sv]})
+        cases = [{**c, "addresses": [s.address for s in sv]} for c, sv in zip(CASES[world], pairs, strict=True)]
         res = launch(pw.hybrid_worker, nprocs=world, args=([], cases), timeout=120)
     finally:
         for s in procs:

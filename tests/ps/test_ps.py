@@ -34,8 +34,10 @@ from sparsync.ps.wire import Header, Op
 pytestmark = [pytest.mark.timeout(120)]
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two() -> Iterator[list[ServerProcess]]:
+    """Two servers shared by this module's tests (starting a pair costs an interpreter each): every test names
+    its tables apart, so no test sees another's rows, configs or sync steps."""
     sv = start_servers(2, wait_timeout=3.0)
     yield sv
     for s in sv:
@@ -216,23 +218,28 @@ def test_server_refuses_bad_messages_with_an_error_reply() -> None:
         sp.kill()
 
 
-def test_dead_server_gives_a_timeout_error_not_a_hang(two: list[ServerProcess]) -> None:
-    with PSClient([s.address for s in two], timeout=1.5) as c:
-        t = PSTable(c, "e", 20, 2)
-        t.create().wait()
-        two[1].kill()
-        t0 = time.monotonic()
-        with pytest.raises(PSTimeoutError, match=r"server 1 .*no reply within 1.5 s"):
-            t.pull(torch.arange(20)).wait()
-        assert time.monotonic() - t0 < 5
-        assert t.pull(torch.arange(0, 20, 2)).wait().shape == (10, 2)  # rows on the live server still work
+def test_dead_server_gives_a_timeout_error_not_a_hang() -> None:
+    own = start_servers(2, wait_timeout=3.0)  # its own pair: it kills one
+    try:
+        with PSClient([s.address for s in own], timeout=1.5) as c:
+            t = PSTable(c, "e", 20, 2)
+            t.create().wait()
+            own[1].kill()
+            t0 = time.monotonic()
+            with pytest.raises(PSTimeoutError, match=r"server 1 .*no reply within 1.5 s"):
+                t.pull(torch.arange(20)).wait()
+            assert time.monotonic() - t0 < 5
+            assert t.pull(torch.arange(0, 20, 2)).wait().shape == (10, 2)  # rows on the live server still work
+    finally:
+        for s in own:
+            s.kill()
 
 
 def test_sync_step_waits_for_every_pusher_then_applies_once(two: list[ServerProcess]) -> None:
     addrs = [s.address for s in two]
     with PSClient(addrs, timeout=10) as c, PSClient(addrs, timeout=10, sender=1) as c1:
-        t = PSTable(c, "e", 8, 1, pushers=2, optimizer=OptimizerConfig("sgd", lr=1.0))
-        t1 = PSTable(c1, "e", 8, 1, pushers=2, optimizer=OptimizerConfig("sgd", lr=1.0))  # worker 1's handle
+        t = PSTable(c, "sync", 8, 1, pushers=2, optimizer=OptimizerConfig("sgd", lr=1.0))
+        t1 = PSTable(c1, "sync", 8, 1, pushers=2, optimizer=OptimizerConfig("sgd", lr=1.0))  # worker 1's handle
         t.create().wait()
         t.push(torch.tensor([0, 5]), torch.tensor([[1.0], [2.0]]), step=0).wait()
         with pytest.raises(PSError, match="worker 0 already pushed step 0"):  # not counted twice
@@ -283,13 +290,10 @@ def test_two_sync_hybrid_runs_give_identical_bits(world: int) -> None:
 
     from sparsync import launch
 
-    procs: list[ServerProcess] = []
-    cases = []
+    pairs = pw.start_pairs(2, wait_timeout=20.0)  # two runs, each on fresh servers
+    procs = [s for sv in pairs for s in sv]
     try:
-        for _ in range(2):  # two runs, each on fresh servers
-            sv = start_servers(2, wait_timeout=20.0)
-            procs += sv
-            cases.append(dict(opt="adam", reduce="mean", steps=4, addresses=[s.address for s in sv]))
+        cases = [dict(opt="adam", reduce="mean", steps=4, addresses=[s.address for s in sv]) for sv in pairs]
         first, second = launch(pw.hybrid_worker, nprocs=world, args=([], cases), timeout=120)[0]
     finally:
         for s in procs:
@@ -301,7 +305,7 @@ def test_two_sync_hybrid_runs_give_identical_bits(world: int) -> None:
 
 def test_async_applies_each_push_at_once(two: list[ServerProcess]) -> None:
     with PSClient([s.address for s in two], timeout=10) as c:
-        t = PSTable(c, "e", 8, 2, mode="async", pushers=3, optimizer=OptimizerConfig("sgd", lr=1.0))
+        t = PSTable(c, "async", 8, 2, mode="async", pushers=3, optimizer=OptimizerConfig("sgd", lr=1.0))
         t.create().wait()
         t.push(torch.tensor([3, 3]), torch.ones(2, 2)).wait()  # one worker, no one else: applied anyway
         assert t.pull(torch.tensor([3])).wait().tolist() == [[-2.0, -2.0]]
@@ -311,12 +315,13 @@ def test_async_applies_each_push_at_once(two: list[ServerProcess]) -> None:
 @pytest.mark.parametrize("partitions", [2, 3])
 def test_pull_push_apply_equal_numpy_reference(two: list[ServerProcess], split: str, partitions: int) -> None:
     rows, dim, lr = 23, 3, 0.5
+    name = f"ref_{split}{partitions}"  # the module's servers hold every case's table
     rng = np.random.default_rng(partitions)
     ref = rng.standard_normal((rows, dim)).astype(np.float32)
     addrs = [s.address for s in two]
     with PSClient(addrs, timeout=10) as c, PSClient(addrs, timeout=10, sender=1) as c1:
         t, t1 = (
-            PSTable(x, f"ref_{split}", rows, dim, partitions=partitions, pushers=2, split=split, divisor=2.0,
+            PSTable(x, name, rows, dim, partitions=partitions, pushers=2, split=split, divisor=2.0,
                     optimizer=OptimizerConfig("sgd", lr=lr))
             for x in (c, c1)
         )  # fmt: skip
