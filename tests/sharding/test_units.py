@@ -375,3 +375,34 @@ def test_plan_auto_is_told_whether_the_tables_update_in_backward(
     optimizer = sparsync.sharding.SGD(lr=0.1) if fused else None
     sparsync.shard(_Three(), "auto", sample=(torch.zeros(2, 3, dtype=torch.int64),), optimizer=optimizer)
     assert told == [fused]
+
+
+class _Mutating(nn.Module):
+    """Three tables looked up with one ids tensor, modified in place between the calls (``bump``) or not."""
+
+    def __init__(self, bump: bool) -> None:
+        super().__init__()
+        self.bump = bump
+        self.tables = nn.ModuleList([nn.EmbeddingBag(50, 4, mode="sum") for _ in range(3)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outs = []
+        for t in self.tables:
+            outs.append(t(x))
+            if self.bump:
+                x.add_(1)  # the next table looks up the next ids; the pending lookups read theirs later
+        return torch.cat(outs, 1)
+
+
+def test_ids_modified_in_place_before_the_exchange_are_refused(one_rank_group: None) -> None:
+    """A call's ids are read when its exchange runs: ids modified in place since the call are refused with words
+    naming the table (not looked up as modified); left as they are, the three tables give torch's outputs."""
+    x = torch.randint(0, 40, (6, 2))
+    torch.manual_seed(0)
+    model = sparsync.shard(_Mutating(bump=False))
+    torch.manual_seed(0)
+    assert torch.equal(model(x.clone()), _Mutating(bump=False)(x.clone()))
+    model.bump = True
+    with pytest.raises(ValueError, match=r"ids were modified in place after the call") as e:
+        model(x.clone())
+    assert "EmbeddingBag(50, 4" in str(e.value)

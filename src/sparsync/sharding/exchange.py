@@ -99,6 +99,44 @@ class Offsets:
         return out
 
 
+class Bases:
+    """Each id's table base in its group (``Exchanger._joined`` adds it to all of a group's ids in one op), kept
+    per group for the last calls' tables and sizes while they repeat (a model that looks its tables up with
+    batches of one size)."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[tuple[tuple[int, int], ...], torch.Tensor]] = {}
+
+    def of(self, group: int, sizes: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        """(base, ids) per call of ``group``, in order, as the base of each id, int64."""
+        kept = self._last.get(group)
+        if kept is not None and kept[0] == sizes:
+            return kept[1]
+        bases = torch.tensor([b for b, _ in sizes], dtype=torch.int64)
+        out = torch.repeat_interleave(bases, torch.tensor([n for _, n in sizes], dtype=torch.int64))
+        self._last[group] = (sizes, out)
+        return out
+
+
+class Bounds:
+    """Per group, the first key and the key past the last of each table looked up (``out_of_range``), int64,
+    kept for the last tables looked up while they repeat."""
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] = {}
+
+    def of(self, index: int, group: TableGroup, tables: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first keys, keys past the last) of ``tables`` (slot indices) of ``group``, the exchanger's
+        ``index``-th."""
+        kept = self._last.get(index)
+        if kept is None or kept[0] != tables:
+            slots = [group.slots[t] for t in tables]
+            first = torch.tensor([s.base for s in slots], dtype=torch.int64)
+            kept = (tables, first, first + torch.tensor([s.rows for s in slots], dtype=torch.int64))
+            self._last[index] = kept
+        return kept[1], kept[2]
+
+
 def _offsets_verdict(offsets: object, n: int, last: bool) -> tuple[str | None, bool]:
     if (
         not isinstance(offsets, torch.Tensor)
@@ -139,6 +177,8 @@ class Exchanger:
         self.ready: Ready | None = None
         self._keys: dict[tuple[str, ...], int] = {}  # the header's key of each list of tables seen
         self.offsets = Offsets()
+        self.bases = Bases()
+        self.bounds = Bounds()
 
     @property
     def rank(self) -> int:
@@ -189,7 +229,7 @@ class Exchanger:
         each table will be called with (all its calls' ids, in call order); ``refusal`` travels in the header, and
         every rank raises it at ``settle``. Collective: every rank sends ahead at the same point."""
         sent = self._layout(calls)
-        refusal = refusal or self._aliased(sent) or out_of_range(sent, self.groups)
+        refusal = refusal or self._aliased(sent) or out_of_range(sent, self.groups, self.bounds)
         flight = ids_stage.start(self.link, self._request(sent, refusal), Traffic(), wait=False)
         return sent, flight
 
@@ -204,8 +244,8 @@ class Exchanger:
         t0 = time.perf_counter()
         sent = self._layout(calls)
         ready, self.ready = self.ready, None
-        refusal = next((c.refusal for c in calls if c.refusal is not None), None)
-        refusal = refusal or self._aliased(sent) or out_of_range(sent, self.groups)
+        refusal = next((c.refusal for c in calls if c.refusal is not None), None) or _mutated(calls)
+        refusal = refusal or self._aliased(sent) or out_of_range(sent, self.groups, self.bounds)
         if ready is None:
             tally = Traffic()
             done = ids_stage.run(self.link, self._request(sent, refusal), tally)
@@ -235,14 +275,32 @@ class Exchanger:
         for c in calls:
             per.setdefault(c.group, {}).setdefault(c.slot.index, []).append(c)
         order = tuple(sorted(per))
-        keys = tuple(tuple(_cat([c.keys for c in per[g][t]]) for t in per[g]) for g in order)
+        laid = [self._joined(g, per[g]) for g in order]
         return Sent(
             order,
             tuple(tuple(per[g]) for g in order),
-            keys,
+            tuple(keys for keys, _ in laid),
             tuple(tuple(per[g][t][0].table for t in per[g]) for g in order),
-            tuple(_cat(list(k)) for k in keys),
+            tuple(joined for _, joined in laid),
         )
+
+    def _joined(
+        self, group: int, tables: dict[int, list[Call | Ahead]]
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+        """Group ``group``'s keys, its calls' ids plus their tables' bases: per table (its calls' in call order,
+        views of the whole) and all of them, table after table: one cat of the ids, one add of the bases."""
+        calls = [c for cs in tables.values() for c in cs]
+        sizes = tuple((c.slot.base, int(c.keys.numel())) for c in calls)
+        ids = _cat([c.keys for c in calls])
+        first = sizes[0][0]
+        if all(base == first for base, _ in sizes):
+            joined = ids + first if first else ids
+        else:
+            joined = ids + self.bases.of(group, sizes)
+        if len(tables) == 1:
+            return (joined,), joined
+        per_table = [sum(int(c.keys.numel()) for c in cs) for cs in tables.values()]
+        return tuple(torch.split(joined, per_table)), joined
 
     def _request(self, sent: Sent, refusal: str | None) -> ids_stage.Request:
         return ids_stage.Request(sent.joined, self._key(sent), sent.descriptions(), refusal, self.capacity)
@@ -257,10 +315,11 @@ class Exchanger:
         return next((r for g in sent.order if (r := self.groups[g].aliased()) is not None), None)
 
 
-def out_of_range(sent: Sent, groups: Sequence[TableGroup]) -> str | None:
+def out_of_range(sent: Sent, groups: Sequence[TableGroup], bounds: Bounds | None = None) -> str | None:
     """Why a call's ids do not lie in its table (a negative id, or one past its rows), for the first such table,
-    or None: per group each table's least and greatest key against its bounds, in one ``aminmax`` when the
-    tables' keys are as many (a model that looks each table up once a sample), and one host sync."""
+    or None: per group each table's least and greatest key against its bounds (``bounds``: the exchanger's, kept
+    from the last exchange), in one ``aminmax`` when the tables' keys are as many (a model that looks each table
+    up once a sample), and one host sync."""
     for k, g in enumerate(sent.order):
         keys = sent.joined[k]
         if not keys.numel():
@@ -269,15 +328,27 @@ def out_of_range(sent: Sent, groups: Sequence[TableGroup]) -> str | None:
         parts = sent.keys[k]
         n = int(parts[0].numel())
         if all(int(x.numel()) == n for x in parts):
-            low, high, looked = *torch.aminmax(keys.view(len(parts), n), dim=1), slots
+            low, high, looked = *torch.aminmax(keys.view(len(parts), n), dim=1), sent.tables[k]
         else:
             low, high = torch.stack([torch.stack(torch.aminmax(x)) for x in parts if x.numel()]).unbind(1)
-            looked = [s for s, x in zip(slots, parts, strict=True) if x.numel()]
-        base = torch.tensor([s.base for s in looked])
-        if bool(((low < base) | (high >= base + torch.tensor([s.rows for s in looked]))).any()):
+            looked = tuple(t for t, x in zip(sent.tables[k], parts, strict=True) if x.numel())
+        first, end = (bounds or Bounds()).of(g, groups[g], looked)
+        if bool(((low < first) | (high >= end)).any()):
             for slot, x, name in zip(slots, parts, sent.names[k], strict=True):
                 if x.numel() and (why := _range_words(x - slot.base, slot.rows)) is not None:
                     return f"{name}: {why}"
+    return None
+
+
+def _mutated(calls: Sequence[Call]) -> str | None:
+    """Why a call's ids are not the ones it was called with (modified in place since), for the first such call,
+    or None."""
+    for c in calls:
+        if c.keys._version != c.version:
+            return (
+                f"{c.table}: its ids were modified in place after the call, before its lookup ran (the exchange "
+                "reads every pending call's ids when a lookup is first used); pass ids left as they are, or a copy"
+            )
     return None
 
 

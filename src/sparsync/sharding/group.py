@@ -162,9 +162,11 @@ class TableGroup:
         return param
 
     def aliased(self) -> str | None:
-        """None while every table's parameter views its slice of the flat tensor; else which does not."""
+        """None while every table's parameter views its slice of the flat tensor; else which does not (the
+        addresses compared as numbers: no tensor op)."""
+        start, row = self.flat.data_ptr(), self.flat.stride(0) * self.flat.element_size()
         for slot, p in zip(self.slots, self.params, strict=True):
-            if slot.owned and p.data_ptr() != self.flat[slot.first].data_ptr():
+            if slot.owned and p.data_ptr() != start + slot.first * row:
                 return (
                     f"table {slot.index} of the group of {len(self.slots)} sharded tables of width {self.dim}: "
                     "its weight no longer views the group's storage (its parameter was replaced after "

@@ -280,6 +280,8 @@ def start(link: Link, request: Request, tally: Traffic, wait: bool) -> IdsRound:
     """Start the ids round of ``request`` (module doc): each peer's block, the header row and up to its
     ``capacity`` keys, sent at once (``wait``) or in the background. Collective."""
     keys, refusal = request.keys, request.refusal
+    if link.size == 1 and refusal is None:
+        return _alone(request, tally, wait)
     asked: list[Asked] = []
     payload, counts = torch.empty(0, dtype=torch.int64), [0] * link.size
     if refusal is None:
@@ -294,11 +296,32 @@ def start(link: Link, request: Request, tally: Traffic, wait: bool) -> IdsRound:
     return IdsRound(tuple(keys), asked, payload, counts, C, got, work, tally, refusal, tuple(request.descriptions))
 
 
+def _alone(request: Request, tally: Traffic, wait: bool) -> IdsRound:
+    """``start`` on a group of one rank that refuses nothing: the keys deduplicated, no block built and no round
+    (the rank's one owner is itself, its key k its row k, ``group``), what a round would count (no byte, no
+    message) counted as one."""
+    asked = dedupe_groups(request.keys, 1)
+    count = len(asked) + sum(int(a.distinct.numel()) for a in asked)  # the payload's length: counts, then keys
+    t0 = time.perf_counter()
+    tally.add(0, 0, 0)
+    for phase in ("header", "ids", "padding"):
+        tally.phase_bytes[phase] = tally.phase_bytes.get(phase, 0)
+    if wait:
+        tally.phases["ids"] = tally.phases.get("ids", 0.0) + time.perf_counter() - t0
+    nothing = torch.empty(0, dtype=torch.int64)
+    return IdsRound(tuple(request.keys), asked, nothing, [count], request.capacity, nothing, None, tally, None,
+                    tuple(request.descriptions))  # fmt: skip
+
+
 def finish(link: Link, flight: IdsRound) -> Ids:
     """``flight`` read, once every rank's header says go on; else every rank raises the same ValueError
     (``agree``). The keys past the capacity in a second round, which every rank runs when any pair overflowed
     (every rank saw every sender's widest). Collective."""
     flight.wait()
+    if link.size == 1 and flight.refusal is None:  # ``_alone``: this rank asks itself for its distinct keys
+        rows = tuple(a.distinct for a in flight.asked)
+        served = Served(rows, tuple((int(r.numel()),) for r in rows))
+        return Ids(flight.keys, flight.asked, served, capacity_after(flight.counts[0]), flight.tally)
     P, W, C = link.size, len(COLUMNS), flight.capacity
     got = flight.got.view(P, W + C)
     recv, widest = agree(got, link.group, refusal=flight.refusal, descriptions=flight.descriptions)

@@ -109,23 +109,24 @@ class ShardedTable(nn.Module):
 
     # --- one call -----------------------------------------------------------------------------------------------
     def checked_ids(self, input: Any) -> tuple[torch.Tensor, str | None]:
-        """(the call's keys: its ids, flat int64, plus the table's base in its group, or an empty tensor when
-        refused; why it is refused, or None). The ids' range is checked for all of an exchange's calls at once
-        (``exchange.out_of_range``), with the words this check would use."""
-        empty = torch.empty(0, dtype=torch.int64)
+        """(the call's ids, flat int64 (the exchange adds the table's base in its group to all calls' ids at
+        once, ``exchange``), or an empty tensor when refused; why it is refused, or None). The ids' range is
+        checked for all of an exchange's calls at once (``exchange.out_of_range``), with the words this check
+        would use."""
         if not isinstance(input, torch.Tensor):
-            return empty, f"{self.describe()}: the input must be a tensor of ids, got {type(input).__name__}"
+            why = f"{self.describe()}: the input must be a tensor of ids, got {type(input).__name__}"
+            return torch.empty(0, dtype=torch.int64), why
         if input.dtype not in ID_DTYPES:
-            return empty, f"{self.describe()}: ids must be int64 or int32, got {input.dtype}"
-        ids = input.detach().reshape(-1).to(torch.int64)
-        return ids + self.slot.base if self.slot.base else ids, None  # the range: ``exchange.out_of_range``
+            why = f"{self.describe()}: ids must be int64 or int32, got {input.dtype}"
+            return torch.empty(0, dtype=torch.int64), why
+        return input.reshape(-1).to(torch.int64), None  # ids: no autograd (nothing to detach); range: ``exchange``
 
     def _call(self, input: Any, refusal: str | None, keys: torch.Tensor, **how: Any) -> LazyLookup:
         """Register this call with the exchanger: its keys, and how to pool it (``rows.Call``)."""
         shape = input.shape if refusal is None else torch.Size([0])
         out = LazyLookup(self.exchanger.flush, self._description)
         call = Call(self.group_index, self.slot, self._description, refusal, keys, shape,
-                    padding=self._padding_key, out=out, **how)  # fmt: skip
+                    padding=self._padding_key, out=out, version=keys._version, **how)  # fmt: skip
         return self.exchanger.register(call)
 
     # --- the state dict -----------------------------------------------------------------------------------------

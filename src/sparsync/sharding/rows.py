@@ -37,7 +37,7 @@ class Call:
     slot: Slot
     table: str  # the table's description (errors, the header's key)
     refusal: str | None  # why this rank refuses the call (every rank then raises it), None when valid
-    keys: torch.Tensor  # flat int64: the call's ids + the table's base (``group``); empty when refused
+    keys: torch.Tensor  # flat int64: the call's ids (the exchange adds the table's base); empty when refused
     shape: torch.Size  # the input's shape
     bag: bool  # nn.EmbeddingBag (else nn.Embedding)
     mode: str  # the bag's mode
@@ -47,6 +47,7 @@ class Call:
     padding: int | None  # padding_idx's key, or None
     out: LazyLookup
     single: bool = False  # every bag holds one id (a bag's pooled row is that id's row, as an embedding's is)
+    version: int = 0  # ``keys._version`` at the call (the ids are read when the exchange runs)
 
 
 @dataclass(frozen=True)
@@ -223,13 +224,19 @@ def pool(
     standing for its ids: the calls that share a signature in one ``embedding_bag`` (or ``embedding``), their
     outputs split apart; a call with a padding row alone (``padding_at``: padding key -> its row among
     ``gathered``)."""
-    per_call = torch.split(positions, [c.keys.numel() for c in calls])
+    sizes = [c.keys.numel() for c in calls]
+    if calls and all(c.padding is None and _as_rows(c) for c in calls):  # one pick of every call's rows, in order
+        got = torch.split(kernels.pick_rows(gathered, positions), sizes)
+        return [
+            part if c.bag else part.view(*c.shape, gathered.shape[1]) for c, part in zip(calls, got, strict=True)
+        ]
+    per_call = torch.split(positions, sizes)
     out: list[torch.Tensor] = [positions] * len(calls)  # each place filled below
     fused: dict[tuple[Any, ...], list[tuple[int, Call, torch.Tensor]]] = {}
     for i, (call, pos) in enumerate(zip(calls, per_call, strict=True)):
         if call.padding is not None:
             out[i] = _pool_one(gathered, call, pos, padding_at.get(call.padding))
-        elif not call.bag or (call.single and call.weights is None):
+        elif _as_rows(call):
             fused.setdefault(("rows",), []).append((i, call, pos))
         else:
             fused.setdefault((call.mode, call.weights is not None), []).append((i, call, pos))
@@ -239,6 +246,11 @@ def pool(
         else:
             _pool_bags(gathered, members, out, *signature)
     return out
+
+
+def _as_rows(call: Call) -> bool:
+    """Whether the call's output is its ids' rows as they are (an embedding, bags of one id each, unweighted)."""
+    return not call.bag or (call.single and call.weights is None)
 
 
 def _pool_one(gathered: torch.Tensor, call: Call, pos: torch.Tensor, padding: int | None) -> torch.Tensor:
