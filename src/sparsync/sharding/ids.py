@@ -62,6 +62,9 @@ def dedupe_groups(ids: Sequence[torch.Tensor], parts: int, kernels: str = "auto"
     lens = [int(x.numel()) for x in ids]
     if T == 0:
         return []
+    if T == 1 and parts == 1:  # one group, one owner: the sorted distinct keys are all there is
+        keys, inverse = unique(ids[0], kernels)
+        return [Asked(keys, inverse, (int(keys.numel()),))]
     flat = torch.cat(list(ids)) if T > 1 else ids[0]
     span = int(flat.max()) + 1 if flat.numel() else 1  # (group, owner) · span + key never collide
     group = None if T == 1 else torch.repeat_interleave(torch.arange(T), torch.tensor(lens, dtype=torch.int64))

@@ -119,7 +119,8 @@ class ShardedTable(nn.Module):
         if input.dtype not in ID_DTYPES:
             why = f"{self.describe()}: ids must be int64 or int32, got {input.dtype}"
             return torch.empty(0, dtype=torch.int64), why
-        return input.reshape(-1).to(torch.int64), None  # ids: no autograd (nothing to detach); range: ``exchange``
+        ids = input.reshape(-1)  # ids: no autograd (nothing to detach); the range: ``exchange``
+        return (ids if input.dtype == torch.int64 else ids.to(torch.int64)), None
 
     def _call(self, input: Any, refusal: str | None, keys: torch.Tensor, **how: Any) -> LazyLookup:
         """Register this call with the exchanger: its keys, and how to pool it (``rows.Call``)."""
