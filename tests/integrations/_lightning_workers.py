@@ -6,6 +6,7 @@ both runs' parameters."""
 
 from __future__ import annotations
 
+import traceback
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -369,4 +370,17 @@ def checkpoint_worker(rank: int, root: str, cases: tuple[str, ...]) -> dict[str,
             }
         out[case] = {"uninterrupted": _params(module), "resumed": _params(resumed), "saved": shapes}
     out["start"] = _params(Net())
+    return out
+
+
+def parts_worker(rank: int, parts: dict[str, tuple[str, tuple[Any, ...]]]) -> dict[str, Any]:
+    """Several of this module's workers one after another in one launch (a launch's ranks import Lightning
+    anew): ``parts`` maps a label to (a worker's name, its arguments after ``rank``). Each label's result, or
+    its error as text (the others still run)."""
+    out: dict[str, Any] = {}
+    for label, (name, args) in parts.items():
+        try:
+            out[label] = globals()[name](rank, *args)
+        except Exception as e:
+            out[label] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     return out

@@ -59,18 +59,46 @@ def _check(res: list[dict[str, Any]], cases: tuple[Case, ...]) -> None:
                     assert np.array_equal(w, res[0][key]["plain"][name]), (key, rank, name, "ranks differ")
 
 
-def test_fit_equals_the_plain_loop_bit_for_bit_at_two_ranks() -> None:
-    cases = (
-        ("optimizer", 1, "32-true"),
-        ("shard", 1, "32-true"),
-        ("hook", 1, "32-true"),
-        ("optimizer", 1, "bf16-mixed"),
-        ("optimizer", 1, "64-true"),
-        ("hook", 1, "bf16-mixed"),
-        ("hook", 1, "64-true"),
-    )
-    res = launch(lw.compare_worker, nprocs=2, args=(cases,))
-    _check(res, cases)
+FIT_CASES: tuple[Case, ...] = (
+    ("optimizer", 1, "32-true"),
+    ("shard", 1, "32-true"),
+    ("hook", 1, "32-true"),
+    ("optimizer", 1, "bf16-mixed"),
+    ("optimizer", 1, "64-true"),
+    ("hook", 1, "bf16-mixed"),
+    ("hook", 1, "64-true"),
+)
+CLIP_CASES = (("optimizer", "norm", 0.05), ("optimizer", "value", 0.01), ("shard", "value", 0.01),
+              ("shard", "norm", 0.05))  # fmt: skip
+CHECKPOINT_CASES = ("optimizer", "shard")
+
+
+@pytest.fixture(scope="module")
+def at_two(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """The tests at P = 2 below in one launch (a launch's ranks import Lightning anew): the fits against the
+    loop, the clipping and two optimizers, the checkpoint, the validation (``lw.parts_worker``)."""
+    root = str(tmp_path_factory.mktemp("lightning_checkpoints"))
+    parts = {
+        "fit": ("compare_worker", (FIT_CASES,)),
+        "clip": ("clip_worker", (CLIP_CASES,)),
+        "checkpoint": ("checkpoint_worker", (root, CHECKPOINT_CASES)),
+        "validate": ("validate_worker", ()),
+    }
+    return launch(lw.parts_worker, nprocs=2, args=(parts,))
+
+
+def _part(at_two: list[dict[str, Any]], label: str) -> list[Any]:
+    """Every rank's result of one part of ``at_two``; a part that raised fails the test with its error (and can
+    leave the group out of step for the parts after it, whose tests then fail too)."""
+    for rank, r in enumerate(at_two):
+        if isinstance(r[label], str):
+            pytest.fail(f"rank {rank}: {r[label].splitlines()[0]}\n{r[label][-3000:]}")
+    return [r[label] for r in at_two]
+
+
+def test_fit_equals_the_plain_loop_bit_for_bit_at_two_ranks(at_two: list[dict[str, Any]]) -> None:
+    res = _part(at_two, "fit")
+    _check(res, FIT_CASES)
     fp32, bf16 = res[0]["optimizer/1/32-true"]["lightning"], res[0]["optimizer/1/bf16-mixed"]["lightning"]
     assert not np.array_equal(fp32["fc.weight"], bf16["fc.weight"]), "bf16-mixed ran in float32"
 
@@ -107,22 +135,18 @@ def test_lightning_launches_the_ranks_itself(tmp_path: Path) -> None:
         assert np.array_equal(res[0]["plain"][name], res[1]["plain"][name]), (name, "ranks differ")
 
 
-def test_gradient_clipping_and_two_optimizers_equal_the_plain_loop_at_two_ranks() -> None:
+def test_gradient_clipping_and_two_optimizers_equal_the_plain_loop_at_two_ranks(
+    at_two: list[dict[str, Any]],
+) -> None:
     """``gradient_clip_val`` by norm and by value (sharded tables too: their norm counts every rank's rows) ends
     bit for bit where the plain loop that clips through
     ``DistributedOptimizer`` does, and apart from the loop without clipping (the clipping acted). Two optimizers
     (manual optimisation: Lightning's way to several; Adagrad on the tables, SGD with momentum on the linear
     layer, each clipped by ``clip_gradients``: the tables' sparse gradients by norm, the layer's by value) each
     wrapped in a ``DistributedOptimizer``, bit for bit against the loop with two."""
-    cases = (
-        ("optimizer", "norm", 0.05),
-        ("optimizer", "value", 0.01),
-        ("shard", "value", 0.01),
-        ("shard", "norm", 0.05),
-    )
-    res = launch(lw.clip_worker, nprocs=2, args=(cases,))
+    res = _part(at_two, "clip")
     for rank, r in enumerate(res):
-        for case, algorithm, value in cases:
+        for case, algorithm, value in CLIP_CASES:
             run = r[f"{case}/{algorithm}/{value}"]
             for name, want in run["plain"].items():
                 got = run["lightning"][name]
@@ -145,14 +169,13 @@ def test_gradient_clipping_and_two_optimizers_equal_the_plain_loop_at_two_ranks(
             assert np.array_equal(want, res[0]["two_optimizers"]["plain"][name]), (rank, name, "ranks differ")
 
 
-def test_checkpoint_resumes_bit_for_bit(tmp_path: Path) -> None:
+def test_checkpoint_resumes_bit_for_bit(at_two: list[dict[str, Any]]) -> None:
     """``ModelCheckpoint`` after each of 2 epochs, then a module from another seed ``fit(ckpt_path=<epoch 0>)``
     to the same end: its parameters equal the uninterrupted run's bit for bit, on the default path and with both
     tables sharded, whose checkpoint (written by rank 0) holds each table whole and its whole Adagrad state."""
-    cases = ("optimizer", "shard")
-    res = launch(lw.checkpoint_worker, nprocs=2, args=(str(tmp_path), cases))
+    res = _part(at_two, "checkpoint")
     for rank, r in enumerate(res):
-        for case in cases:
+        for case in CHECKPOINT_CASES:
             for name, want in r[case]["uninterrupted"].items():
                 got = r[case]["resumed"][name]
                 assert np.array_equal(got, want), (case, rank, name, float(np.abs(got - want).max()))
@@ -162,12 +185,12 @@ def test_checkpoint_resumes_bit_for_bit(tmp_path: Path) -> None:
     assert shard_rows == (20, 4), shard_rows
 
 
-def test_validate_shards_and_broadcasts_rank_zeros_module() -> None:
+def test_validate_shards_and_broadcasts_rank_zeros_module(at_two: list[dict[str, Any]]) -> None:
     """``trainer.validate`` (no optimizer to broadcast the parameters) of a module whose ranks start apart: every
     rank ends with rank 0's linear layer and its own rows (r, r + 2, ...) of rank 0's tables, and the logged loss
     (each rank's 12 samples, averaged over the ranks) is rank 0's module's on all 24 samples in one process,
     within float32 rounding of the two summation orders."""
-    for rank, r in enumerate(launch(lw.validate_worker, nprocs=2)):
+    for rank, r in enumerate(_part(at_two, "validate")):
         for name in ("emb.weight", "bag.weight"):
             assert np.array_equal(r["after"][name], r["rank0"][name][rank::2]), (rank, name)
         for name in ("fc.weight", "fc.bias"):
