@@ -299,7 +299,10 @@ class Exchanger:
             joined = ids + self.bases.of(group, sizes)
         if len(tables) == 1:
             return (joined,), joined
-        per_table = [sum(int(c.keys.numel()) for c in cs) for cs in tables.values()]
+        if len(calls) == len(tables):  # one call per table
+            per_table = [n for _, n in sizes]
+        else:
+            per_table = [sum(int(c.keys.numel()) for c in cs) for cs in tables.values()]
         return tuple(torch.split(joined, per_table)), joined
 
     def _request(self, sent: Sent, refusal: str | None) -> ids_stage.Request:
