@@ -63,12 +63,12 @@ class Sent:
 
 @dataclass(frozen=True)
 class Ahead:
-    """What a table will be called with on a batch not yet seen (``Lookahead``): all its calls' keys."""
+    """What a table will be called with on a batch not yet seen (``Lookahead``): all its calls' ids."""
 
     group: int
     slot: Slot
     table: str
-    keys: torch.Tensor
+    keys: torch.Tensor  # flat int64 ids, as ``Call.keys`` (the layout adds the table's base)
 
 
 @dataclass(frozen=True)
