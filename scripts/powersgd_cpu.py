@@ -32,36 +32,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from sparsync.compress import ErrorFeedback, PowerSGD
 from sparsync.compress.hooks import compression_hook
 from sparsync_bench import tta
+from sparsync_bench.grad_bucket import GradBucket
 
 
-class Bucket:
-    """What both hooks read of a ``dist.GradBucket``: one flat buffer holding every gradient."""
-
-    def __init__(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
-        self._buffer = torch.cat([g.reshape(-1) for g in grads])
-        self._params = params
-        self._grads, offset = [], 0
-        for g in grads:
-            self._grads.append(self._buffer[offset : offset + g.numel()].view(g.shape))
-            offset += g.numel()
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def index(self) -> int:
-        return 0
-
-    def is_last(self) -> bool:
-        return True
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return self._params
-
-    def gradients(self) -> list[torch.Tensor]:
-        return self._grads
-
-
-def hooks(model: torch.nn.Module, rank: int) -> dict[str, Callable[[Bucket], Any]]:
+def hooks(model: torch.nn.Module, rank: int) -> dict[str, Callable[[GradBucket], Any]]:
     state = torch_psgd.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2, random_seed=0)
     ours = compression_hook(PowerSGD(rank=rank, start_iter=2), ErrorFeedback(), module=model)
     return {
@@ -78,12 +52,12 @@ def measure(model_name: str, rank: int, rounds: int, calls: int) -> list[dict[st
     runs = hooks(model, rank)
     for fn in runs.values():
         for _ in range(4):  # past start_iter, warm-started
-            fn(Bucket(params, grads)).wait()
+            fn(GradBucket(params, grads)).wait()
     timed: dict[str, list[float]] = {label: [] for label in runs}
     for _ in range(rounds):
         for label, fn in runs.items():
             for _ in range(calls):
-                b = Bucket(params, grads)
+                b = GradBucket(params, grads)
                 t0 = time.perf_counter()
                 fn(b).wait()
                 timed[label].append(time.perf_counter() - t0)
@@ -103,10 +77,10 @@ def profile(model_name: str, rank: int) -> str:
     grads = [torch.randn(p.shape, generator=gen) for p in params]
     hook = compression_hook(PowerSGD(rank=rank, start_iter=2), ErrorFeedback(), module=model, async_op=False)
     for _ in range(4):
-        hook(None, Bucket(params, grads)).wait()
+        hook(None, GradBucket(params, grads)).wait()
     prof = cProfile.Profile()
     for _ in range(10):
-        b = Bucket(params, grads)
+        b = GradBucket(params, grads)
         prof.enable()
         hook(None, b).wait()
         prof.disable()

@@ -20,6 +20,7 @@ from sparsync.compress import QSGD, ErrorFeedback, from_spec
 from sparsync.compress.cast_allreduce import CHUNK as CAST_CHUNK
 from sparsync.compress.hooks import compression_hook
 from sparsync.compress.qsgd_allreduce import SEGMENT
+from sparsync_bench.grad_bucket import GradBucket
 
 SPECS = (
     "identity",
@@ -536,24 +537,6 @@ def _fused_run(rank: int, spec: str, steps: int) -> dict[str, Any]:
     }
 
 
-class _FakeBucket(_Bucket):
-    """A bucket with parameters and gradients (views of the buffer), as the hook reads them."""
-
-    def __init__(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
-        super().__init__(torch.cat([g.reshape(-1) for g in grads]))
-        self._params = params
-        self._grads, offset = [], 0
-        for g in grads:
-            self._grads.append(self._buffer[offset : offset + g.numel()].view(g.shape))
-            offset += g.numel()
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return self._params
-
-    def gradients(self) -> list[torch.Tensor]:
-        return self._grads
-
-
 def fused_bucket_worker(rank: int, case: str) -> dict[str, Any]:
     """The hook on hand-made buckets of a two-layer model. ``swap``: rank 1's bucket lists the two weights
     in the other order (same shapes, so only the names tell); returns the error each rank's future raised.
@@ -571,7 +554,7 @@ def fused_bucket_worker(rank: int, case: str) -> dict[str, Any]:
         params = [w1, b0, w0, b1] if rank == 1 else [w0, b0, w1, b1]
         grads = [torch.full(tuple(p.shape), float(rank + 1 + i)) for i, p in enumerate(params)]
         try:
-            hook(None, _FakeBucket(list(params), grads)).wait()
+            hook(None, GradBucket(list(params), grads)).wait()
             out["error"] = ""
         except Exception as e:
             out["error"] = f"{type(e).__name__}: {e}"
@@ -579,7 +562,7 @@ def fused_bucket_worker(rank: int, case: str) -> dict[str, Any]:
         # one's residuals and thresholds hold what the refused call selected)
         ok = [torch.ones(tuple(p.shape)) for p in (w0, b0, w1, b1)]
         hook = compression_hook(Threshold(0.25), ErrorFeedback(), module=model)
-        out["after"] = hook(None, _FakeBucket([w0, b0, w1, b1], ok)).wait().numpy()
+        out["after"] = hook(None, GradBucket([w0, b0, w1, b1], ok)).wait().numpy()
         return out
     for comp in (Threshold(0.25, lifespan=2), TopK(0.25)):
         log = CommLog()
@@ -587,6 +570,6 @@ def fused_bucket_worker(rank: int, case: str) -> dict[str, Any]:
         bufs = []
         for _ in range(3):
             zeros = [torch.zeros(tuple(p.shape)) for p in (w0, b0, w1, b1)]
-            bufs.append(hook(None, _FakeBucket([w0, b0, w1, b1], zeros)).wait().numpy())
+            bufs.append(hook(None, GradBucket([w0, b0, w1, b1], zeros)).wait().numpy())
         out[type(comp).__name__] = {"bufs": bufs, "nnz_in": [r.nnz_in for r in log.records]}
     return out

@@ -16,6 +16,7 @@ import sparsync
 from sparsync.compress import ErrorFeedback, PowerSGD, compressed_allreduce
 from sparsync.compress.hooks import compression_hook
 from sparsync.record import CommLog
+from sparsync_bench.grad_bucket import GradBucket
 
 # name -> (shape, dtype, PowerSGD rank) of the tensors compressed_allreduce reduces one at a time
 TENSORS: dict[str, tuple[tuple[int, ...], torch.dtype, int]] = {
@@ -35,31 +36,6 @@ def grad_input(rank: int, step: int, name: str, shape: tuple[int, ...], dtype: t
 def bucket_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 4)).double()
-
-
-class FakeBucket:
-    """What the hook reads of a ``dist.GradBucket`` (torch builds those in C++ only): the flat buffer, its
-    parameters and their gradients (views of the buffer)."""
-
-    def __init__(self, params: list[torch.nn.Parameter], grads: list[torch.Tensor]) -> None:
-        self._buffer = torch.cat([g.reshape(-1) for g in grads])
-        self._params = params
-        self._grads, offset = [], 0
-        for g in grads:
-            self._grads.append(self._buffer[offset : offset + g.numel()].view(g.shape))
-            offset += g.numel()
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-    def index(self) -> int:
-        return 0
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return self._params
-
-    def gradients(self) -> list[torch.Tensor]:
-        return self._grads
 
 
 def reduce_worker(rank: int, steps: int) -> dict[str, Any]:
@@ -97,7 +73,7 @@ def bucket_run(rank: int, steps: int) -> dict[str, Any]:
     bufs = []
     for step in range(steps):
         grads = [grad_input(rank, step, n, tuple(p.shape), p.dtype) for n, p in named]
-        bufs.append(hook(None, FakeBucket([p for _, p in named], grads)).wait().numpy().copy())
+        bufs.append(hook(None, GradBucket([p for _, p in named], grads)).wait().numpy().copy())
     residuals = {n: e.numpy() for n in mem.names() if (e := mem.error(n)) is not None}
     records = [(rec.algorithm, rec.nnz_in, rec.bytes_sent, rec.messages) for rec in log.records]
     return {"buffers": bufs, "residuals": residuals, "records": records, "order": [n for n, _ in named]}
