@@ -64,3 +64,17 @@ def test_adopting_reseeds_an_inherited_numpy_generator() -> None:
     np.random.seed(7)
     adopt(dict(os.environ), (1, 2))  # this process's own environment and stdout/stderr: nothing else changes
     assert np.random.randint(1 << 62) != inherited
+
+
+def test_adopting_freezes_the_inherited_objects_out_of_collections() -> None:
+    """A forked rank's collections do not walk what the forkserver imported: ``adopt`` freezes it."""
+    import gc
+
+    from sparsync.rank_start import adopt
+
+    before = gc.get_freeze_count()
+    try:
+        adopt(dict(os.environ), (1, 2))  # this process's own environment and stdout/stderr: nothing else changes
+        assert gc.get_freeze_count() > before
+    finally:
+        gc.unfreeze()
