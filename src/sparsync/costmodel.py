@@ -31,14 +31,9 @@ import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from sparsync.registry import Registry  # a leaf (level 0): the model still imports no collective
-
-if TYPE_CHECKING:
-    from sparsync.collectives.comm import Comm
-    from sparsync.collectives.meta import Meta
-    from sparsync.stream import SparseStream
+from sparsync.registry import Registry  # a leaf (level 0): the model imports no collective
+from sparsync.stream import SparseStream
 
 # The ``dense`` algorithm on a sparse-stored input of at least DENSE_PIPELINE_MIN elements densifies and reduces
 # it in DENSE_CHUNKS pieces, each piece's allreduce started as soon as it is filled (collectives/allreduce.py).
@@ -267,10 +262,11 @@ def share(p: Problem) -> float:
     return (p.world_size - 1) / p.world_size
 
 
-if TYPE_CHECKING:
-    # What a registry entry runs: the communicator, this rank's stream, the metadata round's result and the
-    # resolved partition kind (``collectives/partition.py``; "-" for an algorithm without one) -> the sum.
-    Runner = Callable[[Comm, SparseStream, Meta, str], SparseStream]
+# What a registry entry runs: the communicator (``collectives.comm.Comm``), this rank's stream, the metadata
+# round's result (``collectives.meta.Meta``) and the resolved partition kind (``collectives/partition.py``; "-"
+# for an algorithm without one) -> the sum. The arguments are left untyped here: the collectives import this
+# module, so naming their types would make an import circle.
+Runner = Callable[..., SparseStream]
 
 
 @dataclass(frozen=True)
