@@ -251,6 +251,47 @@ def bad_worker(rank: int, path: str) -> dict[str, str]:
     return out
 
 
+def _error(call: Callable[[], object]) -> str:
+    try:
+        call()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def kinds_worker(rank: int, path: str) -> dict[str, Any]:
+    """Checkpoints (DCP and full) of the fused Adagrad and of torch's Adagrad loaded into optimizers of other
+    kinds: the fused row-wise Adagrad, torch's SGD, none saved, torch's Adam over the unsharded model's tables
+    (where the fused Adam was); the fused optimizers' local state dict into another kind; and the fused Adam's
+    saved hyperparameters taken by a model made with others."""
+    fused, _ = make(0, "fused_adagrad")
+    checkpoint.save(f"{path}/fused", fused)
+    full = [optimizer_state_dict(None, fused)]  # rank 0's, given to every rank
+    dist.broadcast_object_list(full, src=0)
+    model, opt = make(0, "adagrad")
+    checkpoint.save(f"{path}/torch", model, opt)
+    checkpoint.save(f"{path}/none", model)
+    adam, adam_opt = make(0, "fused_adam")
+    checkpoint.save(f"{path}/adam", adam, adam_opt)
+    rowwise, _ = make(0, "fused_rowwise_adagrad")
+    sgd = make(0, "sgd_momentum")
+    unsharded = Net(0, sparse=True)
+    out = {
+        "fused": _error(lambda: checkpoint.load(f"{path}/fused", rowwise)),
+        "full": _error(lambda: load_optimizer_state_dict(None, rowwise, full[0])),
+        "local": _error(lambda: rowwise.bag.group.fused.load_state_dict(fused.bag.group.fused.state_dict())),
+        "torch": _error(lambda: checkpoint.load(f"{path}/torch", *sgd)),
+        "none": _error(lambda: checkpoint.load(f"{path}/none", model, opt)),
+        "held": _error(
+            lambda: checkpoint.load(f"{path}/adam", unsharded, torch.optim.Adam(unsharded.parameters()))
+        ),
+    }
+    other = sparsync.shard(Net(0), optimizer=Adam(lr=0.5, betas=(0.5, 0.6)))
+    checkpoint.load(f"{path}/adam", other)
+    out["lr"] = (other.bag.group.fused.lr, other.bag.group.fused.betas)
+    return out
+
+
 def plain_dcp_worker(rank: int, path: str) -> bool:
     """``state_dict="sharded"`` and DCP's own save and load (no ``checkpoint``): the tables come back as saved."""
     import torch.distributed.checkpoint as dcp

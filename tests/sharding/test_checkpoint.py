@@ -48,7 +48,7 @@ def saved_at_four(tmp_path_factory: pytest.TempPathFactory) -> str:
     return folder
 
 
-@pytest.mark.parametrize("P", [4, 3, 6, 1])
+@pytest.mark.parametrize("P", [4, 3, 5, 6, 1])
 def test_a_checkpoint_saved_at_four_ranks_resumes_exactly_at_any_world_size(saved_at_four: str, P: int) -> None:
     res = launch(cw.grid_resume_worker, nprocs=P, args=(saved_at_four,))
     for name in cw.OPTIMIZERS:
@@ -112,8 +112,22 @@ def test_a_table_of_another_shape_or_dtype_or_without_its_fused_state_is_refused
         assert "table 'bag.weight' has shape (151, 3) and dtype torch.float64" in r["shape"], r
         assert "model's has shape (152, 3)" in r["shape"], r
         assert "model's has shape (151, 3) and dtype torch.float32" in r["dtype"], r
-        assert "holds no 'exp_avg' of the fused optimizer of table 'bag.weight'" in r["fused"], r
+        assert "table 'bag.weight' has no fused optimizer; the model's has Adam" in r["fused"], r
         assert "block_rows must be a positive int, got 0" in r["rows"], r
+
+
+def test_optimizers_of_another_kind_are_refused_by_name_and_the_fused_hyperparameters_load(tmp_path: Path) -> None:
+    for r in launch(cw.kinds_worker, nprocs=3, args=(str(tmp_path),)):
+        for case in ("fused", "full"):
+            assert (
+                "table 'bag.weight' has the fused optimizer Adagrad; the model's has RowwiseAdagrad" in r[case]
+            ), r
+        assert "RowwiseAdagrad: the state dict is of another optimizer, Adagrad" in r["local"], r
+        assert "the checkpoint holds the state of Adagrad; the optimizer given is SGD" in r["torch"], r
+        assert "the checkpoint holds no optimizer state; the optimizer given is Adagrad" in r["none"], r
+        assert "table 'bag.weight' has the fused optimizer Adam" in r["held"], r
+        assert "the model's is updated by the Adam given" in r["held"], r
+        assert r["lr"] == (0.01, (0.9, 0.999)), r
 
 
 def test_the_sharded_layout_goes_through_dcp_save_and_load_as_they_are(tmp_path: Path) -> None:

@@ -13,9 +13,15 @@ the rest of ``optimizer.state_dict()`` (steps, hyperparameters, the dense parame
 
 The DCP checkpoint holds ``model`` (the model's state dict, each sharded table in row blocks: ``dcp``),
 ``optimizer.rows.<table>.<name>`` (a torch optimizer's per-row state, in row blocks for a sharded table, whole for
-a table of the unsharded model), ``optimizer.rest`` (the rest, one object) and, for a model whose tables have a
-fused optimizer, ``fused.<table>.<name>`` (its per-row state in row blocks, its step count whole). The fused part
-goes with the model: it is saved and loaded whether or not ``optimizer`` is given.
+a table of the unsharded model), ``optimizer.rest`` (the rest, one object), for a model whose tables have a
+fused optimizer ``fused.<table>.<name>`` (its per-row state in row blocks, its step count whole), and ``kinds``
+(one object: the torch optimizer's class name, each fused table's optimizer and hyperparameters). The fused
+state's names are torchrec's (``SAVED_NAMES``): ``momentum1`` (Adagrad's and row-wise Adagrad's sums, Adam's
+first moment), ``momentum2`` (Adam's second moment), ``step`` (Adam's step count). The fused part goes with the
+model: it is saved and loaded whether or not ``optimizer`` is given, and a fused optimizer takes the saved
+hyperparameters as a torch optimizer takes its param groups. Loading into optimizers of other kinds (another
+torch optimizer, another fused one, a fused one where a torch one was, or the reverse) raises ValueError naming
+them before anything is read.
 """
 
 from __future__ import annotations
@@ -65,12 +71,62 @@ def _fused(model: nn.Module) -> dict[str, ShardedTable]:
     return {n: t for n, t in _tables(model).items() if isinstance(t, ShardedTable) and t.group.fused is not None}
 
 
-def _fused_state(table: ShardedTable) -> dict[str, torch.Tensor]:
-    """Views of ``table``'s rows in its fused optimizer's state (``Fused.table_state``)."""
+# the fused state's names in checkpoints: torchrec's (``<table>.momentum1`` / ``momentum2`` in its fused
+# optimizers' state), whatever the optimizer: Adagrad's and row-wise Adagrad's sums and Adam's first moment are
+# momentum1, Adam's second moment momentum2; Adam's per-table step count keeps its name
+SAVED_NAMES = {"sum": "momentum1", "exp_avg": "momentum1", "exp_avg_sq": "momentum2", "step": "step"}
+
+
+def _fused_of(table: ShardedTable) -> Fused:
     fused = table.group.fused
     if not isinstance(fused, Fused):
         raise TypeError(f"{table.describe()}: expected one of sparsync.sharding's optimizers, got {type(fused)}")
-    return fused.table_state(table.slot)
+    return fused
+
+
+def _fused_state(table: ShardedTable) -> dict[str, torch.Tensor]:
+    """Views of ``table``'s rows in its fused optimizer's state (``Fused.table_state``), by their names in
+    checkpoints (``SAVED_NAMES``)."""
+    return {SAVED_NAMES[k]: v for k, v in _fused_of(table).table_state(table.slot).items()}
+
+
+def _kinds(model: nn.Module, opt: Any) -> dict[str, Any]:
+    """What made the optimizer state a checkpoint holds: the torch optimizer's class name (None: no optimizer)
+    and, per table with a fused optimizer, its class name and hyperparameters."""
+    fused = {name: {"kind": type(_fused_of(t)).__name__, "params": _fused_of(t).hyperparameters()}
+             for name, t in sorted(_fused(model).items())}  # fmt: skip
+    return {"optimizer": None if opt is None else type(_optimizer(opt)).__name__, "fused": fused}
+
+
+def _check_kinds(saved: dict[str, Any], model: nn.Module, opt: Any) -> None:
+    """ValueError when the optimizers that made the saved state (``_kinds``) are not the ones it is loaded into:
+    another torch optimizer (or none saved), another fused optimizer on a table, none on a table that has one, or
+    a fused one on a table that ``opt`` updates."""
+    mine = _kinds(model, opt)
+    if opt is not None and saved["optimizer"] != mine["optimizer"]:
+        what = "no optimizer state" if saved["optimizer"] is None else f"the state of {saved['optimizer']}"
+        raise ValueError(f"the checkpoint holds {what}; the optimizer given is {mine['optimizer']}")
+    for name, kind in mine["fused"].items():
+        got = saved["fused"].get(name, {}).get("kind")
+        if got != kind["kind"]:
+            what = "no fused optimizer" if got is None else f"the fused optimizer {got}"
+            raise ValueError(f"the checkpoint's table {name!r} has {what}; the model's has {kind['kind']} "
+                             "(sparsync.shard(optimizer=...))")  # fmt: skip
+    held = set(_indices(opt, model).values()) if opt is not None else set()
+    both = sorted(held & set(saved["fused"]))
+    if both:
+        kind = saved["fused"][both[0]]["kind"]
+        raise ValueError(
+            f"the checkpoint's table {both[0]!r} has the fused optimizer {kind} (sparsync.shard(optimizer=...)); "
+            f"the model's is updated by the {mine['optimizer']} given"
+        )
+
+
+def _set_hyperparameters(saved: dict[str, Any], model: nn.Module) -> None:
+    """Each fused table's optimizer takes the saved hyperparameters (as a torch optimizer's ``load_state_dict``
+    takes its param groups'). Mutates the fused optimizers."""
+    for name, table in _fused(model).items():
+        _fused_of(table).set_hyperparameters(saved["fused"][name]["params"])
 
 
 def _optimizer(opt: Any) -> torch.optim.Optimizer:
@@ -95,10 +151,11 @@ def _per_row(value: Any, weight: Any) -> bool:
 # --- full state dicts --------------------------------------------------------------------------------------------
 def optimizer_state_dict(opt: Any, model: nn.Module) -> dict[str, Any] | None:
     """``opt.state_dict()`` with each sharded table's per-row state gathered whole (``[rows, D]``) and, for tables
-    with a fused optimizer, ``"fused"``: ``{table: {name: whole per-row state, or the step count}}``, on the
-    tables' group rank 0; None on the other ranks (a model without shards: None on every rank but the world's
-    rank 0). ``opt``: a torch optimizer over ``model``'s parameters, a ``DistributedOptimizer``, or None (the
-    fused state alone). Collective over the tables' group: every rank calls it."""
+    with a fused optimizer, ``"fused"``: ``{table: {name: whole per-row state, or the step count}}`` (names:
+    ``SAVED_NAMES``), and ``"kinds"``: the optimizers that made it (module doc), on the tables' group rank 0;
+    None on the other ranks (a model without shards: None on every rank but the world's rank 0). ``opt``: a torch
+    optimizer over ``model``'s parameters, a ``DistributedOptimizer``, or None (the fused state alone).
+    Collective over the tables' group: every rank calls it."""
     # the wrapper's own state_dict: a DistributedOptimizer adds its bucket layout, without which the resumed
     # run's first round would reduce the step-time way and differ in the last bits
     sd: dict[str, Any] = {"state": {}} if opt is None else opt.state_dict()
@@ -127,6 +184,7 @@ def optimizer_state_dict(opt: Any, model: nn.Module) -> dict[str, Any] | None:
             )
     if fused:
         sd["fused"] = fused
+    sd["kinds"] = _kinds(model, opt)
     return sd if rank0 else None
 
 
@@ -134,9 +192,12 @@ def load_optimizer_state_dict(opt: Any, model: nn.Module, state_dict: dict[str, 
     """Load ``state_dict`` (from ``optimizer_state_dict``, saved at any P) into ``opt`` (None: the fused state
     alone) and the tables' fused optimizers: each shard's whole per-row state ``[rows, D]`` gives this rank its
     rows; a ``DistributedOptimizer`` also takes the saved bucket layout, so the resumed run reduces in the same
-    buckets from its first step. Every rank calls it with the same dict. ValueError naming a fused table whose
-    state the dict lacks. Mutates ``opt`` and the fused optimizers' state."""
-    sd = {k: v for k, v in state_dict.items() if k != "fused"}  # other keys (the bucket layout) as saved
+    buckets from its first step; the fused optimizers take the saved hyperparameters. Every rank calls it with
+    the same dict. ValueError naming a fused table whose state the dict lacks, or optimizers of other kinds than
+    the dict's ``"kinds"``. Mutates ``opt`` and the fused optimizers."""
+    if "kinds" in state_dict:
+        _check_kinds(state_dict["kinds"], model, opt)
+    sd = {k: v for k, v in state_dict.items() if k not in ("fused", "kinds")}  # the rest (bucket layout) as saved
     sd["state"] = {i: dict(s) for i, s in state_dict["state"].items()}
     tables = _tables(model)
     for i, name in _indices(opt, model).items() if opt is not None else ():
@@ -153,6 +214,8 @@ def load_optimizer_state_dict(opt: Any, model: nn.Module, state_dict: dict[str, 
         for key, view in _fused_state(table).items():
             value = _saved_fused(saved, name, key)
             view.copy_(value if view.dim() == 0 else value[table.ownership.global_rows(table.exchanger.rank)])
+    if "kinds" in state_dict:
+        _set_hyperparameters(state_dict["kinds"], model)
     if opt is not None:
         opt.load_state_dict(sd)
 
@@ -215,6 +278,7 @@ def save(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int 
              for name, table in _fused(model).items()}  # fmt: skip
     if fused:
         state["fused"] = fused
+    state["kinds"] = (_kinds(model, optimizer),)  # a tuple: one object
     # the writer asks for each rank's chunks in plan order, one at a time, which ``dcp.Strided`` makes collectively
     dcp_save(state, storage_writer=dcp.writer(path), planner=dcp.WindowSavePlanner(block_rows))
 
@@ -245,6 +309,16 @@ def _check(meta: Metadata, model: nn.Module) -> None:
                     f"the checkpoint holds no {key!r} of the fused optimizer of table {name!r} (saved from a "
                     "model without sparsync.shard(optimizer=...), or with another one)"
                 )
+
+
+def _saved_kinds(path: str, meta: Metadata) -> dict[str, Any] | None:
+    """The checkpoint's ``kinds`` (``_kinds``), read alone; None in a checkpoint without it. Collective."""
+    if "kinds" not in meta.state_dict_metadata:
+        return None
+    holder: dict[str, Any] = {"kinds": None}
+    dcp_load(holder, checkpoint_id=path)
+    kinds: dict[str, Any] = holder["kinds"][0]
+    return kinds
 
 
 def _rows_saved(meta: Metadata, name: str) -> dict[str, TensorStorageMetadata]:
@@ -314,10 +388,15 @@ def load(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int 
     Collective: every rank calls it. Mutates ``model`` and ``optimizer``."""
     _check_block_rows(block_rows)
     meta = FileSystemReader(path).read_metadata()
+    kinds = _saved_kinds(path, meta)
+    if kinds is not None:
+        _check_kinds(kinds, model, optimizer)
     _check(meta, model)
     state = _targets(meta, model, optimizer)
     dcp_load(state, checkpoint_id=path)
     rows = _stream(path, meta, model, optimizer, block_rows)
+    if kinds is not None:
+        _set_hyperparameters(kinds, model)
     shards = {n: t.weight.detach() for n, t in _tables(model).items() if isinstance(t, ShardedTable)}
     with _local(model):  # dcp_load and _stream filled the tensors in place; this loads what else the modules keep
         model.load_state_dict({**state["model"], **shards})

@@ -74,14 +74,28 @@ class Fused:
         return {k: v[slot.index] if k in self.per_table else v[slot.first : slot.first + slot.owned]
                 for k, v in self.state.items()}  # fmt: skip
 
+    def hyperparameters(self) -> dict[str, Any]:
+        """The hyperparameters by name (``lr``, ``eps``, ``betas``: what the constructor takes but ``kernels``)."""
+        return {k: getattr(self, k) for k in self._params()}
+
+    def set_hyperparameters(self, params: dict[str, Any]) -> None:
+        """Set the hyperparameters ``params`` (``hyperparameters()``'s). Mutates this optimizer."""
+        for k, value in params.items():
+            setattr(self, k, tuple(value) if isinstance(value, list) else value)
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state (copies, as the group's flat tensor lays it out) and the hyperparameters."""
-        return {"params": {k: getattr(self, k) for k in self._params()},
+        """This rank's state (copies, as the group's flat tensor lays it out), the hyperparameters and the kind
+        (the class name)."""
+        return {"kind": type(self).__name__, "params": self.hyperparameters(),
                 "state": {k: v.clone() for k, v in self.state.items()}}  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict`` (``state_dict()`` of the same group at the same P) into the state in place and the
-        hyperparameters; ValueError naming a missing or misshapen entry. Mutates the state."""
+        hyperparameters; ValueError naming another kind of optimizer, or a missing or misshapen entry. Mutates
+        the state."""
+        kind = state_dict.get("kind", type(self).__name__)
+        if kind != type(self).__name__:
+            raise ValueError(f"{type(self).__name__}: the state dict is of another optimizer, {kind}")
         state = state_dict["state"]
         for k, v in self.state.items():
             if k not in state or tuple(state[k].shape) != tuple(v.shape):
@@ -89,8 +103,7 @@ class Fused:
                 raise ValueError(f"{type(self).__name__}: state {k!r} must have shape {tuple(v.shape)}, got {got}")
         for k, v in self.state.items():
             v.copy_(state[k])
-        for k, value in state_dict["params"].items():
-            setattr(self, k, tuple(value) if isinstance(value, list) else value)
+        self.set_hyperparameters(state_dict["params"])
 
     def apply(self, group: TableGroup, rows: torch.Tensor, values: torch.Tensor, slots: list[Slot]) -> None:
         """Update ``group``'s rows ``rows`` (distinct, ascending) with the summed gradient rows ``values``; the
