@@ -14,6 +14,7 @@ torchrun's group instead and runs ``fn`` once, so the same script scales from on
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import gc
 import os
 import pickle
@@ -21,6 +22,7 @@ import queue
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -115,7 +117,12 @@ def _child(
     env: dict[str, str],
     parent: int,
     forked: tuple[dict[str, str], tuple[int, int]] | None,
+    fault: str,
 ) -> None:
+    # A fatal signal (SIGSEGV, SIGABRT, ...) writes every thread's Python stack here; the launcher adds it to the
+    # LaunchError of a rank that died without reporting.
+    fault_file = open(fault, "w")  # noqa: SIM115 (held open for the life of the rank: faulthandler writes to it)
+    faulthandler.enable(file=fault_file, all_threads=True)
     if forked is None:
         _die_with(parent)
     else:  # our parent is the forkserver, which outlives the launcher while a forked rank holds its pipe
@@ -327,6 +334,7 @@ def _spawn(
     host, port, store = _rendezvous(setup, nprocs, timeout)
     envs = _rank_envs(nprocs, setup, procs_per_host)
     procs = []
+    faults = tempfile.TemporaryDirectory(prefix="sparsync-launch-")
     try:
         k = procs_per_host or 1
         for rank in range(nprocs):
@@ -347,17 +355,19 @@ def _spawn(
                     envs[rank],
                     os.getpid(),
                     (dict(os.environ), LauncherStd()) if forked else None,
+                    _fault_path(faults.name, rank),
                 ),
                 daemon=False,
             )
             p.start()
             procs.append(p)
-        out = _collect(procs, results, nprocs)
+        out = _collect(procs, results, nprocs, faults.name)
     except BaseException:
         _reap(procs, grace=0.5)  # the others may be blocked on the failed rank: don't wait for them
         raise
     finally:
         del store
+        faults.cleanup()
     _reap(procs, grace=30.0)
     return out
 
@@ -438,8 +448,9 @@ def _signals_raise(signums: tuple[signal.Signals, ...]) -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def _collect(procs: list[Any], results: Any, nprocs: int) -> list[Any]:
-    """Every rank's result, in rank order; the first failure raises ``LaunchError`` (see ``_failure``)."""
+def _collect(procs: list[Any], results: Any, nprocs: int, faults: str) -> list[Any]:
+    """Every rank's result, in rank order; the first failure raises ``LaunchError`` (see ``_failure``; a rank
+    killed by a signal has its stacks in the folder ``faults``)."""
     out: dict[int, Any] = {}
     seen: set[int] = set()  # ranks that reported, a result or an error
     errors: list[tuple[int, str]] = []
@@ -448,7 +459,7 @@ def _collect(procs: list[Any], results: Any, nprocs: int) -> list[Any]:
         gone = [r for r, p in enumerate(procs) if r not in seen and p.exitcode is not None]
         if errors or gone:
             _read(results, out, seen, errors, wait=0.3, until_quiet=True)  # reports still in the pipe
-            failure = _failure(procs, seen, errors)
+            failure = _failure(procs, seen, errors, faults)
             if failure is not None:
                 raise failure
     return [out[r] for r in range(nprocs)]
@@ -474,11 +485,12 @@ def _read(
             return
 
 
-def _failure(procs: list[Any], seen: set[int], errors: list[tuple[int, str]]) -> LaunchError | None:
+def _failure(procs: list[Any], seen: set[int], errors: list[tuple[int, str]], faults: str) -> LaunchError | None:
     """The error to raise, naming the root cause whichever report came first: a rank that died without
     reporting (its exit code or signal) or one that is stopped goes before the errors its peers then raised,
     which name it only sometimes (12 of 32 PeerErrors after a kill -9); else the first error that
-    is not a peer's failure, else the first error."""
+    is not a peer's failure, else the first error. The stacks of a rank a signal killed (faulthandler's, from
+    ``faults``) come with its error."""
     culprits: list[tuple[int, str, int | None]] = []
     for r, p in enumerate(procs):
         if r in seen:
@@ -490,15 +502,31 @@ def _failure(procs: list[Any], seen: set[int], errors: list[tuple[int, str]]) ->
     if culprits:
         rank, what, code = culprits[0]
         message = what + "".join(f"; rank {r} {w}" for r, w, _ in culprits[1:])
+        stacks = _fault_stacks(faults, rank)
         if not errors:
-            return LaunchError(rank, message, exitcode=code)
+            return LaunchError(rank, message + stacks, exitcode=code)
         first, tb = errors[0]
-        message += f"; then rank {first} failed: {tb.splitlines()[0] if tb else ''}"
+        message += f"; then rank {first} failed: {tb.splitlines()[0] if tb else ''}" + stacks
         return LaunchError(rank, message, tb, exitcode=code, tb_rank=first)
     if errors:
         rank, tb = next((e for e in errors if not e[1].startswith(_CONSEQUENCES)), errors[0])
         return LaunchError(rank, "failed", tb)
     return None
+
+
+def _fault_path(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank{rank}.fault")
+
+
+def _fault_stacks(folder: str, rank: int) -> str:
+    """What faulthandler wrote for ``rank`` when a fatal signal hit it (every thread's Python stack), as a
+    paragraph of the error message; empty when it wrote nothing."""
+    try:
+        with open(_fault_path(folder, rank)) as f:
+            text = f.read().strip()
+    except OSError:
+        return ""
+    return f"\n--- rank {rank}'s Python stacks at the signal (faulthandler) ---\n{text}" if text else ""
 
 
 def _describe_exit(code: int) -> str:

@@ -177,3 +177,18 @@ def host_tag(rank: int) -> tuple[str, str, int]:
     t = torch.ones(1) * (rank + 1)
     dist.all_reduce(t)
     return os.environ["SPARSYNC_TEST_HOST_TAG"], os.environ["GROUP_RANK"], int(t.item())
+
+
+def crash_in_native_code(rank: int, bad: int) -> int:
+    """Rank ``bad`` reads address 0 from C (a SIGSEGV, as a bug in native code would give); the others wait for
+    it in a barrier."""
+    if rank == bad:
+        _read_address_zero()
+    dist.barrier()
+    return rank
+
+
+def _read_address_zero() -> None:
+    import ctypes
+
+    ctypes.string_at(0)

@@ -103,6 +103,21 @@ def test_killed_rank_is_named_with_its_signal(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
+def test_a_rank_killed_in_native_code_shows_its_python_stack() -> None:
+    """Rank 1 dies of SIGSEGV inside C (ctypes reads address 0): the error names rank 1 and the signal, and
+    carries the Python stack faulthandler wrote at the signal, down to the frame that called into C."""
+    with pytest.raises(LaunchError) as ei:
+        launch(fw.crash_in_native_code, nprocs=WORLD, args=(1,), timeout=20)
+    e = ei.value
+    assert e.rank == 1 and e.exitcode == -signal.SIGSEGV, str(e)
+    assert str(e).startswith("rank 1 died with signal 11 (SIGSEGV)"), str(e)
+    stacks = str(e).split("--- rank 1's Python stacks at the signal (faulthandler) ---\n", 1)[1]
+    assert "Fatal Python error: Segmentation fault" in stacks, stacks
+    assert "in _read_address_zero" in stacks and "in crash_in_native_code" in stacks, stacks
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
 def test_stopped_rank_is_named_within_the_timeout(tmp_path: Path) -> None:
     """Rank 1 stops itself (SIGSTOP) mid-loop; the others wait in a dense allreduce bounded by launch's
     timeout only. The error names rank 1 as stopped, about the timeout after it stopped."""
