@@ -61,7 +61,7 @@ PARTS = ("dense", "sparse", "sharded")
 # the planner's predictions: its link as derived (α measured, β the rate, γ this host's), the same with γ off,
 # and ``measure_link``'s link
 PREDICTIONS = ("predicted", "predicted_gamma_off", "predicted_measured_link")
-EXCHANGE_PHASES = ("ids", "rows", "grads")  # the sharded rounds' scopes (``sharding.link``), not the pooling
+EXCHANGE_PHASES = ("ids", "rows", "grads")  # the sharded rounds' scopes (``sharding.kernels.Link``), not pooling
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ flat tensor per rank (``group``, fbgemm's TBE layout), each table's parameter a 
 stage order (``exchange``): the ids stage (``ids``: distinct keys to their owners, headed by each rank's
 verdict), the rows stage and the pooling (``rows``), and in backward the gradient rows stage, whose sums become
 the tables' sparse gradients or, with ``sparsync.shard(optimizer=...)``, their update in place (``fused``).
-``link`` is the rounds' transport; ``lazy`` the stand-in a call returns until its exchange runs.
+``kernels`` holds the primitives the stages call: the C kernels and the rounds' transport (``Link``).
 ``sparsync.shard(model, plan=...)`` swaps a model's embedding modules for sharded ones (``api``, ``modules``),
 with ``plan="auto"`` where the cost model says (``auto``), and marks the tables a dict plan places ``"server"``
 for the parameter server (``OnServer``: they stay whole); ``plan_of(model)`` gives ``DistributedOptimizer``
@@ -21,10 +21,9 @@ from sparsync.placement.sharded import plan_of
 from sparsync.sharding.api import Lookahead, shard
 from sparsync.sharding.auto import AUTO_KINDS, AutoPlan, auto_plan
 from sparsync.sharding.checkpoint import load_optimizer_state_dict, optimizer_state_dict
-from sparsync.sharding.exchange import Exchanger
+from sparsync.sharding.exchange import Exchanger, LazyLookup
 from sparsync.sharding.fused import SGD, Adagrad, Adam, RowwiseAdagrad, dense_parameters
 from sparsync.sharding.group import Ownership
-from sparsync.sharding.lazy import LazyLookup
 from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
 
 __all__ = [

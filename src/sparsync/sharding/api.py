@@ -14,9 +14,9 @@ A table placed ``"server"`` stays the model's own ``nn.Embedding`` / ``nn.Embedd
 forward, pushed after backward); ``DistributedOptimizer`` refuses such a model, as nothing else runs the servers.
 
 How the tables of one model travel together: one ``Exchanger`` per call, shared by the model's sharded tables;
-a table's forward registers its ids and returns a stand-in (``lazy``), the first use of any stand-in runs
-one exchange for all tables registered so far, and a forward hook on the model resolves what is left when its
-forward returns. Tables a model calls one after another before using their outputs (DLRM's
+a table's forward registers its ids and returns a stand-in (``exchange.LazyLookup``), the first use of any
+stand-in runs one exchange for all tables registered so far, and a forward hook on the model resolves what is
+left when its forward returns. Tables a model calls one after another before using their outputs (DLRM's
 ``[emb(x) for emb in tables]``, then an interaction) therefore share one exchange, and ``model(x)`` is
 unchanged for its caller. The alternative, a collection module that looks every table up at once (torchrec's
 ``EmbeddingBagCollection``), would have asked the user to rewrite the model's forward.
@@ -70,7 +70,7 @@ from sparsync.sharding.exchange import Ahead, Exchanger, Sent
 from sparsync.sharding.fused import OPTIMIZERS, Fused
 from sparsync.sharding.group import Slot, TableGroup, group_key
 from sparsync.sharding.ids import IdsRound
-from sparsync.sharding.link import WIRE
+from sparsync.sharding.kernels import WIRE
 from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
 
 BUILT = ("sharded", "replicated", "server")  # what a dict plan may name for a table
@@ -157,7 +157,7 @@ def _sharded_modules(
     swapped: dict[int, ShardedTable] = {}
     for (name, m), at in zip(tables.items(), slots, strict=True):
         kind = ShardedEmbeddingBag if isinstance(m, nn.EmbeddingBag) else ShardedEmbedding
-        swapped[id(m)] = kind(name, m, exchanger, at, placement, state_dict, seed)  # type: ignore[arg-type]
+        swapped[id(m)] = kind(name, m, exchanger, at, placement, state_dict, seed)
     return swapped
 
 

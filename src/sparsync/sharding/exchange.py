@@ -1,5 +1,6 @@
-"""One sharded step of a model's tables, in the order it runs: every call registered since the last exchange
-travels in one exchange, whatever the number of tables, in three stages over the tables' groups (``group``):
+"""One sharded step of a model's tables, in the order it runs: a table's forward registers its call and returns a
+stand-in (``LazyLookup``); every call registered since the last exchange travels in one exchange, whatever the
+number of tables, in three stages over the tables' groups (``group``):
 
 1. ids (``ids``): each rank's distinct keys per group, each sent once to its owner, in one all-to-all round whose
    block to each peer opens with a header row (this rank's verdict on its own calls, the key of the tables it
@@ -26,25 +27,142 @@ padding the capacity less the count per peer.
 
 Every rank must resolve its lookups at the same points and run backward through every exchange (a rank whose
 loss does not depend on them would leave the others waiting).
+
+The stand-ins (``LazyLookup``). Why: all sharded tables of a model travel in one exchange, but a model calls its
+tables one by one (``[emb(x[:, i]) for i, emb in enumerate(self.tables)]``), so the first table cannot know the
+others' ids when it is called. Each call therefore only registers its ids and returns a ``LazyLookup``; the first
+time any of them is *used* (by any torch function, operator or tensor attribute: ``torch.cat(outs)``,
+``out @ w``, ``out.shape``), the exchanger runs one exchange for every lookup registered so far and each stand-in
+becomes its tensor. torchrec's ``LazyAwaitable`` does the same for the same reason (its pooled embeddings are
+awaited by ``__torch_function__``). ``sparsync.shard`` also resolves every lookup when the model's forward
+returns (``Exchanger.finish_forward``), so ``model(x)`` hands back plain tensors, and a stand-in never outlives
+the forward that made it.
+
+What a stand-in is not: a ``torch.Tensor`` (``isinstance`` says False). Code inside the model that needs one
+calls ``wait()``, which also ends the batching at that point (later lookups go in a second exchange).
 """
 
 from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 
 from sparsync.collectives.traffic import Traffic
 from sparsync.record import CommLog
 from sparsync.sharding import ids as ids_stage
 from sparsync.sharding.group import Slot, TableGroup
-from sparsync.sharding.lazy import LazyLookup, resolve_all
-from sparsync.sharding.link import Link
+from sparsync.sharding.kernels import Link
 from sparsync.sharding.rows import Call, Route, lookup
+
+# why torch.compile leaves a sharded lookup out of its graph: ``fullgraph=True`` raises with this reason
+EAGER = (
+    "sparsync.shard: a sharded lookup runs its exchange (all-to-alls between the ranks) eagerly, outside the "
+    "compiled graph"
+)
+
+
+class LazyLookup:
+    """The output of one sharded lookup, computed at the first use (module doc)."""
+
+    def __init__(self, flush: Callable[[], None], what: str) -> None:
+        self._flush = flush  # runs the exchange of every pending lookup, this one included
+        self._what = what  # the table and module, for errors
+        self._value: torch.Tensor | None = None
+        self._error: BaseException | None = None
+
+    @torch.compiler.disable(reason=EAGER)  # type: ignore[no-untyped-call, untyped-decorator]
+    def wait(self) -> torch.Tensor:
+        """The looked-up tensor, running the pending exchange first if it has not run. Collective the first
+        time (the exchange): every rank resolves its lookups at the same point of the same model."""
+        if self._value is None and self._error is None:
+            self._flush()
+        if self._error is not None:
+            raise ValueError(f"the lookup of {self._what} failed: {self._error}") from self._error
+        if self._value is None:
+            raise RuntimeError(f"the exchange ran without resolving the lookup of {self._what}")
+        return self._value
+
+    def resolve(self, value: torch.Tensor) -> None:
+        self._value = value
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+
+    @property
+    def done(self) -> bool:
+        return self._value is not None or self._error is not None
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        args, kwargs = pytree.tree_map_only(LazyLookup, LazyLookup.wait, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # our own slots before __init__ set them (copy, pickle): never the tensor's
+            raise AttributeError(name)
+        return getattr(self.wait(), name)
+
+    def __repr__(self) -> str:
+        state = "resolved" if self._value is not None else "failed" if self._error is not None else "pending"
+        return f"LazyLookup({self._what}, {state})"
+
+    def __len__(self) -> int:
+        return len(self.wait())
+
+    def __iter__(self) -> Any:
+        return iter(self.wait())
+
+    def __bool__(self) -> bool:
+        return bool(self.wait())
+
+    def __float__(self) -> float:
+        return float(self.wait())
+
+
+def resolve_all(tree: Any) -> Any:
+    """``tree`` (a model's output: a tensor, or tuples, lists and dicts of them) with every ``LazyLookup``
+    replaced by its tensor."""
+    return pytree.tree_map_only(LazyLookup, LazyLookup.wait, tree)
+
+
+def _binary(name: str) -> Callable[[LazyLookup, Any], Any]:
+    def op(self: LazyLookup, other: Any) -> Any:
+        return getattr(self.wait(), name)(other.wait() if isinstance(other, LazyLookup) else other)
+
+    op.__name__ = name
+    return op
+
+
+def _unary(name: str) -> Callable[[LazyLookup], Any]:
+    def op(self: LazyLookup) -> Any:
+        return getattr(self.wait(), name)()
+
+    op.__name__ = name
+    return op
+
+
+# Python looks operators up on the type, never through __getattr__: each is forwarded to the tensor.
+for _name in (
+    "add", "radd", "sub", "rsub", "mul", "rmul", "truediv", "rtruediv", "floordiv", "rfloordiv", "mod", "rmod",
+    "pow", "rpow", "matmul", "rmatmul", "and", "rand", "or", "ror", "xor", "rxor", "eq", "ne", "lt", "le", "gt",
+    "ge", "getitem",
+):  # fmt: skip
+    setattr(LazyLookup, f"__{_name}__", _binary(f"__{_name}__"))
+for _name in ("neg", "pos", "abs", "invert"):
+    setattr(LazyLookup, f"__{_name}__", _unary(f"__{_name}__"))
 
 
 @dataclass(frozen=True)
@@ -167,12 +285,13 @@ def _offsets_verdict(offsets: object, n: int, last: bool) -> tuple[str | None, b
 
 class Exchanger:
     """The sharded tables of one ``sparsync.shard`` call: their groups, the calls pending, the agreed capacity of
-    the next ids round, and the ids stage run ahead (module doc). ``link``: the rounds' transport."""
+    the next ids round, and the ids stage run ahead (module doc). ``link``: the rounds' transport
+    (``kernels.Link``)."""
 
     def __init__(self, link: Link) -> None:
         self.link = link
         self.groups: list[TableGroup] = []
-        self.pending: list[Call] = []
+        self.pending: list[tuple[Call, LazyLookup]] = []  # the calls registered since the last exchange
         self.capacity = 0  # keys per block of the next ids round (``ids``), the same on every rank
         self.ready: Ready | None = None
         self._keys: dict[tuple[str, ...], int] = {}  # the header's key of each list of tables seen
@@ -199,9 +318,10 @@ class Exchanger:
         return cls(Link(group, log, wire))
 
     def register(self, call: Call) -> LazyLookup:
-        """Queue one call; its output is the call's stand-in (``lazy``)."""
-        self.pending.append(call)
-        return call.out
+        """Queue one call; its output: the call's stand-in (module doc)."""
+        out = LazyLookup(self.flush, call.table)
+        self.pending.append((call, out))
+        return out
 
     def finish_forward(self, module: torch.nn.Module, args: object, output: object) -> object:
         """A model's forward hook: run what is pending, and return the output with every stand-in resolved."""
@@ -212,15 +332,15 @@ class Exchanger:
     def flush(self) -> None:
         """One exchange of every pending call; each stand-in gets its tensor (or, when the exchange failed, its
         error). Collective over the group."""
-        calls, self.pending = self.pending, []
-        if not calls:
+        pending, self.pending = self.pending, []
+        if not pending:
             return
         try:
-            self._exchange(calls)
+            self._exchange(pending)
         except BaseException as e:
-            for c in calls:
-                if not c.out.done:
-                    c.out.fail(e)
+            for _, out in pending:
+                if not out.done:
+                    out.fail(e)
             raise
 
     # --- the ids stage run ahead (``Lookahead``) ----------------------------------------------------------------
@@ -240,8 +360,10 @@ class Exchanger:
         self.ready = Ready(sent, done)
 
     # --- the stages ---------------------------------------------------------------------------------------------
-    def _exchange(self, calls: list[Call]) -> None:
+    def _exchange(self, pending: list[tuple[Call, LazyLookup]]) -> None:
         t0 = time.perf_counter()
+        calls = [c for c, _ in pending]
+        by_call = {id(c): out for c, out in pending}
         sent = self._layout(calls)
         ready, self.ready = self.ready, None
         refusal = next((c.refusal for c in calls if c.refusal is not None), None) or _mutated(calls)
@@ -263,8 +385,8 @@ class Exchanger:
         pooling = _pooling(calls, sent, done) if refusal is None else [([], torch.empty(0), {})] * len(groups)
         gathered, outputs = lookup(route, self.link, tally, params, pooling)
         for (mine, _, _), outs in zip(pooling, outputs, strict=True):
-            for c, out in zip(mine, outs, strict=True):
-                c.out.resolve(out)
+            for c, value in zip(mine, outs, strict=True):
+                by_call[id(c)].resolve(value)
         if self.link.log is not None:
             self.link.record("shard_lookup", tally, t0, nnz_in=sum(a.distinct.numel() for a in done.asked),
                              nnz_out=sum(int(g.shape[0]) for g in gathered))  # fmt: skip

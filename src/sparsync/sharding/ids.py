@@ -40,8 +40,7 @@ from sparsync.collectives.ops import text_key
 from sparsync.collectives.row import Agree, Column, Schema
 from sparsync.collectives.traffic import Traffic
 from sparsync.collectives.transport import meta_group
-from sparsync.sharding.kernels import unique
-from sparsync.sharding.link import Link
+from sparsync.sharding.kernels import Link, unique
 
 
 @dataclass(frozen=True)
@@ -184,18 +183,6 @@ def overflow(payload: torch.Tensor, counts: Sequence[int], capacity: int) -> tup
     per peer (the second round's split sizes; its receivers know them from the headers' counts)."""
     rest = [ids[capacity:] for ids in torch.split(payload, list(counts))]
     return (torch.cat(rest) if rest else payload[:0]), [int(r.numel()) for r in rest]
-
-
-def raise_refused(statuses: Sequence[int], group: dist.ProcessGroup, refusal: str | None) -> None:
-    """Nothing when every rank's status (``statuses[r]``, the same list on every rank) is OK; else every rank
-    raises the same ValueError, naming the first refusing rank and its ``refusal`` (gathered on the meta group).
-    Collective on that path only."""
-    if not any(statuses):
-        return
-    reasons: list[str | None] = [None] * len(statuses)
-    dist.all_gather_object(reasons, refusal, group=meta_group(group))
-    rank = next(r for r, s in enumerate(statuses) if s)
-    raise ValueError(f"sharded lookup refused on rank {rank}: {reasons[rank]}")
 
 
 def agree(

@@ -1,7 +1,7 @@
 """The sharded modules that stand in for ``nn.Embedding`` and ``nn.EmbeddingBag``: each rank holds the rows it
 owns (``weight``: ``[rows owned, D]``, a parameter marked ``Sharded``, a view of its slice of the table group's
 flat tensor, ``group``), and a forward registers its call with the model's ``Exchanger`` and returns a
-``LazyLookup`` (``lazy``), pooled by torch's own functional on the rows gathered for it (``rows.pool``).
+``LazyLookup`` (``exchange``), pooled by torch's own functional on the rows gathered for it (``rows.pool``).
 
 A call's arguments are checked here, in Python, on the rank that makes it, and a bad call is not raised here but
 handed to the exchange as a refusal, so that every rank raises it at once (``ids``): a negative id, an id beyond
@@ -29,9 +29,8 @@ from torch import nn
 from sparsync.placement import Placement
 from sparsync.placement.sharded import mark
 from sparsync.sharding import dcp
-from sparsync.sharding.exchange import Exchanger
+from sparsync.sharding.exchange import EAGER, Exchanger, LazyLookup
 from sparsync.sharding.group import Ownership, Slot, TableGroup, gather_rows, init_rows, scatter_rows
-from sparsync.sharding.lazy import EAGER, LazyLookup
 from sparsync.sharding.rows import Call
 
 STATE_DICT_LAYOUTS = ("full", "local", "sharded")
@@ -59,6 +58,7 @@ class ShardedTable(nn.Module):
         if state_dict_layout not in STATE_DICT_LAYOUTS:
             raise ValueError(f"state_dict must be one of {STATE_DICT_LAYOUTS}, got {state_dict_layout!r}")
         self.table_name = name
+        self.options_of(source)
         self.num_embeddings = int(source.num_embeddings)
         self.embedding_dim = int(source.embedding_dim)
         self.padding_idx: int | None = source.padding_idx
@@ -94,6 +94,10 @@ class ShardedTable(nn.Module):
     def padding_row(self) -> int | None:
         return self.padding_idx
 
+    def options_of(self, source: nn.Embedding | nn.EmbeddingBag) -> None:
+        """Take the options of ``source`` a subclass keeps beside ``padding_idx`` (its description names them)."""
+        del source
+
     def options(self) -> str:
         return f"padding_idx={self.padding_idx}"
 
@@ -125,9 +129,8 @@ class ShardedTable(nn.Module):
     def _call(self, input: Any, refusal: str | None, keys: torch.Tensor, **how: Any) -> LazyLookup:
         """Register this call with the exchanger: its keys, and how to pool it (``rows.Call``)."""
         shape = input.shape if refusal is None else torch.Size([0])
-        out = LazyLookup(self.exchanger.flush, self._description)
         call = Call(self.group_index, self.slot, self._description, refusal, keys, shape,
-                    padding=self._padding_key, out=out, version=keys._version, **how)  # fmt: skip
+                    padding=self._padding_key, version=keys._version, **how)  # fmt: skip
         return self.exchanger.register(call)
 
     # --- the state dict -----------------------------------------------------------------------------------------
@@ -197,19 +200,14 @@ class ShardedEmbeddingBag(ShardedTable):
 
     kind = "EmbeddingBag"
 
-    def __init__(
-        self,
-        name: str,
-        source: nn.EmbeddingBag,
-        exchanger: Exchanger,
-        at: tuple[int, Slot],
-        placement: Placement,
-        state_dict_layout: str,
-        seed: int = 0,
-    ) -> None:
+    mode: str
+    include_last_offset: bool
+
+    def options_of(self, source: nn.Embedding | nn.EmbeddingBag) -> None:
+        if not isinstance(source, nn.EmbeddingBag):
+            raise TypeError(f"ShardedEmbeddingBag is built from an nn.EmbeddingBag, got {type(source).__name__}")
         self.mode = source.mode
         self.include_last_offset = source.include_last_offset
-        super().__init__(name, source, exchanger, at, placement, state_dict_layout, seed)
 
     def options(self) -> str:
         return (

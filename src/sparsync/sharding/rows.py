@@ -19,14 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from sparsync.collectives.traffic import Traffic
+from sparsync.collectives.transport import meta_group
 from sparsync.sharding import kernels
 from sparsync.sharding.group import Slot, TableGroup
-from sparsync.sharding.ids import OK, Ids, raise_refused
-from sparsync.sharding.lazy import LazyLookup
-from sparsync.sharding.link import Link
+from sparsync.sharding.ids import OK, Ids
+from sparsync.sharding.kernels import Link
 
 
 @dataclass
@@ -45,7 +46,6 @@ class Call:
     last: bool  # include_last_offset
     weights: torch.Tensor | None  # per_sample_weights
     padding: int | None  # padding_idx's key, or None
-    out: LazyLookup
     single: bool = False  # every bag holds one id (a bag's pooled row is that id's row, as an embedding's is)
     version: int = 0  # ``keys._version`` at the call (the ids are read when the exchange runs)
 
@@ -114,7 +114,7 @@ class RowExchange(torch.autograd.Function):
             [route.rows_from(j) for j in range(link.size)],
         )
         if route.status is None:
-            got = link.rows(reply, to_req, from_owner, "rows", tally)
+            got = link.rows(reply, (to_req, from_owner), "rows", tally)
         else:
             got = with_verdicts(link, route, reply, to_req, from_owner, tally)
         ctx.route, ctx.link = route, link
@@ -133,8 +133,8 @@ class RowExchange(torch.autograd.Function):
         ]
         send = peer_major(dense, [a.per_owner for a in route.ids.asked], route.groups[0].dtype)
         P = link.size
-        got = link.rows(send, [route.rows_from(j) for j in range(P)], [route.rows_to(i) for i in range(P)],
-                        "grads", tally)  # fmt: skip
+        sizes = ([route.rows_from(j) for j in range(P)], [route.rows_to(i) for i in range(P)])
+        got = link.rows(send, sizes, "grads", tally)
         by_group = group_major(got, route.ids.served.counts, [g.dim for g in route.groups])
         served = route.ids.served.rows
         sums = [_owner_sum(g, r, v, P) for g, r, v in zip(route.groups, served, by_group, strict=True)]
@@ -187,14 +187,26 @@ def with_verdicts(
 ) -> torch.Tensor:
     """The rows round of a looked-ahead exchange: each block opens with this rank's verdict on its forward's calls
     (``Route.status``), so after the round every rank knows every rank's and, when any refused, every rank raises
-    the same error (``ids.raise_refused``); else the rows, as ``Link.rows`` gives them."""
+    the same error (``raise_refused``); else the rows, as ``Link.rows`` gives them."""
     verdict = reply.new_full((1,), float(OK if route.status is None else route.status))
     send = torch.cat([x for part in torch.split(reply, to_req) for x in (verdict, part)])
     sizes_out, sizes_in = [n + 1 for n in to_req], [n + 1 for n in from_owner]
-    got = link.rows(send, sizes_out, sizes_in, "rows", tally, verdicts=True)
+    got = link.rows(send, (sizes_out, sizes_in), "rows", tally, verdicts=True)
     blocks = torch.split(got, sizes_in)
     raise_refused([int(b[0]) for b in blocks], link.group, route.refusal)
     return torch.cat([b[1:] for b in blocks])
+
+
+def raise_refused(statuses: Sequence[int], group: dist.ProcessGroup, refusal: str | None) -> None:
+    """Nothing when every rank's status (``statuses[r]``, the same list on every rank) is OK; else every rank
+    raises the same ValueError, naming the first refusing rank and its ``refusal`` (gathered on the meta group).
+    Collective on that path only."""
+    if not any(statuses):
+        return
+    reasons: list[str | None] = [None] * len(statuses)
+    dist.all_gather_object(reasons, refusal, group=meta_group(group))
+    rank = next(r for r, s in enumerate(statuses) if s)
+    raise ValueError(f"sharded lookup refused on rank {rank}: {reasons[rank]}")
 
 
 # --- the pooling -------------------------------------------------------------------------------------------------
