@@ -12,10 +12,11 @@ from typing import Any
 import _shard_workers as sw
 import torch
 import torch.distributed as dist
+from _lookahead_workers import table_ids
 
 import sparsync
 import sparsync.sharding as package
-from sparsync.sharding import SGD
+from sparsync.sharding import SGD, Lookahead
 
 PACKAGE = Path(package.__file__).resolve().parent
 
@@ -57,14 +58,17 @@ class Entries:
         return self.seen
 
 
-def step_worker(rank: int, fused: bool) -> dict[str, Any]:
+def step_worker(rank: int, fused: bool, ahead: bool = False) -> dict[str, Any]:
     """Two steps of ``sw.Tables`` (the first settles the ids blocks' capacity); in the second the tables are
     called (their calls registered), then the exchange (run by the first use of a stand-in) and the backward
-    are traced, each as its list of entries (``Entries``). ``fused``: the tables sharded with ``SGD``."""
+    are traced, each as its list of entries (``Entries``). ``fused``: the tables sharded with ``SGD``;
+    ``ahead``: the batches through ``Lookahead`` (the second step's ids stage runs during the first)."""
     P = dist.get_world_size()
     model = sparsync.shard(sw.Tables(seed=0), optimizer=SGD(lr=0.1) if fused else None)
-    sw._loss(model(sw._batch(0, rank, P))).backward()
-    batch = sw._batch(2, rank, P)
+    batches = [sw._batch(0, rank, P), sw._batch(2, rank, P)]
+    source = Lookahead(batches, model, ids=table_ids) if ahead else iter(batches)
+    sw._loss(model(next(source))).backward()
+    batch = next(source)
     outs = {name: model.t[name](*args) for name, args in batch.items()}  # registered, not exchanged yet
     entries = Entries()
     forward = entries.trace(lambda: torch.cat([o.reshape(-1) for o in outs.values()]))

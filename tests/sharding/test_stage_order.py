@@ -6,6 +6,7 @@ of the package from outside it recorded (``_stage_order_workers.Entries``):
   runs the ids stage (``ids``), then the rows stage and the pooling (``rows``), and the stand-ins hand out their
   tensors (``exchange``): each module entered in one stretch, in that order, ``ids`` and ``rows`` once each from
   the driver;
+- with ``Lookahead``, the same without ``ids`` (the batch's ids stage ran during the step before);
 - the backward: the gradient rows stage (``rows``), then with a fused optimizer its update (``fused``);
 - the primitives (``kernels``: the C kernels and the rounds' transport) are entered from the stages only and
   call nothing of the package back; no module calls one earlier in the order.
@@ -41,15 +42,17 @@ def check(entries: list[tuple[str | None, str]]) -> None:
             assert ORDER.index(callee) > ORDER.index(caller), (caller, callee)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_a_sharded_step_enters_each_module_once_in_stage_order(fused: bool) -> None:
-    res = launch(so.step_worker, nprocs=2, args=(fused,))
+@pytest.mark.parametrize(("fused", "ahead"), [(False, False), (True, False), (False, True)])
+def test_a_sharded_step_enters_each_module_once_in_stage_order(fused: bool, ahead: bool) -> None:
+    """With ``Lookahead`` the forward's ids stage ran during the step before: the forward skips ``ids``."""
+    res = launch(so.step_worker, nprocs=2, args=(fused, ahead))
+    stages = ["rows"] if ahead else ["ids", "rows"]
     for rank, r in enumerate(res):
         forward, backward = r["forward"], r["backward"]
-        assert stretches(forward) == ["exchange", "group", "ids", "rows", "exchange"], (rank, forward)
-        stages = [(c, m) for c, m in forward if m in ("ids", "rows") and c is not None]
-        assert stages == [("exchange", "ids"), ("exchange", "rows")], (rank, forward)
-        assert ("ids", "kernels") in forward and ("rows", "kernels") in forward, (rank, forward)  # rounds ran
+        assert stretches(forward) == ["exchange", "group", *stages, "exchange"], (rank, forward)
+        entered = [(c, m) for c, m in forward if m in ("ids", "rows") and c is not None]
+        assert entered == [("exchange", m) for m in stages], (rank, forward)
+        assert all((m, "kernels") in forward for m in stages), (rank, forward)  # the rounds ran
         assert stretches(backward) == (["rows", "fused"] if fused else ["rows"]), (rank, backward)
         check(forward)
         check(backward)
