@@ -2,7 +2,9 @@
 from its AST (those at the top, those under ``if TYPE_CHECKING:`` and those inside functions alike, as each is a
 dependency a reader has to follow), has no cycle. A package's ``__init__`` counts as the package's module; an
 import of a submodule (``import a.b.c``, ``from a.b import c``) is an edge to that submodule, not to its parents
-(Python runs the parents first, but they are no dependency of the importer's code)."""
+(Python runs the parents first, but they are no dependency of the importer's code). And every module of a
+package imports as ``import sparsync.<package>.<module> as x`` but those ``SHADOWED`` names, each with its
+reason."""
 
 from __future__ import annotations
 
@@ -127,3 +129,37 @@ def test_the_check_finds_a_circle_hidden_under_type_checking_and_in_a_function(t
     assert cycles(graph) == [["p.q.a", "p.q.b", "p.q.c"]]
     (pkg / "c.py").write_text("def f():\n    return 0\n")
     assert cycles(import_graph(tmp_path, "p")) == []
+
+
+# modules of a package that ``import sparsync.<package>.<module> as x`` does not give, each with its reason
+SHADOWED = {
+    "sparsync.collectives.allreduce": "the function sparsync.collectives.allreduce (collectives/tensor.py), "
+    "exported by the package, shadows the module",
+}
+
+
+def shadowed_modules() -> set[str]:
+    """The modules of a package below ``sparsync`` (``sparsync.<package>.<module>``, at any depth) that
+    ``import <name> as x`` does not give (a package attribute of the module's name, as a function, shadows it).
+    Top-level modules are left out: ``sparsync.launch`` and ``sparsync.shard`` are the functions by design."""
+    import importlib
+    import sys
+
+    out = set()
+    for name in sorted(import_graph()):
+        if name.count(".") < 2:
+            continue
+        importlib.import_module(name)
+        space: dict[str, object] = {}
+        try:
+            exec(f"import {name} as imported", space)
+        except ImportError:
+            out.add(name)
+            continue
+        if space["imported"] is not sys.modules[name]:
+            out.add(name)
+    return out
+
+
+def test_every_module_of_a_package_imports_as_import_dotted_name_as_x() -> None:
+    assert shadowed_modules() == set(SHADOWED), f"shadowed modules (reasons: {SHADOWED})"
