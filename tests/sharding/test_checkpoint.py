@@ -93,18 +93,19 @@ def test_the_unsharded_model_loads_a_sharded_checkpoint_and_writes_one_that_load
 
 
 def test_no_rank_holds_more_than_its_shard_and_one_block_while_saving_or_loading(tmp_path: Path) -> None:
-    """A table of 1.28 MB with its fused Adam (two per-row moments) saved at 4 ranks (a shard: a quarter of it)
-    and loaded at 3 and 6: what each rank allocates beyond its shards stays under one block of the checkpoint (a
-    block, the rows one rank writes or reads, is a shard's size), since the rows are re-blocked and written or
-    read one window of ``BIG_BLOCK`` rows at a time (measured: docs/data/dcp_peak.json); the rows loaded are the
-    table and the moments drawn at 4 ranks, the step count saved."""
+    """A table of 16.4 MB with its fused Adam (two per-row moments) saved at 4 ranks (a shard: a quarter of it)
+    and loaded at 3 and 6: what each rank allocates beyond its shards (torch's allocations plus the Python heap's
+    peak, each measured alone: ``peaks``) stays under one block of the checkpoint (a block, the rows one rank
+    writes or reads, is a shard's size), since the rows are re-blocked and written or read one window at a time
+    (measured at 1M rows: docs/data/dcp_peak.json); the rows loaded are the table and the moments drawn at 4
+    ranks, the step count saved."""
     path = str(tmp_path / "big")
     row = cw.BIG[1] * 4
     for P, worker in ((4, cw.big_save_worker), (3, cw.big_load_worker), (6, cw.big_load_worker)):
         block = -(-cw.BIG[0] // P) * row
         for r in launch(worker, nprocs=P, args=(path,)):
             assert r.get("equal", True), (P, r)
-            assert r["peak"] <= block, (P, r, block)
+            assert r["torch"] + r["python"] <= block, (P, r, block)
 
 
 def test_a_table_of_another_shape_or_dtype_or_without_its_fused_state_is_refused_by_name(tmp_path: Path) -> None:
