@@ -1,9 +1,9 @@
 """Each rank's peak memory while a sharded table and its fused Adam (two per-row moments) are saved as one DCP
 checkpoint at P ranks (``sparsync.sharding.checkpoint.save``) and loaded at other world sizes (docs/sharding.md):
 the most bytes of torch allocations held at once beyond what the rank held before (torch's profiler, every
-allocation and free), the Python heap's peak (``tracemalloc``, a second call), and the growth of the peak
-resident set (``VmHWM``, reset before), beside the rank's shard (the table's rows it owns) and its block (the rows
-it writes or reads: ``ceil(rows / P)``).
+allocation and free), the Python heap's peak (``tracemalloc``), and the growth of the peak resident set
+(``VmHWM``, reset before; a call of its own, without either), beside the rank's shard (the table's rows it
+owns) and its block (the rows it writes or reads: ``ceil(rows / P)``).
 
     .venv/bin/python scripts/dcp_peak.py --rows 1000000 --dim 32 --save-at 4 --load-at 3 6 \\
         --out docs/data/dcp_peak.json
@@ -36,15 +36,16 @@ def _hwm_kb() -> int:
 
 
 def _measured(fn: Callable[[], object]) -> dict[str, float]:
-    """Run ``fn``: its torch allocation peak (bytes, ``allocation_peak``), peak RSS growth (bytes) and seconds;
-    then again under ``tracemalloc`` alone (the profiler's own Python objects would count): its Python heap's
-    peak beyond what it held before (bytes)."""
+    """Run ``fn`` three times: alone, its peak RSS growth (bytes) and seconds; under torch's profiler, its torch
+    allocation peak (bytes, ``allocation_peak``); under ``tracemalloc``, its Python heap's peak beyond what it
+    held before (bytes). Apart, since the profiler's and tracemalloc's own records would count."""
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the current RSS
     rss0 = _hwm_kb()
     t0 = time.perf_counter()
-    peak = allocation_peak(fn)
+    fn()
     seconds = time.perf_counter() - t0
     rss = (_hwm_kb() - rss0) * 1024
+    peak = allocation_peak(fn)
     tracemalloc.start()
     try:
         fn()

@@ -1,10 +1,11 @@
 """DCP checkpoints of sharded tables (``sparsync.sharding.checkpoint``, ``dcp``) on real gloo groups: saved at
-P = 4 and resumed at P = 4 (against the uninterrupted run), 3, 6 and 1 (against the same state loaded through the
-full state dicts) exactly, losses and parameters bit for bit, with torch's SGD with momentum, Adagrad and
+P = 4 and resumed at P = 4 (against the uninterrupted run), 3, 5, 6 and 1 (against the same state loaded through
+the full state dicts) exactly, losses and parameters bit for bit, with torch's SGD with momentum, Adagrad and
 SparseAdam on the tables and with the tables' fused Adagrad, row-wise Adagrad and Adam (their per-row state and
 Adam's step counts); the fused optimizers' local state dicts at the same P; into the unsharded model and from
-it; each rank's peak allocation while saving and loading a table four times its shard; a table of another shape
-or dtype, or a fused table whose state the checkpoint lacks, refused by name."""
+it; each rank's peak memory (torch's allocations and the Python heap) while saving and loading a table four
+times its shard; a table of another shape or dtype, a fused table whose state the checkpoint lacks, or
+optimizers of another kind, refused by name; the fused optimizers' saved hyperparameters loaded."""
 
 from __future__ import annotations
 
