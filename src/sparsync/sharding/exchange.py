@@ -18,7 +18,9 @@ So a forward runs two rounds (three when the blocks overflow), and with ``Lookah
 ids stage of the next batch runs during the step before, and the forward takes it finished (``settle``).
 torchrec's names (input dist, lookup, output dist) describe a push of ids and a pull of pooled values; here the
 owner pools nothing (the requester does, so the pooled values are torch's bit for bit) and the stages are named
-for what travels.
+for what travels. The driver (``Exchanger``) calls each stage's module once, in that order; a stage calls the
+primitives it runs on (``kernels``: the C kernels, and ``Link`` once per round it runs) and never the driver or
+an earlier stage (``tests/sharding/test_stage_order.py``).
 
 Bytes per rank and step (``sparsync.plan.kinds.ShardedKind``): f·Σ_t u_t·(8 + 2·w·D_t) requested (keys out, rows
 in, gradient rows out; f = (P-1)/P of the keys go to another rank, u_t distinct ids of table t, w bytes per

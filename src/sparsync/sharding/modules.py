@@ -85,15 +85,7 @@ class ShardedTable(nn.Module):
     def group(self) -> TableGroup:
         return self.exchanger.groups[self.group_index]
 
-    # --- what the exchanger reads (``exchange.Table``) ----------------------------------------------------------
-    @property
-    def shard(self) -> nn.Parameter:
-        return self.weight
-
-    @property
-    def padding_row(self) -> int | None:
-        return self.padding_idx
-
+    # --- its description ----------------------------------------------------------------------------------------
     def options_of(self, source: nn.Embedding | nn.EmbeddingBag) -> None:
         """Take the options of ``source`` a subclass keeps beside ``padding_idx`` (its description names them)."""
         del source
