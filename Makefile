@@ -11,7 +11,7 @@ test: setup
 	.venv/bin/ruff check src tests examples setup.py
 	.venv/bin/ruff format --check src tests examples setup.py
 	.venv/bin/mypy
-	.venv/bin/python -m pytest -q --durations=15
+	.venv/bin/python -m pytest -q -rfER --durations=15
 
 # Under a minute: no process groups, no server processes (the tests of single-process code).
 test-fast: setup
