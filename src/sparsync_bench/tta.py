@@ -68,6 +68,8 @@ METHODS: dict[str, Method] = {
         Method("qsgd4", "hook", "qsgd:bits=4,bucket=512"),
         Method("topk-ef", "hook", "topk:ratio=0.01", "ef"),
         Method("dgc", "hook", "topk:ratio=0.01,warmup=20", "dgc"),
+        Method("topk-small-ef", "hook", "topk:ratio=0.01,dense_below=65536", "ef"),
+        Method("dgc-small", "hook", "topk:ratio=0.01,warmup=20,dense_below=65536", "dgc"),
         Method("dctdp-ef", "hook", "threshold:ratio=0.01,lifespan=1000", "ef"),
         Method("dctdp-noslack-ef", "hook", "threshold:ratio=0.01,lifespan=1000,slack=None", "ef"),
         Method("powersgd-r2", "hook", "powersgd:rank=2,start_iter=2", "ef"),

@@ -6,6 +6,10 @@ elements in magnitude" per bucket of 512 so the selection parallelises; we selec
 starts at 25% and falls exponentially, 25%, 6.25%, 1.5625%, 0.39%, one stage per quarter of the first W calls
 of each name, to ``ratio`` (never below it); the call count is kept per name and checkpointed.
 
+``TopK(ratio, dense_below=N)``: a tensor of fewer than N entries (a bias, a norm's scale, a small head) is sent
+whole, every entry kept, with nothing left to its residual; larger ones keep their top ``ratio``. Selection is
+per tensor, so a small tensor would otherwise get as small a share of its entries as the largest one.
+
 A contraction in the sense of Stich et al. (2018) Def. 2.1, the property DCT §2.1 relies on:
 ‖x - topk(x)‖² ≤ (1 - k/n)‖x‖². Biased: use it with error feedback (or ``MomentumCorrection``, DGC).
 """
@@ -30,6 +34,7 @@ class TopK(Sparsifier):
 
     bucket: int | None = None  # None: exact top-k over the whole tensor; else top ceil(ratio·bucket) per bucket
     warmup: int = 0  # DGC's warm-up: calls per name over which the kept fraction falls from 25% to ratio
+    dense_below: int = 0  # tensors of fewer entries than this are sent whole (0: none)
     _calls: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # name -> calls (warm-up)
 
     def __post_init__(self) -> None:
@@ -38,6 +43,8 @@ class TopK(Sparsifier):
             base.check_positive_int(self.bucket, "bucket")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             raise ValueError(f"warmup must be a non-negative int (calls), got {self.warmup!r}")
+        if isinstance(self.dense_below, bool) or not isinstance(self.dense_below, int) or self.dense_below < 0:
+            raise ValueError(f"dense_below must be a non-negative int (entries), got {self.dense_below!r}")
 
     def ratio_at(self, call: int) -> float:
         """The fraction kept at a name's ``call``-th call (from 0): DGC's exponential warm-up, then ``ratio``."""
@@ -48,6 +55,9 @@ class TopK(Sparsifier):
     def compress(self, tensor: torch.Tensor, ctx: base.Context = base.NO_CONTEXT) -> base.SparsePayload:
         values, indices = base.flat_values(tensor)
         n = values.numel()
+        if tensor.numel() < self.dense_below:  # sent whole: every stored entry
+            return base.selected(values, indices, torch.arange(n, device=values.device), tensor.numel(),
+                                 presorted=True)  # fmt: skip
         ratio = self.ratio
         if self.warmup:
             call = self._calls.get(ctx.name, 0)
