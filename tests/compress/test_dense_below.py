@@ -1,7 +1,8 @@
 """``TopK(ratio, dense_below=N)``: a tensor of fewer than N entries is sent whole, the others keep their top
 ``ratio``; with ``ErrorFeedback`` through ``compressed_allreduce`` on real gloo groups it equals a float64
-reference written here (numpy): per rank and name, c = g + e; a small tensor sends c and keeps e = 0; a large one sends its
-k = ceil(ratio·n) largest |c| and keeps the rest as e; the result is the sum over ranks of what was sent."""
+reference written here (numpy): per rank and name, c = g + e; a small tensor sends c and keeps e = 0; a large
+one sends its k = ceil(ratio·n) largest |c| and keeps the rest as e; the result is the sum over ranks of what was
+sent."""
 
 from __future__ import annotations
 
@@ -58,4 +59,4 @@ def test_small_tensors_whole_large_ones_sparse() -> None:
     assert torch.equal(back.to_dense() if back.is_sparse else back, coo.to_dense())
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="dense_below"):
-            TopK(0.01, dense_below=bad)  # type: ignore[arg-type]
+            TopK(0.01, dense_below=bad)
