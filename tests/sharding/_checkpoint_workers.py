@@ -24,7 +24,7 @@ from sparsync.sharding import (
     optimizer_state_dict,
     plan_of,
 )
-from sparsync.sharding.fused import Fused
+from sparsync.sharding.group import Fused
 from sparsync_bench.op_profile import allocation_peak
 
 ROWS = (151, 97)  # no world size of the tests divides them; blocks of 26 rows and more, 2 or 3 a window

@@ -14,7 +14,7 @@ from torch import nn
 
 import sparsync
 from sparsync.sharding import SGD, Adagrad, Adam, RowwiseAdagrad, dense_parameters
-from sparsync.sharding.fused import Fused
+from sparsync.sharding.group import Fused
 
 LR = {"sgd": 0.05, "adagrad": 0.1, "rowwise_adagrad": 0.1, "adam": 0.01}
 FUSED: dict[str, Callable[[], Fused]] = {

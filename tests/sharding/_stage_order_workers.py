@@ -61,8 +61,9 @@ class Entries:
 def step_worker(rank: int, fused: bool, ahead: bool = False) -> dict[str, Any]:
     """Two steps of ``sw.Tables`` (the first settles the ids blocks' capacity); in the second the tables are
     called (their calls registered), then the exchange (run by the first use of a stand-in) and the backward
-    are traced, each as its list of entries (``Entries``). ``fused``: the tables sharded with ``SGD``;
-    ``ahead``: the batches through ``Lookahead`` (the second step's ids stage runs during the first)."""
+    are traced, each as its list of entries (``Entries``). ``fused``: the tables sharded with ``SGD``
+    (``group.SGD``); ``ahead``: the batches through ``Lookahead`` (the second step's ids stage runs during the
+    first)."""
     P = dist.get_world_size()
     model = sparsync.shard(sw.Tables(seed=0), optimizer=SGD(lr=0.1) if fused else None)
     batches = [sw._batch(0, rank, P), sw._batch(2, rank, P)]

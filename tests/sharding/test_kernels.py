@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sparsync.sharding import kernels
-from sparsync.sharding.fused import SGD, Adagrad, Adam, RowwiseAdagrad
+from sparsync.sharding.group import SGD, Adagrad, Adam, RowwiseAdagrad
 from sparsync.sharding.ids import dedupe_groups
 
 BIG = 2**63 - 1

@@ -7,9 +7,11 @@ of the package from outside it recorded (``_stage_order_workers.Entries``):
   tensors (``exchange``): each module entered in one stretch, in that order, ``ids`` and ``rows`` once each from
   the driver;
 - with ``Lookahead``, the same without ``ids`` (the batch's ids stage ran during the step before);
-- the backward: the gradient rows stage (``rows``), then with a fused optimizer its update (``fused``);
-- the primitives (``kernels``: the C kernels and the rounds' transport) are entered from the stages only and
-  call nothing of the package back; no module calls one earlier in the order.
+- the backward: the gradient rows stage (``rows``), then with a fused optimizer the update of the group's rows
+  (``group``, called by ``rows``);
+- the layers: the driver calls the stages, the stages call the storage they run on (``group``: the layout and the
+  rows' update) and the primitives (``kernels``: the C kernels and the rounds' transport); no module calls one
+  above it, and ``kernels`` calls nothing of the package.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from sparsync import launch
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
-ORDER = ("exchange", "group", "ids", "rows", "fused")  # the driver, the layout, the stages, the update
+ORDER = ("exchange", "ids", "rows", "group")  # the driver, the stages, the storage they run on (layout, update)
 PRIMITIVES = ("kernels",)
 
 
@@ -35,7 +37,7 @@ def stretches(entries: list[tuple[str | None, str]]) -> list[str]:
 
 
 def check(entries: list[tuple[str | None, str]]) -> None:
-    """Calls go down ``ORDER`` only, and the primitives call nothing of the package."""
+    """Calls go down ``ORDER`` (or into the primitives) only, and the primitives call nothing of the package."""
     for caller, callee in entries:
         assert caller not in PRIMITIVES, (caller, callee)
         if caller is not None and callee not in PRIMITIVES:
@@ -53,7 +55,8 @@ def test_a_sharded_step_enters_each_module_once_in_stage_order(fused: bool, ahea
         entered = [(c, m) for c, m in forward if m in ("ids", "rows") and c is not None]
         assert entered == [("exchange", m) for m in stages], (rank, forward)
         assert all((m, "kernels") in forward for m in stages), (rank, forward)  # the rounds ran
-        assert stretches(backward) == (["rows", "fused"] if fused else ["rows"]), (rank, backward)
+        assert stretches(backward) == (["rows", "group"] if fused else ["rows"]), (rank, backward)
+        assert (("rows", "group") in backward) == fused, (rank, backward)  # the update, from the rows stage
         check(forward)
         check(backward)
 
@@ -62,7 +65,13 @@ def test_the_check_refuses_a_call_back_up_the_order_and_one_out_of_a_primitive()
     good = [(None, "exchange"), ("exchange", "ids"), ("ids", "kernels"), ("exchange", "rows")]
     check(good)
     assert stretches(good) == ["exchange", "ids", "rows"]
-    for bad in (("rows", "ids"), ("kernels", "rows"), ("ids", "exchange")):
+    for bad in (
+        ("rows", "ids"),
+        ("kernels", "rows"),
+        ("ids", "exchange"),
+        ("group", "rows"),
+        ("kernels", "group"),
+    ):
         with pytest.raises(AssertionError):
             check([*good, bad])
     assert stretches([*good, (None, "ids"), (None, "rows")]) == ["exchange", "ids", "rows", "ids", "rows"]

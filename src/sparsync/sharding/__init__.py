@@ -3,7 +3,8 @@ whose id is its rank modulo P (``group.Ownership``); the tables of one width and
 flat tensor per rank (``group``, fbgemm's TBE layout), each table's parameter a view of its slice. A step runs in
 stage order (``exchange``): the ids stage (``ids``: distinct keys to their owners, headed by each rank's
 verdict), the rows stage and the pooling (``rows``), and in backward the gradient rows stage, whose sums become
-the tables' sparse gradients or, with ``sparsync.shard(optimizer=...)``, their update in place (``fused``).
+the tables' sparse gradients or, with ``sparsync.shard(optimizer=...)``, their update in place (``group``: the
+tables' storage and its optimizers).
 ``kernels`` holds the primitives the stages call: the C kernels and the rounds' transport (``Link``).
 ``sparsync.shard(model, plan=...)`` swaps a model's embedding modules for sharded ones (``api``, ``modules``),
 with ``plan="auto"`` where the cost model says (``auto``), and marks the tables a dict plan places ``"server"``
@@ -22,9 +23,8 @@ from sparsync.sharding.api import Lookahead, shard
 from sparsync.sharding.auto import AUTO_KINDS, AutoPlan, auto_plan
 from sparsync.sharding.checkpoint import load_optimizer_state_dict, optimizer_state_dict
 from sparsync.sharding.exchange import Exchanger, LazyLookup
-from sparsync.sharding.fused import SGD, Adagrad, Adam, RowwiseAdagrad, dense_parameters
-from sparsync.sharding.group import Ownership
-from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
+from sparsync.sharding.group import SGD, Adagrad, Adam, Ownership, RowwiseAdagrad
+from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable, dense_parameters
 
 __all__ = [
     "AUTO_KINDS",

@@ -67,8 +67,7 @@ from sparsync.placement.sharded import mark
 from sparsync.record import CommLog
 from sparsync.sharding.auto import auto_plan
 from sparsync.sharding.exchange import Ahead, Exchanger, Sent
-from sparsync.sharding.fused import OPTIMIZERS, Fused
-from sparsync.sharding.group import Slot, TableGroup, group_key
+from sparsync.sharding.group import OPTIMIZERS, Fused, Slot, TableGroup, group_key
 from sparsync.sharding.ids import IdsRound
 from sparsync.sharding.kernels import WIRE
 from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
@@ -103,7 +102,7 @@ def shard(
     (DTensors of contiguous row blocks, for ``torch.distributed.checkpoint``: ``dcp``; ``sharding.modules``).
     ``rows``: ``"fp16"`` or ``"bf16"`` sends the rows and the gradient rows in that
     precision, half of fp32's bytes, each value rounded once on the way (lossy: the tables, the pooling and the
-    owners' sums stay in the tables' dtype); None sends them as they are. ``optimizer``: one of ``fused``'s
+    owners' sums stay in the tables' dtype); None sends them as they are. ``optimizer``: one of ``group``'s
     optimizers (``SGD``, ``Adagrad``, ``RowwiseAdagrad``, ``Adam``), applied to the sharded tables' rows at the
     end of backward, in place, with the mean of the ranks' gradients; the tables then get no ``.grad``: give the
     rest of the model's optimizer ``dense_parameters(model)``. None: the tables get a sparse gradient, the sum over
@@ -162,13 +161,14 @@ def _sharded_modules(
 
 
 def _bind(exchanger: Exchanger, optimizer: Fused | None) -> None:
-    """Give each of ``exchanger``'s groups its copy of ``optimizer`` (``fused``); TypeError for anything else."""
+    """Give each of ``exchanger``'s groups its copy of ``optimizer`` (``group.Fused``); TypeError for anything
+    else."""
     if optimizer is None:
         return
     if not isinstance(optimizer, Fused):
         names = [o.__name__ for o in OPTIMIZERS]
         raise TypeError(
-            f"optimizer must be one of sparsync.sharding.fused's {names}, got {type(optimizer).__name__} (for "
+            f"optimizer must be one of sparsync.sharding's {names}, got {type(optimizer).__name__} (for "
             "a torch optimizer over the tables' sparse gradients, leave optimizer None)"
         )
     for table_group in exchanger.groups:

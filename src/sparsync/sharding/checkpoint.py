@@ -5,7 +5,7 @@ beside the model's ``state_dict="full"``).
 
 The optimizer's state has three parts: each table's per-row state (a tensor of the table's local shape in a
 torch optimizer's state of the table's weight, written dense: Adagrad's sums, Adam's moments, SGD's momentum; or
-the state of the table's rows in its fused optimizer, ``sparsync.shard(optimizer=...)``: ``fused``'s sums and
+the state of the table's rows in its fused optimizer, ``sparsync.shard(optimizer=...)``: ``group.Fused``'s sums and
 moments, row-wise Adagrad's one value per row), Adam's per-table step counts (fused; the same on every rank), and
 the rest of ``optimizer.state_dict()`` (steps, hyperparameters, the dense parameters' state, a
 ``DistributedOptimizer``'s bucket layout), which every rank holds alike. A table is an ``nn.Embedding`` /
@@ -39,8 +39,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from sparsync.sharding import dcp
-from sparsync.sharding.fused import Fused
-from sparsync.sharding.group import gather_rows
+from sparsync.sharding.group import Fused, gather_rows
 from sparsync.sharding.modules import ShardedTable
 
 __all__ = ["load", "load_optimizer_state_dict", "optimizer_state_dict", "save"]

@@ -12,7 +12,7 @@ number of tables, in three stages over the tables' groups (``group``):
 3. gradient rows (``rows.RowExchange.backward``): each rank sends one gradient row per distinct key to its owner,
    one round; the owner sums them per row, one sort per group, into each table's gradient (the sum over the
    ranks, as a replicated table's after a sum-allreduce: Parallax's push to the servers, §3.1, with the servers
-   being the ranks themselves), or applies the tables' optimizer to them in place (``fused``).
+   being the ranks themselves), or applies the tables' optimizer to them in place (``group.Fused``).
 
 So a forward runs two rounds (three when the blocks overflow), and with ``Lookahead`` only the rows round: the
 ids stage of the next batch runs during the step before, and the forward takes it finished (``settle``).

@@ -2,11 +2,11 @@
 
 The kernels: the dedupe's sorted unique (``ids.dedupe_groups``), the rows stage's gather
 (``rows.RowExchange``), the pooling's gather and its backward (``rows._pool_rows``), the owner's sum of the
-gradient rows (``rows._owner_sum``), and the fused optimizers' row reads and updates (``fused``), in C where the
-extension ``_group_c`` is built (``pip install`` compiles it) and in torch otherwise. The two give the same bits
-(``tests/sharding/test_kernels.py``): each C kernel computes the expressions of the torch ops it stands for, in
-their order and precision, and leaves to torch what it cannot copy (the square roots; a sum of more than two
-rows, whose order coalesce chooses).
+gradient rows (``rows._owner_sum``), and the fused optimizers' row reads and updates (``group.Fused``), in C
+where the extension ``_group_c`` is built (``pip install`` compiles it) and in torch otherwise. The two give the
+same bits (``tests/sharding/test_kernels.py``): each C kernel computes the expressions of the torch ops it stands
+for, in their order and precision, and leaves to torch what it cannot copy (the square roots; a sum of more than
+two rows, whose order coalesce chooses).
 
 ``kernels``: "auto" (C where built, else torch), "c" (RuntimeError when not built), "torch". The C kernels read
 host memory through raw pointers, so they serve contiguous CPU tensors (and float32/float64 values); any other
@@ -202,7 +202,7 @@ def step_rows(
     kernels: str = "auto",
 ) -> None:  # fmt: skip
     """``w[rows] += g * -lr`` (SGD), or ``w[rows] += (g / std) * -lr`` with ``std`` per element (``[n, D]``) or
-    per row (``[n]``), for distinct int64 ``rows`` of a 2-D ``w``: the expressions of fused.py's torch ops.
+    per row (``[n]``), for distinct int64 ``rows`` of a 2-D ``w``: the expressions of ``group.Fused``'s torch ops.
     Mutates ``w``; IndexError for a row out of range (nothing changed then)."""
     if rows.dtype != torch.int64 or not _updatable(kernels, w, g, std):
         step = g if std is None else g / (std if std.dim() == 2 else std.unsqueeze(1))

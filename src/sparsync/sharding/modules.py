@@ -253,3 +253,10 @@ def _bag_arguments(input: torch.Tensor, weights: torch.Tensor | None, mode: str,
                 f"per_sample_weights must have the input's shape {tuple(input.shape)} and dtype {dtype}, got {got}"
             )
     return None
+
+
+def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """``model``'s parameters but those of tables sharded with an optimizer (``sparsync.shard(optimizer=...)``),
+    which backward updates itself: what the optimizer of the rest of the model takes."""
+    fused = {id(m.weight) for m in model.modules() if isinstance(m, ShardedTable) and m.group.fused is not None}
+    return [p for p in model.parameters() if id(p) not in fused]

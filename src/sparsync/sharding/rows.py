@@ -7,8 +7,8 @@ they are (embeddings, bags of one id each) and one ``embedding_bag`` per group a
 tables.
 
 The owner's sum becomes each table's gradient (a sparse COO tensor per table called, cut out of the group's sum
-without another sort), or, when the tables were sharded with an optimizer (``fused``), the rows' update, applied
-in place, with no gradient left behind.
+without another sort), or, when the tables were sharded with an optimizer (``group.Fused``), the rows' update,
+applied in place, with no gradient left behind.
 """
 
 from __future__ import annotations
