@@ -8,8 +8,9 @@ each method's clock counts its own steps only.
 Methods (``METHODS``): DDP's dense allreduce; DDP with torch's fp16 hook; torch's PowerSGD hook at ranks
 1, 2, 4 (DDP with one bucket for the whole model: with several buckets in flight the hook deadlocks on gloo,
 since it issues a bucket's second allreduce from the first's future callback); sparsync's compressors through
-``compression_hook`` (QSGD, TopK + ErrorFeedback, DGC's top-k, Threshold = DCT-DP + ErrorFeedback, sparsync's
-PowerSGD), and through ``DistributedOptimizer``.
+``compression_hook`` (QSGD, TopK + ErrorFeedback, DGC's top-k, the same with tensors of under 64Ki entries sent
+whole, Threshold = DCT-DP + ErrorFeedback, sparsync's PowerSGD), and through ``DistributedOptimizer`` (PowerSGD,
+bucketed QSGD, and top-k over all the dense gradients at once with error feedback).
 
 Models (``MODELS``): a small causal transformer with dense gradients only, an LSTM language model with a
 large embedding (``lm.SampledLM``, its gradient dense here as a DDP user's ``nn.Embedding`` sends it), and an
@@ -70,11 +71,13 @@ METHODS: dict[str, Method] = {
         Method("dgc", "hook", "topk:ratio=0.01,warmup=20", "dgc"),
         Method("topk-small-ef", "hook", "topk:ratio=0.01,dense_below=65536", "ef"),
         Method("dgc-small", "hook", "topk:ratio=0.01,warmup=20,dense_below=65536", "dgc"),
+        Method("topk10-small-ef", "hook", "topk:ratio=0.1,dense_below=65536", "ef"),
         Method("dctdp-ef", "hook", "threshold:ratio=0.01,lifespan=1000", "ef"),
         Method("dctdp-noslack-ef", "hook", "threshold:ratio=0.01,lifespan=1000,slack=None", "ef"),
         Method("powersgd-r2", "hook", "powersgd:rank=2,start_iter=2", "ef"),
         Method("opt-powersgd-r2", "opt", "powersgd:rank=2,start_iter=2", "ef"),
         Method("opt-qsgd4", "opt", "qsgd:bits=4,bucket=512", bucket=True),
+        Method("opt-topk-ef", "opt", "topk:ratio=0.01", "ef", bucket=True),
     )
 }
 TORCH_POWERSGD_START = 2  # torch's least start_powerSGD_iter with error feedback and warm start
