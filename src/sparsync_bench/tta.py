@@ -72,6 +72,7 @@ METHODS: dict[str, Method] = {
         Method("topk-small-ef", "hook", "topk:ratio=0.01,dense_below=65536", "ef"),
         Method("dgc-small", "hook", "topk:ratio=0.01,warmup=20,dense_below=65536", "dgc"),
         Method("topk10-small-ef", "hook", "topk:ratio=0.1,dense_below=65536", "ef"),
+        Method("topk-bucket-ef", "hook", "topk:ratio=0.01,scope=bucket", "ef"),
         Method("dctdp-ef", "hook", "threshold:ratio=0.01,lifespan=1000", "ef"),
         Method("dctdp-noslack-ef", "hook", "threshold:ratio=0.01,lifespan=1000,slack=None", "ef"),
         Method("powersgd-r2", "hook", "powersgd:rank=2,start_iter=2", "ef"),

@@ -28,11 +28,11 @@ the bucket's flat buffer, named after the bucket's members. One metadata round a
 instead of one of each per gradient. A bucket mixing sparsifiers with other compressors (or with ``Identity``,
 e.g. by ``plan=``) is reduced one gradient at a time.
 
-A dense bucket whose gradients all go by one other compressor object (``QSGD``, the casts, ``SparseSketch``: no
-per-layer selection) is compressed as its flat buffer, in one ``compressed_allreduce`` named after the bucket's
-members, as torch's fp16 hook casts the whole buffer: one metadata round and one collective per bucket instead
-of one of each per gradient. The residuals stay per parameter name (``memory.SlicedMemory``); QSGD's scale
-buckets then span parameter boundaries.
+A dense bucket whose gradients all go by one other compressor object (``QSGD``, the casts, ``SparseSketch``, or
+``TopK(scope="bucket")``: no per-layer selection) is compressed as its flat buffer, in one
+``compressed_allreduce`` named after the bucket's members, as torch's fp16 hook casts the whole buffer: one
+metadata round and one collective per bucket instead of one of each per gradient. The residuals stay per
+parameter name (``memory.SlicedMemory``); QSGD's scale buckets then span parameter boundaries.
 
 A dense bucket whose gradients all go by ``PowerSGD`` is sent with two allreduces in all, one of the bucket's Ps
 (and its vectors, sent whole), one of its Qs (``bucket_powersgd.py``), residuals and warm-start Qs per parameter

@@ -10,6 +10,10 @@ of each name, to ``ratio`` (never below it); the call count is kept per name and
 whole, every entry kept, with nothing left to its residual; larger ones keep their top ``ratio``. Selection is
 per tensor, so a small tensor would otherwise get as small a share of its entries as the largest one.
 
+``TopK(ratio, scope="bucket")``: in ``compression_hook``, the top ``ratio`` of a DDP bucket's gradients at once,
+as one vector (the hook's flat route; residuals still per parameter name), instead of per parameter; elsewhere
+(``compressed_allreduce`` of one tensor) the same as ``scope="tensor"``.
+
 A contraction in the sense of Stich et al. (2018) Def. 2.1, the property DCT §2.1 relies on:
 ‖x - topk(x)‖² ≤ (1 - k/n)‖x‖². Biased: use it with error feedback (or ``MomentumCorrection``, DGC).
 """
@@ -35,6 +39,7 @@ class TopK(Sparsifier):
     bucket: int | None = None  # None: exact top-k over the whole tensor; else top ceil(ratio·bucket) per bucket
     warmup: int = 0  # DGC's warm-up: calls per name over which the kept fraction falls from 25% to ratio
     dense_below: int = 0  # tensors of fewer entries than this are sent whole (0: none)
+    scope: str = "tensor"  # "tensor": the DDP hook selects per parameter; "bucket": over each bucket at once
     _calls: dict[str, int] = field(default_factory=dict, init=False, repr=False)  # name -> calls (warm-up)
 
     def __post_init__(self) -> None:
@@ -45,6 +50,8 @@ class TopK(Sparsifier):
             raise ValueError(f"warmup must be a non-negative int (calls), got {self.warmup!r}")
         if isinstance(self.dense_below, bool) or not isinstance(self.dense_below, int) or self.dense_below < 0:
             raise ValueError(f"dense_below must be a non-negative int (entries), got {self.dense_below!r}")
+        if self.scope not in ("tensor", "bucket"):
+            raise ValueError(f"scope must be 'tensor' or 'bucket', got {self.scope!r}")
 
     def ratio_at(self, call: int) -> float:
         """The fraction kept at a name's ``call``-th call (from 0): DGC's exponential warm-up, then ``ratio``."""
