@@ -31,9 +31,12 @@ import itertools
 import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from sparsync.registry import Registry  # a leaf (level 0): the model imports no collective
-from sparsync.stream import SparseStream
+
+if TYPE_CHECKING:  # the stream type for the checker only: at run time the model imports no more of sparsync
+    from sparsync.stream import SparseStream
 
 # The ``dense`` algorithm on a sparse-stored input of at least DENSE_PIPELINE_MIN elements densifies and reduces
 # it in DENSE_CHUNKS pieces, each piece's allreduce started as soon as it is filled (collectives/allreduce.py).
@@ -266,7 +269,7 @@ def share(p: Problem) -> float:
 # round's result (``collectives.meta.Meta``) and the resolved partition kind (``collectives/partition.py``; "-"
 # for an algorithm without one) -> the sum. The arguments are left untyped here: the collectives import this
 # module, so naming their types would make an import circle.
-Runner = Callable[..., SparseStream]
+Runner = Callable[..., "SparseStream"]
 
 
 @dataclass(frozen=True)
