@@ -28,11 +28,8 @@ class M(nn.Module):
         return out
 
 
-def run(rank: int, P: int, steps: int, port: int, batch: int) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=P)
-    torch.set_num_threads(1)
+def train(rank: int, steps: int, batch: int) -> int:
+    """``steps`` steps of DDP over ``M`` on this rank's Zipf-like ids, in the current process group."""
     torch.manual_seed(0)
     T, rows = 26, 2000
     m = DistributedDataParallel(M(T, rows, 8))
@@ -47,6 +44,15 @@ def run(rank: int, P: int, steps: int, port: int, batch: int) -> None:
         loss = nn.functional.binary_cross_entropy_with_logits(m(dense, cats), y)
         loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
+    return steps
+
+
+def run(rank: int, P: int, steps: int, port: int, batch: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=P)
+    torch.set_num_threads(1)
+    train(rank, steps, batch)
     dist.destroy_process_group()
 
 
