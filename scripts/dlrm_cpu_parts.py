@@ -16,7 +16,13 @@ of ``--batch`` samples on P local gloo ranks, one thread each, and reports the r
   run when their C kernels (``sparsync.sharding.kernels``) are not built (the same results).
 
 The variants run one after another, ``--rounds`` times over, so that a drift of the host's speed reaches all of
-them alike. Timings are this host's; compare the variants within one run.
+them alike. Timings are this host's; compare the variants within one run. ``--variants`` runs a subset.
+
+Each row also splits the ranks' mean CPU per step by thread (``/proc/self/task``, whole run after the warm-up
+steps, so clock ticks of 10 ms add up over the steps): the main thread (the model, autograd, the hooks, the
+sharded tables' stages), gloo's transport thread (``gloo_tcp_loop``: every message of every group's
+collectives, one per group), gloo's work threads (``pt_gloo_runloop``: torch's collectives run there) and the
+Python threads (sparsync's queue threads, one per group with work: ``DistributedOptimizer``'s buckets).
 
     .venv/bin/python scripts/dlrm_cpu_parts.py --procs 2 --rounds 5 --out docs/data/dlrm_cpu_parts_p2.md
 """
@@ -24,7 +30,9 @@ them alike. Timings are this host's; compare the variants within one run.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -52,6 +60,7 @@ VARIANTS = (
     "fused+ddp:torch",
 )
 DATA = Path("results/criteo_synthetic.txt")  # bench dlrm's generated file
+THREADS = ("main", "gloo transport", "gloo work", "python")  # how the CPU splits (module doc)
 
 
 def _config(batch: int) -> DlrmBenchConfig:
@@ -105,7 +114,10 @@ def _train(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> 
     else:
         opt = _Both(model, cfg.lr)
     cpu, main = [], []
-    for dense, ids, label in steps:
+    before: dict[int, tuple[str, float]] = {}
+    for s, (dense, ids, label) in enumerate(steps):
+        if s == cfg.warmup:
+            before = _tasks()
         dist.barrier()
         c0, m0 = time.process_time(), time.thread_time()
         opt.zero_grad()
@@ -115,12 +127,46 @@ def _train(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> 
         loss.item()
         cpu.append(time.process_time() - c0)
         main.append(time.thread_time() - m0)
-    t = torch.tensor([statistics.median(cpu[cfg.warmup :])], dtype=torch.float64)
+    split = _by_thread(before, _tasks(), cfg.steps - cfg.warmup)
+    t = torch.tensor([statistics.median(cpu[cfg.warmup :]), *split], dtype=torch.float64)
     dist.all_reduce(t)
+    means = (t / dist.get_world_size() * 1e3).tolist()
     return {
-        "cpu_ms": float(t) / dist.get_world_size() * 1e3,
+        "cpu_ms": means[0],
         "main_ms": statistics.median(main[cfg.warmup :]) * 1e3,
+        **{f"thread {kind}": v for kind, v in zip(THREADS, means[1:], strict=True)},
     }
+
+
+def _tasks() -> dict[int, tuple[str, float]]:
+    """Each thread of this process: (its name, its CPU seconds so far), from ``/proc/self/task``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (name, (int(rest[11]) + int(rest[12])) / tick)  # utime + stime
+    return out
+
+
+def _by_thread(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], steps: int
+) -> list[float]:
+    """CPU seconds per step of each kind of thread (``THREADS``) between the two readings."""
+    main = threading.get_native_id()
+    got = dict.fromkeys(THREADS, 0.0)
+    for tid, (name, total) in after.items():
+        kind = (
+            "main" if tid == main
+            else "gloo transport" if name.startswith("gloo_tcp_loop")
+            else "gloo work" if name.startswith("pt_gloo_runloop")
+            else "python"
+        )  # fmt: skip
+        got[kind] += total - before.get(tid, (name, 0.0))[1]
+    return [got[k] / steps for k in THREADS]
 
 
 def main() -> None:
@@ -128,36 +174,52 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
+    variants = a.variants.split(",")
+    unknown = sorted(set(variants) - set(VARIANTS))
+    if unknown or "ddp" not in variants:
+        ap.error(f"--variants: unknown {unknown}; the list must hold ddp (the rows' base) and any of {VARIANTS}")
     cfg = _config(a.batch)
     default_data(DATA, cfg.steps * a.batch * a.procs)  # generated once, as bench dlrm does
     data = load(cfg, a.procs)
-    got: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    got: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for r in range(a.rounds):
-        for v in VARIANTS:
+        for v in variants:
             res = launch(_worker, nprocs=a.procs, args=(v, cfg, data))[0]
             got[v].append(res)
             print(
                 f"round {r + 1}/{a.rounds} {v}: CPU {res['cpu_ms']:.1f} ms/step, main thread {res['main_ms']:.1f}"
             )
     base = statistics.median(x["cpu_ms"] for x in got["ddp"])
+    chosen = "" if variants == list(VARIANTS) else f" --variants {a.variants}"
     lines = [
         f"P = {a.procs}, {a.batch} samples per rank, {a.rounds} interleaved rounds "
-        f"(`scripts/dlrm_cpu_parts.py --procs {a.procs} --batch {a.batch} --rounds {a.rounds}`)",
+        f"(`scripts/dlrm_cpu_parts.py --procs {a.procs} --batch {a.batch} --rounds {a.rounds}{chosen}`)",
         "",
-        "| variant | CPU ms/step (median of rounds) | range | over ddp | rank 0 main thread ms/step |",
-        "|---|---|---|---|---|",
+        "| variant | CPU ms/step (median of rounds) | range | over ddp | rank 0 main thread ms/step | "
+        + " | ".join(f"{k} (ranks' mean, over ddp)" for k in THREADS)
+        + " |",
+        "|---|---|---|---|---|" + "---|" * len(THREADS),
     ]
-    for v in VARIANTS:
+    for v in variants:
         c = [x["cpu_ms"] for x in got[v]]
         m = statistics.median(x["main_ms"] for x in got[v])
+        split = [_split(got, v, k) for k in THREADS]
         lines.append(f"| {v} | {statistics.median(c):.1f} | {min(c):.1f}-{max(c):.1f} | "
-                     f"{statistics.median(c) - base:+.1f} | {m:.1f} |")  # fmt: skip
+                     f"{statistics.median(c) - base:+.1f} | {m:.1f} | " + " | ".join(split) + " |")  # fmt: skip
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if a.out is not None:
         a.out.write_text(text)
+
+
+def _split(got: dict[str, list[dict[str, float]]], v: str, kind: str) -> str:
+    """A variant's median CPU per step in threads of ``kind``, and that over ddp's."""
+    key = f"thread {kind}"
+    mine, base = (statistics.median(x[key] for x in got[w]) for w in (v, "ddp"))
+    return f"{mine:.1f} ({mine - base:+.1f})"
 
 
 if __name__ == "__main__":
