@@ -5,7 +5,8 @@ stage order (``exchange``): the ids stage (``ids``: distinct keys to their owner
 verdict), the rows stage and the pooling (``rows``), and in backward the gradient rows stage, whose sums become
 the tables' sparse gradients or, with ``sparsync.shard(optimizer=...)``, their update in place (``group``: the
 tables' storage and its optimizers).
-``kernels`` holds the primitives the stages call: the C kernels and the rounds' transport (``Link``).
+``kernels`` holds the primitives the stages call: the C kernels and the rounds' transport (``Link``). With a
+fused optimizer the tables placed ``"replicated"`` form groups too, whole on every rank (``replicated``).
 ``sparsync.shard(model, plan=...)`` swaps a model's embedding modules for sharded ones (``api``, ``modules``),
 with ``plan="auto"`` where the cost model says (``auto``), and marks the tables a dict plan places ``"server"``
 for the parameter server (``OnServer``: they stay whole); ``plan_of(model)`` gives ``DistributedOptimizer``

@@ -71,6 +71,13 @@ from sparsync.sharding.group import OPTIMIZERS, Fused, Slot, TableGroup, group_k
 from sparsync.sharding.ids import IdsRound
 from sparsync.sharding.kernels import WIRE
 from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
+from sparsync.sharding.replicated import (
+    ReplicatedEmbedding,
+    ReplicatedEmbeddingBag,
+    ReplicatedExchanger,
+    broadcast,
+    sum_over,
+)
 
 BUILT = ("sharded", "replicated", "server")  # what a dict plan may name for a table
 
@@ -91,7 +98,8 @@ def shard(
     module when ``model`` is itself an embedding).
 
     ``plan``: module name -> ``"sharded"``, ``"replicated"`` (left as it is: ``DistributedOptimizer``'s default
-    path, or ``HybridTrainer``'s collective one, reduces it) or ``"server"`` (left as it is, its weight marked
+    path, or ``HybridTrainer``'s collective one, reduces it; with ``optimizer``, grouped whole on every rank and
+    updated in backward, ``replicated``) or ``"server"`` (left as it is, its weight marked
     ``OnServer``: ``HybridTrainer`` keeps its rows on the parameter server; module doc); modules it does not name
     are sharded; None shards every ``nn.Embedding`` and ``nn.EmbeddingBag``; ``"auto"`` places each table where
     the cost model predicts the faster step, from one forward of ``model(*sample)`` on every rank and the
@@ -103,8 +111,9 @@ def shard(
     ``rows``: ``"fp16"`` or ``"bf16"`` sends the rows and the gradient rows in that
     precision, half of fp32's bytes, each value rounded once on the way (lossy: the tables, the pooling and the
     owners' sums stay in the tables' dtype); None sends them as they are. ``optimizer``: one of ``group``'s
-    optimizers (``SGD``, ``Adagrad``, ``RowwiseAdagrad``, ``Adam``), applied to the sharded tables' rows at the
-    end of backward, in place, with the mean of the ranks' gradients; the tables then get no ``.grad``: give the
+    optimizers (``SGD``, ``Adagrad``, ``RowwiseAdagrad``, ``Adam``), applied to the sharded tables' rows, and to
+    the replicated tables' (grouped: ``replicated``), at the end of backward, in place, with the mean of the
+    ranks' gradients; the tables then get no ``.grad``: give the
     rest of the model's optimizer ``dense_parameters(model)``. None: the tables get a sparse gradient, the sum over
     the ranks, for any torch optimizer that takes sparse gradients (``DistributedOptimizer`` divides it by P).
 
@@ -121,30 +130,40 @@ def shard(
     g = resolve_group(group)
     if rows is not None and rows not in WIRE:
         raise ValueError(f"rows={rows!r}: the rows travel as they are (None) or in one of {sorted(WIRE)}")
-    chosen = _placed(model, _plan_dict(model, plan, sample, g, fused=optimizer is not None), g)
+    chosen, whole = _placed(model, _plan_dict(model, plan, sample, g, fused=optimizer is not None), g,
+                            grouped=optimizer is not None)  # fmt: skip
     exchanger = Exchanger.on(g, log, None if rows is None else WIRE[rows])
     swapped = _sharded_modules(exchanger, chosen, state_dict, seed)
-    _bind(exchanger, optimizer)
+    replicas = ReplicatedExchanger(g, log)
+    swapped.update(_replicated_modules(replicas, whole, seed))
+    for ex in (exchanger, replicas):
+        _bind(ex, optimizer)
     root = _swap(model, swapped)
     root.register_forward_hook(exchanger.finish_forward)
+    if replicas.groups:
+        root.register_forward_hook(replicas.finish_forward)
     return root
 
 
-def _placed(
-    model: nn.Module, names: dict[str, str], g: dist.ProcessGroup
-) -> dict[str, nn.Embedding | nn.EmbeddingBag]:
-    """The tables ``names`` places ``"sharded"``, each checked; the ``"server"`` ones checked and marked. The
-    ranks' choices agree (else every rank raises). Collective over ``g``."""
+Tables = dict[str, nn.Embedding | nn.EmbeddingBag]
+
+
+def _placed(model: nn.Module, names: dict[str, str], g: dist.ProcessGroup, grouped: bool) -> tuple[Tables, Tables]:
+    """The tables ``names`` places ``"sharded"``, each checked, and, when ``grouped`` (a fused optimizer), those
+    it places ``"replicated"`` that a grouped module can compute (``replicated``; the others stay as they are);
+    the ``"server"`` ones checked and marked. The ranks' choices agree (else every rank raises). Collective over
+    ``g``."""
     tables = {n: m for n, m in model.named_modules() if isinstance(m, nn.Embedding | nn.EmbeddingBag)}
     chosen = _chosen(tables, names, "sharded")
     for name in chosen:
         _check_shardable(model, name, tables[name])
+    whole = [n for n in _chosen(tables, names, "replicated") if grouped and not _refusals(model, tables[n])]
     on_server = _chosen(tables, names, "server")
     for name in on_server:
         _check_for_server(name, tables[name])
-    _agree(chosen, on_server, tables, g)
+    _agree(chosen, on_server, tables, g, whole)
     _mark_on_server([tables[n] for n in on_server])
-    return {n: tables[n] for n in chosen}
+    return {n: tables[n] for n in chosen}, {n: tables[n] for n in whole}
 
 
 def _sharded_modules(
@@ -157,6 +176,25 @@ def _sharded_modules(
     for (name, m), at in zip(tables.items(), slots, strict=True):
         kind = ShardedEmbeddingBag if isinstance(m, nn.EmbeddingBag) else ShardedEmbedding
         swapped[id(m)] = kind(name, m, exchanger, at, placement, state_dict, seed)
+    return swapped
+
+
+def _replicated_modules(
+    replicas: ReplicatedExchanger, tables: Mapping[str, nn.Embedding | nn.EmbeddingBag], seed: int
+) -> dict[int, ShardedTable]:
+    """The grouped replicated module of each of ``tables`` (by the id of the module it replaces), in their groups
+    (``replicated``): each group summed over the ranks in backward and started from rank 0's tables.
+    Collective."""
+    slots = _grouped(replicas, list(tables.values()))
+    swapped: dict[int, ShardedTable] = {}
+    for (name, m), at in zip(tables.items(), slots, strict=True):
+        kind = ReplicatedEmbeddingBag if isinstance(m, nn.EmbeddingBag) else ReplicatedEmbedding
+        swapped[id(m)] = kind(name, m, replicas, at, None, "full", seed)
+    for i, group in enumerate(replicas.groups):
+        group.ranks = dist.get_world_size(replicas.replicas)
+        name = f"sparsync.shard: replicated group {i} (width {group.dim}, {group.dtype})"
+        group.across = sum_over(replicas.replicas, replicas.log, group, name)
+    broadcast(replicas.groups, replicas.replicas)
     return swapped
 
 
@@ -261,6 +299,17 @@ def _check_for_server(name: str, m: nn.Embedding | nn.EmbeddingBag) -> None:
 
 def _check_shardable(model: nn.Module, name: str, m: nn.Embedding | nn.EmbeddingBag) -> None:
     """ValueError naming the module and option when a sharded module could not compute what ``m`` does."""
+    refused = _refusals(model, m)
+    if refused:
+        raise ValueError(
+            f"sparsync.shard cannot shard {name!r} ({type(m).__name__}): {'; '.join(refused)} not supported "
+            "(sharded: sum and mean pooling, per_sample_weights, offsets, padding_idx, include_last_offset); "
+            f"place it 'replicated' (plan={{{name!r}: 'replicated'}}) to keep it whole"
+        )
+
+
+def _refusals(model: nn.Module, m: nn.Embedding | nn.EmbeddingBag) -> list[str]:
+    """The options of ``m`` a sharded (or grouped replicated) module cannot compute, in words."""
     refused = []
     if type(m) not in (nn.Embedding, nn.EmbeddingBag):
         refused.append(f"its class {type(m).__name__} (a subclass, whose forward sparsync cannot know)")
@@ -279,21 +328,21 @@ def _check_shardable(model: nn.Module, name: str, m: nn.Embedding | nn.Embedding
     ]
     if holders:
         refused.append(f"its weight, tied to {holders}")
-    if refused:
-        raise ValueError(
-            f"sparsync.shard cannot shard {name!r} ({type(m).__name__}): {'; '.join(refused)} not supported "
-            "(sharded: sum and mean pooling, per_sample_weights, offsets, padding_idx, include_last_offset); "
-            f"place it 'replicated' (plan={{{name!r}: 'replicated'}}) to keep it whole"
-        )
+    return refused
 
 
 def _agree(
-    chosen: list[str], on_server: list[str], tables: Mapping[str, nn.Module], group: dist.ProcessGroup
+    chosen: list[str],
+    on_server: list[str],
+    tables: Mapping[str, nn.Module],
+    group: dist.ProcessGroup,
+    whole: Sequence[str] = (),
 ) -> None:
-    """Every rank shards the same tables and places the same ones on the server (names, classes, shapes,
-    options): else the same ValueError on every rank, naming the first rank that differs from rank 0.
-    Collective."""
+    """Every rank shards the same tables, groups the same replicated ones (``whole``) and places the same ones
+    on the server (names, classes, shapes, options): else the same ValueError on every rank, naming the first
+    rank that differs from rank 0. Collective."""
     mine = [f"{n}: {tables[n]!r} {tables[n].weight.dtype}" for n in chosen]
+    mine += [f"{n} (replicated): {tables[n]!r} {tables[n].weight.dtype}" for n in whole]
     mine += [f"{n} (server): {tables[n]!r} {tables[n].weight.dtype}" for n in on_server]
     everyone: list[list[str] | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=meta_group(group))  # host objects: never on the payload group
@@ -313,7 +362,9 @@ class Lookahead(Generic[B]):
     doc). ``ids(batch)``: sharded table name -> the ids the forward looks it up with on ``batch``."""
 
     def __init__(self, batches: Iterable[B], model: nn.Module, ids: Callable[[B], Mapping[str, Any]]) -> None:
-        self._tables = {name: m for name, m in model.named_modules() if isinstance(m, ShardedTable)}
+        self._tables = {
+            name: m for name, m in model.named_modules() if isinstance(m, ShardedTable) and not m.replicated
+        }
         if not self._tables:
             raise ValueError(
                 f"Lookahead: {type(model).__name__} has no sharded tables (sparsync.shard placed none "

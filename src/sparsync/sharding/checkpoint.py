@@ -9,7 +9,9 @@ the state of the table's rows in its fused optimizer, ``sparsync.shard(optimizer
 moments, row-wise Adagrad's one value per row), Adam's per-table step counts (fused; the same on every rank), and
 the rest of ``optimizer.state_dict()`` (steps, hyperparameters, the dense parameters' state, a
 ``DistributedOptimizer``'s bucket layout), which every rank holds alike. A table is an ``nn.Embedding`` /
-``nn.EmbeddingBag`` or a sharded one, named by its weight's name in the model.
+``nn.EmbeddingBag`` or a sharded one, named by its weight's name in the model; a replicated table in a group
+(``sparsync.shard(optimizer=...)``, ``replicated``) is saved and loaded whole, as the unsharded model's, its fused
+state too.
 
 The DCP checkpoint holds ``model`` (the model's state dict, each sharded table in row blocks: ``dcp``),
 ``optimizer.rows.<table>.<name>`` (a torch optimizer's per-row state, in row blocks for a sharded table, whole for
@@ -28,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -48,7 +50,7 @@ __all__ = ["load", "load_optimizer_state_dict", "optimizer_state_dict", "save"]
 @contextmanager
 def _local(model: nn.Module) -> Iterator[None]:
     """Every sharded table of ``model`` gives its state dict as its shard (``"local"``)."""
-    tables = [m for m in model.modules() if isinstance(m, ShardedTable)]
+    tables = [m for m in model.modules() if _sharded(m)]
     before = [m.state_dict_layout for m in tables]
     for m in tables:
         m.state_dict_layout = "local"
@@ -63,6 +65,25 @@ def _tables(model: nn.Module) -> dict[str, nn.Module]:
     """weight name -> table module, for every (sharded or unsharded) embedding table of ``model``."""
     kinds = (ShardedTable, nn.Embedding, nn.EmbeddingBag)
     return {f"{n}.weight" if n else "weight": m for n, m in model.named_modules() if isinstance(m, kinds)}
+
+
+def _sharded(table: nn.Module) -> TypeGuard[ShardedTable]:
+    """Whether ``table`` is a sharded one (each rank its rows); a replicated table in a group
+    (``sharding.replicated``) is whole on every rank, as the unsharded model's."""
+    return isinstance(table, ShardedTable) and not table.replicated
+
+
+def _fused_whole(table: ShardedTable, value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor | None:
+    """``table``'s fused state ``value`` whole: a step count or a replicated table's as it is, a shard's gathered
+    on the group's rank 0 (None on the others). Collective for a shard."""
+    if value.dim() == 0 or table.replicated:
+        return value.clone()
+    return gather_rows(value, table.ownership, group)
+
+
+def _is_rank0(table: ShardedTable) -> bool:
+    """Whether this rank is rank 0 of ``table``'s group (a replicated table's exchanger has one local rank)."""
+    return dist.get_rank(table.exchanger.group) == 0
 
 
 def _fused(model: nn.Module) -> dict[str, ShardedTable]:
@@ -162,7 +183,7 @@ def optimizer_state_dict(opt: Any, model: nn.Module) -> dict[str, Any] | None:
     tables = _tables(model)
     for i, name in sorted(_indices(opt, model).items()) if opt is not None else ():
         table = tables[name]
-        if not isinstance(table, ShardedTable) or i not in sd["state"]:
+        if not _sharded(table) or i not in sd["state"]:
             continue
         rank0 = table.exchanger.rank == 0
         # a copy: torch's state_dict() holds the optimizer's live per-parameter dicts, which must keep the shard's
@@ -175,12 +196,9 @@ def optimizer_state_dict(opt: Any, model: nn.Module) -> dict[str, Any] | None:
                 state[key] = gather_rows(dense, table.ownership, table.exchanger.group)
     fused: dict[str, dict[str, Any]] = {}
     for name, table in sorted(_fused(model).items()):
-        rank0 = table.exchanger.rank == 0
+        rank0 = _is_rank0(table)
         for key, value in sorted(_fused_state(table).items()):
-            group = table.exchanger.group
-            fused.setdefault(name, {})[key] = (
-                value.clone() if value.dim() == 0 else gather_rows(value, table.ownership, group)
-            )
+            fused.setdefault(name, {})[key] = _fused_whole(table, value, table.exchanger.group)
     if fused:
         sd["fused"] = fused
     sd["kinds"] = _kinds(model, opt)
@@ -201,7 +219,7 @@ def load_optimizer_state_dict(opt: Any, model: nn.Module, state_dict: dict[str, 
     tables = _tables(model)
     for i, name in _indices(opt, model).items() if opt is not None else ():
         table = tables[name]
-        if not isinstance(table, ShardedTable):
+        if not _sharded(table):
             continue
         state = sd["state"].get(i, {})
         whole = (table.num_embeddings, table.embedding_dim)
@@ -234,7 +252,7 @@ def _written(value: torch.Tensor, table: nn.Module, block_rows: int) -> Any:
     by window (``dcp.Strided``; a table too small for that: made whole), or the whole tensor of an unsharded
     table."""
     dense = value.to_dense() if value.is_sparse else value
-    if not isinstance(table, ShardedTable):
+    if not _sharded(table):
         return dense
     group = table.exchanger.link.group
     strided = dcp.Strided(dense.detach(), table.num_embeddings, group, block_rows)
@@ -267,7 +285,7 @@ def save(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int 
     with _local(model):
         model_sd = model.state_dict()
     for name, table in _tables(model).items():
-        if isinstance(table, ShardedTable):
+        if _sharded(table):
             model_sd[name] = _written(table.weight, table, block_rows)
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
@@ -329,12 +347,14 @@ def _rows_saved(meta: Metadata, name: str) -> dict[str, TensorStorageMetadata]:
 
 def _targets(meta: Metadata, model: nn.Module, optimizer: Any) -> dict[str, Any]:
     """What ``dcp.load`` fills in place: the model's tensors but the sharded tables, the per-row state of the
-    unsharded tables, the fused optimizers' step counts, and the rest of the optimizer's state."""
-    sharded = {n for n, t in _tables(model).items() if isinstance(t, ShardedTable)}
+    unsharded tables, the fused optimizers' step counts (and a replicated group's whole per-row state), and the
+    rest of the optimizer's state."""
+    sharded = {n for n, t in _tables(model).items() if _sharded(t)}
     with _local(model):
         model_sd = {k: v for k, v in model.state_dict().items() if k not in sharded}
     state: dict[str, Any] = {"model": model_sd}
-    steps = {name: {k: v for k, v in _fused_state(t).items() if v.dim() == 0} for name, t in _fused(model).items()}
+    steps = {name: {k: v for k, v in _fused_state(t).items() if v.dim() == 0 or t.replicated}
+             for name, t in _fused(model).items()}  # fmt: skip
     if any(steps.values()):
         state["fused"] = {name: s for name, s in steps.items() if s}
     if optimizer is not None:
@@ -353,7 +373,7 @@ def _stream(path: str, meta: Metadata, model: nn.Module, optimizer: Any, block_r
     reader.set_up_storage_reader(meta, not dist.is_initialized() or dist.get_rank() == 0)
     rows: dict[str, dict[str, torch.Tensor]] = {}
     for name, table in sorted(_tables(model).items()):
-        if not isinstance(table, ShardedTable):
+        if not _sharded(table):
             continue
         group = table.exchanger.link.group
         dcp.read_into_shard(reader, meta, "model." + name, table.weight.data, group, block_rows=block_rows)
@@ -396,7 +416,7 @@ def load(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int 
     rows = _stream(path, meta, model, optimizer, block_rows)
     if kinds is not None:
         _set_hyperparameters(kinds, model)
-    shards = {n: t.weight.detach() for n, t in _tables(model).items() if isinstance(t, ShardedTable)}
+    shards = {n: t.weight.detach() for n, t in _tables(model).items() if _sharded(t)}
     with _local(model):  # dcp_load and _stream filled the tensors in place; this loads what else the modules keep
         model.load_state_dict({**state["model"], **shards})
     if optimizer is not None:

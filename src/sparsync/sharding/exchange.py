@@ -371,6 +371,7 @@ class Exchanger:
         refusal = next((c.refusal for c in calls if c.refusal is not None), None) or _mutated(calls)
         refusal = refusal or self._aliased(sent) or out_of_range(sent, self.groups, self.bounds)
         if ready is None:
+            self.agreed(sent, refusal)
             tally = Traffic()
             done = ids_stage.run(self.link, self._request(sent, refusal), tally)
             self.capacity = done.capacity
@@ -437,6 +438,11 @@ class Exchanger:
         if names not in self._keys:
             self._keys[names] = ids_stage.tables_key(names)
         return self._keys[names]
+
+    def agreed(self, sent: Sent, refusal: str | None) -> None:
+        """Nothing: the ids round carries each rank's verdict on its calls (``ids.agree``). An exchanger whose
+        rows are all local runs no ids round, and agrees here instead (``replicated``)."""
+        del sent, refusal
 
     def _aliased(self, sent: Sent) -> str | None:
         return next((r for g in sent.order if (r := self.groups[g].aliased()) is not None), None)

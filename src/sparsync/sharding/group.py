@@ -9,7 +9,8 @@ with ``first_t`` the sum of ``ceil(R_s / P)`` over the tables s before it. A key
 tensor ``key div P`` = ``first_t + id div P``: the group is one stride-owned table of ``P · Σ ceil(R_t / P)``
 rows, and one modulo and one division route every key of every table. A rank that owns fewer than
 ``ceil(R_t / P)`` rows of table t holds one row past its last (zero, never looked up: the ids are checked
-against ``R_t``, so no key reaches it).
+against ``R_t``, so no key reaches it). A replicated group (``replicated``: the tables placed ``"replicated"``,
+with a fused optimizer) is a group of one part: every rank holds it whole.
 
 The tables' parameters stay the modules' own (``nn.Parameter`` per table, named and saved as unsharded): each is a
 view of its slice of the flat tensor (``param_view``), so an optimizer's update of a table, ``load_state_dict``
@@ -66,7 +67,7 @@ accumulate, each element ``t + v``, as torch's optimizers' sparse ``add_`` compu
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -166,6 +167,10 @@ class TableGroup:
         self.params: list[nn.Parameter] = []
         self.padding_rows = torch.empty(0, dtype=torch.int64)  # the tables' padding rows this rank holds
         self.fused: Fused | None = None  # the optimizer applied in backward (``Fused``), if the tables have one
+        self.ranks = parts  # the ranks whose gradients the owners' sums add up (``Fused``'s scale is 1/ranks)
+        # a replicated group's sum of its gradient rows over the ranks that hold it (``replicated``), None for a
+        # sharded one: (rows, values) -> (rows, values), both ascending rows
+        self.across: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def param_view(self, slot: Slot, rows: torch.Tensor, requires_grad: bool, padding: int | None) -> nn.Parameter:
         """Table ``slot``'s parameter: ``rows`` (its shard, ``[owned, dim]``) copied into its slice of the flat
@@ -275,9 +280,9 @@ class Fused:
         native.check(type(self).__name__, self.kernels)
 
     def bind(self, group: TableGroup) -> Fused:
-        """A copy of this optimizer for ``group``, its state made (zeros) and its scale 1/P."""
+        """A copy of this optimizer for ``group``, its state made (zeros) and its scale 1/P (``group.ranks``)."""
         out = type(self)(**{k: getattr(self, k) for k in self._params()}, kernels=self.kernels)
-        out.scale = 1.0 / group.parts
+        out.scale = 1.0 / group.ranks
         out.init(group)
         return out
 

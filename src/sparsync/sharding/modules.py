@@ -40,9 +40,12 @@ ID_DTYPES = (torch.int64, torch.int32)  # what torch's embeddings take
 class ShardedTable(nn.Module):
     """What the two sharded modules share: the shard, its ownership, its group, the state dict (module doc).
     Built by ``sparsync.shard`` from an unsharded module: collective, every rank at once. ``group``: the index of
-    its group among ``exchanger.groups``; ``slot``: its place in it."""
+    its group among ``exchanger.groups``; ``slot``: its place in it; ``placement``: marked on the weight (None:
+    no mark). ``replicated.ReplicatedTable``: the same, whole on every rank."""
 
     kind = "table"
+    placed = "sharded"  # the placement its description names
+    replicated = False  # every rank holds the whole table (``replicated``): no shard, no ids round
 
     def __init__(
         self,
@@ -50,7 +53,7 @@ class ShardedTable(nn.Module):
         source: nn.Embedding | nn.EmbeddingBag,
         exchanger: Exchanger,
         at: tuple[int, Slot],
-        placement: Placement,
+        placement: Placement | None,
         state_dict_layout: str,
         seed: int = 0,
     ) -> None:
@@ -72,14 +75,19 @@ class ShardedTable(nn.Module):
             rows = init_rows(self.ownership, link.rank, self.embedding_dim, source.weight.dtype, seed,
                              self.padding_idx)  # fmt: skip
         else:
-            rows = scatter_rows(source.weight, self.ownership, link.group)
+            rows = self.first_rows(source.weight)
         self.weight = self.group.param_view(self.slot, rows, source.weight.requires_grad, self.padding_idx)
-        mark(self.weight, placement)
+        if placement is not None:
+            mark(self.weight, placement)
         self._padding_key = None if self.padding_idx is None else self.slot.base + self.padding_idx
         self._description = (
-            f"{self.table_name!r} (sharded {self.kind}({self.num_embeddings}, {self.embedding_dim}, "
+            f"{self.table_name!r} ({self.placed} {self.kind}({self.num_embeddings}, {self.embedding_dim}, "
             f"{self.options()}), {self.weight.dtype})"
         )
+
+    def first_rows(self, table: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of group rank 0's ``table`` (``group.scatter_rows``). Collective."""
+        return scatter_rows(table, self.ownership, self.exchanger.link.group)
 
     @property
     def group(self) -> TableGroup:

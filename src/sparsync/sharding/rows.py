@@ -142,6 +142,8 @@ class RowExchange(torch.autograd.Function):
         for gi, (group, (rows, values)) in enumerate(zip(route.groups, sums, strict=True)):
             mine = [(k, slot) for k, (g, slot) in enumerate(route.inputs) if g == gi]
             if group.fused is not None:
+                if group.across is not None:  # a replicated group: its rows summed over the ranks first
+                    rows, values = group.across(rows, values)
                 group.fused.apply(group, rows, values, [slot for _, slot in mine])
                 continue
             wanted = [(k, slot) for k, slot in mine if ctx.needs_input_grad[3 + k]]

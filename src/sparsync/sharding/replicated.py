@@ -1,0 +1,148 @@
+"""Replicated tables in groups, with a fused optimizer: ``sparsync.shard(model, plan, optimizer=F)`` groups the
+tables the plan places ``"replicated"`` as it groups the sharded ones (``group``: one width and dtype per group,
+one flat tensor, each table's weight a view of its slice), but every rank holds each such group whole.
+
+The design: a replicated group is a ``TableGroup`` of one part (P = 1: every key its own row, ``base_t`` the
+table's first row), driven by an ``Exchanger`` of its own whose ``Link`` has one rank (``LocalLink``): the
+exchange's stages run as they do for sharded tables at P = 1, so its rounds send nothing, and a step's lookups of
+a group are one deduplication, one ``index_select`` and one pooling per call signature, however many tables.
+What P = 1 leaves out, this module adds:
+
+- the verdict round (``ReplicatedExchanger.agreed``): the ids round that carries each rank's verdict on its
+  calls at P > 1 does not run, so each forward sends one header row per rank (one small allreduce over the
+  ranks): a rank that refuses its calls (an id out of range, a negative id, what ``embedding_bag`` refuses) or
+  looks up other tables makes every rank raise the same ValueError (``ids.agree``), before any row is read;
+- the sum over the ranks (``TableGroup.across``, ``sum_over``): at the end of backward the group's gradient rows,
+  summed per row on this rank (one sort, as the owner's sum), are summed over the ranks in one row-sparse
+  allreduce for the whole group (``sparsync.allreduce`` of one coalesced COO tensor: the union of the rows any
+  rank looked up, bitwise identical on every rank); ``group.Fused`` then divides by P (``TableGroup.ranks``),
+  the mean ``DistributedOptimizer``'s ``op="mean"`` gives a replicated table, and updates the rows in place on
+  every rank. Every rank applies the same sums in the same order, so the replicas stay bit-identical;
+- the start (``broadcast``): every replica starts from group rank 0's table (one broadcast per group), as the
+  shards start from rank 0's table.
+
+The tables get no ``.grad`` (``modules.dense_parameters`` leaves them out) and carry no placement (``plan_of``
+leaves them out): a torch optimizer wrapped by ``DistributedOptimizer`` over ``dense_parameters(model)`` never
+sees them. Their state dicts are those of the user's modules, whatever ``state_dict=`` says: the whole table
+under ``<name>.weight`` on every rank, loaded in place (so a weight keeps viewing its group).
+
+Without ``optimizer=``, replicated tables stay the user's own modules (one gradient each, reduced by
+``DistributedOptimizer``), and so do replicated tables whose options the grouped modules cannot honour (the
+sharded modules' limits: ``mode="max"``, ``max_norm``, ...).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from sparsync.collectives.tensor import allreduce
+from sparsync.record import CommLog
+from sparsync.sharding import ids as ids_stage
+from sparsync.sharding.exchange import Exchanger, Sent
+from sparsync.sharding.group import TableGroup
+from sparsync.sharding.kernels import Link
+from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
+
+
+class LocalLink(Link):
+    """A ``Link`` of one rank (no round sends anything) whose ``group`` is the ranks that hold the replicas."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:  # no super().__init__: its rank and size are the group's
+        self.group, self.wire, self.rank, self.size, self.log = group, None, 0, 1, None
+
+
+class ReplicatedExchanger(Exchanger):
+    """The replicated groups of one ``sparsync.shard`` call (module doc): every row local, one verdict round per
+    forward over ``replicas``, the ranks that hold them."""
+
+    def __init__(self, replicas: dist.ProcessGroup, log: CommLog | None = None) -> None:
+        super().__init__(LocalLink(replicas))
+        self.replicas = replicas
+        self.log = log  # receives the sums' records (``sparsync.allreduce``)
+
+    def agreed(self, sent: Sent, refusal: str | None) -> None:
+        """Every rank's verdict on its calls and the key of the tables it looks up, one header row per rank
+        (``ids.HEADER``: status, tables, no count); unless every rank is OK and looks up rank 0's tables, every
+        rank raises the same ValueError (``ids.agree``). Collective over ``replicas``."""
+        P, rank = dist.get_world_size(self.replicas), dist.get_rank(self.replicas)
+        rows = torch.zeros(P, len(ids_stage.COLUMNS), dtype=torch.int64)
+        rows[rank, ids_stage.HEADER.index("status")] = ids_stage.OK if refusal is None else ids_stage.REFUSED
+        rows[rank, ids_stage.HEADER.index("tables")] = self._key(sent)
+        if P > 1:
+            dist.all_reduce(rows, group=self.replicas)  # each rank fills its own row: the sum is every row
+        ids_stage.agree(rows, self.replicas, refusal=refusal, descriptions=sent.descriptions())
+
+
+Across = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # ``TableGroup.across``
+
+
+def sum_over(replicas: dist.ProcessGroup, log: CommLog | None, group: TableGroup, name: str) -> Across:
+    """``group``'s sum of gradient rows over ``replicas``: (rows, values) of this rank, rows distinct and
+    ascending, to (the union of every rank's rows, ascending; their sums), the same bits on every rank, in one
+    ``sparsync.allreduce`` named ``name``. Collective over ``replicas``."""
+    P = dist.get_world_size(replicas)
+    shape = (int(group.flat.shape[0]), group.dim)
+
+    def across(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if P == 1:
+            return rows, values
+        coo = torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True, check_invariants=False)
+        total = allreduce(coo, group=replicas, log=log, name=name)
+        assert isinstance(total, torch.Tensor)  # waited for: not a Work
+        return total.indices()[0], total.values()
+
+    return across
+
+
+class ReplicatedTable(ShardedTable):
+    """What the two replicated modules share: the whole table, a view of its slice of its group (module doc)."""
+
+    placed = "replicated"
+    replicated = True
+
+    def first_rows(self, table: torch.Tensor) -> torch.Tensor:
+        """The whole table as this rank has it (``broadcast`` then makes rank 0's every rank's)."""
+        return table.detach()
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.options()}, replicated, in a group"
+
+    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
+        nn.Module._save_to_state_dict(self, destination, prefix, keep_vars)  # the whole table, on every rank
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        nn.Module._load_from_state_dict(
+            self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )  # copied in place: the weight keeps viewing its group
+
+
+class ReplicatedEmbedding(ReplicatedTable, ShardedEmbedding):
+    """``nn.Embedding``, whole on every rank, in a replicated group (module doc)."""
+
+
+class ReplicatedEmbeddingBag(ReplicatedTable, ShardedEmbeddingBag):
+    """``nn.EmbeddingBag`` (modes ``sum`` and ``mean``), whole on every rank, in a replicated group (module
+    doc)."""
+
+
+def broadcast(groups: Sequence[TableGroup], replicas: dist.ProcessGroup) -> None:
+    """Every group's flat tensor from group rank 0 of ``replicas``, in place. Collective over ``replicas``."""
+    if dist.get_world_size(replicas) == 1:
+        return
+    for g in groups:
+        with torch.no_grad():
+            dist.broadcast(g.flat, group=replicas, group_src=0)
