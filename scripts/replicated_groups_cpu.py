@@ -6,7 +6,9 @@ as the user's ``nn.EmbeddingBag(sparse=True)`` modules reduced by ``DistributedO
 Each variant trains ``bench dlrm``'s model on its data (``dlrm_model``, ``rank_samples``: Kaggle MLPs, 26 tables
 capped at 100,000 rows, dim 16, the generated Criteo file's Zipf ids) for 25 steps of ``--batch`` samples on P
 local gloo ranks, one thread each, and reports the ranks' mean process CPU per step (median over the steps after
-5), rank 0's main-thread CPU, and the tables' rows after the last step (every variant must train the same model):
+5), that CPU split by thread (``/proc/self/task`` over the steps after 5: the main thread, gloo's transport and
+work threads, the Python threads: sparsync's queue threads) and how far table 0's rows after the last step lie
+from the ``replicated`` variant's (every variant but the floor trains the same model):
 
 - ``floor``: ``DistributedOptimizer`` over the MLPs, each rank's tables its own (plain SGD, never sent);
 - ``replicated``: ``DistributedOptimizer`` over every parameter (the tables' sparse gradients by its default
@@ -20,7 +22,9 @@ local gloo ranks, one thread each, and reports the ranks' mean process CPU per s
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +40,7 @@ from sparsync_bench.criteo import CriteoBatch
 from sparsync_bench.dlrm_train import DlrmBenchConfig, default_data, dlrm_model, load, rank_samples
 
 VARIANTS = ("floor", "replicated", "grouped")
+THREADS = ("main", "gloo transport", "gloo work", "python")
 DATA = Path("results/criteo_synthetic.txt")  # bench dlrm's generated file
 
 
@@ -52,6 +57,37 @@ def _optimizer(variant: str, model: nn.Module, lr: float) -> list[Any]:
     return [DistributedOptimizer(torch.optim.SGD(mlps, lr=lr)), torch.optim.SGD(tables, lr=lr)]
 
 
+def _threads() -> dict[int, tuple[str, float]]:
+    """Each thread of this process: (its name, its CPU seconds so far)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        out[int(tid)] = (name, (int(rest[11]) + int(rest[12])) / tick)  # utime + stime
+    return out
+
+
+def _by_thread(
+    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], steps: int
+) -> list[float]:
+    """CPU seconds per step of each kind of thread (``THREADS``) between the two readings."""
+    main = threading.get_native_id()
+    got = dict.fromkeys(THREADS, 0.0)
+    for tid, (name, total) in after.items():
+        kind = (
+            "main" if tid == main
+            else "gloo transport" if name.startswith("gloo_tcp_loop")
+            else "gloo work" if name.startswith("pt_gloo_runloop")
+            else "python"
+        )  # fmt: skip
+        got[kind] += total - before.get(tid, (name, 0.0))[1]
+    return [got[k] / steps for k in THREADS]
+
+
 def _worker(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> dict[str, Any]:
     P = dist.get_world_size()
     model = dlrm_model(cfg, sparse=True)
@@ -59,10 +95,12 @@ def _worker(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) ->
     cut = [slice(s * cfg.batch, (s + 1) * cfg.batch) for s in range(cfg.steps)]
     steps = [(mine.dense[sl], mine.sparse[sl], mine.label[sl]) for sl in cut]
     opts = _optimizer(variant, model, cfg.lr)
-    cpu, main = [], []
-    for dense, ids, label in steps:
+    cpu = []
+    for s, (dense, ids, label) in enumerate(steps):
         dist.barrier()
-        c0, m0 = time.process_time(), time.thread_time()
+        if s == cfg.warmup:
+            before = _threads()
+        c0 = time.process_time()
         for o in opts:
             o.zero_grad()
         loss = nn.functional.binary_cross_entropy_with_logits(model(dense, ids), label)
@@ -71,12 +109,12 @@ def _worker(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) ->
             o.step()
         loss.item()
         cpu.append(time.process_time() - c0)
-        main.append(time.thread_time() - m0)
-    t = torch.tensor([statistics.median(cpu[cfg.warmup :])], dtype=torch.float64)
+    split = _by_thread(before, _threads(), cfg.steps - cfg.warmup)
+    t = torch.tensor([statistics.median(cpu[cfg.warmup :]), *split], dtype=torch.float64)
     dist.all_reduce(t)
+    ms = (t / P * 1e3).tolist()
     table = model.tables[0].weight.detach()  # type: ignore[index]
-    return {"cpu_ms": float(t) / P * 1e3, "main_ms": statistics.median(main[cfg.warmup :]) * 1e3,
-            "table0": table.clone()}  # fmt: skip
+    return {"cpu_ms": ms[0], "threads_ms": ms[1:], "table0": table.clone()}
 
 
 def main() -> None:
@@ -94,23 +132,26 @@ def main() -> None:
         for v in VARIANTS:
             res = launch(_worker, nprocs=a.procs, args=(v, cfg, data))[0]
             got[v].append(res)
-            cpu, main_ms = res["cpu_ms"], res["main_ms"]
-            print(f"round {r + 1}/{a.rounds} {v}: CPU {cpu:.1f} ms/step, main thread {main_ms:.1f}")
+            split = ", ".join(f"{k} {x:.1f}" for k, x in zip(THREADS, res["threads_ms"], strict=True))
+            print(f"round {r + 1}/{a.rounds} {v}: CPU {res['cpu_ms']:.1f} ms/step ({split})")
     differ = float((got["grouped"][0]["table0"] - got["replicated"][0]["table0"]).abs().max())
     base = statistics.median(x["cpu_ms"] for x in got["floor"])
+    head = " | ".join(f"{k} ms/step" for k in THREADS)
     lines = [
         f"P = {a.procs}, {a.batch} samples per rank, {a.rounds} interleaved rounds "
         f"(`scripts/replicated_groups_cpu.py --procs {a.procs} --batch {a.batch} --rounds {a.rounds}`); "
         f"table 0 after 25 steps, grouped vs replicated: largest difference {differ:.2e}",
         "",
-        "| variant | CPU ms/step (median of rounds) | range | over floor | rank 0 main thread ms/step |",
-        "|---|---|---|---|---|",
+        f"| variant | CPU ms/step (median of rounds) | range | over floor | {head} |",
+        "|---|---|---|---|" + "---|" * len(THREADS),
     ]
     for v in VARIANTS:
         c = [x["cpu_ms"] for x in got[v]]
-        m = statistics.median(x["main_ms"] for x in got[v])
+        parts = " | ".join(
+            f"{statistics.median(x['threads_ms'][i] for x in got[v]):.1f}" for i in range(len(THREADS))
+        )
         lines.append(f"| {v} | {statistics.median(c):.1f} | {min(c):.1f}-{max(c):.1f} | "
-                     f"{statistics.median(c) - base:+.1f} | {m:.1f} |")  # fmt: skip
+                     f"{statistics.median(c) - base:+.1f} | {parts} |")  # fmt: skip
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if a.out is not None:
