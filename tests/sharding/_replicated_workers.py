@@ -16,6 +16,7 @@ import sparsync
 from sparsync.sharding import (
     SGD,
     Adam,
+    Lookahead,
     ShardedTable,
     checkpoint,
     dense_parameters,
@@ -194,3 +195,17 @@ def optimizer_worker(rank: int) -> dict[str, Any]:
         out[f"{which} plan"] = sorted(plan_of(model))
         out[f"{which} aliased"] = [m.group.aliased() for m in (model.a, model.b)]  # type: ignore[union-attr]
     return out
+
+
+def lookahead_worker(rank: int) -> bool:
+    """The mixed plan trained on three batches with ``Lookahead`` over its sharded tables and without: the same
+    rows, bit for bit (the grouped replicated tables run their own exchange beside the looked-ahead one)."""
+    P = dist.get_world_size()
+    plain, ahead = (sparsync.shard(sw.Tables(seed=0), plan=MIXED, optimizer=SGD(lr=0.1)) for _ in range(2))
+    batches = [fw._batch(s, rank, P) for s in (0, 1, 2)]
+    sharded = [n for n in sw.SPECS if n not in WHOLE]
+    for batch in batches:
+        sw._loss(plain(batch)).backward()
+    for batch in Lookahead(batches, ahead, lambda b: {f"t.{n}": b[n][0] for n in sharded if n in b}):
+        sw._loss(ahead(batch)).backward()
+    return all(torch.equal(x, y) for x, y in zip(plain.parameters(), ahead.parameters(), strict=True))

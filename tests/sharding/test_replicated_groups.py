@@ -68,3 +68,7 @@ def test_distributed_optimizer_over_every_parameter_leaves_the_grouped_tables_to
         for k, v in out["dense"].items():
             assert torch.equal(out["all"][k], v), k  # not reduced nor stepped a second time
             assert torch.equal(res[0]["dense"][k], v), k  # the same on every rank
+
+
+def test_lookahead_over_the_sharded_tables_beside_grouped_replicated_ones() -> None:
+    assert launch(rw.lookahead_worker, nprocs=3) == [True] * 3
