@@ -209,3 +209,20 @@ def lookahead_worker(rank: int) -> bool:
     for batch in Lookahead(batches, ahead, lambda b: {f"t.{n}": b[n][0] for n in sharded if n in b}):
         sw._loss(ahead(batch)).backward()
     return all(torch.equal(x, y) for x, y in zip(plain.parameters(), ahead.parameters(), strict=True))
+
+
+def nccl_worker(rank: int) -> dict[str, Any]:
+    """The mixed plan with the fused Adam, 5 steps (``_train``'s weights and rows), then an id past its table on
+    the last rank: what the run leaves, to compare with and without NCCL's rules."""
+    P = dist.get_world_size()
+    model = sparsync.shard(sw.Tables(seed=rank), plan=MIXED, optimizer=Adam(lr=0.01))
+    _run(model, range(sw.STEPS), rank, P)
+    batch = fw._batch(0, rank, P)
+    if rank == P - 1:
+        batch["emb"] = (torch.full_like(batch["emb"][0], 17),)
+    try:
+        model(batch)
+        refused = "ran"
+    except ValueError as e:
+        refused = str(e)
+    return {"rows": _rows(model), "refused": refused}

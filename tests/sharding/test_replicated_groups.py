@@ -4,7 +4,8 @@ exact against one float64 process of the unfused model with torch's optimizers (
 ``_shard_workers``' nine tables (sum and mean bags, per_sample_weights, padding_idx, include_last_offset,
 nn.Embedding; uneven batches, an empty batch on one rank, ids absent from a step, tables absent from a step);
 the replicas bit-identical across ranks and run to run; bad input refused alike on every rank; checkpoints of
-the unfused model in and out."""
+the unfused model in and out, and of the grouped one with its fused state; ``DistributedOptimizer`` over every
+parameter; ``Lookahead`` beside the groups; the path under NCCL's rules (``tests/_nccl_rules.py``)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import _replicated_workers as rw
 import pytest
 import torch
+from _nccl_rules import check_clean, under_nccl_rules
 
 from sparsync import launch
 
@@ -72,3 +74,14 @@ def test_distributed_optimizer_over_every_parameter_leaves_the_grouped_tables_to
 
 def test_lookahead_over_the_sharded_tables_beside_grouped_replicated_ones() -> None:
     assert launch(rw.lookahead_worker, nprocs=3) == [True] * 3
+
+
+def test_the_grouped_replicated_path_under_nccl_rules_equals_the_run_without_them() -> None:
+    plain = launch(rw.nccl_worker, nprocs=3)
+    ruled = launch(under_nccl_rules, nprocs=3, args=(rw.nccl_worker,))
+    check_clean([r["nccl_rules"] for r in ruled])
+    for a, r in zip(plain, (o["result"] for o in ruled), strict=True):
+        assert a["rows"].keys() == r["rows"].keys()
+        assert all(torch.equal(a["rows"][k], r["rows"][k]) for k in a["rows"]), a["rows"].keys()
+        assert a["refused"] == r["refused"], (a["refused"], r["refused"])
+        assert "id 17 is out of range" in a["refused"], a["refused"]
