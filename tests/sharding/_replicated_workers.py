@@ -73,12 +73,21 @@ def exact_worker(rank: int) -> dict[str, Any]:
 
 
 def bad_input_worker(rank: int) -> dict[str, Any]:
-    """A negative id on rank 0 only, then an id past the table on the last rank only: the error each rank
-    raised, and whether any replicated row changed; then a good step (the group still works)."""
+    """A table of another shape on rank 1 at ``sparsync.shard``; a negative id on rank 0 only, then an id past
+    the table on the last rank only: the error each rank raised, and whether any replicated row changed; then a
+    good step (the group still works)."""
     P = dist.get_world_size()
+    out: dict[str, Any] = {}
+    other = sw.Tables(seed=0)
+    if rank == 1:  # another table on one rank
+        other.t["emb"] = nn.Embedding(18, 4).double()
+    try:
+        sparsync.shard(other, plan=ALL, optimizer=SGD(lr=0.1))
+        out["differ"] = "sharded"
+    except ValueError as e:
+        out["differ"] = str(e)
     model = sparsync.shard(sw.Tables(seed=0), plan=ALL, optimizer=SGD(lr=0.1))
     before = _replicated_weights(model)
-    out: dict[str, Any] = {}
     for case, (bad_rank, bad_id) in {"negative": (0, -1), "past": (P - 1, 17)}.items():
         batch = sw._batch(0, rank, P)
         if rank == bad_rank:
