@@ -4,6 +4,7 @@ measured on the sample's lookups, the same on every rank."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import socket
 
@@ -68,6 +69,10 @@ def test_auto_measures_the_tables_cpu_where_nobody_set_the_link() -> None:
             assert len(set(cpu.group.values())) == 1  # one width and dtype: one group
             assert cpu.contention == contention
         assert not r["plain"].fused and r["fused"].fused
+        assert r["plain"].replicated_group == {}  # each replicated table pays its own step
+        grouped = r["fused"].replicated_group  # fused: the replicated tables in one group of one part
+        assert set(grouped) == set(cw.NAMES) and len(set(grouped.values())) == 1
+        assert all(math.isfinite(t) and t >= 0 for _, t in grouped.values())
         assert r["plain"] == res[0]["plain"] and r["fused"] == res[0]["fused"]  # averaged over the ranks
         assert r["set_link"] is None
         cpu = r["plain"]
@@ -85,6 +90,17 @@ def test_table_cpu_seconds_pays_each_group_once_and_scales_by_contention() -> No
     assert cpu.seconds({"a": "replicated", "b": "replicated", "c": "replicated"}) == 2.0 * (7.0 - 1.5)
     assert cpu.seconds({"a": "sharded", "b": "sharded", "c": "replicated"}) == 2.0 * (0.75 + 8.0 + 4.0 - 1.5)
     assert cpu.seconds({"a": "sharded", "b": "replicated", "c": "sharded"}) == 2.0 * (0.625 + 2.0 + 24.0 - 1.5)
+    # fused: the replicated tables' groups pay their fixed seconds once each, as the sharded groups do
+    fused = dataclasses.replace(
+        cpu, fused=True, replicated_group={"a": ("r", 32.0), "b": ("r", 32.0), "c": ("s", 64.0)}
+    )
+    assert fused.seconds({"a": "replicated", "b": "replicated", "c": "replicated"}) == 2.0 * (7.0 + 96.0 - 1.5)
+    assert fused.seconds({"a": "replicated", "b": "replicated", "c": "sharded"}) == 2.0 * (
+        3.125 + 16.0 + 32.0 - 1.5
+    )
+    assert fused.seconds({"a": "sharded", "b": "replicated", "c": "sharded"}) == 2.0 * (
+        0.625 + 2.0 + 24.0 + 32.0 - 1.5
+    )
 
 
 def test_contention_is_the_busiest_hosts_ranks_over_its_cores() -> None:

@@ -33,15 +33,18 @@ set there is no such measurement, and the choice depends on the data alone (``se
 The tables' CPU (``TableCpu``), unless the user set the link or ``cpu`` is given: a table's CPU differs by
 placement (replicated: one lookup, one backward and one sparse gradient per table, coalesced, divided by P and
 applied by the optimizer; sharded: one pass per group of one width and dtype, and, with the optimizer fused
-into backward, no gradient per table), and where a host's ranks share its cores the step pays a rank's CPU
-times ``contention``, the busiest host's ranks over its cores (at least 1). ``table_cpu`` times stand-ins of
-each placement's kernels on this rank's lookups in the sample (the ids the pre-hooks recorded, renumbered onto
-one zero row per distinct id: no row of a table is read or written): each table replicated; each table alone
-in a sharded group and each group whole (the keys deduplicated, ordered by owner, their rows gathered, one
-pooling and its backward, then the rows updated in place, or, not ``fused``, one sparse gradient per table
-coalesced, divided by P and applied), a group's fixed part being what its tables alone pay again. Each is the
-median process CPU of ``CPU_TRIALS`` runs, averaged over the ranks. A placement then adds ``contention`` x (its
-tables' CPU less the replicated lookups, which the measured forward and backward already hold) to the step.
+into backward, no gradient per table; replicated with the optimizer fused (``fused``): one pass per group too,
+as ``sharding.replicated`` runs it, a group of one part), and where a host's ranks share its cores the step
+pays a rank's CPU times ``contention``, the busiest host's ranks over its cores (at least 1). ``table_cpu``
+times stand-ins of each placement's kernels on this rank's lookups in the sample (the ids the pre-hooks
+recorded, renumbered onto one zero row per distinct id: no row of a table is read or written): each table
+replicated; each table alone in a sharded group and each group whole (the keys deduplicated, ordered by owner,
+their rows gathered, one pooling and its backward, then the rows updated in place, or, not ``fused``, one
+sparse gradient per table coalesced, divided by P and applied), a group's fixed part being what its tables
+alone pay again; with ``fused``, each table alone in a replicated group and each such group whole (the same
+pass over one part: no owner order), split the same way. Each is the median process CPU of ``CPU_TRIALS``
+runs, averaged over the ranks. A placement then adds ``contention`` x (its tables' CPU less the replicated
+lookups, which the measured forward and backward already hold) to the step.
 Not timed: the Python around the kernels and the collectives' own copies (the link's γ terms price the sparse
 reduction's merges).
 
@@ -85,7 +88,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -239,7 +242,10 @@ class TableCpu:
     group holding a sharded table. ``lookup``: the tables' lookups and backwards as the sample's forward and
     backward ran them, already inside ``AutoPlan.forward_seconds`` and ``backward_seconds``. ``contention``: the
     busiest host's ranks over its cores, at least 1: what a second of one rank's CPU costs the step. ``fused``:
-    the sharded groups priced with their optimizer in backward (no sparse gradient per table)."""
+    the sharded groups priced with their optimizer in backward (no sparse gradient per table), and the replicated
+    tables as ``sharding.replicated``'s groups: ``replicated`` per table module what it adds to its replicated
+    group's pass, ``replicated_group`` its group and the group's fixed seconds, paid once per group holding a
+    replicated table (empty without ``fused``: each replicated table pays its own step)."""
 
     replicated: Mapping[str, float]
     sharded: Mapping[str, float]
@@ -247,13 +253,17 @@ class TableCpu:
     lookup: float = 0.0
     contention: float = 1.0
     fused: bool = False
+    replicated_group: Mapping[str, tuple[str, float]] = field(default_factory=dict)
 
     def seconds(self, placed: Mapping[str, str]) -> float:
         """What the tables' CPU adds to the sample's forward and backward when placed as ``placed`` (module name
         -> ``"sharded"`` or ``"replicated"``): ``contention`` x (their CPU less ``lookup``)."""
         own = sum(self.sharded[n] if p == "sharded" else self.replicated[n] for n, p in placed.items())
         groups = {self.group[n] for n, p in placed.items() if p == "sharded"}
-        return self.contention * (own + sum(t for _, t in groups) - self.lookup)
+        grouped = self.replicated_group
+        together = {grouped[n] for n, p in placed.items() if p != "sharded" and n in grouped}
+        fixed = sum(t for _, t in groups) + sum(t for _, t in together)
+        return self.contention * (own + fixed - self.lookup)
 
 
 CPU_TRIALS = 3  # timings of each stand-in, the median kept (``table_cpu``)
@@ -286,19 +296,37 @@ def table_cpu(
         timed += _median(functools.partial(_group_cpu, [parts[n]], shapes[n], P, fused))
     for names in members.values():
         timed += _median(functools.partial(_group_cpu, [parts[n] for n in names], shapes[names[0]], P, fused))
+    if fused:  # the replicated groups: one part, every row local (``sharding.replicated``)
+        timed += [_median(functools.partial(_group_cpu, [parts[n]], shapes[n], 1, True))[0] for n in tables]
+        for names in members.values():
+            timed += _median(functools.partial(_group_cpu, [parts[n] for n in names], shapes[names[0]], 1, True))
     mean = torch.tensor(timed, dtype=torch.float64)
     dist.all_reduce(mean, group=group)
     values = (mean / P).tolist()
+    T = len(tables)
     look = {n: values[3 * j] for j, n in enumerate(tables)}
     replicated = {n: values[3 * j + 1] for j, n in enumerate(tables)}
-    alone = {n: values[3 * j + 2] for j, n in enumerate(tables)}
+    wholes = values[3 * T : 3 * T + len(members)]
+    sharded, group_of = _per_table(members, {n: values[3 * j + 2] for j, n in enumerate(tables)}, wholes)
+    together: dict[str, tuple[str, float]] = {}
+    if fused:
+        rest = values[3 * T + len(members) :]
+        replicated, together = _per_table(members, dict(zip(tables, rest[:T], strict=True)), rest[T:])
+    return TableCpu(replicated, sharded, group_of, sum(look.values()), contention, fused, together)
+
+
+def _per_table(
+    members: Mapping[str, Sequence[str]], alone: Mapping[str, float], wholes: Sequence[float]
+) -> tuple[dict[str, float], dict[str, tuple[str, float]]]:
+    """Each table's share of its group's pass and each table's (group, the group's fixed seconds), from each
+    table's pass alone in its group and each group's pass whole: the fixed part is what the tables alone pay
+    again, (Σ alone - whole) / (k - 1) for k tables."""
     fixed = {
         key: max(0.0, (sum(alone[n] for n in names) - whole) / (len(names) - 1)) if len(names) > 1 else 0.0
-        for (key, names), whole in zip(members.items(), values[3 * len(tables) :], strict=True)
+        for (key, names), whole in zip(members.items(), wholes, strict=True)
     }
     group_of = {n: (key, fixed[key]) for key, names in members.items() for n in names}
-    sharded = {n: max(0.0, alone[n] - group_of[n][1]) for n in tables}
-    return TableCpu(replicated, sharded, group_of, sum(look.values()), contention, fused)
+    return {n: max(0.0, alone[n] - group_of[n][1]) for n in alone}, group_of
 
 
 def _stand_in(calls: Sequence[Bags]) -> tuple[torch.Tensor, torch.Tensor, int]:
