@@ -70,7 +70,7 @@ from sparsync.sharding.exchange import Ahead, Exchanger, Sent
 from sparsync.sharding.group import OPTIMIZERS, Fused, Slot, TableGroup, group_key
 from sparsync.sharding.ids import IdsRound
 from sparsync.sharding.kernels import WIRE
-from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
+from sparsync.sharding.modules import GroupedTable, ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
 from sparsync.sharding.replicated import (
     ReplicatedEmbedding,
     ReplicatedEmbeddingBag,
@@ -133,7 +133,7 @@ def shard(
     chosen, whole = _placed(model, _plan_dict(model, plan, sample, g, fused=optimizer is not None), g,
                             grouped=optimizer is not None)  # fmt: skip
     exchanger = Exchanger.on(g, log, None if rows is None else WIRE[rows])
-    swapped = _sharded_modules(exchanger, chosen, state_dict, seed)
+    swapped: dict[int, GroupedTable] = dict(_sharded_modules(exchanger, chosen, state_dict, seed))
     replicas = ReplicatedExchanger(g, log)
     swapped.update(_replicated_modules(replicas, whole, seed))
     for ex in (exchanger, replicas):
@@ -181,12 +181,12 @@ def _sharded_modules(
 
 def _replicated_modules(
     replicas: ReplicatedExchanger, tables: Mapping[str, nn.Embedding | nn.EmbeddingBag], seed: int
-) -> dict[int, ShardedTable]:
+) -> dict[int, GroupedTable]:
     """The grouped replicated module of each of ``tables`` (by the id of the module it replaces), in their groups
     (``replicated``): each group summed over the ranks in backward and started from rank 0's tables.
     Collective."""
     slots = _grouped(replicas, list(tables.values()))
-    swapped: dict[int, ShardedTable] = {}
+    swapped: dict[int, GroupedTable] = {}
     for (name, m), at in zip(tables.items(), slots, strict=True):
         kind = ReplicatedEmbeddingBag if isinstance(m, nn.EmbeddingBag) else ReplicatedEmbedding
         swapped[id(m)] = kind(name, m, replicas, at, None, "full", seed)
@@ -362,9 +362,7 @@ class Lookahead(Generic[B]):
     doc). ``ids(batch)``: sharded table name -> the ids the forward looks it up with on ``batch``."""
 
     def __init__(self, batches: Iterable[B], model: nn.Module, ids: Callable[[B], Mapping[str, Any]]) -> None:
-        self._tables = {
-            name: m for name, m in model.named_modules() if isinstance(m, ShardedTable) and not m.replicated
-        }
+        self._tables = {name: m for name, m in model.named_modules() if isinstance(m, ShardedTable)}
         if not self._tables:
             raise ValueError(
                 f"Lookahead: {type(model).__name__} has no sharded tables (sparsync.shard placed none "

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from sparsync.sharding import dcp
 from sparsync.sharding.group import Fused, gather_rows
-from sparsync.sharding.modules import ShardedTable
+from sparsync.sharding.modules import GroupedTable, ShardedTable
 
 __all__ = ["load", "load_optimizer_state_dict", "optimizer_state_dict", "save"]
 
@@ -50,7 +50,7 @@ __all__ = ["load", "load_optimizer_state_dict", "optimizer_state_dict", "save"]
 @contextmanager
 def _local(model: nn.Module) -> Iterator[None]:
     """Every sharded table of ``model`` gives its state dict as its shard (``"local"``)."""
-    tables = [m for m in model.modules() if _sharded(m)]
+    tables = [m for m in model.modules() if isinstance(m, ShardedTable)]
     before = [m.state_dict_layout for m in tables]
     for m in tables:
         m.state_dict_layout = "local"
@@ -63,32 +63,26 @@ def _local(model: nn.Module) -> Iterator[None]:
 
 def _tables(model: nn.Module) -> dict[str, nn.Module]:
     """weight name -> table module, for every (sharded or unsharded) embedding table of ``model``."""
-    kinds = (ShardedTable, nn.Embedding, nn.EmbeddingBag)
+    kinds = (GroupedTable, nn.Embedding, nn.EmbeddingBag)
     return {f"{n}.weight" if n else "weight": m for n, m in model.named_modules() if isinstance(m, kinds)}
 
 
-def _sharded(table: nn.Module) -> TypeGuard[ShardedTable]:
-    """Whether ``table`` is a sharded one (each rank its rows); a replicated table in a group
-    (``sharding.replicated``) is whole on every rank, as the unsharded model's."""
-    return isinstance(table, ShardedTable) and not table.replicated
-
-
-def _fused_whole(table: ShardedTable, value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor | None:
+def _fused_whole(table: GroupedTable, value: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor | None:
     """``table``'s fused state ``value`` whole: a step count or a replicated table's as it is, a shard's gathered
     on the group's rank 0 (None on the others). Collective for a shard."""
-    if value.dim() == 0 or table.replicated:
+    if value.dim() == 0 or not isinstance(table, ShardedTable):
         return value.clone()
     return gather_rows(value, table.ownership, group)
 
 
-def _is_rank0(table: ShardedTable) -> bool:
+def _is_rank0(table: GroupedTable) -> bool:
     """Whether this rank is rank 0 of ``table``'s group (a replicated table's exchanger has one local rank)."""
     return dist.get_rank(table.exchanger.group) == 0
 
 
-def _fused(model: nn.Module) -> dict[str, ShardedTable]:
-    """weight name -> table, for the sharded tables that have a fused optimizer."""
-    return {n: t for n, t in _tables(model).items() if isinstance(t, ShardedTable) and t.group.fused is not None}
+def _fused(model: nn.Module) -> dict[str, GroupedTable]:
+    """weight name -> table, for the grouped tables (sharded or replicated) that have a fused optimizer."""
+    return {n: t for n, t in _tables(model).items() if isinstance(t, GroupedTable) and t.group.fused is not None}
 
 
 # the fused state's names in checkpoints: torchrec's (``<table>.momentum1`` / ``momentum2`` in its fused
@@ -97,14 +91,14 @@ def _fused(model: nn.Module) -> dict[str, ShardedTable]:
 SAVED_NAMES = {"sum": "momentum1", "exp_avg": "momentum1", "exp_avg_sq": "momentum2", "step": "step"}
 
 
-def _fused_of(table: ShardedTable) -> Fused:
+def _fused_of(table: GroupedTable) -> Fused:
     fused = table.group.fused
     if not isinstance(fused, Fused):
         raise TypeError(f"{table.describe()}: expected one of sparsync.sharding's optimizers, got {type(fused)}")
     return fused
 
 
-def _fused_state(table: ShardedTable) -> dict[str, torch.Tensor]:
+def _fused_state(table: GroupedTable) -> dict[str, torch.Tensor]:
     """Views of ``table``'s rows in its fused optimizer's state (``Fused.table_state``), by their names in
     checkpoints (``SAVED_NAMES``)."""
     return {SAVED_NAMES[k]: v for k, v in _fused_of(table).table_state(table.slot).items()}
@@ -183,7 +177,7 @@ def optimizer_state_dict(opt: Any, model: nn.Module) -> dict[str, Any] | None:
     tables = _tables(model)
     for i, name in sorted(_indices(opt, model).items()) if opt is not None else ():
         table = tables[name]
-        if not _sharded(table) or i not in sd["state"]:
+        if not isinstance(table, ShardedTable) or i not in sd["state"]:
             continue
         rank0 = table.exchanger.rank == 0
         # a copy: torch's state_dict() holds the optimizer's live per-parameter dicts, which must keep the shard's
@@ -219,7 +213,7 @@ def load_optimizer_state_dict(opt: Any, model: nn.Module, state_dict: dict[str, 
     tables = _tables(model)
     for i, name in _indices(opt, model).items() if opt is not None else ():
         table = tables[name]
-        if not _sharded(table):
+        if not isinstance(table, ShardedTable):
             continue
         state = sd["state"].get(i, {})
         whole = (table.num_embeddings, table.embedding_dim)
@@ -252,7 +246,7 @@ def _written(value: torch.Tensor, table: nn.Module, block_rows: int) -> Any:
     by window (``dcp.Strided``; a table too small for that: made whole), or the whole tensor of an unsharded
     table."""
     dense = value.to_dense() if value.is_sparse else value
-    if not _sharded(table):
+    if not isinstance(table, ShardedTable):
         return dense
     group = table.exchanger.link.group
     strided = dcp.Strided(dense.detach(), table.num_embeddings, group, block_rows)
@@ -285,7 +279,7 @@ def save(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int 
     with _local(model):
         model_sd = model.state_dict()
     for name, table in _tables(model).items():
-        if _sharded(table):
+        if isinstance(table, ShardedTable):
             model_sd[name] = _written(table.weight, table, block_rows)
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
@@ -349,11 +343,11 @@ def _targets(meta: Metadata, model: nn.Module, optimizer: Any) -> dict[str, Any]
     """What ``dcp.load`` fills in place: the model's tensors but the sharded tables, the per-row state of the
     unsharded tables, the fused optimizers' step counts (and a replicated group's whole per-row state), and the
     rest of the optimizer's state."""
-    sharded = {n for n, t in _tables(model).items() if _sharded(t)}
+    sharded = {n for n, t in _tables(model).items() if isinstance(t, ShardedTable)}
     with _local(model):
         model_sd = {k: v for k, v in model.state_dict().items() if k not in sharded}
     state: dict[str, Any] = {"model": model_sd}
-    steps = {name: {k: v for k, v in _fused_state(t).items() if v.dim() == 0 or t.replicated}
+    steps = {name: {k: v for k, v in _fused_state(t).items() if v.dim() == 0 or not isinstance(t, ShardedTable)}
              for name, t in _fused(model).items()}  # fmt: skip
     if any(steps.values()):
         state["fused"] = {name: s for name, s in steps.items() if s}
@@ -373,7 +367,7 @@ def _stream(path: str, meta: Metadata, model: nn.Module, optimizer: Any, block_r
     reader.set_up_storage_reader(meta, not dist.is_initialized() or dist.get_rank() == 0)
     rows: dict[str, dict[str, torch.Tensor]] = {}
     for name, table in sorted(_tables(model).items()):
-        if not _sharded(table):
+        if not isinstance(table, ShardedTable):
             continue
         group = table.exchanger.link.group
         dcp.read_into_shard(reader, meta, "model." + name, table.weight.data, group, block_rows=block_rows)
@@ -416,7 +410,7 @@ def load(path: str, model: nn.Module, optimizer: Any = None, *, block_rows: int 
     rows = _stream(path, meta, model, optimizer, block_rows)
     if kinds is not None:
         _set_hyperparameters(kinds, model)
-    shards = {n: t.weight.detach() for n, t in _tables(model).items() if _sharded(t)}
+    shards = {n: t.weight.detach() for n, t in _tables(model).items() if isinstance(t, ShardedTable)}
     with _local(model):  # dcp_load and _stream filled the tensors in place; this loads what else the modules keep
         model.load_state_dict({**state["model"], **shards})
     if optimizer is not None:

@@ -2,6 +2,8 @@
 owns (``weight``: ``[rows owned, D]``, a parameter marked ``Sharded``, a view of its slice of the table group's
 flat tensor, ``group``), and a forward registers its call with the model's ``Exchanger`` and returns a
 ``LazyLookup`` (``exchange``), pooled by torch's own functional on the rows gathered for it (``rows.pool``).
+What they share with the replicated tables in groups (``replicated``) is ``GroupedTable``'s; the forwards are
+``EmbeddingLookup``'s and ``BagLookup``'s.
 
 A call's arguments are checked here, in Python, on the rank that makes it, and a bad call is not raised here but
 handed to the exchange as a refusal, so that every rank raises it at once (``ids``): a negative id, an id beyond
@@ -21,7 +23,7 @@ the parameter in place, so it keeps viewing the group's flat tensor.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -37,15 +39,15 @@ STATE_DICT_LAYOUTS = ("full", "local", "sharded")
 ID_DTYPES = (torch.int64, torch.int32)  # what torch's embeddings take
 
 
-class ShardedTable(nn.Module):
-    """What the two sharded modules share: the shard, its ownership, its group, the state dict (module doc).
-    Built by ``sparsync.shard`` from an unsharded module: collective, every rank at once. ``group``: the index of
-    its group among ``exchanger.groups``; ``slot``: its place in it; ``placement``: marked on the weight (None:
-    no mark). ``replicated.ReplicatedTable``: the same, whole on every rank."""
+class GroupedTable(nn.Module):
+    """What every table in a group shares, sharded (``ShardedTable``) or whole on every rank
+    (``replicated.ReplicatedTable``): its rows a view of its group's flat tensor, its calls registered with its
+    exchanger. Built by ``sparsync.shard`` from an unsharded module: collective, every rank at once. ``group``:
+    the index of its group among ``exchanger.groups``; ``slot``: its place in it; ``placement``: marked on the
+    weight (None: no mark)."""
 
     kind = "table"
-    placed = "sharded"  # the placement its description names
-    replicated = False  # every rank holds the whole table (``replicated``): no shard, no ids round
+    placed: ClassVar[str]  # the placement its description names
 
     def __init__(
         self,
@@ -86,8 +88,8 @@ class ShardedTable(nn.Module):
         )
 
     def first_rows(self, table: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of group rank 0's ``table`` (``group.scatter_rows``). Collective."""
-        return scatter_rows(table, self.ownership, self.exchanger.link.group)
+        """This rank's rows of ``table``, the source module's weight, to start from."""
+        raise NotImplementedError
 
     @property
     def group(self) -> TableGroup:
@@ -103,13 +105,6 @@ class ShardedTable(nn.Module):
 
     def describe(self) -> str:
         return self._description
-
-    def extra_repr(self) -> str:
-        rank, P = self.exchanger.link.rank, self.exchanger.link.size
-        return (
-            f"{self.num_embeddings}, {self.embedding_dim}, {self.options()}, rows {rank}::{P} of the table on "
-            f"rank {rank} of {P}"
-        )
 
     # --- one call -----------------------------------------------------------------------------------------------
     def checked_ids(self, input: Any) -> tuple[torch.Tensor, str | None]:
@@ -132,6 +127,23 @@ class ShardedTable(nn.Module):
         call = Call(self.group_index, self.slot, self._description, refusal, keys, shape,
                     padding=self._padding_key, version=keys._version, **how)  # fmt: skip
         return self.exchanger.register(call)
+
+
+class ShardedTable(GroupedTable):
+    """What the two sharded modules share: the shard, its ownership, the state dict (module doc)."""
+
+    placed = "sharded"
+
+    def first_rows(self, table: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of group rank 0's ``table`` (``group.scatter_rows``). Collective."""
+        return scatter_rows(table, self.ownership, self.exchanger.link.group)
+
+    def extra_repr(self) -> str:
+        rank, P = self.exchanger.link.rank, self.exchanger.link.size
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, {self.options()}, rows {rank}::{P} of the table on "
+            f"rank {rank} of {P}"
+        )
 
     # --- the state dict -----------------------------------------------------------------------------------------
     def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
@@ -183,8 +195,8 @@ class ShardedTable(nn.Module):
         dcp.into_shard(given, self.weight.data, self.num_embeddings, group, block_rows=self.dcp_block_rows)
 
 
-class ShardedEmbedding(ShardedTable):
-    """``nn.Embedding``, its rows owned by the ranks (module doc). ``forward(input)`` as torch's."""
+class EmbeddingLookup(GroupedTable):
+    """``nn.Embedding``'s forward on a table in a group: ``forward(input)`` as torch's."""
 
     kind = "Embedding"
 
@@ -194,8 +206,8 @@ class ShardedEmbedding(ShardedTable):
         return self._call(input, refusal, keys, bag=False, mode="", offsets=None, last=False, weights=None)
 
 
-class ShardedEmbeddingBag(ShardedTable):
-    """``nn.EmbeddingBag`` (modes ``sum`` and ``mean``), its rows owned by the ranks (module doc).
+class BagLookup(GroupedTable):
+    """``nn.EmbeddingBag``'s forward (modes ``sum`` and ``mean``) on a table in a group:
     ``forward(input, offsets=None, per_sample_weights=None)`` as torch's."""
 
     kind = "EmbeddingBag"
@@ -249,6 +261,15 @@ class ShardedEmbeddingBag(ShardedTable):
         return None if why is None else f"{self.describe()}: embedding_bag refuses the arguments: {why}"
 
 
+class ShardedEmbedding(ShardedTable, EmbeddingLookup):
+    """``nn.Embedding``, its rows owned by the ranks (module doc). ``forward(input)`` as torch's."""
+
+
+class ShardedEmbeddingBag(ShardedTable, BagLookup):
+    """``nn.EmbeddingBag`` (modes ``sum`` and ``mean``), its rows owned by the ranks (module doc).
+    ``forward(input, offsets=None, per_sample_weights=None)`` as torch's."""
+
+
 def _bag_arguments(input: torch.Tensor, weights: torch.Tensor | None, mode: str, dtype: torch.dtype) -> str | None:
     if input.dim() not in (1, 2):
         return f"input has to be 1D or 2D Tensor, but got Tensor of dimension {input.dim()}"
@@ -264,7 +285,8 @@ def _bag_arguments(input: torch.Tensor, weights: torch.Tensor | None, mode: str,
 
 
 def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """``model``'s parameters but those of tables sharded with an optimizer (``sparsync.shard(optimizer=...)``),
-    which backward updates itself: what the optimizer of the rest of the model takes."""
-    fused = {id(m.weight) for m in model.modules() if isinstance(m, ShardedTable) and m.group.fused is not None}
+    """``model``'s parameters but those of tables grouped with an optimizer (``sparsync.shard(optimizer=...)``:
+    the sharded ones and the replicated ones), which backward updates itself: what the optimizer of the rest of
+    the model takes."""
+    fused = {id(m.weight) for m in model.modules() if isinstance(m, GroupedTable) and m.group.fused is not None}
     return [p for p in model.parameters() if id(p) not in fused]

@@ -21,10 +21,13 @@ What P = 1 leaves out, this module adds:
 - the start (``broadcast``): every replica starts from group rank 0's table (one broadcast per group), as the
   shards start from rank 0's table.
 
-The tables get no ``.grad`` (``modules.dense_parameters`` leaves them out) and carry no placement (``plan_of``
-leaves them out): a torch optimizer wrapped by ``DistributedOptimizer`` over ``dense_parameters(model)`` never
-sees them. Their state dicts are those of the user's modules, whatever ``state_dict=`` says: the whole table
-under ``<name>.weight`` on every rank, loaded in place (so a weight keeps viewing its group).
+The modules (``ReplicatedEmbedding``, ``ReplicatedEmbeddingBag``) are ``modules.GroupedTable``s, not
+``ShardedTable``s: code that looks for the shards (``Lookahead``, a sharded checkpoint's row blocks) passes them
+by. The tables get no ``.grad`` (``modules.dense_parameters`` leaves them out) and carry no placement
+(``plan_of`` leaves them out): a torch optimizer wrapped by ``DistributedOptimizer`` over
+``dense_parameters(model)`` never sees them, and one given them finds no gradient to reduce or step. Their
+state dicts are those of the user's modules, whatever ``state_dict=`` says: the whole table under
+``<name>.weight`` on every rank, loaded in place (so a weight keeps viewing its group).
 
 Without ``optimizer=``, replicated tables stay the user's own modules (one gradient each, reduced by
 ``DistributedOptimizer``), and so do replicated tables whose options the grouped modules cannot honour (the
@@ -33,12 +36,10 @@ sharded modules' limits: ``mode="max"``, ``max_norm``, ...).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from sparsync.collectives.tensor import allreduce
 from sparsync.record import CommLog
@@ -46,7 +47,7 @@ from sparsync.sharding import ids as ids_stage
 from sparsync.sharding.exchange import Exchanger, Sent
 from sparsync.sharding.group import TableGroup
 from sparsync.sharding.kernels import Link
-from sparsync.sharding.modules import ShardedEmbedding, ShardedEmbeddingBag, ShardedTable
+from sparsync.sharding.modules import BagLookup, EmbeddingLookup, GroupedTable
 
 
 class LocalLink(Link):
@@ -99,11 +100,11 @@ def sum_over(replicas: dist.ProcessGroup, log: CommLog | None, group: TableGroup
     return across
 
 
-class ReplicatedTable(ShardedTable):
-    """What the two replicated modules share: the whole table, a view of its slice of its group (module doc)."""
+class ReplicatedTable(GroupedTable):
+    """What the two replicated modules share: the whole table, a view of its slice of its group; the state dict
+    the user's module's (``nn.Module``'s: loaded in place, so the weight keeps viewing its group; module doc)."""
 
     placed = "replicated"
-    replicated = True
 
     def first_rows(self, table: torch.Tensor) -> torch.Tensor:
         """The whole table as this rank has it (``broadcast`` then makes rank 0's every rank's)."""
@@ -112,29 +113,12 @@ class ReplicatedTable(ShardedTable):
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.options()}, replicated, in a group"
 
-    def _save_to_state_dict(self, destination: dict[str, Any], prefix: str, keep_vars: bool) -> None:
-        nn.Module._save_to_state_dict(self, destination, prefix, keep_vars)  # the whole table, on every rank
 
-    def _load_from_state_dict(
-        self,
-        state_dict: Mapping[str, Any],
-        prefix: str,
-        local_metadata: dict[str, Any],
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        nn.Module._load_from_state_dict(
-            self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )  # copied in place: the weight keeps viewing its group
-
-
-class ReplicatedEmbedding(ReplicatedTable, ShardedEmbedding):
+class ReplicatedEmbedding(ReplicatedTable, EmbeddingLookup):
     """``nn.Embedding``, whole on every rank, in a replicated group (module doc)."""
 
 
-class ReplicatedEmbeddingBag(ReplicatedTable, ShardedEmbeddingBag):
+class ReplicatedEmbeddingBag(ReplicatedTable, BagLookup):
     """``nn.EmbeddingBag`` (modes ``sum`` and ``mean``), whole on every rank, in a replicated group (module
     doc)."""
 
