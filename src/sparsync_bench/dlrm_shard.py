@@ -13,8 +13,10 @@ the MLPs by ``DistributedOptimizer`` as in ``sparsync``.
   go the ``sparsync`` way (``DistributedOptimizer``'s default, which chooses its algorithm itself), so the plan
   decides only where each table lives;
 - ``sparsync_sharded_fused``, ``sparsync_auto_fused``: ``sparsync_sharded`` and ``sparsync_auto`` with the
-  sharded tables' SGD applied in their backward (``sparsync.shard(optimizer=SGD(lr))``): the same update, no
-  sparse gradient per table, the optimizer over the MLPs only.
+  tables' SGD applied in their backward (``sparsync.shard(optimizer=SGD(lr))``): the same update, no sparse
+  gradient per table, the optimizer over the MLPs only; the tables ``auto`` keeps replicated then go in
+  replicated groups (``sparsync.sharding.replicated``: whole on every rank, one sum over the ranks per group);
+- ``sparsync_replicated_fused``: every table in those replicated groups, its SGD in backward.
 
 A sharded model holds a part of each table per rank, so the figures the benchmark compares across methods
 (``table_figures``) are summed over the ranks' shards, each row with its index in the whole table.
@@ -35,9 +37,9 @@ Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # dense features, categ
 
 SHARD_METHODS = (
     "sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16", "sparsync_sharded_lookahead",
-    "sparsync_sharded_fused", "sparsync_auto_fused",
+    "sparsync_sharded_fused", "sparsync_auto_fused", "sparsync_replicated_fused",
 )  # fmt: skip
-FUSED_METHODS = ("sparsync_sharded_fused", "sparsync_auto_fused")  # the tables' SGD in their backward
+FUSED_METHODS = ("sparsync_sharded_fused", "sparsync_auto_fused", "sparsync_replicated_fused")  # SGD in backward
 LOOKAHEAD_METHODS = ("sparsync_sharded_lookahead",)  # their batches through Lookahead (``batches``)
 SHARD_OPS = ("shard_lookup", "shard_grad")  # the CommLog records of the sharded tables' exchanges
 
@@ -59,7 +61,9 @@ def shard_tables(
         raise KeyError(f"unknown sharded method {method!r}; valid: {', '.join(SHARD_METHODS)}")
     choice = auto_plan(model, sample, dist.group.WORLD, fused=method in FUSED_METHODS)  # type: ignore[arg-type]
     plan = choice.plan
-    if not method.startswith("sparsync_auto"):
+    if method == "sparsync_replicated_fused":
+        plan = choice.every_table("replicated")
+    elif not method.startswith("sparsync_auto"):
         plan = choice.every_table("sharded", itemsize=2 if method == "sparsync_sharded_bf16" else None)
     kinds = {n.removesuffix(".weight"): k for n, k in plan.kinds.items() if n.startswith("tables.")}
     tables = {n: "sharded" if k == "sharded" else "replicated" for n, k in kinds.items()}

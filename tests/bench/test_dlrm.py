@@ -203,16 +203,18 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     cfg = DlrmBenchConfig(str(write_criteo(tmp_path / "c.txt", P * 6 * 32)), steps=6, batch=32, max_rows=2000,
                           dim=8, warmup=1, tail=3,
                           methods=("sparsync", "sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16",
-                                   "sparsync_sharded_lookahead", "sparsync_sharded_fused"))  # fmt: skip
+                                   "sparsync_sharded_lookahead", "sparsync_sharded_fused",
+                                   "sparsync_replicated_fused"))  # fmt: skip
     data = load(cfg, P)
     rows = {r["method"]: r for r in summarize(launch(dlrm_worker_nominal_link, nprocs=P, args=(cfg, data))[0])}
     base = rows["sparsync"]
     assert base["tables_moved"] > 0 and base["tables_sharded"] == 0 and base["shard_bytes_per_step"] == 0
-    for m in ("sparsync_sharded", "sparsync_auto", "sparsync_sharded_fused"):
+    for m in ("sparsync_sharded", "sparsync_auto", "sparsync_sharded_fused", "sparsync_replicated_fused"):
         assert rows[m]["loss"] == pytest.approx(base["loss"], rel=1e-5), (m, rows[m]["loss"], base["loss"])
         assert rows[m]["param_abs_sum"] == pytest.approx(base["param_abs_sum"], rel=1e-5), m
         assert rows[m]["tables_moved"] == pytest.approx(base["tables_moved"], rel=1e-6), (m, rows[m], base)
         assert rows[m]["step_s"] > 0 and rows[m]["bytes_per_step"] > rows[m]["shard_bytes_per_step"], m
+    assert rows["sparsync_replicated_fused"]["tables_sharded"] == 0  # every table whole, in replicated groups
     sharded = rows["sparsync_sharded"]
     assert sharded["tables_sharded"] == 26
     exchanges = _shard_exchange_bytes(cfg, data, P)
