@@ -73,9 +73,9 @@ def exact_worker(rank: int) -> dict[str, Any]:
 
 
 def bad_input_worker(rank: int) -> dict[str, Any]:
-    """A table of another shape on rank 1 at ``sparsync.shard``; a negative id on rank 0 only, then an id past
-    the table on the last rank only: the error each rank raised, and whether any replicated row changed; then a
-    good step (the group still works)."""
+    """A table of another shape on rank 1 at ``sparsync.shard``; a model converted after it (its weights no
+    longer view their groups); a negative id on rank 0 only, then an id past the table on the last rank only: the
+    error each rank raised, and whether any replicated row changed; then a good step (the group still works)."""
     P = dist.get_world_size()
     out: dict[str, Any] = {}
     other = sw.Tables(seed=0)
@@ -86,6 +86,12 @@ def bad_input_worker(rank: int) -> dict[str, Any]:
         out["differ"] = "sharded"
     except ValueError as e:
         out["differ"] = str(e)
+    converted = sparsync.shard(sw.Tables(seed=0), plan=ALL, optimizer=SGD(lr=0.1)).float().double()
+    try:
+        converted(sw._batch(0, rank, P))
+        out["converted"] = "looked up"
+    except ValueError as e:
+        out["converted"] = str(e)
     model = sparsync.shard(sw.Tables(seed=0), plan=ALL, optimizer=SGD(lr=0.1))
     before = _replicated_weights(model)
     for case, (bad_rank, bad_id) in {"negative": (0, -1), "past": (P - 1, 17)}.items():

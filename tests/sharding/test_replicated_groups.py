@@ -44,6 +44,8 @@ def test_bad_input_is_refused_alike_on_every_rank_before_any_update() -> None:
     for out in res:
         assert out["differ"] == res[0]["differ"] and "rank 1 has" in out["differ"], out["differ"]
         assert "t.emb (replicated): Embedding(18, 4)" in out["differ"], out["differ"]
+        assert "replicated tables of width" in out["converted"], out["converted"]
+        assert "no longer views the group's storage" in out["converted"], out["converted"]
         assert out["negative"] == res[0]["negative"] and out["past"] == res[0]["past"], res
         assert "refused on rank 0" in out["negative"] and "id -1 is negative" in out["negative"], out
         assert "refused on rank 2" in out["past"] and "id 17 is out of range" in out["past"], out

@@ -192,11 +192,17 @@ class TableGroup:
         for slot, p in zip(self.slots, self.params, strict=True):
             if slot.owned and p.data_ptr() != start + slot.first * row:
                 return (
-                    f"table {slot.index} of the group of {len(self.slots)} sharded tables of width {self.dim}: "
-                    "its weight no longer views the group's storage (its parameter was replaced after "
-                    "sparsync.shard, e.g. by model.to(dtype) or .data = ...); convert the model before sharding it"
+                    f"table {slot.index} of the group of {len(self.slots)} {self.placed} tables of width "
+                    f"{self.dim}: its weight no longer views the group's storage (its parameter was replaced "
+                    "after sparsync.shard, e.g. by model.to(dtype) or .data = ...); convert the model before "
+                    "sharding it"
                 )
         return None
+
+    @property
+    def placed(self) -> str:
+        """``"replicated"`` for a replicated group (``across`` set), else ``"sharded"``."""
+        return "sharded" if self.across is None else "replicated"
 
     def local_rows(self, slot: Slot) -> slice:
         """Table ``slot``'s rows in the flat tensor."""
