@@ -13,7 +13,9 @@ from the ``replicated`` variant's (every variant but the floor trains the same m
 - ``floor``: ``DistributedOptimizer`` over the MLPs, each rank's tables its own (plain SGD, never sent);
 - ``replicated``: ``DistributedOptimizer`` over every parameter (the tables' sparse gradients by its default
   placement), ``torch.optim.SGD``;
-- ``grouped``: the tables grouped, their SGD in backward; ``DistributedOptimizer`` over ``dense_parameters``.
+- ``grouped``: the tables grouped, their SGD in backward; ``DistributedOptimizer`` over ``dense_parameters``;
+- ``grouped:split``: the same, the group's sum over the ranks by the split allgather instead of the allgather
+  (``replicated.SUM_ALGORITHM``).
 
     .venv/bin/python scripts/replicated_groups_cpu.py --procs 2 --rounds 5 \
         --out docs/data/replicated_groups_cpu_p2.md
@@ -28,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -35,11 +38,11 @@ from torch import nn
 
 import sparsync
 from sparsync import DistributedOptimizer, launch
-from sparsync.sharding import SGD, dense_parameters
+from sparsync.sharding import SGD, dense_parameters, replicated
 from sparsync_bench.criteo import CriteoBatch
 from sparsync_bench.dlrm_train import DlrmBenchConfig, default_data, dlrm_model, load, rank_samples
 
-VARIANTS = ("floor", "replicated", "grouped")
+VARIANTS = ("floor", "replicated", "grouped", "grouped:split")
 THREADS = ("main", "gloo transport", "gloo work", "python")
 DATA = Path("results/criteo_synthetic.txt")  # bench dlrm's generated file
 
@@ -89,6 +92,14 @@ def _by_thread(
 
 
 def _worker(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> dict[str, Any]:
+    variant, _, setting = variant.partition(":")
+    if setting == "split":
+        with mock.patch.object(replicated, "SUM_ALGORITHM", "ssar_split_allgather"):
+            return _train(rank, variant, cfg, data)
+    return _train(rank, variant, cfg, data)
+
+
+def _train(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> dict[str, Any]:
     P = dist.get_world_size()
     model = dlrm_model(cfg, sparse=True)
     mine = rank_samples(data, rank, P, cfg)

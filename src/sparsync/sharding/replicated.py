@@ -14,10 +14,11 @@ What P = 1 leaves out, this module adds:
   looks up other tables makes every rank raise the same ValueError (``ids.agree``), before any row is read;
 - the sum over the ranks (``TableGroup.across``, ``sum_over``): at the end of backward the group's gradient rows,
   summed per row on this rank (one sort, as the owner's sum), are summed over the ranks in one row-sparse
-  allreduce for the whole group (``sparsync.allreduce`` of one coalesced COO tensor: the union of the rows any
-  rank looked up, bitwise identical on every rank); ``group.Fused`` then divides by P (``TableGroup.ranks``),
-  the mean ``DistributedOptimizer``'s ``op="mean"`` gives a replicated table, and updates the rows in place on
-  every rank. Every rank applies the same sums in the same order, so the replicas stay bit-identical;
+  allreduce for the whole group (``sparsync.allreduce`` of one coalesced COO tensor, by ``SUM_ALGORITHM``: the
+  union of the rows any rank looked up, bitwise identical on every rank and run to run); ``group.Fused`` then
+  divides by P (``TableGroup.ranks``), the mean ``DistributedOptimizer``'s ``op="mean"`` gives a replicated
+  table, and updates the rows in place on every rank. Every rank applies the same sums in the same order, so
+  the replicas stay bit-identical;
 - the start (``broadcast``): every replica starts from group rank 0's table (one broadcast per group), as the
   shards start from rank 0's table.
 
@@ -79,6 +80,11 @@ class ReplicatedExchanger(Exchanger):
         ids_stage.agree(rows, self.replicas, refusal=refusal, descriptions=sent.descriptions())
 
 
+# the sum's algorithm, fixed: "auto" would choose by the link's measured timings, and the algorithms add the ranks'
+# rows in different orders, so two runs could differ in the last bits. The allgather (every rank's rows to every
+# rank, summed in rank order) is one round after the metadata: the fewest messages, which is what a step's CPU
+# pays for (docs/sharding.md measures it against the split allgather, whose two rounds send less at large P)
+SUM_ALGORITHM = "allgather"
 Across = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # ``TableGroup.across``
 
 
@@ -93,7 +99,7 @@ def sum_over(replicas: dist.ProcessGroup, log: CommLog | None, group: TableGroup
         if P == 1:
             return rows, values
         coo = torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True, check_invariants=False)
-        total = allreduce(coo, group=replicas, log=log, name=name)
+        total = allreduce(coo, group=replicas, log=log, name=name, algorithm=SUM_ALGORITHM)
         assert isinstance(total, torch.Tensor)  # waited for: not a Work
         return total.indices()[0], total.values()
 
