@@ -65,14 +65,17 @@ def test_auto_measures_the_tables_cpu_where_nobody_set_the_link() -> None:
             assert set(cpu.replicated) == set(cpu.sharded) == set(cpu.group) == set(cw.NAMES)
             values = [*cpu.replicated.values(), *cpu.sharded.values(), *(t for _, t in cpu.group.values())]
             assert all(math.isfinite(v) and v >= 0 for v in values)
-            assert min(cpu.replicated.values()) > 0 and cpu.lookup > 0
+            assert cpu.lookup > 0
             assert len(set(cpu.group.values())) == 1  # one width and dtype: one group
             assert cpu.contention == contention
         assert not r["plain"].fused and r["fused"].fused
-        assert r["plain"].replicated_group == {}  # each replicated table pays its own step
+        assert min(r["plain"].replicated.values()) > 0  # each replicated table pays its own step
+        assert r["plain"].replicated_group == {}
         grouped = r["fused"].replicated_group  # fused: the replicated tables in one group of one part
         assert set(grouped) == set(cw.NAMES) and len(set(grouped.values())) == 1
         assert all(math.isfinite(t) and t >= 0 for _, t in grouped.values())
+        # a table's share of its group's pass may round to 0 (the fixed part is the rest); the pass itself costs
+        assert sum(r["fused"].replicated.values()) + next(iter(grouped.values()))[1] > 0
         assert r["plain"] == res[0]["plain"] and r["fused"] == res[0]["fused"]  # averaged over the ranks
         assert r["set_link"] is None
         cpu = r["plain"]
