@@ -46,7 +46,7 @@ from torch import nn
 
 from sparsync.compress.base import Compressor
 from sparsync.compress.sketch import SparseSketch
-from sparsync.placement import NamedParam, Placement, ReduceEnv, aggregate, plan_of
+from sparsync.placement import NamedParam, Placement, ReduceEnv, aggregate, plan_of, updated_in_backward
 from sparsync.placement.base import zero_grad
 from sparsync.placement.embeddings import embedding_modules
 from sparsync.plan.planner import Plan
@@ -123,6 +123,18 @@ def _tables(
     emb.update({n: model.get_submodule(n.rpartition(".")[0]) for n in served})
     names = _sparse_names(emb, sparse_params, served if marked and cfg.mode == "sync" else list(emb))
     return marked, emb, names + [n for n in served if n not in names]
+
+
+def _refuse_updated_in_backward(model: nn.Module) -> None:
+    """ValueError naming the tables that ``sparsync.shard(optimizer=...)`` updates in backward: the trainer steps
+    every parameter itself, and would step them again (or push them to the servers)."""
+    names = updated_in_backward(model)
+    if names:
+        raise ValueError(
+            f"HybridTrainer cannot train {names}: sparsync.shard(optimizer=...) updates these tables at the end "
+            "of backward, and the trainer would step them again; shard without optimizer= for HybridTrainer, or "
+            "train the rest with DistributedOptimizer over sparsync.sharding.dense_parameters(model)"
+        )
 
 
 def _with_marks(
@@ -219,6 +231,7 @@ class HybridTrainer:
         aggregator = MachineAggregator(self.rank, self.world, m) if self.local_agg else None
         self.dense_optimizer, self.sparse_optimizer = dense_optimizer, sparse_optimizer
         self.log = log
+        _refuse_updated_in_backward(model)
         marked, emb, names = _tables(model, cfg, sparse_params)
         params = dict(model.named_parameters())
         placed, default = _placed(cfg, list(params), names, _with_marks(cfg, marked, placements))

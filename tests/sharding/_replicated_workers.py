@@ -241,3 +241,21 @@ def nccl_worker(rank: int) -> dict[str, Any]:
     except ValueError as e:
         refused = str(e)
     return {"rows": _rows(model), "refused": refused}
+
+
+def hybrid_refusal_worker(rank: int) -> dict[str, str]:
+    """``HybridTrainer`` given a model whose tables ``sparsync.shard(optimizer=...)`` updates in backward (a
+    replicated group and a sharded one, MIXED): its error, before it reaches any server; and without
+    ``optimizer=``, no mark."""
+    from sparsync.hybrid import HybridTrainer
+    from sparsync.placement import updated_in_backward
+
+    del rank
+    model = sparsync.shard(sw.Tables(seed=0), plan=MIXED, optimizer=SGD(lr=0.1))
+    try:
+        HybridTrainer(model, ["tcp://127.0.0.1:1"])  # no server there: the refusal comes first
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    plain = sparsync.shard(sw.Tables(seed=0), plan=MIXED)
+    return {"refused": refused, "plain": ",".join(updated_in_backward(plain))}

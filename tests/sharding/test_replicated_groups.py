@@ -89,3 +89,11 @@ def test_the_grouped_replicated_path_under_nccl_rules_equals_the_run_without_the
         assert all(torch.equal(a["rows"][k], r["rows"][k]) for k in a["rows"]), a["rows"].keys()
         assert a["refused"] == r["refused"], (a["refused"], r["refused"])
         assert "id 17 is out of range" in a["refused"], a["refused"]
+
+
+def test_hybrid_trainer_refuses_tables_updated_in_backward() -> None:
+    for out in launch(rw.hybrid_refusal_worker, nprocs=2):
+        assert "HybridTrainer cannot train" in out["refused"], out
+        for name in rw.MIXED:  # every table, the replicated groups' and the sharded ones'
+            assert f"'{name}.weight'" in out["refused"], (name, out)
+        assert out["plain"] == "", out  # without optimizer=: nothing updated in backward

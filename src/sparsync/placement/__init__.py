@@ -18,7 +18,13 @@ from sparsync.placement.collective import (
     SparseAllreduce,
 )
 from sparsync.placement.server import OnServer
-from sparsync.placement.sharded import Sharded, placement_of, plan_of
+from sparsync.placement.sharded import (
+    Sharded,
+    mark_updated_in_backward,
+    placement_of,
+    plan_of,
+    updated_in_backward,
+)
 from sparsync.placement.sketch import Sketch
 
 __all__ = [
@@ -37,6 +43,8 @@ __all__ = [
     "SparseAllreduce",
     "aggregate",
     "load_optional_state",
+    "mark_updated_in_backward",
     "placement_of",
     "plan_of",
+    "updated_in_backward",
 ]

@@ -20,6 +20,7 @@ import torch
 from sparsync.placement.base import NamedParam, Placement, ReduceEnv
 
 PLACEMENT_ATTR = "sparsync_placement"  # set on a parameter: the placement its module chose for it
+IN_BACKWARD_ATTR = "sparsync_updated_in_backward"  # set on a parameter its table's optimizer updates in backward
 
 
 class Sharded(Placement):
@@ -61,3 +62,15 @@ def plan_of(model: torch.nn.Module) -> dict[str, Placement]:
     reduces the other parameters by its default (and refuses server tables), or let ``HybridTrainer`` read it
     off the model. Tables placed ``"replicated"`` carry no placement and are not in it."""
     return {n: pl for n, p in model.named_parameters() if (pl := placement_of(p)) is not None}
+
+
+def mark_updated_in_backward(param: torch.Tensor) -> None:
+    """Record on ``param`` that its table's optimizer updates it at the end of backward
+    (``sparsync.shard(optimizer=...)``), so no optimizer after backward may step it. Mutates ``param``."""
+    setattr(param, IN_BACKWARD_ATTR, True)
+
+
+def updated_in_backward(model: torch.nn.Module) -> list[str]:
+    """The names of ``model``'s parameters that their tables' optimizer updates in backward
+    (``mark_updated_in_backward``)."""
+    return [n for n, p in model.named_parameters() if getattr(p, IN_BACKWARD_ATTR, False)]

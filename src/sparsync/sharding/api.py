@@ -62,7 +62,7 @@ from torch import nn
 
 from sparsync.collectives.group import resolve_group
 from sparsync.collectives.transport import meta_group
-from sparsync.placement import OnServer, Sharded
+from sparsync.placement import OnServer, Sharded, mark_updated_in_backward
 from sparsync.placement.sharded import mark
 from sparsync.record import CommLog
 from sparsync.sharding.auto import auto_plan
@@ -211,6 +211,8 @@ def _bind(exchanger: Exchanger, optimizer: Fused | None) -> None:
         )
     for table_group in exchanger.groups:
         table_group.fused = optimizer.bind(table_group)
+        for param in table_group.params:
+            mark_updated_in_backward(param)  # HybridTrainer refuses to step them
 
 
 def _grouped(exchanger: Exchanger, tables: Sequence[nn.Embedding | nn.EmbeddingBag]) -> list[tuple[int, Slot]]:
