@@ -138,6 +138,14 @@ def shard(
     swapped.update(_replicated_modules(replicas, whole, seed))
     for ex in (exchanger, replicas):
         _bind(ex, optimizer)
+    return _swapped_in(model, swapped, exchanger, replicas)
+
+
+def _swapped_in(
+    model: nn.Module, swapped: Mapping[int, nn.Module], exchanger: Exchanger, replicas: ReplicatedExchanger
+) -> nn.Module:
+    """``model`` with ``swapped`` in place (``_swap``), its forward hooked to finish each exchange (the
+    replicated groups' only when there are some); the new root."""
     root = _swap(model, swapped)
     root.register_forward_hook(exchanger.finish_forward)
     if replicas.groups:
