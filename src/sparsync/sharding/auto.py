@@ -296,10 +296,13 @@ def table_cpu(
         timed += _median(functools.partial(_group_cpu, [parts[n]], shapes[n], P, fused))
     for names in members.values():
         timed += _median(functools.partial(_group_cpu, [parts[n] for n in names], shapes[names[0]], P, fused))
-    if fused:  # the replicated groups: one part, every row local (``sharding.replicated``)
-        timed += [_median(functools.partial(_group_cpu, [parts[n]], shapes[n], 1, True))[0] for n in tables]
-        for names in members.values():
-            timed += _median(functools.partial(_group_cpu, [parts[n] for n in names], shapes[names[0]], 1, True))
+    if fused:  # the replicated groups: one part, every row local, summed over the P ranks (``replicated``)
+        runs = [functools.partial(_group_cpu, [parts[n]], shapes[n], 1, True, P) for n in tables]
+        runs += [
+            functools.partial(_group_cpu, [parts[n] for n in ns], shapes[ns[0]], 1, True, P)
+            for ns in members.values()
+        ]
+        timed += [_median(run)[0] for run in runs]
     mean = torch.tensor(timed, dtype=torch.float64)
     dist.all_reduce(mean, group=group)
     values = (mean / P).tolist()
@@ -368,12 +371,18 @@ def _replicated_cpu(
 
 
 def _group_cpu(
-    parts: Sequence[tuple[torch.Tensor, torch.Tensor, int]], shape: tuple[int, torch.dtype], P: int, fused: bool
+    parts: Sequence[tuple[torch.Tensor, torch.Tensor, int]],
+    shape: tuple[int, torch.dtype],
+    P: int,
+    fused: bool,
+    summed_over: int = 1,
 ) -> float:
     """The process CPU of one sharded group's pass over ``parts`` (its tables' stand-ins, rows one after
     another): the group's keys deduplicated, ordered by owner, their rows gathered, one pooling and its backward,
     then the rows updated in place (``fused``) or one sparse gradient per table, coalesced, divided by P and
-    added. The rounds are the link's, priced apart."""
+    added. ``summed_over`` > 1: a replicated group's (``sharding.replicated``), whose gradient rows are summed
+    over that many ranks by an allgather before the update: that many ranks' rows (this rank's, again) merged by
+    one coalesce. The rounds are the link's, priced apart."""
     row0 = [0]
     for _, _, u in parts:
         row0.append(row0[-1] + u)
@@ -388,7 +397,14 @@ def _group_cpu(
     torch.autograd.backward([out], [torch.ones_like(out)])
     grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
     with torch.no_grad():
-        if fused:
+        if fused and summed_over > 1:
+            at = by_owner.repeat(summed_over).unsqueeze(0)
+            total = torch.sparse_coo_tensor(
+                at, grad.repeat(summed_over, 1), tuple(w.shape), check_invariants=False
+            )
+            total = total.coalesce()
+            w.index_add_(0, total.indices()[0], total.values(), alpha=-1.0)
+        elif fused:
             w.index_add_(0, by_owner, grad, alpha=-1.0)
         else:
             bounds = torch.searchsorted(keys, torch.tensor(row0)).tolist()
