@@ -16,7 +16,8 @@ the MLPs by ``DistributedOptimizer`` as in ``sparsync``.
   tables' SGD applied in their backward (``sparsync.shard(optimizer=SGD(lr))``): the same update, no sparse
   gradient per table, the optimizer over the MLPs only; the tables ``auto`` keeps replicated then go in
   replicated groups (``sparsync.sharding.replicated``: whole on every rank, one sum over the ranks per group);
-- ``sparsync_replicated_fused``: every table in those replicated groups, its SGD in backward.
+- ``sparsync_replicated_fused``: every table in those replicated groups, its SGD in backward;
+- ``sparsync_sharded_fused_lookahead``: ``sparsync_sharded_fused`` with its batches through ``Lookahead``.
 
 A sharded model holds a part of each table per rank, so the figures the benchmark compares across methods
 (``table_figures``) are summed over the ranks' shards, each row with its index in the whole table.
@@ -38,9 +39,13 @@ Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # dense features, categ
 SHARD_METHODS = (
     "sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16", "sparsync_sharded_lookahead",
     "sparsync_sharded_fused", "sparsync_auto_fused", "sparsync_replicated_fused",
+    "sparsync_sharded_fused_lookahead",
 )  # fmt: skip
-FUSED_METHODS = ("sparsync_sharded_fused", "sparsync_auto_fused", "sparsync_replicated_fused")  # SGD in backward
-LOOKAHEAD_METHODS = ("sparsync_sharded_lookahead",)  # their batches through Lookahead (``batches``)
+FUSED_METHODS = (  # the tables' SGD in their backward
+    "sparsync_sharded_fused", "sparsync_auto_fused", "sparsync_replicated_fused",
+    "sparsync_sharded_fused_lookahead",
+)  # fmt: skip
+LOOKAHEAD_METHODS = ("sparsync_sharded_lookahead", "sparsync_sharded_fused_lookahead")  # through Lookahead
 SHARD_OPS = ("shard_lookup", "shard_grad")  # the CommLog records of the sharded tables' exchanges
 
 

@@ -204,7 +204,7 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
                           dim=8, warmup=1, tail=3,
                           methods=("sparsync", "sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16",
                                    "sparsync_sharded_lookahead", "sparsync_sharded_fused",
-                                   "sparsync_replicated_fused"))  # fmt: skip
+                                   "sparsync_replicated_fused", "sparsync_sharded_fused_lookahead"))  # fmt: skip
     data = load(cfg, P)
     rows = {r["method"]: r for r in summarize(launch(dlrm_worker_nominal_link, nprocs=P, args=(cfg, data))[0])}
     base = rows["sparsync"]
@@ -244,6 +244,9 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     for key in ("loss", "first_loss", "param_abs_sum", "tables_moved"):
         assert ahead[key] == sharded[key], (key, ahead[key], sharded[key])
     assert ahead["shard_bytes_per_step"] == pytest.approx(exchanges + 4 * (P - 1), rel=1e-12)
+    fused, fused_ahead = rows["sparsync_sharded_fused"], rows["sparsync_sharded_fused_lookahead"]
+    for key in ("loss", "first_loss", "param_abs_sum", "tables_moved"):  # with the SGD in backward too
+        assert fused_ahead[key] == fused[key], (key, fused_ahead[key], fused[key])
     assert all(r["cpu_s"] > 0 for r in rows.values())
     assert low["predicted_shard_bytes_per_step"] == pytest.approx(low["shard_bytes_per_step"], rel=0.1), low
 
