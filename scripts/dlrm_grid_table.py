@@ -69,8 +69,9 @@ def _predicted(row: dict[str, float]) -> str:
 
 
 ORDER = (
-    "torch_ddp_sparse", "sparsync", "sparsync_sharded", "sparsync_sharded_fused", "sparsync_sharded_lookahead",
-    "sparsync_auto", "sparsync_auto_fused", "sparsync_replicated_fused", "torchrec_tw", "floor_tables_unsent",
+    "torch_ddp_sparse", "sparsync", "sparsync_sharded", "sparsync_sharded_fused",
+    "sparsync_sharded_fused_lookahead", "sparsync_sharded_lookahead", "sparsync_auto", "sparsync_auto_fused",
+    "sparsync_replicated_fused", "torchrec_tw", "floor_tables_unsent",
 )  # fmt: skip
 FLOOR = "floor_tables_unsent"
 
