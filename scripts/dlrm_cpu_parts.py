@@ -30,9 +30,7 @@ Python threads (sparsync's queue threads, one per group with work: ``Distributed
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,9 +43,18 @@ from torch import nn
 from sparsync import DistributedOptimizer, launch
 from sparsync.record import CommLog
 from sparsync.sharding import dense_parameters, kernels
+from sparsync_bench import thread_cpu
 from sparsync_bench.criteo import CriteoBatch
 from sparsync_bench.dlrm_shard import shard_tables
-from sparsync_bench.dlrm_train import DlrmBenchConfig, ddp_over_mlps, default_data, dlrm_model, load, rank_samples
+from sparsync_bench.dlrm_train import (
+    DlrmBenchConfig,
+    ddp_over_mlps,
+    default_data,
+    dlrm_model,
+    load,
+    rank_samples,
+    step_batches,
+)
 
 VARIANTS = (
     "ddp",
@@ -60,7 +67,7 @@ VARIANTS = (
     "fused+ddp:torch",
 )
 DATA = Path("results/criteo_synthetic.txt")  # bench dlrm's generated file
-THREADS = ("main", "gloo transport", "gloo work", "python")  # how the CPU splits (module doc)
+THREADS = thread_cpu.KINDS
 
 
 def _config(batch: int) -> DlrmBenchConfig:
@@ -100,8 +107,7 @@ def _train(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> 
     P = dist.get_world_size()
     model = dlrm_model(cfg, sparse=True)
     mine = rank_samples(data, rank, P, cfg)
-    cut = [slice(s * cfg.batch, (s + 1) * cfg.batch) for s in range(cfg.steps)]
-    steps = [(mine.dense[sl], mine.sparse[sl], mine.label[sl]) for sl in cut]
+    steps = step_batches(mine, cfg)
     if variant.startswith("shard+"):
         shard_tables("sparsync_sharded", model, steps[0][:2], CommLog())
     if variant.startswith("fused+"):
@@ -114,10 +120,10 @@ def _train(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> 
     else:
         opt = _Both(model, cfg.lr)
     cpu, main = [], []
-    before: dict[int, tuple[str, float]] = {}
+    before: thread_cpu.Reading = {}
     for s, (dense, ids, label) in enumerate(steps):
         if s == cfg.warmup:
-            before = _tasks()
+            before = thread_cpu.reading()
         dist.barrier()
         c0, m0 = time.process_time(), time.thread_time()
         opt.zero_grad()
@@ -127,7 +133,7 @@ def _train(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> 
         loss.item()
         cpu.append(time.process_time() - c0)
         main.append(time.thread_time() - m0)
-    split = _by_thread(before, _tasks(), cfg.steps - cfg.warmup)
+    split = thread_cpu.per_step(before, thread_cpu.reading(), cfg.steps - cfg.warmup)
     t = torch.tensor([statistics.median(cpu[cfg.warmup :]), *split], dtype=torch.float64)
     dist.all_reduce(t)
     means = (t / dist.get_world_size() * 1e3).tolist()
@@ -136,37 +142,6 @@ def _train(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> 
         "main_ms": statistics.median(main[cfg.warmup :]) * 1e3,
         **{f"thread {kind}": v for kind, v in zip(THREADS, means[1:], strict=True)},
     }
-
-
-def _tasks() -> dict[int, tuple[str, float]]:
-    """Each thread of this process: (its name, its CPU seconds so far), from ``/proc/self/task``."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-        except FileNotFoundError:  # the thread ended meanwhile
-            continue
-        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-        out[int(tid)] = (name, (int(rest[11]) + int(rest[12])) / tick)  # utime + stime
-    return out
-
-
-def _by_thread(
-    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], steps: int
-) -> list[float]:
-    """CPU seconds per step of each kind of thread (``THREADS``) between the two readings."""
-    main = threading.get_native_id()
-    got = dict.fromkeys(THREADS, 0.0)
-    for tid, (name, total) in after.items():
-        kind = (
-            "main" if tid == main
-            else "gloo transport" if name.startswith("gloo_tcp_loop")
-            else "gloo work" if name.startswith("pt_gloo_runloop")
-            else "python"
-        )  # fmt: skip
-        got[kind] += total - before.get(tid, (name, 0.0))[1]
-    return [got[k] / steps for k in THREADS]
 
 
 def main() -> None:

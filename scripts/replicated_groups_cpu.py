@@ -24,9 +24,7 @@ from the ``replicated`` variant's (every variant but the floor trains the same m
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -39,11 +37,12 @@ from torch import nn
 import sparsync
 from sparsync import DistributedOptimizer, launch
 from sparsync.sharding import SGD, dense_parameters, replicated
+from sparsync_bench import thread_cpu
 from sparsync_bench.criteo import CriteoBatch
-from sparsync_bench.dlrm_train import DlrmBenchConfig, default_data, dlrm_model, load, rank_samples
+from sparsync_bench.dlrm_train import DlrmBenchConfig, default_data, dlrm_model, load, rank_samples, step_batches
 
 VARIANTS = ("floor", "replicated", "grouped", "grouped:split")
-THREADS = ("main", "gloo transport", "gloo work", "python")
+THREADS = thread_cpu.KINDS
 DATA = Path("results/criteo_synthetic.txt")  # bench dlrm's generated file
 
 
@@ -60,37 +59,6 @@ def _optimizer(variant: str, model: nn.Module, lr: float) -> list[Any]:
     return [DistributedOptimizer(torch.optim.SGD(mlps, lr=lr)), torch.optim.SGD(tables, lr=lr)]
 
 
-def _threads() -> dict[int, tuple[str, float]]:
-    """Each thread of this process: (its name, its CPU seconds so far)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    out = {}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-        except FileNotFoundError:  # the thread ended meanwhile
-            continue
-        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
-        out[int(tid)] = (name, (int(rest[11]) + int(rest[12])) / tick)  # utime + stime
-    return out
-
-
-def _by_thread(
-    before: dict[int, tuple[str, float]], after: dict[int, tuple[str, float]], steps: int
-) -> list[float]:
-    """CPU seconds per step of each kind of thread (``THREADS``) between the two readings."""
-    main = threading.get_native_id()
-    got = dict.fromkeys(THREADS, 0.0)
-    for tid, (name, total) in after.items():
-        kind = (
-            "main" if tid == main
-            else "gloo transport" if name.startswith("gloo_tcp_loop")
-            else "gloo work" if name.startswith("pt_gloo_runloop")
-            else "python"
-        )  # fmt: skip
-        got[kind] += total - before.get(tid, (name, 0.0))[1]
-    return [got[k] / steps for k in THREADS]
-
-
 def _worker(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> dict[str, Any]:
     variant, _, setting = variant.partition(":")
     if setting == "split":
@@ -103,14 +71,13 @@ def _train(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> 
     P = dist.get_world_size()
     model = dlrm_model(cfg, sparse=True)
     mine = rank_samples(data, rank, P, cfg)
-    cut = [slice(s * cfg.batch, (s + 1) * cfg.batch) for s in range(cfg.steps)]
-    steps = [(mine.dense[sl], mine.sparse[sl], mine.label[sl]) for sl in cut]
+    steps = step_batches(mine, cfg)
     opts = _optimizer(variant, model, cfg.lr)
     cpu = []
     for s, (dense, ids, label) in enumerate(steps):
         dist.barrier()
         if s == cfg.warmup:
-            before = _threads()
+            before = thread_cpu.reading()
         c0 = time.process_time()
         for o in opts:
             o.zero_grad()
@@ -120,7 +87,7 @@ def _train(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> 
             o.step()
         loss.item()
         cpu.append(time.process_time() - c0)
-    split = _by_thread(before, _threads(), cfg.steps - cfg.warmup)
+    split = thread_cpu.per_step(before, thread_cpu.reading(), cfg.steps - cfg.warmup)
     t = torch.tensor([statistics.median(cpu[cfg.warmup :]), *split], dtype=torch.float64)
     dist.all_reduce(t)
     ms = (t / P * 1e3).tolist()

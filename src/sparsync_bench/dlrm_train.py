@@ -145,6 +145,14 @@ def rank_samples(data: CriteoBatch, rank: int, P: int, cfg: DlrmBenchConfig) -> 
     return CriteoBatch(data.dense[idx], data.sparse[idx], data.label[idx])
 
 
+def step_batches(
+    shard: CriteoBatch, cfg: DlrmBenchConfig
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """A rank's samples (``rank_samples``) cut into its ``cfg.steps`` batches: (dense, ids, label) each."""
+    cut = [slice(s * cfg.batch, (s + 1) * cfg.batch) for s in range(cfg.steps)]
+    return [(shard.dense[sl], shard.sparse[sl], shard.label[sl]) for sl in cut]
+
+
 def bce(logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
     return nn.functional.binary_cross_entropy_with_logits(logits, label)
 
@@ -292,8 +300,7 @@ def _run_steps(
     P = dist.get_world_size()
     writer = summary_writer(Path(cfg.tensorboard) / f"P{P}") if cfg.tensorboard and rank == 0 else None
     profile = step_profiler(method, rank, cfg.warmup, cfg.steps)
-    cut = [slice(s * cfg.batch, (s + 1) * cfg.batch) for s in range(cfg.steps)]
-    source = batches(method, model, [(shard.dense[sl], shard.sparse[sl], shard.label[sl]) for sl in cut])
+    source = batches(method, model, step_batches(shard, cfg))
     out = _Steps()
     for s in range(cfg.steps):
         before = len(log)
