@@ -36,12 +36,9 @@ from sparsync.stream import SparseStream, concat_disjoint
 
 def fusable(buffer: torch.Tensor, comps: Sequence[Compressor]) -> bool:
     """Whether a bucket goes by ``BucketSparse``: a dense buffer whose gradients all go by sparsifiers that
-    select per parameter (not ``TopK(scope="bucket")``, which the hook's flat route sends)."""
-    return (
-        not buffer.is_sparse
-        and bool(comps)
-        and all(isinstance(c, Sparsifier) and getattr(c, "scope", "tensor") == "tensor" for c in comps)
-    )
+    select per parameter (``Sparsifier.per_tensor``; not ``TopK(scope="bucket")``, which the hook's flat route
+    sends)."""
+    return not buffer.is_sparse and bool(comps) and all(isinstance(c, Sparsifier) and c.per_tensor for c in comps)
 
 
 class BucketSparse(BucketRoute):

@@ -31,6 +31,13 @@ class Sparsifier(Compressor):
     def __post_init__(self) -> None:
         check_ratio(self.ratio)
 
+    @property
+    def per_tensor(self) -> bool:
+        """Whether it selects within each tensor, so that a DDP bucket of such gradients goes as one sparse
+        allreduce of per-parameter selections (``bucket_sparse``); False: it selects over the bucket's flat
+        buffer at once (``TopK(scope="bucket")``)."""
+        return True
+
     def aggregator(self, enc: Encoding) -> Aggregator[Any]:
         return SPARSE_SUM
 

@@ -53,6 +53,10 @@ class TopK(Sparsifier):
         if self.scope not in ("tensor", "bucket"):
             raise ValueError(f"scope must be 'tensor' or 'bucket', got {self.scope!r}")
 
+    @property
+    def per_tensor(self) -> bool:
+        return self.scope == "tensor"
+
     def ratio_at(self, call: int) -> float:
         """The fraction kept at a name's ``call``-th call (from 0): DGC's exponential warm-up, then ``ratio``."""
         if call >= self.warmup:
