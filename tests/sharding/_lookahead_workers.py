@@ -3,6 +3,7 @@ trained with and without ``sparsync.shard.Lookahead``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 from unittest import mock
 
@@ -14,9 +15,15 @@ from torch import nn
 import sparsync
 from sparsync.optim import DistributedOptimizer
 from sparsync.record import CommLog
-from sparsync.sharding import Lookahead, plan_of
+from sparsync.sharding import SGD, Adagrad, Adam, Lookahead, plan_of
+from sparsync.sharding.group import Fused
 
 Batch = dict[str, tuple[Any, ...]]
+FUSED: dict[str, Callable[[], Fused]] = {
+    "sgd": lambda: SGD(lr=0.05),
+    "adagrad": lambda: Adagrad(lr=0.1),
+    "adam": lambda: Adam(lr=0.01),
+}
 
 
 def table_ids(batch: Batch) -> dict[str, Any]:
@@ -25,61 +32,109 @@ def table_ids(batch: Batch) -> dict[str, Any]:
 
 
 class _Counter:
-    """Counts the all-to-all rounds started while ``inside`` is set (the model's forward)."""
+    """Counts the all-to-all rounds started: per step (from the ``next()`` that hands its batch out to the end of
+    its optimizer step: ``steps``) and, of them, while ``inside`` is set (the model's forward: ``rounds``)."""
 
     def __init__(self) -> None:
         self.inside = False
         self.rounds: list[int] = []
+        self.steps: list[int] = []
         self.real = dist.all_to_all_single
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.steps:
+            self.steps[-1] += 1
         if self.inside:
             self.rounds[-1] += 1
         return self.real(*args, **kwargs)
 
+    def batches(self, source: Iterator[Batch]) -> Iterator[Batch]:
+        """``source``'s batches, a new step counted from each ``next()``."""
+        while True:
+            self.steps.append(0)
+            self.rounds.append(0)
+            batch = next(source, None)
+            if batch is None:
+                self.steps.pop()
+                self.rounds.pop()
+                return
+            yield batch
 
-def _run(rank: int, make_opt: Any, ahead: bool) -> dict[str, Any]:
+
+def _model(rank: int, make_opt: Any, fused: Callable[[], Fused] | None, log: CommLog) -> tuple[nn.Module, Any]:
+    """test_shard's tables, sharded, and the optimizer of the step: ``DistributedOptimizer`` over ``make_opt``'s
+    (sparse gradients), or None with a ``fused`` optimizer (the tables updated in their backward)."""
+    model = sparsync.shard(sw.Tables(seed=rank), log=log, optimizer=None if fused is None else fused())
+    if fused is not None:
+        return model, None
+    return model, DistributedOptimizer(make_opt(model.parameters()), model, plan=plan_of(model),
+                                       sync_parameters=False)  # fmt: skip
+
+
+def _run(
+    rank: int, make_opt: Any, ahead: bool, fused: Callable[[], Fused] | None = None, batch: Any = sw._batch
+) -> dict[str, Any]:
+    """Train ``sw.STEPS`` steps (``make_opt`` over sparse gradients, or the tables' ``fused`` optimizer), through
+    ``Lookahead`` or not; the states, losses and rounds after each step, and the log."""
     P = dist.get_world_size()
     log = CommLog()
-    model = sparsync.shard(sw.Tables(seed=rank), log=log)
-    opt = DistributedOptimizer(make_opt(model.parameters()), model, plan=plan_of(model), sync_parameters=False)
-    batches = [sw._batch(step, rank, P) for step in range(sw.STEPS)]
-    source = Lookahead(batches, model, ids=table_ids) if ahead else iter(batches)
+    model, opt = _model(rank, make_opt, fused, log)
+    batches = [batch(step, rank, P) for step in range(sw.STEPS)]
     counter = _Counter()
     states, losses = [], []
     with mock.patch.object(dist, "all_to_all_single", counter):
-        for batch in source:
-            opt.zero_grad()
-            counter.rounds.append(0)
+        for b in counter.batches(Lookahead(batches, model, ids=table_ids) if ahead else iter(batches)):
+            if opt is not None:
+                opt.zero_grad()
             counter.inside = True
-            outs = model(batch)
+            outs = model(b)
             counter.inside = False
             loss = sw._loss(outs)
             loss.backward()
-            opt.step()
+            if opt is not None:
+                opt.step()
             losses.append(float(loss.detach()))
             states.append({n: p.detach().clone() for n, p in model.named_parameters()})
-    return {"states": states, "losses": losses, "forward_rounds": counter.rounds, "log": log.records}
+    return {"states": states, "losses": losses, "forward_rounds": counter.rounds, "step_rounds": counter.steps,
+            "log": log.records}  # fmt: skip
+
+
+def _compare(plain: dict[str, Any], ahead: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "identical": [
+            all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(plain["states"], ahead["states"], strict=True)
+        ],
+        "losses_equal": plain["losses"] == ahead["losses"],
+        "steps": len(ahead["states"]),
+        "rounds": (plain["forward_rounds"], ahead["forward_rounds"]),
+        "step_rounds": (plain["step_rounds"], ahead["step_rounds"]),
+        "ops": [r.op for r in ahead["log"]],
+        # per exchange and direction: bytes sent by phase, without lookahead and with it
+        "bytes": [(a.phase_bytes, b.phase_bytes) for a, b in zip(plain["log"], ahead["log"], strict=True)],
+        "messages": [(a.messages, b.messages) for a, b in zip(plain["log"], ahead["log"], strict=True)],
+    }
 
 
 def same_worker(rank: int) -> dict[str, Any]:
-    """Per optimizer: whether the run through Lookahead equals the run without, bit for bit after every step; the
-    all-to-all rounds each forward started, both ways; the exchanges' bytes, both ways."""
+    """Per optimizer (torch's over sparse gradients, and the tables' own in their backward: ``FUSED``): whether
+    the run through Lookahead equals the run without, bit for bit after every step; the all-to-all rounds each
+    step and each forward started, both ways; the exchanges' bytes and messages, both ways."""
     out: dict[str, Any] = {}
     for name, make_opt in sw.OPTIMIZERS.items():
-        plain, ahead = _run(rank, make_opt, False), _run(rank, make_opt, True)
-        out[name] = {
-            "identical": [
-                all(torch.equal(a[k], b[k]) for k in a)
-                for a, b in zip(plain["states"], ahead["states"], strict=True)
-            ],
-            "losses_equal": plain["losses"] == ahead["losses"],
-            "steps": len(ahead["states"]),
-            "rounds": (plain["forward_rounds"], ahead["forward_rounds"]),
-            "ops": [r.op for r in ahead["log"]],
-            # per exchange and direction: bytes sent by phase, without lookahead and with it
-            "bytes": [(a.phase_bytes, b.phase_bytes) for a, b in zip(plain["log"], ahead["log"], strict=True)],
-        }
+        out[name] = _compare(_run(rank, make_opt, False), _run(rank, make_opt, True))
+    for name, fused in FUSED.items():
+        out[f"fused_{name}"] = _compare(_run(rank, None, False, fused), _run(rank, None, True, fused))
+    return out
+
+
+def steady_worker(rank: int) -> dict[str, Any]:
+    """The all-to-all rounds of each step, without Lookahead and with it, on a batch whose ids fit the blocks
+    after the first step (the same batch every step), with torch's SGD and with the tables' own."""
+    out: dict[str, Any] = {}
+    for name, fused in (("sgd", None), ("fused_adam", FUSED["adam"])):
+        make_opt = sw.OPTIMIZERS["sgd"]
+        runs = [_run(rank, make_opt, ahead, fused, batch=lambda s, r, P: sw._batch(0, r, P)) for ahead in (0, 1)]
+        out[name] = _compare(*runs)
     return out
 
 
@@ -112,5 +167,90 @@ def errors_worker(rank: int) -> dict[str, str]:
     out["unknown"] = sw.message(lambda: next(unknown))
     out["no_tables"] = sw.message(lambda: Lookahead(batches, nn.Linear(2, 2), ids=table_ids))
     first_step(table_ids)  # still in step with the others
+    out["after"] = "trained"
+    return out
+
+
+KINDS = ("train", "eval", "train", "forward", "train", "eval", "eval", "train")  # eval: under no_grad
+
+
+def _mixed(rank: int, ahead: bool, fused: Callable[[], Fused] | None) -> dict[str, Any]:
+    """``KINDS``' steps, through Lookahead or not: a training step, a forward under ``torch.no_grad`` ("eval"),
+    or a forward with no backward ("forward"); each step's outputs, states and all-to-all rounds."""
+    P = dist.get_world_size()
+    model, opt = _model(rank, sw.OPTIMIZERS["adagrad"], fused, CommLog())
+    batches = [sw._batch(s % sw.STEPS, rank, P) for s in range(len(KINDS))]
+    counter = _Counter()
+    outs, states = [], []
+    with mock.patch.object(dist, "all_to_all_single", counter):
+        source = Lookahead(batches, model, ids=table_ids) if ahead else iter(batches)
+        for kind, b in zip(KINDS, counter.batches(source), strict=True):
+            if opt is not None:
+                opt.zero_grad()
+            with torch.set_grad_enabled(kind != "eval"):
+                got = model(b)
+            outs.append({k: v.detach().clone() for k, v in got.items()})
+            if kind == "train":
+                sw._loss(got).backward()
+                if opt is not None:
+                    opt.step()
+            states.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return {"outs": outs, "states": states, "step_rounds": counter.steps}
+
+
+def eval_worker(rank: int) -> dict[str, Any]:
+    """Per optimizer (Adagrad over sparse gradients, the tables' Adagrad in backward): whether the outputs and
+    states of ``KINDS``' steps through Lookahead equal those without, bit for bit; each step's rounds, both
+    ways."""
+    out: dict[str, Any] = {}
+    for name, fused in (("adagrad", None), ("fused_adagrad", FUSED["adagrad"])):
+        plain, ahead = _mixed(rank, False, fused), _mixed(rank, True, fused)
+        out[name] = {
+            "outs": [
+                all(torch.equal(a[k], b[k]) for k in a) for a, b in zip(plain["outs"], ahead["outs"], strict=True)
+            ],
+            "states": [
+                all(torch.equal(a[k], b[k]) for k in a)
+                for a, b in zip(plain["states"], ahead["states"], strict=True)
+            ],
+            "step_rounds": (plain["step_rounds"], ahead["step_rounds"]),
+        }
+    return out
+
+
+def ahead_errors_worker(rank: int) -> dict[str, str]:
+    """On three ranks: rank 1's forward under no_grad while the others' has a backward to carry the next ids
+    ("mismatch"); rank 2's ids of the second batch out of range, sent in the first step's gradient rows round
+    ("bad_ahead"), the tables then as the first step left them ("untouched"); the ranks stay in step after each
+    (the last case trains)."""
+    P = dist.get_world_size()
+    out: dict[str, str] = {}
+    log = CommLog()
+    model, _ = _model(rank, None, FUSED["sgd"], log)
+    batches = [sw._batch(step, rank, P) for step in range(3)]
+    it = Lookahead(batches, model, ids=table_ids)
+    first = next(it)
+
+    def mismatch() -> None:
+        with torch.set_grad_enabled(rank != 1):
+            model(first)
+
+    out["mismatch"] = sw.message(mismatch)
+    sw._loss(model(next(it))).backward()  # the pending ids then go in a round of their own: in step again
+
+    def bad_ahead(b: Batch) -> dict[str, Any]:  # rank 2's second batch looks bag_mean up beyond its 11 rows
+        given = table_ids(b)
+        if rank == 2 and b is batches[1]:
+            given["t.bag_mean"] = torch.full_like(b["bag_mean"][0], 11)
+        return given
+
+    it = Lookahead(batches, model, ids=bad_ahead)
+    sw._loss(model(next(it))).backward()
+    out["carried"] = str(sorted(log.records[-1].phase_bytes))  # the grads round took the ids along
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    out["bad_ahead"] = sw.message(lambda: next(it))
+    out["untouched"] = str(all(torch.equal(p, before[n]) for n, p in model.named_parameters()))
+    it = Lookahead(batches, model, ids=table_ids)
+    sw._loss(model(next(it))).backward()
     out["after"] = "trained"
     return out

@@ -60,7 +60,7 @@ from sparsync.collectives.traffic import Traffic
 from sparsync.record import CommLog
 from sparsync.sharding import ids as ids_stage
 from sparsync.sharding.group import Slot, TableGroup
-from sparsync.sharding.kernels import Link
+from sparsync.sharding.kernels import Link, Rider
 from sparsync.sharding.rows import Call, Route, lookup
 
 # why torch.compile leaves a sharded lookup out of its graph: ``fullgraph=True`` raises with this reason
@@ -296,6 +296,7 @@ class Exchanger:
         self.pending: list[tuple[Call, LazyLookup]] = []  # the calls registered since the last exchange
         self.capacity = 0  # keys per block of the next ids round (``ids``), the same on every rank
         self.ready: Ready | None = None
+        self.rider: Rider | None = None  # the ids looked ahead (``send_ahead``), until a round sends them
         self._keys: dict[tuple[str, ...], int] = {}  # the header's key of each list of tables seen
         self.offsets = Offsets()
         self.bases = Bases()
@@ -347,17 +348,23 @@ class Exchanger:
 
     # --- the ids stage run ahead (``Lookahead``) ----------------------------------------------------------------
     def send_ahead(self, calls: Sequence[Ahead], refusal: str | None) -> tuple[Sent, ids_stage.IdsRound]:
-        """Start the ids stage of a batch the model has not seen yet, in the background: ``calls`` stand for what
-        each table will be called with (all its calls' ids, in call order); ``refusal`` travels in the header, and
-        every rank raises it at ``settle``. Collective: every rank sends ahead at the same point."""
+        """Prepare the ids stage of a batch the model has not seen yet (``ids.prepare``), its blocks left for the
+        next gradient rows round of a forward whose exchange agreed to carry them (``self.rider``; ``_rider``):
+        ``calls`` stand for what each table will be called with (all its calls' ids, in call order);
+        ``refusal`` travels in the header, and every rank raises it at ``settle``. Not collective: the round
+        that sends the blocks is."""
         sent = self._layout(calls)
         refusal = refusal or self._aliased(sent) or out_of_range(sent, self.groups, self.bounds)
-        flight = ids_stage.start(self.link, self._request(sent, refusal), Traffic(), wait=False)
+        flight = ids_stage.prepare(self.link, self._request(sent, refusal), Traffic())
+        self.rider = flight.rider
         return sent, flight
 
     def settle(self, sent: Sent, flight: ids_stage.IdsRound) -> None:
-        """Wait for ``flight`` and read it: the next exchange then runs only its rows round. Collective."""
-        done = ids_stage.finish(self.link, flight)
+        """Read ``flight``, sent in a gradient rows round or else now in a round of its own (``ids.launch``): the
+        next exchange then runs only its rows round. Collective."""
+        if self.rider is flight.rider:
+            self.rider = None
+        done = ids_stage.finish(self.link, ids_stage.launch(self.link, flight, wait=False))
         self.capacity = done.capacity
         self.ready = Ready(sent, done)
 
@@ -382,8 +389,8 @@ class Exchanger:
             status = ids_stage.OK if refusal is None else ids_stage.REFUSED
         groups = tuple(self.groups[g] for g in sent.order)
         inputs = tuple((k, groups[k].slots[t]) for k, tables in enumerate(sent.tables) for t in tables)
-        route = Route(done, groups, inputs, status, refusal)
         params = [groups[k].params[slot.index] for k, slot in inputs]
+        route = Route(done, groups, inputs, status, refusal, self._rider(status, params))
         # refused: the rows round raises on every rank before any pooling (and the calls may not match ``sent``)
         pooling = _pooling(calls, sent, done) if refusal is None else [([], torch.empty(0), {})] * len(groups)
         gathered, outputs = lookup(route, self.link, tally, params, pooling)
@@ -393,6 +400,15 @@ class Exchanger:
         if self.link.log is not None:
             self.link.record("shard_lookup", tally, t0, nnz_in=sum(a.distinct.numel() for a in done.asked),
                              nnz_out=sum(int(g.shape[0]) for g in gathered))  # fmt: skip
+
+    def _rider(self, status: int | None, params: Sequence[torch.Tensor]) -> Rider | None:
+        """The ids looked ahead, for this exchange's gradient rows round to carry, when it has a backward and a
+        verdict word to say so in (``status``: a looked-ahead exchange; ``rows.with_verdicts`` checks that every
+        rank says the same); else None."""
+        rider = self.rider
+        if status is None or rider is None or rider.taken or not torch.is_grad_enabled():
+            return None
+        return rider if any(p.requires_grad for p in params) else None
 
     def _layout(self, calls: Sequence[Call | Ahead]) -> Sent:
         """The calls' keys per group (in the exchanger's order) and table (in first-call order)."""

@@ -24,6 +24,11 @@ row, then up to ``capacity`` keys, zero-padded. ``capacity`` is agreed without a
 sender's ``widest`` column, so every rank computes the same ``capacity_after`` for the next exchange. Keys beyond
 the capacity (the first exchange, capacity 0, or a batch wider than the last) follow in a second round whose
 lengths the headers gave (``overflow``). Padding costs at most ``capacity`` - count words per peer.
+
+The blocks of a round are built apart from its start (``prepare``): a batch's ids known a step ahead
+(``Lookahead``) travel inside that step's gradient rows round (``kernels.Rider``), from requester to owner as
+the ids do, or in a round of their own (``launch``) when no gradient rows round took them; ``finish`` reads
+them either way.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from sparsync.collectives.ops import text_key
 from sparsync.collectives.row import Agree, Column, Schema
 from sparsync.collectives.traffic import Traffic
 from sparsync.collectives.transport import meta_group
-from sparsync.sharding.kernels import Link, unique
+from sparsync.sharding.kernels import Link, Rider, unique
 
 
 @dataclass(frozen=True)
@@ -220,7 +225,8 @@ def agree(
 
 @dataclass
 class IdsRound:
-    """One ids round on its way (``start``): what was sent, and the blocks being received."""
+    """One ids round, prepared (``prepare``) and on its way (``launch``) or carried by a gradient rows round
+    (``rider``): what was sent, and the blocks being received."""
 
     keys: tuple[torch.Tensor, ...]  # per group, the flat keys sent (checked)
     asked: list[Asked]
@@ -232,6 +238,7 @@ class IdsRound:
     tally: Traffic
     refusal: str | None
     descriptions: tuple[str, ...]  # the tables' descriptions (the errors)
+    rider: Rider | None = None  # the blocks to send (None: sent, or no round to run: ``_alone``)
 
     def wait(self) -> None:
         if self.work is not None:
@@ -239,6 +246,8 @@ class IdsRound:
             self.work.wait()
             self.work = None
             self.tally.phases["ids"] = self.tally.phases.get("ids", 0.0) + time.perf_counter() - t0
+        if self.rider is not None and self.rider.got is not None:  # carried by a gradient rows round
+            self.got, self.rider = self.rider.got, None
 
 
 @dataclass(frozen=True)
@@ -267,11 +276,19 @@ class Request:
 
 
 def start(link: Link, request: Request, tally: Traffic, wait: bool) -> IdsRound:
-    """Start the ids round of ``request`` (module doc): each peer's block, the header row and up to its
-    ``capacity`` keys, sent at once (``wait``) or in the background. Collective."""
+    """Start the ids round of ``request`` (module doc): ``prepare`` then ``launch``. Collective."""
+    if link.size == 1 and request.refusal is None:
+        return _alone(request, tally, wait)
+    return launch(link, prepare(link, request, tally), wait)
+
+
+def prepare(link: Link, request: Request, tally: Traffic) -> IdsRound:
+    """The ids round of ``request``, not started: each peer's block, the header row and up to its ``capacity``
+    keys, in the round's ``rider``, to send in a round of its own (``launch``) or in a gradient rows round
+    (``kernels.Link.rows``)."""
     keys, refusal = request.keys, request.refusal
     if link.size == 1 and refusal is None:
-        return _alone(request, tally, wait)
+        return _alone(request, tally, wait=False)
     asked: list[Asked] = []
     payload, counts = torch.empty(0, dtype=torch.int64), [0] * link.size
     if refusal is None:
@@ -282,8 +299,22 @@ def start(link: Link, request: Request, tally: Traffic, wait: bool) -> IdsRound:
     blocks = blocks_to_peers(status, request.key, payload, counts, C)
     carried = sum(min(n, C) for j, n in enumerate(counts) if j != link.rank)  # keys sent in the blocks
     split = {"header": 8 * W * (P - 1), "ids": 8 * carried, "padding": 8 * (C * (P - 1) - carried)}
-    got, work = link.start(blocks.view(-1), [W + C] * P, [W + C] * P, "ids", tally, split, wait)
-    return IdsRound(tuple(keys), asked, payload, counts, C, got, work, tally, refusal, tuple(request.descriptions))
+    rider = Rider(blocks.view(-1), W + C, split)
+    nothing = torch.empty(0, dtype=torch.int64)
+    return IdsRound(tuple(keys), asked, payload, counts, C, nothing, None, tally, refusal,
+                    tuple(request.descriptions), rider)  # fmt: skip
+
+
+def launch(link: Link, flight: IdsRound, wait: bool) -> IdsRound:
+    """``flight``'s blocks sent in a round of their own, at once (``wait``) or in the background, unless they
+    went already (no rider left). Mutates ``flight``. Collective."""
+    rider = flight.rider
+    if rider is None or rider.taken:
+        return flight
+    n = [rider.width] * link.size
+    flight.got, flight.work = link.start(rider.take(), n, n, "ids", flight.tally, rider.split, wait)
+    flight.rider = None
+    return flight
 
 
 def _alone(request: Request, tally: Traffic, wait: bool) -> IdsRound:

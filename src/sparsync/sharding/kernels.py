@@ -25,6 +25,7 @@ during backward) runs on a group of its own and never interleaves with them.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -215,6 +216,27 @@ def step_rows(
 WIRE: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+@dataclass
+class Rider:
+    """A round's blocks that can travel inside a later gradient rows round instead of a round of their own
+    (``Link.rows(rider=...)``; the ids round of a batch looked ahead, ``ids.prepare``): one block of ``width``
+    int64 words per peer, in peer order. ``taken``: sent, in a rows round or in a round of its own (``take``);
+    ``got``: the blocks received, once they came in a rows round."""
+
+    send: torch.Tensor  # [P·width] int64
+    width: int  # words per peer
+    split: dict[str, int] = field(default_factory=dict)  # bytes sent to the other ranks, per phase
+    taken: bool = False
+    got: torch.Tensor | None = None
+
+    def take(self) -> torch.Tensor:
+        """The blocks, marked sent (a later rows round then leaves them out). RuntimeError when already sent."""
+        if self.taken:
+            raise RuntimeError("sharding.kernels.Rider: these blocks were sent already")
+        self.taken = True
+        return self.send
+
+
 class Link:
     """The all-to-all rounds of one ``sparsync.shard`` call's tables (module doc). ``wire``: the dtype rows and
     gradient rows travel in (``WIRE``; None: the tables' own), each value rounded once on the way. ``log``
@@ -273,12 +295,16 @@ class Link:
         phase: str,
         tally: Traffic,
         verdicts: bool = False,
+        rider: Rider | None = None,
     ) -> torch.Tensor:
         """A round of row values (``sizes``: the split sizes sent and received), waited for, in ``wire`` precision
         when set, back in ``send``'s dtype. ``verdicts``: each block opens with one word that is no row
-        (``rows.with_verdicts``), counted as ``header``."""
+        (``rows.with_verdicts``), counted as ``header``. ``rider``: blocks not taken yet (``Rider``) that every
+        rank sends in this round (``carry``); the rows alone when it is None or taken."""
         send_sizes, recv_sizes = sizes
         wire = send.dtype if self.wire is None else self.wire
+        if rider is not None and not rider.taken:
+            return self.carry(send.to(wire), sizes, phase, tally, rider).to(send.dtype)
         split = None
         if verdicts:
             header_bytes = wire.itemsize * (self.size - 1)
@@ -286,6 +312,27 @@ class Link:
             split = {phase: rows_bytes, "header": header_bytes}
         got, _ = self.start(send.to(wire), send_sizes, recv_sizes, phase, tally, split, wait=True)
         return got.to(send.dtype)
+
+    def carry(
+        self, send: torch.Tensor, sizes: tuple[list[int], list[int]], phase: str, tally: Traffic, rider: Rider
+    ) -> torch.Tensor:
+        """One round of row values (``send``, ``sizes`` as ``rows``'s) with ``rider``'s blocks: each peer's block
+        its rows' bytes then its rider block's, all in one ``all_to_all_single`` of bytes (split sizes in bytes);
+        the rows received, and the blocks received in ``rider.got`` (taken). Counted once: the rows' bytes under
+        ``phase``, the blocks' under the rider's phases. Every rank must carry a rider of the same width."""
+        send_sizes, recv_sizes = sizes
+        w, block = send.element_size(), 8 * rider.width
+        theirs = torch.split(rider.take(), [rider.width] * self.size)
+        mine = torch.split(send, send_sizes)
+        packed = torch.cat([t.view(torch.uint8) for pair in zip(mine, theirs, strict=True) for t in pair])
+        out_bytes, in_bytes = [w * n + block for n in send_sizes], [w * n + block for n in recv_sizes]
+        split = {phase: w * (sum(send_sizes) - send_sizes[self.rank]), **rider.split}
+        got, _ = self.start(packed, out_bytes, in_bytes, phase, tally, split, wait=True)
+        parts = [
+            torch.split(p, [w * n, block]) for p, n in zip(torch.split(got, in_bytes), recv_sizes, strict=True)
+        ]
+        rider.got = torch.cat([b for _, b in parts]).view(torch.int64)
+        return torch.cat([r for r, _ in parts]).view(send.dtype)
 
     def record(self, op: str, tally: Traffic, t0: float, *, nnz_in: int, nnz_out: int) -> None:
         """One ``CommRecord`` of an exchange's direction in ``log``, when a log is attached."""

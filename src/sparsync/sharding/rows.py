@@ -27,7 +27,7 @@ from sparsync.collectives.transport import meta_group
 from sparsync.sharding import kernels
 from sparsync.sharding.group import Slot, TableGroup
 from sparsync.sharding.ids import OK, Ids
-from sparsync.sharding.kernels import Link
+from sparsync.sharding.kernels import Link, Rider
 
 
 @dataclass
@@ -52,14 +52,17 @@ class Call:
 
 @dataclass(frozen=True)
 class Route:
-    """What both directions of the rows stage need, per group: the stage ids' answer, the groups, and the
-    looked-ahead verdict word (``status``: None without lookahead; else OK, or REFUSED with ``refusal``)."""
+    """What both directions of the rows stage need, per group: the stage ids' answer, the groups, the
+    looked-ahead verdict word (``status``: None without lookahead; else OK, or REFUSED with ``refusal``), and the
+    next batch's ids blocks its gradient rows round carries (``rider``: only with a verdict word, which says so).
+    """
 
     ids: Ids
     groups: tuple[TableGroup, ...]
     inputs: tuple[tuple[int, Slot], ...]  # (group, slot) of each table parameter handed to the node
     status: int | None = None
     refusal: str | None = None
+    rider: Rider | None = None
 
     def rows_from(self, j: int) -> int:
         """Values this rank receives from owner j (forward) and sends it (backward)."""
@@ -134,7 +137,7 @@ class RowExchange(torch.autograd.Function):
         send = peer_major(dense, [a.per_owner for a in route.ids.asked], route.groups[0].dtype)
         P = link.size
         sizes = ([route.rows_from(j) for j in range(P)], [route.rows_to(i) for i in range(P)])
-        got = link.rows(send, sizes, "grads", tally)
+        got = link.rows(send, sizes, "grads", tally, rider=route.rider)
         by_group = group_major(got, route.ids.served.counts, [g.dim for g in route.groups])
         served = route.ids.served.rows
         sums = [_owner_sum(g, r, v, P) for g, r, v in zip(route.groups, served, by_group, strict=True)]
@@ -184,19 +187,42 @@ def _cut(rows: torch.Tensor, values: torch.Tensor, slots: list[Slot]) -> list[to
     return out
 
 
+RIDES = 2  # added to the verdict word by a rank whose gradient rows round will carry the next batch's ids
+
+
 def with_verdicts(
     link: Link, route: Route, reply: torch.Tensor, to_req: list[int], from_owner: list[int], tally: Traffic
 ) -> torch.Tensor:
     """The rows round of a looked-ahead exchange: each block opens with this rank's verdict on its forward's calls
-    (``Route.status``), so after the round every rank knows every rank's and, when any refused, every rank raises
-    the same error (``raise_refused``); else the rows, as ``Link.rows`` gives them."""
-    verdict = reply.new_full((1,), float(OK if route.status is None else route.status))
+    (``Route.status``), plus ``RIDES`` when its gradient rows round will carry the next batch's ids
+    (``Route.rider``), so after the round every rank knows every rank's: when any refused, or when some would
+    carry the ids and others not, every rank raises the same error (``raise_refused``, ``agree_riders``); else
+    the rows, as ``Link.rows`` gives them."""
+    word = (OK if route.status is None else route.status) + RIDES * (route.rider is not None)
+    verdict = reply.new_full((1,), float(word))
     send = torch.cat([x for part in torch.split(reply, to_req) for x in (verdict, part)])
     sizes_out, sizes_in = [n + 1 for n in to_req], [n + 1 for n in from_owner]
     got = link.rows(send, (sizes_out, sizes_in), "rows", tally, verdicts=True)
     blocks = torch.split(got, sizes_in)
-    raise_refused([int(b[0]) for b in blocks], link.group, route.refusal)
+    words = [int(b[0]) for b in blocks]
+    raise_refused([w % RIDES for w in words], link.group, route.refusal)
+    agree_riders([w // RIDES for w in words])
     return torch.cat([b[1:] for b in blocks])
+
+
+def agree_riders(rides: Sequence[int]) -> None:
+    """Nothing when every rank's flag (``rides[r]``: 1 when rank r's gradient rows round of this exchange will
+    carry the next batch's ids; the same list on every rank) is the same; else the same ValueError on every rank,
+    naming the ranks on each side (their rounds' lengths would differ). Not collective."""
+    if len(set(rides)) <= 1:
+        return
+    carry = [r for r, f in enumerate(rides) if f]
+    not_ = [r for r, f in enumerate(rides) if not f]
+    raise ValueError(
+        f"Lookahead: ranks {carry} would send the next batch's ids in this step's gradient rows round, ranks "
+        f"{not_} would not (a forward under torch.no_grad, or of tables that need no gradient, on some ranks "
+        "only); every rank must run the same forwards, with gradients or without, and the same backwards"
+    )
 
 
 def raise_refused(statuses: Sequence[int], group: dist.ProcessGroup, refusal: str | None) -> None:
