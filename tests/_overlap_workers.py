@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ import sparsync
 from sparsync.collectives.timeline import set_tracer
 from sparsync.collectives.trace import Tracer
 from sparsync.compress import ErrorFeedback, Threshold, TopK
+from sparsync.optim import jobs
 from sparsync.placement import Compressed, NamedParam, Placement, ReduceEnv
 from sparsync.record import CommLog
 
@@ -231,9 +233,9 @@ def summed_worker(rank: int) -> dict[str, Any]:
 
 def timeline_worker(rank: int) -> dict[str, Any]:
     """A deep MLP whose first bucket (1 MiB) fills early in backward: at the first layer's post-accumulate hook
-    (late in backward), has bucket 0 been launched, and does its reduction start on the queue's thread while
-    backward waits in that hook (up to 60 s: on a loaded host the thread may be scheduled late)? Also when, on
-    the timeline, bucket 0 started and backward ended."""
+    (late in backward), has bucket 0 been launched, and does its allreduce (issued on backward's thread,
+    ``jobs.Issued``) complete while backward waits in that hook (up to 60 s: gloo's threads run it, and on a
+    loaded host they may be scheduled late)? Also when, on the timeline, bucket 0 started and backward ended."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)])
     opt = sparsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model)
@@ -245,10 +247,10 @@ def timeline_worker(rank: int) -> dict[str, Any]:
     seen: list[tuple[int, bool]] = []  # (buckets launched, bucket 0 running or done) at the first layer's hook
 
     def first_layer(_: torch.Tensor) -> None:
-        works = [w._future for b, w in reducer.works if b.index == 0]
+        works = [w.work for b, w in reducer.works if b.index == 0 and isinstance(w, jobs.Issued)]
 
         def started() -> bool:
-            return bool(works) and (works[0].running() or works[0].done())
+            return bool(works) and works[0].is_completed()
 
         deadline = time.monotonic() + 60
         while works and not started() and time.monotonic() < deadline:
@@ -273,7 +275,8 @@ def timeline_worker(rank: int) -> dict[str, Any]:
 
 
 def log_worker(rank: int) -> dict[str, Any]:
-    """A dense model after its first step: only the buckets' allreduces, no metadata round (the log's records)."""
+    """A dense model after its first step: only the buckets' allreduces, no metadata round (the log's records),
+    and no sparsync queue thread (the names of those alive at the end)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(300, 300), nn.Linear(300, 300))
     log = CommLog()
@@ -285,7 +288,10 @@ def log_worker(rank: int) -> dict[str, Any]:
         model(torch.randn(4, 300)).sum().backward()
         opt.step()
         counts.append([(r.op, r.dim, r.bytes_sent) for r in log.records[before:]])
-    return {"steps": counts, "buckets": len(opt._reducer.buckets or [])}  # type: ignore[union-attr]
+    threads = sorted(
+        t.name for t in threading.enumerate() if t.name.startswith("sparsync_")
+    )  # a queue thread (fifo)
+    return {"steps": counts, "buckets": len(opt._reducer.buckets or []), "queues": threads}  # type: ignore[union-attr]
 
 
 def bad_worker(rank: int, case: str) -> str:

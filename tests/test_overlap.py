@@ -61,9 +61,9 @@ def test_a_bucket_that_sends_nothing(P: int) -> None:
 
 def test_a_bucket_starts_before_backward_ends() -> None:
     """Steps 2-4 reduce in buckets (step 1 lays them out); bucket 0 is the last layers' 1 MiB. At the first
-    layer's hook, late in backward, bucket 0 has been launched and its reduction starts on the queue's thread
-    (the hook waits for that, not for a time: the thread's start depends on the host's scheduler), and on the
-    timeline it starts before backward ends."""
+    layer's hook, late in backward, bucket 0's allreduce has been issued and completes (the hook waits for
+    that, not for a time: gloo's threads depend on the host's scheduler), and on the timeline it starts before
+    backward ends."""
     for r in launch(ov.timeline_worker, nprocs=3, timeout=240):
         starts, ends, seen = r["bucket0_starts"], r["backward_ends"], r["seen"]
         assert len(starts) == 3 and len(ends) == 4 and len(seen) == 4, r
@@ -84,6 +84,8 @@ def test_the_fast_path_sends_no_metadata_round() -> None:
             # one ring allreduce (2(P-1)/P of the payload per rank) of the gradients and the tail (status, c,
             # c², one per parameter), and nothing else
             assert records == [("bucket_allreduce", n, 2 * 2 * (n + 3 + 4) * 4 // 3)], records
+        # issued on backward's thread (jobs.Issued): no queue thread ever ran a bucket
+        assert r["queues"] == [], r["queues"]
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""One bucket's reduction in one backward round, run on a queue thread while backward goes on (``optim.overlap``).
+"""One bucket's reduction in one backward round, run while backward goes on (``optim.overlap``): a fast bucket's
+allreduce issued on backward's thread (``Issued``), any other bucket on a queue thread.
 
 The first collective of a fast bucket and of a generic one sums the round fields [status, c, c²]
 (``_round_fields``): status counts the ranks that refused (a gradient whose layout changed since the layout was
@@ -39,18 +40,21 @@ installs them when the round ends.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import cast
+from typing import Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
 
 from sparsync.collectives.comm import Comm
+from sparsync.collectives.failure import on_failure
 from sparsync.collectives.fifo import submit
 from sparsync.collectives.meta import NonFiniteError, first_nonfinite
+from sparsync.collectives.timeline import tracer
 from sparsync.handle import Work
 from sparsync.optim.buckets import Bucket
 from sparsync.placement import ByLayout, NamedParam, ReduceEnv, SparseAllreduce
@@ -66,6 +70,7 @@ FIXED = 3  # status, c, c²
 LAYOUT_CHANGED = 1
 
 Result = list[torch.Tensor | None]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -94,6 +99,10 @@ class RoundEnv:
     # default's sparse buckets, so that their metadata round and allgather run beside the dense buckets'
     # allreduces instead of behind them (a round of latency costs no bandwidth). None: one lane.
     sparse_lane: tuple[dist.ProcessGroup, ReduceEnv] | None = None
+    # The fast buckets' own group (``overlap`` makes it with the layout): their allreduces are issued on
+    # backward's thread as each bucket fills (``Issued``), not queued; nothing else communicates on it, so
+    # every rank issues its transfers in bucket order. None: queued like the others.
+    direct: ReduceEnv | None = None
 
     @property
     def divisor(self) -> int:
@@ -128,6 +137,12 @@ def round_code(steps: int, rounds: int) -> int:
     return 4 * (steps % (SEQ_MOD // 4)) + min(rounds, 3) + 1
 
 
+class Pending(Protocol):
+    """A bucket's reduction under way: ``wait`` gives its result (on the caller's thread)."""
+
+    def wait(self) -> Reduced: ...
+
+
 def start(
     bucket: Bucket,
     mine: Contribution,
@@ -135,13 +150,16 @@ def start(
     params: Sequence[NamedParam],
     flat: torch.Tensor | None = None,
     copied: frozenset[int] = frozenset(),
-) -> Work[Reduced]:
-    """Queue ``bucket``'s reduction on its queue (FIFO: every rank runs its buckets in launch order). Fast path:
+) -> Pending:
+    """Start ``bucket``'s reduction: a fast bucket's allreduce issued now on ``env.direct`` when set (``Issued``),
+    any other bucket queued on its queue (FIFO: every rank runs its buckets in launch order). Fast path:
     ``flat`` is the round's buffer (``buffer_of``), where the members at positions ``copied`` were put as
     backward produced them (DDP copies each gradient into its bucket as it is ready too)."""
     if bucket.local:  # summed in backward already: nothing to send
         P = env.reduce.num_replicas
         return Work.done(Reduced([None if g is None else g / P if env.mean else g for g in mine.grads]))
+    if bucket.fast and env.direct is not None:
+        return Issued(bucket, mine, _pack(bucket, mine, flat, copied, env.divisor), env, env.direct)
     queue, run, facts = _job(bucket, mine, env, params, flat, copied)
     work = submit(queue, run, True, label=f"bucket:{bucket.index}", facts=lambda: facts)
     assert isinstance(work, Work)  # async_op=True
@@ -217,12 +235,66 @@ def _first_nonfinite(bucket: Bucket, mine: Contribution) -> int:
 
 def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv) -> Reduced:
     t0 = time.perf_counter()
-    red = env.reduce
-    n, k = bucket.numel, len(bucket.members)
-    comm = Comm(red.group, red.timeout, flat.device)
-    comm.op = f"DistributedOptimizer bucket {bucket.index} allreduce"
+    comm = _fast_comm(bucket, flat, env.reduce)
     with comm.phase("dense_allreduce"):
         comm.run_collective("bucket all_reduce", dist.all_reduce, flat)
+    return _fast_result(bucket, mine, flat, env, comm, t0)
+
+
+class Issued:
+    """A fast bucket's allreduce, issued on the caller's thread when made (on ``red``'s group, which nothing
+    else uses: ``RoundEnv.direct``); ``wait`` waits for it and reads the result there, as ``_fast`` does on
+    the queue thread. Skipping the queue spares a thread hand-off per bucket (DDP's reducer issues its
+    allreduces from backward's thread too). Its flight entry closes when waited for, done or failed."""
+
+    def __init__(self, bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv, red: ReduceEnv):
+        self.bucket, self.mine, self.flat = bucket, mine, flat
+        self.env = dataclasses.replace(env, reduce=red)
+        self.t0 = time.perf_counter()
+        self.comm = _fast_comm(bucket, flat, red)
+        self.result: Reduced | None = None
+        self.work = self._closing(lambda: self.comm.start_collective("bucket all_reduce", dist.all_reduce, flat))
+
+    def _closing(self, fn: Callable[[], T]) -> T:
+        """``fn()``; on an error its flight entry closes as failed and ``on_failure`` reports it (``guard``)."""
+        entry = self.comm.flight
+        try:
+            return fn()
+        except (RuntimeError, ValueError, TypeError) as e:
+            if entry is not None:
+                entry.close("failed", e)
+            on_failure(e, dump_calls=entry is not None)
+            raise
+
+    def wait(self) -> Reduced:
+        if self.result is not None:
+            return self.result
+        self.result = self._closing(self._finish)
+        if self.comm.flight is not None:
+            self.comm.flight.close("done", None)
+        t = tracer()
+        if t is not None:
+            t.complete(f"bucket:{self.bucket.index}", "call", self.t0, time.perf_counter())
+        return self.result
+
+    def _finish(self) -> Reduced:
+        with self.comm.phase("dense_allreduce"):
+            self.comm.wait_collectives("bucket all_reduce", [self.work])
+        return _fast_result(self.bucket, self.mine, self.flat, self.env, self.comm, self.t0)
+
+
+def _fast_comm(bucket: Bucket, flat: torch.Tensor, red: ReduceEnv) -> Comm:
+    comm = Comm(red.group, red.timeout, flat.device)
+    comm.op = f"DistributedOptimizer bucket {bucket.index} allreduce"
+    return comm
+
+
+def _fast_result(
+    bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv, comm: Comm, t0: float
+) -> Reduced:
+    """A fast bucket's result from its reduced ``flat``: the round check, the NaN check, the members' views."""
+    red = env.reduce
+    n, k = bucket.numel, len(bucket.members)
     comm.count_ring_allreduce(flat.numel() * flat.element_size())
     tail = flat[n:].tolist()
     _check_round(comm, bucket, mine, env, tail[:FIXED])

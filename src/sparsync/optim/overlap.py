@@ -1,7 +1,8 @@
 """Reduction during backward for ``DistributedOptimizer``, as DDP's reducer does it (Li et al., VLDB 2020,
-§3.2.3): each bucket's reduction starts on the group's queue thread as soon as backward has accumulated its
-last gradient (post-accumulate-grad hooks), in the same bucket order on every rank; the end of backward waits
-for what is still in flight and puts the reduced gradients in ``.grad``, so ``loss.backward()`` returns with
+§3.2.3): each bucket's reduction starts as soon as backward has accumulated its last gradient
+(post-accumulate-grad hooks), in the same bucket order on every rank: a fast bucket's allreduce issued from the
+hook on a group of its own (``jobs.Issued``), any other bucket on the group's queue thread; the end of backward
+waits for what is still in flight and puts the reduced gradients in ``.grad``, so ``loss.backward()`` returns with
 the mean (or sum) in every ``.grad``, as under DDP.
 
 A *round* is one backward pass outside ``no_sync()`` (or, on a rank that ran none since the last ``step()``,
@@ -34,7 +35,6 @@ from sparsync.collectives.fifo import submit
 from sparsync.collectives.meta import NonFiniteError
 from sparsync.collectives.ops import text_key
 from sparsync.collectives.timeline import tracer
-from sparsync.handle import Work
 from sparsync.optim import jobs
 from sparsync.optim.buckets import Bucket, default_order, lay_out
 from sparsync.placement import NamedParam, Placement, ReduceEnv
@@ -76,7 +76,7 @@ class OverlapReducer:
         self.fired: list[bool] = []  # this round's ready parameters
         self.pending: list[int] = []  # per bucket, its members not ready yet this round: launched at zero
         self.launched = 0
-        self.works: list[tuple[Bucket, Work[jobs.Reduced]]] = []
+        self.works: list[tuple[Bucket, jobs.Pending]] = []
         # A NaN or ±Inf some rank contributed since the last step() (the same error on every rank): the
         # gradients hold non-finite values; step() raises it unless they were replaced since (GradScaler skips)
         self.nonfinite: NonFiniteError | None = None
@@ -330,11 +330,14 @@ class OverlapReducer:
         self.bucket_of = {i: b for b in self.buckets for i in b.members}
         self.member_of = {i: k for b in self.buckets for k, i in enumerate(b.members)}
         self._reset_pending()
+        red = self.round_env.reduce
         if any(b.grouped for b in self.buckets) and any(b.fast for b in self.buckets):
             # the sparse lane's two groups: every rank lays out the same buckets, so every rank makes them
-            red = self.round_env.reduce
             lane = (side_group(env.group), dataclasses.replace(red, group=side_group(env.group)))
             self.round_env = dataclasses.replace(self.round_env, sparse_lane=lane)
+        if any(b.fast and not b.local for b in self.buckets):  # the fast buckets' own group (jobs.RoundEnv)
+            direct = dataclasses.replace(red, group=side_group(env.group))
+            self.round_env = dataclasses.replace(self.round_env, direct=direct)
 
 
 def _fingerprint(p: NamedParam, placement: Placement) -> int:
