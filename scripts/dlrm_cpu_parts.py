@@ -4,7 +4,8 @@
 Each variant trains `bench dlrm`'s model on its data (`dlrm_model`, `rank_samples`: Kaggle MLPs, 26 tables
 capped at 100,000 rows, dim 16, the generated Criteo file's Zipf ids, results/criteo_synthetic.txt) for 25 steps
 of ``--batch`` samples on P local gloo ranks, one thread each, and reports the ranks' mean process CPU per step
-(median over the steps after 5) and rank 0's main-thread CPU:
+(median over the steps after 5; a step from taking its batch out of the loader to its optimizer step) and rank 0's
+main-thread CPU:
 
 - ``ddp``: DDP over the MLPs, the tables left out of DDP (``ddp_over_mlps``: each rank's own, never sent, as
   ``floor_tables_unsent``);
@@ -12,6 +13,9 @@ of ``--batch`` samples on P local gloo ranks, one thread each, and reports the r
 - ``shard+ddp``, ``shard+dmlp``: the same with every table sharded (``sparsync.shard``);
 - ``fused+ddp``, ``fused+dmlp``: the same with the sharded tables' SGD in their backward
   (``sparsync.shard(optimizer=SGD(lr))``, the tables out of the step's optimizer);
+- ``fused+ddp+ahead``: ``fused+ddp`` with its batches through ``sparsync.sharding.Lookahead`` (as ``bench dlrm``'s
+  ``sparsync_sharded_fused_lookahead``): each batch's ids go to their owners inside the step before's gradient
+  rows round, so a step runs two all-to-all rounds of the tables instead of three;
 - ``shard+ddp:torch``, ``fused+ddp:torch``: ``shard+ddp`` and ``fused+ddp`` with the torch ops the table groups
   run when their C kernels (``sparsync.sharding.kernels``) are not built (the same results).
 
@@ -45,7 +49,7 @@ from sparsync.record import CommLog
 from sparsync.sharding import dense_parameters, kernels
 from sparsync_bench import thread_cpu
 from sparsync_bench.criteo import CriteoBatch
-from sparsync_bench.dlrm_shard import shard_tables
+from sparsync_bench.dlrm_shard import batches, shard_tables
 from sparsync_bench.dlrm_train import (
     DlrmBenchConfig,
     ddp_over_mlps,
@@ -63,6 +67,7 @@ VARIANTS = (
     "shard+dmlp",
     "fused+ddp",
     "fused+dmlp",
+    "fused+ddp+ahead",
     "shard+ddp:torch",
     "fused+ddp:torch",
 )
@@ -108,10 +113,12 @@ def _train(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> 
     model = dlrm_model(cfg, sparse=True)
     mine = rank_samples(data, rank, P, cfg)
     steps = step_batches(mine, cfg)
+    variant, ahead = variant.removesuffix("+ahead"), variant.endswith("+ahead")
     if variant.startswith("shard+"):
         shard_tables("sparsync_sharded", model, steps[0][:2], CommLog())
     if variant.startswith("fused+"):
         shard_tables("sparsync_sharded_fused", model, steps[0][:2], CommLog(), cfg.lr)
+    loader = batches("sparsync_sharded_fused_lookahead" if ahead else "sparsync_sharded_fused", model, steps)
     forward: nn.Module = model
     opt: Any
     if variant.endswith("ddp"):
@@ -121,11 +128,12 @@ def _train(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> 
         opt = _Both(model, cfg.lr)
     cpu, main = [], []
     before: thread_cpu.Reading = {}
-    for s, (dense, ids, label) in enumerate(steps):
+    for s in range(len(steps)):
         if s == cfg.warmup:
             before = thread_cpu.reading()
         dist.barrier()
         c0, m0 = time.process_time(), time.thread_time()
+        dense, ids, label = next(loader)  # with Lookahead: this batch's ids, as received, read
         opt.zero_grad()
         loss = nn.functional.binary_cross_entropy_with_logits(forward(dense, ids), label)
         loss.backward()  # type: ignore[no-untyped-call]

@@ -61,10 +61,13 @@ class _Counter:
             yield batch
 
 
-def _model(rank: int, make_opt: Any, fused: Callable[[], Fused] | None, log: CommLog) -> tuple[nn.Module, Any]:
-    """test_shard's tables, sharded, and the optimizer of the step: ``DistributedOptimizer`` over ``make_opt``'s
-    (sparse gradients), or None with a ``fused`` optimizer (the tables updated in their backward)."""
-    model = sparsync.shard(sw.Tables(seed=rank), log=log, optimizer=None if fused is None else fused())
+def _model(
+    rank: int, make_opt: Any, fused: Callable[[], Fused] | None, log: CommLog, rows: str | None = None
+) -> tuple[nn.Module, Any]:
+    """test_shard's tables, sharded (``rows``: the wire precision of the rows), and the optimizer of the step:
+    ``DistributedOptimizer`` over ``make_opt``'s (sparse gradients), or None with a ``fused`` optimizer (the
+    tables updated in their backward)."""
+    model = sparsync.shard(sw.Tables(seed=rank), log=log, rows=rows, optimizer=None if fused is None else fused())
     if fused is not None:
         return model, None
     return model, DistributedOptimizer(make_opt(model.parameters()), model, plan=plan_of(model),
@@ -72,13 +75,19 @@ def _model(rank: int, make_opt: Any, fused: Callable[[], Fused] | None, log: Com
 
 
 def _run(
-    rank: int, make_opt: Any, ahead: bool, fused: Callable[[], Fused] | None = None, batch: Any = sw._batch
+    rank: int,
+    make_opt: Any,
+    ahead: bool,
+    fused: Callable[[], Fused] | None = None,
+    batch: Any = sw._batch,
+    rows: str | None = None,
 ) -> dict[str, Any]:
-    """Train ``sw.STEPS`` steps (``make_opt`` over sparse gradients, or the tables' ``fused`` optimizer), through
-    ``Lookahead`` or not; the states, losses and rounds after each step, and the log."""
+    """Train ``sw.STEPS`` steps (``make_opt`` over sparse gradients, or the tables' ``fused`` optimizer; ``rows``:
+    the rows' wire precision), through ``Lookahead`` or not; the states, losses and rounds after each step, and
+    the log."""
     P = dist.get_world_size()
     log = CommLog()
-    model, opt = _model(rank, make_opt, fused, log)
+    model, opt = _model(rank, make_opt, fused, log, rows)
     batches = [batch(step, rank, P) for step in range(sw.STEPS)]
     counter = _Counter()
     states, losses = [], []
@@ -124,6 +133,9 @@ def same_worker(rank: int) -> dict[str, Any]:
         out[name] = _compare(_run(rank, make_opt, False), _run(rank, make_opt, True))
     for name, fused in FUSED.items():
         out[f"fused_{name}"] = _compare(_run(rank, None, False, fused), _run(rank, None, True, fused))
+    # the rows and gradient rows in bf16 on the wire, the ids beside them as int64
+    bf16 = [_run(rank, None, ahead, FUSED["adagrad"], rows="bf16") for ahead in (False, True)]
+    out["bf16_fused_adagrad"] = _compare(*bf16)
     return out
 
 

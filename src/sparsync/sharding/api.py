@@ -30,17 +30,26 @@ unchanged for its caller. The alternative, a collection module that looks every 
     for b in batches:                     # yields loader's batches, unchanged
         loss = loss_fn(model(b.dense, b.cats), b.label) ...
 
-When it hands out batch i it has already read batch i + 1 from ``loader`` and started that batch's ids stage in
-the background (``Exchanger.send_ahead``: each distinct id to its owner, the header in front), so the round runs
-while step i computes. The forward of batch i + 1 then runs only the rows round, which reads the owners' rows
-as they are after step i's update: the values are those of the run without lookahead, bit for bit, and no row
-needs refreshing.
+When it hands out batch i it has already read batch i + 1 and prepared that batch's ids round
+(``Exchanger.send_ahead``: each distinct id to its owner, the header in front), without starting it: its blocks
+go to their owners inside step i's gradient rows round (``kernels.Link.carry``), which goes the same way
+(requester to owner), one ``all_to_all_single`` whose block to each peer holds both. The forward of batch
+i + 1 then runs only the rows round, which reads the owners' rows as they are after step i's update: the values
+are those of the run without lookahead, bit for bit, and no row needs refreshing. A training step thus runs two
+rounds of the tables (rows, gradient rows) where it would run three.
+
+Whether a step's gradient rows round carries the ids is agreed in its forward: the rows round's blocks open with
+each rank's verdict word, which says so too (``rows.with_verdicts``), and ranks that disagree (a forward under
+``torch.no_grad`` on some ranks only) all raise the same ValueError there, before any round's lengths could
+differ. When no gradient rows round took them before the next ``next()`` (a forward under ``torch.no_grad``, a
+forward without backward), that ``next()`` sends them in a round of their own, as an ids round without
+lookahead.
 
 Why only the ids: pulling batch i + 1's rows early too would need the rows step i updates refreshed after it.
-Under Zipf skew every table's hot rows are updated every step, so that refresh
-is a round after step i's update and before batch i + 1's forward in any case: pulling early would save bytes
-but no round. Moving only the ids round keeps one exposed round per forward (rows), against two without
-lookahead, with nothing to refresh.
+Under Zipf skew every table's hot rows are updated every step, so that refresh is a round after step i's update
+and before batch i + 1's forward in any case: pulling early would save bytes but no round. Moving only the ids
+keeps one round per forward (rows), against two without lookahead, with nothing to refresh; and the ids, known
+a step early, need no round of their own.
 
 ``ids(batch)`` gives, per sharded table (its module name in the model), the ids the model's forward will look
 it up with on that batch: all its calls' ids, in call order (for ``nn.EmbeddingBag(input, offsets)``, the
@@ -48,8 +57,9 @@ input). They are checked as the forward checks them (range, dtype), and a bad on
 same ValueError at the next ``next()``. A forward whose lookups differ from what went ahead (other ids, other
 tables, or its tables in two exchanges) makes every rank raise the same ValueError, after the rows round.
 
-Collective: every rank iterates in step, over as many batches; a rank that stops early leaves the others'
-background round waiting until the group's timeout, which names the missing rank.
+Collective: every rank iterates in step, over as many batches, and runs the same forwards and backwards; a rank
+that stops early leaves the others waiting in their next round until the group's timeout, which names the
+missing rank.
 """
 
 from __future__ import annotations
@@ -394,7 +404,8 @@ class Lookahead(Generic[B]):
         return self
 
     def __next__(self) -> B:
-        """The next batch, its ids round finished (collective); the following batch's round started."""
+        """The next batch, its ids read (sent in the last gradient rows round, or now in a round of their own);
+        the following batch's ids prepared, to go in the next one. Collective."""
         if not self._started:
             self._started = True
             self._ahead = self._send(next(self._batches))

@@ -15,7 +15,8 @@ number of tables, in three stages over the tables' groups (``group``):
    being the ranks themselves), or applies the tables' optimizer to them in place (``group.Fused``).
 
 So a forward runs two rounds (three when the blocks overflow), and with ``Lookahead`` only the rows round: the
-ids stage of the next batch runs during the step before, and the forward takes it finished (``settle``).
+next batch's ids blocks travel inside the step before's gradient rows round (``send_ahead``, ``Route.rider``),
+and the forward takes them read (``settle``).
 torchrec's names (input dist, lookup, output dist) describe a push of ids and a pull of pooled values; here the
 owner pools nothing (the requester does, so the pooled values are torch's bit for bit) and the stages are named
 for what travels. The driver (``Exchanger``) calls each stage's module once, in that order; a stage calls the
