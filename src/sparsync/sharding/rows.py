@@ -54,8 +54,7 @@ class Call:
 class Route:
     """What both directions of the rows stage need, per group: the stage ids' answer, the groups, the
     looked-ahead verdict word (``status``: None without lookahead; else OK, or REFUSED with ``refusal``), and the
-    next batch's ids blocks its gradient rows round carries (``rider``: only with a verdict word, which says so).
-    """
+    next batch's ids blocks its gradient rows round carries (``rider``: only with a verdict word, saying so)."""
 
     ids: Ids
     groups: tuple[TableGroup, ...]
