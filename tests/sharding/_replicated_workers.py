@@ -11,6 +11,7 @@ import _shard_workers as sw
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 import sparsync
 from sparsync.sharding import (
@@ -259,3 +260,28 @@ def hybrid_refusal_worker(rank: int) -> dict[str, str]:
         refused = str(e)
     plain = sparsync.shard(sw.Tables(seed=0), plan=MIXED)
     return {"refused": refused, "plain": ",".join(updated_in_backward(plain))}
+
+
+def ddp_worker(rank: int) -> dict[str, Any]:
+    """``Head`` with ``a`` sharded and ``b`` in a replicated group, SGD in backward, and the rest in torch's
+    ``DistributedDataParallel`` (nothing else done to it), beside one float64 process of the unfused model with
+    torch's SGD on the ranks' mean: per step the largest difference of the whole model (rank 0's full state
+    dict; None elsewhere), and the names DDP left alone."""
+    P = dist.get_world_size()
+    model = sparsync.shard(Head(), plan={"a": "sharded", "b": "replicated"}, optimizer=SGD(lr=0.1))
+    ddp = DistributedDataParallel(model)
+    opt = torch.optim.SGD(dense_parameters(model), lr=0.1)
+    ref = Head()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    errors: list[float | None] = []
+    for step in range(3):
+        batches = [torch.tensor([[r % 10, step], [3, (r + 2 * step) % 10]]) for r in range(P)]
+        opt.zero_grad()
+        ddp(batches[rank]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        (sum(ref(b) for b in batches) / P).backward()  # type: ignore[union-attr]
+        ref_opt.step()
+        full, want = model.state_dict(), ref.state_dict()  # collective: every table whole on rank 0
+        errors.append(max(float((full[k] - want[k]).abs().max()) for k in want) if rank == 0 else None)
+    return {"errors": errors, "ignored": sorted(ddp.parameters_to_ignore)}

@@ -97,3 +97,13 @@ def test_hybrid_trainer_refuses_tables_updated_in_backward() -> None:
         for name in rw.MIXED:  # every table, the replicated groups' and the sharded ones'
             assert f"'{name}.weight'" in out["refused"], (name, out)
         assert out["plain"] == "", out  # without optimizer=: nothing updated in backward
+
+
+@pytest.mark.parametrize("P", [1, 3, 5])
+def test_ddp_over_the_rest_leaves_the_tables_updated_in_backward_alone(P: int) -> None:
+    """``DistributedDataParallel(model)`` over a model with a sharded table and a replicated group trained in
+    backward, as a torchrec user puts the dense layers in DDP: exact against one float64 process."""
+    res = launch(rw.ddp_worker, nprocs=P)
+    assert max(res[0]["errors"]) < TOL, res[0]["errors"]
+    for out in res:
+        assert out["ignored"] == ["a.weight", "b.weight"], out["ignored"]

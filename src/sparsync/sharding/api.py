@@ -76,6 +76,7 @@ from sparsync.placement import OnServer, Sharded, mark_updated_in_backward
 from sparsync.placement.sharded import mark
 from sparsync.record import CommLog
 from sparsync.sharding.auto import auto_plan
+from sparsync.sharding.ddp import leave_to_sparsync
 from sparsync.sharding.exchange import Ahead, Exchanger, Sent
 from sparsync.sharding.group import OPTIMIZERS, Fused, Slot, TableGroup, group_key
 from sparsync.sharding.ids import IdsRound
@@ -124,7 +125,8 @@ def shard(
     optimizers (``SGD``, ``Adagrad``, ``RowwiseAdagrad``, ``Adam``), applied to the sharded tables' rows, and to
     the replicated tables' (grouped: ``replicated``), at the end of backward, in place, with the mean of the
     ranks' gradients; the tables then get no ``.grad``: give the
-    rest of the model's optimizer ``dense_parameters(model)``. None: the tables get a sparse gradient, the sum over
+    rest of the model's optimizer ``dense_parameters(model)``; ``DistributedDataParallel`` over the returned
+    model leaves them alone (``sharding.ddp``). None: the tables get a sparse gradient, the sum over
     the ranks, for any torch optimizer that takes sparse gradients (``DistributedOptimizer`` divides it by P).
 
     Every shard starts from group rank 0's table, so training starts where the replicated path would; a table
@@ -136,7 +138,8 @@ def shard(
     device placed ``"server"``, or a module option the sharded modules cannot honour (``mode="max"``,
     ``max_norm``, ``scale_grad_by_freq``, a subclass with its own forward, a weight tied to another module, a
     table off the CPU), naming the module; KeyError for a plan that names no embedding module of the model.
-    Mutates ``model`` (its embedding modules are replaced, the server tables' weights marked)."""
+    Mutates ``model`` (its embedding modules are replaced, the server tables' weights marked, with ``optimizer``
+    the tables named in DDP's list of parameters to leave alone)."""
     g = resolve_group(group)
     if rows is not None and rows not in WIRE:
         raise ValueError(f"rows={rows!r}: the rows travel as they are (None) or in one of {sorted(WIRE)}")
@@ -155,11 +158,13 @@ def _swapped_in(
     model: nn.Module, swapped: Mapping[int, nn.Module], exchanger: Exchanger, replicas: ReplicatedExchanger
 ) -> nn.Module:
     """``model`` with ``swapped`` in place (``_swap``), its forward hooked to finish each exchange (the
-    replicated groups' only when there are some); the new root."""
+    replicated groups' only when there are some), the tables updated in backward left out of DDP (``ddp``); the
+    new root."""
     root = _swap(model, swapped)
     root.register_forward_hook(exchanger.finish_forward)
     if replicas.groups:
         root.register_forward_hook(replicas.finish_forward)
+    leave_to_sparsync(root)
     return root
 
 
