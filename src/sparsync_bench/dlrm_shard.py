@@ -1,5 +1,5 @@
 """``bench dlrm``'s sharded methods (docs/sharding.md): the tables' rows owned by the ranks (``sparsync.shard``),
-the MLPs by ``DistributedOptimizer`` as in ``sparsync``.
+the MLPs by ``DistributedOptimizer`` as in ``sparsync`` (by DDP in ``DDP_METHODS``).
 
 - ``sparsync_sharded``: every table sharded;
 - ``sparsync_sharded_bf16``: the same, the rows and gradient rows sent in bf16 (``sparsync.shard(rows="bf16")``:
@@ -17,7 +17,10 @@ the MLPs by ``DistributedOptimizer`` as in ``sparsync``.
   gradient per table, the optimizer over the MLPs only; the tables ``auto`` keeps replicated then go in
   replicated groups (``sparsync.sharding.replicated``: whole on every rank, one sum over the ranks per group);
 - ``sparsync_replicated_fused``: every table in those replicated groups, its SGD in backward;
-- ``sparsync_sharded_fused_lookahead``: ``sparsync_sharded_fused`` with its batches through ``Lookahead``.
+- ``sparsync_sharded_fused_lookahead``: ``sparsync_sharded_fused`` with its batches through ``Lookahead``;
+- ``sparsync_sharded_fused_ddp``, ``sparsync_sharded_fused_lookahead_ddp``: the same two with the MLPs in torch's
+  ``DistributedDataParallel`` instead of ``DistributedOptimizer`` (``DDP_METHODS``; ``sparsync.sharding.ddp``
+  leaves the tables to sparsync), as torchrec's dense layers and the floor's: the tables' cost alone beside them.
 
 A sharded model holds a part of each table per rank, so the figures the benchmark compares across methods
 (``table_figures``) are summed over the ranks' shards, each row with its index in the whole table.
@@ -39,13 +42,16 @@ Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # dense features, categ
 SHARD_METHODS = (
     "sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16", "sparsync_sharded_lookahead",
     "sparsync_sharded_fused", "sparsync_auto_fused", "sparsync_replicated_fused",
-    "sparsync_sharded_fused_lookahead",
+    "sparsync_sharded_fused_lookahead", "sparsync_sharded_fused_ddp", "sparsync_sharded_fused_lookahead_ddp",
 )  # fmt: skip
 FUSED_METHODS = (  # the tables' SGD in their backward
     "sparsync_sharded_fused", "sparsync_auto_fused", "sparsync_replicated_fused",
-    "sparsync_sharded_fused_lookahead",
+    "sparsync_sharded_fused_lookahead", "sparsync_sharded_fused_ddp", "sparsync_sharded_fused_lookahead_ddp",
 )  # fmt: skip
-LOOKAHEAD_METHODS = ("sparsync_sharded_lookahead", "sparsync_sharded_fused_lookahead")  # through Lookahead
+LOOKAHEAD_METHODS = (  # through Lookahead
+    "sparsync_sharded_lookahead", "sparsync_sharded_fused_lookahead", "sparsync_sharded_fused_lookahead_ddp",
+)  # fmt: skip
+DDP_METHODS = ("sparsync_sharded_fused_ddp", "sparsync_sharded_fused_lookahead_ddp")  # the MLPs in torch's DDP
 SHARD_OPS = ("shard_lookup", "shard_grad")  # the CommLog records of the sharded tables' exchanges
 
 

@@ -77,7 +77,7 @@ from sparsync.sharding import ShardedTable, dense_parameters
 from sparsync_bench.criteo import CriteoBatch, read_criteo, table_rows, write_criteo
 from sparsync_bench.ddp_baseline import WireBytes, gloo_sparse_allreduce_bytes, ring_allreduce_bytes
 from sparsync_bench.dlrm import DLRM, MLPS, mlp_shapes
-from sparsync_bench.dlrm_shard import SHARD_METHODS, SHARD_OPS, batches, shard_tables, table_figures
+from sparsync_bench.dlrm_shard import DDP_METHODS, SHARD_METHODS, SHARD_OPS, batches, shard_tables, table_figures
 from sparsync_bench.fmt import MISSING, markdown_table, mb, ms, times, unavailable_row
 from sparsync_bench.hybrid import ps_remote_bytes
 from sparsync_bench.omnireduce import block_allreduce
@@ -273,8 +273,8 @@ def _set_up(
         trainer = _hybrid_trainer(method, model, cfg, addresses, log)
     elif method == FLOOR:
         forward = ddp_over_mlps(model)
-    elif method.startswith("torch_ddp"):
-        forward = DistributedDataParallel(model)
+    elif method.startswith("torch_ddp") or method in DDP_METHODS:
+        forward = DistributedDataParallel(model)  # DDP_METHODS: the tables left out by sparsync.shard itself
     else:
         opt = _sparsync_optimizer(method, model, opt, first[1], cfg, log)
     return _Setup(forward, opt, trainer, predicted)
@@ -343,6 +343,9 @@ def _bytes_per_step(
     """Bytes this rank sent per step (module doc); ``records``: the log's records of the steps."""
     if method == FLOOR:  # the MLPs by DDP's ring allreduce, nothing else
         return ring_allreduce_bytes(_mlp_bytes(cfg), dist.get_world_size()).sent
+    if method in DDP_METHODS:  # the MLPs by DDP's ring allreduce, the shards' exchanges in the log
+        mlps = ring_allreduce_bytes(_mlp_bytes(cfg), dist.get_world_size()).sent
+        return mlps + sum(workload_bytes(r) for r in records) / cfg.steps
     if method.startswith("torch_ddp"):
         return _ddp_bytes_per_step(model, steps.rows, rank, method != "torch_ddp_dense")
     # the shards' exchanges (shard_lookup, shard_grad) are records of the log too

@@ -204,12 +204,20 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
                           dim=8, warmup=1, tail=3,
                           methods=("sparsync", "sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16",
                                    "sparsync_sharded_lookahead", "sparsync_sharded_fused",
-                                   "sparsync_replicated_fused", "sparsync_sharded_fused_lookahead"))  # fmt: skip
+                                   "sparsync_replicated_fused", "sparsync_sharded_fused_lookahead",
+                                   "sparsync_sharded_fused_ddp",
+                                   "sparsync_sharded_fused_lookahead_ddp"))  # fmt: skip
     data = load(cfg, P)
     rows = {r["method"]: r for r in summarize(launch(dlrm_worker_nominal_link, nprocs=P, args=(cfg, data))[0])}
     base = rows["sparsync"]
     assert base["tables_moved"] > 0 and base["tables_sharded"] == 0 and base["shard_bytes_per_step"] == 0
-    for m in ("sparsync_sharded", "sparsync_auto", "sparsync_sharded_fused", "sparsync_replicated_fused"):
+    for m in (
+        "sparsync_sharded",
+        "sparsync_auto",
+        "sparsync_sharded_fused",
+        "sparsync_replicated_fused",
+        "sparsync_sharded_fused_ddp",
+    ):
         assert rows[m]["loss"] == pytest.approx(base["loss"], rel=1e-5), (m, rows[m]["loss"], base["loss"])
         assert rows[m]["param_abs_sum"] == pytest.approx(base["param_abs_sum"], rel=1e-5), m
         assert rows[m]["tables_moved"] == pytest.approx(base["tables_moved"], rel=1e-6), (m, rows[m], base)
@@ -247,6 +255,14 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
     fused, fused_ahead = rows["sparsync_sharded_fused"], rows["sparsync_sharded_fused_lookahead"]
     for key in ("loss", "first_loss", "param_abs_sum", "tables_moved"):  # with the SGD in backward too
         assert fused_ahead[key] == fused[key], (key, fused_ahead[key], fused[key])
+    # the MLPs in torch's DDP beside the tables trained in backward: the same exchanges, and with Lookahead the
+    # same training bit for bit
+    ddp, ddp_ahead = rows["sparsync_sharded_fused_ddp"], rows["sparsync_sharded_fused_lookahead_ddp"]
+    assert ddp["tables_sharded"] == 26 and ddp["shard_bytes_per_step"] == fused["shard_bytes_per_step"]
+    # nothing in the log but the exchanges: the MLPs went by DDP (its ring allreduce, counted from their size)
+    assert ddp["bytes_per_step"] - ddp["shard_bytes_per_step"] == pytest.approx(mlp_bytes, rel=1e-9), ddp
+    for key in ("loss", "first_loss", "param_abs_sum", "tables_moved"):
+        assert ddp_ahead[key] == ddp[key], (key, ddp_ahead[key], ddp[key])
     assert all(r["cpu_s"] > 0 for r in rows.values())
     assert low["predicted_shard_bytes_per_step"] == pytest.approx(low["shard_bytes_per_step"], rel=0.1), low
 
