@@ -18,9 +18,10 @@ the MLPs by ``DistributedOptimizer`` as in ``sparsync`` (by DDP in ``DDP_METHODS
   replicated groups (``sparsync.sharding.replicated``: whole on every rank, one sum over the ranks per group);
 - ``sparsync_replicated_fused``: every table in those replicated groups, its SGD in backward;
 - ``sparsync_sharded_fused_lookahead``: ``sparsync_sharded_fused`` with its batches through ``Lookahead``;
-- ``sparsync_sharded_fused_ddp``, ``sparsync_sharded_fused_lookahead_ddp``: the same two with the MLPs in torch's
-  ``DistributedDataParallel`` instead of ``DistributedOptimizer`` (``DDP_METHODS``; ``sparsync.sharding.ddp``
-  leaves the tables to sparsync), as torchrec's dense layers and the floor's: the tables' cost alone beside them.
+- ``sparsync_sharded_fused_ddp``, ``sparsync_sharded_fused_lookahead_ddp``, ``sparsync_auto_fused_ddp``: those
+  three with the MLPs in torch's ``DistributedDataParallel`` instead of ``DistributedOptimizer`` (``DDP_METHODS``;
+  ``sparsync.sharding.ddp`` leaves the tables to sparsync), as torchrec's dense layers and the floor's: the
+  tables' cost alone beside them.
 
 A sharded model holds a part of each table per rank, so the figures the benchmark compares across methods
 (``table_figures``) are summed over the ranks' shards, each row with its index in the whole table.
@@ -43,15 +44,19 @@ SHARD_METHODS = (
     "sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16", "sparsync_sharded_lookahead",
     "sparsync_sharded_fused", "sparsync_auto_fused", "sparsync_replicated_fused",
     "sparsync_sharded_fused_lookahead", "sparsync_sharded_fused_ddp", "sparsync_sharded_fused_lookahead_ddp",
+    "sparsync_auto_fused_ddp",
 )  # fmt: skip
 FUSED_METHODS = (  # the tables' SGD in their backward
     "sparsync_sharded_fused", "sparsync_auto_fused", "sparsync_replicated_fused",
     "sparsync_sharded_fused_lookahead", "sparsync_sharded_fused_ddp", "sparsync_sharded_fused_lookahead_ddp",
+    "sparsync_auto_fused_ddp",
 )  # fmt: skip
 LOOKAHEAD_METHODS = (  # through Lookahead
     "sparsync_sharded_lookahead", "sparsync_sharded_fused_lookahead", "sparsync_sharded_fused_lookahead_ddp",
 )  # fmt: skip
-DDP_METHODS = ("sparsync_sharded_fused_ddp", "sparsync_sharded_fused_lookahead_ddp")  # the MLPs in torch's DDP
+DDP_METHODS = (  # the MLPs in torch's DDP
+    "sparsync_sharded_fused_ddp", "sparsync_sharded_fused_lookahead_ddp", "sparsync_auto_fused_ddp",
+)  # fmt: skip
 SHARD_OPS = ("shard_lookup", "shard_grad")  # the CommLog records of the sharded tables' exchanges
 
 

@@ -205,7 +205,7 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
                           methods=("sparsync", "sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16",
                                    "sparsync_sharded_lookahead", "sparsync_sharded_fused",
                                    "sparsync_replicated_fused", "sparsync_sharded_fused_lookahead",
-                                   "sparsync_sharded_fused_ddp",
+                                   "sparsync_sharded_fused_ddp", "sparsync_auto_fused_ddp",
                                    "sparsync_sharded_fused_lookahead_ddp"))  # fmt: skip
     data = load(cfg, P)
     rows = {r["method"]: r for r in summarize(launch(dlrm_worker_nominal_link, nprocs=P, args=(cfg, data))[0])}
@@ -217,6 +217,7 @@ def test_sharded_methods_train_to_sparsyncs_loss_and_count_the_exchanges(tmp_pat
         "sparsync_sharded_fused",
         "sparsync_replicated_fused",
         "sparsync_sharded_fused_ddp",
+        "sparsync_auto_fused_ddp",
     ):
         assert rows[m]["loss"] == pytest.approx(base["loss"], rel=1e-5), (m, rows[m]["loss"], base["loss"])
         assert rows[m]["param_abs_sum"] == pytest.approx(base["param_abs_sum"], rel=1e-5), m
