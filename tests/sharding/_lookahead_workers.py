@@ -171,7 +171,14 @@ def errors_worker(rank: int) -> dict[str, str]:
     def bad_id(b: Batch) -> dict[str, Any]:  # rank 2 sends ahead an id beyond its table
         return {**table_ids(b), "t.bag_mean": torch.full_like(b["bag_mean"][0], 11 if rank == 2 else 0)}
 
+    def changed(b: Batch) -> Batch:  # rank 1 changes ids in place after they went ahead, before the forward:
+        if rank == 1:  # those of t.bag_mean, alone in its group (the width 2)
+            b["bag_mean"][0].add_(1).remainder_(11)
+        return b
+
     out["other_ids"] = sw.message(lambda: first_step(other_ids))
+    out["changed"] = sw.message(lambda: first_step(table_ids, changed))
+    batches[0] = sw._batch(0, rank, P)  # the same batch, as it was before ``changed``
     out["bad_id"] = sw.message(lambda: first_step(bad_id))
     fewer = {k: v for k, v in table_ids(batches[0]).items() if k != "t.bag_sum"}
     out["fewer_tables"] = sw.message(lambda: first_step(lambda b: {k: table_ids(b)[k] for k in fewer}))

@@ -109,6 +109,9 @@ def test_ids_that_differ_from_the_forwards_get_the_same_clear_error_on_every_ran
     m = sw.same_on_every_rank(res)
     assert m["other_ids"].startswith("ValueError: sharded lookup refused on rank 1: the forward looked up")
     assert "'t.emb'" in m["other_ids"] and "the lookahead sent" in m["other_ids"]
+    # the forward's ids changed in place after they went ahead
+    assert m["changed"].startswith("ValueError: sharded lookup refused on rank 1: the forward looked up")
+    assert "'t.bag_mean'" in m["changed"] and "the lookahead sent" in m["changed"]
     assert m["bad_id"].startswith("ValueError: sharded lookup refused on rank 2: 't.bag_mean'")
     assert "id 11 is out of range; ids must lie in [0, 11)" in m["bad_id"]
     assert "the forward looked up the tables" in m["fewer_tables"] and "t.bag_sum" in m["fewer_tables"]

@@ -55,7 +55,9 @@ a step early, need no round of their own.
 it up with on that batch: all its calls' ids, in call order (for ``nn.EmbeddingBag(input, offsets)``, the
 input). They are checked as the forward checks them (range, dtype), and a bad one makes every rank raise the
 same ValueError at the next ``next()``. A forward whose lookups differ from what went ahead (other ids, other
-tables, or its tables in two exchanges) makes every rank raise the same ValueError, after the rows round.
+tables, or its tables in two exchanges) makes every rank raise the same ValueError, after the rows round. A
+forward that calls each table once, in the order ``ids(batch)`` named them, with those ids (compared by value,
+one ``torch.equal`` per group: ``exchange.Exchanger._checked``), is not laid out or range-checked again.
 
 Collective: every rank iterates in step, over as many batches, and runs the same forwards and backwards; a rank
 that stops early leaves the others waiting in their next round until the group's timeout, which names the

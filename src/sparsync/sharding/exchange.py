@@ -177,6 +177,7 @@ class Sent:
     keys: tuple[tuple[torch.Tensor, ...], ...]  # per group, per table: the keys of all its calls, in call order
     names: tuple[tuple[str, ...], ...]  # per group, per table: its description
     joined: tuple[torch.Tensor, ...]  # per group, its tables' keys one after another
+    raw: tuple[torch.Tensor, ...] = ()  # per group, its calls' ids one after another, no base (``_same_ids``)
 
     def descriptions(self) -> list[str]:
         return [n for names in self.names for n in names]
@@ -374,10 +375,8 @@ class Exchanger:
         t0 = time.perf_counter()
         calls = [c for c, _ in pending]
         by_call = {id(c): out for c, out in pending}
-        sent = self._layout(calls)
         ready, self.ready = self.ready, None
-        refusal = next((c.refusal for c in calls if c.refusal is not None), None) or _mutated(calls)
-        refusal = refusal or self._aliased(sent) or out_of_range(sent, self.groups, self.bounds)
+        sent, refusal = self._checked(calls, None if ready is None else ready.sent)
         if ready is None:
             self.agreed(sent, refusal)
             tally = Traffic()
@@ -385,7 +384,6 @@ class Exchanger:
             self.capacity = done.capacity
             status = None
         else:
-            refusal = refusal or _differs(sent, ready.sent)
             done, tally, sent = ready.ids, ready.ids.tally, ready.sent
             status = ids_stage.OK if refusal is None else ids_stage.REFUSED
         groups = tuple(self.groups[g] for g in sent.order)
@@ -401,6 +399,21 @@ class Exchanger:
         if self.link.log is not None:
             self.link.record("shard_lookup", tally, t0, nnz_in=sum(a.distinct.numel() for a in done.asked),
                              nnz_out=sum(int(g.shape[0]) for g in gathered))  # fmt: skip
+
+    def _checked(self, calls: Sequence[Call], ahead: Sent | None) -> tuple[Sent, str | None]:
+        """The calls' layout (``ahead`` itself when their ids went ahead) and why this rank refuses them, or None:
+        a call's own refusal, ids modified since the call, a replaced table parameter, an id out of its table's
+        range, or, with ``ahead``, calls that differ from those whose ids went ahead (``_differs``). Calls that
+        are one per table of ``ahead``, in the order their ids went, with equal ids (``_same_ids``: one cat and
+        one ``torch.equal`` per group) passed the range check ahead and need no layout of their own."""
+        refusal = next((c.refusal for c in calls if c.refusal is not None), None) or _mutated(calls)
+        if ahead is not None and refusal is None and _same_ids(calls, ahead):
+            return ahead, self._aliased(ahead)
+        sent = self._layout(calls)
+        refusal = refusal or self._aliased(sent) or out_of_range(sent, self.groups, self.bounds)
+        if ahead is not None:
+            refusal = refusal or _differs(sent, ahead)
+        return sent, refusal
 
     def _rider(self, status: int | None, params: Sequence[torch.Tensor]) -> Rider | None:
         """The ids looked ahead, for this exchange's gradient rows round to carry, when it has a backward and a
@@ -421,31 +434,33 @@ class Exchanger:
         return Sent(
             order,
             tuple(tuple(per[g]) for g in order),
-            tuple(keys for keys, _ in laid),
+            tuple(keys for keys, _, _ in laid),
             tuple(tuple(per[g][t][0].table for t in per[g]) for g in order),
-            tuple(joined for _, joined in laid),
+            tuple(joined for _, joined, _ in laid),
+            tuple(raw for _, _, raw in laid),
         )
 
     def _joined(
         self, group: int, tables: dict[int, list[Call | Ahead]]
-    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
         """Group ``group``'s keys, its calls' ids plus their tables' bases: per table (its calls' in call order,
-        views of the whole) and all of them, table after table: one cat of the ids, one add of the bases."""
+        views of the whole) and all of them, table after table: one cat of the ids, one add of the bases; and the
+        ids as they were, table after table (a copy: never a view of a call's input)."""
         calls = [c for cs in tables.values() for c in cs]
         sizes = tuple((c.slot.base, int(c.keys.numel())) for c in calls)
-        ids = _cat([c.keys for c in calls])
+        ids = torch.cat([c.keys for c in calls]) if len(calls) > 1 else calls[0].keys.clone()
         first = sizes[0][0]
         if all(base == first for base, _ in sizes):
             joined = ids + first if first else ids
         else:
             joined = ids + self.bases.of(group, sizes)
         if len(tables) == 1:
-            return (joined,), joined
+            return (joined,), joined, ids
         if len(calls) == len(tables):  # one call per table
             per_table = [n for _, n in sizes]
         else:
             per_table = [sum(int(c.keys.numel()) for c in cs) for cs in tables.values()]
-        return tuple(torch.split(joined, per_table)), joined
+        return tuple(torch.split(joined, per_table)), joined, ids
 
     def _request(self, sent: Sent, refusal: str | None) -> ids_stage.Request:
         return ids_stage.Request(sent.joined, self._key(sent), sent.descriptions(), refusal, self.capacity)
@@ -513,6 +528,22 @@ def _range_words(ids: torch.Tensor, rows: int) -> str | None:
 
 def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _same_ids(calls: Sequence[Call], ahead: Sent) -> bool:
+    """Whether ``calls`` are one call per table of ``ahead``, group by group in the order its tables' ids went,
+    with the ids that went (``Sent.raw``: compared by value, one ``torch.equal`` per group)."""
+    if len(ahead.raw) != len(ahead.order) or len(calls) != sum(len(t) for t in ahead.tables):
+        return False
+    by_group = sorted(calls, key=lambda c: c.group)  # stable: each group's calls in call order
+    at = 0
+    for k, (g, tables) in enumerate(zip(ahead.order, ahead.tables, strict=True)):
+        mine, at = by_group[at : at + len(tables)], at + len(tables)
+        if any(c.group != g or c.slot.index != t for c, t in zip(mine, tables, strict=True)):
+            return False
+        if not torch.equal(_cat([c.keys for c in mine]), ahead.raw[k]):
+            return False
+    return True
 
 
 def _differs(calls: Sent, sent: Sent) -> str | None:

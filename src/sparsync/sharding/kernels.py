@@ -322,17 +322,15 @@ class Link:
         ``phase``, the blocks' under the rider's phases. Every rank must carry a rider of the same width."""
         send_sizes, recv_sizes = sizes
         w, block = send.element_size(), 8 * rider.width
-        theirs = torch.split(rider.take(), [rider.width] * self.size)
-        mine = torch.split(send, send_sizes)
-        packed = torch.cat([t.view(torch.uint8) for pair in zip(mine, theirs, strict=True) for t in pair])
+        theirs = torch.split(rider.take().view(torch.uint8), block)  # both as bytes: one view each, not per peer
+        mine = torch.split(send.contiguous().view(torch.uint8), [w * n for n in send_sizes])
+        packed = torch.cat([t for pair in zip(mine, theirs, strict=True) for t in pair])
         out_bytes, in_bytes = [w * n + block for n in send_sizes], [w * n + block for n in recv_sizes]
         split = {phase: w * (sum(send_sizes) - send_sizes[self.rank]), **rider.split}
         got, _ = self.start(packed, out_bytes, in_bytes, phase, tally, split, wait=True)
-        parts = [
-            torch.split(p, [w * n, block]) for p, n in zip(torch.split(got, in_bytes), recv_sizes, strict=True)
-        ]
-        rider.got = torch.cat([b for _, b in parts]).view(torch.int64)
-        return torch.cat([r for r, _ in parts]).view(send.dtype)
+        parts = torch.split(got, [b for n in recv_sizes for b in (w * n, block)])  # rows, block, rows, block, ...
+        rider.got = torch.cat(parts[1::2]).view(torch.int64)
+        return torch.cat(parts[0::2]).view(send.dtype)
 
     def record(self, op: str, tally: Traffic, t0: float, *, nnz_in: int, nnz_out: int) -> None:
         """One ``CommRecord`` of an exchange's direction in ``log``, when a log is attached."""

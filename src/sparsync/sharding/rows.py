@@ -202,11 +202,11 @@ def with_verdicts(
     send = torch.cat([x for part in torch.split(reply, to_req) for x in (verdict, part)])
     sizes_out, sizes_in = [n + 1 for n in to_req], [n + 1 for n in from_owner]
     got = link.rows(send, (sizes_out, sizes_in), "rows", tally, verdicts=True)
-    blocks = torch.split(got, sizes_in)
-    words = [int(b[0]) for b in blocks]
+    parts = torch.split(got, [n for m in from_owner for n in (1, m)])  # word, rows, word, rows, ...
+    words = [int(w) for w in torch.cat(parts[0::2]).tolist()]
     raise_refused([w % RIDES for w in words], link.group, route.refusal)
     agree_riders([w // RIDES for w in words])
-    return torch.cat([b[1:] for b in blocks])
+    return torch.cat(parts[1::2])
 
 
 def agree_riders(rides: Sequence[int]) -> None:
