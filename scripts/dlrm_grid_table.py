@@ -71,7 +71,8 @@ def _predicted(row: dict[str, float]) -> str:
 ORDER = (
     "torch_ddp_sparse", "sparsync", "sparsync_sharded", "sparsync_sharded_fused",
     "sparsync_sharded_fused_lookahead", "sparsync_sharded_lookahead", "sparsync_auto", "sparsync_auto_fused",
-    "sparsync_replicated_fused", "torchrec_tw", "floor_tables_unsent",
+    "sparsync_replicated_fused", "sparsync_sharded_fused_ddp", "sparsync_sharded_fused_lookahead_ddp",
+    "sparsync_auto_fused_ddp", "torchrec_tw", "floor_tables_unsent",
 )  # fmt: skip
 FLOOR = "floor_tables_unsent"
 
