@@ -56,7 +56,10 @@ and the replicated tables' one grouped call as they run (``planner._pay_once``).
 needs server processes beside the ranks, which "auto" neither starts nor prices here. With the tables' CPU
 priced, the planner's plan (by communication alone), every table sharded and every table on its best replicated
 kind are priced whole with it (``_cheapest``: the step's exposed communication plus the CPU), and from the
-cheapest one table at a time is moved to another of its kinds while that makes the step faster.
+cheapest one table at a time is moved to another of its kinds while that makes the step faster. With
+``fused`` the tables kept whole go in replicated groups, priced as those run (``grouped_price``: a sparse
+allreduce only, their sum on the step's path, one header allreduce per forward; ``step_cost``). The predicted
+step (``AutoPlan.step_seconds``) still prices their communication by the planner's plan.
 
 The choice is the same on every rank: the statistics are averaged over the ranks (``all_reduce``) and the link
 model is agreed, so every rank prices the same numbers.
@@ -101,6 +104,7 @@ from sparsync.collectives.transport import meta_group
 from sparsync.costmodel import LinkModel
 from sparsync.placement.embeddings import rows_of_input
 from sparsync.plan import KINDS, Cluster, ParamStats, Plan, make_plan
+from sparsync.sharding.grouped_price import GROUPED_KIND, grouped_exposed
 
 AUTO_KINDS = ("dense_allreduce", "sparse_allreduce", "sharded")  # lossless, and no process beside the ranks
 
@@ -426,30 +430,47 @@ SETTLE_PASSES = 4  # rounds over the tables in ``_cheapest``
 
 def _cheapest(plan: Plan, cpu: TableCpu, pinned: set[str]) -> Plan:
     """The placement of least step, the exchange and reductions the step waits for
-    (``Plan.step_exposed_seconds``) plus the tables' CPU (``TableCpu.seconds``): from the cheapest of ``plan``
-    (the planner's, by communication alone), every table sharded and every table on its best replicated kind,
-    one table at a time moved to another of its kinds while that makes the step faster (at most
-    ``SETTLE_PASSES`` rounds). ``pinned``: weights that stay where ``plan`` put them (meta tables)."""
-    tables = {e.name: e for e in plan.entries if "sharded" in e.candidates and e.name not in pinned}
+    (``Plan.step_exposed_seconds``; with ``cpu.fused``, the replicated groups' as they run: ``grouped_price``)
+    plus the tables' CPU (``TableCpu.seconds``): from the cheapest of ``plan`` (the planner's, by communication
+    alone), every table sharded and every table on its best replicated kind, one table at a time moved to
+    another of its kinds while that makes the step faster (at most ``SETTLE_PASSES`` rounds). ``pinned``:
+    weights that stay where ``plan`` put them (meta tables)."""
+    tables = {e.name: _kinds(e.candidates, cpu.fused) for e in plan.entries
+              if "sharded" in e.candidates and e.name not in pinned}  # fmt: skip
 
     def cost(p: Plan) -> float:
-        return p.step_exposed_seconds + cpu.seconds(_placed(p, cpu.replicated))
+        return step_cost(p, cpu)
 
-    replicated = {n: min((k for k in e.candidates if k != "sharded"), key=lambda k: e.candidates[k][1])
-                  for n, e in tables.items() if len(e.candidates) > 1}  # fmt: skip
-    starts = [plan, plan.moved({n: "sharded" for n in tables}), plan.moved(replicated)]
+    replicated = {n: min((k for k in kinds if k != "sharded"), key=lambda k: kinds[k])
+                  for n, kinds in tables.items() if len(kinds) > 1}  # fmt: skip
+    kept = {n: k for n, k in replicated.items() if plan.placement(n) not in tables[n]}  # not a groups' kind
+    starts = [plan.moved(kept), plan.moved({n: "sharded" for n in tables}), plan.moved(replicated)]
     best = min(starts, key=cost)
     low = cost(best)
     for _ in range(SETTLE_PASSES):
         changed = False
-        for name, e in tables.items():
-            for kind in (k for k in e.candidates if k != best.placement(name)):
+        for name, kinds in tables.items():
+            for kind in (k for k in kinds if k != best.placement(name)):
                 trial = best.moved({name: kind})
                 if cost(trial) < low * (1 - 1e-9):
                     best, low, changed = trial, cost(trial), True
         if not changed:
             break
     return best
+
+
+def _kinds(candidates: Mapping[str, tuple[float, float]], fused: bool) -> dict[str, float]:
+    """A table's kinds ``_cheapest`` moves it among, with their seconds: all its candidates, or, ``fused``,
+    ``sharded`` and the replicated groups' kind (``grouped_price.GROUPED_KIND``)."""
+    return {k: t for k, (_, t) in candidates.items() if not fused or k in ("sharded", GROUPED_KIND)}
+
+
+def step_cost(plan: Plan, cpu: TableCpu) -> float:
+    """What ``_cheapest`` minimises: the communication the step waits for and the tables' CPU, the replicated
+    tables priced in groups when their optimizer runs in backward (``cpu.fused``; ``grouped_price``)."""
+    placed = _placed(plan, cpu.replicated)
+    whole = [_weight_name(n) for n, p in placed.items() if p != "sharded"] if cpu.fused else []
+    return grouped_exposed(plan, whole) + cpu.seconds(placed)
 
 
 def _link_and_round(

@@ -1,0 +1,67 @@
+"""``plan="auto"`` with the tables' optimizer in backward prices the tables it keeps whole as the replicated
+groups run (``sharding.grouped_price``): their sum on the step's path, one header allreduce, a sparse allreduce
+only; and chooses by that price (``auto._cheapest``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparsync.costmodel import LinkModel
+from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
+from sparsync.plan.backend import dense_allreduce
+from sparsync.sharding.auto import AUTO_KINDS, TableCpu, _cheapest, step_cost
+from sparsync.sharding.grouped_price import GROUPED_KIND, HEADER_BYTES, grouped_exposed
+
+LINK = LinkModel(alpha=50e-6, beta=1e-8, gamma_sparse=0.0, gamma_dense=0.0, gamma_scatter=0.0)
+NAMES = ("t0", "t1")
+
+
+def _plan(overlap: float, placement: str) -> object:
+    """A dense layer and two tables (1% of their rows read), every table on ``placement``, backward ``overlap``
+    seconds long."""
+    stats = [ParamStats("fc.weight", (256, 256), 1.0, False)]
+    stats += [ParamStats(f"{n}.weight", (100_000, 16), 0.01, True, 0.01) for n in NAMES]
+    plan = make_plan(stats, Cluster(4, measured=LINK), swap_modules=True, overlap_seconds=overlap,
+                     kinds=[KINDS.entry(k) for k in AUTO_KINDS])  # fmt: skip
+    return plan.moved({f"{n}.weight": placement for n in NAMES})
+
+
+def _cpu(fused: bool) -> TableCpu:
+    """No CPU for any placement: the communication alone decides."""
+    zero = dict.fromkeys(NAMES, 0.0)
+    return TableCpu(zero, zero, dict.fromkeys(NAMES, ("g", 0.0)), fused=fused,
+                    replicated_group=dict.fromkeys(NAMES, ("r", 0.0)))  # fmt: skip
+
+
+def test_the_groups_sum_runs_on_the_steps_path_with_one_header_round() -> None:
+    plan = _plan(overlap=10.0, placement=GROUPED_KIND)  # backward long enough to hide every hidden part
+    parts = plan.step.parts  # type: ignore[attr-defined]
+    tables = [p for p in parts if {"t0.weight", "t1.weight"} & set(p.members)]
+    assert tables and all(p.hidden for p in tables)
+    header = dense_allreduce(HEADER_BYTES, plan.cluster)[1]  # type: ignore[attr-defined]
+    on_path = sum(p.seconds for p in parts if not p.hidden)
+    # without the groups, every hidden part hides behind backward; with them, the tables' parts do not
+    assert plan.step_exposed_seconds == pytest.approx(on_path)  # type: ignore[attr-defined]
+    got = grouped_exposed(plan, ["t0.weight", "t1.weight"])  # type: ignore[arg-type]
+    assert got == pytest.approx(on_path + sum(p.seconds for p in tables) + header)
+    assert grouped_exposed(plan, []) == plan.step_exposed_seconds  # type: ignore[arg-type, attr-defined]
+    assert step_cost(plan, _cpu(fused=True)) == pytest.approx(got)  # type: ignore[arg-type]
+    assert step_cost(plan, _cpu(fused=False)) == pytest.approx(on_path)  # type: ignore[arg-type]
+
+
+def test_with_the_optimizer_in_backward_a_table_kept_whole_goes_by_sparse_allreduce_and_may_be_sharded() -> None:
+    plan = _plan(overlap=10.0, placement="dense_allreduce")
+    unfused = _cheapest(plan, _cpu(fused=False), set())  # type: ignore[arg-type]
+    fused = _cheapest(plan, _cpu(fused=True), set())  # type: ignore[arg-type]
+    kinds = {n: fused.placement(f"{n}.weight") for n in NAMES}
+    # the groups never send a table dense
+    assert set(kinds.values()) <= {"sharded", GROUPED_KIND}, kinds
+    # backward hides the replicated kinds' reduction: without the groups nothing pays for sharding
+    assert all(unfused.placement(f"{n}.weight") != "sharded" for n in NAMES)
+    # priced as the groups run, the sharded exchange (on the path) against their sum and header round (on the
+    # path too): here sharding is cheaper, and chosen
+    whole = step_cost(fused.moved({f"{n}.weight": GROUPED_KIND for n in NAMES}), _cpu(fused=True))
+    sharded = step_cost(fused.moved({f"{n}.weight": "sharded" for n in NAMES}), _cpu(fused=True))
+    assert sharded < whole
+    assert kinds == dict.fromkeys(NAMES, "sharded")
+    assert step_cost(fused, _cpu(fused=True)) == pytest.approx(sharded)
