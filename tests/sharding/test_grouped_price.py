@@ -9,7 +9,7 @@ import pytest
 from sparsync.costmodel import LinkModel
 from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
 from sparsync.plan.backend import dense_allreduce
-from sparsync.sharding.auto import AUTO_KINDS, TableCpu, _cheapest, step_cost
+from sparsync.sharding.auto import AUTO_KINDS, AutoPlan, TableCpu, _cheapest, step_cost
 from sparsync.sharding.grouped_price import GROUPED_KIND, HEADER_BYTES, grouped_exposed
 
 LINK = LinkModel(alpha=50e-6, beta=1e-8, gamma_sparse=0.0, gamma_dense=0.0, gamma_scatter=0.0)
@@ -65,3 +65,18 @@ def test_with_the_optimizer_in_backward_a_table_kept_whole_goes_by_sparse_allred
     assert sharded < whole
     assert kinds == dict.fromkeys(NAMES, "sharded")
     assert step_cost(fused, _cpu(fused=True)) == pytest.approx(sharded)
+
+
+def test_the_predicted_step_prices_the_groups_as_the_choice_does() -> None:
+    """``AutoPlan.step_seconds`` with the optimizer in backward: the sample's forward and backward plus
+    ``step_cost``, so a plan keeping the tables whole predicts their sum on the step's path."""
+    plan = _plan(overlap=10.0, placement=GROUPED_KIND)
+    distinct = dict.fromkeys(NAMES, (1000.0, 4000))
+
+    def predicted(fused: bool) -> float:
+        auto = AutoPlan(plan, distinct, (), 0.25, 0.125, cpu=_cpu(fused))  # type: ignore[arg-type]
+        return auto.step_seconds()
+
+    assert predicted(True) == pytest.approx(0.375 + step_cost(plan, _cpu(fused=True)))  # type: ignore[arg-type]
+    assert predicted(False) == pytest.approx(0.375 + plan.exposed_seconds)  # type: ignore[attr-defined]
+    assert predicted(True) > predicted(False)

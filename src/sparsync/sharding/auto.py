@@ -58,8 +58,8 @@ priced, the planner's plan (by communication alone), every table sharded and eve
 kind are priced whole with it (``_cheapest``: the step's exposed communication plus the CPU), and from the
 cheapest one table at a time is moved to another of its kinds while that makes the step faster. With
 ``fused`` the tables kept whole go in replicated groups, priced as those run (``grouped_price``: a sparse
-allreduce only, their sum on the step's path, one header allreduce per forward; ``step_cost``). The predicted
-step (``AutoPlan.step_seconds``) still prices their communication by the planner's plan.
+allreduce only, their sum on the step's path, one header allreduce per forward; ``step_cost``), and so is the
+predicted step (``AutoPlan.step_seconds``).
 
 The choice is the same on every rank: the statistics are averaged over the ranks (``all_reduce``) and the link
 model is agreed, so every rank prices the same numbers.
@@ -135,8 +135,12 @@ class AutoPlan:
         """The predicted step of ``plan`` (default: the chosen one): the sample's forward and backward as
         measured, plus the communication the step waits for (``Plan.exposed_seconds``: the replicated tables'
         reduction less what hides behind backward, the sharded exchange whole), plus what the tables' CPU adds
-        where it was priced (``TableCpu.seconds``)."""
+        where it was priced (``TableCpu.seconds``). With the tables' optimizer in backward (``TableCpu.fused``),
+        the communication and the CPU as the choice priced them (``step_cost``: the tables kept whole in
+        replicated groups, ``grouped_price``)."""
         plan = plan or self.plan
+        if self.cpu is not None and self.cpu.fused:
+            return self.forward_seconds + self.backward_seconds + step_cost(plan, self.cpu)
         cpu = 0.0 if self.cpu is None else self.cpu.seconds(self.placed(plan))
         return self.forward_seconds + self.backward_seconds + plan.exposed_seconds + cpu
 
