@@ -40,16 +40,13 @@ from sparsync.sharding import SGD, Lookahead, ShardedTable, auto_plan, shard
 
 Batch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # dense features, categorical ids [n, tables], labels
 
-SHARD_METHODS = (
-    "sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16", "sparsync_sharded_lookahead",
-    "sparsync_sharded_fused", "sparsync_auto_fused", "sparsync_replicated_fused",
-    "sparsync_sharded_fused_lookahead", "sparsync_sharded_fused_ddp", "sparsync_sharded_fused_lookahead_ddp",
-    "sparsync_auto_fused_ddp",
-)  # fmt: skip
 FUSED_METHODS = (  # the tables' SGD in their backward
     "sparsync_sharded_fused", "sparsync_auto_fused", "sparsync_replicated_fused",
     "sparsync_sharded_fused_lookahead", "sparsync_sharded_fused_ddp", "sparsync_sharded_fused_lookahead_ddp",
     "sparsync_auto_fused_ddp",
+)  # fmt: skip
+SHARD_METHODS = (
+    "sparsync_sharded", "sparsync_auto", "sparsync_sharded_bf16", "sparsync_sharded_lookahead", *FUSED_METHODS,
 )  # fmt: skip
 LOOKAHEAD_METHODS = (  # through Lookahead
     "sparsync_sharded_lookahead", "sparsync_sharded_fused_lookahead", "sparsync_sharded_fused_lookahead_ddp",

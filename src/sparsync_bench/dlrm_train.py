@@ -341,15 +341,13 @@ def _bytes_per_step(
     method: str, cfg: DlrmBenchConfig, model: DLRM, steps: _Steps, records: list[CommRecord], rank: int
 ) -> float:
     """Bytes this rank sent per step (module doc); ``records``: the log's records of the steps."""
-    if method == FLOOR:  # the MLPs by DDP's ring allreduce, nothing else
-        return ring_allreduce_bytes(_mlp_bytes(cfg), dist.get_world_size()).sent
-    if method in DDP_METHODS:  # the MLPs by DDP's ring allreduce, the shards' exchanges in the log
-        mlps = ring_allreduce_bytes(_mlp_bytes(cfg), dist.get_world_size()).sent
-        return mlps + sum(workload_bytes(r) for r in records) / cfg.steps
     if method.startswith("torch_ddp"):
         return _ddp_bytes_per_step(model, steps.rows, rank, method != "torch_ddp_dense")
     # the shards' exchanges (shard_lookup, shard_grad) are records of the log too
-    return sum(workload_bytes(r) for r in records) / cfg.steps
+    logged = sum(workload_bytes(r) for r in records) / cfg.steps
+    if method == FLOOR or method in DDP_METHODS:  # the MLPs by DDP's ring allreduce, beside what the log holds
+        return ring_allreduce_bytes(_mlp_bytes(cfg), dist.get_world_size()).sent + logged
+    return logged
 
 
 def _close_servers(trainer: Any, model: DLRM) -> None:
