@@ -99,9 +99,9 @@ class RoundEnv:
     # default's sparse buckets, so that their metadata round and allgather run beside the dense buckets'
     # allreduces instead of behind them (a round of latency costs no bandwidth). None: one lane.
     sparse_lane: tuple[dist.ProcessGroup, ReduceEnv] | None = None
-    # The fast buckets' own group (``overlap`` makes it with the layout): their allreduces are issued on
-    # backward's thread as each bucket fills (``Issued``), not queued; nothing else communicates on it, so
-    # every rank issues its transfers in bucket order. None: queued like the others.
+    # The fast buckets' own group (``overlap`` makes it with the layout, when the layout has fast buckets): their
+    # allreduces are issued on backward's thread as each bucket fills (``Issued``), not queued; nothing else
+    # communicates on it, so every rank issues its transfers in bucket order.
     direct: ReduceEnv | None = None
 
     @property
@@ -151,35 +151,27 @@ def start(
     flat: torch.Tensor | None = None,
     copied: frozenset[int] = frozenset(),
 ) -> Pending:
-    """Start ``bucket``'s reduction: a fast bucket's allreduce issued now on ``env.direct`` when set (``Issued``),
-    any other bucket queued on its queue (FIFO: every rank runs its buckets in launch order). Fast path:
+    """Start ``bucket``'s reduction: a fast bucket's allreduce issued now on ``env.direct`` (``Issued``), any
+    other bucket queued on its queue (FIFO: every rank runs its buckets in launch order). Fast path:
     ``flat`` is the round's buffer (``buffer_of``), where the members at positions ``copied`` were put as
     backward produced them (DDP copies each gradient into its bucket as it is ready too)."""
     if bucket.local:  # summed in backward already: nothing to send
         P = env.reduce.num_replicas
         return Work.done(Reduced([None if g is None else g / P if env.mean else g for g in mine.grads]))
-    if bucket.fast and env.direct is not None:
+    if bucket.fast:
+        assert env.direct is not None  # made with any layout that has a fast bucket
         return Issued(bucket, mine, _pack(bucket, mine, flat, copied, env.divisor), env, env.direct)
-    queue, run, facts = _job(bucket, mine, env, params, flat, copied)
+    queue, run, facts = _job(bucket, mine, env, params)
     work = submit(queue, run, True, label=f"bucket:{bucket.index}", facts=lambda: facts)
     assert isinstance(work, Work)  # async_op=True
     return work
 
 
 def _job(
-    bucket: Bucket,
-    mine: Contribution,
-    env: RoundEnv,
-    params: Sequence[NamedParam],
-    flat: torch.Tensor | None,
-    copied: frozenset[int],
+    bucket: Bucket, mine: Contribution, env: RoundEnv, params: Sequence[NamedParam]
 ) -> tuple[dist.ProcessGroup, Callable[[], Reduced], dict[str, object]]:
-    """The queue a bucket's reduction runs on, the reduction, and the facts its queue entry reports (a generic
-    bucket's sizes come out of the placement's own call)."""
-    if bucket.fast:
-        packed = _pack(bucket, mine, flat, copied, env.divisor)
-        facts: dict[str, object] = {"bytes": packed.numel() * packed.element_size(), "params": len(bucket.members)}
-        return env.caller, lambda: _fast(bucket, mine, packed, env), facts
+    """The queue a bucket that is not fast runs on, its reduction, and the facts its queue entry reports (a
+    generic bucket's sizes come out of the placement's own call)."""
     if bucket.grouped:
         queue, red = env.sparse_lane or (env.caller, env.reduce)
         return queue, lambda: _grouped(bucket, mine, env, red, params), {"params": len(mine.grads)}
@@ -233,25 +225,18 @@ def _first_nonfinite(bucket: Bucket, mine: Contribution) -> int:
     return -1
 
 
-def _fast(bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv) -> Reduced:
-    t0 = time.perf_counter()
-    comm = _fast_comm(bucket, flat, env.reduce)
-    with comm.phase("dense_allreduce"):
-        comm.run_collective("bucket all_reduce", dist.all_reduce, flat)
-    return _fast_result(bucket, mine, flat, env, comm, t0)
-
-
 class Issued:
     """A fast bucket's allreduce, issued on the caller's thread when made (on ``red``'s group, which nothing
-    else uses: ``RoundEnv.direct``); ``wait`` waits for it and reads the result there, as ``_fast`` does on
-    the queue thread. Skipping the queue spares a thread hand-off per bucket (DDP's reducer issues its
-    allreduces from backward's thread too). Its flight entry closes when waited for, done or failed."""
+    else uses: ``RoundEnv.direct``); ``wait`` waits for it and reads the result there (``_fast_result``). No
+    queue: no thread hand-off per bucket (DDP's reducer issues its allreduces from backward's thread too). Its
+    flight entry closes when waited for, done or failed."""
 
     def __init__(self, bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv, red: ReduceEnv):
         self.bucket, self.mine, self.flat = bucket, mine, flat
         self.env = dataclasses.replace(env, reduce=red)
         self.t0 = time.perf_counter()
-        self.comm = _fast_comm(bucket, flat, red)
+        self.comm = Comm(red.group, red.timeout, flat.device)
+        self.comm.op = f"DistributedOptimizer bucket {bucket.index} allreduce"
         self.result: Reduced | None = None
         self.work = self._closing(lambda: self.comm.start_collective("bucket all_reduce", dist.all_reduce, flat))
 
@@ -281,12 +266,6 @@ class Issued:
         with self.comm.phase("dense_allreduce"):
             self.comm.wait_collectives("bucket all_reduce", [self.work])
         return _fast_result(self.bucket, self.mine, self.flat, self.env, self.comm, self.t0)
-
-
-def _fast_comm(bucket: Bucket, flat: torch.Tensor, red: ReduceEnv) -> Comm:
-    comm = Comm(red.group, red.timeout, flat.device)
-    comm.op = f"DistributedOptimizer bucket {bucket.index} allreduce"
-    return comm
 
 
 def _fast_result(
