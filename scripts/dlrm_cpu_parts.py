@@ -17,7 +17,12 @@ main-thread CPU:
   ``sparsync_sharded_fused_lookahead``): each batch's ids go to their owners inside the step before's gradient
   rows round, so a step runs two all-to-all rounds of the tables instead of three;
 - ``shard+ddp:torch``, ``fused+ddp:torch``: ``shard+ddp`` and ``fused+ddp`` with the torch ops the table groups
-  run when their C kernels (``sparsync.sharding.kernels``) are not built (the same results).
+  run when their C kernels (``sparsync.sharding.kernels``) are not built (the same results);
+- ``torchrec``: ``bench dlrm``'s ``torchrec_tw`` on the same samples (``torchrec_baseline``: the tables in one
+  ``EmbeddingBagCollection`` sharded table-wise by ``DistributedModelParallel``, fbgemm's fused SGD, the MLPs in
+  DDP), run in torchrec's environment (``scripts/torchrec_env.sh``), one subprocess per rank, the same torch.
+  Its step is timed from the optimizer's ``zero_grad``: the batch's ``KeyedJaggedTensor`` is built before
+  (sparsync's variants count taking the batch from the loader in their step).
 
 The variants run one after another, ``--rounds`` times over, so that a drift of the host's speed reaches all of
 them alike. Timings are this host's; compare the variants within one run. ``--variants`` runs a subset.
@@ -59,6 +64,7 @@ from sparsync_bench.dlrm_train import (
     rank_samples,
     step_batches,
 )
+from sparsync_bench.torchrec_baseline import train_torchrec, unavailable
 
 VARIANTS = (
     "ddp",
@@ -70,6 +76,7 @@ VARIANTS = (
     "fused+ddp+ahead",
     "shard+ddp:torch",
     "fused+ddp:torch",
+    "torchrec",
 )
 DATA = Path("results/criteo_synthetic.txt")  # bench dlrm's generated file
 THREADS = thread_cpu.KINDS
@@ -101,11 +108,26 @@ class _Both:
 
 
 def _worker(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> dict[str, float]:
+    if variant == "torchrec":
+        return _torchrec(rank, cfg, data)
     variant, _, setting = variant.partition(":")
     if setting == "torch":
         with mock.patch.object(kernels, "_native", None):  # as without the C extension: the torch ops
             return _train(rank, variant, cfg, data)
     return _train(rank, variant, cfg, data)
+
+
+def _torchrec(rank: int, cfg: DlrmBenchConfig, data: CriteoBatch) -> dict[str, float]:
+    """The ``torchrec`` variant (module doc): ``torchrec_tw``'s CPU per step; an error naming why it cannot run."""
+    P = dist.get_world_size()
+    row = train_torchrec("torchrec_tw", cfg, rank_samples(data, rank, P, cfg), rank, P)
+    if row.get("unavailable"):
+        raise RuntimeError(f"the torchrec variant cannot run: {row['unavailable']}")
+    return {
+        "cpu_ms": row["cpu_s"] * 1e3,
+        "main_ms": row["main_s"] * 1e3,
+        **{f"thread {kind}": row["thread_cpu_s"][kind] * 1e3 for kind in THREADS},
+    }
 
 
 def _train(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> dict[str, float]:
@@ -157,7 +179,8 @@ def main() -> None:
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated, of: " + ", ".join(VARIANTS))
+    offered = [v for v in VARIANTS if v != "torchrec" or unavailable() is None]  # torchrec: where it can run
+    ap.add_argument("--variants", default=",".join(offered), help="comma-separated, of: " + ", ".join(VARIANTS))
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args()
     variants = a.variants.split(",")

@@ -12,6 +12,9 @@ bench writes). Imports torch, torchrec and ``sparsync_bench``'s model and nothin
 Bytes per rank per step: what the rank's collectives put on the wire, counted as torchrec calls them
 (``torch.distributed``'s all_to_all_single, reduce_scatter and all_gather: the chunks for other ranks), plus
 DDP's dense allreduce at the ring's 2(P-1)/P of the MLPs' bytes (the count ``bench dlrm`` uses for DDP).
+CPU per step: the ranks' mean of their median process CPU (``cpu_s``), rank 0's median main-thread CPU (``main_s``)
+and the ranks' mean CPU per step by kind of thread after the warm-up (``thread_cpu_s``, ``thread_cpu.KINDS``), each
+step from its ``zero_grad`` to its optimizer step (the batch's ``KeyedJaggedTensor`` built before).
 Prints one line ``TORCHREC_ROW {json}`` on rank 0, or ``TORCHREC_UNAVAILABLE reason`` on every rank where this
 torchrec offers no such sharding on CPU (1.8's sharder offers row-wise on CUDA only).
 """
@@ -32,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from sparsync_bench import thread_cpu
 from sparsync_bench.dlrm import DLRM
 from sparsync_bench.op_profile import step_profiler
 
@@ -199,30 +203,45 @@ def _shard_model(spec: dict[str, Any], kind: str, sharders: list[Any]) -> _Shard
     return _Sharded(ref, model, dmp, plan, CombinedOptimizer([dmp.fused_optimizer, dense]))
 
 
-def _run_steps(
-    spec: dict[str, Any], m: _Sharded, shard: dict[str, torch.Tensor]
-) -> tuple[list[float], list[float], list[float]]:
-    """``spec``'s steps on this rank's ``shard``, each timed from a barrier: (wall s, CPU s, losses)."""
-    steps, batch = spec["steps"], spec["batch"]
-    times, cpu, losses = [], [], []
-    profile = step_profiler(spec["method"], spec["rank"], spec["warmup"], steps)
+@dataclass
+class _Timed:
+    """Per step: wall seconds, process CPU seconds, the main thread's CPU seconds and the loss; and the CPU
+    seconds per step after the warm-up by kind of thread (``thread_cpu.KINDS``)."""
+
+    times: list[float]
+    cpu: list[float]
+    main: list[float]
+    losses: list[float]
+    threads: list[float]
+
+
+def _run_steps(spec: dict[str, Any], m: _Sharded, shard: dict[str, torch.Tensor]) -> _Timed:
+    """``spec``'s steps on this rank's ``shard``, each timed from a barrier."""
+    steps, batch, warmup = spec["steps"], spec["batch"], spec["warmup"]
+    out = _Timed([], [], [], [], [])
+    before: thread_cpu.Reading = {}
+    profile = step_profiler(spec["method"], spec["rank"], warmup, steps)
     for s in range(steps):
+        if s == warmup:
+            before = thread_cpu.reading()
         sl = slice(s * batch, (s + 1) * batch)
         kjt = _kjt(m.model.keys, shard["sparse"][sl])
         dist.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
         m.opt.zero_grad()
         loss = nn.functional.binary_cross_entropy_with_logits(m.dmp(shard["dense"][sl], kjt), shard["label"][sl])
         loss.backward()  # type: ignore[no-untyped-call]
         m.opt.step()
-        losses.append(loss.item())
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
+        out.losses.append(loss.item())
+        out.times.append(time.perf_counter() - t0)
+        out.cpu.append(time.process_time() - c0)
+        out.main.append(time.thread_time() - m0)
         if profile is not None:
             profile.step()
     if profile is not None:
         profile.stop()
-    return times, cpu, losses
+    out.threads = thread_cpu.per_step(before, thread_cpu.reading(), steps - warmup)
+    return out
 
 
 def train(spec: dict[str, Any]) -> dict[str, Any] | None:
@@ -239,12 +258,12 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
     mlp_bytes = sum(p.numel() * p.element_size() for p in (*m.ref.bottom.parameters(), *m.ref.top.parameters()))
     wire = _WireCount(rank, P)
     wire.install()
-    times, cpu, losses = _run_steps(spec, m, shard)
-    warmup = spec["warmup"]
-    t = torch.tensor([statistics.median(times[warmup:])], dtype=torch.float64)
+    run = _run_steps(spec, m, shard)
+    warmup, losses = spec["warmup"], run.losses
+    t = torch.tensor([statistics.median(run.times[warmup:])], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    cpu_s = torch.tensor([statistics.median(cpu[warmup:])], dtype=torch.float64)
-    dist.all_reduce(cpu_s)
+    cpu_s = torch.tensor([statistics.median(run.cpu[warmup:]), *run.threads], dtype=torch.float64)
+    dist.all_reduce(cpu_s)  # the ranks' means: CPU per step, then by kind of thread
     mean_tail = torch.tensor([statistics.fmean(losses[-spec["tail"] :])], dtype=torch.float64)
     dist.all_reduce(mean_tail)
     sent = wire.sent / spec["steps"] + 2 * (P - 1) / P * mlp_bytes
@@ -255,8 +274,10 @@ def train(spec: dict[str, Any]) -> dict[str, Any] | None:
         return None
     import torchrec
 
-    return {"step_s": float(t), "cpu_s": float(cpu_s) / P, "bytes_per_step": sent, "loss": float(mean_tail) / P,
-            "first_loss": losses[0],
+    means = (cpu_s / P).tolist()
+    return {"step_s": float(t), "cpu_s": means[0], "bytes_per_step": sent, "loss": float(mean_tail) / P,
+            "first_loss": losses[0], "main_s": statistics.median(run.main[warmup:]),
+            "thread_cpu_s": dict(zip(thread_cpu.KINDS, means[1:], strict=True)),
             "sharding": shards, "torchrec": getattr(torchrec, "__version__", "?"),
             "torch": torch.__version__}  # fmt: skip
 

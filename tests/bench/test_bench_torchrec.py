@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from sparsync_bench import thread_cpu
 from sparsync_bench.criteo import write_criteo
 from sparsync_bench.dlrm_train import METHODS, DlrmBenchConfig, default_methods, markdown, summarize
 from sparsync_bench.torchrec_baseline import ENV_SCRIPT, TORCHREC_METHODS, unavailable
@@ -88,6 +89,10 @@ def test_torchrec_table_wise_trains_to_the_same_loss(tmp_path: Path) -> None:
     assert tw["first_loss"] == pytest.approx(base["first_loss"], rel=1e-6)  # the same initial weights
     assert tw["loss"] == pytest.approx(base["loss"], rel=1e-4)  # the same SGD steps (tables at lr / P)
     assert float(tw["bytes_per_step"]) > 0 and float(tw["step_s"]) > 0  # type: ignore[arg-type]
+    threads = tw["thread_cpu_s"]  # scripts/dlrm_cpu_parts.py's torchrec variant reads these
+    assert isinstance(threads, dict) and set(threads) == set(thread_cpu.KINDS), threads
+    assert 0 < float(tw["main_s"]) <= 2 * float(tw["cpu_s"])  # type: ignore[arg-type]
+    assert sum(threads.values()) > 0
 
 
 def test_reproduce_dct_table_shows_torchrec_beside_sparsync() -> None:
