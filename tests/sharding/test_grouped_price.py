@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from sparsync.costmodel import LinkModel
+from sparsync.costmodel import LinkModel, Problem, predict
 from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
 from sparsync.plan.backend import dense_allreduce
 from sparsync.sharding.auto import AUTO_KINDS, AutoPlan, TableCpu, _cheapest, step_cost
-from sparsync.sharding.grouped_price import GROUPED_KIND, HEADER_BYTES, grouped_exposed
+from sparsync.sharding.grouped_price import GROUPED_KIND, HEADER_BYTES, grouped_exposed, grouped_seconds
 
 LINK = LinkModel(alpha=50e-6, beta=1e-8, gamma_sparse=0.0, gamma_dense=0.0, gamma_scatter=0.0)
 NAMES = ("t0", "t1")
@@ -80,3 +80,25 @@ def test_the_predicted_step_prices_the_groups_as_the_choice_does() -> None:
     assert predicted(True) == pytest.approx(0.375 + step_cost(plan, _cpu(fused=True)))  # type: ignore[arg-type]
     assert predicted(False) == pytest.approx(0.375 + plan.exposed_seconds)  # type: ignore[attr-defined]
     assert predicted(True) > predicted(False)
+
+
+def test_the_groups_sum_is_priced_by_the_allgather_they_run() -> None:
+    """At 16 ranks reading 20% of the rows the planner's sparse allreduce is the split allgather; the groups run
+    the allgather (``replicated.SUM_ALGORITHM``), which receives every rank's rows: that is their price."""
+    stats = [ParamStats("fc.weight", (256, 256), 1.0, False)]
+    stats += [ParamStats(f"{n}.weight", (100_000, 16), 0.2, True, 0.2) for n in NAMES]
+    plan = make_plan(stats, Cluster(16, measured=LINK), swap_modules=True, overlap_seconds=10.0,
+                     kinds=[KINDS.entry(k) for k in AUTO_KINDS])  # fmt: skip
+    plan = plan.moved({f"{n}.weight": GROUPED_KIND for n in NAMES})
+    (part,) = [p for p in plan.step.parts if p.kind == GROUPED_KIND]
+    assert part.algorithm == "ssar_split_allgather"
+    # the reference: one sparse allreduce of both tables' rows (200,000 rows of 16 float32, int32 indices), each
+    # rank holding 20% of each table's, by the allgather
+    k = 2 * 20_000
+    want = predict("allgather", Problem(16, 200_000, (k,) * 16, 4 * 16, 4, row=16), LINK)
+    assert grouped_seconds(plan, part) == pytest.approx(want)
+    assert want > 2 * part.seconds  # every rank's rows to every rank: here dearer than the split allgather
+    header = dense_allreduce(HEADER_BYTES, plan.cluster)[1]
+    on_path = sum(p.seconds for p in plan.step.parts if not p.hidden)
+    got = grouped_exposed(plan, [f"{n}.weight" for n in NAMES])
+    assert got == pytest.approx(on_path + want + header)

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from sparsync.costmodel import LinkModel, Problem, algorithm, choose_robust
+from sparsync.costmodel import LinkModel, Problem, algorithm, choose_robust, predict
 from sparsync.placement.bucketing import DenseRuns
 from sparsync.plan.backend import dense_allreduce
 from sparsync.plan.cluster import Cluster
@@ -130,14 +130,23 @@ def _sparse_parts(sparse: Sequence[Priced], cluster: Cluster) -> list[Part]:
 
 
 def grouped_call(
-    members: Sequence[Priced], extra: int, width: int, itemsize: int, machines: int, link: LinkModel
+    members: Sequence[Priced],
+    extra: int,
+    width: int,
+    itemsize: int,
+    machines: int,
+    link: LinkModel,
+    use: str | None = None,
 ) -> tuple[str, float, float]:
     """(algorithm, seconds, bytes per machine) of one ``grouped_allreduce`` of ``members``' rows (each machine
-    holding α_m of them) and ``extra`` rows every rank holds (dense gradients packed behind them)."""
+    holding α_m of them) and ``extra`` rows every rank holds (dense gradients packed behind them): by the
+    algorithm ``auto`` would pick, or by ``use``."""
     rows = sum(e.shape[0] for e in members) + extra
     k = sum(max(1, round(e.row_fraction_machine * e.shape[0])) for e in members) + extra
     p = Problem(machines, rows, (min(k, rows),) * machines, itemsize * width, index_dtype_for(rows).itemsize,
                 row=width)  # fmt: skip
+    if use is not None:
+        return use, predict(use, p, link), algorithm(use).nbytes(p)
     d = choose_robust(p, link)
     return d.algorithm, d.predictions[d.algorithm], algorithm(d.algorithm).nbytes(p)
 
