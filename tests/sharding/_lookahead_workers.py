@@ -273,3 +273,35 @@ def ahead_errors_worker(rank: int) -> dict[str, str]:
     sw._loss(model(next(it))).backward()
     out["after"] = "trained"
     return out
+
+
+ONE_WIDTH = ("emb_pad", "bag_psw", "bag_pad", "col_one")  # test_shard's tables of width 3: one group
+
+
+def _one_group_batch(step: int, rank: int, P: int) -> Batch:
+    return {k: v for k, v in sw._batch(step, rank, P).items() if k in ONE_WIDTH}
+
+
+def one_group_worker(rank: int) -> dict[str, Any]:
+    """``same_worker``'s comparison on the tables of one width (one group, ``rows.with_verdicts``'s own branch;
+    two of them with padding rows), with torch's SGD over sparse gradients, the tables'
+    Adam in backward and their Adagrad with the rows in bf16 on the wire; then rank 1's forward under no_grad
+    while the others' has a backward to carry the next ids ("mismatch"), and a step after it ("after")."""
+    batch = _one_group_batch
+    out: dict[str, Any] = {"sgd": _compare(*(_run(rank, sw.OPTIMIZERS["sgd"], a, batch=batch) for a in (0, 1)))}
+    out["fused_adam"] = _compare(*(_run(rank, None, a, FUSED["adam"], batch=batch) for a in (False, True)))
+    bf16 = [_run(rank, None, ahead, FUSED["adagrad"], batch=batch, rows="bf16") for ahead in (False, True)]
+    out["bf16_fused_adagrad"] = _compare(*bf16)
+    P = dist.get_world_size()
+    model, _ = _model(rank, None, FUSED["sgd"], CommLog())
+    it = Lookahead([batch(s, rank, P) for s in range(3)], model, ids=table_ids)
+    first = next(it)
+
+    def mismatch() -> None:
+        with torch.set_grad_enabled(rank != 1):
+            model(first)
+
+    out["mismatch"] = sw.message(mismatch)
+    sw._loss(model(next(it))).backward()
+    out["after"] = "trained"
+    return out

@@ -63,6 +63,29 @@ def test_training_through_lookahead_equals_training_without_it_bit_for_bit(P: in
             check_bytes(r, P, 2 if opt.startswith("bf16") else 8)  # float64 tables, or bf16 on the wire
 
 
+@pytest.mark.parametrize("P", [1, 3, 5])
+def test_one_group_through_lookahead_equals_training_without_it_bit_for_bit(P: int) -> None:
+    """Tables of one width (one group: ``rows.with_verdicts`` takes the verdict words and the rows out of the
+    block received in one split, not through ``group_major``; two of the tables with padding rows): bit for bit
+    as without lookahead (torch's SGD, the tables' Adam and Adagrad in backward, bf16 rows on the wire), one
+    round per forward, the same bytes plus a verdict word per block; ranks that disagree on carrying the ids all
+    raise the same error."""
+    res = launch(lw.one_group_worker, nprocs=P)
+    for rank, r_all in enumerate(res):
+        for opt in ("sgd", "fused_adam", "bf16_fused_adagrad"):
+            r = r_all[opt]
+            assert r["identical"] == [True] * sw.STEPS and r["losses_equal"], (P, rank, opt, r["identical"])
+            whole, whole_ahead = r["step_rounds"]
+            if P > 1:
+                assert r["rounds"][1] == [1] * sw.STEPS, r["rounds"]
+                assert [a - b for a, b in zip(whole, whole_ahead, strict=True)] == [0] + [1] * (sw.STEPS - 1)
+            check_bytes(r, P, 2 if opt.startswith("bf16") else 8)
+    if P == 3:
+        m = sw.same_on_every_rank([{k: r[k] for k in ("mismatch", "after")} for r in res])
+        assert m["mismatch"].startswith("ValueError: Lookahead: ranks [0, 2] would send the next batch's ids")
+        assert m["after"] == "trained"
+
+
 @pytest.mark.parametrize("P", [3, 5])
 def test_a_step_through_lookahead_runs_two_all_to_alls_against_three(P: int) -> None:
     """Ids that fit the blocks after the first step: with a backward every step, each step after the first runs

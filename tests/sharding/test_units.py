@@ -101,8 +101,16 @@ def test_rows_go_peer_major_for_the_wire_and_back_to_group_major(dims: tuple[int
     want = torch.cat([per_peer[t][j].reshape(-1) for j in range(P) for t in range(len(dims))])
     flat = peer_major(rows, counts, torch.float64)
     assert torch.equal(flat, want)
-    back = group_major(flat, counts, dims)
+    back, _ = group_major(flat, counts, dims)
     assert all(torch.equal(a, b) for a, b in zip(back, rows, strict=True))
+    # with a lead in front of each peer's part (a looked-ahead exchange's verdict): the same rows, and the leads
+    lead = torch.tensor([7.0], dtype=torch.float64)
+    led = peer_major(rows, counts, torch.float64, lead=lead)
+    sizes = [1 + sum(counts[t][j] * dims[t] for t in range(len(dims))) for j in range(P)]
+    assert all(torch.equal(part[:1], lead) for part in torch.split(led, sizes))
+    assert torch.equal(torch.cat([part[1:] for part in torch.split(led, sizes)]), want)
+    back, leads = group_major(led, counts, dims, lead=1)
+    assert all(torch.equal(a, b) for a, b in zip(back, rows, strict=True)) and leads.tolist() == [7.0] * P
 
 
 def test_an_ids_payload_whose_counts_do_not_add_up_is_refused() -> None:

@@ -72,31 +72,43 @@ class Route:
         return sum(c[i] * g.dim for c, g in zip(self.ids.served.counts, self.groups, strict=True))
 
 
-def peer_major(rows: Sequence[torch.Tensor], counts: Sequence[Sequence[int]], dtype: torch.dtype) -> torch.Tensor:
+def peer_major(
+    rows: Sequence[torch.Tensor],
+    counts: Sequence[Sequence[int]],
+    dtype: torch.dtype,
+    lead: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per group ``[n_g, D_g]`` rows, peer after peer (``counts[g][j]`` of them for peer j), as one flat payload
-    peer after peer, group after group within (what an all-to-all sends)."""
+    peer after peer, group after group within (what an all-to-all sends), each peer's part opening with ``lead``
+    when given (in the same copy)."""
     P = len(counts[0]) if counts else 0
-    if len(rows) == 1:
+    if len(rows) == 1 and lead is None:
         return rows[0].reshape(-1)
     per_peer = [torch.split(r, list(c)) for r, c in zip(rows, counts, strict=True)]
-    parts = [per_peer[g][j].reshape(-1) for j in range(P) for g in range(len(rows))]
+    opening = [] if lead is None else [lead]
+    parts = [x for j in range(P) for x in [*opening, *(per_peer[g][j].reshape(-1) for g in range(len(rows)))]]
     return torch.cat(parts) if parts else torch.empty(0, dtype=dtype)
 
 
 def group_major(
-    flat: torch.Tensor, counts: Sequence[Sequence[int]], dims: Sequence[int]
-) -> tuple[torch.Tensor, ...]:
+    flat: torch.Tensor, counts: Sequence[Sequence[int]], dims: Sequence[int], lead: int = 0
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """``peer_major``'s inverse: a flat payload received peer after peer, group after group within
-    (``counts[g][j]`` rows of group g from peer j), as per group ``[n_g, D_g]`` rows, peer after peer."""
+    (``counts[g][j]`` rows of group g from peer j), each peer's part opening with ``lead`` values: per group
+    ``[n_g, D_g]`` rows, peer after peer, and the peers' ``lead`` values, peer after peer."""
     G, P = len(dims), len(counts[0]) if counts else 0
-    if G == 1:
-        return (flat.view(-1, dims[0]),)
+    if G == 1 and not lead:
+        return (flat.view(-1, dims[0]),), flat[:0]
     by_group: list[list[torch.Tensor]] = [[] for _ in range(G)]
-    widths = [sum(counts[g][j] * dims[g] for g in range(G)) for j in range(P)]
+    leads = []
+    widths = [lead + sum(counts[g][j] * dims[g] for g in range(G)) for j in range(P)]
     for j, block in enumerate(torch.split(flat, widths)):
-        for g, seg in enumerate(torch.split(block, [counts[g][j] * dims[g] for g in range(G)])):
+        opening, *segs = torch.split(block, [lead, *(counts[g][j] * dims[g] for g in range(G))])
+        leads.append(opening)
+        for g, seg in enumerate(segs):
             by_group[g].append(seg)
-    return tuple(torch.cat(by_group[g]).view(-1, dims[g]) for g in range(G))
+    out = tuple(torch.cat(by_group[g]).view(-1, dims[g]) for g in range(G))
+    return out, (torch.cat(leads) if leads else flat[:0])
 
 
 class RowExchange(torch.autograd.Function):
@@ -108,20 +120,15 @@ class RowExchange(torch.autograd.Function):
         ctx: Any, route: Route, link: Link, tally: Traffic, *params: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         del params
+        ctx.route, ctx.link = route, link
+        if route.status is not None:
+            return with_verdicts(link, route, tally)
         served = route.ids.served
         rows = [kernels.gather(g.flat, r) for g, r in zip(route.groups, served.rows, strict=True)]
         reply = peer_major(rows, served.counts, route.groups[0].dtype)
-        to_req, from_owner = (
-            [route.rows_to(i) for i in range(link.size)],
-            [route.rows_from(j) for j in range(link.size)],
-        )
-        if route.status is None:
-            got = link.rows(reply, (to_req, from_owner), "rows", tally)
-        else:
-            got = with_verdicts(link, route, reply, to_req, from_owner, tally)
-        ctx.route, ctx.link = route, link
-        asked = [a.per_owner for a in route.ids.asked]
-        return group_major(got, asked, [g.dim for g in route.groups])
+        sizes = ([route.rows_to(i) for i in range(link.size)], [route.rows_from(j) for j in range(link.size)])
+        got = link.rows(reply, sizes, "rows", tally)
+        return group_major(got, [a.per_owner for a in route.ids.asked], [g.dim for g in route.groups])[0]
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
@@ -129,15 +136,15 @@ class RowExchange(torch.autograd.Function):
         link: Link = ctx.link
         t0 = time.perf_counter()
         tally = Traffic()
+        P, asked = link.size, route.ids.asked
         dense = [
             gr if gr is not None else g.flat.new_zeros(a.distinct.numel(), g.dim)
-            for gr, g, a in zip(grads, route.groups, route.ids.asked, strict=True)
+            for gr, g, a in zip(grads, route.groups, asked, strict=True)
         ]
-        send = peer_major(dense, [a.per_owner for a in route.ids.asked], route.groups[0].dtype)
-        P = link.size
+        send = peer_major(dense, [a.per_owner for a in asked], route.groups[0].dtype)
         sizes = ([route.rows_from(j) for j in range(P)], [route.rows_to(i) for i in range(P)])
         got = link.rows(send, sizes, "grads", tally, rider=route.rider)
-        by_group = group_major(got, route.ids.served.counts, [g.dim for g in route.groups])
+        by_group, _ = group_major(got, route.ids.served.counts, [g.dim for g in route.groups])
         served = route.ids.served.rows
         sums = [_owner_sum(g, r, v, P) for g, r, v in zip(route.groups, served, by_group, strict=True)]
         out: list[torch.Tensor | None] = [None] * (3 + len(route.inputs))  # route, link, tally, the tables
@@ -189,24 +196,31 @@ def _cut(rows: torch.Tensor, values: torch.Tensor, slots: list[Slot]) -> list[to
 RIDES = 2  # added to the verdict word by a rank whose gradient rows round will carry the next batch's ids
 
 
-def with_verdicts(
-    link: Link, route: Route, reply: torch.Tensor, to_req: list[int], from_owner: list[int], tally: Traffic
-) -> torch.Tensor:
-    """The rows round of a looked-ahead exchange: each block opens with this rank's verdict on its forward's calls
-    (``Route.status``), plus ``RIDES`` when its gradient rows round will carry the next batch's ids
+def with_verdicts(link: Link, route: Route, tally: Traffic) -> tuple[torch.Tensor, ...]:
+    """The rows round of a looked-ahead exchange: each block opens with one value, this rank's verdict on its
+    forward's calls (``Route.status``), plus ``RIDES`` when its gradient rows round will carry the next batch's ids
     (``Route.rider``), so after the round every rank knows every rank's: when any refused, or when some would
     carry the ids and others not, every rank raises the same error (``raise_refused``, ``agree_riders``); else
-    the rows, as ``Link.rows`` gives them."""
-    word = (OK if route.status is None else route.status) + RIDES * (route.rider is not None)
-    verdict = reply.new_full((1,), float(word))
-    send = torch.cat([x for part in torch.split(reply, to_req) for x in (verdict, part)])
-    sizes_out, sizes_in = [n + 1 for n in to_req], [n + 1 for n in from_owner]
-    got = link.rows(send, (sizes_out, sizes_in), "rows", tally, verdicts=True)
-    parts = torch.split(got, [n for m in from_owner for n in (1, m)])  # word, rows, word, rows, ...
-    words = [int(w) for w in torch.cat(parts[0::2]).tolist()]
-    raise_refused([w % RIDES for w in words], link.group, route.refusal)
-    agree_riders([w // RIDES for w in words])
-    return torch.cat(parts[1::2])
+    each group's gathered rows. The verdicts go in and come out in the copies that interleave the groups
+    (``peer_major``, ``group_major``), one copy each way for one group as for several."""
+    word = float((OK if route.status is None else route.status) + RIDES * (route.rider is not None))
+    served, P = route.ids.served, link.size
+    rows = [kernels.gather(g.flat, r) for g, r in zip(route.groups, served.rows, strict=True)]
+    reply = peer_major(rows, served.counts, route.groups[0].dtype, lead=rows[0].new_full((1,), word))
+    from_owner = [route.rows_from(j) for j in range(P)]
+    sizes = ([route.rows_to(i) + 1 for i in range(P)], [n + 1 for n in from_owner])
+    got = link.rows(reply, sizes, "rows", tally, verdicts=True)
+    dims = [g.dim for g in route.groups]
+    if len(dims) == 1:  # one split and two copies (the words, the rows), not a split per peer
+        parts = torch.split(got, [n for m in from_owner for n in (1, m)])  # word, rows, word, rows, ...
+        out: tuple[torch.Tensor, ...] = (torch.cat(parts[1::2]).view(-1, dims[0]),)
+        words = torch.cat(parts[0::2])
+    else:
+        out, words = group_major(got, [a.per_owner for a in route.ids.asked], dims, lead=1)
+    said = [int(w) for w in words.tolist()]
+    raise_refused([w % RIDES for w in said], link.group, route.refusal)
+    agree_riders([w // RIDES for w in said])
+    return out
 
 
 def agree_riders(rides: Sequence[int]) -> None:
