@@ -43,11 +43,12 @@ class Comm:
         self, group: dist.ProcessGroup, timeout: float | None = None, device: torch.device | None = None
     ) -> None:
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.size = dist.get_world_size(group)
+        state = group_state(group)
+        if state.rank_size is None:  # read once per group: torch's lookups cost more than a small call
+            state.rank_size = (dist.get_rank(group), dist.get_world_size(group))
+        self.rank, self.size = state.rank_size
         self.traffic = Traffic()
         self.timeout = timedelta(seconds=timeout) if timeout is not None else None
-        state = group_state(group)
         if state.published < 3:
             # gloo may connect a pair at its first use: publish again once the group's first call is over (its
             # metadata round reaches every peer), so that a peer's transport error can name this rank

@@ -56,7 +56,16 @@ def _parse_backends(config: str) -> dict[str, str]:
 
 
 def transport(group: dist.ProcessGroup, device: torch.device) -> Transport:
-    """The rules for payload on ``device`` over ``group`` (module doc); ``use_nccl_rules`` overrides them."""
+    """The rules for payload on ``device`` over ``group`` (module doc); ``use_nccl_rules`` overrides them. Worked
+    out once per group and device (``GroupState.transports``)."""
+    state = group_state(group)
+    rules = state.transports.get(device)
+    if rules is None:
+        rules = state.transports[device] = _rules(group, device)
+    return rules
+
+
+def _rules(group: dist.ProcessGroup, device: torch.device) -> Transport:
     state = group_state(group)
     if state.nccl_rules is not None:  # a gloo group told to behave as NCCL (tests, use_nccl_rules)
         return Transport(exact=True, stage=False, meta=meta_group(group))
@@ -99,4 +108,6 @@ def use_nccl_rules(group: dist.ProcessGroup, meta: dist.ProcessGroup) -> None:
     Call it on every rank, before the group's first sparsync call."""
     if dist.get_process_group_ranks(meta) != dist.get_process_group_ranks(group):
         raise ValueError("use_nccl_rules: the metadata group must span the same ranks as the group")
-    group_state(group).nccl_rules = meta
+    state = group_state(group)
+    state.nccl_rules = meta
+    state.transports.clear()
