@@ -380,3 +380,29 @@ def _dropped_reference(P: int, name: str) -> list[np.ndarray]:
                 p.grad = p.grad / P
         opt.step()
     return [p.detach().numpy().copy() for p in model.parameters()]
+
+
+def accumulate_worker(rank: int) -> dict[str, Any]:
+    """Steps of two backward passes inside ``no_sync()`` and one outside, ``zero_grad()`` before each: whether
+    the local sparse gradient was coalesced as it accumulated (``DistributedOptimizer._accumulated``, called from
+    the reducer's hook), and the storage each step's reduced dense gradients live in (every step's gradients
+    held, so a buffer made anew could not land where the last one was)."""
+    torch.manual_seed(0)
+    model = Mixed()
+    opt = sparsync.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-4), model)
+    dense = [model.fc1.weight, model.fc1.bias, model.fc2.weight, model.fc2.bias, model.odd.weight]
+    coalesced, storages, held = [], [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        with opt.no_sync():
+            for m in range(2):
+                model(_batch(10 * step + m, rank), True).backward()
+        g = model.emb.weight.grad
+        assert g is not None
+        coalesced.append(bool(g.is_coalesced()))
+        model(_batch(10 * step + 2, rank), True).backward()
+        grads = [p.grad for p in dense]
+        held.append(grads)
+        storages.append({g.untyped_storage().data_ptr() for g in grads if g is not None})
+        opt.step()
+    return {"coalesced": coalesced, "storages": storages}

@@ -127,3 +127,16 @@ def test_a_layer_no_rank_uses_after_the_first_round_keeps_no_gradient(P: int) ->
             assert got["head_grad_none"] == [False] + [True] * (ov.STEPS - 1), (P, rank, name, got)
             for ours, ref in zip(got["ours"], got["ref"], strict=True):
                 np.testing.assert_allclose(ours, ref, rtol=1e-10, atol=1e-12, err_msg=f"{name} rank {rank}")
+
+
+@pytest.mark.parametrize("P", [1, 3])
+def test_accumulation_coalesces_and_the_fast_bucket_keeps_its_buffer(P: int) -> None:
+    """A sparse gradient accumulated inside no_sync() is coalesced after each backward, with the reducer's hooks
+    (P = 3) as without (P = 1); from the second reduced round on, the fast bucket's sums land in the buffer of
+    the round before (the gradients of every step held, so a new buffer would lie elsewhere)."""
+    for r in launch(ov.accumulate_worker, nprocs=P, timeout=120):
+        assert r["coalesced"] == [True] * ov.STEPS, r["coalesced"]
+        if P > 1:
+            storages = r["storages"][1:]  # step 0 reduces in step()'s way and lays the buckets out
+            assert all(len(s) == 1 for s in storages), storages  # one bucket, all views of it
+            assert all(s == storages[0] for s in storages), storages

@@ -40,7 +40,6 @@ installs them when the round ends.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -74,14 +73,26 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class Flat:
+    """A fast bucket's flat buffer (``data``: the gradients, then the tail) and its members' views into it, shaped
+    as the parameters: made once per buffer, so that putting a gradient in and reading its sum out make no view
+    per round (the buffer is reused round after round, ``overlap``)."""
+
+    data: torch.Tensor
+    views: tuple[torch.Tensor, ...]
+    tail: torch.Tensor  # the view of data after the gradients
+
+
+@dataclass(frozen=True)
 class Reduced:
     """A bucket's members' reduced gradients (None: no rank had one), and the error of a NaN or ±Inf that some
     rank contributed (``check_nan``), the same on every rank. With one, the members hold non-finite values on
     every rank (the IEEE 754 sums, or NaN where the placement refused before sending): ``DistributedOptimizer``
-    raises the error at ``step()``, which a ``GradScaler`` skips."""
+    raises the error at ``step()``, which a ``GradScaler`` skips. A fast bucket's: the buffer its sums view."""
 
     grads: Result
     nonfinite: NonFiniteError | None = None
+    buffer: Flat | None = None
 
 
 @dataclass(frozen=True)
@@ -148,7 +159,7 @@ def start(
     mine: Contribution,
     env: RoundEnv,
     params: Sequence[NamedParam],
-    flat: torch.Tensor | None = None,
+    flat: Flat | None = None,
     copied: frozenset[int] = frozenset(),
 ) -> Pending:
     """Start ``bucket``'s reduction: a fast bucket's allreduce issued now on ``env.direct`` (``Issued``), any
@@ -160,7 +171,7 @@ def start(
         return Work.done(Reduced([None if g is None else g / P if env.mean else g for g in mine.grads]))
     if bucket.fast:
         assert env.direct is not None  # made with any layout that has a fast bucket
-        return Issued(bucket, mine, _pack(bucket, mine, flat, copied, env.divisor), env, env.direct)
+        return Issued(bucket, mine, _pack(bucket, mine, flat, copied, env), env, env.direct)
     queue, run, facts = _job(bucket, mine, env, params)
     work = submit(queue, run, True, label=f"bucket:{bucket.index}", facts=lambda: facts)
     assert isinstance(work, Work)  # async_op=True
@@ -178,40 +189,46 @@ def _job(
     return env.caller, lambda: _generic(bucket, mine, env, params), {"params": len(bucket.members)}
 
 
-def buffer_of(bucket: Bucket, device: torch.device) -> torch.Tensor:
-    """The fast path's flat buffer of ``bucket`` (gradients, then the tail)."""
-    return torch.empty(bucket.numel + FIXED + len(bucket.members), dtype=bucket.dtype, device=device)
+def buffer_of(bucket: Bucket, device: torch.device, shapes: Sequence[torch.Size]) -> Flat:
+    """The fast path's flat buffer of ``bucket`` (gradients, then the tail), with its members' views (``shapes``:
+    the members' parameter shapes)."""
+    data = torch.empty(bucket.numel + FIXED + len(bucket.members), dtype=bucket.dtype, device=device)
+    return Flat(data, tuple(flat_views(data, shapes)), data[bucket.numel :])
+
+
+def shapes_of(bucket: Bucket, env: RoundEnv) -> list[torch.Size]:
+    """The parameter shapes of ``bucket``'s members."""
+    return [env.shapes[i] for i in bucket.members]
 
 
 def put(piece: torch.Tensor, grad: torch.Tensor, divisor: int) -> None:
-    """A gradient into its slot of a fast bucket, divided by ``divisor`` (P for the mean, 1 for the sum) in the
-    same pass: the mean's division costs no pass over the reduced bucket (DDP divides its bucket before the
-    allreduce too). Each rank's share is g / P, so the bucket holds Σ g_i / P rounded per term."""
+    """A gradient into its slot of a fast bucket (``piece``: its view, of the gradient's shape), divided by
+    ``divisor`` (P for the mean, 1 for the sum) in the same pass: the mean's division costs no pass over the
+    reduced bucket (DDP divides its bucket before the allreduce too). Each rank's share is g / P, so the bucket
+    holds Σ g_i / P rounded per term."""
     if divisor == 1:
         piece.copy_(grad)
     else:
         torch.div(grad, divisor, out=piece)
 
 
-def _pack(
-    bucket: Bucket, mine: Contribution, flat: torch.Tensor | None, copied: frozenset[int], divisor: int
-) -> torch.Tensor:
+def _pack(bucket: Bucket, mine: Contribution, flat: Flat | None, copied: frozenset[int], env: RoundEnv) -> Flat:
     """The flat buffer, completed in the caller's thread (backward goes on accumulating into other gradients):
-    the members not copied yet (divided by ``divisor``), zeros for a missing one, the tail."""
+    the members not copied yet (divided by ``env.divisor``), zeros for a missing one, the tail."""
     if flat is None:
         ref = next((g for g in mine.grads if g is not None), None)
-        flat = buffer_of(bucket, ref.device if ref is not None else torch.device("cpu"))
+        flat = buffer_of(bucket, ref.device if ref is not None else torch.device("cpu"), shapes_of(bucket, env))
+    divisor = env.divisor
     for k, g in enumerate(mine.grads):
         if k in copied and g is not None and not g.is_sparse:
             continue
-        piece = flat[bucket.slots[k]]
+        piece = flat.views[k]
         if g is None:
             piece.zero_()
         else:
-            put(piece, dense_flat(g), divisor)
+            put(piece, g.to_dense() if g.is_sparse else g, divisor)
     present = [0.0 if g is None else 1.0 for g in mine.grads]
-    tail = [*_round_fields(mine), *present]
-    flat[bucket.numel :] = torch.tensor(tail, dtype=bucket.dtype)
+    flat.tail.copy_(torch.tensor([*_round_fields(mine), *present], dtype=bucket.dtype))
     return flat
 
 
@@ -231,14 +248,15 @@ class Issued:
     queue: no thread hand-off per bucket (DDP's reducer issues its allreduces from backward's thread too). Its
     flight entry closes when waited for, done or failed."""
 
-    def __init__(self, bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv, red: ReduceEnv):
-        self.bucket, self.mine, self.flat = bucket, mine, flat
-        self.env = dataclasses.replace(env, reduce=red)
+    def __init__(self, bucket: Bucket, mine: Contribution, flat: Flat, env: RoundEnv, red: ReduceEnv):
+        self.bucket, self.mine, self.flat, self.env, self.red = bucket, mine, flat, env, red
         self.t0 = time.perf_counter()
-        self.comm = Comm(red.group, red.timeout, flat.device)
+        self.comm = Comm(red.group, red.timeout, flat.data.device)
         self.comm.op = f"DistributedOptimizer bucket {bucket.index} allreduce"
         self.result: Reduced | None = None
-        self.work = self._closing(lambda: self.comm.start_collective("bucket all_reduce", dist.all_reduce, flat))
+        self.work = self._closing(
+            lambda: self.comm.start_collective("bucket all_reduce", dist.all_reduce, flat.data)
+        )
 
     def _closing(self, fn: Callable[[], T]) -> T:
         """``fn()``; on an error its flight entry closes as failed and ``on_failure`` reports it (``guard``)."""
@@ -265,17 +283,18 @@ class Issued:
     def _finish(self) -> Reduced:
         with self.comm.phase("dense_allreduce"):
             self.comm.wait_collectives("bucket all_reduce", [self.work])
-        return _fast_result(self.bucket, self.mine, self.flat, self.env, self.comm, self.t0)
+        return _fast_result(self.bucket, self.mine, self.flat, self.env, self.red, self.comm, self.t0)
 
 
 def _fast_result(
-    bucket: Bucket, mine: Contribution, flat: torch.Tensor, env: RoundEnv, comm: Comm, t0: float
+    bucket: Bucket, mine: Contribution, buffer: Flat, env: RoundEnv, red: ReduceEnv, comm: Comm, t0: float
 ) -> Reduced:
-    """A fast bucket's result from its reduced ``flat``: the round check, the NaN check, the members' views."""
-    red = env.reduce
+    """A fast bucket's result from its reduced ``buffer`` (summed over ``red``'s group): the round check, the NaN
+    check, the members' views."""
+    flat = buffer.data
     n, k = bucket.numel, len(bucket.members)
     comm.count_ring_allreduce(flat.numel() * flat.element_size())
-    tail = flat[n:].tolist()
+    tail = buffer.tail.tolist()
     _check_round(comm, bucket, mine, env, tail[:FIXED])
     nonfinite = None
     if red.check_nan and first_nonfinite(flat[:n]) >= 0:  # some rank's input, or an overflowing sum
@@ -284,11 +303,11 @@ def _fast_result(
         except NonFiniteError as e:  # the IEEE 754 sums stay in the result: non-finite on every rank
             nonfinite = e
     # already the mean: each rank put g / P into the bucket
-    views = flat_views(flat, [env.shapes[i] for i in bucket.members])
-    out: Result = [v if count else None for v, count in zip(views, tail[FIXED : FIXED + k], strict=True)]
+    present = tail[FIXED : FIXED + k]
+    out: Result = [v if count else None for v, count in zip(buffer.views, present, strict=True)]
     if red.log is not None:
         red.log.append(comm.record("bucket_allreduce", "dense", t0, dim=n, nnz_in=n, nnz_out=n))
-    return Reduced(out, nonfinite)
+    return Reduced(out, nonfinite, buffer)
 
 
 def _round_fields(mine: Contribution) -> list[float]:

@@ -90,15 +90,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self._synchronized = False
         self._nonfinite: NonFiniteError | None = None  # without overlap: synchronize()'s, for step()
-        self._hook_accumulation(optimizer)
         self._reducer = self._overlap_reducer(overlap, env, bucket_cap_mb)
+        if self._reducer is None:  # else the reducer's hooks call _accumulated first
+            self._hook_accumulation(optimizer)
         self._max_norm_modules = _max_norm_embeddings(model)
 
     def _hook_accumulation(self, optimizer: torch.optim.Optimizer) -> None:
         """Gradient accumulation: autograd adds a sparse gradient to ``.grad`` by concatenating indices, so k
         micro-batches hold k copies of a hot row. Coalescing after each one keeps one row per index
-        (docs/optimizer.md measures peak memory against torch's accumulation). Registered before the reducer's
-        hooks: a bucket starts from the coalesced gradient."""
+        (docs/optimizer.md measures peak memory against torch's accumulation). Without a reducer only: the
+        reducer's hook calls ``_accumulated`` first, so a bucket starts from the coalesced gradient."""
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
@@ -111,7 +112,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return None
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        return OverlapReducer(self.replicated, cap_bytes=max(1, int(bucket_cap_mb * 2**20)))
+        return OverlapReducer(
+            self.replicated, cap_bytes=max(1, int(bucket_cap_mb * 2**20)), on_accumulate=self._accumulated
+        )
 
     def _accumulated(self, p: torch.Tensor) -> None:
         """After autograd accumulated into ``p.grad``: a new local gradient, which the next ``step()`` (or

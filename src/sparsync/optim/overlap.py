@@ -50,7 +50,15 @@ class OverlapReducer:
     """The hooks and rounds of one ``DistributedOptimizer`` (module doc). Collective like the optimizer: every
     rank builds one over the same parameters."""
 
-    def __init__(self, replicated: ReplicatedOptimizer, *, cap_bytes: int = CAP_BYTES) -> None:
+    def __init__(
+        self,
+        replicated: ReplicatedOptimizer,
+        *,
+        cap_bytes: int = CAP_BYTES,
+        on_accumulate: Callable[[torch.Tensor], None] | None = None,
+    ) -> None:
+        """``on_accumulate(param)`` runs first in each parameter's post-accumulate-grad hook, also inside
+        ``no_sync()`` (one hook per parameter instead of two: each costs a call from autograd's C++)."""
         self.rep = replicated
         self.params = replicated.params
         self.cap_bytes = cap_bytes
@@ -62,6 +70,7 @@ class OverlapReducer:
             tuple(p.name for p in self.params),
             tuple(p.param.shape for p in self.params),
         )
+        self.divisor = self.round_env.divisor  # what a fast bucket's members are divided by as they are put in
         self.buckets: list[Bucket] | None = None
         self.layouts: list[int] = []
         self.order: list[int] = []
@@ -84,11 +93,12 @@ class OverlapReducer:
         # moved aside when another backward starts accumulating before step().
         self.installed: dict[int, torch.Tensor] = {}
         self.carry: dict[int, torch.Tensor] = {}
-        self.buffers: dict[int, torch.Tensor] = {}  # the fast buckets' flat buffers, by bucket index
-        self.round_flat: dict[int, torch.Tensor] = {}  # this round's, as members are copied in
+        self.buffers: dict[int, jobs.Flat] = {}  # the fast buckets' flat buffers, by bucket index
+        self.round_flat: dict[int, jobs.Flat] = {}  # this round's, as members are copied in
         self.copied: set[int] = set()  # parameters already in this round's buffers
         self.bucket_of: dict[int, Bucket] = {}
         self.member_of: dict[int, int] = {}  # a parameter's position in its bucket
+        self.on_accumulate = on_accumulate
         for i, p in enumerate(self.params):
             param: Any = p.param  # torch's hook registration is untyped
             if param.requires_grad:
@@ -109,7 +119,8 @@ class OverlapReducer:
 
     def _after_accumulate(self, i: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            del param
+            if self.on_accumulate is not None:
+                self.on_accumulate(param)
             if not self.syncing:
                 return
             with self.lock:
@@ -158,11 +169,11 @@ class OverlapReducer:
         g = self.params[i].param.grad
         if not b.fast or g is None or g.is_sparse:
             return
-        flat = self._round_buffer(b, g.device)
-        jobs.put(flat[b.slots[self.member_of[i]]], g.reshape(-1), self.round_env.divisor)
+        flat = self.round_flat.get(b.index) or self._round_buffer(b, g.device)
+        jobs.put(flat.views[self.member_of[i]], g, self.divisor)
         self.copied.add(i)
 
-    def _round_buffer(self, b: Bucket, device: torch.device | None) -> torch.Tensor:
+    def _round_buffer(self, b: Bucket, device: torch.device | None) -> jobs.Flat:
         """This round's flat buffer of a fast bucket: the last round's when no gradient views it any more (DDP
         keeps its buckets too: a fresh 25 MiB buffer costs its page faults every step), else a new one."""
         flat = self.round_flat.get(b.index)
@@ -172,10 +183,10 @@ class OverlapReducer:
             self._forget_replaced(i)
         old = self.buffers.get(b.index)
         free = not any(i in self.carry or i in self.installed for i in b.members)
-        if old is not None and free and (device is None or old.device == device):
+        if old is not None and free and (device is None or old.data.device == device):
             flat = old
         else:
-            flat = jobs.buffer_of(b, device or torch.device("cpu"))
+            flat = jobs.buffer_of(b, device or torch.device("cpu"), jobs.shapes_of(b, self.round_env))
         self.round_flat[b.index] = flat
         return flat
 
@@ -195,7 +206,8 @@ class OverlapReducer:
                 g = None
             grads.append(g)
         mine = jobs.contribution(b, grads, self.layouts, jobs.round_code(self.steps, self.rounds))
-        flat, copied = None, frozenset[int]()
+        flat: jobs.Flat | None = None
+        copied = frozenset[int]()
         if b.fast:
             flat = self._round_buffer(b, next((g.device for g in grads if g is not None), None))
             copied = frozenset(k for k, i in enumerate(b.members) if i in self.copied)
@@ -239,10 +251,8 @@ class OverlapReducer:
                 continue
             out = reduced.grads
             self.nonfinite = self.nonfinite or reduced.nonfinite
-            if b.fast and out:
-                views = [r for r in out if r is not None]
-                if views:  # the flat buffer the results view: reused once no gradient holds them
-                    self.buffers[b.index] = views[0]._base if views[0]._base is not None else views[0]
+            if reduced.buffer is not None and any(r is not None for r in out):
+                self.buffers[b.index] = reduced.buffer  # the results view it: reused once no gradient holds them
             for i, r in zip(b.members, out, strict=True):
                 kept = self.carry.pop(i, None)
                 g = r if kept is None else kept if r is None else kept + r
