@@ -45,8 +45,10 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import gc
 import sys
 import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,11 +121,21 @@ def main() -> None:
     import dlrm_s_pytorch
 
     dlrm_argv = argv[cut + 1 :]
+    sharded = None
     if a.shard or a.shard_fused:
-        _shard_tables(dlrm_s_pytorch, ext_dist, log, _fused_lr(dlrm_argv) if a.shard_fused else None)
+        sharded = _shard_tables(dlrm_s_pytorch, ext_dist, log, _fused_lr(dlrm_argv) if a.shard_fused else None)
 
     sys.argv = ["dlrm_s_pytorch.py", *dlrm_argv]
     dlrm_s_pytorch.run()
+    report()
+    atexit.unregister(report)
+    if sharded is not None:
+        sharded()
+    # DLRM's script leaves its process groups to the interpreter's exit, where gloo may abort the process
+    # ("terminate called without an active exception"): its model freed, then the groups destroyed here instead
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _fused_lr(dlrm_argv: list[str]) -> float:
@@ -163,9 +175,9 @@ def _tables_as_dlrm(self: Any, create: Any, m: Any, ln: Any, weighted_pooling: A
     return torch.nn.ModuleList(emb_l), v_w_l
 
 
-def _shard_tables(dlrm_s_pytorch: Any, ext_dist: Any, log: CommLog, fused_lr: float | None) -> None:
+def _shard_tables(dlrm_s_pytorch: Any, ext_dist: Any, log: CommLog, fused_lr: float | None) -> Callable[[], None]:
     """Patch DLRM's net (module doc, ``--shard``): every table built, then sharded (with the fused SGD when
-    ``fused_lr`` is given); the data-parallel forward."""
+    ``fused_lr`` is given); the data-parallel forward. Returns what prints the exchanges' count and bytes."""
     net = dlrm_s_pytorch.DLRM_Net
     create = net.create_emb
 
@@ -198,7 +210,7 @@ def _shard_tables(dlrm_s_pytorch: Any, ext_dist: Any, log: CommLog, fused_lr: fl
 
     net.create_emb = create_sharded
     net.distributed_forward = forward_sharded
-    atexit.register(report)
+    return report
 
 
 if __name__ == "__main__":
