@@ -34,6 +34,14 @@ collectives, one per group), gloo's work threads (``pt_gloo_runloop``: torch's c
 Python threads (sparsync's queue threads, one per group with work: ``DistributedOptimizer``'s buckets).
 
     .venv/bin/python scripts/dlrm_cpu_parts.py --procs 2 --rounds 5 --out docs/data/dlrm_cpu_parts_p2.md
+
+``--paired N`` measures the variants side by side within one run instead: each rank builds every variant's model
+(torchrec and the ``:torch`` variants excepted) and runs N rounds, a round being one step of each variant in turn
+on the same batch. Per variant: the ranks' mean of the median process CPU per step and of the median, over the
+rounds after the warm-up, of its step's CPU minus ``ddp``'s step's in the same round (so a drift of the host's
+speed between runs does not enter the difference), the same for the main thread. No thread split.
+
+    .venv/bin/python scripts/dlrm_cpu_parts.py --procs 8 --paired 60 --variants ddp,dmlp
 """
 
 from __future__ import annotations
@@ -130,39 +138,51 @@ def _torchrec(rank: int, cfg: DlrmBenchConfig, data: CriteoBatch) -> dict[str, f
     }
 
 
+class _Run:
+    """One variant's model, forward, optimizer and batches on this rank (module doc), ready to step."""
+
+    def __init__(self, variant: str, cfg: DlrmBenchConfig, steps: list[Any], lr: float) -> None:
+        model = dlrm_model(cfg, sparse=True)
+        variant, ahead = variant.removesuffix("+ahead"), variant.endswith("+ahead")
+        if variant.startswith("shard+"):
+            shard_tables("sparsync_sharded", model, steps[0][:2], CommLog())
+        if variant.startswith("fused+"):
+            shard_tables("sparsync_sharded_fused", model, steps[0][:2], CommLog(), lr)
+        self.loader = batches(
+            "sparsync_sharded_fused_lookahead" if ahead else "sparsync_sharded_fused", model, steps
+        )
+        self.forward: nn.Module = model
+        self.opt: Any
+        if variant.endswith("ddp"):
+            self.forward = ddp_over_mlps(model)
+            self.opt = torch.optim.SGD(dense_parameters(model), lr=lr)
+        else:
+            self.opt = _Both(model, lr)
+
+    def step(self) -> tuple[float, float]:
+        """One step, from a barrier: (process CPU seconds, this thread's CPU seconds)."""
+        dist.barrier()
+        c0, m0 = time.process_time(), time.thread_time()
+        dense, ids, label = next(self.loader)  # with Lookahead: this batch's ids, as received, read
+        self.opt.zero_grad()
+        loss = nn.functional.binary_cross_entropy_with_logits(self.forward(dense, ids), label)
+        loss.backward()  # type: ignore[no-untyped-call]
+        self.opt.step()
+        loss.item()
+        return time.process_time() - c0, time.thread_time() - m0
+
+
 def _train(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> dict[str, float]:
-    P = dist.get_world_size()
-    model = dlrm_model(cfg, sparse=True)
-    mine = rank_samples(data, rank, P, cfg)
-    steps = step_batches(mine, cfg)
-    variant, ahead = variant.removesuffix("+ahead"), variant.endswith("+ahead")
-    if variant.startswith("shard+"):
-        shard_tables("sparsync_sharded", model, steps[0][:2], CommLog())
-    if variant.startswith("fused+"):
-        shard_tables("sparsync_sharded_fused", model, steps[0][:2], CommLog(), cfg.lr)
-    loader = batches("sparsync_sharded_fused_lookahead" if ahead else "sparsync_sharded_fused", model, steps)
-    forward: nn.Module = model
-    opt: Any
-    if variant.endswith("ddp"):
-        forward = ddp_over_mlps(model)
-        opt = torch.optim.SGD(dense_parameters(model), lr=cfg.lr)
-    else:
-        opt = _Both(model, cfg.lr)
+    steps = step_batches(rank_samples(data, rank, dist.get_world_size(), cfg), cfg)
+    run = _Run(variant, cfg, steps, cfg.lr)
     cpu, main = [], []
     before: thread_cpu.Reading = {}
     for s in range(len(steps)):
         if s == cfg.warmup:
             before = thread_cpu.reading()
-        dist.barrier()
-        c0, m0 = time.process_time(), time.thread_time()
-        dense, ids, label = next(loader)  # with Lookahead: this batch's ids, as received, read
-        opt.zero_grad()
-        loss = nn.functional.binary_cross_entropy_with_logits(forward(dense, ids), label)
-        loss.backward()  # type: ignore[no-untyped-call]
-        opt.step()
-        loss.item()
-        cpu.append(time.process_time() - c0)
-        main.append(time.thread_time() - m0)
+        c, m = run.step()
+        cpu.append(c)
+        main.append(m)
     split = thread_cpu.per_step(before, thread_cpu.reading(), cfg.steps - cfg.warmup)
     t = torch.tensor([statistics.median(cpu[cfg.warmup :]), *split], dtype=torch.float64)
     dist.all_reduce(t)
@@ -174,11 +194,53 @@ def _train(rank: int, variant: str, cfg: DlrmBenchConfig, data: CriteoBatch) -> 
     }
 
 
+def _paired(rank: int, variants: list[str], cfg: DlrmBenchConfig, data: CriteoBatch, n: int) -> list[list[float]]:
+    """``--paired``: every variant's model on this rank, ``n`` rounds of one step of each in turn on the same batch
+    (the run's batches over again); per variant, the ranks' mean of (median process CPU per step, median of its
+    step's CPU minus ddp's step's in the same round, the same two of the main thread), in ms, after the warm-up."""
+    steps = step_batches(rank_samples(data, rank, dist.get_world_size(), cfg), cfg)
+    again = [steps[s % len(steps)] for s in range(n)]
+    runs = [_Run(v, cfg, again, cfg.lr) for v in variants]
+    got = [[run.step() for run in runs] for _ in range(n)][cfg.warmup :]  # got[round][variant] = (cpu, main)
+    base = variants.index("ddp")
+    out = []
+    for v in range(len(variants)):
+        row = []
+        for k in (0, 1):
+            row += [statistics.median(r[v][k] for r in got), statistics.median(r[v][k] - r[base][k] for r in got)]
+        out.append(row)
+    t = torch.tensor(out, dtype=torch.float64)
+    dist.all_reduce(t)
+    means: list[list[float]] = (t / dist.get_world_size() * 1e3).tolist()
+    return means
+
+
+def _paired_table(a: argparse.Namespace, variants: list[str], rows: list[list[float]]) -> str:
+    lines = [
+        f"P = {a.procs}, {a.batch} samples per rank, {a.paired} rounds of one step of each variant in turn on "
+        f"each rank (`scripts/dlrm_cpu_parts.py --procs {a.procs} --batch {a.batch} --paired {a.paired} "
+        f"--variants {','.join(variants)}`)",
+        "",
+        "| variant | CPU ms/step | over ddp's step in the same round | x ddp | main thread ms/step "
+        "| main over ddp |",
+        "|---|---|---|---|---|---|",
+    ]
+    base = rows[variants.index("ddp")][0]
+    for v, (cpu, over, main, main_over) in zip(variants, rows, strict=True):
+        lines.append(
+            f"| {v} | {cpu:.1f} | {over:+.2f} | {(base + over) / base:.3f} | {main:.1f} | {main_over:+.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--procs", type=int, default=2)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument(
+        "--paired", type=int, default=0, metavar="N", help="N rounds of the variants' steps in turn (module doc)"
+    )
     offered = [v for v in VARIANTS if v != "torchrec" or unavailable() is None]  # torchrec: where it can run
     ap.add_argument("--variants", default=",".join(offered), help="comma-separated, of: " + ", ".join(VARIANTS))
     ap.add_argument("--out", type=Path, default=None)
@@ -187,9 +249,23 @@ def main() -> None:
     unknown = sorted(set(variants) - set(VARIANTS))
     if unknown or "ddp" not in variants:
         ap.error(f"--variants: unknown {unknown}; the list must hold ddp (the rows' base) and any of {VARIANTS}")
+    if a.paired and any(v == "torchrec" or ":" in v for v in variants):
+        ap.error("--paired runs every variant in one process: torchrec (its own) and the :torch ones cannot")
+    if a.paired and a.paired <= _config(a.batch).warmup:
+        ap.error(f"--paired {a.paired}: needs more rounds than the {_config(a.batch).warmup} of warm-up")
     cfg = _config(a.batch)
     default_data(DATA, cfg.steps * a.batch * a.procs)  # generated once, as bench dlrm does
     data = load(cfg, a.procs)
+    if a.paired:
+        text = _paired_table(a, variants, launch(_paired, nprocs=a.procs, args=(variants, cfg, data, a.paired))[0])
+    else:
+        text = _interleaved(a, variants, cfg, data)
+    print(text, end="")
+    if a.out is not None:
+        a.out.write_text(text)
+
+
+def _interleaved(a: argparse.Namespace, variants: list[str], cfg: DlrmBenchConfig, data: CriteoBatch) -> str:
     got: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     for r in range(a.rounds):
         for v in variants:
@@ -215,10 +291,7 @@ def main() -> None:
         split = [_split(got, v, k) for k in THREADS]
         lines.append(f"| {v} | {statistics.median(c):.1f} | {min(c):.1f}-{max(c):.1f} | "
                      f"{statistics.median(c) - base:+.1f} | {m:.1f} | " + " | ".join(split) + " |")  # fmt: skip
-    text = "\n".join(lines) + "\n"
-    print(text, end="")
-    if a.out is not None:
-        a.out.write_text(text)
+    return "\n".join(lines) + "\n"
 
 
 def _split(got: dict[str, list[dict[str, float]]], v: str, kind: str) -> str:
