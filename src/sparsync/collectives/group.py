@@ -18,7 +18,6 @@ import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,9 +25,6 @@ import torch.distributed as dist
 from sparsync.collectives import trace
 from sparsync.collectives.flight import FlightRecorder
 from sparsync.costmodel import REFERENCE_LINK, LinkModel
-
-if TYPE_CHECKING:
-    from sparsync.collectives.transport import Transport
 
 EAGER_BYTES = 2048  # default payload bytes a metadata row carries inline (see sparsync.collectives.meta)
 
@@ -49,7 +45,8 @@ class GroupState:
     executor: ThreadPoolExecutor | None = None  # FIFO queue for async_op=True calls
     pending: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
-    background: dist.ProcessGroup | None = None  # sparsync's own group over these ranks (background_group)
+    # sparsync's own group over these ranks (background_group), held weakly (``background``)
+    background_ref: weakref.ReferenceType[dist.ProcessGroup] | None = None
     # (intra-host, inter-host) link models agreed by every rank of the world, held by a host's group
     # (collectives/hierarchical.py)
     levels: tuple[LinkModel, LinkModel] | None = None
@@ -63,7 +60,8 @@ class GroupState:
     # Comm on the group: every call's Comm asks, and torch's lookups cost more than the small calls they serve
     # (collectives/comm.py). use_nccl_rules forgets the rules.
     rank_size: tuple[int, int] | None = None
-    transports: dict[torch.device, Transport] = field(default_factory=dict)
+    # (exact, stage, the metadata group or None for the group itself: no reference to the key; transport.py)
+    transports: dict[torch.device, tuple[bool, bool, dist.ProcessGroup | None]] = field(default_factory=dict)
     # The world group's holds this process's timeline (sparsync.trace, SPARSYNC_TRACE; collectives/trace.py):
     # one per process, seen by every thread (caller, queue, parameter-server I/O), gone with the group.
     tracer: trace.Tracer | None = None
@@ -72,8 +70,27 @@ class GroupState:
     flight: FlightRecorder = field(default_factory=FlightRecorder)
     published: int = 0  # Comms that published this rank's endpoints (peers.publish; the first two do)
     # A side group's (``side_group``): the caller's group, whose link model "auto" uses here too (set_link and
-    # set_deterministic name the caller's group; a link measured on a side group is the caller's link)
-    parent: dist.ProcessGroup | None = None
+    # set_deterministic name the caller's group; a link measured on a side group is the caller's link); held weakly
+    parent_ref: weakref.ReferenceType[dist.ProcessGroup] | None = None
+
+    # The states live as long as their groups (a weak key); a group they named strongly (the background group, a
+    # side group's parent, a group its own background) would keep itself or another alive for good, past
+    # dist.destroy_process_group, to be freed at the interpreter's exit, where gloo can abort the process.
+    @property
+    def background(self) -> dist.ProcessGroup | None:
+        return None if self.background_ref is None else self.background_ref()
+
+    @background.setter
+    def background(self, group: dist.ProcessGroup | None) -> None:
+        self.background_ref = None if group is None else weakref.ref(group)
+
+    @property
+    def parent(self) -> dist.ProcessGroup | None:
+        return None if self.parent_ref is None else self.parent_ref()
+
+    @parent.setter
+    def parent(self, group: dist.ProcessGroup | None) -> None:
+        self.parent_ref = None if group is None else weakref.ref(group)
 
 
 _STATES: weakref.WeakKeyDictionary[dist.ProcessGroup, GroupState] = weakref.WeakKeyDictionary()

@@ -59,10 +59,15 @@ def transport(group: dist.ProcessGroup, device: torch.device) -> Transport:
     """The rules for payload on ``device`` over ``group`` (module doc); ``use_nccl_rules`` overrides them. Worked
     out once per group and device (``GroupState.transports``)."""
     state = group_state(group)
-    rules = state.transports.get(device)
-    if rules is None:
-        rules = state.transports[device] = _rules(group, device)
-    return rules
+    cached = state.transports.get(device)
+    if cached is None:
+        rules = _rules(group, device)
+        # kept without ``group`` itself: the state is held for as long as its group lives (a weak key), so a
+        # value that held the group would keep it alive for good
+        state.transports[device] = (rules.exact, rules.stage, None if rules.meta is group else rules.meta)
+        return rules
+    exact, stage, meta = cached
+    return Transport(exact=exact, stage=stage, meta=group if meta is None else meta)
 
 
 def _rules(group: dist.ProcessGroup, device: torch.device) -> Transport:

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from sparsync.collectives.group import resolve_group
 from sparsync.collectives.meta import NonFiniteError
 from sparsync.optim.overlap import OverlapReducer
+from sparsync.optim.weak import method_hook
 from sparsync.placement import Placement, ReduceEnv, placement_of
 from sparsync.placement.bucketing import CAP_BYTES
 from sparsync.record import CommLog
@@ -103,7 +104,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
-                    p.register_post_accumulate_grad_hook(self._accumulated)
+                    p.register_post_accumulate_grad_hook(method_hook(self._accumulated))  # optim.weak
 
     def _overlap_reducer(self, overlap: bool, env: ReduceEnv, bucket_cap_mb: float) -> OverlapReducer | None:
         """The reducer that reduces during backward, or None: off, on one rank, or with a placement in the plan

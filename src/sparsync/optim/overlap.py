@@ -37,6 +37,7 @@ from sparsync.collectives.ops import text_key
 from sparsync.collectives.timeline import tracer
 from sparsync.optim import jobs
 from sparsync.optim.buckets import Bucket, default_order, lay_out
+from sparsync.optim.weak import indexed_hook
 from sparsync.placement import NamedParam, Placement, ReduceEnv
 from sparsync.placement.bucketing import CAP_BYTES
 from sparsync.record import AGREE
@@ -102,43 +103,37 @@ class OverlapReducer:
         for i, p in enumerate(self.params):
             param: Any = p.param  # torch's hook registration is untyped
             if param.requires_grad:
-                param.register_hook(self._before_accumulate(i))
-                param.register_post_accumulate_grad_hook(self._after_accumulate(i))
+                param.register_hook(indexed_hook(self, OverlapReducer._before_accumulate, i))
+                param.register_post_accumulate_grad_hook(indexed_hook(self, OverlapReducer._after_accumulate, i))
 
-    # --- the hooks ----------------------------------------------------------------------------------------------
-    def _before_accumulate(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            del grad
-            p = self.params[i].param
-            if p.grad is not None and p.grad is self.installed.get(i):
-                # a reduced gradient: keep it aside, so this backward's local gradient is reduced alone
-                self.carry[i] = self.installed.pop(i)
-                p.grad = None
+    # --- the hooks (held weakly: ``optim.weak``) ---------------------------------------------------------------
+    def _before_accumulate(self, i: int, grad: torch.Tensor) -> None:
+        del grad
+        p = self.params[i].param
+        if p.grad is not None and p.grad is self.installed.get(i):
+            # a reduced gradient: keep it aside, so this backward's local gradient is reduced alone
+            self.carry[i] = self.installed.pop(i)
+            p.grad = None
 
-        return hook
-
-    def _after_accumulate(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            if self.on_accumulate is not None:
-                self.on_accumulate(param)
-            if not self.syncing:
+    def _after_accumulate(self, i: int, param: torch.Tensor) -> None:
+        if self.on_accumulate is not None:
+            self.on_accumulate(param)
+        if not self.syncing:
+            return
+        with self.lock:
+            if not self.in_round:
+                self._begin_round()
+                _queue_callback(self._end_of_backward)
+                if self.buckets is None and self.loaded is not None:
+                    self._agree_layout(*self.loaded)
+            first = not self.fired[i]
+            self.fired[i] = True
+            if self.buckets is None:
+                self.first_order.append(i)
                 return
-            with self.lock:
-                if not self.in_round:
-                    self._begin_round()
-                    _queue_callback(self._end_of_backward)
-                    if self.buckets is None and self.loaded is not None:
-                        self._agree_layout(*self.loaded)
-                first = not self.fired[i]
-                self.fired[i] = True
-                if self.buckets is None:
-                    self.first_order.append(i)
-                    return
-                self._copy_early(i)
-                if first:
-                    self._ready(i)
-
-        return hook
+            self._copy_early(i)
+            if first:
+                self._ready(i)
 
     # --- rounds -------------------------------------------------------------------------------------------------
     def _begin_round(self) -> None:

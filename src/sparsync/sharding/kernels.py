@@ -25,6 +25,7 @@ during backward) runs on a group of its own and never interleaves with them.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -237,6 +238,20 @@ class Rider:
         return self.send
 
 
+def alive(ref: weakref.ReferenceType[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """The group ``ref`` holds, or a RuntimeError saying it was destroyed. The sharded and replicated tables hold
+    their group weakly, so that ``dist.destroy_process_group()`` frees it while the model lives on: a group freed
+    only at the interpreter's exit can make gloo abort the process there (docs/sharding.md, "Ending a torchrun
+    script")."""
+    group = ref()
+    if group is None:
+        raise RuntimeError(
+            "the process group of these sharded or replicated tables was destroyed (dist.destroy_process_group); "
+            "they cannot exchange rows any more: shard the model again on a live group"
+        )
+    return group
+
+
 class Link:
     """The all-to-all rounds of one ``sparsync.shard`` call's tables (module doc). ``wire``: the dtype rows and
     gradient rows travel in (``WIRE``; None: the tables' own), each value rounded once on the way. ``log``
@@ -245,11 +260,16 @@ class Link:
     def __init__(
         self, group: dist.ProcessGroup, log: CommLog | None = None, wire: torch.dtype | None = None
     ) -> None:
-        self.group = group
+        self._group = weakref.ref(group)  # the tables do not keep their group alive (``alive``)
         self.wire = wire
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.log = log
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        """The tables' process group; a RuntimeError once it is gone (``alive``)."""
+        return alive(self._group)
 
     def start(
         self,

@@ -37,6 +37,7 @@ sharded modules' limits: ``mode="max"``, ``max_norm``, ...).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 
 import torch
@@ -47,7 +48,7 @@ from sparsync.record import CommLog
 from sparsync.sharding import ids as ids_stage
 from sparsync.sharding.exchange import Exchanger, Sent
 from sparsync.sharding.group import TableGroup
-from sparsync.sharding.kernels import Link
+from sparsync.sharding.kernels import Link, alive
 from sparsync.sharding.modules import BagLookup, EmbeddingLookup, GroupedTable
 
 
@@ -55,7 +56,7 @@ class LocalLink(Link):
     """A ``Link`` of one rank (no round sends anything) whose ``group`` is the ranks that hold the replicas."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:  # no super().__init__: its rank and size are the group's
-        self.group, self.wire, self.rank, self.size, self.log = group, None, 0, 1, None
+        self._group, self.wire, self.rank, self.size, self.log = weakref.ref(group), None, 0, 1, None
 
 
 class ReplicatedExchanger(Exchanger):
@@ -64,8 +65,13 @@ class ReplicatedExchanger(Exchanger):
 
     def __init__(self, replicas: dist.ProcessGroup, log: CommLog | None = None) -> None:
         super().__init__(LocalLink(replicas))
-        self.replicas = replicas
+        self._replicas = weakref.ref(replicas)  # held weakly, as a ``Link`` holds its group (``kernels.alive``)
         self.log = log  # receives the sums' records (``sparsync.allreduce``)
+
+    @property
+    def replicas(self) -> dist.ProcessGroup:
+        """The ranks that hold the replicas; a RuntimeError once the group is gone."""
+        return alive(self._replicas)
 
     def agreed(self, sent: Sent, refusal: str | None) -> None:
         """Every rank's verdict on its calls and the key of the tables it looks up, one header row per rank
@@ -94,12 +100,13 @@ def sum_over(replicas: dist.ProcessGroup, log: CommLog | None, group: TableGroup
     ``sparsync.allreduce`` named ``name``. Collective over ``replicas``."""
     P = dist.get_world_size(replicas)
     shape = (int(group.flat.shape[0]), group.dim)
+    ref = weakref.ref(replicas)  # held weakly (``kernels.alive``)
 
     def across(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if P == 1:
             return rows, values
         coo = torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True, check_invariants=False)
-        total = allreduce(coo, group=replicas, log=log, name=name, algorithm=SUM_ALGORITHM)
+        total = allreduce(coo, group=alive(ref), log=log, name=name, algorithm=SUM_ALGORITHM)
         assert isinstance(total, torch.Tensor)  # waited for: not a Work
         return total.indices()[0], total.values()
 
