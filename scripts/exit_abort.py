@@ -8,7 +8,10 @@ Each configuration runs ``--runs`` torchrun jobs of ``--procs`` gloo ranks on lo
 - ``torch+destroy``: the same, then ``dist.destroy_process_group()``;
 - ``shard+destroy``: four tables sharded by ``sparsync.shard`` trained 20 steps (torch's SGD), then
   ``dist.destroy_process_group()``, the model still alive;
-- ``shard+free+destroy``: the same, the model freed first (``del``, ``gc.collect()``).
+- ``shard+free+destroy``: the same, the model freed first (``del``, ``gc.collect()``);
+- ``dopt+destroy``, ``dopt+free+destroy``: the same two with the tables' optimizer and a dense layer's
+  ``sparsync.DistributedOptimizer`` (which holds the groups it reduces on, and sparsync's side groups, while it
+  lives).
 
     .venv/bin/python scripts/exit_abort.py --runs 6 --out docs/data/exit_abort.md
 """
@@ -22,36 +25,49 @@ import subprocess
 import sys
 from pathlib import Path
 
-CONFIGS = ("torch", "torch+destroy", "shard+destroy", "shard+free+destroy")
+CONFIGS = ("torch", "torch+destroy", "shard+destroy", "shard+free+destroy", "dopt+destroy", "dopt+free+destroy")
 
 
 def _worker(config: str) -> None:
     import torch
     import torch.distributed as dist
-    from torch import nn
 
     dist.init_process_group("gloo")
     if config.startswith("torch"):
         for _ in range(20):
             dist.all_reduce(torch.ones(100))
-    else:
-        import sparsync
-
-        torch.manual_seed(0)
-        model = nn.Module()
-        model.tables = nn.ModuleList(nn.EmbeddingBag(1000, 16, mode="sum") for _ in range(4))
-        sparsync.shard(model)
-        opt = torch.optim.SGD(sparsync.sharding.dense_parameters(model), lr=0.1)
-        for _ in range(20):
-            ids, offsets = torch.randint(0, 1000, (64,)), torch.arange(64)
-            torch.stack([t(ids, offsets) for t in model.tables], 1).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        if "free" in config:
-            del model, opt
-            gc.collect()
+    # as a script's module-level model: alive until the interpreter's exit
+    globals()["kept_until_exit"] = None if config.startswith("torch") else _train(config)
     if config.endswith("destroy"):
         dist.destroy_process_group()
+
+
+def _train(config: str) -> object:
+    """Four tables sharded (``shard``: torch's SGD over them; ``dopt``: a dense layer beside them under
+    ``DistributedOptimizer``), 20 steps; the model and its optimizer freed when ``config`` says ``free``."""
+    import torch
+    from torch import nn
+
+    import sparsync
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.tables = nn.ModuleList(nn.EmbeddingBag(1000, 16, mode="sum") for _ in range(4))
+    model.top = nn.Linear(64, 1)
+    sparsync.shard(model)
+    params = sparsync.sharding.dense_parameters(model)
+    sgd = torch.optim.SGD(params, lr=0.1)
+    opt = sparsync.DistributedOptimizer(sgd, model) if config.startswith("dopt") else sgd
+    for _ in range(20):
+        ids, offsets = torch.randint(0, 1000, (64,)), torch.arange(64)
+        model.top(torch.cat([t(ids, offsets) for t in model.tables], 1)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    if "free" in config:
+        del model, opt, sgd, params
+        gc.collect()
+        return None
+    return model, opt
 
 
 def main() -> None:
