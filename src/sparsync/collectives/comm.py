@@ -60,7 +60,7 @@ class Comm:
         rules = transport(group, self.device)
         self.exact = rules.exact  # receives of exactly the bytes sent, p2p in batches (NCCL)
         self.stage = rules.stage  # p2p through host memory (CUDA tensors on gloo)
-        self._meta_group = rules.meta
+        self._meta_group = group if rules.meta is None else rules.meta
         self._meta: Comm | None = None
         self._root = self  # the Comm whose phase a metadata Comm's bytes are counted in
         self._phase = ""

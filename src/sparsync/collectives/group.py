@@ -18,6 +18,7 @@ import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,9 @@ import torch.distributed as dist
 from sparsync.collectives import trace
 from sparsync.collectives.flight import FlightRecorder
 from sparsync.costmodel import REFERENCE_LINK, LinkModel
+
+if TYPE_CHECKING:
+    from sparsync.collectives.transport import Transport
 
 EAGER_BYTES = 2048  # default payload bytes a metadata row carries inline (see sparsync.collectives.meta)
 
@@ -60,8 +64,7 @@ class GroupState:
     # Comm on the group: every call's Comm asks, and torch's lookups cost more than the small calls they serve
     # (collectives/comm.py). use_nccl_rules forgets the rules.
     rank_size: tuple[int, int] | None = None
-    # (exact, stage, the metadata group or None for the group itself: no reference to the key; transport.py)
-    transports: dict[torch.device, tuple[bool, bool, dist.ProcessGroup | None]] = field(default_factory=dict)
+    transports: dict[torch.device, Transport] = field(default_factory=dict)
     # The world group's holds this process's timeline (sparsync.trace, SPARSYNC_TRACE; collectives/trace.py):
     # one per process, seen by every thread (caller, queue, parameter-server I/O), gone with the group.
     tracer: trace.Tracer | None = None

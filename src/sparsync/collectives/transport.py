@@ -31,7 +31,9 @@ class Transport:
 
     exact: bool  # receives posted for exactly the bytes sent; p2p posted in batches (NCCL's rules)
     stage: bool  # p2p transfers and gathers copy through host memory (CUDA tensors on gloo)
-    meta: dist.ProcessGroup  # the group CPU metadata travels on
+    # the group CPU metadata travels on; None: the payload's group itself (so that a group's cached rules, kept
+    # as long as the group lives, do not keep it alive for good: ``GroupState`` is held by a weak key)
+    meta: dist.ProcessGroup | None
 
 
 def backends(group: dist.ProcessGroup) -> dict[str, str]:
@@ -59,27 +61,22 @@ def transport(group: dist.ProcessGroup, device: torch.device) -> Transport:
     """The rules for payload on ``device`` over ``group`` (module doc); ``use_nccl_rules`` overrides them. Worked
     out once per group and device (``GroupState.transports``)."""
     state = group_state(group)
-    cached = state.transports.get(device)
-    if cached is None:
-        rules = _rules(group, device)
-        # kept without ``group`` itself: the state is held for as long as its group lives (a weak key), so a
-        # value that held the group would keep it alive for good
-        state.transports[device] = (rules.exact, rules.stage, None if rules.meta is group else rules.meta)
-        return rules
-    exact, stage, meta = cached
-    return Transport(exact=exact, stage=stage, meta=group if meta is None else meta)
+    rules = state.transports.get(device)
+    if rules is None:
+        rules = state.transports[device] = _rules(group, device)
+    return rules
 
 
 def _rules(group: dist.ProcessGroup, device: torch.device) -> Transport:
     state = group_state(group)
     if state.nccl_rules is not None:  # a gloo group told to behave as NCCL (tests, use_nccl_rules)
-        return Transport(exact=True, stage=False, meta=meta_group(group))
+        return Transport(exact=True, stage=False, meta=_other_meta(group))
     served = backends(group)
     payload = served.get(device.type)
     if payload is None and device.type == "cpu":
         # a pure NCCL group: a Comm for metadata only (a refusal's round, a record) goes through ``meta``; a
         # host payload would fail in NCCL's own check ("Tensors must be CUDA")
-        return Transport(exact=True, stage=False, meta=meta_group(group))
+        return Transport(exact=True, stage=False, meta=_other_meta(group))
     if payload is None:
         raise ValueError(
             f"the process group's backend ({dist.get_backend_config(group)}) does not serve {device.type} "
@@ -88,8 +85,14 @@ def _rules(group: dist.ProcessGroup, device: torch.device) -> Transport:
     return Transport(
         exact=payload == "nccl",
         stage=device.type != "cpu" and payload == "gloo",
-        meta=meta_group(group),
+        meta=_other_meta(group),
     )
+
+
+def _other_meta(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """``meta_group(group)``, or None when that is ``group`` itself (``Transport.meta``)."""
+    meta = meta_group(group)
+    return None if meta is group else meta
 
 
 def meta_group(group: dist.ProcessGroup) -> dist.ProcessGroup:

@@ -218,7 +218,7 @@ def _replicated_modules(
     for i, group in enumerate(replicas.groups):
         group.ranks = dist.get_world_size(replicas.replicas)
         name = f"sparsync.shard: replicated group {i} (width {group.dim}, {group.dtype})"
-        group.across = sum_over(replicas.replicas, replicas.log, group, name)
+        group.across = sum_over(replicas, group, name)
     broadcast(replicas.groups, replicas.replicas)
     return swapped
 

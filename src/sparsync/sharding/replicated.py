@@ -94,19 +94,19 @@ SUM_ALGORITHM = "allgather"
 Across = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]  # ``TableGroup.across``
 
 
-def sum_over(replicas: dist.ProcessGroup, log: CommLog | None, group: TableGroup, name: str) -> Across:
-    """``group``'s sum of gradient rows over ``replicas``: (rows, values) of this rank, rows distinct and
+def sum_over(replicas: ReplicatedExchanger, group: TableGroup, name: str) -> Across:
+    """``group``'s sum of gradient rows over ``replicas``' ranks: (rows, values) of this rank, rows distinct and
     ascending, to (the union of every rank's rows, ascending; their sums), the same bits on every rank, in one
-    ``sparsync.allreduce`` named ``name``. Collective over ``replicas``."""
-    P = dist.get_world_size(replicas)
+    ``sparsync.allreduce`` named ``name``, recorded in ``replicas.log``. Collective over ``replicas.replicas``
+    (held weakly there: ``kernels.alive``)."""
+    P = dist.get_world_size(replicas.replicas)
     shape = (int(group.flat.shape[0]), group.dim)
-    ref = weakref.ref(replicas)  # held weakly (``kernels.alive``)
 
     def across(rows: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if P == 1:
             return rows, values
         coo = torch.sparse_coo_tensor(rows.unsqueeze(0), values, shape, is_coalesced=True, check_invariants=False)
-        total = allreduce(coo, group=alive(ref), log=log, name=name, algorithm=SUM_ALGORITHM)
+        total = allreduce(coo, group=replicas.replicas, log=replicas.log, name=name, algorithm=SUM_ALGORITHM)
         assert isinstance(total, torch.Tensor)  # waited for: not a Work
         return total.indices()[0], total.values()
 

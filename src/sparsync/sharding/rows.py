@@ -99,6 +99,9 @@ def group_major(
     G, P = len(dims), len(counts[0]) if counts else 0
     if G == 1 and not lead:
         return (flat.view(-1, dims[0]),), flat[:0]
+    if G == 1:  # one split and two copies (the leads, the rows), not a split per peer
+        parts = torch.split(flat, [n for j in range(P) for n in (lead, counts[0][j] * dims[0])])
+        return (torch.cat(parts[1::2]).view(-1, dims[0]),), torch.cat(parts[0::2])
     by_group: list[list[torch.Tensor]] = [[] for _ in range(G)]
     leads = []
     widths = [lead + sum(counts[g][j] * dims[g] for g in range(G)) for j in range(P)]
@@ -121,10 +124,10 @@ class RowExchange(torch.autograd.Function):
     ) -> tuple[torch.Tensor, ...]:
         del params
         ctx.route, ctx.link = route, link
-        if route.status is not None:
-            return with_verdicts(link, route, tally)
         served = route.ids.served
         rows = [kernels.gather(g.flat, r) for g, r in zip(route.groups, served.rows, strict=True)]
+        if route.status is not None:
+            return with_verdicts(link, route, rows, tally)
         reply = peer_major(rows, served.counts, route.groups[0].dtype)
         sizes = ([route.rows_to(i) for i in range(link.size)], [route.rows_from(j) for j in range(link.size)])
         got = link.rows(reply, sizes, "rows", tally)
@@ -196,27 +199,21 @@ def _cut(rows: torch.Tensor, values: torch.Tensor, slots: list[Slot]) -> list[to
 RIDES = 2  # added to the verdict word by a rank whose gradient rows round will carry the next batch's ids
 
 
-def with_verdicts(link: Link, route: Route, tally: Traffic) -> tuple[torch.Tensor, ...]:
+def with_verdicts(
+    link: Link, route: Route, rows: Sequence[torch.Tensor], tally: Traffic
+) -> tuple[torch.Tensor, ...]:
     """The rows round of a looked-ahead exchange: each block opens with one value, this rank's verdict on its
     forward's calls (``Route.status``), plus ``RIDES`` when its gradient rows round will carry the next batch's ids
     (``Route.rider``), so after the round every rank knows every rank's: when any refused, or when some would
     carry the ids and others not, every rank raises the same error (``raise_refused``, ``agree_riders``); else
-    each group's gathered rows. The verdicts go in and come out in the copies that interleave the groups
-    (``peer_major``, ``group_major``), one copy each way for one group as for several."""
+    each group's rows received (``rows``: the rows this rank serves, gathered). The verdicts go in and come out
+    in the copies that interleave the groups (``peer_major``, ``group_major``)."""
     word = float((OK if route.status is None else route.status) + RIDES * (route.rider is not None))
-    served, P = route.ids.served, link.size
-    rows = [kernels.gather(g.flat, r) for g, r in zip(route.groups, served.rows, strict=True)]
-    reply = peer_major(rows, served.counts, route.groups[0].dtype, lead=rows[0].new_full((1,), word))
-    from_owner = [route.rows_from(j) for j in range(P)]
-    sizes = ([route.rows_to(i) + 1 for i in range(P)], [n + 1 for n in from_owner])
+    P = link.size
+    reply = peer_major(rows, route.ids.served.counts, route.groups[0].dtype, lead=rows[0].new_full((1,), word))
+    sizes = ([route.rows_to(i) + 1 for i in range(P)], [route.rows_from(j) + 1 for j in range(P)])
     got = link.rows(reply, sizes, "rows", tally, verdicts=True)
-    dims = [g.dim for g in route.groups]
-    if len(dims) == 1:  # one split and two copies (the words, the rows), not a split per peer
-        parts = torch.split(got, [n for m in from_owner for n in (1, m)])  # word, rows, word, rows, ...
-        out: tuple[torch.Tensor, ...] = (torch.cat(parts[1::2]).view(-1, dims[0]),)
-        words = torch.cat(parts[0::2])
-    else:
-        out, words = group_major(got, [a.per_owner for a in route.ids.asked], dims, lead=1)
+    out, words = group_major(got, [a.per_owner for a in route.ids.asked], [g.dim for g in route.groups], lead=1)
     said = [int(w) for w in words.tolist()]
     raise_refused([w % RIDES for w in said], link.group, route.refusal)
     agree_riders([w // RIDES for w in said])
