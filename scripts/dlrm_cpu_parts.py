@@ -72,6 +72,7 @@ from sparsync_bench.dlrm_train import (
     rank_samples,
     step_batches,
 )
+from sparsync_bench.fmt import markdown_table
 from sparsync_bench.torchrec_baseline import train_torchrec, unavailable
 
 VARIANTS = (
@@ -216,21 +217,17 @@ def _paired(rank: int, variants: list[str], cfg: DlrmBenchConfig, data: CriteoBa
 
 
 def _paired_table(a: argparse.Namespace, variants: list[str], rows: list[list[float]]) -> str:
-    lines = [
+    base = rows[variants.index("ddp")][0]
+    head = ("variant", "CPU ms/step", "over ddp's step in the same round", "x ddp", "main thread ms/step",
+            "main over ddp")  # fmt: skip
+    body = [(v, f"{cpu:.1f}", f"{over:+.2f}", f"{(base + over) / base:.3f}", f"{main:.1f}", f"{main_over:+.2f}")
+            for v, (cpu, over, main, main_over) in zip(variants, rows, strict=True)]  # fmt: skip
+    title = (
         f"P = {a.procs}, {a.batch} samples per rank, {a.paired} rounds of one step of each variant in turn on "
         f"each rank (`scripts/dlrm_cpu_parts.py --procs {a.procs} --batch {a.batch} --paired {a.paired} "
-        f"--variants {','.join(variants)}`)",
-        "",
-        "| variant | CPU ms/step | over ddp's step in the same round | x ddp | main thread ms/step "
-        "| main over ddp |",
-        "|---|---|---|---|---|---|",
-    ]
-    base = rows[variants.index("ddp")][0]
-    for v, (cpu, over, main, main_over) in zip(variants, rows, strict=True):
-        lines.append(
-            f"| {v} | {cpu:.1f} | {over:+.2f} | {(base + over) / base:.3f} | {main:.1f} | {main_over:+.2f} |"
-        )
-    return "\n".join(lines) + "\n"
+        f"--variants {','.join(variants)}`)"
+    )
+    return "\n".join([title, "", *markdown_table(head, body)]) + "\n"
 
 
 def main() -> None:

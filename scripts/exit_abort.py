@@ -25,6 +25,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sparsync_bench.fmt import markdown_table
+
 CONFIGS = ("torch", "torch+destroy", "shard+destroy", "shard+free+destroy", "dopt+destroy", "dopt+free+destroy")
 
 
@@ -84,10 +86,8 @@ def main() -> None:
     lines = [
         f"torchrun jobs of {a.procs} gloo ranks on loopback, {a.runs} per ending "
         f"(`scripts/exit_abort.py --runs {a.runs} --procs {a.procs}`)",
-        "",
-        "| ending | jobs that failed | of which aborted at exit |",
-        "|---|---|---|",
     ]
+    body = []
     port = 29700
     for config in CONFIGS:
         failed = aborted = 0
@@ -99,7 +99,8 @@ def main() -> None:
             failed += res.returncode != 0
             aborted += "terminate called without an active exception" in res.stdout + res.stderr
         print(f"{config}: {failed} of {a.runs} jobs failed, {aborted} aborted at exit", flush=True)
-        lines.append(f"| {config} | {failed} of {a.runs} | {aborted} |")
+        body.append((config, f"{failed} of {a.runs}", aborted))
+    lines += ["", *markdown_table(("ending", "jobs that failed", "of which aborted at exit"), body)]
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if a.out is not None:
