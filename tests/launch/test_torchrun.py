@@ -52,3 +52,27 @@ def test_nprocs_other_than_torchruns_world_is_refused(tmp_path: Path) -> None:
     assert "ValueError: launch(nprocs=3) under torchrun, whose world has WORLD_SIZE=2" in proc.stderr, proc.stderr[
         -3000:
     ]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_under_torchrun_launch_destroys_the_group_it_made(tmp_path: Path) -> None:
+    """The README's promise: ``launch`` under torchrun destroys the process group it joined for its function (a
+    group left to the interpreter's exit can make gloo abort the process); one the caller made stays theirs."""
+    script = tmp_path / "ends.py"
+    script.write_text(
+        "import torch.distributed as dist\n"
+        "import sparsync\n"
+        "def work(rank):\n"
+        "    return dist.is_initialized()\n"
+        "if __name__ == '__main__':\n"
+        "    inside = sparsync.launch(work, nprocs=2)[0]\n"
+        "    print('made', inside, dist.is_initialized(), flush=True)\n"
+        "    dist.init_process_group('gloo')\n"
+        "    sparsync.launch(work, nprocs=2)\n"
+        "    print('given', dist.is_initialized(), flush=True)\n"
+        "    dist.destroy_process_group()\n"
+    )
+    out = run_torchrun(script, nprocs=2)
+    assert out.count("made True False") == 2, out
+    assert out.count("given True") == 2, out
