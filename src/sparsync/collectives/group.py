@@ -18,7 +18,7 @@ import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,9 +26,6 @@ import torch.distributed as dist
 from sparsync.collectives import trace
 from sparsync.collectives.flight import FlightRecorder
 from sparsync.costmodel import REFERENCE_LINK, LinkModel
-
-if TYPE_CHECKING:
-    from sparsync.collectives.transport import Transport
 
 EAGER_BYTES = 2048  # default payload bytes a metadata row carries inline (see sparsync.collectives.meta)
 
@@ -64,7 +61,8 @@ class GroupState:
     # Comm on the group: every call's Comm asks, and torch's lookups cost more than the small calls they serve
     # (collectives/comm.py). use_nccl_rules forgets the rules.
     rank_size: tuple[int, int] | None = None
-    transports: dict[torch.device, Transport] = field(default_factory=dict)
+    # the transport rules per payload device (``transport.Transport``, typed there: this module is below it)
+    transports: dict[torch.device, Any] = field(default_factory=dict)
     # The world group's holds this process's timeline (sparsync.trace, SPARSYNC_TRACE; collectives/trace.py):
     # one per process, seen by every thread (caller, queue, parameter-server I/O), gone with the group.
     tracer: trace.Tracer | None = None

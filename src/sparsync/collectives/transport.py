@@ -61,7 +61,7 @@ def transport(group: dist.ProcessGroup, device: torch.device) -> Transport:
     """The rules for payload on ``device`` over ``group`` (module doc); ``use_nccl_rules`` overrides them. Worked
     out once per group and device (``GroupState.transports``)."""
     state = group_state(group)
-    rules = state.transports.get(device)
+    rules: Transport | None = state.transports.get(device)
     if rules is None:
         rules = state.transports[device] = _rules(group, device)
     return rules
