@@ -33,7 +33,8 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed import TCPStore  # type: ignore[attr-defined]  # re-exported from C++
+from torch.distributed import PrefixStore, TCPStore  # type: ignore[attr-defined]  # re-exported from C++
+from torch.distributed.rendezvous import rendezvous
 
 from sparsync.collectives.background import background_group
 from sparsync.collectives.fifo import stop_queues
@@ -299,7 +300,7 @@ def _join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, 
     owned = not dist.is_initialized()
     if owned:
         use_device(backend, int(os.environ["RANK"]))
-        dist.init_process_group(group_backend(backend), timeout=timedelta(seconds=timeout))
+        _init_torchrun_group(group_backend(backend), timedelta(seconds=timeout))
         _background()
     finished = False
     try:
@@ -313,6 +314,23 @@ def _join_torchrun(fn: Callable[..., Any], args: tuple[Any, ...], backend: str, 
             gc.collect()
             stop_queues(wait=finished)
             write_trace()
+
+
+def _init_torchrun_group(backend: str, timeout: timedelta) -> None:
+    """Join torchrun's world as the default group, under store keys of this call's own.
+
+    torchrun's agent store outlives a group, and a default group made again after ``destroy_process_group``
+    writes the same keys (torch restarts its group count; pytorch/pytorch#55967). So a second ``launch`` in
+    one torchrun script could read a peer's address from the first group's keys: gloo's connectFullMesh was
+    refused, or the ranks hung (2 of 3 runs of four ``launch`` calls here). Each call's keys sit under
+    ``sparsync/launch/<n>/``, ``n`` counted in the store itself: every rank adds 1 per call, and no rank can add
+    for call ``n + 1`` before every rank has added for call ``n`` (its group needs them all), so
+    ``(count - 1) // world`` is ``n`` on every rank."""
+    store, rank, world = next(rendezvous("env://", timeout=timeout))
+    store.set_timeout(timeout)
+    call = (store.add("sparsync/launch/calls", 1) - 1) // world
+    prefixed = PrefixStore(f"sparsync/launch/{call}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world, timeout=timeout)
 
 
 def _spawn(

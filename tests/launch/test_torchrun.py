@@ -76,3 +76,30 @@ def test_under_torchrun_launch_destroys_the_group_it_made(tmp_path: Path) -> Non
     out = run_torchrun(script, nprocs=2)
     assert out.count("made True False") == 2, out
     assert out.count("given True") == 2, out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_under_torchrun_launch_runs_again_in_the_same_script(tmp_path: Path) -> None:
+    """Several ``launch`` calls in one torchrun script, each making and destroying its group, then a group of
+    the caller's: each call's group is fresh and sums right. Before each call had store keys of its own, a later
+    group read the earlier one's peer addresses (gloo's connectFullMesh refused, or a hang): 2 of 3 runs."""
+    script = tmp_path / "again.py"
+    script.write_text(
+        "import sys\n"
+        "import torch, torch.distributed as dist\n"
+        "import sparsync\n"
+        "def work(rank, n):\n"
+        "    t = torch.tensor([float(rank + n)])\n"
+        "    dist.all_reduce(t)\n"
+        "    return float(t)\n"
+        "if __name__ == '__main__':\n"
+        "    sums = [sparsync.launch(work, nprocs=2, args=(n,), timeout=30)[0] for n in range(6)]\n"
+        "    dist.init_process_group('gloo')\n"
+        "    t = torch.ones(1)\n"
+        "    dist.all_reduce(t)\n"
+        "    sys.stdout.write(f'sums {sums} {float(t)}\\n')  # one write: the ranks share stdout\n"
+        "    dist.destroy_process_group()\n"
+    )
+    out = run_torchrun(script, nprocs=2)
+    assert out.count("sums [1.0, 3.0, 5.0, 7.0, 9.0, 11.0] 2.0") == 2, out
