@@ -285,3 +285,21 @@ def ddp_worker(rank: int) -> dict[str, Any]:
         full, want = model.state_dict(), ref.state_dict()  # collective: every table whole on rank 0
         errors.append(max(float((full[k] - want[k]).abs().max()) for k in want) if rank == 0 else None)
     return {"errors": errors, "ignored": sorted(ddp.parameters_to_ignore)}
+
+
+def ddp_refused_worker(rank: int) -> dict[str, Any]:
+    """``DistributedDataParallel`` over ``Head`` with ``a`` sharded without ``optimizer=`` (``b`` replicated):
+    DDP's error, and whether this rank's shard is as it was (DDP's broadcast, which would give it rank 0's rows,
+    must not have run). The same model sharded with ``optimizer=`` is wrapped."""
+    model = sparsync.shard(Head(), plan={"a": "sharded", "b": "replicated"})
+    before = model.a.weight.detach().clone()
+    dist.barrier()  # every rank's shard read before any rank could broadcast
+    try:
+        DistributedDataParallel(model)
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    kept = bool(torch.equal(model.a.weight.detach(), before))
+    fused = sparsync.shard(Head(), plan={"a": "sharded", "b": "replicated"}, optimizer=SGD(lr=0.1))
+    wrapped = sorted(DistributedDataParallel(fused).parameters_to_ignore)
+    return {"refused": refused, "kept": kept, "wrapped": wrapped}

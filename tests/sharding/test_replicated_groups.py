@@ -107,3 +107,16 @@ def test_ddp_over_the_rest_leaves_the_tables_updated_in_backward_alone(P: int) -
     assert max(res[0]["errors"]) < TOL, res[0]["errors"]
     for out in res:
         assert out["ignored"] == ["a.weight", "b.weight"], out["ignored"]
+
+
+@pytest.mark.parametrize("P", [1, 3])
+def test_ddp_refuses_tables_sharded_without_an_optimizer_before_it_broadcasts(P: int) -> None:
+    """Tables sharded for ``DistributedOptimizer`` (no ``optimizer=``) hold each rank's own rows and a gradient
+    summed over the ranks: DDP around them broadcast rank 0's rows over every shard, then failed at the first
+    backward with "Cannot access storage of SparseTensorImpl". Now its constructor raises, naming the table and
+    the ways out, on every rank, before its broadcast; with ``optimizer=`` DDP wraps the model as before."""
+    for out in launch(rw.ddp_refused_worker, nprocs=P, timeout=30):
+        assert "without optimizer= (a.weight)" in out["refused"], out["refused"]
+        assert "sparsync.DistributedOptimizer" in out["refused"], out["refused"]
+        assert out["kept"]
+        assert out["wrapped"] == ["a.weight", "b.weight"], out["wrapped"]
