@@ -61,16 +61,17 @@ def test_under_torchrun_launch_destroys_the_group_it_made(tmp_path: Path) -> Non
     group left to the interpreter's exit can make gloo abort the process); one the caller made stays theirs."""
     script = tmp_path / "ends.py"
     script.write_text(
+        "import sys\n"
         "import torch.distributed as dist\n"
         "import sparsync\n"
         "def work(rank):\n"
         "    return dist.is_initialized()\n"
         "if __name__ == '__main__':\n"
         "    inside = sparsync.launch(work, nprocs=2)[0]\n"
-        "    print('made', inside, dist.is_initialized(), flush=True)\n"
+        "    sys.stdout.write(f'made {inside} {dist.is_initialized()}\\n')  # one write: the ranks share stdout\n"
         "    dist.init_process_group('gloo')\n"
         "    sparsync.launch(work, nprocs=2)\n"
-        "    print('given', dist.is_initialized(), flush=True)\n"
+        "    sys.stdout.write(f'given {dist.is_initialized()}\\n')\n"
         "    dist.destroy_process_group()\n"
     )
     out = run_torchrun(script, nprocs=2)
