@@ -49,8 +49,8 @@ def table(ms: dict[str, list[float]], losses: dict[str, set[str]]) -> list[str]:
              f"{med / statistics.median(base):.2f}x / {statistics.median(paired):.2f}x "
              f"({min(paired):.2f}-{max(paired):.2f})", ", ".join(sorted(losses[v]))]
         )  # fmt: skip
-    head = ["variant", *(f"run {i + 1}" for i in range(runs)), "median of runs", "vs own: medians / paired (range)",
-            "loss at the last iteration"]  # fmt: skip
+    head = ["variant", *(f"run {i + 1}" for i in range(runs)), "median of runs",
+            "vs own: medians / paired (range)", "loss at the last iteration"]  # fmt: skip
     return markdown_table(head, rows)
 
 
