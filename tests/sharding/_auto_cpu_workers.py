@@ -1,5 +1,5 @@
-"""Workers of test_auto_cpu.py: ``plan="auto"`` with the tables' CPU priced (``sharding.auto.TableCpu``), given
-by hand on a fast fixed link, and measured where nobody set the link."""
+"""Workers of test_auto_cpu.py: ``plan="auto"`` with the tables' CPU priced (``sharding.table_cpu.TableCpu``),
+given by hand on a fast fixed link, and measured where nobody set the link."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import sparsync
 from sparsync.costmodel import LinkModel
 from sparsync.plan import Plan
 from sparsync.sharding import SGD, AutoPlan, ShardedEmbeddingBag, auto_plan, dense_parameters
-from sparsync.sharding.auto import TableCpu
+from sparsync.sharding.table_cpu import TableCpu
 
 TABLES, ROWS, DIM = 5, 64, 4
 NAMES = [f"tables.{j}" for j in range(TABLES)]

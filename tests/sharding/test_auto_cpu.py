@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from sparsync import launch
-from sparsync.sharding.auto import TableCpu, _bags, _contention, _cores, _stand_in
+from sparsync.sharding.auto import _bags, _contention, _cores
+from sparsync.sharding.table_cpu import TableCpu, _stand_in
 
 P = 3
 

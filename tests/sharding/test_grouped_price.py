@@ -9,8 +9,9 @@ import pytest
 from sparsync.costmodel import LinkModel, Problem, predict
 from sparsync.plan import KINDS, Cluster, ParamStats, make_plan
 from sparsync.plan.backend import dense_allreduce
-from sparsync.sharding.auto import AUTO_KINDS, AutoPlan, TableCpu, _cheapest, step_cost
+from sparsync.sharding.auto import AUTO_KINDS, AutoPlan, _cheapest, step_cost
 from sparsync.sharding.grouped_price import GROUPED_KIND, HEADER_BYTES, grouped_exposed, grouped_seconds
+from sparsync.sharding.table_cpu import TableCpu
 
 LINK = LinkModel(alpha=50e-6, beta=1e-8, gamma_sparse=0.0, gamma_dense=0.0, gamma_scatter=0.0)
 NAMES = ("t0", "t1")
