@@ -329,17 +329,29 @@ def test_the_sublayer_check_allows_its_own_and_lower_ones() -> None:
     assert not sublayer_violations("sparsync.collectives", "from sparsync.collectives import tensor\n", known)
 
 
+# the late imports allowed, each with its reason; the circle check below still counts them as edges
+LAZY = {
+    ("sparsync", "sparsync.sharding"): "the package's __getattr__ (PEP 562): `import sparsync` leaves the sharded "
+    "tables' modules and the torch._dynamo they import (1 s) out until sparsync.shard is used",
+}
+
+
 def test_sparsync_has_no_late_imports_of_its_own_modules() -> None:
-    """No module of sparsync, in any of its packages, imports a module of src/ inside a function: a late import
-    hides a circle, it does not remove one (a third-party import there, numpy in the planner, is only lazy).
-    sparsync_bench's commands load their modules lazily; the circle check below covers those imports."""
+    """No module of sparsync, in any of its packages, imports a module of src/ inside a function (but ``LAZY``'s):
+    a late import hides a circle, it does not remove one (a third-party import there, numpy in the planner, is
+    only lazy). sparsync_bench's commands load their modules lazily; the circle check below covers those
+    imports."""
     files = module_files()
     known = set(src_files())
     late = []
     for m, path in files.items():
         source = path.read_text()
         lines = set(_function_level_imports(source))
-        late += [f"{m}:{line} imports {t}" for line, t, _ in imports_of(m, source, known) if line in lines]
+        late += [
+            f"{m}:{line} imports {t}"
+            for line, t, _ in imports_of(m, source, known)
+            if line in lines and (m, t) not in LAZY
+        ]
     assert not late, f"function-level imports: {late}"
 
 

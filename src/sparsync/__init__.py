@@ -5,6 +5,8 @@ server and sharded tables -> replicator API.
 See docs/architecture.md.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from sparsync.collectives import allreduce, grouped_allreduce, sparse_allgather, sparse_allreduce
 from sparsync.collectives.background import background_group
 from sparsync.collectives.calibrate import measure_link
@@ -29,8 +31,11 @@ from sparsync.handle import Work
 from sparsync.launch import LaunchError, RankSetup, launch
 from sparsync.optim import DistributedOptimizer
 from sparsync.record import CommLog, CommRecord
-from sparsync.sharding import shard
 from sparsync.stream import SparseStream, add, dense_threshold, sum_streams
+
+if TYPE_CHECKING:
+    from sparsync import sharding as sharding
+    from sparsync.sharding import shard
 
 __all__ = [
     "ALGORITHMS",
@@ -74,3 +79,14 @@ __all__ = [
     "trace_step",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """``sparsync.shard`` and ``sparsync.sharding``, imported at their first use: the sharded tables' modules
+    import ``torch._dynamo`` (their ``torch.compiler.disable``), about 1 s of the 1.5 s ``import sparsync`` took,
+    which a script that shards nothing need not pay (each README block, torchrun rank and server process did)."""
+    if name in ("shard", "sharding"):
+        import sparsync.sharding
+
+        return sparsync.sharding if name == "sharding" else sparsync.sharding.shard
+    raise AttributeError(f"module 'sparsync' has no attribute {name!r}")

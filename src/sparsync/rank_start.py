@@ -23,6 +23,9 @@ from typing import Any
 # scripts/launch_start.py).
 START_METHODS = ("forkserver", "spawn")
 _PRELOAD = ("torch", "torch.distributed", "sparsync")
+# imported by the forkserver too when the launcher has imported them (``import sparsync`` leaves the sharded
+# tables' modules out until their first use: ``sparsync.__getattr__``)
+_PRELOAD_IF_USED = ("sparsync.sharding",)
 
 
 class LauncherStd:
@@ -63,7 +66,8 @@ def context(start_method: str) -> Any:
         start_method = "spawn"
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(list(_PRELOAD))  # no effect once this process's forkserver runs
+        used = [m for m in _PRELOAD_IF_USED if m in sys.modules]
+        ctx.set_forkserver_preload([*_PRELOAD, *used])  # no effect once this process's forkserver runs
     return ctx
 
 
