@@ -290,7 +290,8 @@ def ddp_worker(rank: int) -> dict[str, Any]:
 def ddp_refused_worker(rank: int) -> dict[str, Any]:
     """``DistributedDataParallel`` over ``Head`` with ``a`` sharded without ``optimizer=`` (``b`` replicated):
     DDP's error, and whether this rank's shard is as it was (DDP's broadcast, which would give it rank 0's rows,
-    must not have run). The same model sharded with ``optimizer=`` is wrapped."""
+    must not have run). The same model sharded with ``optimizer=`` is wrapped; with ``a`` on the parameter server,
+    DDP's error."""
     model = sparsync.shard(Head(), plan={"a": "sharded", "b": "replicated"})
     before = model.a.weight.detach().clone()
     dist.barrier()  # every rank's shard read before any rank could broadcast
@@ -302,4 +303,10 @@ def ddp_refused_worker(rank: int) -> dict[str, Any]:
     kept = bool(torch.equal(model.a.weight.detach(), before))
     fused = sparsync.shard(Head(), plan={"a": "sharded", "b": "replicated"}, optimizer=SGD(lr=0.1))
     wrapped = sorted(DistributedDataParallel(fused).parameters_to_ignore)
-    return {"refused": refused, "kept": kept, "wrapped": wrapped}
+    on_server = sparsync.shard(Head(), plan={"a": "server", "b": "replicated"})
+    try:
+        DistributedDataParallel(on_server)
+        server = ""
+    except RuntimeError as e:
+        server = str(e)
+    return {"refused": refused, "kept": kept, "wrapped": wrapped, "server": server}

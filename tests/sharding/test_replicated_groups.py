@@ -114,9 +114,12 @@ def test_ddp_refuses_tables_sharded_without_an_optimizer_before_it_broadcasts(P:
     """Tables sharded for ``DistributedOptimizer`` (no ``optimizer=``) hold each rank's own rows and a gradient
     summed over the ranks: DDP around them broadcast rank 0's rows over every shard, then failed at the first
     backward with "Cannot access storage of SparseTensorImpl". Now its constructor raises, naming the table and
-    the ways out, on every rank, before its broadcast; with ``optimizer=`` DDP wraps the model as before."""
+    the ways out, on every rank, before its broadcast; with ``optimizer=`` DDP wraps the model as before. A table
+    on the parameter server is refused too (only ``HybridTrainer`` trains it)."""
     for out in launch(rw.ddp_refused_worker, nprocs=P, timeout=30):
         assert "without optimizer= (a.weight)" in out["refused"], out["refused"]
         assert "sparsync.DistributedOptimizer" in out["refused"], out["refused"]
         assert out["kept"]
         assert out["wrapped"] == ["a.weight", "b.weight"], out["wrapped"]
+        assert "tables placed on the parameter server (a.weight)" in out["server"], out["server"]
+        assert "HybridTrainer" in out["server"], out["server"]
