@@ -60,13 +60,12 @@ def leave_to_sparsync(model: nn.Module) -> None:
     backward or tables on the parameter server, make DDP refuse it (``RefuseDDP``). Mutates ``model``."""
     present = getattr(model, ATTR, ())
     named = list(present.names if isinstance(present, RefuseDDP) else present)
-    ours = [n for n in updated_in_backward(model) if n not in named]
-    if ours:
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, named + ours)  # type: ignore[no-untyped-call]
-        named += ours
+    named += [n for n in updated_in_backward(model) if n not in named]
     left = set(named)
     placed = [(n, placement_of(p)) for n, p in model.named_parameters() if n not in left]
     shards = [n for n, pl in placed if isinstance(pl, Sharded)]
     server = [n for n, pl in placed if isinstance(pl, OnServer)]
     if shards or server:
         setattr(model, ATTR, RefuseDDP(named, shards, server))
+    elif named:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, named)  # type: ignore[no-untyped-call]
